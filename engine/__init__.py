@@ -1,0 +1,6 @@
+"""pdserve's shared engine: paged KV, continuous batching, one ragged forward per step.
+
+Torch-free bookkeeping: `sequence`, `block_manager`, `scheduler`, `sampling_params`.
+Tensors: `model_runner` (with `attention`), `sampler`. Orchestration: `llm_engine`
+(synchronous) and `async_engine` (a background thread feeding asyncio streams).
+"""

@@ -1,0 +1,125 @@
+"""An `LLMEngine` on its own thread, driven from asyncio.
+
+Contract
+  * Every engine call runs on the engine thread: `submit` queues a function of the engine
+    and returns a concurrent Future; `call` is its awaitable form.
+  * `stream(request_id, admit)` registers an output queue, runs `admit(engine)` (which adds
+    the request and may return a first output) and yields the request's outputs until it
+    finishes. Leaving the iterator early (client gone, task cancelled) aborts the request,
+    which frees its blocks.
+  * If a step raises, every live request gets the error and is aborted; the loop goes on.
+The loop: 1. run queued calls, 2. step if there is work, 3. hand outputs to their streams,
+4. sleep until a call arrives when idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Callable
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- calls ----------------------------------------------------------------------------------
+    def submit(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopped.is_set():
+            fut.set_exception(EngineDeadError("the engine is shut down"))
+            return fut
+        self._calls.put((fn, fut))
+        return fut
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        return await asyncio.wrap_future(self.submit(fn))
+
+    async def stream(self, request_id: str,
+                     admit: Callable[[LLMEngine], RequestOutput | None]) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        finished = False
+        try:
+            first = await self.call(admit)
+            if first is not None:
+                q.put_nowait(first)
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.submit(lambda e: e.abort(request_id))
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._calls.put((None, None))
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            self._run_calls(block=not self.engine.has_work())
+            if self._stopped.is_set() or not self.engine.has_work():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - reported to every stream, then recovered
+                log.exception("engine step failed; aborting all requests")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _run_calls(self, block: bool) -> None:
+        try:
+            item = self._calls.get(timeout=0.5) if block else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, fut = item
+            if fn is not None and fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                item = None
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in self.engine.live_request_ids():
+            self.engine.abort(request_id)
+            self._deliver(request_id, EngineDeadError(f"engine step failed: {exc}"))

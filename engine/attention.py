@@ -1,0 +1,80 @@
+"""Paged attention as a transformers attention function.
+
+The model runner flattens a ragged step (prompt chunks and single decode tokens of many
+sequences) into one row of tokens and passes an `AttentionMetadata` as the `pd_attn`
+keyword; transformers forwards it to this function in every layer. Per layer it
+  1. writes the new K/V into the KV pool at `slot_mapping`,
+  2. attends every decode token over its sequence's blocks (one batched sdpa call, padded
+     keys masked out),
+  3. attends every prompt chunk over its past blocks plus itself (explicit offset-causal
+     mask: sdpa's `is_causal` is aligned top-left, wrong once the chunk has a past).
+GQA, scaling and kernel choice are left to transformers' own sdpa helper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTN_IMPLEMENTATION = "pdserve_paged"
+
+
+@dataclass
+class PrefillSpan:
+    q_start: int                       # first query row in the flat batch
+    q_end: int
+    context_slots: torch.Tensor | None  # slots of all keys (past + chunk); None when no past
+    mask: torch.Tensor | None          # [1, 1, q, ctx] bool; None when no past (plain causal)
+
+
+@dataclass
+class AttentionMetadata:
+    kv_pool: torch.Tensor              # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor         # [T] slot of each new token
+    decode_rows: torch.Tensor | None   # [B] query rows of decode tokens
+    decode_slots: torch.Tensor | None  # [B, Lmax] context slots, padded
+    decode_mask: torch.Tensor | None   # [B, 1, 1, Lmax] bool, True = attend
+    prefills: list[PrefillSpan]
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
+                            dropout=0.0, pd_attn: AttentionMetadata | None = None, **kwargs):
+    assert pd_attn is not None, "pdserve_paged attention needs the runner's metadata"
+    meta = pd_attn
+    _, n_heads, n_tokens, head_dim = query.shape
+    layer = meta.kv_pool[module.layer_idx]
+    n_kv = layer.shape[-2]
+    k_flat = layer[0].view(-1, n_kv, head_dim)
+    v_flat = layer[1].view(-1, n_kv, head_dim)
+    # 1. store the new K/V
+    k_flat.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_flat.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+
+    out = query.new_empty(1, n_tokens, n_heads, head_dim)
+    # 2. decode tokens, batched
+    if meta.decode_rows is not None:
+        q = query[0, :, meta.decode_rows].transpose(0, 1).unsqueeze(2)     # [B, H, 1, D]
+        k = k_flat[meta.decode_slots].transpose(1, 2)                        # [B, Hkv, L, D]
+        v = v_flat[meta.decode_slots].transpose(1, 2)
+        o, _ = sdpa_attention_forward(module, q, k, v, meta.decode_mask, scaling=scaling,
+                                      is_causal=False)
+        out[0, meta.decode_rows] = o[:, 0]
+    # 3. prompt chunks, one at a time
+    for span in meta.prefills:
+        q = query[:, :, span.q_start:span.q_end]
+        if span.context_slots is None:
+            k = key[:, :, span.q_start:span.q_end]
+            v = value[:, :, span.q_start:span.q_end]
+        else:
+            k = k_flat[span.context_slots].transpose(0, 1).unsqueeze(0)
+            v = v_flat[span.context_slots].transpose(0, 1).unsqueeze(0)
+        o, _ = sdpa_attention_forward(module, q, k, v, span.mask, scaling=scaling,
+                                      is_causal=span.mask is None)
+        out[0, span.q_start:span.q_end] = o[0]
+    return out, None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

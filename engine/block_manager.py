@@ -1,0 +1,169 @@
+"""Paged KV-cache bookkeeping: block allocation, ref counts, prefix caching (torch-free).
+
+Ownership contract
+------------------
+* A block with ``ref_count > 0`` belongs to the sequences (or reservations) that hold it;
+  only `free`/`release` give it back. Every path that ends a request (finish, abort,
+  preemption, failed transfer, timeout) must call one of them exactly once.
+* A free block may still carry a prefix hash: it stays findable by `allocate` until it is
+  handed out again (least recently freed first), so "free" includes "cached but unused".
+* `reserve` hands out fresh blocks for an incoming KV transfer; the caller owns them until
+  it `adopt`s them into a sequence or `release`s them.
+Only the engine thread calls into a `BlockManager`; it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev_hash: int, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given the hash of the block before it (-1 for the first)."""
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        self.prefix_hits = 0      # tokens served from the prefix cache, for metrics
+        self.prefix_queries = 0   # prompt tokens looked up
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def all_free(self) -> bool:
+        return len(self._free) == self.num_blocks
+
+    # ---- allocation for a sequence ------------------------------------------------------
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks matching the sequence's leading full blocks; at least one token
+        is always left to compute so the step can produce logits."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, prev = [], -1
+        for i in range((len(seq) - 1) // self.block_size):
+            tokens = tuple(seq.block_tokens(i, self.block_size))
+            h = chain_hash(prev, tokens)
+            block_id = self._hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+            prev = h
+        return hits
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
+
+        Returns False (and changes nothing) when there are not enough free blocks.
+        """
+        assert not seq.block_table
+        hits = self._prefix_hits(seq)
+        needed_new = self.blocks_for(len(seq)) - len(hits)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if needed_new > self.num_free_blocks - revived:
+            return False
+        for block_id in hits:
+            self._ref(block_id)
+        table = hits + [self._take_fresh() for _ in range(needed_new)]
+        seq.block_table = table
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        seq.block_hashes = [self.blocks[b].hash for b in hits]
+        self.prefix_queries += len(seq)
+        self.prefix_hits += seq.num_cached_tokens
+        return True
+
+    def append_slots(self, seq: Sequence) -> bool:
+        """Make room for every token of a running sequence; False when out of blocks."""
+        while len(seq.block_table) * self.block_size < len(seq):
+            if not self._free:
+                return False
+            seq.block_table.append(self._take_fresh())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's hold on its blocks. Called exactly once per allocation."""
+        self.release(reversed(seq.block_table))
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Register every full block whose K/V is now computed in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        while (len(seq.block_hashes) + 1) * bs <= seq.num_computed_tokens:
+            i = len(seq.block_hashes)
+            tokens = tuple(seq.block_tokens(i, bs))
+            h = chain_hash(seq.block_hashes[-1] if i else -1, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self._hash_to_block and block.hash == -1:
+                block.hash, block.token_ids = h, tokens
+                self._hash_to_block[h] = block.block_id
+
+    # ---- reservations for incoming KV ---------------------------------------------------
+    def reserve(self, num_tokens: int) -> list[int] | None:
+        """Fresh blocks for `num_tokens` tokens of incoming KV, or None if not enough."""
+        n = self.blocks_for(num_tokens)
+        if n > self.num_free_blocks:
+            return None
+        return [self._take_fresh() for _ in range(n)]
+
+    def adopt(self, seq: Sequence, block_ids: list[int], num_computed: int) -> None:
+        """Hand reserved blocks (now holding K/V for `num_computed` tokens) to a sequence."""
+        assert not seq.block_table and len(block_ids) == self.blocks_for(num_computed)
+        seq.block_table = list(block_ids)
+        seq.num_computed_tokens = num_computed
+        seq.block_hashes = []
+        self.mark_computed(seq)
+
+    def release(self, block_ids) -> None:
+        """Drop one reference to each block (a reservation or a sequence's table)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    # ---- internals ------------------------------------------------------------------------
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _take_fresh(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if block.hash != -1:
+            if self._hash_to_block.get(block.hash) == block_id:
+                del self._hash_to_block[block.hash]
+            block.hash, block.token_ids = -1, ()
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,81 @@
+"""Engine configuration: one frozen dataclass that validates itself on creation."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_kv_memory(spec: str | int | float) -> tuple[str, float]:
+    """'auto' -> ('auto', 0); 0 < x <= 1 -> ('fraction', x); '2GiB' or an int -> ('bytes', n)."""
+    if isinstance(spec, str) and spec.strip().lower() == "auto":
+        return "auto", 0.0
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        if 0 < spec <= 1:
+            return "fraction", float(spec)
+        if spec > 1 and float(spec).is_integer():
+            return "bytes", float(spec)
+        raise ValueError(f"kv_cache_memory must be a fraction in (0, 1] or a byte count, got {spec}")
+    m = _SIZE_RE.match(str(spec))
+    if not m:
+        raise ValueError(f"kv_cache_memory {spec!r}: use 'auto', a fraction like 0.5, or a size like '2GiB'")
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()]
+    if value <= 1:
+        return "fraction", value
+    return "bytes", value
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs; shared by the prefill, decode and colocated roles.
+
+    model: a local Hugging Face model directory (see `pdserve.models.resolve_model`).
+    dtype: float32 | bfloat16 | float16 | auto (bf16 on CUDA, fp32 on CPU).
+    device: auto | cpu | cuda | cuda:N (auto picks CUDA when available).
+    kv_cache_memory: KV pool budget: 'auto' (90 % of free GPU memory after the weights on
+        CUDA; min(1 GiB, 25 % of available RAM) on CPU), a fraction of free memory, or a size.
+    block_size: tokens per KV block.
+    max_num_batched_tokens: token budget of one step; also the prefill chunk size.
+    max_num_seqs: sequences running at once.
+    max_model_len: longest prompt + output; None = the model's limit, capped by the pool.
+    enable_prefix_caching: reuse full KV blocks of identical prefixes.
+    num_threads: torch intra-op threads (None leaves torch's default; 1 is fastest for
+        several small CPU processes).
+    seed: seeds the sampler for requests that give no seed.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_cache_memory: str | int | float = "auto"
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.model:
+            raise ValueError("model must be a model directory")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        parse_kv_memory(self.kv_cache_memory)
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be positive")

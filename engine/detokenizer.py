@@ -1,0 +1,47 @@
+"""Incremental, UTF-8-safe detokenization and stop-string handling for streaming.
+
+Text is emitted only when the decoded tail no longer ends in a replacement character (a
+multi-byte character split across tokens) and never includes a possible beginning of a stop
+string; when a stop string appears, the text is cut before it.
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""            # decoded output text so far (before stop truncation)
+        self.emitted = 0          # characters of `text` already returned
+        self.stopped = False
+        self.check_stop = True    # the engine turns this off until `min_tokens` are out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> None:
+        """Add one generated token; sets `stopped` if a stop string has now appeared."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            old_len = len(self.text)
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            search_from = max(old_len - self.holdback, 0)
+            cuts = [c for s in self.stop if (c := self.text.find(s, search_from)) != -1]
+            if cuts and self.check_stop:
+                self.text = self.text[:min(cuts)]
+                self.stopped = True
+
+    def take(self, final: bool) -> str:
+        """New text safe to show; `final` flushes the held-back tail."""
+        end = len(self.text) if (final or self.stopped) else max(len(self.text) - self.holdback, self.emitted)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta

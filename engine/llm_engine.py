@@ -1,0 +1,237 @@
+"""The engine: one step is schedule, run, postprocess.
+
+Life cycle of a request in the engine
+  1. `add_request` (colocated or prefill role) queues a prompt; `add_prefilled` (decode
+     role) admits a prompt whose K/V was imported into reserved blocks, with its first token.
+  2. `step` schedules chunks under the token budget, runs one ragged forward, samples the
+     chunks that reached their last token, and checks stop conditions.
+  3. A finished request's blocks are freed in the same step, except in the prefill role
+     (`hold_blocks`), where they stay held for export until `release`.
+  4. `abort` ends a request at any stage and frees whatever it holds.
+Only one thread may call an `LLMEngine` (the async wrapper owns that thread).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelRunner
+from engine.outputs import Completion, RequestOutput
+from engine.sampler import make_generator, sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    generator: torch.Generator | None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        pool_tokens = self.runner.num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings,
+                                 self.runner.max_position_embeddings, pool_tokens)
+        self.eos_token_ids = self._eos_ids()
+        self._rng = random.Random(config.seed)
+        self._requests: dict[str, _Request] = {}
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        gen = getattr(self.runner.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        ids.add(self.tokenizer.eos_token_id)
+        return frozenset(i for i in ids if i is not None)
+
+    # ---- 1. admission -------------------------------------------------------------------------
+    def check_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> str | None:
+        """The reason a request cannot be served, or None. Boundaries call this first."""
+        if request_id in self._requests:
+            return f"request id {request_id!r} is already in use"
+        if num_prompt_tokens < 1:
+            return "the prompt is empty"
+        error = params.validate()
+        if error:
+            return error
+        if num_prompt_tokens + params.max_tokens > self.max_model_len:
+            return (f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                    f"{num_prompt_tokens} tokens and max_tokens is {params.max_tokens}")
+        return None
+
+    def _new_request(self, request_id, token_ids, params, hold_blocks) -> _Request:
+        error = self.check_request(request_id, len(token_ids), params)
+        assert error is None, error
+        seq = Sequence(request_id, token_ids, params, hold_blocks=hold_blocks)
+        detok = None
+        if params.detokenize:
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator = make_generator(seed, self.runner.device)
+        req = _Request(seq, detok, generator)
+        self._requests[request_id] = req
+        return req
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    hold_blocks: bool = False) -> None:
+        """Queue a prompt. `hold_blocks` (prefill role): finish after the first token and
+        keep the blocks for `export_kv` until `release`."""
+        req = self._new_request(request_id, prompt_token_ids, params, hold_blocks)
+        self.scheduler.add(req.seq)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
+                      params: SamplingParams, block_ids: list[int]) -> RequestOutput:
+        """Decode role: admit a request whose prompt K/V now lies in `block_ids` (from
+        `reserve`, filled by `import_kv` or a transfer). Ownership of the blocks passes to
+        the engine here, even when the first token already ends the request."""
+        req = self._new_request(request_id, list(prompt_token_ids), params, False)
+        seq = req.seq
+        self.block_manager.adopt(seq, block_ids, len(prompt_token_ids))
+        seq.token_ids.append(first_token)
+        self.scheduler.add_running(seq)
+        return self._after_token(req, first_token)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request wherever it is and free what it holds. None if unknown."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        seq = req.seq
+        if seq.status is SequenceStatus.FINISHED:
+            if seq.block_table:          # a prefill-role request still held for export
+                self.block_manager.free(seq)
+        else:
+            self.scheduler.finish(seq, "abort")
+        return self._output(req, [], "abort", True)
+
+    # ---- 2. the step ----------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def live_request_ids(self) -> list[str]:
+        """Requests not yet ended: queued, running, or held for export."""
+        return list(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self.runner.run(chunks)
+        return self._postprocess(chunks, logits)
+
+    def _postprocess(self, chunks: list[ScheduledChunk], logits) -> list[RequestOutput]:
+        for ch in chunks:
+            ch.seq.num_computed_tokens += ch.num_tokens
+            self.block_manager.mark_computed(ch.seq)
+        sampling = [self._requests[ch.seq.request_id] for ch in chunks if ch.sample]
+        if not sampling:
+            return []
+        tokens = sample(logits, [r.seq.params for r in sampling], [r.generator for r in sampling],
+                        [self._banned(r.seq) for r in sampling])
+        outputs = []
+        for req, tok in zip(sampling, tokens):
+            req.seq.token_ids.append(tok)
+            outputs.append(self._after_token(req, tok))
+        return outputs
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+
+    # ---- 3. stop checks and outputs ------------------------------------------------------------
+    def _after_token(self, req: _Request, token: int) -> RequestOutput:
+        seq, p = req.seq, req.seq.params
+        k = seq.num_output_tokens
+        if req.detok is not None:
+            req.detok.check_stop = k >= p.min_tokens
+            req.detok.add(token)
+        reason = None
+        if k >= p.min_tokens and ((not p.ignore_eos and token in self.eos_token_ids)
+                                  or token in p.stop_token_ids
+                                  or (req.detok is not None and req.detok.stopped)):
+            reason = "stop"
+        elif k >= p.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        done = reason is not None or seq.hold_blocks
+        if done:
+            self.scheduler.finish(seq, reason, keep_blocks=seq.hold_blocks)
+            if not seq.hold_blocks:
+                del self._requests[seq.request_id]
+        return self._output(req, [token], reason, done)
+
+    def _output(self, req: _Request, new_ids: list[int], reason, finished: bool) -> RequestOutput:
+        seq = req.seq
+        text = req.detok.take(final=finished) if req.detok is not None else ""
+        return RequestOutput(seq.request_id, new_ids, text, finished, reason, seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.num_cached_tokens)
+
+    # ---- 4. KV hand-off ---------------------------------------------------------------------------
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Prefill role: the blocks holding a finished request's prompt K/V (in order)."""
+        seq = self._requests[request_id].seq
+        assert seq.hold_blocks and seq.is_finished
+        return seq.block_table[:self.block_manager.blocks_for(seq.num_prompt_tokens)]
+
+    def export_kv(self, request_id: str) -> torch.Tensor:
+        return self.runner.export_blocks(self.held_blocks(request_id))
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: the K/V was sent (or the send failed); free the held blocks."""
+        req = self._requests.pop(request_id)
+        assert req.seq.hold_blocks and req.seq.is_finished
+        self.block_manager.free(req.seq)
+
+    def reserve(self, num_tokens: int) -> list[int] | None:
+        """Decode role: blocks for incoming K/V; the caller owns them until `add_prefilled`
+        or `release_reservation`."""
+        return self.block_manager.reserve(num_tokens)
+
+    def release_reservation(self, block_ids: list[int]) -> None:
+        self.block_manager.release(block_ids)
+
+    def import_kv(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.runner.import_blocks(block_ids, data)
+
+    # ---- colocated, synchronous ------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams | list[SamplingParams],
+                 ) -> list[Completion]:
+        """Run prompts (token ids or text) to completion; results in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        results = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"generate-{id(results)}-{i}"
+            results[rid] = Completion(rid, ids)
+            self.add_request(rid, ids, p)
+        while self.has_work():
+            for out in self.step():
+                results[out.request_id].add(out)
+        return list(results.values())
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free_blocks,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "waiting_prompt_tokens": self.scheduler.num_waiting_tokens,
+                "preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_hit_tokens": bm.prefix_hits, "prefix_cache_query_tokens": bm.prefix_queries}

@@ -1,0 +1,170 @@
+"""The only part of the engine that touches tensors: weights, the KV pool, the forward.
+
+`ModelRunner.run(chunks)` does one ragged forward for a step: every scheduled chunk's
+tokens in one flat row with explicit position ids, paged attention (engine.attention),
+and the LM head only on the last position of each chunk that samples. Stock transformers
+model classes are used unchanged; only the attention implementation is ours.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillSpan
+from engine.config import EngineConfig, parse_kv_memory
+from engine.sequence import ScheduledChunk
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    if spec == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _TORCH_DTYPES[spec]
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Geometry of the KV pool; also the compatibility fingerprint for KV transfer."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=_TORCH_DTYPES[self.dtype]).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+def kv_shape_of(hf_config, block_size: int, dtype: torch.dtype) -> KVShape:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    name = {v: k for k, v in _TORCH_DTYPES.items()}[dtype]
+    return KVShape(hf_config.num_hidden_layers, n_kv, head_dim, block_size, name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        hf_config = AutoConfig.from_pretrained(config.model)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            config.model, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION,
+        ).to(self.device).eval()
+        self.hf_config = hf_config
+        self.kv_shape = kv_shape_of(hf_config, config.block_size, self.dtype)
+        self.num_blocks = self._num_blocks()
+        s = self.kv_shape
+        self.kv_pool = torch.zeros(s.num_layers, 2, self.num_blocks, s.block_size, s.num_kv_heads,
+                                   s.head_dim, dtype=self.dtype, device=self.device)
+        log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB on %s (%s)",
+                 self.num_blocks, s.block_size, self.num_blocks * s.block_size,
+                 self.kv_pool.numel() * self.kv_pool.element_size() / 2**20, self.device, s.dtype)
+
+    # ---- sizing ----------------------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        kind, value = parse_kv_memory(self.config.kv_cache_memory)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            import psutil
+            free = psutil.virtual_memory().available
+        if kind == "auto":
+            budget = 0.9 * free if self.device.type == "cuda" else min(2**30, 0.25 * free)
+        elif kind == "fraction":
+            budget = value * free
+        else:
+            budget = value
+        n = int(budget // self.kv_shape.bytes_per_block)
+        if n < 1:
+            raise ValueError(f"kv_cache_memory={self.config.kv_cache_memory!r} holds no KV block "
+                             f"({self.kv_shape.bytes_per_block} bytes each)")
+        return n
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(getattr(self.hf_config, "max_position_embeddings", 2048))
+
+    # ---- the forward -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Feed every chunk; return float32 logits [n_sampling_chunks, vocab] in chunk order
+        (only chunks whose `sample` is true), or None when no chunk samples."""
+        input_ids, positions, sample_rows, meta = self._prepare(chunks)
+        out = self.model.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                               pd_attn=meta)
+        if not sample_rows:
+            return None
+        hidden = out.last_hidden_state[0, torch.tensor(sample_rows, device=self.device)]
+        return self.model.lm_head(hidden).float()
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        bs = self.config.block_size
+        dev = self.device
+        ids, pos, slots, sample_rows = [], [], [], []
+        dec_rows, dec_ctx = [], []
+        prefills: list[PrefillSpan] = []
+        row = 0
+        for ch in chunks:
+            seq, start, n = ch.seq, ch.start, ch.num_tokens
+            end = start + n
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            ctx_slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:end]
+            ids.extend(seq.token_ids[start:end])
+            pos.append(torch.arange(start, end))
+            slots.append(ctx_slots[start:end])
+            if n == 1:
+                dec_rows.append(row)
+                dec_ctx.append(ctx_slots)
+            elif start == 0:
+                prefills.append(PrefillSpan(row, row + n, None, None))
+            else:
+                q_pos = torch.arange(start, end)[:, None]
+                mask = (torch.arange(end)[None, :] <= q_pos)[None, None]
+                prefills.append(PrefillSpan(row, row + n, ctx_slots.to(dev), mask.to(dev)))
+            row += n
+            if ch.sample:
+                sample_rows.append(row - 1)
+        dec = (None, None, None)
+        if dec_rows:
+            lmax = max(len(c) for c in dec_ctx)
+            padded = torch.zeros(len(dec_ctx), lmax, dtype=torch.long)
+            mask = torch.zeros(len(dec_ctx), 1, 1, lmax, dtype=torch.bool)
+            for i, c in enumerate(dec_ctx):
+                padded[i, :len(c)] = c
+                mask[i, :, :, :len(c)] = True
+            dec = (torch.tensor(dec_rows, device=dev), padded.to(dev), mask.to(dev))
+        meta = AttentionMetadata(self.kv_pool, torch.cat(slots).to(dev), *dec, prefills)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)[None]
+        positions = torch.cat(pos).to(dev)[None]
+        return input_ids, positions, sample_rows, meta
+
+    # ---- KV export / import ----------------------------------------------------------------
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy [layers, 2, n, block_size, kv_heads, head_dim] of the blocks."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.kv_pool.index_select(2, idx)
+
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write exported blocks into this pool's `block_ids` (same geometry and dtype)."""
+        expected = (*self.kv_pool.shape[:2], len(block_ids), *self.kv_pool.shape[3:])
+        assert tuple(data.shape) == expected, f"KV shape {tuple(data.shape)} != {expected}"
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv_pool.index_copy_(2, idx, data.to(self.device, self.dtype))

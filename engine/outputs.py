@@ -1,0 +1,43 @@
+"""What the engine hands back per step and per finished request (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one step.
+
+    finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens or the
+    model's context), "abort", or None while running. A prefill-role request finishes after
+    its first token with finish_reason None when it should go on decoding elsewhere.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    """A whole finished request, as the synchronous `generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.new_token_ids)
+        self.text += out.new_text
+        if out.finished:
+            self.finish_reason = out.finish_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)

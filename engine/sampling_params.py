@@ -1,0 +1,57 @@
+"""Per-request sampling parameters (torch-free).
+
+`SamplingParams.validate()` returns an error string instead of raising, so the HTTP
+boundary can turn it into an OpenAI error body; the engine asserts the params are valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature == 0 means greedy. top_k <= 0 and top_p == 1 disable those filters.
+    `min_tokens` suppresses EOS and stop tokens until that many tokens were generated.
+    `ignore_eos` keeps generating past EOS (benchmarks use it to fix output lengths).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    detokenize: bool = True
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> str | None:
+        """Return a human-readable error, or None when the parameters are usable."""
+        if not 0.0 <= self.temperature <= 2.0:
+            return f"temperature must be in [0, 2], got {self.temperature}"
+        if not 0.0 < self.top_p <= 1.0:
+            return f"top_p must be in (0, 1], got {self.top_p}"
+        if self.top_k < -1:
+            return f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"
+        if self.max_tokens < 1:
+            return f"max_tokens must be at least 1, got {self.max_tokens}"
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            return f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            return "stop must be non-empty strings"
+        if len(self.stop) > 16:
+            return "at most 16 stop strings are allowed"
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+            return "stop_token_ids must be non-negative integers"
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            return "seed must be a non-negative 64-bit integer"
+        return None

@@ -1,0 +1,106 @@
+"""Continuous-batching scheduler (torch-free).
+
+Each step, in this order:
+  1. running sequences, oldest first: one token each when decoding, the next prompt chunk
+     when a prefill is still in progress; a sequence that needs a new block and finds none
+     preempts the newest running sequence (its blocks are freed, it is recomputed later);
+  2. waiting sequences, first come first served, while the token budget, the sequence cap
+     and the free blocks allow; each gets blocks for all its tokens (prefix-cache hits
+     included) and its first chunk.
+Batching decisions count tokens: a step never feeds more than `max_num_batched_tokens`.
+The engine calls `schedule`, then after running the step `finish` for each ended sequence.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        assert max_num_seqs > 0 and max_num_batched_tokens > 0
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- admission -----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose blocks already hold its computed K/V (imported KV)."""
+        assert seq.block_table and seq.num_uncomputed_tokens >= 1
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens not yet computed, queued or mid-prefill (the prefill load signal)."""
+        return (sum(s.num_uncomputed_tokens for s in self.waiting)
+                + sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in self.running))
+
+    # ---- the step ------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        # 1. running sequences, oldest first
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self.bm.append_slots(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            chunks.append(ScheduledChunk.next_for(seq, budget))
+            budget -= chunks[-1].num_tokens
+        # 2. waiting sequences, first come first served
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            if not self.bm.allocate(seq):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk.next_for(seq, budget))
+            budget -= chunks[-1].num_tokens
+        return chunks
+
+    # ---- leaving ---------------------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: str | None, keep_blocks: bool = False) -> None:
+        """End a sequence (finished or aborted) and free its blocks, unless `keep_blocks`
+        (the prefill role keeps them for export; the engine frees them on `release`)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if not keep_blocks and seq.block_table:
+            self.bm.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: drop the blocks; the sequence re-runs all its tokens."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

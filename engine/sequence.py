@@ -1,0 +1,96 @@
+"""One request's state inside an engine (torch-free).
+
+A `Sequence` is created by the engine when a request is added and dropped when it
+finishes or is aborted. Its `block_table` lists the KV blocks that hold its tokens in
+order; the `BlockManager` fills and empties it, nobody else writes it.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # queued; holds no blocks
+    RUNNING = "running"      # holds blocks; takes part in steps
+    FINISHED = "finished"    # done; blocks already freed unless `hold_blocks`
+
+
+_counter = itertools.count()
+
+
+class Sequence:
+    """Token ids, progress and block table of one request.
+
+    `num_computed_tokens` counts the leading tokens whose K/V is in the cache. The tokens
+    still to feed are `token_ids[num_computed_tokens:]`; when exactly the last one is left
+    and the prompt is done, the sequence is decoding.
+    """
+
+    def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                 hold_blocks: bool = False):
+        assert token_ids, "a sequence needs at least one token"
+        self.request_id = request_id
+        self.arrival = next(_counter)
+        self.token_ids: list[int] = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        # The prefill role keeps the blocks after the first token so they can be exported.
+        self.hold_blocks = hold_blocks
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0     # prefix-cache hits at the last allocation
+        self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block_tokens(self, index: int, block_size: int) -> list[int]:
+        return self.token_ids[index * block_size:(index + 1) * block_size]
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, len={len(self)}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.block_table)}, {self.status.value})")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Feed `seq.token_ids[start:start + num_tokens]` this step.
+
+    `sample` is true when the chunk ends at the last token, so the step yields a new token.
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample: bool
+
+    @classmethod
+    def next_for(cls, seq: Sequence, budget: int) -> "ScheduledChunk":
+        """The next chunk of at most `budget` tokens for a sequence."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        start = seq.num_computed_tokens
+        return cls(seq, start, n, start + n == len(seq))

@@ -1,0 +1,132 @@
+"""Block manager: allocation, ref counts, prefix caching, reservations (no torch)."""
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+P = SamplingParams()
+
+
+def seq(tokens, rid="r"):
+    return Sequence(rid, list(tokens), P)
+
+
+def compute_all(bm, s):
+    s.num_computed_tokens = len(s)
+    bm.mark_computed(s)
+
+
+def test_allocate_and_free_returns_everything():
+    bm = BlockManager(8, 4)
+    s = seq(range(10))
+    assert bm.allocate(s)
+    assert len(s.block_table) == 3 and bm.num_free_blocks == 5
+    bm.free(s)
+    assert bm.all_free() and s.block_table == []
+
+
+def test_allocate_fails_without_side_effects():
+    bm = BlockManager(2, 4)
+    s = seq(range(9))  # needs 3 blocks
+    assert not bm.allocate(s)
+    assert bm.all_free() and s.block_table == []
+
+
+def test_append_slots_grows_by_block():
+    bm = BlockManager(3, 4)
+    s = seq(range(4))
+    assert bm.allocate(s) and len(s.block_table) == 1
+    s.token_ids.append(99)
+    assert bm.append_slots(s) and len(s.block_table) == 2
+    s.token_ids.extend([1, 2, 3, 4, 5, 6, 7])  # 12 tokens fill 3 blocks
+    assert bm.append_slots(s) and len(s.block_table) == 3
+    s.token_ids.append(8)
+    assert not bm.append_slots(s)  # out of blocks
+    bm.free(s)
+    assert bm.all_free()
+
+
+def test_prefix_cache_hit_shares_blocks_and_keeps_last_token_uncomputed():
+    bm = BlockManager(16, 4)
+    a = seq(range(12), "a")
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    b = seq(list(range(8)) + [50, 51, 52], "b")
+    assert bm.allocate(b)
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+    # an identical prompt re-uses all but the block holding its last token
+    c = seq(range(12), "c")
+    assert bm.allocate(c)
+    assert c.num_cached_tokens == 8 and c.num_uncomputed_tokens == 4
+    for s in (a, b, c):
+        bm.free(s)
+    assert bm.all_free()
+
+
+def test_cached_free_blocks_are_revived_then_evicted_lru():
+    bm = BlockManager(4, 4)
+    a = seq(range(9), "a")
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    bm.free(a)
+    assert bm.all_free()
+    b = seq(list(range(8)) + [7], "b")
+    assert bm.allocate(b) and b.num_cached_tokens == 8
+    bm.free(b)
+    # a different prompt needing every block evicts the cached ones
+    c = seq(range(100, 116), "c")
+    assert bm.allocate(c) and c.num_cached_tokens == 0
+    bm.free(c)
+    d = seq(range(9), "d")
+    assert bm.allocate(d) and d.num_cached_tokens == 0
+    bm.free(d)
+    assert bm.all_free()
+
+
+def test_hash_collision_is_checked_against_tokens(monkeypatch):
+    import engine.block_manager as mod
+    monkeypatch.setattr(mod, "chain_hash", lambda prev, toks: 7)  # everything collides
+    bm = BlockManager(8, 2)
+    a = seq([1, 2, 3], "a")
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    b = seq([5, 6, 7], "b")
+    assert bm.allocate(b) and b.num_cached_tokens == 0
+    bm.free(a), bm.free(b)
+    assert bm.all_free()
+
+
+def test_prefix_caching_disabled():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    a = seq(range(9), "a")
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    b = seq(range(9), "b")
+    assert bm.allocate(b) and b.num_cached_tokens == 0
+    bm.free(a), bm.free(b)
+    assert bm.all_free()
+
+
+def test_reserve_adopt_release():
+    bm = BlockManager(8, 4)
+    ids = bm.reserve(10)
+    assert len(ids) == 3 and bm.num_free_blocks == 5
+    assert bm.reserve(100) is None and bm.num_free_blocks == 5
+    s = seq(list(range(10)) + [1], "s")
+    bm.adopt(s, ids, 10)
+    assert s.num_computed_tokens == 10 and s.block_hashes  # 2 full blocks registered
+    bm.free(s)
+    other = bm.reserve(4)
+    bm.release(other)
+    assert bm.all_free()
+
+
+def test_double_free_is_caught():
+    bm = BlockManager(4, 4)
+    ids = bm.reserve(4)
+    bm.release(ids)
+    with pytest.raises(AssertionError):
+        bm.release(ids)

@@ -1,0 +1,116 @@
+"""Scheduler: token budget, chunked prefill, continuous batching, preemption (no torch).
+
+A fake step stands in for the model: it marks scheduled tokens computed and appends
+token 0 for every chunk that samples.
+"""
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=16):
+    bm = BlockManager(num_blocks, block_size)
+    return bm, Scheduler(bm, max_seqs, budget)
+
+
+def seq(n, rid, max_tokens=4):
+    return Sequence(rid, list(range(1000, 1000 + n)), SamplingParams(max_tokens=max_tokens))
+
+
+def fake_step(sched, bm):
+    chunks = sched.schedule()
+    for ch in chunks:
+        ch.seq.num_computed_tokens += ch.num_tokens
+        bm.mark_computed(ch.seq)
+    for ch in chunks:
+        if ch.sample:
+            ch.seq.token_ids.append(0)
+            if ch.seq.num_output_tokens >= ch.seq.params.max_tokens:
+                sched.finish(ch.seq, "length")
+    return chunks
+
+
+def test_token_budget_and_chunked_prefill():
+    bm, sched = make(budget=16)
+    a, b = seq(10, "a"), seq(10, "b")
+    sched.add(a), sched.add(b)
+    chunks = fake_step(sched, bm)
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in chunks] == [("a", 0, 10), ("b", 0, 6)]
+    assert sum(c.num_tokens for c in chunks) <= 16
+    chunks = fake_step(sched, bm)
+    # a decodes (1 token) before b's remaining prompt chunk
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in chunks] == [("a", 10, 1), ("b", 6, 4)]
+    assert chunks[1].sample
+
+
+def test_sequences_join_and_leave_every_step():
+    bm, sched = make(budget=64)
+    a = seq(5, "a", max_tokens=2)
+    sched.add(a)
+    fake_step(sched, bm)
+    b = seq(5, "b", max_tokens=3)
+    sched.add(b)
+    chunks = fake_step(sched, bm)
+    assert {c.seq.request_id for c in chunks} == {"a", "b"}
+    assert a.status is SequenceStatus.FINISHED
+    while sched.has_work():
+        fake_step(sched, bm)
+    assert bm.all_free()
+
+
+def test_max_num_seqs_caps_running():
+    bm, sched = make(max_seqs=2, budget=100)
+    for i in range(4):
+        sched.add(seq(3, f"s{i}"))
+    fake_step(sched, bm)
+    assert len(sched.running) == 2 and len(sched.waiting) == 2
+    while sched.has_work():
+        fake_step(sched, bm)
+    assert bm.all_free()
+
+
+def test_preemption_by_recompute_frees_and_requeues():
+    # 6 blocks of 4 tokens; three sequences of 7 tokens each take 2 blocks, then grow.
+    bm, sched = make(num_blocks=6, block_size=4, budget=64)
+    seqs = [seq(7, f"s{i}", max_tokens=6) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    fake_step(sched, bm)        # all prefilled, each now 8 tokens in 2 blocks: pool full
+    assert bm.num_free_blocks == 0
+    fake_step(sched, bm)        # decode the 8th token; each now has 9 tokens
+    assert sched.num_preemptions == 0
+    fake_step(sched, bm)        # each needs a 3rd block: the newest is preempted
+    assert sched.num_preemptions == 1
+    victim = seqs[2]
+    assert victim.status is SequenceStatus.WAITING and victim.block_table == []
+    assert sched.waiting[0] is victim
+    steps = 0
+    while sched.has_work():
+        fake_step(sched, bm)
+        steps += 1
+        assert steps < 100
+    assert all(s.num_output_tokens == 6 for s in seqs)
+    assert bm.all_free()
+
+
+def test_finish_keep_blocks_and_abort_waiting():
+    bm, sched = make()
+    a, b = seq(6, "a"), seq(6, "b")
+    sched.add(a)
+    fake_step(sched, bm)
+    sched.finish(a, None, keep_blocks=True)
+    assert a.block_table and not bm.all_free()
+    bm.free(a)
+    sched.add(b)
+    sched.finish(b, "abort")  # still waiting
+    assert not sched.has_work() and bm.all_free()
+
+
+def test_waiting_prompt_tokens_counts_queued_and_partial_prefill():
+    bm, sched = make(budget=8)
+    sched.add(seq(10, "a")), sched.add(seq(5, "b"))
+    assert sched.num_waiting_tokens == 15
+    fake_step(sched, bm)  # a gets 8 of 10
+    assert sched.num_waiting_tokens == 2 + 5
