@@ -1,0 +1,65 @@
+"""Transfer configuration: one frozen dataclass that validates itself on creation.
+
+Every wait in `kv_transfer` is bounded by one of these fields; nothing is read from the
+environment. Both sides of a pair build their own `TransferConfig`; only `chunk_bytes` is
+negotiated (the pair uses the smaller of the two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Timeouts and sizes for KV transfer. All times are in seconds.
+
+    Attributes:
+        connect_timeout_s: bound on building a pair: connecting to the receiver's rendezvous,
+            the handshake reply, and the 2-rank process group rendezvous. Default 10 s.
+        transfer_timeout_s: bound on one transfer once it has its pair: sending or receiving
+            every chunk plus waiting for the Ack. The sender also waits at most this long for
+            its turn on a busy pair. Default 30 s.
+        lease_s: how long a receiver reservation (`expect`) may wait for its transfer to
+            complete. When it runs out, the reservation's future resolves with a timeout error
+            and the engine may free the blocks. A transfer already running when the lease ends
+            is drained, not written, so the future resolves at worst `lease_s +
+            transfer_timeout_s` after `expect`. Default 60 s.
+        chunk_bytes: largest single message of KV data, hence the size of one staging buffer.
+            Each pair keeps two staging buffers (double buffering), so staging memory is at most
+            `2 * chunk_bytes` per pair and side. Must hold at least one block. Default 32 MiB.
+        pair_idle_timeout_s: the receiver tears down a pair that carried nothing for this long
+            (how a crashed sender's pair is reclaimed); the sender rebuilds it transparently on
+            its next send. Default 600 s.
+        max_pairs: most concurrent pairs a receiver accepts; further handshakes are rejected.
+            Default 64.
+        secret: optional shared secret. When the receiver has one, a sender must prove it
+            knows the same secret (HMAC over a receiver nonce and the pair id; the secret itself
+            never travels). Empty means no authentication. Not shown in repr.
+    """
+
+    connect_timeout_s: float = 10.0
+    transfer_timeout_s: float = 30.0
+    lease_s: float = 60.0
+    chunk_bytes: int = 32 * MiB
+    pair_idle_timeout_s: float = 600.0
+    max_pairs: int = 64
+    secret: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "transfer_timeout_s", "lease_s", "pair_idle_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"TransferConfig.{name} must be a positive number, got {value!r}")
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int):
+            raise ValueError(f"TransferConfig.chunk_bytes must be an int, got {self.chunk_bytes!r}")
+        if not 1024 <= self.chunk_bytes <= 1 << 31:
+            raise ValueError(
+                f"TransferConfig.chunk_bytes must be in [1 KiB, 2 GiB], got {self.chunk_bytes}"
+            )
+        if isinstance(self.max_pairs, bool) or not isinstance(self.max_pairs, int) or self.max_pairs < 1:
+            raise ValueError(f"TransferConfig.max_pairs must be a positive int, got {self.max_pairs!r}")
+        if not isinstance(self.secret, str):
+            raise ValueError("TransferConfig.secret must be a str")
