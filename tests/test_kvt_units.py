@@ -1,0 +1,112 @@
+"""Pure pieces of kv_transfer: config validation, layout helpers, backend choice, rendezvous."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kv_transfer import TransferConfig, choose_backend, fingerprint_for
+from kv_transfer.layout import (
+    block_bytes, check_block_ids, check_pool, chunk_blocks_for, chunk_plan, device_info,
+)
+from kv_transfer import rendezvous as rv
+from kv_transfer.protocol import DeviceInfo, Handshake
+
+
+def test_config_defaults_documented_values():
+    cfg = TransferConfig()
+    assert (cfg.connect_timeout_s, cfg.transfer_timeout_s, cfg.lease_s) == (10.0, 30.0, 60.0)
+    assert cfg.chunk_bytes == 32 << 20 and cfg.pair_idle_timeout_s == 600.0
+    assert cfg.max_pairs == 64 and cfg.secret == ""
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lease_s = 1.0
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"connect_timeout_s": 0}, {"transfer_timeout_s": -1}, {"lease_s": "60"},
+    {"pair_idle_timeout_s": True}, {"chunk_bytes": 100}, {"chunk_bytes": 1.5e6},
+    {"chunk_bytes": 1 << 40}, {"max_pairs": 0}, {"secret": None},
+])
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        TransferConfig(**kwargs)
+
+
+def test_config_hides_secret():
+    assert "hunter2" not in repr(TransferConfig(secret="hunter2"))
+
+
+def _dev(kind="cuda", host="a", index=0, uuid="", nccl=True):
+    return DeviceInfo(kind, host, index, uuid, nccl)
+
+
+@pytest.mark.parametrize("local,peer,expected", [
+    (_dev("cpu"), _dev("cpu"), "gloo"),
+    (_dev("cuda"), _dev("cpu"), "gloo"),
+    (_dev("cpu"), _dev("cuda"), "gloo"),
+    (_dev(host="a", index=0), _dev(host="a", index=1), "nccl"),
+    (_dev(host="a", index=0), _dev(host="b", index=0), "nccl"),
+    (_dev(host="a", index=0), _dev(host="a", index=0), "gloo"),  # same GPU: NCCL can't
+    (_dev(uuid="GPU-1", index=0), _dev(uuid="GPU-1", index=3), "gloo"),  # uuid wins
+    (_dev(uuid="GPU-1"), _dev(uuid="GPU-2"), "nccl"),
+    (_dev(index=0, nccl=False), _dev(index=1), "gloo"),
+    (_dev(index=0), _dev(index=1, nccl=False), "gloo"),
+])
+def test_choose_backend(local, peer, expected):
+    assert choose_backend(local, peer) == expected
+    assert choose_backend(peer, local) == expected  # both ends agree
+
+
+def test_cpu_pool_device_info_selects_gloo():
+    kv = torch.zeros(1, 2, 2, 2, 1, 2)
+    info = device_info(kv, "127.0.0.1")
+    assert info.kind == "cpu" and choose_backend(info, info) == "gloo"
+
+
+def test_fingerprint_and_pool_checks():
+    kv = torch.zeros(30, 2, 8, 16, 3, 64)
+    fp = fingerprint_for(kv, "m")
+    assert (fp.num_layers, fp.block_size, fp.num_kv_heads, fp.head_dim) == (30, 16, 3, 64)
+    assert fp.dtype == "float32" and block_bytes(kv) == 30 * 2 * 16 * 3 * 64 * 4
+    check_pool(kv, fp)
+    with pytest.raises(ValueError, match="dtype"):
+        check_pool(kv.to(torch.bfloat16), fp)
+    with pytest.raises(ValueError):
+        fingerprint_for(torch.zeros(30, 3, 8, 16, 3, 64), "m")  # dim 1 must be K/V
+    with pytest.raises(ValueError):
+        fingerprint_for(torch.zeros(4, 4, dtype=torch.int8), "m")
+
+
+def test_block_ids_and_chunk_plan():
+    assert check_block_ids([3, 1, 2], 4) == (3, 1, 2)
+    for bad in ([], [4], [-1], [1, 1]):
+        with pytest.raises(ValueError):
+            check_block_ids(bad, 4)
+    assert chunk_plan(5, 2) == [(0, 2), (2, 2), (4, 1)]
+    assert chunk_plan(1, 8) == [(0, 1)]
+    assert chunk_blocks_for(4096, 1000) == 4
+    with pytest.raises(ValueError):
+        chunk_blocks_for(1024, 2048)
+
+
+def test_parse_address():
+    assert rv.parse_address("10.0.0.1:5000") == ("10.0.0.1", 5000)
+    assert rv.parse_address("[::1]:80") == ("::1", 80)
+    for bad in ("nohost", ":80", "h:", "h:x", "h:70000"):
+        with pytest.raises(ValueError):
+            rv.parse_address(bad)
+
+
+def test_judge_handshake():
+    kv = torch.zeros(2, 2, 4, 4, 1, 8)
+    fp, dev = fingerprint_for(kv, "m"), _dev("cpu")
+    nonce = b"abc"
+    good = Handshake(3, fp, dev, 4096, rv.proof("s3cret", nonce, 3))
+    assert rv.judge(good, fp, "s3cret", nonce, dev) == ("", "gloo")
+    assert rv.judge(good, fp, "", nonce, dev) == ("", "gloo")  # no secret configured
+    replayed = dataclasses.replace(good, pair_id=4)  # proof is bound to the pair id
+    assert "authentication" in rv.judge(replayed, fp, "s3cret", nonce, dev)[0]
+    unauth = dataclasses.replace(good, secret="")
+    assert "authentication" in rv.judge(unauth, fp, "s3cret", nonce, dev)[0]
+    other = fingerprint_for(kv.to(torch.float16), "m")
+    assert "fingerprint mismatch" in rv.judge(good, other, "", nonce, dev)[0]
