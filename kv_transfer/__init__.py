@@ -1,0 +1,84 @@
+"""kv_transfer: move a request's KV blocks from a prefill replica's pool into a decode
+replica's pool.
+
+Both pools have the engine's layout `[num_layers, 2, num_blocks, block_size, num_kv_heads,
+head_dim]`; a request's KV is a list of block ids into dim 2. The engine allocates and frees
+blocks; this package only reads and writes the blocks it is handed, and says when it is done.
+
+Public API (two backends, one interface: see base.py):
+
+    receiver = KVReceiver(kv, fingerprint, config, host="127.0.0.1")   # decode side
+    receiver.address                                  # "host:port", publish it
+    fut = receiver.expect(request_id, block_ids)      # Future[TransferResult]
+    receiver.cancel(request_id); receiver.state(request_id); receiver.close()
+
+    sender = KVSender(kv, fingerprint, config)        # prefill side
+    result = sender.send(receiver_address, request_id, block_ids)   # blocking TransferResult
+    sender.abort(receiver_address, request_id, reason); sender.close()
+
+    LoopbackReceiver / LoopbackSender: same API, one process, pool-to-pool copies.
+    fingerprint_for(kv, model_id), choose_backend(local, peer), TransferConfig.
+
+From asyncio, `await asyncio.wrap_future(fut)` on the decode side and
+`await loop.run_in_executor(None, sender.send, ...)` on the prefill side.
+
+Life cycle of one transfer
+--------------------------
+1. Decode: the engine allocates blocks and calls `expect(request_id, block_ids)` (PENDING).
+   The decode replica's address travels to the prefill side with the request (router's job).
+2. Prefill: after prefill, `send(address, request_id, block_ids)`. The first send to an
+   address builds a pair: a Handshake through the receiver's TCPStore (fingerprint, device,
+   optional secret proof), a HandshakeReply, then a 2-rank process group (receiver rank 0,
+   sender rank 1): NCCL when both pools are on CUDA on distinct GPUs, else gloo. Pairs are
+   cached; one process can be in many pairs; there is no global world.
+3. The sender pushes a TransferHeader on the pair's frame queue in the store, then the blocks
+   in chunks of at most `chunk_bytes`. The receiver's pair thread takes the reservation to
+   TRANSFERRING and writes each chunk straight into the reserved blocks.
+4. The receiver resolves the future (DONE) and writes an Ack; the sender returns its result.
+Transfers on one pair are ordered; different pairs run in parallel (a thread per pair).
+
+Block ownership
+---------------
+Decode (receiver):  reserved (expect) -> receiving (pair thread writes) -> landed (future ok:
+    the engine owns the blocks again and uses them) or failed (future error: the engine frees
+    them). The future resolves exactly once, and only when nothing will write the blocks again:
+    a transfer in progress when its reservation is cancelled or its lease ends is drained, not
+    written, and then resolved. A transfer for an unknown or expired id is drained and answered
+    with a negative Ack, so the pair stays in sync.
+Prefill (sender):   the caller holds its blocks during send() and frees them when send()
+    returns, whatever the result; send() only reads them, and never after returning.
+
+Timeouts (TransferConfig; every wait has one)
+---------------------------------------------
+connect_timeout_s = 10     building a pair (store connect, handshake, group rendezvous)
+transfer_timeout_s = 30    one transfer on its pair (data + ack); also the wait for a busy pair
+lease_s = 60               a reservation's life: after it the future resolves with a timeout
+                           error (at worst lease_s + transfer_timeout_s if data is in flight)
+chunk_bytes = 32 MiB       largest data message; staging is 2 x chunk_bytes per pair and side
+pair_idle_timeout_s = 600  the receiver drops a pair idle this long (reclaims dead senders);
+                           the sender rebuilds it on its next send
+max_pairs = 64; secret = "" (no authentication)
+A dead peer surfaces as an error value within these bounds: the sender's send() returns
+ok=False (the connection closes at once, or a timeout fires); the receiver fails the
+reservation whose data was in flight, and any other reservation at its lease.
+
+Failure handling: any fault tears the pair down (NCCL is aborted) and the next send builds a
+new one; a fault on a pair that had carried earlier transfers is retried once on a fresh pair.
+
+Wire: control messages are msgpack (protocol.py, versioned, size-capped); KV travels only as
+raw tensor bytes over the process group; nothing is pickled.
+"""
+
+from kv_transfer.base import KVReceiverBase, KVSenderBase, TransferResult, TransferState
+from kv_transfer.config import TransferConfig
+from kv_transfer.layout import choose_backend, fingerprint_for
+from kv_transfer.loopback import LoopbackReceiver, LoopbackSender
+from kv_transfer.protocol import DeviceInfo, Fingerprint, ProtocolError
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import KVSender
+
+__all__ = [
+    "DeviceInfo", "Fingerprint", "KVReceiver", "KVReceiverBase", "KVSender", "KVSenderBase",
+    "LoopbackReceiver", "LoopbackSender", "ProtocolError", "TransferConfig", "TransferResult",
+    "TransferState", "choose_backend", "fingerprint_for",
+]

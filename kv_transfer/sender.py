@@ -1,0 +1,221 @@
+"""Prefill side of the gloo/NCCL backend.
+
+Life cycle of one send(address, request_id, block_ids), in the caller's thread:
+
+    1. pair     reuse the cached pair for `address`, or build one: connect to the receiver's
+                store, take a pair id, push a Handshake, wait for the HandshakeReply, join the
+                2-rank group as rank 1 (all within connect_timeout_s).
+    2. queue    wait for the pair's lock: transfers on one pair are ordered (at most
+                transfer_timeout_s). State PENDING.
+    3. header   push the TransferHeader onto the pair's frame queue. State TRANSFERRING.
+    4. data     gather the blocks chunk by chunk into staging and send them.
+    5. ack      wait for the receiver's Ack (steps 3-5 within transfer_timeout_s).
+    6. result   return a TransferResult; nothing is raised for peer or network faults.
+
+Block ownership: the caller keeps `block_ids` allocated during send() and frees them when it
+returns, whatever the result. send() only reads them (step 4), and never after returning.
+
+A fault tears the pair down (closing its group; NCCL is aborted) and the next send to that
+address builds a fresh one. A fault on a pair that had already carried a transfer is retried
+once on a fresh pair, because the receiver may have dropped the idle pair meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kv_transfer import rendezvous as rv
+from kv_transfer.base import InFlight, KVSenderBase, TransferResult, TransferState
+from kv_transfer.channel import SENDER_RANK, Channel
+from kv_transfer.config import TransferConfig
+from kv_transfer.layout import (
+    DTYPE_NAMES, block_bytes, check_block_ids, check_pool, choose_backend, chunk_blocks_for,
+    device_info, local_host_towards, transfer_shape,
+)
+from kv_transfer.pipeline import send_chunks
+from kv_transfer.protocol import (
+    Abort, Ack, Bye, Fingerprint, Handshake, HandshakeReply, TransferHeader, clip, decode, encode,
+)
+from kv_transfer.staging import Staging
+
+
+@dataclass
+class _Pair:
+    address: str
+    pair_id: int
+    client: object  # TCPStore client: frames and acks; used only under `lock`
+    channel: Channel
+    staging: Staging
+    chunk_blocks: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    seq: int = 0
+    broken: bool = False
+
+
+class KVSender(KVSenderBase):
+    """Sends KV blocks of one local pool to KVReceivers. Thread-safe; see KVSenderBase."""
+
+    def __init__(self, kv: torch.Tensor, fingerprint: Fingerprint, config: TransferConfig) -> None:
+        check_pool(kv, fingerprint)
+        chunk_blocks_for(config.chunk_bytes, block_bytes(kv))  # ValueError if a block won't fit
+        self.kv, self.fingerprint, self.config = kv, fingerprint, config
+        self._lock = threading.Lock()
+        self._pairs: dict[str, _Pair] = {}
+        self._build_locks: dict[str, threading.Lock] = {}
+        self._inflight = InFlight()
+        self._closed = False
+
+    def send(self, address: str, request_id: str, block_ids: Sequence[int]) -> TransferResult:
+        ids = check_block_ids(block_ids, self.kv.shape[2])
+        start = time.monotonic()
+        self._inflight.set(request_id, TransferState.PENDING)
+        try:
+            for attempt in range(2):
+                pair = self._pair(address)
+                if isinstance(pair, str):
+                    return TransferResult.failure(request_id, pair, time.monotonic() - start)
+                result, retry = self._transfer(pair, request_id, ids, start)
+                if not retry or attempt:
+                    return result
+            raise AssertionError("unreachable")
+        finally:
+            self._inflight.clear(request_id)
+
+    def abort(self, address: str, request_id: str, reason: str) -> TransferResult:
+        pair = self._pair(address)
+        if isinstance(pair, str):
+            return TransferResult.failure(request_id, pair)
+        frame = encode(Abort(request_id, clip(reason)))
+        if not pair.lock.acquire(timeout=self.config.transfer_timeout_s):
+            return TransferResult.failure(request_id, "timed out waiting for the pair")
+        try:
+            pair.client.queue_push(rv.frames_key(pair.pair_id), frame)
+            return TransferResult(request_id, True)
+        except Exception as exc:
+            self._drop(pair)
+            return TransferResult.failure(request_id, f"abort not delivered: {clip(repr(exc))}")
+        finally:
+            pair.lock.release()
+
+    def state(self, request_id: str) -> TransferState | None:
+        return self._inflight.get(request_id)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pairs = list(self._pairs.values())
+            self._pairs.clear()
+        for pair in pairs:
+            if pair.lock.acquire(timeout=self.config.transfer_timeout_s):
+                try:
+                    pair.client.queue_push(rv.frames_key(pair.pair_id), encode(Bye("sender closed")))
+                except Exception:
+                    pass  # the receiver reclaims the pair at its idle timeout instead
+                finally:
+                    pair.broken = True
+                    pair.channel.close(failed=False)
+                    pair.staging.release()
+                    pair.lock.release()
+
+    def _pair(self, address: str) -> _Pair | str:
+        """The cached pair for `address`, else a newly built one; a string says why none."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("sender is closed")
+            build_lock = self._build_locks.setdefault(address, threading.Lock())
+        with build_lock:  # concurrent first sends to one address build one pair
+            with self._lock:
+                pair = self._pairs.get(address)
+            if pair is not None:
+                return pair
+            pair = self._build(address)
+            if isinstance(pair, _Pair):
+                with self._lock:
+                    self._pairs[address] = pair
+            return pair
+
+    def _build(self, address: str) -> _Pair | str:
+        cfg = self.config
+        deadline = time.monotonic() + cfg.connect_timeout_s
+        try:
+            client = rv.connect(address, cfg.connect_timeout_s)
+            pair_id = int(client.add(rv.PAIRS_KEY, 1))
+            local_host = local_host_towards(rv.parse_address(address)[0])
+            device = device_info(self.kv, local_host)
+            proof = rv.proof(cfg.secret, client.get(rv.NONCE_KEY), pair_id)
+            hs = Handshake(pair_id, self.fingerprint, device, cfg.chunk_bytes, proof)
+            client.queue_push(rv.HELLO_QUEUE, encode(hs))
+            client.wait([rv.reply_key(pair_id)], rv.seconds(deadline - time.monotonic()))
+            reply = decode(client.get(rv.reply_key(pair_id)), (HandshakeReply,))
+            if not reply.accepted:
+                return f"handshake rejected: {reply.reason}"
+            if reply.pair_id != pair_id or reply.backend != choose_backend(device, reply.device):
+                return f"bad handshake reply from {address}: {reply}"
+            chunk_blocks = chunk_blocks_for(reply.chunk_bytes, block_bytes(self.kv))
+            channel = Channel(reply.backend, client.clone(), pair_id, SENDER_RANK,
+                              deadline - time.monotonic(), local_host)
+        except AssertionError:
+            raise
+        except Exception as exc:  # boundary: every peer/network fault becomes a value
+            return f"cannot pair with {address}: {clip(repr(exc))}"
+        staging = Staging(self.kv, reply.backend, chunk_blocks)
+        return _Pair(address, pair_id, client, channel, staging, chunk_blocks)
+
+    def _transfer(self, pair: _Pair, request_id: str, ids: tuple[int, ...],
+                  start: float) -> tuple[TransferResult, bool]:
+        """Steps 2-6 on `pair`. Returns (result, whether a fresh pair is worth one retry)."""
+        if not pair.lock.acquire(timeout=self.config.transfer_timeout_s):
+            return TransferResult.failure(request_id, "timed out waiting for the pair",
+                                          time.monotonic() - start), False
+        try:
+            if pair.broken:  # a send before us broke it while we waited
+                return TransferResult.failure(request_id, "pair broke"), True
+            reused = pair.seq > 0
+            pair.seq += 1
+            self._inflight.set(request_id, TransferState.TRANSFERRING)
+            try:
+                return self._run(pair, request_id, ids, start), False
+            except AssertionError:
+                raise
+            except Exception as exc:  # boundary: every peer/network fault becomes a value
+                self._drop(pair)
+                error = f"transfer to {pair.address} failed: {clip(repr(exc))}"
+                return TransferResult.failure(request_id, error, time.monotonic() - start), reused
+        finally:
+            pair.lock.release()
+
+    def _run(self, pair: _Pair, request_id: str, ids: tuple[int, ...],
+             start: float) -> TransferResult:
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        shape = transfer_shape(self.kv, len(ids))
+        header = TransferHeader(
+            request_id=request_id, seq=pair.seq, num_blocks=len(ids), shape=shape,
+            dtype=DTYPE_NAMES[self.kv.dtype], nbytes=len(ids) * block_bytes(self.kv),
+            chunk_blocks=pair.chunk_blocks,
+        )
+        pair.client.queue_push(rv.frames_key(pair.pair_id), encode(header))
+        sent = send_chunks(pair.channel, pair.staging, self.kv, ids, pair.chunk_blocks, deadline)
+        key = rv.ack_key(pair.pair_id, pair.seq)
+        pair.client.wait([key], rv.seconds(deadline - time.monotonic()))
+        ack = decode(pair.client.get(key), (Ack,))
+        pair.client.delete_key(key)
+        if (ack.request_id, ack.seq) != (request_id, pair.seq):
+            raise RuntimeError(f"ack for {ack.request_id!r}/{ack.seq} out of order")
+        elapsed = time.monotonic() - start
+        if not ack.ok:
+            return TransferResult.failure(request_id, f"receiver: {ack.error}", elapsed)
+        return TransferResult(request_id, True, "", sent, elapsed)
+
+    def _drop(self, pair: _Pair) -> None:
+        """Tear `pair` down after a fault (caller holds pair.lock)."""
+        with self._lock:
+            if self._pairs.get(pair.address) is pair:
+                del self._pairs[pair.address]
+        pair.broken = True
+        pair.channel.close(failed=True)
+        pair.staging.release()

@@ -1,0 +1,188 @@
+"""Fault paths of the gloo backend: peer death mid-transfer on either side, garbage at the
+rendezvous, broken and idle pairs, cancel mid-transfer, receiver shutdown. Each checks that
+every block on the surviving side goes back to its free-list."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from kv_transfer import KVReceiver, KVSender, TransferConfig, fingerprint_for, pipeline
+from kv_transfer import rendezvous as rv
+from kv_transfer.layout import device_info
+from kv_transfer.protocol import Handshake, HandshakeReply, decode, encode
+from test_kvt_workers import (
+    BASE_CFG, MODEL, NUM_BLOCKS, SHAPE, FreeList, Worker, expect_and_free_on_resolve, send_and_free,
+)
+
+TRANSFER_TIMEOUT = BASE_CFG["transfer_timeout_s"]
+
+
+def _local(role: str, seed: int = 5, **cfg):
+    """A receiver or sender in this process, with a free-list attached."""
+    torch.manual_seed(seed)
+    kv = torch.randn(SHAPE) if role == "sender" else torch.zeros(SHAPE)
+    cls = KVSender if role == "sender" else KVReceiver
+    end = cls(kv, fingerprint_for(kv, MODEL), TransferConfig(**{**BASE_CFG, **cfg}))
+    end.free = FreeList(NUM_BLOCKS, seed)
+    return end
+
+
+def test_receiver_killed_mid_transfer():
+    rx = Worker("receiver", slow_s=0.3)  # 0.3 s per chunk: 16 blocks take > 1 s
+    tx = _local("sender")
+    try:
+        rx.call("expect", "doomed", 16)
+        out = {}
+        sender = threading.Thread(target=lambda: out.update(
+            res=send_and_free(tx, tx.free, rx.address, "doomed", 16)[0]))
+        sender.start()
+        assert rx.started.wait(10), "transfer never started"
+        killed_at = time.monotonic()
+        rx.kill()
+        sender.join(TRANSFER_TIMEOUT + 5)
+        waited = time.monotonic() - killed_at
+        assert not sender.is_alive() and not out["res"].ok
+        assert waited < TRANSFER_TIMEOUT, f"sender noticed only after {waited:.1f}s"
+        assert tx.free.count == NUM_BLOCKS and tx.state("doomed") is None
+        assert tx._pairs == {}  # the broken pair was torn down
+    finally:
+        tx.close()
+        rx.kill()
+
+
+def test_sender_killed_mid_transfer():
+    receiver = _local("receiver")
+    tx = Worker("sender", slow_s=0.3)
+    try:
+        _, fut = expect_and_free_on_resolve(receiver, receiver.free, "orphan", 16)
+        tx.post("send", receiver.address, "orphan", 16)
+        assert tx.started.wait(10), "transfer never started"
+        killed_at = time.monotonic()
+        tx.kill()
+        res = fut.result(timeout=TRANSFER_TIMEOUT + 5)
+        assert not res.ok and "transfer failed" in res.error
+        assert time.monotonic() - killed_at < TRANSFER_TIMEOUT  # before any timeout fired
+        assert receiver.free.count == NUM_BLOCKS
+        for _ in range(50):  # the pair thread exits right after resolving
+            if receiver.pair_count() == 0:
+                break
+            time.sleep(0.1)
+        assert receiver.pair_count() == 0
+    finally:
+        tx.kill()
+        receiver.close()
+
+
+def _store_client(address: str) -> TCPStore:
+    host, port = rv.parse_address(address)
+    return TCPStore(host, port, None, False, datetime.timedelta(seconds=5))
+
+
+def test_garbage_at_the_rendezvous_is_rejected_and_service_continues():
+    rx = Worker("receiver")
+    tx = _local("sender")
+    try:
+        host, port = rv.parse_address(rx.address)
+        for junk in (os.urandom(4096), b"\x00" * 64, b"GET / HTTP/1.1\r\n\r\n", b"\xff" * 9):
+            with socket.create_connection((host, port), timeout=5) as s:
+                s.sendall(junk)
+        client = _store_client(rx.address)
+        client.queue_push(rv.HELLO_QUEUE, b"\x93garbage handshake \x00\xff")
+        kv = torch.zeros(SHAPE)
+        fp, dev = fingerprint_for(kv, MODEL), device_info(kv, host)
+        client.queue_push(rv.HELLO_QUEUE, encode(Handshake(10**6, fp, dev, 4096, "")))
+        pair_id = int(client.add(rv.PAIRS_KEY, 1))  # a real id, but a forged secret
+        client.queue_push(rv.HELLO_QUEUE, encode(Handshake(pair_id, fp, dev, 4096, "forged")))
+        client.wait([rv.reply_key(pair_id)], datetime.timedelta(seconds=5))
+        reply = decode(client.get(rv.reply_key(pair_id)), (HandshakeReply,))
+        assert not reply.accepted and "authentication failed" in reply.reason
+
+        ids = rx.call("expect", "good", 7)
+        res, sent = send_and_free(tx, tx.free, rx.address, "good", 7)
+        assert res.ok, res.error
+        assert rx.call("result", "good", 10).ok and torch.equal(rx.call("read", ids), sent)
+
+        # garbage on an established pair's frame queue: the receiver drops that pair, and
+        # the sender's next transfer rebuilds it transparently
+        old_pair = tx._pairs[rx.address].pair_id
+        client.queue_push(rv.frames_key(old_pair), b"not a frame")
+        time.sleep(0.5)
+        ids = rx.call("expect", "rebuilt", 5)
+        res, sent = send_and_free(tx, tx.free, rx.address, "rebuilt", 5)
+        assert res.ok, res.error
+        assert tx._pairs[rx.address].pair_id != old_pair
+        assert rx.call("result", "rebuilt", 10).ok and torch.equal(rx.call("read", ids), sent)
+        assert tx.free.count == NUM_BLOCKS and rx.call("free_count") == NUM_BLOCKS
+    finally:
+        tx.close()
+        rx.stop()
+
+
+def test_idle_pair_is_dropped_and_rebuilt():
+    receiver = _local("receiver", pair_idle_timeout_s=0.5)
+    tx = _local("sender")
+    try:
+        for rid in ("before-idle", "after-idle"):
+            _, fut = expect_and_free_on_resolve(receiver, receiver.free, rid, 3)
+            res, _ = send_and_free(tx, tx.free, receiver.address, rid, 3)
+            assert res.ok and fut.result(5).ok, res.error
+            time.sleep(1.5)
+            assert receiver.pair_count() == 0  # idle pair reclaimed
+        assert receiver.free.count == NUM_BLOCKS and tx.free.count == NUM_BLOCKS
+    finally:
+        tx.close()
+        receiver.close()
+
+
+def test_cancel_mid_transfer_drains_without_writing(monkeypatch):
+    started = threading.Event()
+    real_scatter = pipeline.scatter
+
+    def slow_scatter(*args):
+        started.set()
+        time.sleep(0.2)
+        real_scatter(*args)
+
+    monkeypatch.setattr(pipeline, "scatter", slow_scatter)
+    receiver, tx = _local("receiver"), _local("sender")
+    try:
+        ids, fut = expect_and_free_on_resolve(receiver, receiver.free, "cancelled", 12)
+        out = {}
+        sender = threading.Thread(target=lambda: out.update(
+            res=send_and_free(tx, tx.free, receiver.address, "cancelled", 12)[0]))
+        sender.start()
+        assert started.wait(5)
+        assert receiver.cancel("cancelled")
+        sender.join(10)
+        res = fut.result(5)
+        assert not res.ok and "cancelled" in res.error and "cancelled" in out["res"].error
+        assert receiver.kv[:, :, ids[4:]].abs().sum() == 0  # only the first chunk was written
+        assert receiver.free.count == NUM_BLOCKS and tx.free.count == NUM_BLOCKS
+        _, fut = expect_and_free_on_resolve(receiver, receiver.free, "next", 2)
+        assert send_and_free(tx, tx.free, receiver.address, "next", 2)[0].ok  # pair in sync
+    finally:
+        tx.close()
+        receiver.close()
+
+
+def test_receiver_close_fails_reservations_and_senders_fast():
+    receiver, tx = _local("receiver"), _local("sender")
+    _, fut = expect_and_free_on_resolve(receiver, receiver.free, "warmup", 2)
+    assert send_and_free(tx, tx.free, receiver.address, "warmup", 2)[0].ok
+    _, fut = expect_and_free_on_resolve(receiver, receiver.free, "open", 4)
+    receiver.close()
+    assert "closed" in fut.result(1).error and receiver.free.count == NUM_BLOCKS
+    start = time.monotonic()
+    res, _ = send_and_free(tx, tx.free, receiver.address, "late", 2)
+    assert not res.ok and time.monotonic() - start < 2
+    with pytest.raises(RuntimeError):
+        receiver.expect("after-close", [1])
+    tx.close()
