@@ -59,7 +59,9 @@ class AsyncEngine:
         self._streams[request_id] = (loop, q)
         finished = False
         try:
-            first = await self.call(admit)
+            # shielded: once submitted, `admit` runs even if we are cancelled, and the abort
+            # queued by `finally` runs after it, so nothing it allocated is stranded
+            first = await asyncio.shield(asyncio.wrap_future(self.submit(admit)))
             if first is not None:
                 q.put_nowait(first)
             while True:
@@ -75,6 +77,9 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.submit(lambda e: e.abort(request_id))
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
 
     def shutdown(self) -> None:
         self._stopped.set()

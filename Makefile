@@ -1,0 +1,36 @@
+# The two commands: `make serve` and `make test`. Both set up .venv and the default model first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PORT   ?= 8000
+MODEL_CACHE := .cache/models
+# CPU machines get the CPU build pinned (an unpinned torch pulls a multi-GB CUDA build);
+# machines with an NVIDIA driver take pip's default (CUDA) build.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5' || echo 'torch==2.13.0')
+PYTEST_ARGS ?=
+
+.PHONY: install model serve test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+model: install
+	$(PY) -m pdserve.models --cache-dir $(MODEL_CACHE)
+
+serve: model
+	$(VENV)/bin/pdserve serve --port $(PORT) --model-cache $(MODEL_CACHE)
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: model
+	$(PY) benchmarks/engine_bench.py --model $(MODEL_CACHE)/SmolLM2-135M-Instruct
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,116 @@
+"""Decode replica: a Serve deployment holding an engine in the decode role.
+
+Life cycle of a request here (`generate`)
+  1. reserve  blocks for the prompt's K/V on the engine thread; none free -> 503 event
+  2. expect   hand the reservation to the KV receiver; the prefill replica's push lands in
+              exactly those blocks (it may already be waiting for this reservation)
+  3. await    the transfer, bounded by the lease; a failure frees the reservation -> error event
+  4. admit    `add_prefilled`: from here the engine owns the blocks, even when the first
+              token already ends the request
+  5. stream   TokenEvents until the request finishes; leaving early (client gone, router
+              cancelled) aborts the request in the engine, which frees its blocks
+Block ownership: steps 1-3 belong to this method, which frees the reservation on every path
+that does not reach step 4 (error, lease expiry, cancellation); from step 4 the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ray import serve
+
+from engine.async_engine import EngineDeadError
+from kv_transfer import KVReceiver, fingerprint_for
+from pdserve import messages
+from pdserve.engine_host import EngineHost
+from pdserve.replica_util import error_event, kv_bind_host, token_event
+from pdserve.serve_config import AppConfig
+
+log = logging.getLogger(__name__)
+
+
+@serve.deployment
+class DecodeServer:
+    def __init__(self, config: dict, registry=None):
+        cfg = AppConfig.model_validate(config)
+        self.host = EngineHost(cfg, "decode", registry)
+        kv = self.host.engine.runner.kv_pool
+        self.receiver = KVReceiver(kv, fingerprint_for(kv, cfg.model_name), cfg.transfer.transfer_config(),
+                                   host=kv_bind_host(cfg.transfer.host))
+        log.info("decode replica %s receives KV at %s", self.host.replica_id, self.receiver.address)
+
+    def record_replica_metadata(self) -> dict:
+        return {"kv_address": self.receiver.address}
+
+    async def record_routing_stats(self) -> dict:
+        self.host.start_stats_pusher()
+        return await self.host.routing_stats()
+
+    async def check_health(self) -> None:
+        if not self.host.aengine.alive():
+            raise RuntimeError("decode engine thread is dead")
+
+    async def generate(self, data: bytes):
+        self.host.start_stats_pusher()
+        try:
+            req = messages.decode(data, expect=messages.DecodeRequest)
+        except messages.MessageError as exc:
+            yield error_event("", str(exc), 400, "invalid_request_error")
+            return
+        rid = req.request_id
+        # 1. reserve
+        blocks = await self._reserve(len(req.prompt_token_ids))
+        if blocks is None:
+            yield error_event(rid, "decode replica is out of KV blocks; retry later", 503, "overloaded")
+            return
+        # 2. expect, 3. await the transfer
+        transfer = self.receiver.expect(rid, blocks)
+        try:
+            result = await asyncio.shield(asyncio.wrap_future(transfer))
+        except asyncio.CancelledError:
+            self.receiver.cancel(rid)
+            transfer.add_done_callback(lambda _: self._release(blocks))
+            raise
+        if not result.ok:
+            self._release(blocks)
+            yield error_event(rid, f"KV transfer failed: {result.error}", 502)
+            return
+        # 4. admit, 5. stream
+        params = req.params.to_params()
+
+        def admit(engine):
+            error = engine.check_request(rid, len(req.prompt_token_ids), params)
+            if error is not None:
+                engine.release_reservation(blocks)
+                raise ValueError(error)
+            return engine.add_prefilled(rid, list(req.prompt_token_ids), req.first_token, params, blocks)
+
+        try:
+            async for out in self.host.aengine.stream(rid, admit):
+                yield token_event(out)
+        except ValueError as exc:
+            yield error_event(rid, str(exc), 400, "invalid_request_error")
+        except EngineDeadError as exc:
+            yield error_event(rid, str(exc), 500)
+
+    async def stats(self) -> bytes:
+        return messages.encode(await self.host.stats())
+
+    async def _reserve(self, num_tokens: int) -> list[int] | None:
+        fut = self.host.aengine.submit(lambda e: e.reserve(num_tokens))
+        try:
+            return await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: f.exception() is None and f.result() and self._release(f.result()))
+            raise
+
+    def _release(self, blocks: list[int]) -> None:
+        self.host.aengine.submit(lambda e: e.release_reservation(blocks))
+
+    def __del__(self):
+        try:
+            self.receiver.close()
+            self.host.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            pass

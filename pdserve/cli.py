@@ -1,0 +1,117 @@
+"""`pdserve` command line: `serve` (the HTTP service on Ray Serve) and `generate` (one-shot
+generation with a local colocated engine, no Ray)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.request
+
+
+def _serve(args) -> int:
+    import ray
+    from ray import serve
+
+    from pdserve.app_builder import build_app
+    from pdserve.models import resolve_model
+    from pdserve.serve_config import AppConfig
+
+    cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
+    updates = {k: v for k, v in {"model": args.model, "mode": args.mode, "model_cache": args.model_cache}.items() if v is not None}
+    data = cfg.model_dump()
+    data.update(updates)
+    for pool, n in (("prefill", args.prefill_replicas), ("decode", args.decode_replicas)):
+        if n is not None:
+            data[pool]["num_replicas"] = n
+    if args.address is None:
+        data["transfer"]["host"] = "127.0.0.1" if data["transfer"]["host"] == "auto" else data["transfer"]["host"]
+    cfg = AppConfig.model_validate(data)
+    print(f"preparing model {cfg.model} ...", flush=True)
+    resolve_model(cfg.model, cfg.model_cache)
+    if args.address is None:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, logging_level="WARNING")
+    else:
+        ray.init(address=args.address, logging_level="WARNING")
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(cfg), name="pdserve", route_prefix=cfg.route_prefix, blocking=False)
+    base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    _wait_healthy(base, timeout=600)
+    print(f"\npdserve is up ({cfg.mode}) at {base}  model: {cfg.model_name}\n\n"
+          f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{cfg.model_name}\", \"messages\": [{{\"role\": \"user\", "
+          f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'\n\nCtrl-C stops everything.", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _wait_healthy(base: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(1)
+    raise SystemExit(f"the service did not become healthy within {timeout:.0f} s")
+
+
+def _generate(args) -> int:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from pdserve.models import resolve_model
+
+    model_dir = resolve_model(args.model, args.model_cache)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_threads=args.threads))
+    tok = engine.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                  tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    out = engine.generate([ids], params)[0]
+    print(json.dumps({"text": out.text, "finish_reason": out.finish_reason,
+                      "prompt_tokens": len(ids), "completion_tokens": len(out.token_ids)}, ensure_ascii=False))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="start the OpenAI-compatible service on Ray Serve")
+    s.add_argument("--config", help="Serve config YAML (see serve_config.yaml)")
+    s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    s.add_argument("--address", help="existing Ray cluster address (e.g. 'auto' on a `ray up` head node); "
+                                     "default: start a local cluster")
+    s.add_argument("--model", help="default model id or a local HF model directory")
+    s.add_argument("--model-cache", help="where the default model is converted and cached")
+    s.add_argument("--mode", choices=["disaggregated", "colocated"])
+    s.add_argument("--prefill-replicas", type=int)
+    s.add_argument("--decode-replicas", type=int)
+    s.set_defaults(fn=_serve)
+    g = sub.add_parser("generate", help="one-shot chat generation with a local engine (no Ray)")
+    g.add_argument("prompt")
+    g.add_argument("--model", default="SmolLM2-135M-Instruct")
+    g.add_argument("--model-cache")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--threads", type=int)
+    g.set_defaults(fn=_generate)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Colocated replica: one engine does both phases (the baseline and the fallback mode).
+
+Life cycle of a request here (`generate`)
+  1. decode the request; 2. queue the prompt (the engine prefills it in chunks and decodes
+  it with continuous batching); 3. stream TokenEvents until it finishes. Leaving early
+  aborts the request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from engine.async_engine import EngineDeadError
+from pdserve import messages
+from pdserve.engine_host import EngineHost
+from pdserve.replica_util import error_event, token_event
+from pdserve.serve_config import AppConfig
+
+
+@serve.deployment
+class ColocatedServer:
+    def __init__(self, config: dict, registry=None):
+        self.host = EngineHost(AppConfig.model_validate(config), "colocated", registry)
+
+    async def record_routing_stats(self) -> dict:
+        self.host.start_stats_pusher()
+        return await self.host.routing_stats()
+
+    async def check_health(self) -> None:
+        if not self.host.aengine.alive():
+            raise RuntimeError("engine thread is dead")
+
+    async def generate(self, data: bytes):
+        self.host.start_stats_pusher()
+        try:
+            req = messages.decode(data, expect=messages.GenerateRequest)
+        except messages.MessageError as exc:
+            yield error_event("", str(exc), 400, "invalid_request_error")
+            return
+        rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
+        error = await self.host.aengine.call(lambda e: e.check_request(rid, len(ids), params))
+        if error is not None:
+            yield error_event(rid, error, 400, "invalid_request_error")
+            return
+        try:
+            async for out in self.host.aengine.stream(rid, lambda e: e.add_request(rid, ids, params)):
+                yield token_event(out)
+        except EngineDeadError as exc:
+            yield error_event(rid, str(exc), 500)
+
+    async def stats(self) -> bytes:
+        return messages.encode(await self.host.stats())

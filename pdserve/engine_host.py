@@ -1,0 +1,75 @@
+"""What every engine replica (prefill, decode, colocated) does the same way: resolve the
+model, build the engine on its thread, and report its load.
+
+Stats go two ways: `record_routing_stats` (Serve's request routers read them) and a push
+to the `StatsRegistry` deployment every `STATS_PERIOD_S` (the router's /metrics reads it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from pdserve import messages
+from pdserve.models import resolve_model
+from pdserve.serve_config import AppConfig
+
+log = logging.getLogger(__name__)
+STATS_PERIOD_S = 0.5
+
+
+def replica_id() -> str:
+    try:
+        from ray import serve
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (tests, CLI)
+        return f"local-{os.getpid()}"
+
+
+class EngineHost:
+    def __init__(self, config: AppConfig, pool: str, registry=None):
+        self.config = config
+        self.pool = pool
+        self.replica_id = replica_id()
+        model_dir = resolve_model(config.model, config.model_cache, progress=False)
+        engine = LLMEngine(config.engine_for(pool).engine_config(str(model_dir)))
+        self.engine = engine
+        self.aengine = AsyncEngine(engine)
+        self.model_dir = model_dir
+        self._registry = registry
+        self._pusher: asyncio.Task | None = None
+        log.info("%s replica %s: %d KV blocks of %d tokens (%s on %s), max_model_len %d", pool,
+                 self.replica_id, engine.block_manager.num_blocks, engine.config.block_size,
+                 engine.runner.kv_shape.dtype, engine.runner.device, engine.max_model_len)
+
+    def start_stats_pusher(self) -> None:
+        """Call from the replica's event loop (first request or an async init)."""
+        if self._registry is not None and self._pusher is None:
+            self._pusher = asyncio.get_running_loop().create_task(self._push_stats())
+
+    async def stats(self) -> messages.ReplicaStats:
+        s = await self.aengine.call(lambda e: e.stats())
+        extra = {k: s[k] for k in ("preemptions", "prefix_cache_hit_tokens", "prefix_cache_query_tokens")}
+        return messages.ReplicaStats(self.pool, self.replica_id, s["kv_blocks_total"], s["kv_blocks_free"],
+                                     s["running"], s["waiting"], s["waiting_prompt_tokens"], extra)
+
+    async def routing_stats(self) -> dict:
+        s = await self.stats()
+        return {"kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
+                "running": s.running, "waiting_prompt_tokens": s.waiting_prompt_tokens}
+
+    async def _push_stats(self) -> None:
+        while True:
+            try:
+                await self._registry.report.remote(messages.encode(await self.stats()))
+            except Exception as exc:  # noqa: BLE001 - the registry may be restarting
+                log.debug("stats push failed: %s", exc)
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    def shutdown(self) -> None:
+        if self._pusher is not None:
+            self._pusher.cancel()
+        self.aengine.shutdown()

@@ -1,0 +1,163 @@
+"""Every message between the router and the prefill/decode/colocated replicas.
+
+One frozen dataclass per message; `encode` and `decode` turn them into msgpack bytes with
+a version and a type tag, and `decode` refuses oversized, malformed or unknown input with
+`MessageError`. Ray carries the bytes; nothing is pickled on our wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import msgpack
+
+from engine.sampling_params import SamplingParams
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 2**20
+
+
+class MessageError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class WireSamplingParams:
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    min_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    seed: int | None
+
+    @classmethod
+    def of(cls, p: SamplingParams) -> "WireSamplingParams":
+        return cls(p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens, tuple(p.stop),
+                   tuple(p.stop_token_ids), p.ignore_eos, p.seed)
+
+    def to_params(self) -> SamplingParams:
+        return SamplingParams(**dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Router -> colocated replica: run a prompt to the end, streaming `TokenEvent`s."""
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: WireSamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """Router -> prefill replica: compute the prompt, return the first token, and push the
+    K/V to the decode replica at `kv_address` (unless the first token ends the request)."""
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: WireSamplingParams
+    kv_address: str
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """Prefill replica -> router. `finish_reason` set: the request ended at its first token
+    and no K/V was sent. `error` set: nothing was produced and nothing is held."""
+    request_id: str
+    first_token: int = -1
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    prefill_seconds: float = 0.0
+    error: str | None = None
+    error_code: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """Router -> decode replica: receive the prompt's K/V, then decode from `first_token`."""
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    first_token: int
+    params: WireSamplingParams
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Replica -> router, streamed: new tokens and text; `finished` on the last one."""
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """Replica -> router: the request failed; `code` is the HTTP status to report."""
+    request_id: str
+    message: str
+    code: int = 500
+    kind: str = "server_error"
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """Replica -> stats registry, periodically: what /metrics and the routers read."""
+    pool: str
+    replica_id: str
+    kv_blocks_total: int
+    kv_blocks_free: int
+    running: int
+    waiting: int
+    waiting_prompt_tokens: int
+    extra: dict = field(default_factory=dict)
+
+
+MESSAGES = {cls.__name__: cls for cls in (GenerateRequest, PrefillRequest, PrefillResult,
+                                           DecodeRequest, TokenEvent, ErrorEvent, ReplicaStats)}
+
+
+def encode(msg) -> bytes:
+    name = type(msg).__name__
+    assert name in MESSAGES, f"not a wire message: {name}"
+    return msgpack.packb([VERSION, name, dataclasses.asdict(msg)], use_bin_type=True)
+
+
+def decode(data: bytes, expect: type | None = None):
+    if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError("message is not bytes or exceeds the size limit")
+    try:
+        version, name, body = msgpack.unpackb(data, raw=False, max_bin_len=MAX_MESSAGE_BYTES,
+                                              max_str_len=MAX_MESSAGE_BYTES, strict_map_key=True)
+    except Exception as exc:  # noqa: BLE001 - any malformed input is one error
+        raise MessageError(f"malformed message: {exc}") from None
+    if version != VERSION:
+        raise MessageError(f"unsupported message version {version!r} (this side speaks {VERSION})")
+    cls = MESSAGES.get(name)
+    if cls is None or (expect is not None and cls is not expect):
+        raise MessageError(f"unexpected message type {name!r}")
+    if not isinstance(body, dict):
+        raise MessageError("message body is not a map")
+    try:
+        return _build(cls, body)
+    except (TypeError, ValueError) as exc:
+        raise MessageError(f"bad {name}: {exc}") from None
+
+
+def _build(cls, body: dict):
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            continue
+        value = body[f.name]
+        if f.name == "params":
+            value = WireSamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)

@@ -1,0 +1,23 @@
+"""Small helpers the replicas share: the KV bind address and event encoding."""
+
+from __future__ import annotations
+
+from engine.outputs import RequestOutput
+from pdserve import messages
+
+
+def kv_bind_host(configured: str) -> str:
+    if configured != "auto":
+        return configured
+    import ray
+    return ray.util.get_node_ip_address()
+
+
+def token_event(out: RequestOutput) -> bytes:
+    return messages.encode(messages.TokenEvent(
+        out.request_id, tuple(out.new_token_ids), out.new_text, out.finished, out.finish_reason,
+        out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens))
+
+
+def error_event(request_id: str, message: str, code: int = 500, kind: str = "server_error") -> bytes:
+    return messages.encode(messages.ErrorEvent(request_id, message, code, kind))

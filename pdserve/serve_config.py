@@ -1,0 +1,104 @@
+"""Serving configuration: pydantic models with a description on every field.
+
+`AppConfig` is what `build_app` takes and what the Serve config YAML holds under
+`args:`. Cross-field checks (prefill and decode must agree on the KV format) run on load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import EngineConfig
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineOptions(_Model):
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and KV dtype; auto = bf16 on CUDA, fp32 on CPU.")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N.")
+    kv_cache_memory: str | float = Field(
+        "auto", description="KV pool budget: 'auto', a fraction of free memory, or a size like '1GiB'.")
+    block_size: int = Field(16, description="Tokens per KV block (must match across pools).")
+    max_num_batched_tokens: int = Field(512, description="Token budget per engine step (prefill chunk size).")
+    max_num_seqs: int = Field(64, description="Most sequences running at once in one replica.")
+    max_model_len: int | None = Field(None, description="Longest prompt + output; default: the model's.")
+    enable_prefix_caching: bool = Field(True, description="Reuse K/V blocks of identical prompt prefixes.")
+    num_threads: int | None = Field(1, description="torch intra-op threads per replica (CPU).")
+
+    def engine_config(self, model_dir: str) -> EngineConfig:
+        return EngineConfig(model=model_dir, **self.model_dump())
+
+
+class PoolConfig(_Model):
+    num_replicas: int = Field(1, ge=1, description="Replicas in this pool (fixed; autoscaling: see autoscaling).")
+    num_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved per replica.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (CUDA is used when >0 and available).")
+    resources: dict[str, float] = Field(default_factory=dict,
+                                        description="Custom Ray resources per replica (e.g. a node type).")
+    max_ongoing_requests: int = Field(256, ge=1, description="Requests a replica accepts at once.")
+    engine: EngineOptions | None = Field(None, description="Overrides the shared engine options for this pool.")
+
+
+class TransferOptions(_Model):
+    connect_timeout_s: float = Field(10.0, gt=0, description="Building a sender-receiver pair.")
+    transfer_timeout_s: float = Field(30.0, gt=0, description="One KV transfer, header to ack.")
+    lease_s: float = Field(30.0, gt=0, description="Decode side: a reservation not filled in time is freed.")
+    secret: str = Field("", description="Shared secret a sender must present to a receiver ('' = none).")
+    host: str = Field("auto", description="Address the decode replicas' KV rendezvous binds and publishes; "
+                                          "auto = the Ray node's IP.")
+
+    def transfer_config(self):
+        from kv_transfer import TransferConfig
+        return TransferConfig(connect_timeout_s=self.connect_timeout_s, transfer_timeout_s=self.transfer_timeout_s,
+                              lease_s=self.lease_s, secret=self.secret)
+
+
+class AppConfig(_Model):
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="Separate prefill/decode pools, or one engine pool doing both.")
+    model: str = Field("SmolLM2-135M-Instruct", description="Default model id or a local HF model directory.")
+    served_model_name: str | None = Field(None, description="Model id in the API; default: the model's name.")
+    model_cache: str | None = Field(None, description="Where the default model is converted and cached.")
+    engine: EngineOptions = Field(default_factory=EngineOptions, description="Engine options for every pool.")
+    prefill: PoolConfig = Field(default_factory=PoolConfig, description="The prefill pool.")
+    decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode pool.")
+    colocated: PoolConfig = Field(default_factory=PoolConfig, description="The pool used in colocated mode.")
+    transfer: TransferOptions = Field(default_factory=TransferOptions, description="KV transfer timeouts.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request end to end.")
+    route_prefix: str = Field("/", description="HTTP route prefix of the app.")
+
+    @model_validator(mode="after")
+    def _pools_agree(self):
+        p, d = self.engine_for("prefill"), self.engine_for("decode")
+        for name in ("dtype", "block_size"):
+            if getattr(p, name) != getattr(d, name):
+                raise ValueError(f"prefill and decode must use the same {name} "
+                                 f"({getattr(p, name)!r} != {getattr(d, name)!r}): their KV blocks are exchanged")
+        for pool in ("prefill", "decode", "colocated"):
+            self.engine_for(pool).engine_config("<model>")   # EngineConfig validates the rest
+        return self
+
+    def engine_for(self, pool: str) -> EngineOptions:
+        override = getattr(self, pool).engine
+        if override is None:
+            return self.engine
+        return self.engine.model_copy(update=override.model_dump(exclude_unset=True))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model.rstrip("/")).name
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "AppConfig":
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        # accept a Serve config file: applications[0].args
+        if "applications" in data:
+            data = data["applications"][0].get("args", {})
+        return cls.model_validate(data)

@@ -1,0 +1,31 @@
+"""A one-replica Serve deployment that keeps the latest `ReplicaStats` of every engine
+replica, so the router's /metrics can show every pool and replica.
+
+Replicas push every 0.5 s; an entry not refreshed for `STALE_S` (a dead or removed replica)
+is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ray import serve
+
+from pdserve import messages
+
+STALE_S = 5.0
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class StatsRegistry:
+    def __init__(self):
+        self._stats: dict[tuple[str, str], tuple[float, bytes]] = {}
+
+    def report(self, data: bytes) -> None:
+        stats = messages.decode(data, expect=messages.ReplicaStats)
+        self._stats[(stats.pool, stats.replica_id)] = (time.monotonic(), data)
+
+    def snapshot(self) -> list[bytes]:
+        now = time.monotonic()
+        self._stats = {k: v for k, v in self._stats.items() if now - v[0] < STALE_S}
+        return [data for _, data in self._stats.values()]

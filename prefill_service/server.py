@@ -1,0 +1,108 @@
+"""Prefill replica: a Serve deployment holding an engine in the prefill role.
+
+Life cycle of a request here (`prefill`)
+  1. check    validate the request against the engine (context length, parameters)
+  2. prefill  queue the prompt; the engine batches waiting prompts under its token budget
+              with chunked prefill, samples the first token, and holds the prompt's blocks
+  3. answer   return the first token at once (TTFT does not wait for the transfer)
+  4. push     in the background, send the blocks to the decode replica at `kv_address`;
+  5. release  free the held blocks after the ack or on failure
+When the first token already ends the request (EOS, max_tokens=1) step 4 is skipped.
+Block ownership: the engine holds the blocks from step 2; once the first token exists a
+shielded hand-off task owns them and always releases them (step 5), whatever happens to the
+caller. Leaving during step 2 (router cancelled) aborts the request, which frees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+
+from ray import serve
+
+from engine.async_engine import EngineDeadError
+from kv_transfer import KVSender, fingerprint_for
+from pdserve import messages
+from pdserve.engine_host import EngineHost
+from pdserve.serve_config import AppConfig
+
+log = logging.getLogger(__name__)
+
+
+@serve.deployment
+class PrefillServer:
+    def __init__(self, config: dict, registry=None):
+        cfg = AppConfig.model_validate(config)
+        self.host = EngineHost(cfg, "prefill", registry)
+        kv = self.host.engine.runner.kv_pool
+        self.sender = KVSender(kv, fingerprint_for(kv, cfg.model_name), cfg.transfer.transfer_config())
+        self._send_pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
+        self._handoffs: set[asyncio.Task] = set()
+        self.transfers = {"ok": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+
+    async def record_routing_stats(self) -> dict:
+        self.host.start_stats_pusher()
+        return await self.host.routing_stats()
+
+    async def check_health(self) -> None:
+        if not self.host.aengine.alive():
+            raise RuntimeError("prefill engine thread is dead")
+
+    async def prefill(self, data: bytes) -> bytes:
+        self.host.start_stats_pusher()
+        try:
+            req = messages.decode(data, expect=messages.PrefillRequest)
+        except messages.MessageError as exc:
+            return messages.encode(messages.PrefillResult("", error=str(exc), error_code=400))
+        rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
+        # 1. check
+        error = await self.host.aengine.call(lambda e: e.check_request(rid, len(ids), params))
+        if error is not None:
+            return messages.encode(messages.PrefillResult(rid, error=error, error_code=400))
+        # 2. prefill
+        start = time.monotonic()
+        first = None
+        try:
+            async for out in self.host.aengine.stream(
+                    rid, lambda e: e.add_request(rid, ids, params, hold_blocks=True)):
+                first = out
+        except EngineDeadError as exc:
+            return messages.encode(messages.PrefillResult(rid, error=str(exc), error_code=500))
+        assert first is not None and first.finished
+        # 3. answer, 4. push and 5. release in a task the caller cannot cancel
+        task = asyncio.ensure_future(self._handoff(req, first, time.monotonic() - start))
+        self._handoffs.add(task)
+        task.add_done_callback(self._handoffs.discard)
+        return await asyncio.shield(task)
+
+    async def _handoff(self, req: messages.PrefillRequest, first, seconds: float) -> bytes:
+        rid = req.request_id
+        result = messages.PrefillResult(rid, first.new_token_ids[0], first.finish_reason,
+                                        first.num_cached_tokens, seconds)
+        if first.finish_reason is not None:
+            await self.host.aengine.call(lambda e: e.release(rid))
+        else:
+            blocks = await self.host.aengine.call(lambda e: e.held_blocks(rid))
+            push = asyncio.ensure_future(self._push(req.kv_address, rid, blocks))
+            self._handoffs.add(push)
+            push.add_done_callback(self._handoffs.discard)
+        return messages.encode(result)
+
+    async def _push(self, address: str, rid: str, blocks: list[int]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            res = await loop.run_in_executor(self._send_pool, self.sender.send, address, rid, blocks)
+            key = "ok" if res.ok else "failed"
+            self.transfers[key] += 1
+            if res.ok:
+                self.transfers["bytes"] += res.nbytes
+                self.transfers["seconds"] += res.seconds
+            else:
+                log.warning("KV transfer of %s to %s failed: %s", rid, address, res.error)
+        finally:
+            self.host.aengine.submit(lambda e: e.release(rid))
+
+    async def stats(self) -> bytes:
+        return messages.encode(await self.host.stats())

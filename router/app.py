@@ -1,0 +1,187 @@
+"""The router: a FastAPI ingress deployment serving the OpenAI-compatible API.
+
+Life cycle of an HTTP request
+  1. validate  the body (pydantic, strict); errors are 400s in OpenAI's error format
+  2. tokenize  the prompt or apply the chat template (tokenization lives here, not in pools)
+  3. run       the orchestrator: decode replica chosen, prefill there, decode streams back
+  4. respond   one JSON body, or server-sent events ending in `data: [DONE]`; a failure
+               before the first token is an HTTP error, after it an error event in the stream
+A client that disconnects cancels step 3, which aborts the request in every pool.
+"""
+
+
+import asyncio
+import json
+import uuid
+from collections import Counter
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from ray import serve
+from transformers import AutoConfig, AutoTokenizer
+
+from pdserve import messages
+from pdserve.models import resolve_model
+from pdserve.serve_config import AppConfig
+from router.metrics import render
+from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, completion_body, error_body,
+                                    error_response, usage)
+from router.orchestrator import Orchestrator, RequestFailed
+
+app = FastAPI(title="pdserve", description="Disaggregated prefill/decode LLM serving (OpenAI-compatible)")
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
+                        for e in errors[:5]) or "invalid request"
+    return error_response(400, message, param=param)
+
+
+@serve.deployment
+@serve.ingress(app)
+class Router:
+    def __init__(self, config: dict, prefill=None, decode=None, colocated=None, registry=None):
+        self.config = AppConfig.model_validate(config)
+        model_dir = resolve_model(self.config.model, self.config.model_cache, progress=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        hf = AutoConfig.from_pretrained(model_dir)
+        self.max_model_len = min(self.config.engine.max_model_len or 10**9,
+                                 getattr(hf, "max_position_embeddings", 2048))
+        self.model_name = self.config.model_name
+        self.registry = registry
+        self.orchestrator = Orchestrator(self.config.mode, self.tokenizer, prefill, decode, colocated)
+        self.outcomes: Counter = Counter()
+
+    # ---- plain endpoints ----------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self):
+        pools = {s.pool for s in await self._stats()}
+        needed = {"colocated"} if self.config.mode == "colocated" else {"prefill", "decode"}
+        missing = needed - pools
+        if missing:
+            return error_response(503, f"no ready replica yet in: {', '.join(sorted(missing))}", "unavailable")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve", "max_model_len": self.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        return PlainTextResponse(render(await self._stats(), self.outcomes),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def _stats(self) -> list[messages.ReplicaStats]:
+        if self.registry is None:
+            return []
+        return [messages.decode(d, expect=messages.ReplicaStats) for d in await self.registry.snapshot.remote()]
+
+    # ---- generation -----------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        if isinstance(body.prompt, list):
+            if max(body.prompt) >= len(self.tokenizer):
+                return error_response(400, f"token id out of range (vocabulary size {len(self.tokenizer)})",
+                                      param="prompt")
+            ids = list(body.prompt)
+        else:
+            ids = self.tokenizer.encode(body.prompt)
+        return await self._generate(body, ids, body.max_tokens, chat=False, prefix="cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        try:
+            ids = self.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tokenize=True)
+        except ValueError as exc:
+            return error_response(400, str(exc), param="messages")
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return await self._generate(body, ids, body.max_completion_tokens or body.max_tokens, chat=True,
+                                    prefix="chatcmpl")
+
+    async def _generate(self, body, ids: list[int], max_tokens: int | None, chat: bool, prefix: str):
+        if body.model != self.model_name:
+            return error_response(404, f"model {body.model!r} does not exist; this server serves "
+                                  f"{self.model_name!r}", param="model", code="model_not_found")
+        if not ids:
+            return error_response(400, "the prompt is empty", param="prompt")
+        room = self.max_model_len - len(ids)
+        if max_tokens is None:
+            max_tokens = room
+        if room < 1 or max_tokens > room:
+            return error_response(400, f"this model's maximum context length is {self.max_model_len} tokens; "
+                                  f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}",
+                                  param="max_tokens")
+        params = body.sampling_params(max_tokens)
+        error = params.validate()
+        if error:
+            return error_response(400, error)
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        events = self._timed(self.orchestrator.run(rid, ids, params))
+        try:
+            first = await events.__anext__()
+        except RequestFailed as exc:
+            self.outcomes["error"] += 1
+            return error_response(exc.code, exc.message, exc.kind)
+        if body.stream:
+            return StreamingResponse(self._sse(body, rid, first, events, chat),
+                                     media_type="text/event-stream")
+        return await self._collect(body, rid, first, events, chat)
+
+    async def _timed(self, events):
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                async for ev in events:
+                    yield ev
+        except TimeoutError:
+            raise RequestFailed(504, f"request exceeded its deadline of {self.config.request_timeout_s} s",
+                                "timeout") from None
+
+    async def _collect(self, body, rid, first, events, chat):
+        text, last = first.text, first
+        try:
+            async for ev in events:
+                text += ev.text
+                last = ev
+        except RequestFailed as exc:
+            self.outcomes["error"] += 1
+            return error_response(exc.code, exc.message, exc.kind)
+        self.outcomes["ok"] += 1
+        use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+        return completion_body(rid, self.model_name, text, last.finish_reason, chat, chunk=False, use=use)
+
+    async def _sse(self, body, rid, first, events, chat):
+        def data(obj) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        last, outcome = first, "aborted"
+        try:
+            if chat:
+                yield data(completion_body(rid, self.model_name, "", None, True, chunk=True, first=True))
+            ev = first
+            while True:
+                if ev.text or ev.finished:
+                    yield data(completion_body(rid, self.model_name, ev.text, ev.finish_reason if ev.finished else None,
+                                               chat, chunk=True))
+                last = ev
+                if ev.finished:
+                    break
+                ev = await events.__anext__()
+            if body.include_usage:
+                use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+                yield data(completion_body(rid, self.model_name, None, None, chat, chunk=True, use=use))
+            outcome = "ok"
+        except RequestFailed as exc:
+            outcome = "error"
+            yield data(error_body(exc.message, exc.kind, exc.code))
+        except StopAsyncIteration:
+            outcome = "error"
+            yield data(error_body("the stream ended without finishing", "server_error", 500))
+        finally:
+            self.outcomes[outcome] += 1
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,164 @@
+"""OpenAI-compatible request models and response builders.
+
+Requests are validated strictly (unknown fields and out-of-range values are 400 errors in
+OpenAI's error format); `sampling_params` maps them to the engine's SamplingParams, adding
+vLLM's widely used extensions top_k, min_tokens and ignore_eos.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.sampling_params import SamplingParams
+
+MAX_TOKENS_DEFAULT_COMPLETION = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    user: str | None = None
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported (must be 0)")
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported (must be 0)")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop sequences")
+        return v
+
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+                              max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
+                              stop=self.stop_list(), ignore_eos=self.ignore_eos, seed=self.seed)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(MAX_TOKENS_DEFAULT_COMPLETION, ge=1)
+    echo: Literal[False] = False
+    logprobs: None = None
+    suffix: None = None
+    best_of: int | None = Field(None, ge=1, le=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if isinstance(v[0], str):
+                if len(v) != 1:
+                    raise ValueError("only one prompt per request is supported")
+                v = v[0]
+            elif any((not isinstance(t, int)) or t < 0 for t in v):
+                raise ValueError("token prompts must be non-negative integers")
+        if isinstance(v, str) and not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: Literal[False] | None = None
+    tools: None = None
+    response_format: dict | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v):
+        if v is not None and v.get("type") != "text":
+            raise ValueError("only response_format type 'text' is supported")
+        return v
+
+    def conversation(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+# ---- responses --------------------------------------------------------------------------------
+def error_response(status: int, message: str, kind: str = "invalid_request_error",
+                   param: str | None = None, code: str | int | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers,
+                        content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def error_body(message: str, kind: str, code: int | str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def completion_body(rid: str, model: str, text: str | None, finish: str | None, chat: bool,
+                    chunk: bool, use: dict | None = None, first: bool = False) -> dict:
+    """A response (chunk=False) or one stream chunk; text None = a usage-only chunk."""
+    choices = []
+    if text is not None:
+        if chat:
+            key = "delta" if chunk else "message"
+            msg = {"content": text} if chunk else {"role": "assistant", "content": text}
+            if chunk and first:
+                msg = {"role": "assistant", "content": text}
+            choices = [{"index": 0, key: msg, "logprobs": None, "finish_reason": finish}]
+        else:
+            choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    obj = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
+    if use is not None or not chunk:
+        body["usage"] = use
+    return body

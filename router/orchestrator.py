@@ -1,0 +1,72 @@
+"""Runs one request across the pools and yields its TokenEvents.
+
+Disaggregated, three steps (the order matters for block ownership):
+  1. choose the decode replica (a slot is reserved on it; its KV address is in its metadata);
+  2. prefill on a prefill replica with that address: it returns the first token at once and
+     pushes the prompt's KV to the decode replica in the background;
+  3. dispatch the decode to exactly that replica: it reserves blocks, receives the KV (the
+     push waits for the reservation) and streams tokens from the first one on.
+If the first token already ends the request, step 3 is skipped and the decode slot released.
+Colocated: one call to the colocated pool.
+Failures raise `RequestFailed` with the HTTP status to report; cancelling the iterator (client
+gone) cancels the replica calls, which abort the request there and free its blocks.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from pdserve import messages
+from pdserve.messages import WireSamplingParams
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: int, message: str, kind: str = "server_error"):
+        super().__init__(message)
+        self.code, self.message, self.kind = code, message, kind
+
+
+def _check(event) -> messages.TokenEvent:
+    if isinstance(event, messages.ErrorEvent):
+        raise RequestFailed(event.code, event.message, event.kind)
+    return event
+
+
+class Orchestrator:
+    def __init__(self, mode: str, tokenizer, prefill=None, decode=None, colocated=None):
+        self.mode = mode
+        self.tokenizer = tokenizer
+        if mode == "colocated":
+            self.colocated = colocated.options(stream=True).generate
+        else:
+            self.prefill = prefill.prefill
+            self.decode = decode.options(stream=True).generate
+            self._decode_handle = decode.options(stream=True)
+
+    async def run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:
+        wire = WireSamplingParams.of(params)
+        if self.mode == "colocated":
+            async for data in self.colocated.remote(messages.encode(messages.GenerateRequest(rid, tuple(prompt), wire))):
+                yield _check(messages.decode(data))
+            return
+        # 1. choose the decode replica
+        async with self.decode.choose_replica() as selection:
+            address = selection.replica_metadata.get("kv_address")
+            if not address:
+                raise RequestFailed(503, "the chosen decode replica has no KV address yet", "overloaded")
+            # 2. prefill there
+            result = messages.decode(await self.prefill.remote(messages.encode(
+                messages.PrefillRequest(rid, tuple(prompt), wire, address))), expect=messages.PrefillResult)
+            if result.error is not None:
+                kind = "invalid_request_error" if result.error_code == 400 else "server_error"
+                raise RequestFailed(result.error_code, result.error, kind)
+            if result.finish_reason is not None:
+                text = self.tokenizer.decode([result.first_token], skip_special_tokens=True)
+                yield messages.TokenEvent(rid, (result.first_token,), text, True, result.finish_reason,
+                                          len(prompt), 1, result.num_cached_tokens)
+                return
+            # 3. decode on exactly that replica
+            stream = self._decode_handle.dispatch(selection, messages.encode(
+                messages.DecodeRequest(rid, tuple(prompt), result.first_token, wire)))
+            async for data in stream:
+                yield _check(messages.decode(data))
