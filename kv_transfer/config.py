@@ -27,6 +27,10 @@ class TransferConfig:
             and the engine may free the blocks. A transfer already running when the lease ends
             is drained, not written, so the future resolves at worst `lease_s +
             transfer_timeout_s` after `expect`. Default 60 s.
+        reservation_wait_s: how long a transfer whose header arrives before its reservation
+            waits for `expect` (the router dispatches the decode request after the prefill
+            replica may have started pushing); after it the data is drained and nacked. Must be
+            below transfer_timeout_s. Default 10 s.
         chunk_bytes: largest single message of KV data, hence the size of one staging buffer.
             Each pair keeps two staging buffers (double buffering), so staging memory is at most
             `2 * chunk_bytes` per pair and side. Must hold at least one block. Default 32 MiB.
@@ -43,16 +47,20 @@ class TransferConfig:
     connect_timeout_s: float = 10.0
     transfer_timeout_s: float = 30.0
     lease_s: float = 60.0
+    reservation_wait_s: float = 10.0
     chunk_bytes: int = 32 * MiB
     pair_idle_timeout_s: float = 600.0
     max_pairs: int = 64
     secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "transfer_timeout_s", "lease_s", "pair_idle_timeout_s"):
+        for name in ("connect_timeout_s", "transfer_timeout_s", "lease_s", "pair_idle_timeout_s",
+                     "reservation_wait_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"TransferConfig.{name} must be a positive number, got {value!r}")
+        if self.reservation_wait_s >= self.transfer_timeout_s:
+            raise ValueError("TransferConfig.reservation_wait_s must be below transfer_timeout_s")
         if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int):
             raise ValueError(f"TransferConfig.chunk_bytes must be an int, got {self.chunk_bytes!r}")
         if not 1024 <= self.chunk_bytes <= 1 << 31:

@@ -104,7 +104,7 @@ class ReceiverPair:
         self._check(hdr)
         deadline = time.monotonic() + self.config.transfer_timeout_s
         rid = hdr.request_id
-        dst = self.reservations.begin(rid, hdr.num_blocks)
+        dst = self.reservations.begin(rid, hdr.num_blocks, self.config.reservation_wait_s)
         landing = not isinstance(dst, str)
         try:
             nbytes, complete = recv_chunks(

@@ -72,14 +72,23 @@ class Reservations:
             self._cond.notify_all()
         return res.future
 
-    def begin(self, request_id: str, num_blocks: int) -> tuple[int, ...] | str:
+    def begin(self, request_id: str, num_blocks: int, wait_s: float = 0.0) -> tuple[int, ...] | str:
         """PENDING -> TRANSFERRING for an incoming transfer of `num_blocks` blocks.
 
-        Returns the destination block ids, or a reason string when the data must be drained
-        instead (unknown/expired id, not PENDING, block-count mismatch; a mismatch also fails
-        the reservation)."""
+        A header may arrive before its reservation (the decode replica reserves when its
+        request is dispatched, which can be after the prefill replica started pushing): an
+        id never seen waits up to `wait_s` for `add`. Returns the destination block ids, or
+        a reason string when the data must be drained instead (unknown/expired id, not
+        PENDING, block-count mismatch; a mismatch also fails the reservation)."""
         with self._cond:
             res = self._open.get(request_id)
+            deadline = time.monotonic() + wait_s
+            while res is None and not self._closed and request_id not in self._finished:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+                res = self._open.get(request_id)
             if res is None:
                 return f"unknown or expired request {request_id!r}"
             if res.state is not TransferState.PENDING:

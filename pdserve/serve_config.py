@@ -50,6 +50,8 @@ class TransferOptions(_Model):
     connect_timeout_s: float = Field(10.0, gt=0, description="Building a sender-receiver pair.")
     transfer_timeout_s: float = Field(30.0, gt=0, description="One KV transfer, header to ack.")
     lease_s: float = Field(30.0, gt=0, description="Decode side: a reservation not filled in time is freed.")
+    reservation_wait_s: float = Field(10.0, gt=0, description="Decode side: how long a KV push that arrives "
+                                      "before its request waits for the reservation.")
     secret: str = Field("", description="Shared secret a sender must present to a receiver ('' = none).")
     host: str = Field("auto", description="Address the decode replicas' KV rendezvous binds and publishes; "
                                           "auto = the Ray node's IP.")
@@ -57,7 +59,8 @@ class TransferOptions(_Model):
     def transfer_config(self):
         from kv_transfer import TransferConfig
         return TransferConfig(connect_timeout_s=self.connect_timeout_s, transfer_timeout_s=self.transfer_timeout_s,
-                              lease_s=self.lease_s, secret=self.secret)
+                              lease_s=self.lease_s, reservation_wait_s=self.reservation_wait_s,
+                              secret=self.secret)
 
 
 class AppConfig(_Model):
