@@ -74,8 +74,11 @@ class DecodeServer:
             raise
         if not result.ok:
             self._release(blocks)
+            self.host.count("kv_transfers_failed")
             yield error_event(rid, f"KV transfer failed: {result.error}", 502)
             return
+        self.host.count("kv_transfers_landed")
+        self.host.count("kv_bytes_received", result.nbytes)
         # 4. admit, 5. stream
         params = req.params.to_params()
 
@@ -84,6 +87,7 @@ class DecodeServer:
             if error is not None:
                 engine.release_reservation(blocks)
                 raise ValueError(error)
+            self.host.count("requests_decoded")
             return engine.add_prefilled(rid, list(req.prompt_token_ids), req.first_token, params, blocks)
 
         try:

@@ -41,6 +41,7 @@ class EngineHost:
         self.model_dir = model_dir
         self._registry = registry
         self._pusher: asyncio.Task | None = None
+        self.counters: dict[str, float] = {}   # service-level counters, reported with the stats
         log.info("%s replica %s: %d KV blocks of %d tokens (%s on %s), max_model_len %d", pool,
                  self.replica_id, engine.block_manager.num_blocks, engine.config.block_size,
                  engine.runner.kv_shape.dtype, engine.runner.device, engine.max_model_len)
@@ -53,8 +54,12 @@ class EngineHost:
     async def stats(self) -> messages.ReplicaStats:
         s = await self.aengine.call(lambda e: e.stats())
         extra = {k: s[k] for k in ("preemptions", "prefix_cache_hit_tokens", "prefix_cache_query_tokens")}
+        extra.update(self.counters)
         return messages.ReplicaStats(self.pool, self.replica_id, s["kv_blocks_total"], s["kv_blocks_free"],
                                      s["running"], s["waiting"], s["waiting_prompt_tokens"], extra)
+
+    def count(self, name: str, amount: float = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + amount
 
     async def routing_stats(self) -> dict:
         s = await self.stats()

@@ -40,7 +40,6 @@ class PrefillServer:
         self.sender = KVSender(kv, fingerprint_for(kv, cfg.model_name), cfg.transfer.transfer_config())
         self._send_pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
         self._handoffs: set[asyncio.Task] = set()
-        self.transfers = {"ok": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
 
     async def record_routing_stats(self) -> dict:
         self.host.start_stats_pusher()
@@ -94,11 +93,10 @@ class PrefillServer:
         loop = asyncio.get_running_loop()
         try:
             res = await loop.run_in_executor(self._send_pool, self.sender.send, address, rid, blocks)
-            key = "ok" if res.ok else "failed"
-            self.transfers[key] += 1
+            self.host.count("kv_transfers_sent" if res.ok else "kv_transfers_failed")
             if res.ok:
-                self.transfers["bytes"] += res.nbytes
-                self.transfers["seconds"] += res.seconds
+                self.host.count("kv_bytes_sent", res.nbytes)
+                self.host.count("kv_transfer_seconds", res.seconds)
             else:
                 log.warning("KV transfer of %s to %s failed: %s", rid, address, res.error)
         finally:

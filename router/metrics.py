@@ -26,6 +26,12 @@ def render(stats: list[messages.ReplicaStats], outcomes: Counter) -> str:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         for s in sorted(stats, key=lambda s: (s.pool, s.replica_id)):
             lines.append(f'{name}{{pool="{_esc(s.pool)}",replica="{_esc(s.replica_id)}"}} {getattr(s, attr)}')
+    for key in sorted({k for s in stats for k in s.extra}):
+        name = f"pdserve_{key}"
+        lines += [f"# HELP {name} Replica counter {key}", f"# TYPE {name} counter"]
+        for s in sorted(stats, key=lambda s: (s.pool, s.replica_id)):
+            if key in s.extra:
+                lines.append(f'{name}{{pool="{_esc(s.pool)}",replica="{_esc(s.replica_id)}"}} {s.extra[key]}')
     lines += ["# HELP pdserve_requests_total Requests finished by the router, by outcome",
               "# TYPE pdserve_requests_total counter"]
     for outcome in ("ok", "error", "aborted"):

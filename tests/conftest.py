@@ -23,3 +23,44 @@ def default_model_dir() -> Path:
 def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
     """A tiny random llama (hidden 64, 2 layers) with the default model's tokenizer; seed 0."""
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0, tokenizer_dir=default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def prompts(default_model_dir) -> list[list[int]]:
+    """Sixteen chat and raw prompts of about 10 to 1,000 tokens (tests/engine_prompts.py)."""
+    from transformers import AutoTokenizer
+
+    from engine_prompts import chat_prompts
+    return chat_prompts(AutoTokenizer.from_pretrained(default_model_dir))
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(default_model_dir, prompts) -> list[list[int]]:
+    """Hugging Face `generate` (fp32, greedy) tokens for `prompts`, with max_tokens_for(i)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine_prompts import max_tokens_for
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    refs = []
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=max_tokens_for(i))
+            refs.append(out[0, len(p):].tolist())
+    return refs
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    """One local Ray cluster (on loopback) and Serve HTTP proxy on a free port per session."""
+    import ray
+    from ray import serve
+
+    from service_util import free_port
+    port = free_port()
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()

@@ -1,0 +1,161 @@
+"""End to end on a local Ray cluster: router -> prefill pool -> KV over gloo -> decode pool.
+
+One disaggregated app (1 prefill, 2 decode replicas) and one colocated app share the
+session's Ray cluster. Greedy HTTP output is compared token for token with Hugging Face
+`generate` (default model, fp32).
+"""
+
+import http.client as httpclient
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from ray import serve
+
+from engine_prompts import max_tokens_for
+from pdserve.app_builder import build_app
+from pdserve.serve_config import AppConfig
+from service_util import http, metrics, pools_all_free, sse_events, wait_healthy
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+ENGINE = {"kv_cache_memory": "160MiB", "dtype": "float32", "device": "cpu", "num_threads": 1}
+
+
+@pytest.fixture(scope="module")
+def disagg(ray_serve, default_model_dir):
+    cfg = AppConfig(mode="disaggregated", model=str(default_model_dir), served_model_name=MODEL,
+                    engine=ENGINE, decode={"num_replicas": 2}, transfer={"host": "127.0.0.1"},
+                    route_prefix="/pd")
+    serve.run(build_app(cfg), name="pd", route_prefix="/pd", blocking=False)
+    base = ray_serve + "/pd"
+    wait_healthy(base)
+    yield base
+    serve.delete("pd")
+
+
+@pytest.fixture(scope="module")
+def colocated(ray_serve, default_model_dir, disagg):
+    cfg = AppConfig(mode="colocated", model=str(default_model_dir), served_model_name=MODEL, engine=ENGINE,
+                    route_prefix="/co")
+    serve.run(build_app(cfg), name="co", route_prefix="/co", blocking=False)
+    base = ray_serve + "/co"
+    wait_healthy(base)
+    yield base
+    serve.delete("co")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def complete(base, ids, i, stream=False):
+    body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens_for(i), "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    status, text = http(base, "/v1/completions", body)
+    assert status == 200, text
+    if not stream:
+        out = json.loads(text)
+        return out["choices"][0]["text"], out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]
+    events = sse_events(text)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    usage = events[-2]["usage"]
+    return "".join(c["choices"][0]["text"] for c in chunks), usage["completion_tokens"], \
+        chunks[-1]["choices"][0]["finish_reason"]
+
+
+def expected(tokenizer, hf_tokens, i):
+    finish = "stop" if hf_tokens[-1] == tokenizer.eos_token_id else "length"
+    return tokenizer.decode(hf_tokens, skip_special_tokens=True), len(hf_tokens), finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_http_matches_hf(disagg, prompts, hf_greedy, tokenizer, stream):
+    for i in (0, 3, 12, 15):
+        assert complete(disagg, prompts[i], i, stream) == expected(tokenizer, hf_greedy[i], i)
+    assert pools_all_free(disagg, {"prefill", "decode"})
+
+
+def test_sixteen_concurrent_mixed_requests(disagg, prompts, hf_greedy, tokenizer):
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda i: complete(disagg, prompts[i], i, stream=i % 2 == 1), range(16)))
+    assert results == [expected(tokenizer, hf_greedy[i], i) for i in range(16)]
+    assert pools_all_free(disagg, {"prefill", "decode"})
+
+
+def test_both_decode_replicas_used_and_kv_goes_to_the_decoding_replica(disagg, prompts):
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: complete(disagg, prompts[i % 16], i % 16), range(24)))
+    m = metrics(disagg)
+    decode = {r for (n, p, r) in m if p == "decode" and n == "pdserve_kv_blocks_total"}
+    assert len(decode) == 2
+    for r in decode:
+        decoded = m[("pdserve_requests_decoded", "decode", r)]
+        assert decoded > 0, f"decode replica {r} got no request"
+        # a replica only decodes requests whose KV landed in its own pool
+        assert m[("pdserve_kv_transfers_landed", "decode", r)] == decoded
+    landed = sum(m[("pdserve_kv_transfers_landed", "decode", r)] for r in decode)
+    sent = sum(v for (n, p, r), v in m.items() if n == "pdserve_kv_transfers_sent")
+    assert sent == landed
+
+
+def test_openai_client(disagg):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=disagg + "/v1", api_key="unused")
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Capital of France?"}],
+                                          max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens > 0 and chat.usage.prompt_tokens > 0
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Capital of France?"}], max_tokens=12, temperature=0,
+        stream=True) if c.choices)
+    assert text == chat.choices[0].message.content
+    comp = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
+    assert comp.choices[0].text and comp.usage.total_tokens == comp.usage.prompt_tokens + 8
+    chunks = list(client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == comp.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 8
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_client_disconnect_mid_stream_frees_everything(disagg):
+    host, port = disagg.split("//")[1].split("/")[0].split(":")
+    conn = httpclient.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    conn.request("POST", "/pd/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(5):
+        assert resp.fp.readline()
+    running = metrics(disagg)
+    assert any(v > 0 for (n, p, _), v in running.items() if n == "pdserve_running_requests" and p == "decode")
+    conn.sock.close()
+    conn.close()
+    assert pools_all_free(disagg, {"prefill", "decode"})
+    m = metrics(disagg)
+    assert all(v == 0 for (n, _, _), v in m.items() if n == "pdserve_running_requests")
+
+
+def test_colocated_mode_matches_hf(colocated, prompts, hf_greedy, tokenizer):
+    for i in (1, 4, 13):
+        assert complete(colocated, prompts[i], i, stream=i % 2 == 0) == expected(tokenizer, hf_greedy[i], i)
+    assert pools_all_free(colocated, {"colocated"})
+
+
+def test_health_models_and_errors(disagg):
+    assert http(disagg, "/health")[0] == 200
+    status, text = http(disagg, "/v1/models")
+    assert status == 200 and json.loads(text)["data"][0]["id"] == MODEL
+    status, text = http(disagg, "/v1/completions", raw=b"{not json")
+    assert status == 400 and "error" in json.loads(text)
+    status, text = http(disagg, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 100000})
+    assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens"
+    status, text = http(disagg, "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert status == 400
+    status, text = http(disagg, "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 7})
+    assert status == 400 and json.loads(text)["error"]["type"] == "invalid_request_error"
