@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 import urllib.request
 
@@ -42,14 +44,17 @@ def _serve(args) -> int:
           f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{cfg.model_name}\", \"messages\": [{{\"role\": \"user\", "
           f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'\n\nCtrl-C stops everything.", flush=True)
+    stop = threading.Event()
+    # Ray installs its own SIGINT handling in the driver; ours makes Ctrl-C (and SIGTERM) stop cleanly.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
+        stop.wait()
         print("\nstopping ...", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
+    print("stopped.", flush=True)
     return 0
 
 

@@ -16,7 +16,8 @@ from pdserve import messages
 STALE_S = 5.0
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})
 class StatsRegistry:
     def __init__(self):
         self._stats: dict[tuple[str, str], tuple[float, bytes]] = {}
