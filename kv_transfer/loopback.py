@@ -27,7 +27,7 @@ from kv_transfer.layout import (
 )
 from kv_transfer.protocol import Fingerprint
 from kv_transfer.reservations import Reservations
-from kv_transfer.staging import index_tensor
+from kv_transfer.staging import copy_blocks
 
 _registry: dict[str, LoopbackReceiver] = {}
 _registry_lock = threading.Lock()
@@ -73,10 +73,8 @@ class LoopbackReceiver(KVReceiverBase):
             for start, count in chunk_plan(len(src_ids), per_chunk):
                 if not self.reservations.wanted(request_id):
                     break
-                chunk = src.index_select(2, index_tensor(src, src_ids[start:start + count]))
-                self.kv.index_copy_(2, index_tensor(self.kv, dst_ids[start:start + count]),
-                                    chunk.to(self.kv.device))
-                nbytes += chunk.numel() * chunk.element_size()
+                copy_blocks(src, src_ids[start:start + count], self.kv, dst_ids[start:start + count])
+                nbytes += count * block_bytes(src)
         except Exception as exc:  # a copy fault must still resolve the reservation
             return self.reservations.finish(request_id, False, f"copy failed: {exc!r}")
         if self.kv.device.type == "cuda":
