@@ -32,9 +32,12 @@ Life cycle of one transfer
    sender rank 1): NCCL when both pools are on CUDA on distinct GPUs, else gloo. Pairs are
    cached; one process can be in many pairs; there is no global world.
 3. The sender pushes a TransferHeader on the pair's frame queue in the store, then the blocks
-   in chunks of at most `chunk_bytes`. The receiver's pair thread takes the reservation to
-   TRANSFERRING and writes each chunk straight into the reserved blocks.
-4. The receiver resolves the future (DONE) and writes an Ack; the sender returns its result.
+   in chunks of at most `chunk_bytes` over the group. The receiver's pair thread takes the
+   reservation to TRANSFERRING (a header that arrives before its expect() waits up to
+   reservation_wait_s for it) and writes each chunk into the reserved blocks. Runs of
+   consecutive block ids travel straight between pool and wire; other chunks are gathered /
+   scattered through two bounded staging buffers (pipeline.py).
+4. The receiver resolves the future (DONE) and pushes an Ack; the sender returns its result.
 Transfers on one pair are ordered; different pairs run in parallel (a thread per pair).
 
 Block ownership
@@ -42,8 +45,9 @@ Block ownership
 Decode (receiver):  reserved (expect) -> receiving (pair thread writes) -> landed (future ok:
     the engine owns the blocks again and uses them) or failed (future error: the engine frees
     them). The future resolves exactly once, and only when nothing will write the blocks again:
-    a transfer in progress when its reservation is cancelled or its lease ends is drained, not
-    written, and then resolved. A transfer for an unknown or expired id is drained and answered
+    a transfer in progress when its reservation is cancelled or its lease ends stops writing
+    (at most one more chunk lands, still inside the reserved blocks), drains the rest, and is
+    then resolved. A transfer for an unknown or expired id is drained and answered
     with a negative Ack, so the pair stays in sync.
 Prefill (sender):   the caller holds its blocks during send() and frees them when send()
     returns, whatever the result; send() only reads them, and never after returning.
@@ -54,7 +58,10 @@ connect_timeout_s = 10     building a pair (store connect, handshake, group rend
 transfer_timeout_s = 30    one transfer on its pair (data + ack); also the wait for a busy pair
 lease_s = 60               a reservation's life: after it the future resolves with a timeout
                            error (at worst lease_s + transfer_timeout_s if data is in flight)
-chunk_bytes = 32 MiB       largest data message; staging is 2 x chunk_bytes per pair and side
+reservation_wait_s = 10    a header that arrives before its expect() waits this long for it,
+                           then its data is drained and nacked (must be < transfer_timeout_s)
+chunk_bytes = 64 MiB       largest data message; staging is at most 2 x chunk_bytes per pair
+                           and side, allocated on first need
 pair_idle_timeout_s = 600  the receiver drops a pair idle this long (reclaims dead senders);
                            the sender rebuilds it on its next send
 max_pairs = 64; secret = "" (no authentication)

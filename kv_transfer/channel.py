@@ -46,10 +46,14 @@ class Channel:
     def __init__(self, backend: str, store: Store, pair_id: int, rank: int,
                  connect_timeout_s: float, local_host: str) -> None:
         """Join the pair's group; blocks until the peer joins or `connect_timeout_s` passes
-        (then raises). `store` should be a store client used by nothing else."""
+        (then raises). `store` is the pair's control client: gloo uses it only inside this
+        constructor, so it is shared; NCCL keeps using its store from its own threads
+        (communicator set-up, watchdog), so it gets a clone of its own."""
         assert backend in ("gloo", "nccl") and rank in (SENDER_RANK, RECEIVER_RANK)
         self.backend = backend
         self.peer = 1 - rank
+        if backend == "nccl":
+            store = store.clone()
         prefixed = PrefixStore(group_prefix(pair_id), store)
         if backend == "nccl":
             self._pg = _nccl_group(prefixed, rank, connect_timeout_s)

@@ -33,7 +33,8 @@ class TransferConfig:
             below transfer_timeout_s. Default 10 s.
         chunk_bytes: largest single message of KV data, hence the size of one staging buffer.
             Each pair keeps two staging buffers (double buffering), so staging memory is at most
-            `2 * chunk_bytes` per pair and side. Must hold at least one block. Default 32 MiB.
+            `2 * chunk_bytes` per pair and side (allocated on first need, no larger than the
+            transfers seen). Must hold at least one block. Default 64 MiB.
         pair_idle_timeout_s: the receiver tears down a pair that carried nothing for this long
             (how a crashed sender's pair is reclaimed); the sender rebuilds it transparently on
             its next send. Default 600 s.
@@ -48,7 +49,7 @@ class TransferConfig:
     transfer_timeout_s: float = 30.0
     lease_s: float = 60.0
     reservation_wait_s: float = 10.0
-    chunk_bytes: int = 32 * MiB
+    chunk_bytes: int = 64 * MiB
     pair_idle_timeout_s: float = 600.0
     max_pairs: int = 64
     secret: str = field(default="", repr=False)

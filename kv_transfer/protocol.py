@@ -151,7 +151,8 @@ class HandshakeReply:
 @dataclass(frozen=True)
 class TransferHeader:
     """Announces one transfer: `nbytes` of `dtype` data shaped `shape` = [L, 2, n, bs, H, D],
-    sent as ceil(n / chunk_blocks) messages of at most `chunk_blocks` blocks each."""
+    sent as ceil(n / chunk_blocks) chunks of at most `chunk_blocks` blocks each; a chunk is
+    L*2 messages, one per (layer, K/V) row, when `rows`, else one message (see pipeline.py)."""
 
     request_id: str
     seq: int
@@ -160,6 +161,7 @@ class TransferHeader:
     dtype: str
     nbytes: int
     chunk_blocks: int
+    rows: bool
 
     def __post_init__(self) -> None:
         _check_types(self)

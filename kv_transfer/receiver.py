@@ -83,10 +83,9 @@ class KVReceiver(KVReceiverBase):
             self._closed = True
             pairs = list(self._pairs.values())
         self.reservations.close()
-        waker = self._server.clone()
-        waker.queue_push(rv.HELLO_QUEUE, rv.WAKE)
+        self._server.queue_push(rv.HELLO_QUEUE, rv.WAKE)
         for pair in pairs:
-            pair.stop(waker)
+            pair.stop(self._server)
         self._accept.join(timeout=self.config.connect_timeout_s)
         for pair in pairs:
             pair.thread.join(timeout=self.config.connect_timeout_s + self.config.transfer_timeout_s)

@@ -65,7 +65,7 @@ class ReceiverPair:
         channel = None
         try:
             client = rv.connect(self.address, self.config.connect_timeout_s)
-            channel = Channel(self.backend, client.clone(), self.pair_id, RECEIVER_RANK,
+            channel = Channel(self.backend, client, self.pair_id, RECEIVER_RANK,
                               self.config.connect_timeout_s, self.host)
             client.set_timeout(rv.seconds(self.config.pair_idle_timeout_s))
             staging = Staging(self.kv, self.backend, self.chunk_blocks)
@@ -90,7 +90,7 @@ class ReceiverPair:
                 self.reservations.fail(frame.request_id, f"aborted by the sender: {frame.reason}")
                 continue
             ack = self._receive(frame, channel, staging)
-            client.set(rv.ack_key(self.pair_id, frame.seq), encode(ack))
+            client.queue_push(rv.acks_key(self.pair_id), encode(ack))
 
     def _check(self, hdr: TransferHeader) -> None:
         """A header this pool cannot take is a protocol violation (we cannot even drain it)."""
@@ -108,7 +108,7 @@ class ReceiverPair:
         landing = not isinstance(dst, str)
         try:
             nbytes, complete = recv_chunks(
-                channel, staging, self.kv, hdr.num_blocks, hdr.chunk_blocks, deadline,
+                channel, staging, self.kv, hdr.num_blocks, hdr.chunk_blocks, hdr.rows, deadline,
                 dst if landing else None, lambda: self.reservations.wanted(rid),
             )
         except BaseException as exc:

@@ -8,7 +8,7 @@ The decode replica runs a `torch.distributed.TCPStore` server on a free port; it
     hello                 queue of Handshake messages, popped by the receiver's accept thread
     pair/<id>/reply       the HandshakeReply
     pair/<id>/frames      queue of TransferHeader / Abort / Bye frames, in send order
-    pair/<id>/ack/<seq>   the Ack of transfer <seq>; the sender deletes it after reading
+    pair/<id>/acks        queue of Acks, one per TransferHeader, in the same order
     pair/<id>/pg/...      the 2-rank process group's own rendezvous (receiver rank 0)
 
 An empty value on a queue is a wake-up pushed by the receiver when it closes.
@@ -40,8 +40,8 @@ def frames_key(pair_id: int) -> str:
     return f"pair/{pair_id}/frames"
 
 
-def ack_key(pair_id: int, seq: int) -> str:
-    return f"pair/{pair_id}/ack/{seq}"
+def acks_key(pair_id: int) -> str:
+    return f"pair/{pair_id}/acks"
 
 
 def group_prefix(pair_id: int) -> str:

@@ -8,7 +8,8 @@ Life cycle of one send(address, request_id, block_ids), in the caller's thread:
     2. queue    wait for the pair's lock: transfers on one pair are ordered (at most
                 transfer_timeout_s). State PENDING.
     3. header   push the TransferHeader onto the pair's frame queue. State TRANSFERRING.
-    4. data     gather the blocks chunk by chunk into staging and send them.
+    4. data     send the blocks chunk by chunk: straight from the pool when the ids form
+                runs, else gathered into staging first (pipeline.py).
     5. ack      wait for the receiver's Ack (steps 3-5 within transfer_timeout_s).
     6. result   return a TransferResult; nothing is raised for peer or network faults.
 
@@ -37,7 +38,7 @@ from kv_transfer.layout import (
     DTYPE_NAMES, block_bytes, check_block_ids, check_pool, choose_backend, chunk_blocks_for,
     device_info, local_host_towards, transfer_shape,
 )
-from kv_transfer.pipeline import send_chunks
+from kv_transfer.pipeline import send_chunks, sends_rows
 from kv_transfer.protocol import (
     Abort, Ack, Bye, Fingerprint, Handshake, HandshakeReply, TransferHeader, clip, decode, encode,
 )
@@ -157,7 +158,7 @@ class KVSender(KVSenderBase):
             if reply.pair_id != pair_id or reply.backend != choose_backend(device, reply.device):
                 return f"bad handshake reply from {address}: {reply}"
             chunk_blocks = chunk_blocks_for(reply.chunk_bytes, block_bytes(self.kv))
-            channel = Channel(reply.backend, client.clone(), pair_id, SENDER_RANK,
+            channel = Channel(reply.backend, client, pair_id, SENDER_RANK,
                               deadline - time.monotonic(), local_host)
         except AssertionError:
             raise
@@ -192,18 +193,19 @@ class KVSender(KVSenderBase):
     def _run(self, pair: _Pair, request_id: str, ids: tuple[int, ...],
              start: float) -> TransferResult:
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        shape = transfer_shape(self.kv, len(ids))
+        rows = sends_rows(self.kv, pair.staging, ids, pair.chunk_blocks)
         header = TransferHeader(
-            request_id=request_id, seq=pair.seq, num_blocks=len(ids), shape=shape,
-            dtype=DTYPE_NAMES[self.kv.dtype], nbytes=len(ids) * block_bytes(self.kv),
-            chunk_blocks=pair.chunk_blocks,
+            request_id=request_id, seq=pair.seq, num_blocks=len(ids),
+            shape=transfer_shape(self.kv, len(ids)), dtype=DTYPE_NAMES[self.kv.dtype],
+            nbytes=len(ids) * block_bytes(self.kv), chunk_blocks=pair.chunk_blocks, rows=rows,
         )
         pair.client.queue_push(rv.frames_key(pair.pair_id), encode(header))
-        sent = send_chunks(pair.channel, pair.staging, self.kv, ids, pair.chunk_blocks, deadline)
-        key = rv.ack_key(pair.pair_id, pair.seq)
-        pair.client.wait([key], rv.seconds(deadline - time.monotonic()))
-        ack = decode(pair.client.get(key), (Ack,))
-        pair.client.delete_key(key)
+        sent = send_chunks(pair.channel, pair.staging, self.kv, ids, pair.chunk_blocks, rows, deadline)
+        pair.client.set_timeout(rv.seconds(deadline - time.monotonic()))
+        try:
+            ack = decode(pair.client.queue_pop(rv.acks_key(pair.pair_id)), (Ack,))
+        finally:
+            pair.client.set_timeout(rv.seconds(self.config.connect_timeout_s))
         if (ack.request_id, ack.seq) != (request_id, pair.seq):
             raise RuntimeError(f"ack for {ack.request_id!r}/{ack.seq} out of order")
         elapsed = time.monotonic() - start

@@ -35,7 +35,7 @@ def _transfer(rx, tx, request_id: str, n: int):
     dst_ids = rx.call("expect", request_id, n)
     res, sent = send_and_free(tx, tx.free, rx.address, request_id, n)
     assert res.ok, res.error
-    assert rx.call("result", request_id, 10).ok
+    assert rx.call("result", request_id, 30).ok
     assert torch.equal(rx.call("read", dst_ids), sent)
     return res
 
@@ -105,17 +105,24 @@ def test_two_senders_into_one_receiver_at_once(rx, tx):
 def test_abort_frees_reservation_before_lease(rx, tx):
     rx.call("expect", "aborted", 4)
     assert tx.abort(rx.address, "aborted", "prefill failed").ok
-    res = rx.call("result", "aborted", 2)  # well before the 3 s lease
+    res = rx.call("result", "aborted", 5)  # well before the 20 s lease
     assert not res.ok and "aborted by the sender: prefill failed" in res.error
     assert rx.call("free_count") == NUM_BLOCKS
 
 
-def test_lease_expiry_when_transfer_never_arrives(rx):
-    rx.call("expect", "never-sent", 6)
-    assert rx.call("free_count") == NUM_BLOCKS - 6
-    res = rx.call("result", "never-sent", 10)
-    assert not res.ok and "lease of 3s expired" in res.error
-    assert rx.call("free_count") == NUM_BLOCKS
+def test_lease_expiry_when_transfer_never_arrives(tx):
+    short = Worker("receiver", seed=4, lease_s=1.5)
+    try:
+        short.call("expect", "never-sent", 6)
+        assert short.call("free_count") == NUM_BLOCKS - 6
+        res = short.call("result", "never-sent", 10)
+        assert not res.ok and "lease of 1.5s expired" in res.error
+        assert short.call("free_count") == NUM_BLOCKS
+        late, _ = send_and_free(tx, tx.free, short.address, "never-sent", 6)  # arrives too late
+        assert not late.ok and "unknown or expired request" in late.error
+        assert short.call("free_count") == NUM_BLOCKS
+    finally:
+        short.stop()
 
 
 def test_wrong_secret_and_fingerprint_rejected(rx):
@@ -129,3 +136,30 @@ def test_wrong_secret_and_fingerprint_rejected(rx):
         res = sender.send(rx.address, "rejected", [0, 1])
         assert not res.ok and "handshake rejected" in res.error and expected in res.error
         sender.close()
+
+
+@pytest.mark.parametrize("src_ids,dst_ids,copies", [
+    # runs on both sides: rows layout, no copy at all
+    (list(range(8, 20)), list(range(40, 52)), 0),
+    # sender runs -> rows; the receiver lands chunk 1 (60..63) directly, scatters chunks 0, 2
+    (list(range(8, 20)), [50, 3, 7, 9, 60, 61, 62, 63, 1, 2, 0, 5], 2),
+    # any sender chunk not a run -> packed: 3 gathers + 3 scatters
+    ([50, 3, 7, 9, 60, 61, 62, 63, 1, 2, 0, 5], list(range(40, 52)), 6),
+    ([0, 1, 2, 3, 9, 7, 5, 33, 34, 35, 36, 37], [4, 5, 6, 7, 8, 9, 10, 11, 60, 1, 30, 2], 6),
+])
+def test_direct_and_staged_chunks_bit_exact(monkeypatch, src_ids, dst_ids, copies):
+    """Chunks whose ids form a run move straight between pool and wire; others stage."""
+    from kv_transfer import pipeline
+
+    calls = []
+    for name in ("gather", "scatter"):
+        real = getattr(pipeline, name)
+        monkeypatch.setattr(pipeline, name, lambda *a, real=real, name=name: (calls.append(name), real(*a)))
+    src, dst = torch.randn(SHAPE), torch.zeros(SHAPE)
+    fp, cfg = fingerprint_for(src, MODEL), TransferConfig(**BASE_CFG)  # 4 blocks per chunk
+    with KVReceiver(dst, fp, cfg) as receiver, KVSender(src, fp, cfg) as sender:
+        fut = receiver.expect("runs", dst_ids)
+        assert sender.send(receiver.address, "runs", src_ids).ok
+        assert fut.result(5).ok
+    assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
+    assert len(calls) == copies

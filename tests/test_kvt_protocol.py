@@ -15,7 +15,7 @@ MESSAGES = [
     Handshake(7, FP, DEV, 32 << 20, "ab" * 32),
     HandshakeReply(7, True, "", "gloo", 1 << 20, DeviceInfo("cpu", "h", 0, "", False)),
     HandshakeReply(8, False, "fingerprint mismatch", "", 0, DEV),
-    TransferHeader("req-1", 3, 5, (30, 2, 5, 16, 3, 64), "bfloat16", 5 * 368640, 2),
+    TransferHeader("req-1", 3, 5, (30, 2, 5, 16, 3, 64), "bfloat16", 5 * 368640, 2, True),
     Ack("req-1", 3, True, "", 1843200),
     Ack("req-2", 4, False, "unknown or expired request", 0),
     Abort("req-3", "prefill failed"),
@@ -93,9 +93,9 @@ def test_bad_nested_and_shapes_rejected():
     with pytest.raises(ProtocolError):
         decode(msgpack.packb(hs))
     with pytest.raises(ProtocolError):  # shape disagrees with num_blocks
-        TransferHeader("r", 1, 4, (30, 2, 5, 16, 3, 64), "float32", 1, 1)
+        TransferHeader("r", 1, 4, (30, 2, 5, 16, 3, 64), "float32", 1, 1, False)
     with pytest.raises(ProtocolError):  # not 6 dims
-        TransferHeader("r", 1, 5, (30, 2, 5, 16), "float32", 1, 1)
+        TransferHeader("r", 1, 5, (30, 2, 5, 16), "float32", 1, 1, False)
 
 
 def test_encode_rejects_non_messages():

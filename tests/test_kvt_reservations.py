@@ -72,3 +72,17 @@ def test_close_fails_everything():
     assert "closed" in t.finish("m", True).error
     with pytest.raises(RuntimeError):
         t.add("x", (3,))
+
+
+def test_header_before_reservation_waits_for_it(table):
+    import threading
+    timer = threading.Timer(0.1, lambda: table.add("early", (7,)))
+    timer.start()
+    assert table.begin("early", 1, wait_s=2) == (7,)  # the reservation came while we waited
+    table.finish("early", True)
+    start = time.monotonic()
+    assert "unknown" in table.begin("never", 1, wait_s=0.2)
+    assert 0.15 < time.monotonic() - start < 1.5
+    start = time.monotonic()
+    assert "unknown" in table.begin("early", 1, wait_s=5)  # already resolved: no waiting
+    assert time.monotonic() - start < 0.5

@@ -14,8 +14,11 @@ import torch
 SHAPE = (2, 2, 64, 4, 2, 8)  # L, K/V, blocks, block size, heads, head dim: 1 KiB per block
 NUM_BLOCKS = SHAPE[2]
 MODEL = "test-model"
-BASE_CFG = dict(connect_timeout_s=5.0, transfer_timeout_s=5.0, lease_s=3.0, chunk_bytes=4096,
-                secret="s3cret")  # 4 blocks per chunk, so most transfers are multi-chunk
+# connect_timeout_s and lease_s leave room for a TCPStore connection that stalls 5 s on a
+# dropped reverse-DNS query (torch looks up the peer's name on every store connection; this
+# sandbox's resolver drops a few percent of those queries).
+BASE_CFG = dict(connect_timeout_s=15.0, transfer_timeout_s=5.0, lease_s=20.0, reservation_wait_s=0.5,
+                chunk_bytes=4096, secret="s3cret")  # 4 blocks per chunk, so most transfers are multi-chunk
 
 
 class FreeList:
