@@ -95,7 +95,8 @@ class ReceiverPair:
     def _check(self, hdr: TransferHeader) -> None:
         """A header this pool cannot take is a protocol violation (we cannot even drain it)."""
         expected = transfer_shape(self.kv, hdr.num_blocks)
-        if (hdr.shape != expected or hdr.dtype != DTYPE_NAMES[self.kv.dtype]
+        if (hdr.num_blocks > self.kv.shape[2]  # no reservation can be larger than the pool
+                or hdr.shape != expected or hdr.dtype != DTYPE_NAMES[self.kv.dtype]
                 or hdr.nbytes != hdr.num_blocks * block_bytes(self.kv)
                 or hdr.chunk_blocks > self.chunk_blocks):
             raise ProtocolError(f"header does not fit this pool: {hdr}")

@@ -1,6 +1,7 @@
 """The receiver's reservation table: every path that ends a reservation resolves its future
 exactly once, and never while its blocks may still be written."""
 
+import threading
 import time
 
 import pytest
@@ -75,7 +76,6 @@ def test_close_fails_everything():
 
 
 def test_header_before_reservation_waits_for_it(table):
-    import threading
     timer = threading.Timer(0.1, lambda: table.add("early", (7,)))
     timer.start()
     assert table.begin("early", 1, wait_s=2) == (7,)  # the reservation came while we waited
