@@ -62,7 +62,20 @@ class TransferResult:
         return cls(request_id=request_id, ok=False, error=error, seconds=seconds)
 
 
-class KVSenderBase(abc.ABC):
+class _Closing(abc.ABC):
+    """`with` support: close() on exit."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class KVSenderBase(_Closing):
     """Prefill side. Owns no blocks: the caller holds `block_ids` until send() returns (with
     any result), then frees them. send() never writes the caller's pool."""
 
@@ -86,14 +99,8 @@ class KVSenderBase(abc.ABC):
     def close(self) -> None:
         """Leave every pair. Idempotent."""
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class KVReceiverBase(abc.ABC):
+class KVReceiverBase(_Closing):
     """Decode side. Writes only into blocks reserved with expect(), and only until that
     reservation's future resolves."""
 
@@ -121,12 +128,6 @@ class KVReceiverBase(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop accepting; resolve every open reservation with an error. Idempotent."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class InFlight:

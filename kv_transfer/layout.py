@@ -10,8 +10,6 @@ contiguous or sorted. Exporting blocks is `kv[:, :, ids]`, importing is
 from __future__ import annotations
 
 import socket
-from typing import Sequence
-
 import torch
 import torch.distributed as dist
 
@@ -62,18 +60,6 @@ def transfer_shape(kv: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
     """Shape of `kv[:, :, ids]` for `num_blocks` ids."""
     layers, two, _, block_size, heads, head_dim = kv.shape
     return (layers, two, num_blocks, block_size, heads, head_dim)
-
-
-def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> tuple[int, ...]:
-    """`block_ids` as a tuple; ValueError when empty, out of range, or repeated."""
-    ids = tuple(int(b) for b in block_ids)
-    if not ids:
-        raise ValueError("block_ids must not be empty")
-    if min(ids) < 0 or max(ids) >= num_blocks:
-        raise ValueError(f"block ids must be in [0, {num_blocks})")
-    if len(set(ids)) != len(ids):
-        raise ValueError("block ids must be distinct")
-    return ids
 
 
 def chunk_blocks_for(chunk_bytes: int, one_block_bytes: int) -> int:

@@ -15,18 +15,15 @@ import hmac
 import itertools
 import threading
 import time
-from concurrent.futures import Future
 from typing import Sequence
 
 import torch
 
-from kv_transfer.base import InFlight, KVReceiverBase, KVSenderBase, TransferResult, TransferState
+from kv_transfer.base import InFlight, KVSenderBase, TransferResult, TransferState
 from kv_transfer.config import TransferConfig
-from kv_transfer.layout import (
-    block_bytes, check_block_ids, check_pool, chunk_blocks_for, chunk_plan,
-)
+from kv_transfer.layout import block_bytes, check_pool, chunk_blocks_for, chunk_plan
 from kv_transfer.protocol import Fingerprint
-from kv_transfer.reservations import Reservations
+from kv_transfer.reservations import Reservations, ReservingReceiver, check_block_ids
 from kv_transfer.staging import copy_blocks
 
 _registry: dict[str, LoopbackReceiver] = {}
@@ -34,27 +31,17 @@ _registry_lock = threading.Lock()
 _ids = itertools.count(1)
 
 
-class LoopbackReceiver(KVReceiverBase):
+class LoopbackReceiver(ReservingReceiver):
     """Decode side of the loopback backend. See KVReceiverBase for the contract."""
 
     def __init__(self, kv: torch.Tensor, fingerprint: Fingerprint, config: TransferConfig) -> None:
         check_pool(kv, fingerprint)
         chunk_blocks_for(config.chunk_bytes, block_bytes(kv))  # ValueError if a block won't fit
         self.kv, self.fingerprint, self.config = kv, fingerprint, config
-        self.reservations = Reservations(config.lease_s)
+        self.reservations = Reservations(config.lease_s, kv.shape[2])
         self.address = f"loopback:{next(_ids)}"
         with _registry_lock:
             _registry[self.address] = self
-
-    def expect(self, request_id: str, block_ids: Sequence[int]) -> Future:
-        ids = check_block_ids(block_ids, self.kv.shape[2])
-        return self.reservations.add(request_id, ids)
-
-    def cancel(self, request_id: str) -> bool:
-        return self.reservations.cancel(request_id)
-
-    def state(self, request_id: str) -> TransferState | None:
-        return self.reservations.state(request_id)
 
     def close(self) -> None:
         with _registry_lock:

@@ -20,23 +20,20 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from concurrent.futures import Future
-from typing import Sequence
 
 import torch
 
 from kv_transfer import rendezvous as rv
-from kv_transfer.base import KVReceiverBase, TransferState
 from kv_transfer.config import TransferConfig
-from kv_transfer.layout import block_bytes, check_block_ids, check_pool, chunk_blocks_for, device_info
+from kv_transfer.layout import block_bytes, check_pool, chunk_blocks_for, device_info
 from kv_transfer.protocol import Fingerprint, Handshake, HandshakeReply, ProtocolError, clip, decode, encode
 from kv_transfer.receiver_pair import ReceiverPair
-from kv_transfer.reservations import Reservations
+from kv_transfer.reservations import Reservations, ReservingReceiver
 
 log = logging.getLogger(__name__)
 
 
-class KVReceiver(KVReceiverBase):
+class KVReceiver(ReservingReceiver):
     """Receives KV into one local pool from any number of KVSenders. See KVReceiverBase.
 
     `host` must be an address senders can reach (the store and the pair groups bind to it).
@@ -47,7 +44,7 @@ class KVReceiver(KVReceiverBase):
         check_pool(kv, fingerprint)
         chunk_blocks_for(config.chunk_bytes, block_bytes(kv))  # ValueError if a block won't fit
         self.kv, self.fingerprint, self.config, self.host = kv, fingerprint, config, host
-        self.reservations = Reservations(config.lease_s)
+        self.reservations = Reservations(config.lease_s, kv.shape[2])
         self._device = device_info(kv, host)
         self._server = rv.start_server(host, config.connect_timeout_s)
         self.address = f"[{host}]:{self._server.port}" if ":" in host else f"{host}:{self._server.port}"
@@ -59,16 +56,6 @@ class KVReceiver(KVReceiverBase):
         self._closed = False
         self._accept = threading.Thread(target=self._accept_loop, name="kvt-accept", daemon=True)
         self._accept.start()
-
-    def expect(self, request_id: str, block_ids: Sequence[int]) -> Future:
-        ids = check_block_ids(block_ids, self.kv.shape[2])
-        return self.reservations.add(request_id, ids)
-
-    def cancel(self, request_id: str) -> bool:
-        return self.reservations.cancel(request_id)
-
-    def state(self, request_id: str) -> TransferState | None:
-        return self.reservations.state(request_id)
 
     def pair_count(self) -> int:
         with self._lock:

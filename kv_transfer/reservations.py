@@ -25,9 +25,21 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kv_transfer.base import TransferResult, TransferState
+from kv_transfer.base import KVReceiverBase, TransferResult, TransferState
 
 _KEEP_FINISHED = 4096  # resolved request ids remembered for state()
+
+
+def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> tuple[int, ...]:
+    """`block_ids` as a tuple; ValueError when empty, out of range, or repeated."""
+    ids = tuple(int(b) for b in block_ids)
+    if not ids:
+        raise ValueError("block_ids must not be empty")
+    if min(ids) < 0 or max(ids) >= num_blocks:
+        raise ValueError(f"block ids must be in [0, {num_blocks})")
+    if len(set(ids)) != len(ids):
+        raise ValueError("block ids must be distinct")
+    return ids
 
 
 @dataclass
@@ -48,8 +60,10 @@ class Reservations:
     finish, fail). Futures are resolved outside the lock, so their callbacks may call back in.
     """
 
-    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, lease_s: float, num_blocks: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._lease_s = lease_s
+        self._num_blocks = num_blocks
         self._clock = clock
         self._cond = threading.Condition()
         self._open: dict[str, _Reservation] = {}
@@ -59,9 +73,11 @@ class Reservations:
         self._reaper.start()
 
     def add(self, request_id: str, block_ids: Sequence[int]) -> Future:
-        """Open a PENDING reservation. ValueError if `request_id` is open; RuntimeError if closed."""
+        """Open a PENDING reservation. ValueError for bad block ids or an open `request_id`;
+        RuntimeError if closed."""
         now = self._clock()
-        res = _Reservation(tuple(block_ids), deadline=now + self._lease_s, created=now)
+        ids = check_block_ids(block_ids, self._num_blocks)
+        res = _Reservation(ids, deadline=now + self._lease_s, created=now)
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"receiver is closed: {self._closed}")
@@ -185,3 +201,18 @@ class Reservations:
                     continue
             for rid in due:
                 self.fail(rid, f"lease of {self._lease_s:g}s expired before the transfer completed")
+
+
+class ReservingReceiver(KVReceiverBase):
+    """expect / cancel / state of every receiver backend: its `Reservations` table."""
+
+    reservations: Reservations
+
+    def expect(self, request_id: str, block_ids: Sequence[int]) -> Future:
+        return self.reservations.add(request_id, block_ids)
+
+    def cancel(self, request_id: str) -> bool:
+        return self.reservations.cancel(request_id)
+
+    def state(self, request_id: str) -> TransferState | None:
+        return self.reservations.state(request_id)

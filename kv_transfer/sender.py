@@ -35,13 +35,14 @@ from kv_transfer.base import InFlight, KVSenderBase, TransferResult, TransferSta
 from kv_transfer.channel import SENDER_RANK, Channel
 from kv_transfer.config import TransferConfig
 from kv_transfer.layout import (
-    DTYPE_NAMES, block_bytes, check_block_ids, check_pool, choose_backend, chunk_blocks_for,
+    DTYPE_NAMES, block_bytes, check_pool, choose_backend, chunk_blocks_for,
     device_info, local_host_towards, transfer_shape,
 )
 from kv_transfer.pipeline import send_chunks, sends_rows
 from kv_transfer.protocol import (
     Abort, Ack, Bye, Fingerprint, Handshake, HandshakeReply, TransferHeader, clip, decode, encode,
 )
+from kv_transfer.reservations import check_block_ids
 from kv_transfer.staging import Staging
 
 

@@ -12,7 +12,7 @@ from kv_transfer.reservations import Reservations
 
 @pytest.fixture
 def table():
-    t = Reservations(lease_s=0.3)
+    t = Reservations(lease_s=0.3, num_blocks=16)
     yield t
     t.close()
 
@@ -65,7 +65,7 @@ def test_lease_while_transferring_waits_for_writer(table):
 
 
 def test_close_fails_everything():
-    t = Reservations(lease_s=60)
+    t = Reservations(lease_s=60, num_blocks=16)
     pending, moving = t.add("p", (1,)), t.add("m", (2,))
     t.begin("m", 1)
     t.close()

@@ -7,9 +7,10 @@ import torch
 
 from kv_transfer import TransferConfig, choose_backend, fingerprint_for
 from kv_transfer.layout import (
-    block_bytes, check_block_ids, check_pool, chunk_blocks_for, chunk_plan, device_info,
+    block_bytes, check_pool, chunk_blocks_for, chunk_plan, device_info,
 )
 from kv_transfer import rendezvous as rv
+from kv_transfer.reservations import check_block_ids
 from kv_transfer.protocol import DeviceInfo, Handshake
 
 
