@@ -59,6 +59,22 @@ def test_choose_backend(local, peer, expected):
     assert choose_backend(peer, local) == expected  # both ends agree
 
 
+def test_nccl_group_on_a_build_without_nccl_is_a_clear_error():
+    from kv_transfer.channel import _nccl_group
+
+    if torch.distributed.is_nccl_available():
+        pytest.skip("this torch has NCCL")
+    with pytest.raises(RuntimeError, match="no NCCL"):
+        _nccl_group(None, 0, 1.0)
+
+
+def test_staging_lives_where_the_backend_moves_memory():
+    from kv_transfer.staging import staging_device
+
+    kv = torch.zeros(1, 2, 2, 2, 1, 2)
+    assert staging_device(kv, "gloo").type == "cpu" and staging_device(kv, "nccl").type == "cpu"
+
+
 def test_cpu_pool_device_info_selects_gloo():
     kv = torch.zeros(1, 2, 2, 2, 1, 2)
     info = device_info(kv, "127.0.0.1")
