@@ -138,7 +138,12 @@ class KVSender(KVSenderBase):
             pair = self._build(address)
             if isinstance(pair, _Pair):
                 with self._lock:
-                    self._pairs[address] = pair
+                    closed = self._closed
+                    if not closed:
+                        self._pairs[address] = pair
+                if closed:  # close() ran while we built it; it never saw this pair
+                    self._drop(pair)
+                    return "sender closed"
             return pair
 
     def _build(self, address: str) -> _Pair | str:
