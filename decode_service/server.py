@@ -23,7 +23,7 @@ from ray import serve
 from engine.async_engine import EngineDeadError
 from kv_transfer import KVReceiver, fingerprint_for
 from pdserve import messages
-from pdserve.engine_host import EngineHost
+from pdserve.engine_host import EngineHost, EngineReplica
 from pdserve.replica_util import error_event, kv_bind_host, token_event
 from pdserve.serve_config import AppConfig
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 @serve.deployment
-class DecodeServer:
+class DecodeServer(EngineReplica):
     def __init__(self, config: dict, registry=None):
         cfg = AppConfig.model_validate(config)
         self.host = EngineHost(cfg, "decode", registry)
@@ -42,14 +42,6 @@ class DecodeServer:
 
     def record_replica_metadata(self) -> dict:
         return {"kv_address": self.receiver.address}
-
-    async def record_routing_stats(self) -> dict:
-        self.host.start_stats_pusher()
-        return await self.host.routing_stats()
-
-    async def check_health(self) -> None:
-        if not self.host.aengine.alive():
-            raise RuntimeError("decode engine thread is dead")
 
     async def generate(self, data: bytes):
         self.host.start_stats_pusher()
@@ -97,9 +89,6 @@ class DecodeServer:
             yield error_event(rid, str(exc), 400, "invalid_request_error")
         except EngineDeadError as exc:
             yield error_event(rid, str(exc), 500)
-
-    async def stats(self) -> bytes:
-        return messages.encode(await self.host.stats())
 
     async def _reserve(self, num_tokens: int) -> list[int] | None:
         fut = self.host.aengine.submit(lambda e: e.reserve(num_tokens))

@@ -12,23 +12,15 @@ from ray import serve
 
 from engine.async_engine import EngineDeadError
 from pdserve import messages
-from pdserve.engine_host import EngineHost
+from pdserve.engine_host import EngineHost, EngineReplica
 from pdserve.replica_util import error_event, token_event
 from pdserve.serve_config import AppConfig
 
 
 @serve.deployment
-class ColocatedServer:
+class ColocatedServer(EngineReplica):
     def __init__(self, config: dict, registry=None):
         self.host = EngineHost(AppConfig.model_validate(config), "colocated", registry)
-
-    async def record_routing_stats(self) -> dict:
-        self.host.start_stats_pusher()
-        return await self.host.routing_stats()
-
-    async def check_health(self) -> None:
-        if not self.host.aengine.alive():
-            raise RuntimeError("engine thread is dead")
 
     async def generate(self, data: bytes):
         self.host.start_stats_pusher()
@@ -47,6 +39,3 @@ class ColocatedServer:
                 yield token_event(out)
         except EngineDeadError as exc:
             yield error_event(rid, str(exc), 500)
-
-    async def stats(self) -> bytes:
-        return messages.encode(await self.host.stats())

@@ -78,3 +78,21 @@ class EngineHost:
         if self._pusher is not None:
             self._pusher.cancel()
         self.aengine.shutdown()
+
+
+class EngineReplica:
+    """What the three engine deployments share: Serve's routing-stats and health hooks and a
+    `stats` call, all answered from `self.host` (an `EngineHost`)."""
+
+    host: EngineHost
+
+    async def record_routing_stats(self) -> dict:
+        self.host.start_stats_pusher()
+        return await self.host.routing_stats()
+
+    async def check_health(self) -> None:
+        if not self.host.aengine.alive():
+            raise RuntimeError(f"{self.host.pool} engine thread is dead")
+
+    async def stats(self) -> bytes:
+        return messages.encode(await self.host.stats())

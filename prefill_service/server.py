@@ -25,14 +25,14 @@ from ray import serve
 from engine.async_engine import EngineDeadError
 from kv_transfer import KVSender, fingerprint_for
 from pdserve import messages
-from pdserve.engine_host import EngineHost
+from pdserve.engine_host import EngineHost, EngineReplica
 from pdserve.serve_config import AppConfig
 
 log = logging.getLogger(__name__)
 
 
 @serve.deployment
-class PrefillServer:
+class PrefillServer(EngineReplica):
     def __init__(self, config: dict, registry=None):
         cfg = AppConfig.model_validate(config)
         self.host = EngineHost(cfg, "prefill", registry)
@@ -40,14 +40,6 @@ class PrefillServer:
         self.sender = KVSender(kv, fingerprint_for(kv, cfg.model_name), cfg.transfer.transfer_config())
         self._send_pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
         self._handoffs: set[asyncio.Task] = set()
-
-    async def record_routing_stats(self) -> dict:
-        self.host.start_stats_pusher()
-        return await self.host.routing_stats()
-
-    async def check_health(self) -> None:
-        if not self.host.aengine.alive():
-            raise RuntimeError("prefill engine thread is dead")
 
     async def prefill(self, data: bytes) -> bytes:
         self.host.start_stats_pusher()
@@ -101,6 +93,3 @@ class PrefillServer:
                 log.warning("KV transfer of %s to %s failed: %s", rid, address, res.error)
         finally:
             self.host.aengine.submit(lambda e: e.release(rid))
-
-    async def stats(self) -> bytes:
-        return messages.encode(await self.host.stats())
