@@ -10,20 +10,42 @@ from __future__ import annotations
 
 from ray.serve.config import RequestRouterConfig
 
-from pdserve.serve_config import AppConfig, PoolConfig
+from pdserve.serve_config import AppConfig, AutoscalingOptions, PoolConfig
 
 ROUTING_STATS_PERIOD_S = 1.0
 
 
-def _pool_options(pool: PoolConfig, router_class: str | None) -> dict:
+POLICIES = {"prefill": "pdserve.autoscaling:PrefillPolicy", "decode": "pdserve.autoscaling:DecodePolicy",
+            "colocated": "pdserve.autoscaling:DecodePolicy"}
+
+
+def autoscaling_config(pool_name: str, a: AutoscalingOptions) -> dict:
+    """Serve's autoscaling_config for a pool: bounds and delays, plus our policy and its targets."""
+    kwargs = {"hysteresis": a.hysteresis, "warmup_s": a.warmup_s}
+    if pool_name == "prefill":
+        kwargs["target_queued_tokens"] = a.target_queued_tokens
+    else:
+        kwargs.update(target_kv_utilization=a.target_kv_utilization, target_running=a.target_running)
+    return {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+            "initial_replicas": a.initial_replicas or a.min_replicas,
+            "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
+            "look_back_period_s": a.look_back_period_s, "metrics_interval_s": a.metrics_interval_s,
+            "policy": {"policy_function": POLICIES[pool_name], "policy_kwargs": kwargs}}
+
+
+def _pool_options(pool_name: str, pool: PoolConfig, router_class: str | None) -> dict:
     options = {
-        "num_replicas": pool.num_replicas,
         "max_ongoing_requests": pool.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus,
                               "resources": dict(pool.resources)},
         "health_check_period_s": 5,
-        "graceful_shutdown_timeout_s": 30,
+        # Serve stops routing to a replica being removed and waits this long for its streams.
+        "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
     }
+    if pool.autoscaling is None:
+        options["num_replicas"] = pool.num_replicas
+    else:
+        options["autoscaling_config"] = autoscaling_config(pool_name, pool.autoscaling)
     if router_class is not None:
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=router_class, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
@@ -42,12 +64,12 @@ def build_app(config: AppConfig | dict):
     registry = StatsRegistry.bind()
     router_opts = {"num_replicas": 1, "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": 0}}
     if cfg.mode == "colocated":
-        colocated = ColocatedServer.options(**_pool_options(cfg.colocated, "router.routing.FreeKVBlocksRouter")) \
+        colocated = ColocatedServer.options(**_pool_options("colocated", cfg.colocated, "router.routing.FreeKVBlocksRouter")) \
             .bind(data, registry)
         return Router.options(**router_opts).bind(data, colocated=colocated, registry=registry)
-    prefill = PrefillServer.options(**_pool_options(cfg.prefill, "router.routing.QueuedPromptTokensRouter")) \
+    prefill = PrefillServer.options(**_pool_options("prefill", cfg.prefill, "router.routing.QueuedPromptTokensRouter")) \
         .bind(data, registry)
-    decode = DecodeServer.options(**_pool_options(cfg.decode, "router.routing.FreeKVBlocksRouter")) \
+    decode = DecodeServer.options(**_pool_options("decode", cfg.decode, "router.routing.FreeKVBlocksRouter")) \
         .bind(data, registry)
     return Router.options(**router_opts).bind(data, prefill=prefill, decode=decode, registry=registry)
 

@@ -90,6 +90,13 @@ class EngineReplica:
         self.host.start_stats_pusher()
         return await self.host.routing_stats()
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling hook: the signals of pdserve.autoscaling's policies."""
+        s = await self.host.stats()
+        return {"queued_prompt_tokens": float(s.waiting_prompt_tokens),
+                "kv_utilization": 1.0 - s.kv_blocks_free / max(s.kv_blocks_total, 1),
+                "running": float(s.running)}
+
     async def check_health(self) -> None:
         if not self.host.aengine.alive():
             raise RuntimeError(f"{self.host.pool} engine thread is dead")

@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
 
@@ -36,14 +36,49 @@ class EngineOptions(_Model):
         return EngineConfig(model=model_dir, **self.model_dump())
 
 
+class AutoscalingOptions(_Model):
+    """Per-pool autoscaling (pdserve.autoscaling); set on a pool to replace its fixed count."""
+    min_replicas: int = Field(1, ge=1, description="Fewest replicas.")
+    max_replicas: int = Field(4, ge=1, description="Most replicas.")
+    initial_replicas: int | None = Field(None, ge=1, description="Replicas at start (default min_replicas).")
+    upscale_delay_s: float = Field(5.0, ge=0, description="A scale-up must be wanted this long first.")
+    downscale_delay_s: float = Field(30.0, ge=0, description="A scale-down must be wanted this long first.")
+    look_back_period_s: float = Field(5.0, gt=0, description="Window over which replica metrics are averaged.")
+    metrics_interval_s: float = Field(1.0, gt=0, description="How often replicas report their metrics.")
+    warmup_s: float = Field(10.0, ge=0, description="No scale-down while a replica younger than this exists.")
+    hysteresis: float = Field(0.2, ge=0, lt=1, description="Scale down only below (1 - hysteresis) of the "
+                                                          "target on one replica fewer.")
+    target_queued_tokens: float = Field(2048, gt=0, description="Prefill: queued prompt tokens per replica.")
+    target_kv_utilization: float = Field(0.7, gt=0, le=1, description="Decode: KV-block utilization per replica.")
+    target_running: float = Field(32, gt=0, description="Decode: running sequences per replica.")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
+        return self
+
+
 class PoolConfig(_Model):
-    num_replicas: int = Field(1, ge=1, description="Replicas in this pool (fixed; autoscaling: see autoscaling).")
+    num_replicas: int = Field(1, ge=1, description="Replicas in this pool when `autoscaling` is not set.")
+    autoscaling: AutoscalingOptions | None = Field(None, description="Scale this pool on its own signal.")
+    graceful_shutdown_timeout_s: float = Field(
+        120.0, gt=0, description="A replica being removed finishes its running streams for up to this long.")
     num_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved per replica.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (CUDA is used when >0 and available).")
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="Custom Ray resources per replica (e.g. a node type).")
     max_ongoing_requests: int = Field(256, ge=1, description="Requests a replica accepts at once.")
-    engine: EngineOptions | None = Field(None, description="Overrides the shared engine options for this pool.")
+    engine: dict[str, Any] = Field(default_factory=dict,
+                                   description="Engine options of this pool that differ from the shared ones.")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_keys(cls, v: dict) -> dict:
+        EngineOptions.model_validate(v)   # known keys, valid values; kept as a partial override
+        return v
 
 
 class TransferOptions(_Model):
@@ -89,10 +124,7 @@ class AppConfig(_Model):
         return self
 
     def engine_for(self, pool: str) -> EngineOptions:
-        override = getattr(self, pool).engine
-        if override is None:
-            return self.engine
-        return self.engine.model_copy(update=override.model_dump(exclude_unset=True))
+        return EngineOptions.model_validate({**self.engine.model_dump(), **getattr(self, pool).engine})
 
     @property
     def model_name(self) -> str:

@@ -31,3 +31,13 @@ def test_cluster_serve_config_targets_node_types_of_cluster_yaml():
 def test_local_serve_config_loads():
     cfg = AppConfig.from_yaml(ROOT / "serve_config.yaml")
     assert cfg.mode == "disaggregated" and cfg.prefill.resources == {} and cfg.decode.resources == {}
+
+
+def test_pool_engine_overrides_survive_a_round_trip():
+    cfg = AppConfig(engine={"dtype": "float32", "kv_cache_memory": "64MiB"},
+                    prefill={"engine": {"max_num_batched_tokens": 16}})
+    again = AppConfig.model_validate(cfg.model_dump())   # what every replica receives
+    for c in (cfg, again):
+        p = c.engine_for("prefill")
+        assert (p.max_num_batched_tokens, p.dtype, p.kv_cache_memory) == (16, "float32", "64MiB")
+        assert c.engine_for("decode").max_num_batched_tokens == 512

@@ -1,0 +1,107 @@
+"""Per-pool autoscaling policies for Ray Serve (torch-free).
+
+Each pool scales on its own signal, reported by its replicas through
+`record_autoscaling_stats` (see `pdserve.engine_host.EngineReplica`):
+  * prefill: queued prompt tokens (queued or mid-prefill), summed over replicas, against
+    `target_queued_tokens` per replica;
+  * decode: KV-block utilization and running sequences, summed over replicas, against
+    `target_kv_utilization` and `target_running` per replica (whichever needs more).
+Load is summed, never averaged, so a fresh replica reporting zeros does not dilute it.
+Hysteresis: scale up as soon as the load needs more replicas; scale down one replica at a time
+and only when the load would still sit below `(1 - hysteresis)` of the target on one replica
+fewer, and never while a replica younger than `warmup_s` is present; with no metrics yet, hold.
+The result is clamped to the pool's min/max; Serve applies `upscale_delay_s`/`downscale_delay_s`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PREFILL_METRIC = "queued_prompt_tokens"
+KV_METRIC = "kv_utilization"
+RUNNING_METRIC = "running"
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    reason: str
+
+
+def decide(needed: float, current: int, hysteresis: float, warming: bool) -> Decision:
+    """Replicas to ask for, given the load in replica-equivalents (`needed`)."""
+    assert current >= 1 and 0 <= hysteresis < 1
+    if needed > current:
+        return Decision(math.ceil(needed), f"load {needed:.2f} replicas > {current}")
+    if current > 1 and not warming and needed <= (current - 1) * (1 - hysteresis):
+        return Decision(current - 1, f"load {needed:.2f} replicas fits in {current - 1}")
+    return Decision(current, "hold")
+
+
+def _track_ages(state: dict, replica_ids, now: float, warmup_s: float) -> bool:
+    """Remember when each replica was first seen; True while any is younger than warmup_s."""
+    first_seen = {rid: t for rid, t in state.get("first_seen", {}).items() if rid in replica_ids}
+    for rid in replica_ids:
+        first_seen.setdefault(rid, now)
+    state["first_seen"] = first_seen
+    return any(now - t < warmup_s for t in first_seen.values())
+
+
+def _replica_values(metrics: dict | None, name: str) -> dict[str, float]:
+    return {str(rid): float(v) for rid, v in ((metrics or {}).get(name) or {}).items()}
+
+
+class _PoolPolicy:
+    def __init__(self, hysteresis: float = 0.2, warmup_s: float = 10.0):
+        if not 0 <= hysteresis < 1 or warmup_s < 0:
+            raise ValueError("hysteresis must be in [0, 1) and warmup_s >= 0")
+        self.hysteresis, self.warmup_s = hysteresis, warmup_s
+
+    def needed(self, metrics: dict | None) -> float | None:
+        """Load in replica-equivalents, or None when no replica has reported."""
+        raise NotImplementedError
+
+    def __call__(self, ctx) -> tuple[int, dict]:
+        state = dict(ctx.policy_state or {})
+        current = max(ctx.current_num_replicas, 1)
+        now = ctx.current_time if ctx.current_time is not None else 0.0
+        warming = _track_ages(state, {str(r) for r in ctx.running_replicas}, now, self.warmup_s)
+        needed = self.needed(ctx.aggregated_metrics)
+        if needed is None:
+            decision = Decision(current, "no metrics reported yet")
+        else:
+            decision = decide(needed, current, self.hysteresis, warming)
+        state["last_reason"] = decision.reason
+        bounded = min(max(decision.replicas, ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)
+        return bounded, state
+
+
+class PrefillPolicy(_PoolPolicy):
+    """Prefill pool: queued prompt tokens per replica against a target."""
+
+    def __init__(self, target_queued_tokens: float = 2048, **kw):
+        super().__init__(**kw)
+        if target_queued_tokens <= 0:
+            raise ValueError("target_queued_tokens must be positive")
+        self.target = target_queued_tokens
+
+    def needed(self, metrics) -> float | None:
+        queued = _replica_values(metrics, PREFILL_METRIC)
+        return sum(queued.values()) / self.target if queued else None
+
+
+class DecodePolicy(_PoolPolicy):
+    """Decode pool: KV utilization and running sequences per replica against targets."""
+
+    def __init__(self, target_kv_utilization: float = 0.7, target_running: float = 32, **kw):
+        super().__init__(**kw)
+        if not 0 < target_kv_utilization <= 1 or target_running <= 0:
+            raise ValueError("target_kv_utilization must be in (0, 1] and target_running positive")
+        self.target_kv, self.target_running = target_kv_utilization, target_running
+
+    def needed(self, metrics) -> float | None:
+        kv, running = _replica_values(metrics, KV_METRIC), _replica_values(metrics, RUNNING_METRIC)
+        if not kv and not running:
+            return None
+        return max(sum(kv.values()) / self.target_kv, sum(running.values()) / self.target_running)
