@@ -35,9 +35,10 @@ class AttentionMetadata:
     kv_pool: torch.Tensor              # [layers, 2, blocks, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor         # [T] slot of each new token
     decode_rows: torch.Tensor | None   # [B] query rows of decode tokens
-    decode_slots: torch.Tensor | None  # [B, Lmax] context slots, padded
-    decode_mask: torch.Tensor | None   # [B, 1, 1, Lmax] bool, True = attend
+    decode_blocks: torch.Tensor | None  # [B, max_blocks] block tables, padded with block 0
+    decode_mask: torch.Tensor | None   # [B, 1, 1, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillSpan]
+    all_decode: bool = False           # every row is a decode token, in order (rows = arange)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
@@ -53,15 +54,19 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     k_flat.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
     v_flat.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
 
-    out = query.new_empty(1, n_tokens, n_heads, head_dim)
-    # 2. decode tokens, batched
+    out = None if meta.all_decode else query.new_empty(1, n_tokens, n_heads, head_dim)
+    # 2. decode tokens, batched; keys gathered a whole block at a time
     if meta.decode_rows is not None:
-        q = query[0, :, meta.decode_rows].transpose(0, 1).unsqueeze(2)     # [B, H, 1, D]
-        k = k_flat[meta.decode_slots].transpose(1, 2)                        # [B, Hkv, L, D]
-        v = v_flat[meta.decode_slots].transpose(1, 2)
+        rows = meta.decode_rows
+        q = (query[0] if meta.all_decode else query[0, :, rows]).transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+        b, nb = meta.decode_blocks.shape
+        kv = layer[:, meta.decode_blocks].view(2, b, nb * layer.shape[2], n_kv, head_dim)
+        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)                 # [B, Hkv, L, D]
         o, _ = sdpa_attention_forward(module, q, k, v, meta.decode_mask, scaling=scaling,
                                       is_causal=False)
-        out[0, meta.decode_rows] = o[:, 0]
+        if meta.all_decode:
+            return o.view(1, n_tokens, n_heads, head_dim), None
+        out[0, rows] = o[:, 0]
     # 3. prompt chunks, one at a time
     for span in meta.prefills:
         q = query[:, :, span.q_start:span.q_end]

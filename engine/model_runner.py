@@ -119,7 +119,7 @@ class ModelRunner:
         bs = self.config.block_size
         dev = self.device
         ids, pos, slots, sample_rows = [], [], [], []
-        dec_rows, dec_ctx = [], []
+        dec_rows, dec_tables, dec_lens = [], [], []
         prefills: list[PrefillSpan] = []
         row = 0
         for ch in chunks:
@@ -132,7 +132,8 @@ class ModelRunner:
             slots.append(ctx_slots[start:end])
             if n == 1:
                 dec_rows.append(row)
-                dec_ctx.append(ctx_slots)
+                dec_tables.append(seq.block_table[:-(-end // bs)])
+                dec_lens.append(end)
             elif start == 0:
                 prefills.append(PrefillSpan(row, row + n, None, None))
             else:
@@ -144,14 +145,12 @@ class ModelRunner:
                 sample_rows.append(row - 1)
         dec = (None, None, None)
         if dec_rows:
-            lmax = max(len(c) for c in dec_ctx)
-            padded = torch.zeros(len(dec_ctx), lmax, dtype=torch.long)
-            mask = torch.zeros(len(dec_ctx), 1, 1, lmax, dtype=torch.bool)
-            for i, c in enumerate(dec_ctx):
-                padded[i, :len(c)] = c
-                mask[i, :, :, :len(c)] = True
-            dec = (torch.tensor(dec_rows, device=dev), padded.to(dev), mask.to(dev))
-        meta = AttentionMetadata(self.kv_pool, torch.cat(slots).to(dev), *dec, prefills)
+            nb = max(len(t) for t in dec_tables)
+            tables = torch.tensor([t + [0] * (nb - len(t)) for t in dec_tables], dtype=torch.long)
+            mask = (torch.arange(nb * bs)[None, :] < torch.tensor(dec_lens)[:, None])[:, None, None, :]
+            dec = (torch.tensor(dec_rows, device=dev), tables.to(dev), mask.to(dev))
+        all_decode = len(dec_rows) == row
+        meta = AttentionMetadata(self.kv_pool, torch.cat(slots).to(dev), *dec, prefills, all_decode)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)[None]
         positions = torch.cat(pos).to(dev)[None]
         return input_ids, positions, sample_rows, meta
