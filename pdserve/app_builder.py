@@ -36,6 +36,7 @@ def autoscaling_config(pool_name: str, a: AutoscalingOptions) -> dict:
 def _pool_options(pool_name: str, pool: PoolConfig, router_class: str | None) -> dict:
     options = {
         "max_ongoing_requests": pool.max_ongoing_requests,
+        "max_queued_requests": pool.max_queued_requests,
         "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus,
                               "resources": dict(pool.resources)},
         "health_check_period_s": 5,

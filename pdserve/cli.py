@@ -21,7 +21,8 @@ def _serve(args) -> int:
     from pdserve.serve_config import AppConfig
 
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
-    updates = {k: v for k, v in {"model": args.model, "mode": args.mode, "model_cache": args.model_cache}.items() if v is not None}
+    updates = {k: v for k, v in {"model": args.model, "mode": args.mode, "model_cache": args.model_cache,
+                                 "api_key": args.api_key}.items() if v is not None}
     data = cfg.model_dump()
     data.update(updates)
     for pool, n in (("prefill", args.prefill_replicas), ("decode", args.decode_replicas)):
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", help="default model id or a local HF model directory")
     s.add_argument("--model-cache", help="where the default model is converted and cached")
     s.add_argument("--mode", choices=["disaggregated", "colocated"])
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     s.add_argument("--prefill-replicas", type=int)
     s.add_argument("--decode-replicas", type=int)
     s.set_defaults(fn=_serve)

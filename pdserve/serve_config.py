@@ -71,6 +71,8 @@ class PoolConfig(_Model):
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="Custom Ray resources per replica (e.g. a node type).")
     max_ongoing_requests: int = Field(256, ge=1, description="Requests a replica accepts at once.")
+    max_queued_requests: int = Field(1024, ge=1, description="Requests queued for this pool beyond what its "
+                                                           "replicas accept; above it callers get 429.")
     engine: dict[str, Any] = Field(default_factory=dict,
                                    description="Engine options of this pool that differ from the shared ones.")
 
@@ -110,6 +112,9 @@ class AppConfig(_Model):
     colocated: PoolConfig = Field(default_factory=PoolConfig, description="The pool used in colocated mode.")
     transfer: TransferOptions = Field(default_factory=TransferOptions, description="KV transfer timeouts.")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request end to end.")
+    api_key: str = Field("", description="When set, every endpoint but /health needs 'Authorization: Bearer <key>'.")
+    max_body_bytes: int = Field(4 * 2**20, gt=0, description="Largest accepted request body (413 above).")
+    max_inflight_requests: int = Field(1024, gt=0, description="Requests the router holds at once (429 above).")
     route_prefix: str = Field("/", description="HTTP route prefix of the app.")
 
     @model_validator(mode="after")

@@ -24,12 +24,15 @@ from transformers import AutoConfig, AutoTokenizer
 from pdserve import messages
 from pdserve.models import resolve_model
 from pdserve.serve_config import AppConfig
+from router.guards import Guards, GuardSettings
 from router.metrics import render
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, completion_body, error_body,
                                     error_response, usage)
 from router.orchestrator import Orchestrator, RequestFailed
 
 app = FastAPI(title="pdserve", description="Disaggregated prefill/decode LLM serving (OpenAI-compatible)")
+guard_settings = GuardSettings()
+app.add_middleware(Guards, settings=guard_settings)
 
 
 @app.exception_handler(RequestValidationError)
@@ -47,6 +50,7 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 class Router:
     def __init__(self, config: dict, prefill=None, decode=None, colocated=None, registry=None):
         self.config = AppConfig.model_validate(config)
+        guard_settings.configure(self.config.api_key, self.config.max_body_bytes, self.config.max_inflight_requests)
         model_dir = resolve_model(self.config.model, self.config.model_cache, progress=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         hf = AutoConfig.from_pretrained(model_dir)
@@ -127,7 +131,8 @@ class Router:
             first = await events.__anext__()
         except RequestFailed as exc:
             self.outcomes["error"] += 1
-            return error_response(exc.code, exc.message, exc.kind)
+            return error_response(exc.code, exc.message, exc.kind,
+                                  headers={"Retry-After": "1"} if exc.code in (429, 503) else None)
         if body.stream:
             return StreamingResponse(self._sse(body, rid, first, events, chat),
                                      media_type="text/event-stream")

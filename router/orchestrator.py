@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
+from ray.exceptions import RayError
+from ray.serve.exceptions import BackPressureError
+
 from pdserve import messages
 from pdserve.messages import WireSamplingParams
 
@@ -44,6 +47,18 @@ class Orchestrator:
             self._decode_handle = decode.options(stream=True)
 
     async def run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:
+        try:
+            async for event in self._run(rid, prompt, params):
+                yield event
+        except RequestFailed:
+            raise
+        except BackPressureError as exc:
+            raise RequestFailed(429, f"a pool is at capacity, retry later ({exc})", "overloaded") from None
+        except RayError as exc:
+            raise RequestFailed(503, f"a replica failed while serving the request: {type(exc).__name__}",
+                                "server_error") from None
+
+    async def _run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:
         wire = WireSamplingParams.of(params)
         if self.mode == "colocated":
             async for data in self.colocated.remote(messages.encode(messages.GenerateRequest(rid, tuple(prompt), wire))):

@@ -66,3 +66,12 @@ def sse_events(text: str) -> list:
             payload = line[6:]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def wait_until(pred, timeout: float, every: float = 0.25) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(every)
+    return False

@@ -7,14 +7,13 @@ replica. No request fails (a replica being removed finishes its streams) and no 
 
 import random
 import threading
-import time
 
 import pytest
 from ray import serve
 
 from pdserve.app_builder import build_app
 from pdserve.serve_config import AppConfig
-from service_util import http, pools_all_free, wait_healthy
+from service_util import http, pools_all_free, wait_healthy, wait_until
 
 pytestmark = pytest.mark.slow
 SCALING = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 3,
@@ -24,15 +23,6 @@ SCALING = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "downscal
 def replicas(app: str, deployment: str) -> int:
     status = serve.status().applications[app].deployments[deployment]
     return status.replica_states.get("RUNNING", 0)
-
-
-def wait_for(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.5)
-    return False
 
 
 def test_pools_scale_up_under_load_and_back_down(ray_serve, tiny_llama_dir):
@@ -66,12 +56,12 @@ def test_pools_scale_up_under_load_and_back_down(ray_serve, tiny_llama_dir):
                 peak[name] = max(peak[name], replicas("as", name))
             return peak["DecodeServer"] == 2 and peak["PrefillServer"] == 2
 
-        up = wait_for(scaled_up, 120)
+        up = wait_until(scaled_up, 120)
         stop.set()
         for t in threads:
             t.join()
         assert up, f"peak replicas under load: {peak}"
-        assert wait_for(lambda: replicas("as", "DecodeServer") == 1, 90), "decode pool did not scale back down"
+        assert wait_until(lambda: replicas("as", "DecodeServer") == 1, 90), "decode pool did not scale back down"
         assert statuses and all(s == 200 for s in statuses), f"{statuses.count(200)}/{len(statuses)} ok"
         assert pools_all_free(base, {"prefill", "decode"})
     finally:

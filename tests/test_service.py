@@ -15,7 +15,7 @@ from ray import serve
 from engine_prompts import max_tokens_for
 from pdserve.app_builder import build_app
 from pdserve.serve_config import AppConfig
-from service_util import http, metrics, pools_all_free, sse_events, wait_healthy
+from service_util import http, metrics, pools_all_free, sse_events, wait_healthy, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -128,14 +128,19 @@ def test_client_disconnect_mid_stream_frees_everything(disagg):
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True,
             "temperature": 0, "stream": True}
     conn.request("POST", "/pd/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    for _ in range(5):
-        assert resp.fp.readline()
-    running = metrics(disagg)
-    assert any(v > 0 for (n, p, _), v in running.items() if n == "pdserve_running_requests" and p == "decode")
-    conn.sock.close()
-    conn.close()
+    try:
+        resp = conn.getresponse()
+        assert resp.status == 200
+        for _ in range(5):
+            assert resp.fp.readline()
+
+        def decoding():
+            return any(v > 0 for (n, p, _), v in metrics(disagg).items()
+                       if n == "pdserve_running_requests" and p == "decode")
+        assert wait_until(decoding, 15), "the streaming request never showed up as running"
+    finally:
+        conn.sock.close()
+        conn.close()
     assert pools_all_free(disagg, {"prefill", "decode"})
     m = metrics(disagg)
     assert all(v == 0 for (n, _, _), v in m.items() if n == "pdserve_running_requests")

@@ -1,0 +1,94 @@
+"""ASGI middleware in front of the router's FastAPI app: authentication, body size, overload.
+
+Order for each HTTP request:
+  1. authenticate  when an API key is configured, every path but /health needs
+                   `Authorization: Bearer <key>` (401 otherwise)
+  2. admit         more than `max_inflight` requests in flight -> 429 with Retry-After
+  3. bound the body a declared or streamed body above `max_body_bytes` -> 413
+All refusals are OpenAI-format JSON errors; nothing reaches the pools.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+OPEN_PATHS = ("/health",)
+
+
+async def _send_error(send, status: int, message: str, kind: str, code: str, headers=()) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class GuardSettings:
+    """Filled by the Router replica at start; read on every request."""
+
+    def __init__(self, api_key: str = "", max_body_bytes: int = 4 * 2**20, max_inflight: int = 1024):
+        self.configure(api_key, max_body_bytes, max_inflight)
+
+    def configure(self, api_key: str, max_body_bytes: int, max_inflight: int) -> None:
+        self.api_key, self.max_body_bytes, self.max_inflight = api_key.encode(), max_body_bytes, max_inflight
+
+
+class Guards:
+    def __init__(self, app, settings: GuardSettings):
+        self.app = app
+        self.settings = settings
+        self.inflight = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        # 1. authenticate
+        if self.settings.api_key and not any(path.endswith(p) for p in OPEN_PATHS) and not self._authorized(scope):
+            return await _send_error(send, 401, "missing or invalid API key (use 'Authorization: Bearer <key>')",
+                                     "invalid_request_error", "invalid_api_key")
+        # 2. admit
+        if self.inflight >= self.settings.max_inflight:
+            return await _send_error(send, 429, f"server overloaded: {self.inflight} requests in flight; retry later",
+                                     "overloaded", "rate_limit_exceeded", [(b"retry-after", b"1")])
+        # 3. bound the body
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
+            return await _send_error(send, 413, f"request body above {self.settings.max_body_bytes} bytes",
+                                     "invalid_request_error", "body_too_large")
+        received = 0
+        started = False
+
+        async def bounded_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.settings.max_body_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        self.inflight += 1
+        try:
+            await self.app(scope, bounded_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _send_error(send, 413, f"request body above {self.settings.max_body_bytes} bytes",
+                                  "invalid_request_error", "body_too_large")
+        finally:
+            self.inflight -= 1
+
+    def _authorized(self, scope) -> bool:
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.settings.api_key)
