@@ -70,7 +70,9 @@ ok=False (the connection closes at once, or a timeout fires); the receiver fails
 reservation whose data was in flight, and any other reservation at its lease.
 
 Failure handling: any fault tears the pair down (NCCL is aborted) and the next send builds a
-new one; a fault on a pair that had carried earlier transfers is retried once on a fresh pair.
+new one; a fast fault (not a timeout) on a pair that had carried earlier transfers is retried
+once on a fresh pair. TCPStore reads against a remote store can block forever on a frozen
+peer despite their own timeouts, so the sender bounds them from a helper thread.
 
 Wire: control messages are msgpack (protocol.py, versioned, size-capped); KV travels only as
 raw tensor bytes over the process group; nothing is pickled.

@@ -83,8 +83,9 @@ class KVSenderBase(_Closing):
     def send(self, address: str, request_id: str, block_ids: Sequence[int]) -> TransferResult:
         """Copy blocks `block_ids` of the local pool into the blocks the receiver at `address`
         reserved for `request_id`. Blocks until the receiver acknowledges or a timeout or fault
-        ends the transfer. At most two attempts (the second only after a fault on a pair that
-        had carried earlier transfers, e.g. one the receiver dropped as idle), each within
+        ends the transfer. At most two attempts (the second only after a fast fault, not a
+        timeout, on a pair that had carried earlier transfers, e.g. one the receiver dropped
+        as idle), each within
         connect_timeout_s (pair) + transfer_timeout_s (turn on the pair) + transfer_timeout_s
         (data and Ack)."""
 

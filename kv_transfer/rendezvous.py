@@ -12,6 +12,12 @@ The decode replica runs a `torch.distributed.TCPStore` server on a free port; it
     pair/<id>/pg/...      the 2-rank process group's own rendezvous (receiver rank 0)
 
 An empty value on a queue is a wake-up pushed by the receiver when it closes.
+
+TCPStore client reads (the constructor, get, add, wait, queue_pop) block forever on a server
+that is alive but frozen or unreachable, whatever timeout they were given; writes (set,
+queue_push) return at once. The receiver only talks to its own in-process server; the sender
+runs every read against a remote store through `in_thread` and bounds it by waiting on the
+future (the stuck thread is abandoned; it ends when the connection does).
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import datetime
 import hashlib
 import hmac
 import socket
+import threading
+from concurrent.futures import Future
+from typing import Callable
 
 from torch.distributed import TCPStore
 
@@ -91,3 +100,17 @@ def judge(hs: Handshake, fingerprint: Fingerprint, secret: str, nonce: bytes,
     if mismatch:
         return f"fingerprint mismatch (receiver != sender): {mismatch}", ""
     return "", choose_backend(device, hs.device)
+
+
+def in_thread(fn: Callable[[], object], name: str) -> Future:
+    """Run fn() in a new daemon thread; its result or exception arrives on the future."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # handed to whoever waits on the future
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut

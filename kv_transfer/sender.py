@@ -17,8 +17,9 @@ Block ownership: the caller keeps `block_ids` allocated during send() and frees 
 returns, whatever the result. send() only reads them (step 4), and never after returning.
 
 A fault tears the pair down (closing its group; NCCL is aborted) and the next send to that
-address builds a fresh one. A fault on a pair that had already carried a transfer is retried
-once on a fresh pair, because the receiver may have dropped the idle pair meanwhile.
+address builds a fresh one. A fault before the deadline on a pair that had already carried a
+transfer is retried once on a fresh pair, because the receiver may have dropped the idle pair
+meanwhile; a timeout is not retried.
 """
 
 from __future__ import annotations
@@ -147,6 +148,15 @@ class KVSender(KVSenderBase):
             return pair
 
     def _build(self, address: str) -> _Pair | str:
+        """_connect() bounded by connect_timeout_s even if the receiver's store is frozen."""
+        fut = rv.in_thread(lambda: self._connect(address), "kvt-connect")
+        try:
+            return fut.result(timeout=self.config.connect_timeout_s + 1.0)
+        except TimeoutError:
+            fut.add_done_callback(_discard_late_pair)
+            return f"cannot pair with {address}: no answer in {self.config.connect_timeout_s:g}s"
+
+    def _connect(self, address: str) -> _Pair | str:
         cfg = self.config
         deadline = time.monotonic() + cfg.connect_timeout_s
         try:
@@ -170,6 +180,7 @@ class KVSender(KVSenderBase):
             raise
         except Exception as exc:  # boundary: every peer/network fault becomes a value
             return f"cannot pair with {address}: {clip(repr(exc))}"
+        client.set_timeout(rv.seconds(cfg.transfer_timeout_s))  # bounds a live server's replies
         staging = Staging(self.kv, reply.backend, chunk_blocks)
         return _Pair(address, pair_id, client, channel, staging, chunk_blocks)
 
@@ -185,20 +196,23 @@ class KVSender(KVSenderBase):
             reused = pair.seq > 0
             pair.seq += 1
             self._inflight.set(request_id, TransferState.TRANSFERRING)
+            deadline = time.monotonic() + self.config.transfer_timeout_s
             try:
-                return self._run(pair, request_id, ids, start), False
+                return self._run(pair, request_id, ids, start, deadline), False
             except AssertionError:
                 raise
             except Exception as exc:  # boundary: every peer/network fault becomes a value
                 self._drop(pair)
                 error = f"transfer to {pair.address} failed: {clip(repr(exc))}"
-                return TransferResult.failure(request_id, error, time.monotonic() - start), reused
+                # A reused pair that failed fast (closed, e.g. dropped as idle) is worth a fresh
+                # one; one that ran into its deadline (hung receiver) is not.
+                retry = reused and time.monotonic() < deadline
+                return TransferResult.failure(request_id, error, time.monotonic() - start), retry
         finally:
             pair.lock.release()
 
-    def _run(self, pair: _Pair, request_id: str, ids: tuple[int, ...],
-             start: float) -> TransferResult:
-        deadline = time.monotonic() + self.config.transfer_timeout_s
+    def _run(self, pair: _Pair, request_id: str, ids: tuple[int, ...], start: float,
+             deadline: float) -> TransferResult:
         rows = sends_rows(self.kv, pair.staging, ids, pair.chunk_blocks)
         header = TransferHeader(
             request_id=request_id, seq=pair.seq, num_blocks=len(ids),
@@ -207,11 +221,8 @@ class KVSender(KVSenderBase):
         )
         pair.client.queue_push(rv.frames_key(pair.pair_id), encode(header))
         sent = send_chunks(pair.channel, pair.staging, self.kv, ids, pair.chunk_blocks, rows, deadline)
-        pair.client.set_timeout(rv.seconds(deadline - time.monotonic()))
-        try:
-            ack = decode(pair.client.queue_pop(rv.acks_key(pair.pair_id)), (Ack,))
-        finally:
-            pair.client.set_timeout(rv.seconds(self.config.connect_timeout_s))
+        pop = rv.in_thread(lambda: pair.client.queue_pop(rv.acks_key(pair.pair_id)), "kvt-ack")
+        ack = decode(pop.result(timeout=max(deadline - time.monotonic(), 0.001)), (Ack,))
         if (ack.request_id, ack.seq) != (request_id, pair.seq):
             raise RuntimeError(f"ack for {ack.request_id!r}/{ack.seq} out of order")
         elapsed = time.monotonic() - start
@@ -227,3 +238,10 @@ class KVSender(KVSenderBase):
         pair.broken = True
         pair.channel.close(failed=True)
         pair.staging.release()
+
+
+def _discard_late_pair(fut) -> None:
+    """A pair that finished building after its caller gave up: nobody will use it."""
+    pair = fut.result() if fut.exception() is None else None
+    if isinstance(pair, _Pair):
+        pair.channel.close(failed=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import threading
 import time
@@ -54,6 +55,31 @@ def test_receiver_killed_mid_transfer():
         assert tx.free.count == NUM_BLOCKS and tx.state("doomed") is None
         assert tx._pairs == {}  # the broken pair was torn down
     finally:
+        tx.close()
+        rx.kill()
+
+
+def test_hung_receiver_times_out_instead_of_hanging():
+    rx = Worker("receiver")
+    tx = _local("sender", transfer_timeout_s=2.0)
+    try:
+        rx.call("expect", "warm", 2)
+        assert send_and_free(tx, tx.free, rx.address, "warm", 2)[0].ok  # the pair exists
+        os.kill(rx.proc.pid, signal.SIGSTOP)  # alive, but answers nothing
+        start = time.monotonic()
+        res, _ = send_and_free(tx, tx.free, rx.address, "hung", 40)
+        waited = time.monotonic() - start
+        assert not res.ok and waited < 2.0 + 3, (waited, res.error)  # a timeout: no retry
+        assert tx.free.count == NUM_BLOCKS and tx._pairs == {}
+        fresh = _local("sender", connect_timeout_s=2.0)  # must build a pair: the store is frozen
+        start = time.monotonic()
+        res, _ = send_and_free(fresh, fresh.free, rx.address, "hung-2", 4)
+        waited = time.monotonic() - start
+        assert not res.ok and "no answer" in res.error and waited < 2.0 + 1 + 2, waited
+        assert fresh.free.count == NUM_BLOCKS
+        fresh.close()
+    finally:
+        os.kill(rx.proc.pid, signal.SIGCONT)
         tx.close()
         rx.kill()
 
