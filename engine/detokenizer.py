@@ -25,7 +25,10 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> None:
-        """Add one generated token; sets `stopped` if a stop string has now appeared."""
+        """Add one generated token; sets `stopped` if a stop string has now appeared. After
+        that the text is final and further tokens are ignored."""
+        if self.stopped:
+            return
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])

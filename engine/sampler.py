@@ -31,6 +31,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
            banned: list[list[int]]) -> list[int]:
     """Pick one token per row. `banned[i]` lists token ids row i may not pick (EOS and stop
