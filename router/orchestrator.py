@@ -7,6 +7,8 @@ Disaggregated, three steps (the order matters for block ownership):
   3. dispatch the decode to exactly that replica: it reserves blocks, receives the KV (the
      push waits for the reservation) and streams tokens from the first one on.
 If the first token already ends the request, step 3 is skipped and the decode slot released.
+A prefill replica that dies during step 2 is retried once (a fresh request id, so a push the dead
+replica may have started is drained by the decode side and never confused with the retry's).
 Colocated: one call to the colocated pool.
 Failures raise `RequestFailed` with the HTTP status to report; cancelling the iterator (client
 gone) cancels the replica calls, which abort the request there and free its blocks.
@@ -21,6 +23,9 @@ from ray.serve.exceptions import BackPressureError
 
 from pdserve import messages
 from pdserve.messages import WireSamplingParams
+
+
+PREFILL_ATTEMPTS = 2   # a prefill replica that dies mid-request is retried once on another
 
 
 class RequestFailed(Exception):
@@ -58,6 +63,18 @@ class Orchestrator:
             raise RequestFailed(503, f"a replica failed while serving the request: {type(exc).__name__}",
                                 "server_error") from None
 
+    async def _prefill(self, rid: str, prompt: list[int], wire, address: str) -> messages.PrefillResult:
+        for attempt in range(PREFILL_ATTEMPTS):
+            attempt_rid = rid if attempt == 0 else f"{rid}-retry{attempt}"
+            try:
+                data = await self.prefill.remote(messages.encode(
+                    messages.PrefillRequest(attempt_rid, tuple(prompt), wire, address)))
+                return messages.decode(data, expect=messages.PrefillResult)
+            except RayError:
+                if attempt == PREFILL_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
     async def _run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:
         wire = WireSamplingParams.of(params)
         if self.mode == "colocated":
@@ -69,9 +86,9 @@ class Orchestrator:
             address = selection.replica_metadata.get("kv_address")
             if not address:
                 raise RequestFailed(503, "the chosen decode replica has no KV address yet", "overloaded")
-            # 2. prefill there
-            result = messages.decode(await self.prefill.remote(messages.encode(
-                messages.PrefillRequest(rid, tuple(prompt), wire, address))), expect=messages.PrefillResult)
+            # 2. prefill there (once more, under a fresh id, if the prefill replica died)
+            result = await self._prefill(rid, prompt, wire, address)
+            rid = result.request_id
             if result.error is not None:
                 kind = "invalid_request_error" if result.error_code == 400 else "server_error"
                 raise RequestFailed(result.error_code, result.error, kind)

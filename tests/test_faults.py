@@ -1,0 +1,88 @@
+"""Replica faults on a local Ray cluster (tiny model): a decode replica killed mid-stream and a
+prefill replica killed; the service answers with an error event or a retry, never a hang, and
+Serve replaces the replica."""
+
+import http.client as httpclient
+import json
+import threading
+
+import pytest
+import ray
+from ray import serve
+
+from pdserve.app_builder import build_app
+from pdserve.serve_config import AppConfig
+from service_util import http, metrics, pools_all_free, wait_healthy, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def app(ray_serve, tiny_llama_dir):
+    cfg = AppConfig(mode="disaggregated", model=str(tiny_llama_dir), served_model_name="tiny", route_prefix="/ft",
+                    engine={"kv_cache_memory": "32MiB", "dtype": "float32", "device": "cpu", "num_threads": 1},
+                    transfer={"host": "127.0.0.1"}, decode={"num_replicas": 2})
+    serve.run(build_app(cfg), name="ft", route_prefix="/ft", blocking=False)
+    base = ray_serve + "/ft"
+    wait_healthy(base)
+    yield base
+    serve.delete("ft")
+
+
+def kill_replica(deployment: str, replica_id: str | None = None) -> str:
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        if name.startswith("SERVE_REPLICA::ft#" + deployment + "#") and (replica_id is None or name.endswith(replica_id)):
+            ray.kill(ray.get_actor(name, namespace=actor["namespace"]), no_restart=True)
+            return name
+    raise LookupError(f"no live replica of {deployment} {replica_id or ''}")
+
+
+def ok(base, n=1):
+    return http(base, "/v1/completions", {"model": "tiny", "prompt": list(range(100, 100 + 40)), "max_tokens": n,
+                                          "ignore_eos": True, "temperature": 0})[0] == 200
+
+
+def test_decode_replica_killed_mid_stream_ends_the_stream_with_an_error(app):
+    host, port = app.split("//")[1].split("/")[0].split(":")
+    conn = httpclient.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/ft/v1/completions", json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 2000,
+                                                          "ignore_eos": True, "temperature": 0, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline()
+    busy = {}
+
+    def find_busy():
+        busy.update({r: v for (n, p, r), v in metrics(app).items()
+                     if n == "pdserve_running_requests" and p == "decode" and v > 0})
+        return bool(busy)
+    assert wait_until(find_busy, 15)
+    kill_replica("DecodeServer", next(iter(busy)))
+    lines, done = [], threading.Event()
+
+    def drain():
+        for line in resp:              # chunked decoding; ends with the response
+            lines.append(line.decode())
+        done.set()
+    threading.Thread(target=drain, daemon=True).start()
+    assert done.wait(60), f"the stream hung after its decode replica died: {len(lines)} lines, last {lines[-2:]}"
+    conn.close()
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert [x.strip() for x in lines if x.strip()][-1] == "data: [DONE]"
+    assert events[-1]["error"]["code"] == 503, events[-1]
+    # other and later requests are served (the surviving replica, then the replacement)
+    assert all(ok(app, 8) for _ in range(4))
+    assert wait_until(lambda: serve.status().applications["ft"].deployments["DecodeServer"]
+                      .replica_states.get("RUNNING", 0) == 2, 90)
+    assert pools_all_free(app, {"prefill", "decode"}, timeout=30)
+
+
+def test_prefill_replica_killed_requests_still_succeed(app):
+    assert ok(app)
+    kill_replica("PrefillServer")
+    assert ok(app, 4), "a request right after the prefill replica died failed"
+    assert wait_until(lambda: serve.status().applications["ft"].deployments["PrefillServer"]
+                      .replica_states.get("RUNNING", 0) == 1, 90)
+    assert all(ok(app, 4) for _ in range(3))
+    assert pools_all_free(app, {"prefill", "decode"}, timeout=30)
