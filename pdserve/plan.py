@@ -1,0 +1,149 @@
+"""`pdserve plan`: the prefill/decode roofline as a capacity planner (torch-free math).
+
+With N parameters of b bytes and kappa KV bytes per token (2 * layers * kv_heads * head_dim * b):
+  prefill intensity  I_p(S)    = 2 N S / (N b + kappa S)        ~ 2S/b, grows with the prompt
+  decode intensity   I_d(S, B) = 2 N B / (N b + kappa S B)      <= 2/b = 1 FLOP/byte in bf16 at B = 1
+A phase is compute-bound when its intensity exceeds the machine's ridge point (peak FLOP/s over
+memory bandwidth). Lower bounds: TTFT(S) = max(2NS / F, (Nb + kappa S) / W); TPOT(S, B) =
+max(2NB / F, (Nb + kappa S B) / W); KV transfer = kappa S / link bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    params: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: float = 2.0
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float       # dense FLOP/s in the model's dtype
+    mem_bw: float           # bytes/s
+    mem_bytes: float        # device memory
+    link_bw: float          # bytes/s between a prefill and a decode replica
+
+    @property
+    def ridge(self) -> float:
+        return self.peak_flops / self.mem_bw
+
+
+MODELS = {
+    "qwen2.5-7b": ModelSpec("Qwen2.5-7B", 7.615e9, 28, 4, 128, 2.0),
+    "smollm2-135m": ModelSpec("SmolLM2-135M-Instruct", 134.5e6, 30, 3, 64, 4.0),
+}
+HARDWARE = {  # dense bf16 peaks; link = 400 Gb/s NIC
+    "h100": Hardware("H100 SXM", 989e12, 3.35e12, 80e9, 50e9),
+    "h200": Hardware("H200 SXM", 989e12, 4.8e12, 141e9, 50e9),
+    "a100": Hardware("A100 80GB", 312e12, 2.04e12, 80e9, 25e9),
+    "l40s": Hardware("L40S", 362e12, 0.864e12, 48e9, 12.5e9),
+}
+
+
+def prefill_intensity(m: ModelSpec, s: float) -> float:
+    return 2 * m.params * s / (m.weight_bytes + m.kv_bytes_per_token * s)
+
+
+def decode_intensity(m: ModelSpec, s: float, batch: int = 1) -> float:
+    return 2 * m.params * batch / (m.weight_bytes + m.kv_bytes_per_token * s * batch)
+
+
+def ttft_bound(m: ModelSpec, hw: Hardware, s: float) -> float:
+    return max(2 * m.params * s / hw.peak_flops, (m.weight_bytes + m.kv_bytes_per_token * s) / hw.mem_bw)
+
+
+def tpot_bound(m: ModelSpec, hw: Hardware, s: float, batch: int = 1) -> float:
+    return max(2 * m.params * batch / hw.peak_flops,
+               (m.weight_bytes + m.kv_bytes_per_token * s * batch) / hw.mem_bw)
+
+
+def transfer_time(m: ModelSpec, hw: Hardware, s: float) -> float:
+    return m.kv_bytes_per_token * s / hw.link_bw
+
+
+@dataclass(frozen=True)
+class Plan:
+    prefill_replicas: int
+    decode_replicas: int
+    decode_batch: int
+    ttft: float
+    tpot: float
+    reason: str
+
+
+def plan(m: ModelSpec, hw: Hardware, input_len: int, output_len: int, rate: float,
+         ttft_slo: float, tpot_slo: float) -> Plan:
+    """Replicas per pool for `rate` requests/s meeting both SLOs at the roofline bounds."""
+    ttft = ttft_bound(m, hw, input_len)
+    context = input_len + output_len / 2
+    kv_room = hw.mem_bytes * 0.9 - m.weight_bytes
+    max_batch_mem = max(int(kv_room // (m.kv_bytes_per_token * (input_len + output_len))), 0)
+    batch = 0
+    for b in range(1, max_batch_mem + 1):
+        if tpot_bound(m, hw, context, b) > tpot_slo:
+            break
+        batch = b
+    if ttft > ttft_slo or batch == 0:
+        return Plan(0, 0, 0, ttft, tpot_bound(m, hw, context, 1),
+                    "SLO unreachable on this hardware at the roofline")
+    prefill = math.ceil(rate * ttft / 1.0) or 1           # each replica is busy ttft per request
+    tokens_per_decode_replica = batch / tpot_bound(m, hw, context, batch)
+    decode = math.ceil(rate * output_len / tokens_per_decode_replica) or 1
+    return Plan(prefill, decode, batch, ttft, tpot_bound(m, hw, context, batch),
+                f"decode batch {batch} limited by {'TPOT SLO' if batch < max_batch_mem else 'KV memory'}")
+
+
+def measure_cpu() -> Hardware:
+    """This machine's CPU, measured now: fp32 matmul FLOP/s and copy bandwidth."""
+    import time
+
+    import psutil
+    import torch
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    flops = 10 * 2 * 1024**3 / (time.perf_counter() - t0)
+    src = torch.empty(64 * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    bw = 10 * 2 * src.numel() / (time.perf_counter() - t0)   # read + write
+    return Hardware("this CPU (measured)", flops, bw, psutil.virtual_memory().total, bw)
+
+
+def report(m: ModelSpec, hw: Hardware, lengths=(128, 512, 1024, 4096), batches=(1, 8, 64)) -> str:
+    rows = [f"model {m.name}: {m.params / 1e9:.3g} B params, {m.dtype_bytes:g} B/param, "
+            f"KV {m.kv_bytes_per_token / 1024:.1f} KiB/token",
+            f"hardware {hw.name}: {hw.peak_flops / 1e12:.3g} TFLOP/s, {hw.mem_bw / 1e9:.4g} GB/s, "
+            f"ridge {hw.ridge:.1f} FLOP/byte, link {hw.link_bw / 1e9:.3g} GB/s", "",
+            "| S | prefill FLOP/B | " + " | ".join(f"decode B={b} FLOP/B" for b in batches)
+            + " | TTFT bound ms | " + " | ".join(f"TPOT B={b} ms" for b in batches) + " | KV transfer ms |",
+            "|" + "---:|" * (4 + 2 * len(batches))]
+    for s in lengths:
+        rows.append(f"| {s} | {prefill_intensity(m, s):.1f} | "
+                    + " | ".join(f"{decode_intensity(m, s, b):.2f}" for b in batches)
+                    + f" | {ttft_bound(m, hw, s) * 1e3:.2f} | "
+                    + " | ".join(f"{tpot_bound(m, hw, s, b) * 1e3:.2f}" for b in batches)
+                    + f" | {transfer_time(m, hw, s) * 1e3:.2f} |")
+    return "\n".join(rows)

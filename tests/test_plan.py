@@ -1,0 +1,30 @@
+"""The planner reproduces the design note's Qwen2.5-7B figures and behaves like a roofline."""
+
+import pytest
+
+from pdserve.plan import HARDWARE, MODELS, decode_intensity, plan, prefill_intensity, tpot_bound, ttft_bound
+
+QWEN = MODELS["qwen2.5-7b"]
+
+
+def test_design_note_figures():
+    assert QWEN.kv_bytes_per_token == 57344
+    assert prefill_intensity(QWEN, 1024) == pytest.approx(1020.1, abs=0.1)
+    assert decode_intensity(QWEN, 1024) == pytest.approx(1.00, abs=0.005)
+
+
+def test_prefill_compute_bound_and_decode_memory_bound_on_h200():
+    h200 = HARDWARE["h200"]
+    assert prefill_intensity(QWEN, 1024) > h200.ridge > decode_intensity(QWEN, 1024, batch=64)
+    # batching raises decode intensity but TPOT grows far slower than the batch
+    assert tpot_bound(QWEN, h200, 1024, 64) < 2 * tpot_bound(QWEN, h200, 1024, 1)
+    assert ttft_bound(QWEN, h200, 4096) > ttft_bound(QWEN, h200, 1024)
+
+
+def test_plan_scales_with_rate_and_respects_slos():
+    h200 = HARDWARE["h200"]
+    low = plan(QWEN, h200, 1024, 256, 2, ttft_slo=0.5, tpot_slo=0.05)
+    high = plan(QWEN, h200, 1024, 256, 500, ttft_slo=0.5, tpot_slo=0.05)
+    assert low.prefill_replicas >= 1 and low.decode_replicas >= 1 and low.tpot <= 0.05
+    assert high.prefill_replicas > low.prefill_replicas and high.decode_replicas > low.decode_replicas
+    assert plan(QWEN, HARDWARE["l40s"], 1024, 256, 10, ttft_slo=0.001, tpot_slo=0.05).decode_replicas == 0
