@@ -112,6 +112,7 @@ class AppConfig(_Model):
     colocated: PoolConfig = Field(default_factory=PoolConfig, description="The pool used in colocated mode.")
     transfer: TransferOptions = Field(default_factory=TransferOptions, description="KV transfer timeouts.")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request end to end.")
+    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for (400 above).")
     api_key: str = Field("", description="When set, every endpoint but /health needs 'Authorization: Bearer <key>'.")
     max_body_bytes: int = Field(4 * 2**20, gt=0, description="Largest accepted request body (413 above).")
     max_inflight_requests: int = Field(1024, gt=0, description="Requests the router holds at once (429 above).")

@@ -18,6 +18,7 @@ from collections import Counter
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
@@ -43,6 +44,13 @@ async def _validation_error(request: Request, exc: RequestValidationError):
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
                         for e in errors[:5]) or "invalid request"
     return error_response(400, message, param=param)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """FastAPI's own errors (unparsable body, unknown route, wrong method) in OpenAI's format."""
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
 
 
 @serve.deployment
@@ -116,7 +124,10 @@ class Router:
             return error_response(400, "the prompt is empty", param="prompt")
         room = self.max_model_len - len(ids)
         if max_tokens is None:
-            max_tokens = room
+            max_tokens = min(room, self.config.max_tokens_limit)
+        if max_tokens > self.config.max_tokens_limit:
+            return error_response(400, f"max_tokens {max_tokens} is above this server's limit of "
+                                  f"{self.config.max_tokens_limit}", param="max_tokens")
         if room < 1 or max_tokens > room:
             return error_response(400, f"this model's maximum context length is {self.max_model_len} tokens; "
                                   f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}",

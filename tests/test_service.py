@@ -10,39 +10,12 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from ray import serve
 
 from engine_prompts import max_tokens_for
-from pdserve.app_builder import build_app
-from pdserve.serve_config import AppConfig
-from service_util import http, metrics, pools_all_free, sse_events, wait_healthy, wait_until
+from service_util import http, metrics, pools_all_free, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
-ENGINE = {"kv_cache_memory": "160MiB", "dtype": "float32", "device": "cpu", "num_threads": 1}
-
-
-@pytest.fixture(scope="module")
-def disagg(ray_serve, default_model_dir):
-    cfg = AppConfig(mode="disaggregated", model=str(default_model_dir), served_model_name=MODEL,
-                    engine=ENGINE, decode={"num_replicas": 2}, transfer={"host": "127.0.0.1"},
-                    route_prefix="/pd")
-    serve.run(build_app(cfg), name="pd", route_prefix="/pd", blocking=False)
-    base = ray_serve + "/pd"
-    wait_healthy(base)
-    yield base
-    serve.delete("pd")
-
-
-@pytest.fixture(scope="module")
-def colocated(ray_serve, default_model_dir, disagg):
-    cfg = AppConfig(mode="colocated", model=str(default_model_dir), served_model_name=MODEL, engine=ENGINE,
-                    route_prefix="/co")
-    serve.run(build_app(cfg), name="co", route_prefix="/co", blocking=False)
-    base = ray_serve + "/co"
-    wait_healthy(base)
-    yield base
-    serve.delete("co")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,73 @@
+"""Every kind of bad input gets an OpenAI-format 4xx, and the server stays up with every pool
+back to all blocks free."""
+
+import json
+
+import pytest
+
+from service_util import http, pools_all_free
+
+pytestmark = pytest.mark.slow
+M = "SmolLM2-135M-Instruct"
+GOOD = {"model": M, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+CHAT = {"model": M, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+CASES = [
+    ("invalid json", "/v1/completions", b'{"model": "x", "prompt": ', 400),
+    ("not an object", "/v1/completions", b"[1, 2, 3]", 400),
+    ("invalid utf-8", "/v1/completions", b'{"model": "' + bytes([0xff, 0xfe]) + b'", "prompt": "x"}', 400),
+    ("prompt wrong type", "/v1/completions", {**GOOD, "prompt": 123}, 400),
+    ("max_tokens wrong type", "/v1/completions", {**GOOD, "max_tokens": "ten"}, 400),
+    ("temperature wrong type", "/v1/completions", {**GOOD, "temperature": "hot"}, 400),
+    ("missing model", "/v1/completions", {"prompt": "x"}, 400),
+    ("missing prompt", "/v1/completions", {"model": M}, 400),
+    ("missing messages", "/v1/chat/completions", {"model": M}, 400),
+    ("unknown field", "/v1/completions", {**GOOD, "frobnicate": 1}, 400),
+    ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-17"}, 404),
+    ("empty prompt", "/v1/completions", {**GOOD, "prompt": ""}, 400),
+    ("empty token prompt", "/v1/completions", {**GOOD, "prompt": []}, 400),
+    ("token id out of range", "/v1/completions", {**GOOD, "prompt": [10**9]}, 400),
+    ("empty messages", "/v1/chat/completions", {**CHAT, "messages": []}, 400),
+    ("bad role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("image content", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ("beyond context", "/v1/completions", {**GOOD, "prompt": "word " * 9000}, 400),
+    ("prompt + max_tokens beyond context", "/v1/completions", {**GOOD, "prompt": "word " * 4500, "max_tokens": 4000}, 400),
+    ("max_tokens above the limit", "/v1/completions", {**GOOD, "max_tokens": 5000}, 400),
+    ("max_tokens zero", "/v1/completions", {**GOOD, "max_tokens": 0}, 400),
+    ("max_tokens negative", "/v1/completions", {**GOOD, "max_tokens": -5}, 400),
+    ("max_tokens huge", "/v1/completions", {**GOOD, "max_tokens": 10**12}, 400),
+    ("temperature negative", "/v1/completions", {**GOOD, "temperature": -1}, 400),
+    ("temperature too high", "/v1/completions", {**GOOD, "temperature": 3}, 400),
+    ("top_p zero", "/v1/completions", {**GOOD, "top_p": 0}, 400),
+    ("top_p above one", "/v1/completions", {**GOOD, "top_p": 1.5}, 400),
+    ("top_k below -1", "/v1/completions", {**GOOD, "top_k": -2}, 400),
+    ("min_tokens negative", "/v1/completions", {**GOOD, "min_tokens": -1}, 400),
+    ("empty stop", "/v1/completions", {**GOOD, "stop": [""]}, 400),
+    ("stop wrong type", "/v1/completions", {**GOOD, "stop": 5}, 400),
+    ("too many stops", "/v1/completions", {**GOOD, "stop": [f"s{i}" for i in range(20)]}, 400),
+    ("n > 1", "/v1/completions", {**GOOD, "n": 2}, 400),
+    ("negative seed", "/v1/completions", {**GOOD, "seed": -1}, 400),
+    ("oversized body", "/v1/completions", b'{"model": "x", "prompt": "' + b"a" * (5 * 2**20) + b'"}', 413),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_a_clear_4xx(disagg, name, path, body, status):
+    raw = body if isinstance(body, bytes) else None
+    got, text = http(disagg, path, None if raw else body, raw=raw)
+    assert got == status, text
+    error = json.loads(text)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_server_still_serves_and_nothing_leaked(disagg):
+    assert http(disagg, "/v1/completions", GOOD)[0] == 200
+    assert http(disagg, "/v1/chat/completions", CHAT)[0] == 200
+    assert pools_all_free(disagg, {"prefill", "decode"})
+
+
+def test_unknown_route_and_wrong_method_are_openai_errors(disagg):
+    for method_path, expected in (("/v1/nothing", 404), ("/v1/models", 405)):
+        status, text = http(disagg, method_path, {"x": 1})
+        assert status == expected and json.loads(text)["error"]["message"]
