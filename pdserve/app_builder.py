@@ -65,13 +65,13 @@ def build_app(config: AppConfig | dict):
     registry = StatsRegistry.bind()
     router_opts = {"num_replicas": 1, "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": 0}}
     if cfg.mode == "colocated":
-        colocated = ColocatedServer.options(**_pool_options("colocated", cfg.colocated, "router.routing.FreeKVBlocksRouter")) \
-            .bind(data, registry)
+        options = _pool_options("colocated", cfg.colocated, "router.routing.FreeKVBlocksRouter")
+        colocated = ColocatedServer.options(**options).bind(data, registry)
         return Router.options(**router_opts).bind(data, colocated=colocated, registry=registry)
-    prefill = PrefillServer.options(**_pool_options("prefill", cfg.prefill, "router.routing.QueuedPromptTokensRouter")) \
-        .bind(data, registry)
-    decode = DecodeServer.options(**_pool_options("decode", cfg.decode, "router.routing.FreeKVBlocksRouter")) \
-        .bind(data, registry)
+    prefill_options = _pool_options("prefill", cfg.prefill, "router.routing.QueuedPromptTokensRouter")
+    decode_options = _pool_options("decode", cfg.decode, "router.routing.FreeKVBlocksRouter")
+    prefill = PrefillServer.options(**prefill_options).bind(data, registry)
+    decode = DecodeServer.options(**decode_options).bind(data, registry)
     return Router.options(**router_opts).bind(data, prefill=prefill, decode=decode, registry=registry)
 
 

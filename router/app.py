@@ -7,6 +7,9 @@ Life cycle of an HTTP request
   4. respond   one JSON body, or server-sent events ending in `data: [DONE]`; a failure
                before the first token is an HTTP error, after it an error event in the stream
 A client that disconnects cancels step 3, which aborts the request in every pool.
+
+(No `from __future__ import annotations` here: Serve's class-based ingress rebuilds the endpoint
+signatures and FastAPI then cannot resolve string annotations of the request bodies.)
 """
 
 

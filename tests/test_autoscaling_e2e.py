@@ -2,11 +2,13 @@
 
 Under load the decode pool goes from 1 to 2 replicas (running sequences above target) and the
 prefill pool scales on queued prompt tokens; after the load the decode pool returns to 1
-replica. No request fails (a replica being removed finishes its streams) and no block leaks.
+replica while two long streams are still running: no request fails and no stream is cut (a
+replica being removed stops taking requests and finishes its streams), and no block leaks.
 """
 
 import random
 import threading
+import time
 
 import pytest
 from ray import serve
@@ -31,7 +33,7 @@ def test_pools_scale_up_under_load_and_back_down(ray_serve, tiny_llama_dir):
         engine={"kv_cache_memory": "32MiB", "dtype": "float32", "device": "cpu", "num_threads": 1},
         transfer={"host": "127.0.0.1"},
         prefill={"autoscaling": {**SCALING, "target_queued_tokens": 64}, "engine": {"max_num_batched_tokens": 16}},
-        decode={"autoscaling": {**SCALING, "target_running": 2, "target_kv_utilization": 0.9}})
+        decode={"autoscaling": {**SCALING, "target_running": 3, "target_kv_utilization": 0.9}})
     serve.run(build_app(cfg), name="as", route_prefix="/as", blocking=False)
     base = ray_serve + "/as"
     try:
@@ -61,7 +63,25 @@ def test_pools_scale_up_under_load_and_back_down(ray_serve, tiny_llama_dir):
         for t in threads:
             t.join()
         assert up, f"peak replicas under load: {peak}"
+        # two long streams (2 running < 0.8 x 3 per replica on one replica fewer, so the pool shrinks while
+        # they run, and the router spreads them over both replicas): none may be cut
+        streams = []
+
+        def long_stream(seed):
+            status, text = http(base, "/v1/completions", {"model": "tiny", "prompt": [seed + 100] * 20,
+                                                          "max_tokens": 1900, "ignore_eos": True,
+                                                          "temperature": 0, "stream": True}, timeout=300)
+            streams.append((status, text.rstrip().endswith("data: [DONE]"), '"error"' in text,
+                            time.monotonic()))
+        long_threads = [threading.Thread(target=long_stream, args=(i,)) for i in range(2)]
+        for t in long_threads:
+            t.start()
         assert wait_until(lambda: replicas("as", "DecodeServer") == 1, 90), "decode pool did not scale back down"
+        scaled_down_at = time.monotonic()
+        for t in long_threads:
+            t.join()
+        assert [s[:3] for s in streams] == [(200, True, False)] * 2, streams
+        assert max(s[3] for s in streams) > scaled_down_at, "the streams ended before the scale-down"
         assert statuses and all(s == 200 for s in statuses), f"{statuses.count(200)}/{len(statuses)} ok"
         assert pools_all_free(base, {"prefill", "decode"})
     finally:
