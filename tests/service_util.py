@@ -25,20 +25,20 @@ def http(base: str, path: str, body=None, timeout=120, raw: bytes | None = None,
         return e.code, e.read().decode()
 
 
-def metrics(base: str) -> dict[tuple[str, str, str], float]:
+def metrics(base: str, headers=None) -> dict[tuple[str, str, str], float]:
     """{(metric, pool, replica): value} for per-replica series."""
-    _, text = http(base, "/metrics")
+    _, text = http(base, "/metrics", headers=headers)
     out = {}
     for m in re.finditer(r'^(\w+)\{pool="([^"]*)",replica="([^"]*)"\} (\S+)$', text, re.M):
         out[(m.group(1), m.group(2), m.group(3))] = float(m.group(4))
     return out
 
 
-def pools_all_free(base: str, pools: set[str], timeout=30.0) -> bool:
+def pools_all_free(base: str, pools: set[str], timeout=30.0, headers=None) -> bool:
     """Wait until every replica of `pools` reports all KV blocks free."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        m = metrics(base)
+        m = metrics(base, headers)
         totals = {(p, r): v for (n, p, r), v in m.items() if n == "pdserve_kv_blocks_total" and p in pools}
         free = {(p, r): v for (n, p, r), v in m.items() if n == "pdserve_kv_blocks_free" and p in pools}
         if totals and {p for p, _ in totals} == pools and all(free.get(k) == v for k, v in totals.items()):

@@ -1,0 +1,63 @@
+"""Timeouts and authentication end to end (tiny model, short timeouts): a decode replica that
+freezes (SIGSTOP) makes the KV push time out; the client gets a clean 504 at its deadline, both
+pools end with every block free once the replica thaws, and service resumes. The API key guards
+every endpoint but /health."""
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from ray import serve
+
+from pdserve.app_builder import build_app
+from pdserve.serve_config import AppConfig
+from service_util import http, pools_all_free, wait_healthy
+
+pytestmark = pytest.mark.slow
+KEY = {"Authorization": "Bearer test-key"}
+BODY = {"model": "tiny", "prompt": list(range(100, 140)), "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def app(ray_serve, tiny_llama_dir):
+    cfg = AppConfig(mode="disaggregated", model=str(tiny_llama_dir), served_model_name="tiny", route_prefix="/to",
+                    engine={"kv_cache_memory": "32MiB", "dtype": "float32", "device": "cpu", "num_threads": 1},
+                    transfer={"host": "127.0.0.1", "connect_timeout_s": 3, "transfer_timeout_s": 3, "lease_s": 3,
+                              "reservation_wait_s": 1},
+                    request_timeout_s=8, api_key="test-key")
+    serve.run(build_app(cfg), name="to", route_prefix="/to", blocking=False)
+    base = ray_serve + "/to"
+    wait_healthy(base)
+    yield base
+    serve.delete("to")
+
+
+def test_api_key_guards_everything_but_health(app):
+    assert http(app, "/health")[0] == 200
+    assert http(app, "/v1/models")[0] == 401
+    assert http(app, "/v1/completions", BODY)[0] == 401
+    assert http(app, "/v1/completions", BODY, headers={"Authorization": "Bearer nope"})[0] == 401
+    assert http(app, "/v1/completions", BODY, headers=KEY)[0] == 200
+    assert http(app, "/metrics", headers=KEY)[0] == 200
+
+
+def test_frozen_decode_replica_times_out_cleanly_and_frees_everything(app):
+    assert http(app, "/v1/completions", BODY, headers=KEY)[0] == 200   # the pair exists and works
+    procs = [p for p in psutil.process_iter(["cmdline"])
+             if "ServeReplica:to:DecodeServer" in " ".join(p.info.get("cmdline") or [])]
+    assert len(procs) == 1
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        status, text = http(app, "/v1/completions", BODY, headers=KEY, timeout=60)
+        elapsed = time.monotonic() - start
+        assert status == 504 and "deadline" in text, (status, text)
+        assert elapsed < 8 + 5
+    finally:
+        os.kill(procs[0].pid, signal.SIGCONT)
+    # the prefill side gave up its blocks when the push timed out; the decode side frees its reservation
+    # when the lease runs out after it thaws
+    assert pools_all_free(app, {"prefill", "decode"}, timeout=45, headers=KEY)
+    assert http(app, "/v1/completions", BODY, headers=KEY)[0] == 200
