@@ -15,6 +15,7 @@ signatures and FastAPI then cannot resolve string annotations of the request bod
 
 import asyncio
 import json
+import time
 import uuid
 from collections import Counter
 
@@ -29,7 +30,7 @@ from pdserve import messages
 from pdserve.models import resolve_model
 from pdserve.serve_config import AppConfig
 from router.guards import Guards, GuardSettings
-from router.metrics import render
+from router.metrics import RequestMetrics, render
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, completion_body, error_body,
                                     error_response, usage)
 from router.orchestrator import Orchestrator, RequestFailed
@@ -71,6 +72,7 @@ class Router:
         self.registry = registry
         self.orchestrator = Orchestrator(self.config.mode, self.tokenizer, prefill, decode, colocated)
         self.outcomes: Counter = Counter()
+        self.latency = RequestMetrics()
 
     # ---- plain endpoints ----------------------------------------------------------------------
     @app.get("/health")
@@ -89,7 +91,7 @@ class Router:
 
     @app.get("/metrics")
     async def metrics(self):
-        return PlainTextResponse(render(await self._stats(), self.outcomes),
+        return PlainTextResponse(render(await self._stats(), self.outcomes, self.latency),
                                  media_type="text/plain; version=0.0.4")
 
     async def _stats(self) -> list[messages.ReplicaStats]:
@@ -140,17 +142,19 @@ class Router:
         if error:
             return error_response(400, error)
         rid = f"{prefix}-{uuid.uuid4().hex}"
+        start = time.monotonic()
         events = self._timed(self.orchestrator.run(rid, ids, params))
         try:
             first = await events.__anext__()
+            first_at = time.monotonic()
         except RequestFailed as exc:
             self.outcomes["error"] += 1
             return error_response(exc.code, exc.message, exc.kind,
                                   headers={"Retry-After": "1"} if exc.code in (429, 503) else None)
         if body.stream:
-            return StreamingResponse(self._sse(body, rid, first, events, chat),
+            return StreamingResponse(self._sse(body, rid, first, events, chat, (start, first_at)),
                                      media_type="text/event-stream")
-        return await self._collect(body, rid, first, events, chat)
+        return await self._collect(body, rid, first, events, chat, (start, first_at))
 
     async def _timed(self, events):
         try:
@@ -161,7 +165,7 @@ class Router:
             raise RequestFailed(504, f"request exceeded its deadline of {self.config.request_timeout_s} s",
                                 "timeout") from None
 
-    async def _collect(self, body, rid, first, events, chat):
+    async def _collect(self, body, rid, first, events, chat, times):
         text, last = first.text, first
         try:
             async for ev in events:
@@ -171,10 +175,11 @@ class Router:
             self.outcomes["error"] += 1
             return error_response(exc.code, exc.message, exc.kind)
         self.outcomes["ok"] += 1
+        self.latency.observe(*times, time.monotonic(), last.num_output_tokens)
         use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
         return completion_body(rid, self.model_name, text, last.finish_reason, chat, chunk=False, use=use)
 
-    async def _sse(self, body, rid, first, events, chat):
+    async def _sse(self, body, rid, first, events, chat, times):
         def data(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -191,6 +196,7 @@ class Router:
                 if ev.finished:
                     break
                 ev = await events.__anext__()
+            self.latency.observe(*times, time.monotonic(), last.num_output_tokens)
             if body.include_usage:
                 use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
                 yield data(completion_body(rid, self.model_name, None, None, chat, chunk=True, use=use))

@@ -7,6 +7,7 @@ session's Ray cluster. Greedy HTTP output is compared token for token with Huggi
 
 import http.client as httpclient
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -127,6 +128,9 @@ def test_colocated_mode_matches_hf(colocated, prompts, hf_greedy, tokenizer):
 
 def test_health_models_and_errors(disagg):
     assert http(disagg, "/health")[0] == 200
+    _, text = http(disagg, "/metrics")
+    count = float(re.search(r"^pdserve_ttft_seconds_count (\S+)$", text, re.M).group(1))
+    assert count > 0 and "pdserve_tpot_seconds_bucket" in text
     status, text = http(disagg, "/v1/models")
     assert status == 200 and json.loads(text)["data"][0]["id"] == MODEL
     status, text = http(disagg, "/v1/completions", raw=b"{not json")
