@@ -106,6 +106,10 @@ def _plan(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:                       # its own parser: see pdserve/bench.py
+        from pdserve import bench
+        return bench.main(argv[1:])
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="start the OpenAI-compatible service on Ray Serve")
@@ -121,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--prefill-replicas", type=int)
     s.add_argument("--decode-replicas", type=int)
     s.set_defaults(fn=_serve)
+    sub.add_parser("bench", help="load-test any OpenAI-compatible endpoint (pdserve bench --help)")
     g = sub.add_parser("generate", help="one-shot chat generation with a local engine (no Ray)")
     g.add_argument("prompt")
     g.add_argument("--model", default="SmolLM2-135M-Instruct")
