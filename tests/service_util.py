@@ -1,5 +1,6 @@
-"""Helpers for tests against a running service: HTTP calls and /metrics parsing."""
+"""Helpers for tests against a running service: deployment, HTTP calls and /metrics parsing."""
 
+import contextlib
 import json
 import re
 import socket
@@ -75,3 +76,28 @@ def wait_until(pred, timeout: float, every: float = 0.25) -> bool:
             return True
         time.sleep(every)
     return False
+
+
+TINY_ENGINE = {"kv_cache_memory": "32MiB", "dtype": "float32", "device": "cpu", "num_threads": 1}
+
+
+@contextlib.contextmanager
+def tiny_app(ray_serve: str, model_dir, name: str, **overrides):
+    """A disaggregated app of the tiny model at <ray_serve>/<name>, deleted on exit. Dict-valued
+    overrides (engine, transfer, prefill, decode) are merged into the defaults."""
+    from ray import serve
+
+    from pdserve.app_builder import build_app
+    from pdserve.serve_config import AppConfig
+    fields = {"mode": "disaggregated", "model": str(model_dir), "served_model_name": "tiny",
+              "route_prefix": f"/{name}", "engine": TINY_ENGINE, "transfer": {"host": "127.0.0.1"}}
+    for key, value in overrides.items():
+        base_value = fields.get(key)
+        fields[key] = {**base_value, **value} if isinstance(value, dict) and isinstance(base_value, dict) else value
+    serve.run(build_app(AppConfig(**fields)), name=name, route_prefix=f"/{name}", blocking=False)
+    try:
+        base = f"{ray_serve}/{name}"
+        wait_healthy(base)
+        yield base
+    finally:
+        serve.delete(name)

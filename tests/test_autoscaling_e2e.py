@@ -13,9 +13,7 @@ import time
 import pytest
 from ray import serve
 
-from pdserve.app_builder import build_app
-from pdserve.serve_config import AppConfig
-from service_util import http, pools_all_free, wait_healthy, wait_until
+from service_util import http, pools_all_free, tiny_app, wait_until
 
 pytestmark = pytest.mark.slow
 SCALING = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 3,
@@ -28,16 +26,10 @@ def replicas(app: str, deployment: str) -> int:
 
 
 def test_pools_scale_up_under_load_and_back_down(ray_serve, tiny_llama_dir):
-    cfg = AppConfig(
-        mode="disaggregated", model=str(tiny_llama_dir), served_model_name="tiny", route_prefix="/as",
-        engine={"kv_cache_memory": "32MiB", "dtype": "float32", "device": "cpu", "num_threads": 1},
-        transfer={"host": "127.0.0.1"},
-        prefill={"autoscaling": {**SCALING, "target_queued_tokens": 64}, "engine": {"max_num_batched_tokens": 16}},
-        decode={"autoscaling": {**SCALING, "target_running": 3, "target_kv_utilization": 0.9}})
-    serve.run(build_app(cfg), name="as", route_prefix="/as", blocking=False)
-    base = ray_serve + "/as"
-    try:
-        wait_healthy(base)
+    with tiny_app(ray_serve, tiny_llama_dir, "as",
+                  prefill={"autoscaling": {**SCALING, "target_queued_tokens": 64},
+                           "engine": {"max_num_batched_tokens": 16}},
+                  decode={"autoscaling": {**SCALING, "target_running": 3, "target_kv_utilization": 0.9}}) as base:
         assert replicas("as", "DecodeServer") == 1 and replicas("as", "PrefillServer") == 1
         statuses, stop = [], threading.Event()
         peak = {"DecodeServer": 1, "PrefillServer": 1}
@@ -84,5 +76,3 @@ def test_pools_scale_up_under_load_and_back_down(ray_serve, tiny_llama_dir):
         assert max(s[3] for s in streams) > scaled_down_at, "the streams ended before the scale-down"
         assert statuses and all(s == 200 for s in statuses), f"{statuses.count(200)}/{len(statuses)} ok"
         assert pools_all_free(base, {"prefill", "decode"})
-    finally:
-        serve.delete("as")

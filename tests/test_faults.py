@@ -10,23 +10,15 @@ import pytest
 import ray
 from ray import serve
 
-from pdserve.app_builder import build_app
-from pdserve.serve_config import AppConfig
-from service_util import http, metrics, pools_all_free, wait_healthy, wait_until
+from service_util import http, metrics, pools_all_free, tiny_app, wait_until
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def app(ray_serve, tiny_llama_dir):
-    cfg = AppConfig(mode="disaggregated", model=str(tiny_llama_dir), served_model_name="tiny", route_prefix="/ft",
-                    engine={"kv_cache_memory": "32MiB", "dtype": "float32", "device": "cpu", "num_threads": 1},
-                    transfer={"host": "127.0.0.1"}, decode={"num_replicas": 2})
-    serve.run(build_app(cfg), name="ft", route_prefix="/ft", blocking=False)
-    base = ray_serve + "/ft"
-    wait_healthy(base)
-    yield base
-    serve.delete("ft")
+    with tiny_app(ray_serve, tiny_llama_dir, "ft", decode={"num_replicas": 2}) as base:
+        yield base
 
 
 def kill_replica(deployment: str, replica_id: str | None = None) -> str:

@@ -9,11 +9,7 @@ import time
 
 import psutil
 import pytest
-from ray import serve
-
-from pdserve.app_builder import build_app
-from pdserve.serve_config import AppConfig
-from service_util import http, pools_all_free, wait_healthy
+from service_util import http, pools_all_free, tiny_app
 
 pytestmark = pytest.mark.slow
 KEY = {"Authorization": "Bearer test-key"}
@@ -22,16 +18,10 @@ BODY = {"model": "tiny", "prompt": list(range(100, 140)), "max_tokens": 4, "temp
 
 @pytest.fixture(scope="module")
 def app(ray_serve, tiny_llama_dir):
-    cfg = AppConfig(mode="disaggregated", model=str(tiny_llama_dir), served_model_name="tiny", route_prefix="/to",
-                    engine={"kv_cache_memory": "32MiB", "dtype": "float32", "device": "cpu", "num_threads": 1},
-                    transfer={"host": "127.0.0.1", "connect_timeout_s": 3, "transfer_timeout_s": 3, "lease_s": 3,
-                              "reservation_wait_s": 1},
-                    request_timeout_s=8, api_key="test-key")
-    serve.run(build_app(cfg), name="to", route_prefix="/to", blocking=False)
-    base = ray_serve + "/to"
-    wait_healthy(base)
-    yield base
-    serve.delete("to")
+    with tiny_app(ray_serve, tiny_llama_dir, "to", request_timeout_s=8, api_key="test-key",
+                  transfer={"connect_timeout_s": 3, "transfer_timeout_s": 3, "lease_s": 3,
+                            "reservation_wait_s": 1}) as base:
+        yield base
 
 
 def test_api_key_guards_everything_but_health(app):
