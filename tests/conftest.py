@@ -73,35 +73,14 @@ SERVICE_ENGINE = {"kv_cache_memory": "160MiB", "dtype": "float32", "device": "cp
 @pytest.fixture(scope="session")
 def disagg(ray_serve, default_model_dir):
     """The real model, disaggregated: 1 prefill + 2 decode replicas, at <ray_serve>/pd."""
-    from ray import serve
-
-    from pdserve.app_builder import build_app
-    from pdserve.serve_config import AppConfig
-    from service_util import wait_healthy
-    cfg = AppConfig(mode="disaggregated", model=str(default_model_dir), served_model_name=SERVED,
-                    engine=SERVICE_ENGINE, decode={"num_replicas": 2}, transfer={"host": "127.0.0.1"},
-                    route_prefix="/pd")
-    serve.run(build_app(cfg), name="pd", route_prefix="/pd", blocking=False)
-    base = ray_serve + "/pd"
-    wait_healthy(base)
-    yield base
-    serve.delete("pd")
+    from service_util import deployed_app
+    with deployed_app(ray_serve, "pd", default_model_dir, SERVED, SERVICE_ENGINE, decode={"num_replicas": 2}) as base:
+        yield base
 
 
 @pytest.fixture(scope="session")
 def colocated(ray_serve, default_model_dir, disagg):
     """The real model, colocated: 1 replica doing both phases, at <ray_serve>/co."""
-    from ray import serve
-
-    from pdserve.app_builder import build_app
-    from pdserve.serve_config import AppConfig
-    from service_util import wait_healthy
-    cfg = AppConfig(mode="colocated", model=str(default_model_dir), served_model_name=SERVED, engine=SERVICE_ENGINE,
-                    route_prefix="/co")
-    serve.run(build_app(cfg), name="co", route_prefix="/co", blocking=False)
-    base = ray_serve + "/co"
-    wait_healthy(base)
-    yield base
-    serve.delete("co")
-
-
+    from service_util import deployed_app
+    with deployed_app(ray_serve, "co", default_model_dir, SERVED, SERVICE_ENGINE, mode="colocated") as base:
+        yield base

@@ -82,15 +82,15 @@ TINY_ENGINE = {"kv_cache_memory": "32MiB", "dtype": "float32", "device": "cpu", 
 
 
 @contextlib.contextmanager
-def tiny_app(ray_serve: str, model_dir, name: str, **overrides):
-    """A disaggregated app of the tiny model at <ray_serve>/<name>, deleted on exit. Dict-valued
-    overrides (engine, transfer, prefill, decode) are merged into the defaults."""
+def deployed_app(ray_serve: str, name: str, model_dir, served: str, engine: dict, **overrides):
+    """A pdserve app (disaggregated unless `mode` says otherwise) at <ray_serve>/<name>, deleted on
+    exit. Dict-valued overrides (transfer, prefill, decode, ...) are merged into the defaults."""
     from ray import serve
 
     from pdserve.app_builder import build_app
     from pdserve.serve_config import AppConfig
-    fields = {"mode": "disaggregated", "model": str(model_dir), "served_model_name": "tiny",
-              "route_prefix": f"/{name}", "engine": TINY_ENGINE, "transfer": {"host": "127.0.0.1"}}
+    fields = {"mode": "disaggregated", "model": str(model_dir), "served_model_name": served,
+              "route_prefix": f"/{name}", "engine": engine, "transfer": {"host": "127.0.0.1"}}
     for key, value in overrides.items():
         base_value = fields.get(key)
         fields[key] = {**base_value, **value} if isinstance(value, dict) and isinstance(base_value, dict) else value
@@ -101,3 +101,8 @@ def tiny_app(ray_serve: str, model_dir, name: str, **overrides):
         yield base
     finally:
         serve.delete(name)
+
+
+def tiny_app(ray_serve: str, model_dir, name: str, **overrides):
+    """`deployed_app` of the tiny model, served as "tiny"."""
+    return deployed_app(ray_serve, name, model_dir, "tiny", TINY_ENGINE, **overrides)
