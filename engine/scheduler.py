@@ -101,6 +101,5 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -47,7 +47,6 @@ class Sequence:
         self.num_cached_tokens = 0     # prefix-cache hits at the last allocation
         self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
         self.finish_reason: str | None = None
-        self.num_preemptions = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
