@@ -92,17 +92,8 @@ def _generate(args) -> int:
 
 
 def _plan(args) -> int:
-    from pdserve import plan as planner
-
-    model = planner.MODELS[args.model]
-    hw = planner.measure_cpu() if args.hardware == "cpu" else planner.HARDWARE[args.hardware]
-    print(planner.report(model, hw))
-    p = planner.plan(model, hw, args.input_len, args.output_len, args.rate, args.ttft_slo, args.tpot_slo)
-    print(f"\nworkload: {args.rate} req/s, {args.input_len} in / {args.output_len} out tokens, "
-          f"SLOs TTFT {args.ttft_slo * 1e3:.0f} ms, TPOT {args.tpot_slo * 1e3:.0f} ms")
-    print(f"recommended: {p.prefill_replicas} prefill : {p.decode_replicas} decode replicas "
-          f"(roofline TTFT {p.ttft * 1e3:.1f} ms, TPOT {p.tpot * 1e3:.1f} ms; {p.reason})")
-    return 0
+    from pdserve.plan_cli import run
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,13 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--threads", type=int)
     g.set_defaults(fn=_generate)
     pl = sub.add_parser("plan", help="prefill/decode roofline and replica ratio for a workload")
-    pl.add_argument("--model", default="qwen2.5-7b", choices=["qwen2.5-7b", "smollm2-135m"])
-    pl.add_argument("--hardware", default="h200", choices=["h100", "h200", "a100", "l40s", "cpu"])
-    pl.add_argument("--input-len", type=int, default=1024)
-    pl.add_argument("--output-len", type=int, default=256)
-    pl.add_argument("--rate", type=float, default=10.0, help="requests per second")
-    pl.add_argument("--ttft-slo", type=float, default=0.5, help="seconds")
-    pl.add_argument("--tpot-slo", type=float, default=0.05, help="seconds")
+    from pdserve.plan_cli import add_arguments as plan_arguments
+    plan_arguments(pl)
     pl.set_defaults(fn=_plan)
     args = p.parse_args(argv)
     return args.fn(args)

@@ -6,6 +6,10 @@ With N parameters of b bytes and kappa KV bytes per token (2 * layers * kv_heads
 A phase is compute-bound when its intensity exceeds the machine's ridge point (peak FLOP/s over
 memory bandwidth). Lower bounds: TTFT(S) = max(2NS / F, (Nb + kappa S) / W); TPOT(S, B) =
 max(2NB / F, (Nb + kappa S B) / W); KV transfer = kappa S / link bandwidth.
+
+Measured latencies sit above these bounds; `plan(..., prefill_eff, decode_eff)` divides the bounds by
+efficiency factors in (0, 1] (see pdserve/plan_calibrate.py for deriving them from a `pdserve bench`
+report). Model specs from a Hugging Face config: pdserve/plan_model.py; the plot: pdserve/plan_plot.py.
 """
 
 from __future__ import annotations
@@ -16,12 +20,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A dense decoder-only transformer as the roofline sees it; validates itself on creation."""
     name: str
     params: float
     layers: int
     kv_heads: int
     head_dim: int
     dtype_bytes: float = 2.0
+
+    def __post_init__(self):
+        for field in ("params", "layers", "kv_heads", "head_dim", "dtype_bytes"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"ModelSpec.{field} must be positive, got {getattr(self, field)!r}")
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -39,6 +49,11 @@ class Hardware:
     mem_bw: float           # bytes/s
     mem_bytes: float        # device memory
     link_bw: float          # bytes/s between a prefill and a decode replica
+
+    def __post_init__(self):
+        for field in ("peak_flops", "mem_bw", "mem_bytes", "link_bw"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"Hardware.{field} must be positive, got {getattr(self, field)!r}")
 
     @property
     def ridge(self) -> float:
@@ -74,6 +89,11 @@ def tpot_bound(m: ModelSpec, hw: Hardware, s: float, batch: int = 1) -> float:
                (m.weight_bytes + m.kv_bytes_per_token * s * batch) / hw.mem_bw)
 
 
+def decode_context(input_len: float, output_len: float) -> float:
+    """The mean KV length a decode step reads over one request's life (prompt + half the output)."""
+    return input_len + output_len / 2
+
+
 def transfer_time(m: ModelSpec, hw: Hardware, s: float) -> float:
     return m.kv_bytes_per_token * s / hw.link_bw
 
@@ -89,24 +109,39 @@ class Plan:
 
 
 def plan(m: ModelSpec, hw: Hardware, input_len: int, output_len: int, rate: float,
-         ttft_slo: float, tpot_slo: float) -> Plan:
-    """Replicas per pool for `rate` requests/s meeting both SLOs at the roofline bounds."""
-    ttft = ttft_bound(m, hw, input_len)
-    context = input_len + output_len / 2
+         ttft_slo: float, tpot_slo: float, prefill_eff: float = 1.0, decode_eff: float = 1.0) -> Plan:
+    """Replicas per pool for `rate` requests/s meeting both SLOs.
+
+    Predicted times are the roofline bounds divided by the efficiencies (1.0: the bare roofline):
+    TTFT = ttft_bound / prefill_eff, TPOT(B) = tpot_bound(B) / decode_eff. The decode batch is the
+    largest B whose predicted TPOT meets the SLO and whose KV fits in 90% of memory beside the weights;
+    a prefill replica is busy TTFT per request, a decode replica emits B tokens per TPOT.
+    """
+    if not (prefill_eff > 0 and decode_eff > 0):
+        raise ValueError(f"efficiencies must be positive, got {prefill_eff!r}, {decode_eff!r}")
+    ttft = ttft_bound(m, hw, input_len) / prefill_eff
+    context = decode_context(input_len, output_len)
+
+    def tpot(b: int) -> float:
+        return tpot_bound(m, hw, context, b) / decode_eff
+
     kv_room = hw.mem_bytes * 0.9 - m.weight_bytes
     max_batch_mem = max(int(kv_room // (m.kv_bytes_per_token * (input_len + output_len))), 0)
     batch = 0
     for b in range(1, max_batch_mem + 1):
-        if tpot_bound(m, hw, context, b) > tpot_slo:
+        if tpot(b) > tpot_slo:
             break
         batch = b
     if ttft > ttft_slo or batch == 0:
-        return Plan(0, 0, 0, ttft, tpot_bound(m, hw, context, 1),
-                    "SLO unreachable on this hardware at the roofline")
+        where = "(calibrated)" if (prefill_eff, decode_eff) != (1.0, 1.0) else "(at the roofline)"
+        missed = [f"TTFT {ttft * 1e3:.4g} ms > {ttft_slo * 1e3:.4g} ms"] if ttft > ttft_slo else []
+        missed += [f"TPOT {tpot(1) * 1e3:.4g} ms > {tpot_slo * 1e3:.4g} ms"] if tpot(1) > tpot_slo else []
+        missed += ["KV memory"] if max_batch_mem == 0 else []
+        return Plan(0, 0, 0, ttft, tpot(1), f"SLO unreachable on this hardware {where}: {', '.join(missed)}")
     prefill = math.ceil(rate * ttft / 1.0) or 1           # each replica is busy ttft per request
-    tokens_per_decode_replica = batch / tpot_bound(m, hw, context, batch)
+    tokens_per_decode_replica = batch / tpot(batch)
     decode = math.ceil(rate * output_len / tokens_per_decode_replica) or 1
-    return Plan(prefill, decode, batch, ttft, tpot_bound(m, hw, context, batch),
+    return Plan(prefill, decode, batch, ttft, tpot(batch),
                 f"decode batch {batch} limited by {'TPOT SLO' if batch < max_batch_mem else 'KV memory'}")
 
 

@@ -1,0 +1,108 @@
+"""Model specs for `pdserve plan`: a preset name or a Hugging Face `config.json` (plain JSON, no torch).
+
+`resolve_spec(model, dtype, params)` is the one entry point the CLI calls:
+  1. `model` names a preset in `pdserve.plan.MODELS`, or is a path to an HF model directory or its
+     `config.json`;
+  2. for a config, `spec_from_config` reads layers / KV heads / head_dim and counts parameters with
+     `count_params` (dense llama-like decoders: Llama, Qwen2, Mistral, SmolLM, ...);
+  3. `dtype` (bf16 / fp16 / fp32) overrides the bytes per parameter, else the config's `torch_dtype`
+     (or `dtype`), else bf16; `params` overrides the counted parameters.
+Errors are `ValueError`s with a message fit for the user (the CLI prints them and exits 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from pdserve.plan import MODELS, ModelSpec
+
+DTYPE_BYTES = {"bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0, "half": 2.0,
+               "fp32": 4.0, "float32": 4.0, "float": 4.0}
+_QKV_BIAS_TYPES = {"qwen2"}          # model types with q/k/v biases but no `attention_bias` key
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def load_config(path: str | Path) -> dict:
+    """The config dict from an HF model directory or a `config.json` path; ValueError if unreadable.
+
+    Multimodal configs that nest the language model under `text_config` return that inner dict.
+    """
+    p = Path(path)
+    p = p / "config.json" if p.is_dir() else p
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read a Hugging Face config from {p}: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p} is not a JSON object")
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg["text_config"], "_name_or_path": cfg.get("_name_or_path", "")}
+    return cfg
+
+
+def _need(cfg: dict, key: str) -> int:
+    if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+        raise ValueError(f"config lacks a positive integer {key!r} (pass --params and a preset instead)")
+    return cfg[key]
+
+
+def head_dim(cfg: dict) -> int:
+    """`head_dim` if the config has one, else hidden_size / num_attention_heads."""
+    return cfg.get("head_dim") or _need(cfg, "hidden_size") // _need(cfg, "num_attention_heads")
+
+
+def count_params(cfg: dict) -> int:
+    """Parameters of a dense llama-like decoder from its config, within a few % of the real count.
+
+    Embeddings V*H; per layer q/o projections H*(heads*hd), k/v projections H*(kv*hd) (+ biases when
+    `attention_bias`, or q/k/v biases for qwen2), gated MLP 3*H*I (+ biases when `mlp_bias`), two
+    RMSNorm weights of H; a final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied,
+    as LlamaConfig / Qwen2Config / MistralConfig default). Raises ValueError for MoE configs.
+    """
+    if any(k in cfg for k in _MOE_KEYS):
+        raise ValueError("mixture-of-experts configs are not modelled (active != total parameters)")
+    h, inter, layers = _need(cfg, "hidden_size"), _need(cfg, "intermediate_size"), _need(cfg, "num_hidden_layers")
+    vocab, heads = _need(cfg, "vocab_size"), _need(cfg, "num_attention_heads")
+    kv, hd = cfg.get("num_key_value_heads") or heads, head_dim(cfg)
+    attn_bias = bool(cfg.get("attention_bias", False))
+    qkv_bias = attn_bias or cfg.get("model_type") in _QKV_BIAS_TYPES
+    attn = 2 * h * heads * hd + 2 * h * kv * hd
+    attn += qkv_bias * (heads * hd + 2 * kv * hd) + attn_bias * h
+    mlp = 3 * h * inter + bool(cfg.get("mlp_bias", False)) * (2 * inter + h)
+    per_layer = attn + mlp + 2 * h
+    embed = vocab * h
+    lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
+    return embed + layers * per_layer + h + lm_head
+
+
+def dtype_bytes(dtype: str | None, cfg: dict | None = None) -> float:
+    """Bytes per parameter: `dtype` if given, else the config's torch_dtype/dtype, else bf16 (2)."""
+    name = dtype or (cfg or {}).get("torch_dtype") or (cfg or {}).get("dtype") or "bf16"
+    if str(name).lower() not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {name!r}; one of bf16, fp16, fp32")
+    return DTYPE_BYTES[str(name).lower()]
+
+
+def spec_from_config(cfg: dict, name: str, dtype: str | None = None, params: float | None = None) -> ModelSpec:
+    """A ModelSpec from an HF config dict (see `count_params` for what is counted)."""
+    heads = _need(cfg, "num_attention_heads")
+    return ModelSpec(name=name, params=float(params or count_params(cfg)), layers=_need(cfg, "num_hidden_layers"),
+                     kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim(cfg),
+                     dtype_bytes=dtype_bytes(dtype, cfg))
+
+
+def resolve_spec(model: str, dtype: str | None = None, params: float | None = None) -> ModelSpec:
+    """A preset (optionally with dtype/params replaced) or a spec built from an HF config path."""
+    if model in MODELS:
+        spec = MODELS[model]
+        changes = {"dtype_bytes": dtype_bytes(dtype)} if dtype else {}
+        return dataclasses.replace(spec, **changes, **({"params": float(params)} if params else {}))
+    if not Path(model).exists():
+        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(MODELS)}) "
+                         "nor a path to an HF model directory or config.json")
+    cfg = load_config(model)
+    p = Path(model)
+    name = (p.parent.name if p.is_file() else p.name) or cfg.get("_name_or_path") or "model"
+    return spec_from_config(cfg, name, dtype, params)

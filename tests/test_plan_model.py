@@ -1,0 +1,54 @@
+"""Hugging Face config -> ModelSpec: parameter counts match the published models, presets still work."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.plan import MODELS
+from pdserve.plan_model import count_params, resolve_spec, spec_from_config
+
+SMOL_CONFIG = Path(__file__).resolve().parents[1] / ".cache/models/SmolLM2-135M-Instruct/config.json"
+# Qwen2.5-7B's published config.json values (q/k/v biases are implied by model_type qwen2)
+QWEN_CONFIG = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+               "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+               "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.skipif(not SMOL_CONFIG.exists(), reason="SmolLM2-135M-Instruct config not downloaded")
+def test_smollm2_from_real_config():
+    spec = resolve_spec(str(SMOL_CONFIG.parent))
+    assert spec.params == pytest.approx(134.5e6, rel=0.01)
+    assert (spec.layers, spec.kv_heads, spec.head_dim) == (30, 3, 64)
+    assert spec.dtype_bytes == 4.0                      # the config says float32
+    assert spec.kv_bytes_per_token == MODELS["smollm2-135m"].kv_bytes_per_token
+    assert resolve_spec(str(SMOL_CONFIG), dtype="bf16").dtype_bytes == 2.0
+
+
+def test_qwen25_7b_from_published_values():
+    assert count_params(QWEN_CONFIG) == pytest.approx(7.615e9, rel=0.005)
+    spec = spec_from_config(QWEN_CONFIG, "Qwen2.5-7B")
+    preset = MODELS["qwen2.5-7b"]
+    assert spec.kv_bytes_per_token == preset.kv_bytes_per_token == 57344
+    assert spec.dtype_bytes == 2.0
+
+
+def test_head_dim_derived_and_kv_heads_default(tmp_path):
+    cfg = {**QWEN_CONFIG, "model_type": "llama"}
+    del cfg["num_key_value_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = resolve_spec(str(tmp_path), params=7e9)
+    assert (spec.kv_heads, spec.head_dim, spec.params) == (28, 128, 7e9)
+
+
+def test_presets_overrides_and_errors(tmp_path):
+    assert resolve_spec("qwen2.5-7b") == MODELS["qwen2.5-7b"]
+    assert resolve_spec("qwen2.5-7b", dtype="fp32", params=8e9).dtype_bytes == 4.0
+    with pytest.raises(ValueError, match="neither a preset"):
+        resolve_spec("no-such-model")
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN_CONFIG, "num_local_experts": 8}))
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        resolve_spec(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        resolve_spec(str(tmp_path))
