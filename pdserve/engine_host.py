@@ -1,8 +1,9 @@
 """What every engine replica (prefill, decode, colocated) does the same way: resolve the
 model, build the engine on its thread, and report its load.
 
-Stats go two ways: `record_routing_stats` (Serve's request routers read them) and a push
-to the `StatsRegistry` deployment every `STATS_PERIOD_S` (the router's /metrics reads it).
+Stats go three ways: `record_routing_stats` (Serve's request routers read them), a push
+to the `StatsRegistry` deployment every `STATS_PERIOD_S` (the router's /metrics reads it), and,
+with each push, Ray Serve gauges (`pdserve.serve_metrics`, on Ray's metrics port).
 """
 
 from __future__ import annotations
@@ -10,12 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
+import time
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from pdserve import messages
+from pdserve.histogram import REPLICA_HISTOGRAMS, Histogram
 from pdserve.models import resolve_model
 from pdserve.serve_config import AppConfig
+from pdserve.serve_metrics import ReplicaSeries
 
 log = logging.getLogger(__name__)
 STATS_PERIOD_S = 0.5
@@ -42,6 +47,8 @@ class EngineHost:
         self._registry = registry
         self._pusher: asyncio.Task | None = None
         self.counters: dict[str, float] = {}   # service-level counters, reported with the stats
+        self.histograms: dict[str, Histogram] = {}   # REPLICA_HISTOGRAMS, reported with the stats
+        self.series = ReplicaSeries(pool)
         log.info("%s replica %s: %d KV blocks of %d tokens (%s on %s), max_model_len %d", pool,
                  self.replica_id, engine.block_manager.num_blocks, engine.config.block_size,
                  engine.runner.kv_shape.dtype, engine.runner.device, engine.max_model_len)
@@ -55,11 +62,21 @@ class EngineHost:
         s = await self.aengine.call(lambda e: e.stats())
         extra = {k: s[k] for k in ("preemptions", "prefix_cache_hit_tokens", "prefix_cache_query_tokens")}
         extra.update(self.counters)
+        extra["ray_metrics_errors"] = self.series.errors
         return messages.ReplicaStats(self.pool, self.replica_id, s["kv_blocks_total"], s["kv_blocks_free"],
-                                     s["running"], s["waiting"], s["waiting_prompt_tokens"], extra)
+                                     s["running"], s["waiting"], s["waiting_prompt_tokens"], extra,
+                                     {k: h.to_wire() for k, h in self.histograms.items()})
 
     def count(self, name: str, amount: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + amount
+
+    def observe(self, key: str, value: float) -> None:
+        """Add `value` to the replica histogram `key` (one of REPLICA_HISTOGRAMS)."""
+        if key not in self.histograms:
+            help_text, buckets = REPLICA_HISTOGRAMS[key]
+            self.histograms[key] = Histogram(f"pdserve_{key}", help_text, buckets)
+        self.histograms[key].observe(value)
+        self.series.observe(key, value)
 
     async def routing_stats(self) -> dict:
         s = await self.stats()
@@ -69,7 +86,9 @@ class EngineHost:
     async def _push_stats(self) -> None:
         while True:
             try:
-                await self._registry.report.remote(messages.encode(await self.stats()))
+                stats = await self.stats()
+                self.series.load(stats)
+                await self._registry.report.remote(messages.encode(stats))
             except Exception as exc:  # noqa: BLE001 - the registry may be restarting
                 log.debug("stats push failed: %s", exc)
             await asyncio.sleep(STATS_PERIOD_S)
@@ -78,6 +97,41 @@ class EngineHost:
         if self._pusher is not None:
             self._pusher.cancel()
         self.aengine.shutdown()
+
+
+class FirstScheduled:
+    """When the engine first scheduled a watched request (time.monotonic()), for queue time.
+
+    The engine keeps no such timestamp, so this wraps the `schedule` method of this one
+    engine's scheduler (an instance attribute; engine/ is unchanged) and the engine thread
+    stamps each watched request the first step it appears in. Call `watch` before adding the
+    request and `pop` on every path that ends it; an id not watched is never stored.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self._times: dict[str, float | None] = {}
+        self._lock = threading.Lock()
+        inner = engine.scheduler.schedule
+
+        def schedule():
+            chunks = inner()
+            now = time.monotonic()
+            with self._lock:
+                for chunk in chunks:
+                    rid = chunk.seq.request_id
+                    if rid in self._times and self._times[rid] is None:
+                        self._times[rid] = now
+            return chunks
+        engine.scheduler.schedule = schedule
+
+    def watch(self, request_id: str) -> None:
+        with self._lock:
+            self._times[request_id] = None
+
+    def pop(self, request_id: str) -> float | None:
+        """The first-scheduled time, or None if never scheduled; forgets the request."""
+        with self._lock:
+            return self._times.pop(request_id, None)
 
 
 class EngineReplica:

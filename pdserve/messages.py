@@ -64,12 +64,15 @@ class PrefillRequest:
 @dataclass(frozen=True)
 class PrefillResult:
     """Prefill replica -> router. `finish_reason` set: the request ended at its first token
-    and no K/V was sent. `error` set: nothing was produced and nothing is held."""
+    and no K/V was sent. `error` set: nothing was produced and nothing is held.
+    `queue_seconds`: from the replica receiving the call to the engine first scheduling the
+    request; `prefill_seconds`: from then to the first token (0.0 from older senders)."""
     request_id: str
     first_token: int = -1
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     prefill_seconds: float = 0.0
+    queue_seconds: float = 0.0
     error: str | None = None
     error_code: int = 0
 
@@ -107,7 +110,8 @@ class ErrorEvent:
 
 @dataclass(frozen=True)
 class ReplicaStats:
-    """Replica -> stats registry, periodically: what /metrics and the routers read."""
+    """Replica -> stats registry, periodically: what /metrics and the routers read.
+    `extra`: counters by name; `histograms`: name -> `pdserve.histogram.Histogram.to_wire()`."""
     pool: str
     replica_id: str
     kv_blocks_total: int
@@ -116,6 +120,7 @@ class ReplicaStats:
     waiting: int
     waiting_prompt_tokens: int
     extra: dict = field(default_factory=dict)
+    histograms: dict = field(default_factory=dict)
 
 
 MESSAGES = {cls.__name__: cls for cls in (GenerateRequest, PrefillRequest, PrefillResult,

@@ -8,6 +8,10 @@ Life cycle of a request here (`prefill`)
   4. push     in the background, send the blocks to the decode replica at `kv_address`;
   5. release  free the held blocks after the ack or on failure
 When the first token already ends the request (EOS, max_tokens=1) step 4 is skipped.
+Timing: `queue_seconds` runs from the call's arrival here to the engine first scheduling the
+request, `prefill_seconds` from then to the first token; both travel in the PrefillResult. The
+push (step 4) ends after the result is returned, so its time and size go to this replica's
+histograms (`kv_transfer_seconds`, `kv_transfer_bytes`) and reach /metrics with the stats.
 Block ownership: the engine holds the blocks from step 2; once the first token exists a
 shielded hand-off task owns them and always releases them (step 5), whatever happens to the
 caller. Leaving during step 2 (router cancelled) aborts the request, which frees them.
@@ -25,7 +29,7 @@ from ray import serve
 from engine.async_engine import EngineDeadError
 from kv_transfer import KVSender, fingerprint_for
 from pdserve import messages
-from pdserve.engine_host import EngineHost, EngineReplica
+from pdserve.engine_host import EngineHost, EngineReplica, FirstScheduled
 from pdserve.serve_config import AppConfig
 
 log = logging.getLogger(__name__)
@@ -36,12 +40,14 @@ class PrefillServer(EngineReplica):
     def __init__(self, config: dict, registry=None):
         cfg = AppConfig.model_validate(config)
         self.host = EngineHost(cfg, "prefill", registry)
+        self.scheduled = FirstScheduled(self.host.engine)
         kv = self.host.engine.runner.kv_pool
         self.sender = KVSender(kv, fingerprint_for(kv, cfg.model_name), cfg.transfer.transfer_config())
         self._send_pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
         self._handoffs: set[asyncio.Task] = set()
 
     async def prefill(self, data: bytes) -> bytes:
+        arrived = time.monotonic()
         self.host.start_stats_pusher()
         try:
             req = messages.decode(data, expect=messages.PrefillRequest)
@@ -53,25 +59,29 @@ class PrefillServer(EngineReplica):
         if error is not None:
             return messages.encode(messages.PrefillResult(rid, error=error, error_code=400))
         # 2. prefill
-        start = time.monotonic()
         first = None
+        self.scheduled.watch(rid)
         try:
             async for out in self.host.aengine.stream(
                     rid, lambda e: e.add_request(rid, ids, params, hold_blocks=True)):
                 first = out
         except EngineDeadError as exc:
             return messages.encode(messages.PrefillResult(rid, error=str(exc), error_code=500))
+        finally:
+            scheduled = self.scheduled.pop(rid)
         assert first is not None and first.finished
+        done = time.monotonic()
+        scheduled = scheduled or done
         # 3. answer, 4. push and 5. release in a task the caller cannot cancel
-        task = asyncio.ensure_future(self._handoff(req, first, time.monotonic() - start))
+        task = asyncio.ensure_future(self._handoff(req, first, scheduled - arrived, done - scheduled))
         self._handoffs.add(task)
         task.add_done_callback(self._handoffs.discard)
         return await asyncio.shield(task)
 
-    async def _handoff(self, req: messages.PrefillRequest, first, seconds: float) -> bytes:
+    async def _handoff(self, req: messages.PrefillRequest, first, queue_s: float, prefill_s: float) -> bytes:
         rid = req.request_id
         result = messages.PrefillResult(rid, first.new_token_ids[0], first.finish_reason,
-                                        first.num_cached_tokens, seconds)
+                                        first.num_cached_tokens, prefill_s, queue_s)
         if first.finish_reason is not None:
             await self.host.aengine.call(lambda e: e.release(rid))
         else:
@@ -88,7 +98,8 @@ class PrefillServer(EngineReplica):
             self.host.count("kv_transfers_sent" if res.ok else "kv_transfers_failed")
             if res.ok:
                 self.host.count("kv_bytes_sent", res.nbytes)
-                self.host.count("kv_transfer_seconds", res.seconds)
+                self.host.observe("kv_transfer_seconds", res.seconds)
+                self.host.observe("kv_transfer_bytes", res.nbytes)
             else:
                 log.warning("KV transfer of %s to %s failed: %s", rid, address, res.error)
         finally:

@@ -17,7 +17,6 @@ import asyncio
 import json
 import time
 import uuid
-from collections import Counter
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +28,7 @@ from transformers import AutoConfig, AutoTokenizer
 from pdserve import messages
 from pdserve.models import resolve_model
 from pdserve.serve_config import AppConfig
+from pdserve.serve_metrics import RouterSeries
 from router.guards import Guards, GuardSettings
 from router.metrics import RequestMetrics, render
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, completion_body, error_body,
@@ -70,9 +70,9 @@ class Router:
                                  getattr(hf, "max_position_embeddings", 2048))
         self.model_name = self.config.model_name
         self.registry = registry
-        self.orchestrator = Orchestrator(self.config.mode, self.tokenizer, prefill, decode, colocated)
-        self.outcomes: Counter = Counter()
-        self.latency = RequestMetrics()
+        self.request_metrics = RequestMetrics(export=RouterSeries())   # also on Ray's metrics port
+        self.orchestrator = Orchestrator(self.config.mode, self.tokenizer, prefill, decode, colocated,
+                                         metrics=self.request_metrics)
 
     # ---- plain endpoints ----------------------------------------------------------------------
     @app.get("/health")
@@ -91,8 +91,8 @@ class Router:
 
     @app.get("/metrics")
     async def metrics(self):
-        return PlainTextResponse(render(await self._stats(), self.outcomes, self.latency),
-                                 media_type="text/plain; version=0.0.4")
+        m = self.request_metrics
+        return PlainTextResponse(render(await self._stats(), m.outcomes, m), media_type="text/plain; version=0.0.4")
 
     async def _stats(self) -> list[messages.ReplicaStats]:
         if self.registry is None:
@@ -148,7 +148,7 @@ class Router:
             first = await events.__anext__()
             first_at = time.monotonic()
         except RequestFailed as exc:
-            self.outcomes["error"] += 1
+            self.request_metrics.finish("error")
             return error_response(exc.code, exc.message, exc.kind,
                                   headers={"Retry-After": "1"} if exc.code in (429, 503) else None)
         if body.stream:
@@ -172,10 +172,10 @@ class Router:
                 text += ev.text
                 last = ev
         except RequestFailed as exc:
-            self.outcomes["error"] += 1
+            self.request_metrics.finish("error")
             return error_response(exc.code, exc.message, exc.kind)
-        self.outcomes["ok"] += 1
-        self.latency.observe(*times, time.monotonic(), last.num_output_tokens)
+        self.request_metrics.finish("ok")
+        self.request_metrics.observe(*times, time.monotonic(), last.num_output_tokens)
         use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
         return completion_body(rid, self.model_name, text, last.finish_reason, chat, chunk=False, use=use)
 
@@ -196,7 +196,7 @@ class Router:
                 if ev.finished:
                     break
                 ev = await events.__anext__()
-            self.latency.observe(*times, time.monotonic(), last.num_output_tokens)
+            self.request_metrics.observe(*times, time.monotonic(), last.num_output_tokens)
             if body.include_usage:
                 use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
                 yield data(completion_body(rid, self.model_name, None, None, chat, chunk=True, use=use))
@@ -208,5 +208,5 @@ class Router:
             outcome = "error"
             yield data(error_body("the stream ended without finishing", "server_error", 500))
         finally:
-            self.outcomes[outcome] += 1
+            self.request_metrics.finish(outcome)
         yield "data: [DONE]\n\n"

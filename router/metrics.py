@@ -1,11 +1,25 @@
-"""Prometheus text for GET /metrics: per-pool, per-replica engine gauges from the stats
-registry, and the router's own request counters and latency histograms."""
+"""Prometheus text for GET /metrics: per-pool, per-replica engine gauges, counters and
+histograms from the stats registry, and the router's own request counters and histograms.
+
+Where each request series is measured (disaggregated mode; colocated requests have no
+prefill result, so they add to TTFT/TPOT/e2e but not to queue and prefill):
+  queue    the router's wait for a decode slot (arrival to prefill dispatch) plus the prefill
+           replica's wait from receiving the call to the engine first scheduling the request
+           (Serve's own handle queue and the transit in between are not in it; they are in TTFT)
+  prefill  first scheduling to first token, measured in the prefill replica (`PrefillResult`)
+  ttft, tpot, e2e  at the router, from arrival (after tokenization and validation)
+KV transfer time and size are per prefill replica (`ReplicaStats.histograms`): the push ends
+after the router already has the first token, so no per-request message can carry it.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 
 from pdserve import messages
+from pdserve.histogram import LATENCY_BUCKETS, QUEUE_BUCKETS, REPLICA_HISTOGRAMS, Histogram, label_text
+
+__all__ = ["Histogram", "RequestMetrics", "render"]
 
 _GAUGES = [
     ("pdserve_kv_blocks_total", "KV blocks in the replica's pool", "kv_blocks_total"),
@@ -14,74 +28,96 @@ _GAUGES = [
     ("pdserve_waiting_requests", "Sequences queued in the engine", "waiting"),
     ("pdserve_waiting_prompt_tokens", "Prompt tokens queued or mid-prefill", "waiting_prompt_tokens"),
 ]
-
-
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-class Histogram:
-    """A Prometheus histogram (cumulative buckets, sum, count) kept in the router replica."""
-
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help_text, buckets
-        self.counts = [0] * len(buckets)
-        self.sum, self.count = 0.0, 0
-
-    def observe(self, value: float) -> None:
-        for i, upper in enumerate(self.buckets):
-            if value <= upper:
-                self.counts[i] += 1
-        self.sum += value
-        self.count += 1
-
-    def lines(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        out += [f'{self.name}_bucket{{le="{b:g}"}} {c}' for b, c in zip(self.buckets, self.counts)]
-        return out + [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum:.6f}",
-                      f"{self.name}_count {self.count}"]
-
-
-_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+OUTCOMES = ("ok", "error", "aborted")
 
 
 class RequestMetrics:
-    """Latencies the router sees per request: TTFT, TPOT (mean inter-token), end to end."""
+    """What the router sees per request. `export` (a `pdserve.serve_metrics.RouterSeries`, or
+    None) receives the same observations for Ray's metrics port."""
 
-    def __init__(self):
-        self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token, from request arrival", _LATENCY)
-        self.tpot = Histogram("pdserve_tpot_seconds", "Mean time per output token after the first", _LATENCY)
-        self.e2e = Histogram("pdserve_e2e_seconds", "Request latency, arrival to last token", _LATENCY)
+    def __init__(self, export=None):
+        self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token, from request arrival", LATENCY_BUCKETS)
+        self.tpot = Histogram("pdserve_tpot_seconds", "Mean time per output token after the first", LATENCY_BUCKETS)
+        self.e2e = Histogram("pdserve_e2e_seconds", "Request latency, arrival to last token", LATENCY_BUCKETS)
+        self.queue = Histogram("pdserve_queue_seconds", "Time from arrival until the prefill engine first "
+                               "scheduled the request (router wait for a decode slot + prefill engine queue)",
+                               QUEUE_BUCKETS)
+        self.prefill = Histogram("pdserve_prefill_seconds", "Prefill time, first scheduling to first token, "
+                                 "measured in the prefill replica", LATENCY_BUCKETS)
         self.output_tokens = 0
+        self.outcomes: Counter = Counter()
+        self.export = export
 
     def observe(self, start: float, first: float, end: float, output_tokens: int) -> None:
-        self.ttft.observe(first - start)
-        self.e2e.observe(end - start)
-        if output_tokens > 1:
-            self.tpot.observe((end - first) / (output_tokens - 1))
+        ttft, e2e = first - start, end - start
+        tpot = (end - first) / (output_tokens - 1) if output_tokens > 1 else None
+        self.ttft.observe(ttft)
+        self.e2e.observe(e2e)
+        if tpot is not None:
+            self.tpot.observe(tpot)
         self.output_tokens += output_tokens
+        if self.export is not None:
+            self.export.request(ttft, tpot, e2e, output_tokens)
+
+    def observe_prefill(self, queue_seconds: float, prefill_seconds: float) -> None:
+        self.queue.observe(queue_seconds)
+        self.prefill.observe(prefill_seconds)
+        if self.export is not None:
+            self.export.prefill(queue_seconds, prefill_seconds)
+
+    def finish(self, outcome: str) -> None:
+        """Count one request that ended as `outcome` (one of OUTCOMES)."""
+        self.outcomes[outcome] += 1
+        if self.export is not None:
+            self.export.outcome(outcome)
 
     def lines(self) -> list[str]:
-        return (self.ttft.lines() + self.tpot.lines() + self.e2e.lines()
-                + ["# HELP pdserve_output_tokens_total Output tokens returned",
-                   "# TYPE pdserve_output_tokens_total counter", f"pdserve_output_tokens_total {self.output_tokens}"])
+        out = []
+        for h in (self.ttft, self.tpot, self.e2e, self.queue, self.prefill):
+            out += h.lines()
+        out += ["# HELP pdserve_output_tokens_total Output tokens returned",
+                "# TYPE pdserve_output_tokens_total counter", f"pdserve_output_tokens_total {self.output_tokens}"]
+        if self.export is not None:
+            out += ["# HELP pdserve_router_ray_metrics_errors_total Errors exporting the router's series to "
+                    "Ray's metrics port (the first one turns the export off)",
+                    "# TYPE pdserve_router_ray_metrics_errors_total counter",
+                    f"pdserve_router_ray_metrics_errors_total {self.export.errors}"]
+        return out
 
 
-def render(stats: list[messages.ReplicaStats], outcomes: Counter, latency: RequestMetrics | None = None) -> str:
+def _replica_labels(s: messages.ReplicaStats) -> dict[str, str]:
+    return {"pool": s.pool, "replica": s.replica_id}
+
+
+def _replica_lines(stats: list[messages.ReplicaStats]) -> list[str]:
+    stats = sorted(stats, key=lambda s: (s.pool, s.replica_id))
     lines = []
     for name, help_text, attr in _GAUGES:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-        for s in sorted(stats, key=lambda s: (s.pool, s.replica_id)):
-            lines.append(f'{name}{{pool="{_esc(s.pool)}",replica="{_esc(s.replica_id)}"}} {getattr(s, attr)}')
+        lines += [f"{name}{{{label_text(_replica_labels(s))}}} {getattr(s, attr)}" for s in stats]
     for key in sorted({k for s in stats for k in s.extra}):
         name = f"pdserve_{key}"
         lines += [f"# HELP {name} Replica counter {key}", f"# TYPE {name} counter"]
-        for s in sorted(stats, key=lambda s: (s.pool, s.replica_id)):
-            if key in s.extra:
-                lines.append(f'{name}{{pool="{_esc(s.pool)}",replica="{_esc(s.replica_id)}"}} {s.extra[key]}')
+        lines += [f"{name}{{{label_text(_replica_labels(s))}}} {s.extra[key]}" for s in stats if key in s.extra]
+    for key in sorted({k for s in stats for k in s.histograms}):
+        help_text = REPLICA_HISTOGRAMS.get(key, (f"Replica histogram {key}",))[0]
+        family = Histogram(f"pdserve_{key}", help_text, ())
+        lines += family.header()
+        for s in stats:
+            if key in s.histograms:
+                try:
+                    h = Histogram.from_wire(family.name, help_text, s.histograms[key])
+                except ValueError:
+                    continue  # a malformed report never breaks /metrics
+                lines += h.samples(_replica_labels(s))
+    return lines
+
+
+def render(stats: list[messages.ReplicaStats], outcomes: Counter, latency: RequestMetrics | None = None) -> str:
+    lines = _replica_lines(stats)
     lines += ["# HELP pdserve_requests_total Requests finished by the router, by outcome",
               "# TYPE pdserve_requests_total counter"]
-    for outcome in ("ok", "error", "aborted"):
+    for outcome in OUTCOMES:
         lines.append(f'pdserve_requests_total{{outcome="{outcome}"}} {outcomes.get(outcome, 0)}')
     if latency is not None:
         lines += latency.lines()

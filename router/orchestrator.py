@@ -9,6 +9,8 @@ Disaggregated, three steps (the order matters for block ownership):
 If the first token already ends the request, step 3 is skipped and the decode slot released.
 A prefill replica that dies during step 2 is retried once (a fresh request id, so a push the dead
 replica may have started is drained by the decode side and never confused with the retry's).
+Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for
+the decode slot in step 1 plus the prefill replica's queue_seconds; prefill = its prefill_seconds.
 Colocated: one call to the colocated pool.
 Failures raise `RequestFailed` with the HTTP status to report; cancelling the iterator (client
 gone) cancels the replica calls, which abort the request there and free its blocks.
@@ -16,6 +18,7 @@ gone) cancels the replica calls, which abort the request there and free its bloc
 
 from __future__ import annotations
 
+import time
 from typing import AsyncIterator
 
 from ray.exceptions import RayError
@@ -41,9 +44,10 @@ def _check(event) -> messages.TokenEvent:
 
 
 class Orchestrator:
-    def __init__(self, mode: str, tokenizer, prefill=None, decode=None, colocated=None):
+    def __init__(self, mode: str, tokenizer, prefill=None, decode=None, colocated=None, metrics=None):
         self.mode = mode
         self.tokenizer = tokenizer
+        self.metrics = metrics   # a router.metrics.RequestMetrics, or None
         if mode == "colocated":
             self.colocated = colocated.options(stream=True).generate
         else:
@@ -82,16 +86,20 @@ class Orchestrator:
                 yield _check(messages.decode(data))
             return
         # 1. choose the decode replica
+        arrived = time.monotonic()
         async with self.decode.choose_replica() as selection:
             address = selection.replica_metadata.get("kv_address")
             if not address:
                 raise RequestFailed(503, "the chosen decode replica has no KV address yet", "overloaded")
             # 2. prefill there (once more, under a fresh id, if the prefill replica died)
+            waited = time.monotonic() - arrived
             result = await self._prefill(rid, prompt, wire, address)
             rid = result.request_id
             if result.error is not None:
                 kind = "invalid_request_error" if result.error_code == 400 else "server_error"
                 raise RequestFailed(result.error_code, result.error, kind)
+            if self.metrics is not None:
+                self.metrics.observe_prefill(waited + result.queue_seconds, result.prefill_seconds)
             if result.finish_reason is not None:
                 text = self.tokenizer.decode([result.first_token], skip_special_tokens=True)
                 yield messages.TokenEvent(rid, (result.first_token,), text, True, result.finish_reason,

@@ -13,11 +13,14 @@ EXAMPLES = [
     m.GenerateRequest("a", (1, 2, 3), P),
     m.PrefillRequest("b", (4, 5), P, "10.0.0.1:1234"),
     m.PrefillResult("b", first_token=9, finish_reason=None, num_cached_tokens=16, prefill_seconds=0.5),
+    m.PrefillResult("b", first_token=9, prefill_seconds=0.5, queue_seconds=0.25),
     m.PrefillResult("c", error="boom", error_code=503),
     m.DecodeRequest("d", (1,), 5, P),
     m.TokenEvent("e", (1, 2), "hi", True, "stop", 3, 2, 0),
     m.ErrorEvent("f", "bad", 400, "invalid_request_error"),
     m.ReplicaStats("decode", "r1", 100, 90, 2, 0, 0, {"preemptions": 1}),
+    m.ReplicaStats("prefill", "p1", 100, 90, 0, 1, 7, {}, {"kv_transfer_seconds": {
+        "buckets": [0.1, 1.0], "counts": [1, 2], "sum": 0.6, "count": 2}}),
 ]
 
 
@@ -43,3 +46,11 @@ def test_bad_bytes_are_rejected(data):
 def test_wrong_type_is_rejected():
     with pytest.raises(m.MessageError):
         m.decode(m.encode(EXAMPLES[0]), expect=m.TokenEvent)
+
+
+def test_fields_added_later_default_when_an_older_sender_omits_them():
+    old = m.decode(msgpack.packb([1, "PrefillResult", {"request_id": "x", "first_token": 3, "prefill_seconds": 0.5}]))
+    assert old.queue_seconds == 0.0 and old.prefill_seconds == 0.5
+    stats = {"pool": "decode", "replica_id": "r", "kv_blocks_total": 1, "kv_blocks_free": 1, "running": 0,
+             "waiting": 0, "waiting_prompt_tokens": 0, "extra": {}}
+    assert m.decode(msgpack.packb([1, "ReplicaStats", stats])).histograms == {}

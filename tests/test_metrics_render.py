@@ -2,6 +2,9 @@
 
 from collections import Counter
 
+import pytest
+
+from pdserve.histogram import REPLICA_HISTOGRAMS
 from pdserve.messages import ReplicaStats
 from router.metrics import Histogram, RequestMetrics, render
 
@@ -27,3 +30,82 @@ def test_render_has_per_replica_gauges_counters_and_latencies():
     assert 'pdserve_requests_total{outcome="ok"} 5' in text
     assert "pdserve_ttft_seconds_count 1" in text and "pdserve_tpot_seconds_sum 0.100000" in text
     assert "pdserve_output_tokens_total 11" in text
+
+
+def test_queue_and_prefill_histograms_after_observe_prefill():
+    latency = RequestMetrics()
+    latency.observe_prefill(0.002, 0.3)
+    latency.observe_prefill(0.2, 0.4)
+    lines = render([], Counter(), latency).splitlines()
+    assert "# TYPE pdserve_queue_seconds histogram" in lines and "# TYPE pdserve_prefill_seconds histogram" in lines
+    for le, n in (("0.001", 0), ("0.0025", 1), ("0.1", 1), ("0.25", 2), ("+Inf", 2)):
+        assert f'pdserve_queue_seconds_bucket{{le="{le}"}} {n}' in lines
+    assert "pdserve_queue_seconds_sum 0.202000" in lines and "pdserve_queue_seconds_count 2" in lines
+    for le, n in (("0.25", 0), ("0.5", 2), ("+Inf", 2)):
+        assert f'pdserve_prefill_seconds_bucket{{le="{le}"}} {n}' in lines
+    assert "pdserve_prefill_seconds_sum 0.700000" in lines and "pdserve_prefill_seconds_count 2" in lines
+
+
+def test_outcomes_and_observations_reach_the_export():
+    class Export:
+        errors = 0
+
+        def __init__(self):
+            self.calls = []
+
+        def request(self, *a):
+            self.calls.append(("request", a))
+
+        def prefill(self, *a):
+            self.calls.append(("prefill", a))
+
+        def outcome(self, o):
+            self.calls.append(("outcome", o))
+
+    export = Export()
+    latency = RequestMetrics(export)
+    latency.observe(0.0, 0.5, 1.5, 3)
+    latency.observe_prefill(0.1, 0.4)
+    latency.finish("ok")
+    assert export.calls == [("request", (0.5, 0.5, 1.5, 3)), ("prefill", (0.1, 0.4)), ("outcome", "ok")]
+    text = render([], latency.outcomes, latency)
+    assert 'pdserve_requests_total{outcome="ok"} 1' in text and "pdserve_router_ray_metrics_errors_total 0" in text
+
+
+def test_replica_histograms_render_with_pool_and_replica_labels():
+    seconds = Histogram("pdserve_kv_transfer_seconds", "t", REPLICA_HISTOGRAMS["kv_transfer_seconds"][1])
+    nbytes = Histogram("pdserve_kv_transfer_bytes", "b", REPLICA_HISTOGRAMS["kv_transfer_bytes"][1])
+    for s, b in ((0.004, 3 * 2**20), (0.03, 2**30)):
+        seconds.observe(s)
+        nbytes.observe(b)
+    stats = [ReplicaStats("prefill", "p1", 50, 50, 0, 0, 0, {},
+                          {"kv_transfer_seconds": seconds.to_wire(), "kv_transfer_bytes": nbytes.to_wire()}),
+             ReplicaStats("prefill", "p2", 50, 50, 0, 0, 0, {}, {"kv_transfer_seconds": {"buckets": [1]}}),
+             ReplicaStats("decode", "d1", 50, 50, 0, 0, 0, {})]
+    text = render(stats, Counter())
+    lines = text.splitlines()
+    assert lines.count("# TYPE pdserve_kv_transfer_seconds histogram") == 1
+    assert 'pdserve_kv_transfer_seconds_bucket{pool="prefill",replica="p1",le="0.005"} 1' in lines
+    assert 'pdserve_kv_transfer_seconds_bucket{pool="prefill",replica="p1",le="0.05"} 2' in lines
+    assert 'pdserve_kv_transfer_seconds_bucket{pool="prefill",replica="p1",le="+Inf"} 2' in lines
+    assert 'pdserve_kv_transfer_seconds_sum{pool="prefill",replica="p1"} 0.034000' in lines
+    assert 'pdserve_kv_transfer_seconds_count{pool="prefill",replica="p1"} 2' in lines
+    assert 'pdserve_kv_transfer_bytes_bucket{pool="prefill",replica="p1",le="4194304"} 1' in lines
+    assert 'pdserve_kv_transfer_bytes_bucket{pool="prefill",replica="p1",le="1073741824"} 2' in lines
+    assert 'pdserve_kv_transfer_bytes_bucket{pool="prefill",replica="p1",le="4294967296"} 2' in lines
+    assert 'replica="p2"' not in text.split("# TYPE pdserve_kv_transfer_seconds")[1]   # malformed: skipped
+    # every family's samples follow its own TYPE line, once
+    types = [ln.split()[2] for ln in lines if ln.startswith("# TYPE")]
+    assert len(types) == len(set(types))
+
+
+def test_histogram_wire_round_trip_and_rejection():
+    h = Histogram("x_seconds", "x", (0.1, 1.0))
+    h.observe(0.5)
+    back = Histogram.from_wire("x_seconds", "x", h.to_wire())
+    assert back.lines() == h.lines()
+    bad_maps = ({}, {"buckets": [1], "counts": [1, 2], "sum": 0, "count": 0},
+                {"buckets": "x", "counts": [], "sum": 0, "count": 0})
+    for bad in bad_maps:
+        with pytest.raises(ValueError):
+            Histogram.from_wire("x_seconds", "x", bad)

@@ -141,3 +141,57 @@ def test_health_models_and_errors(disagg):
     assert status == 400
     status, text = http(disagg, "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 7})
     assert status == 400 and json.loads(text)["error"]["type"] == "invalid_request_error"
+
+
+def _sample(text: str, series: str) -> float:
+    """The value of one exact series line (`name` or `name{labels}`) of /metrics text; 0 if absent."""
+    m = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_queue_prefill_and_kv_transfer_series(disagg):
+    _, before = http(disagg, "/metrics")
+    body = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    for _ in range(3):
+        assert http(disagg, "/v1/completions", body)[0] == 200
+    _, text = http(disagg, "/metrics")
+    for name in ("pdserve_queue_seconds", "pdserve_prefill_seconds"):
+        assert f"# TYPE {name} histogram" in text
+        assert _sample(text, f"{name}_count") - _sample(before, f"{name}_count") == 3
+        assert _sample(text, f'{name}_bucket{{le="+Inf"}}') == _sample(text, f"{name}_count")
+    assert _sample(text, "pdserve_prefill_seconds_sum") > _sample(before, "pdserve_prefill_seconds_sum")
+    assert _sample(text, "pdserve_router_ray_metrics_errors_total") == 0
+
+    def pushed():   # the prefill replica reports its transfer histograms with its next stats push
+        m = metrics(disagg)
+        counts = [v for (n, p, _), v in m.items() if n == "pdserve_kv_transfer_seconds_count" and p == "prefill"]
+        return counts and sum(counts) == sum(v for (n, _, _), v in m.items() if n == "pdserve_kv_transfers_sent")
+    assert wait_until(pushed, 10), "the KV transfer histograms never matched the transfers sent"
+    m = metrics(disagg)
+    assert sum(v for (n, _, _), v in m.items() if n == "pdserve_kv_transfer_bytes_sum") == \
+        sum(v for (n, _, _), v in m.items() if n == "pdserve_kv_bytes_sent") > 0
+    errors = {(p, r): v for (n, p, r), v in m.items() if n == "pdserve_ray_metrics_errors"}
+    assert {p for p, _ in errors} == {"prefill", "decode"} and not any(errors.values())
+
+
+def test_ray_metrics_port_has_the_pdserve_series(disagg):
+    """Ray's metrics agent exports what the router and replicas record through ray.serve.metrics
+    (prefixed `ray_`); skipped where this cluster runs no metrics agent."""
+    import urllib.request
+
+    import ray
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        urllib.request.urlopen(url, timeout=5).read()
+    except OSError:
+        pytest.skip(f"no metrics agent answers on port {port}")
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+    assert http(disagg, "/v1/completions", body)[0] == 200
+    wanted = ("ray_pdserve_ttft_seconds_count", "ray_pdserve_prefill_seconds_count", "ray_pdserve_requests_total",
+              "ray_pdserve_kv_blocks_free", "ray_pdserve_running_requests", "ray_pdserve_kv_transfer_seconds_count")
+
+    def exported():
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return all(re.search(rf"^{w}\{{", text, re.M) for w in wanted)
+    assert wait_until(exported, 90, every=2), "the pdserve series never reached Ray's metrics port"
