@@ -7,10 +7,10 @@ heads, head dim 64, float32, block size 16):
     raw:  one contiguous tensor, ProcessGroupGloo.send -> recv, then a 1-byte reply
     ours: KVSender.send into reserved blocks, timed the same way (until the Ack), for two
           block layouts on both sides:
-            runs       ascending runs of block ids (a fresh pool): chunks go straight
-                       between pool and wire, no copy
-            scattered  random block ids (a fragmented pool): every chunk is gathered into
-                       staging before sending and scattered from staging after receiving
+            runs       one ascending run of block ids on each side (a fresh pool)
+            scattered  random block ids on each side (a fragmented pool)
+          Both go straight between pool and wire (a block-major pool holds each block
+          contiguously), in messages of up to --chunk-kib (default: the gloo default, 1 MiB).
 
 Each figure is the median of --repeats runs after one warm-up (pair set-up excluded). With
 --model DIR it also times a float32 prefill forward of the same prompt lengths and prints
@@ -40,7 +40,7 @@ TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def pool(num_blocks: int, fill: bool) -> torch.Tensor:
-    shape = (LAYERS, 2, num_blocks, BLOCK, HEADS, HEAD_DIM)
+    shape = (num_blocks, LAYERS, 2, BLOCK, HEADS, HEAD_DIM)
     return torch.randn(shape) if fill else torch.zeros(shape)
 
 
@@ -71,7 +71,7 @@ def receiver_main(conn, num_blocks: int, max_bytes: int, chunk_bytes: int) -> No
             conn.send(None)
         elif cmd == "result":
             res = futures.pop(args[0]).result(60)
-            conn.send((res.ok, res.error, float(kv[:, :, args[1]].double().sum())))
+            conn.send((res.ok, res.error, float(kv[args[1]].double().sum())))
         elif cmd == "stop":
             receiver.close()
             return
@@ -122,7 +122,7 @@ def bench_transfers(tokens_list, layouts, repeats: int, chunk_bytes: int) -> dic
             conn.send(("result", rid, dst))
             ok, error, checksum = conn.recv()
             assert res.ok and ok, (res.error, error)
-            assert abs(checksum - float(kv[:, :, src].double().sum())) < 1e-3, "data mismatch"
+            assert abs(checksum - float(kv[src].double().sum())) < 1e-3, "data mismatch"
         out[tokens, layout] = (statistics.median(raw_times[1:]), statistics.median(our_times[1:]))
     sender.close()
     conn.send(("stop",))
@@ -153,12 +153,13 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=["runs", "scattered"],
                         choices=["runs", "scattered"])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--chunk-mib", type=int, default=64)
+    parser.add_argument("--chunk-kib", type=int, default=0, help="largest message; 0 = the default")
     parser.add_argument("--model", help="HF model directory; adds prefill time and the ratio")
     args = parser.parse_args()
-    results = bench_transfers(args.tokens, args.layouts, args.repeats, args.chunk_mib << 20)
+    results = bench_transfers(args.tokens, args.layouts, args.repeats, args.chunk_kib << 10)
     prefill = bench_prefill(args.model, args.tokens) if args.model else {}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, chunk {args.chunk_mib} MiB, "
+    chunk = f"{args.chunk_kib} KiB" if args.chunk_kib else "default"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, chunk {chunk}, "
           f"median of {args.repeats}; KV {LAYERS}L x {HEADS}H x {HEAD_DIM}D fp32, block {BLOCK}")
     head = (f"{'tokens':>6} {'layout':>9} {'MB':>7} {'raw GB/s':>9} {'ours GB/s':>10} {'ours/raw':>9} "
             f"{'ours ms':>8}")

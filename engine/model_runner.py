@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillSpan
+from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillSpan, token_slots
 from engine.config import EngineConfig, parse_kv_memory
 from engine.sequence import ScheduledChunk
 
@@ -72,7 +72,8 @@ class ModelRunner:
         self.kv_shape = kv_shape_of(hf_config, config.block_size, self.dtype)
         self.num_blocks = self._num_blocks()
         s = self.kv_shape
-        self.kv_pool = torch.zeros(s.num_layers, 2, self.num_blocks, s.block_size, s.num_kv_heads,
+        # Block-major: one block is contiguous across layers (see attention.token_slots).
+        self.kv_pool = torch.zeros(self.num_blocks, s.num_layers, 2, s.block_size, s.num_kv_heads,
                                    s.head_dim, dtype=self.dtype, device=self.device)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB on %s (%s)",
                  self.num_blocks, s.block_size, self.num_blocks * s.block_size,
@@ -126,7 +127,7 @@ class ModelRunner:
             seq, start, n = ch.seq, ch.start, ch.num_tokens
             end = start + n
             table = torch.tensor(seq.block_table, dtype=torch.long)
-            ctx_slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:end]
+            ctx_slots = token_slots(table, bs, self.kv_shape.num_layers)[:end]
             ids.extend(seq.token_ids[start:end])
             pos.append(torch.arange(start, end))
             slots.append(ctx_slots[start:end])
@@ -157,13 +158,13 @@ class ModelRunner:
 
     # ---- KV export / import ----------------------------------------------------------------
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A contiguous copy [layers, 2, n, block_size, kv_heads, head_dim] of the blocks."""
+        """A contiguous copy [n, layers, 2, block_size, kv_heads, head_dim] of the blocks."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return self.kv_pool.index_select(2, idx)
+        return self.kv_pool.index_select(0, idx)
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write exported blocks into this pool's `block_ids` (same geometry and dtype)."""
-        expected = (*self.kv_pool.shape[:2], len(block_ids), *self.kv_pool.shape[3:])
+        expected = (len(block_ids), *self.kv_pool.shape[1:])
         assert tuple(data.shape) == expected, f"KV shape {tuple(data.shape)} != {expected}"
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        self.kv_pool.index_copy_(2, idx, data.to(self.device, self.dtype))
+        self.kv_pool.index_copy_(0, idx, data.to(self.device, self.dtype))

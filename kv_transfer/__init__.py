@@ -1,9 +1,10 @@
 """kv_transfer: move a request's KV blocks from a prefill replica's pool into a decode
 replica's pool.
 
-Both pools have the engine's layout `[num_layers, 2, num_blocks, block_size, num_kv_heads,
-head_dim]`; a request's KV is a list of block ids into dim 2. The engine allocates and frees
-blocks; this package only reads and writes the blocks it is handed, and says when it is done.
+Both pools have the engine's block-major layout `[num_blocks, num_layers, 2, block_size,
+num_kv_heads, head_dim]` (one block is contiguous across layers); a request's KV is a list of
+block ids into dim 0. The engine allocates and frees blocks; this package only reads and
+writes the blocks it is handed, and says when it is done.
 
 Public API (two backends, one interface: see base.py):
 
@@ -32,11 +33,13 @@ Life cycle of one transfer
    sender rank 1): NCCL when both pools are on CUDA on distinct GPUs, else gloo. Pairs are
    cached; one process can be in many pairs; there is no global world.
 3. The sender pushes a TransferHeader on the pair's frame queue in the store, then the blocks
-   in chunks of at most `chunk_bytes` over the group. The receiver's pair thread takes the
-   reservation to TRANSFERRING (a header that arrives before its expect() waits up to
-   reservation_wait_s for it) and writes each chunk into the reserved blocks. Runs of
-   consecutive block ids travel straight between pool and wire; other chunks are gathered /
-   scattered through two bounded staging buffers (pipeline.py).
+   as segments (messages) of at most `chunk_bytes` (at least one block) over the group. The
+   receiver's pair thread takes the reservation to TRANSFERRING (a header that arrives before
+   its expect() waits up to reservation_wait_s for it) and writes each segment into the
+   reserved blocks. CPU pools on gloo send every segment straight from the pool and receive it
+   straight into the pool whatever the block layout; a CUDA pool on gloo, a fragmented pool on
+   NCCL, and a segment whose destination is not one run go through two bounded staging buffers
+   (pipeline.py).
 4. The receiver resolves the future (DONE) and pushes an Ack; the sender returns its result.
 Transfers on one pair are ordered; different pairs run in parallel (a thread per pair).
 
@@ -46,8 +49,8 @@ Decode (receiver):  reserved (expect) -> receiving (pair thread writes) -> lande
     the engine owns the blocks again and uses them) or failed (future error: the engine frees
     them). The future resolves exactly once, and only when nothing will write the blocks again:
     a transfer in progress when its reservation is cancelled or its lease ends stops writing
-    (at most one more chunk lands, still inside the reserved blocks), drains the rest, and is
-    then resolved. A transfer for an unknown or expired id is drained and answered
+    (at most WINDOW = 8 more segments land, still inside the reserved blocks), drains the rest,
+    and is then resolved; a transfer that fails closes its channel before it resolves. A transfer for an unknown or expired id is drained and answered
     with a negative Ack, so the pair stays in sync.
 Prefill (sender):   the caller holds its blocks during send() and frees them when send()
     returns, whatever the result; send() only reads them, and never after returning.
@@ -60,7 +63,8 @@ lease_s = 60               a reservation's life: after it the future resolves wi
                            error (at worst lease_s + transfer_timeout_s if data is in flight)
 reservation_wait_s = 10    a header that arrives before its expect() waits this long for it,
                            then its data is drained and nacked (must be < transfer_timeout_s)
-chunk_bytes = 64 MiB       largest data message; staging is at most 2 x chunk_bytes per pair
+chunk_bytes = 0 (auto)     largest data message: 1 MiB on gloo, 32 MiB on NCCL (a block larger
+                           than that travels alone); staging is at most 2 messages per pair
                            and side, allocated on first need
 pair_idle_timeout_s = 600  the receiver drops a pair idle this long (reclaims dead senders);
                            the sender rebuilds it on its next send

@@ -1,15 +1,18 @@
 """The KV pool layout as kv_transfer sees it, and the pure decisions made from it.
 
-The engine owns one pool tensor per process, shaped
-`[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` (dim 1: 0 = K, 1 = V).
-A request's KV is a list of block ids into dim 2, in the request's token order; it need not be
-contiguous or sorted. Exporting blocks is `kv[:, :, ids]`, importing is
-`kv.index_copy_(2, ids, data)`. Nothing here allocates or frees blocks.
+The engine owns one pool tensor per process, block-major:
+`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]` (dim 2: 0 = K, 1 = V).
+One block, all layers, K and V, is one contiguous piece of memory, so any block can go on the
+wire without a copy. A request's KV is a list of block ids into dim 0, in the request's token
+order; it need not be contiguous or sorted. Exporting blocks is `kv[ids]`, importing is
+`kv.index_copy_(0, ids, data)`. Nothing here allocates or frees blocks.
 """
 
 from __future__ import annotations
 
 import socket
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -26,7 +29,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 def fingerprint_for(kv: torch.Tensor, model_id: str) -> Fingerprint:
     """The compatibility fingerprint of pool `kv` holding KV of model `model_id`."""
     check_pool_shape(kv)
-    layers, _, _, block_size, heads, head_dim = kv.shape
+    _, layers, _, block_size, heads, head_dim = kv.shape
     return Fingerprint(
         protocol_version=PROTOCOL_VERSION, model_id=model_id, dtype=DTYPE_NAMES[kv.dtype],
         block_size=block_size, num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
@@ -35,8 +38,8 @@ def fingerprint_for(kv: torch.Tensor, model_id: str) -> Fingerprint:
 
 def check_pool_shape(kv: torch.Tensor) -> None:
     """Raise ValueError unless `kv` is a contiguous 6-d pool of a supported dtype."""
-    if kv.dim() != 6 or kv.shape[1] != 2:
-        raise ValueError(f"KV pool must be [L, 2, num_blocks, bs, H, D], got {tuple(kv.shape)}")
+    if kv.dim() != 6 or kv.shape[2] != 2:
+        raise ValueError(f"KV pool must be [num_blocks, L, 2, bs, H, D], got {tuple(kv.shape)}")
     if kv.dtype not in DTYPE_NAMES:
         raise ValueError(f"KV pool dtype {kv.dtype} not in {list(DTYPES)}")
     if not kv.is_contiguous():
@@ -52,27 +55,54 @@ def check_pool(kv: torch.Tensor, fingerprint: Fingerprint) -> None:
 
 def block_bytes(kv: torch.Tensor) -> int:
     """Bytes of one block across all layers, K and V."""
-    layers, two, _, block_size, heads, head_dim = kv.shape
-    return layers * two * block_size * heads * head_dim * kv.element_size()
+    return kv[0].numel() * kv.element_size()
 
 
 def transfer_shape(kv: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
-    """Shape of `kv[:, :, ids]` for `num_blocks` ids."""
-    layers, two, _, block_size, heads, head_dim = kv.shape
-    return (layers, two, num_blocks, block_size, heads, head_dim)
+    """Shape of `kv[ids]` for `num_blocks` ids."""
+    return (num_blocks, *kv.shape[1:])
 
 
 def chunk_blocks_for(chunk_bytes: int, one_block_bytes: int) -> int:
-    """How many blocks one chunk of at most `chunk_bytes` holds (>= 1); ValueError if none fit."""
-    if one_block_bytes > chunk_bytes:
-        raise ValueError(f"chunk_bytes {chunk_bytes} is smaller than one block ({one_block_bytes} B)")
-    return chunk_bytes // one_block_bytes
+    """How many blocks one message of at most `chunk_bytes` holds; at least one, so a block
+    larger than `chunk_bytes` travels alone."""
+    return max(1, chunk_bytes // one_block_bytes)
 
 
 def chunk_plan(num_blocks: int, chunk_blocks: int) -> list[tuple[int, int]]:
     """(start, count) slices covering `num_blocks` blocks, `chunk_blocks` at a time."""
     assert num_blocks >= 1 and chunk_blocks >= 1
     return [(s, min(chunk_blocks, num_blocks - s)) for s in range(0, num_blocks, chunk_blocks)]
+
+
+def run_start(ids: Sequence[int]) -> int | None:
+    """ids[0] when `ids` is the run ids[0], ids[0]+1, ...; else None."""
+    first = ids[0]
+    return first if all(b == first + j for j, b in enumerate(ids)) else None
+
+
+def run_segments(ids: Sequence[int], chunk_blocks: int) -> list[int]:
+    """Block counts of consecutive segments of `ids`: its maximal ascending runs
+    (b, b+1, ...), each cut into pieces of at most `chunk_blocks`."""
+    assert ids and chunk_blocks >= 1
+    counts, length = [], 1
+    for prev, cur in zip(ids, ids[1:]):
+        if cur == prev + 1 and length < chunk_blocks:
+            length += 1
+        else:
+            counts.append(length)
+            length = 1
+    counts.append(length)
+    return counts
+
+
+def segment_slices(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, count) of each segment given the segments' block counts."""
+    out, start = [], 0
+    for count in counts:
+        out.append((start, count))
+        start += count
+    return out
 
 
 def local_host_towards(peer_host: str) -> str:

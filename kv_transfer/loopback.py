@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from kv_transfer.base import InFlight, KVSenderBase, TransferResult, TransferState
-from kv_transfer.config import TransferConfig
+from kv_transfer.config import TransferConfig, negotiate_chunk_bytes
 from kv_transfer.layout import block_bytes, check_pool, chunk_blocks_for, chunk_plan
 from kv_transfer.protocol import Fingerprint
 from kv_transfer.reservations import Reservations, ReservingReceiver, check_block_ids
@@ -36,9 +36,8 @@ class LoopbackReceiver(ReservingReceiver):
 
     def __init__(self, kv: torch.Tensor, fingerprint: Fingerprint, config: TransferConfig) -> None:
         check_pool(kv, fingerprint)
-        chunk_blocks_for(config.chunk_bytes, block_bytes(kv))  # ValueError if a block won't fit
         self.kv, self.fingerprint, self.config = kv, fingerprint, config
-        self.reservations = Reservations(config.lease_s, kv.shape[2])
+        self.reservations = Reservations(config.lease_s, kv.shape[0])
         self.address = f"loopback:{next(_ids)}"
         with _registry_lock:
             _registry[self.address] = self
@@ -50,11 +49,13 @@ class LoopbackReceiver(ReservingReceiver):
 
     def land(self, src: torch.Tensor, request_id: str, src_ids: tuple[int, ...],
              chunk_bytes: int) -> TransferResult:
-        """Copy `src[:, :, src_ids]` into the blocks reserved for `request_id` (sender's thread)."""
+        """Copy `src[src_ids]` into the blocks reserved for `request_id` (sender's thread)."""
         dst_ids = self.reservations.begin(request_id, len(src_ids))
         if isinstance(dst_ids, str):
             return TransferResult.failure(request_id, f"receiver: {dst_ids}")
-        per_chunk = chunk_blocks_for(min(chunk_bytes, self.config.chunk_bytes), block_bytes(src))
+        backend = "nccl" if self.kv.device.type == "cuda" else "gloo"  # for the default size only
+        chunk = negotiate_chunk_bytes(self.config.chunk_bytes, chunk_bytes, backend)
+        per_chunk = chunk_blocks_for(chunk, block_bytes(src))
         nbytes = 0
         try:
             for start, count in chunk_plan(len(src_ids), per_chunk):
@@ -91,7 +92,7 @@ class LoopbackSender(KVSenderBase):
         return f"handshake rejected: fingerprint mismatch: {mismatch}" if mismatch else peer
 
     def send(self, address: str, request_id: str, block_ids: Sequence[int]) -> TransferResult:
-        ids = check_block_ids(block_ids, self.kv.shape[2])
+        ids = check_block_ids(block_ids, self.kv.shape[0])
         start = time.monotonic()
         peer = self._peer(address)
         if isinstance(peer, str):

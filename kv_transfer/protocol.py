@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: block-major pools, segmented transfers
 MAX_MESSAGE_BYTES = 64 * 1024
+MAX_SEGMENT_GROUPS = 1024  # (count, repeat) pairs in a TransferHeader
 MAX_STR_LEN = 4096
 MAX_REQUEST_ID_LEN = 256
 KV_DTYPES = ("float32", "bfloat16", "float16")
@@ -148,11 +149,24 @@ class HandshakeReply:
             raise ProtocolError(f"HandshakeReply.backend must be one of {BACKENDS}")
 
 
+def group_segments(counts: typing.Sequence[int]) -> tuple[int, ...]:
+    """Segment block counts run-length encoded as a flat (count, repeat, ...) tuple."""
+    out: list[int] = []
+    for count in counts:
+        if out and out[-2] == count:
+            out[-1] += 1
+        else:
+            out += [count, 1]
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class TransferHeader:
-    """Announces one transfer: `nbytes` of `dtype` data shaped `shape` = [L, 2, n, bs, H, D],
-    sent as ceil(n / chunk_blocks) chunks of at most `chunk_blocks` blocks each; a chunk is
-    L*2 messages, one per (layer, K/V) row, when `rows`, else one message (see pipeline.py)."""
+    """Announces one transfer: `nbytes` of `dtype` data, the blocks `shape` = [n, L, 2, bs, H, D]
+    in the sender's block-list order, sent as consecutive segments of whole blocks, one
+    message each. `segments` lists the segments' block counts run-length encoded as
+    (count, repeat) pairs (see group_segments); no segment is larger than `chunk_blocks`
+    (see pipeline.py)."""
 
     request_id: str
     seq: int
@@ -161,18 +175,28 @@ class TransferHeader:
     dtype: str
     nbytes: int
     chunk_blocks: int
-    rows: bool
+    segments: tuple[int, ...]
 
     def __post_init__(self) -> None:
         _check_types(self)
         _check_request_id(self.request_id)
         _check_nonnegative(self, "seq", "nbytes")
         if len(self.shape) != 6 or any(d < 1 for d in self.shape):
-            raise ProtocolError("TransferHeader.shape must be 6 positive dims [L, 2, n, bs, H, D]")
-        if self.shape[2] != self.num_blocks or self.shape[1] != 2:
+            raise ProtocolError("TransferHeader.shape must be 6 positive dims [n, L, 2, bs, H, D]")
+        if self.shape[0] != self.num_blocks or self.shape[2] != 2:
             raise ProtocolError("TransferHeader.shape disagrees with num_blocks or K/V dim")
         if self.dtype not in KV_DTYPES or self.chunk_blocks < 1:
             raise ProtocolError("TransferHeader: bad dtype or chunk_blocks")
+        pairs = list(zip(self.segments[::2], self.segments[1::2]))
+        if (len(self.segments) % 2 or not 0 < len(pairs) <= MAX_SEGMENT_GROUPS
+                or any(not 1 <= c <= self.chunk_blocks or r < 1 for c, r in pairs)
+                or sum(c * r for c, r in pairs) != self.num_blocks):
+            raise ProtocolError("TransferHeader.segments must be (count, repeat) pairs, counts in "
+                                "[1, chunk_blocks], covering num_blocks")
+
+    def segment_counts(self) -> list[int]:
+        """The block count of every segment, in order."""
+        return [c for c, r in zip(self.segments[::2], self.segments[1::2]) for _ in range(r)]
 
 
 @dataclass(frozen=True)
@@ -265,7 +289,7 @@ def decode(data: bytes, expect: tuple[type, ...] = tuple(_KINDS.values())) -> Me
     try:
         obj = msgpack.unpackb(
             bytes(data), raw=False, strict_map_key=True, use_list=True,
-            max_str_len=MAX_STR_LEN, max_bin_len=MAX_STR_LEN, max_array_len=64,
+            max_str_len=MAX_STR_LEN, max_bin_len=MAX_STR_LEN, max_array_len=2 * MAX_SEGMENT_GROUPS,
             max_map_len=64, max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises several types for malformed input

@@ -24,7 +24,7 @@ import threading
 import torch
 
 from kv_transfer import rendezvous as rv
-from kv_transfer.config import TransferConfig
+from kv_transfer.config import TransferConfig, negotiate_chunk_bytes
 from kv_transfer.layout import block_bytes, check_pool, chunk_blocks_for, device_info
 from kv_transfer.protocol import Fingerprint, Handshake, HandshakeReply, ProtocolError, clip, decode, encode
 from kv_transfer.receiver_pair import ReceiverPair
@@ -42,9 +42,8 @@ class KVReceiver(ReservingReceiver):
     def __init__(self, kv: torch.Tensor, fingerprint: Fingerprint, config: TransferConfig,
                  host: str = "127.0.0.1") -> None:
         check_pool(kv, fingerprint)
-        chunk_blocks_for(config.chunk_bytes, block_bytes(kv))  # ValueError if a block won't fit
         self.kv, self.fingerprint, self.config, self.host = kv, fingerprint, config, host
-        self.reservations = Reservations(config.lease_s, kv.shape[2])
+        self.reservations = Reservations(config.lease_s, kv.shape[0])
         self._device = device_info(kv, host)
         self._server = rv.start_server(host, config.connect_timeout_s)
         self.address = f"[{host}]:{self._server.port}" if ":" in host else f"{host}:{self._server.port}"
@@ -107,11 +106,9 @@ class KVReceiver(ReservingReceiver):
             self._seen.add(hs.pair_id)
             full = len(self._pairs) >= self.config.max_pairs
         reason, backend = rv.judge(hs, self.fingerprint, self.config.secret, self._nonce, self._device)
-        chunk_bytes = min(self.config.chunk_bytes, hs.chunk_bytes)
+        chunk_bytes = negotiate_chunk_bytes(self.config.chunk_bytes, hs.chunk_bytes, backend or "gloo")
         if not reason and full:
             reason = f"receiver has its maximum of {self.config.max_pairs} pairs"
-        if not reason and chunk_bytes < block_bytes(self.kv):
-            reason = f"sender chunk_bytes {hs.chunk_bytes} is smaller than one block"
         reply = HandshakeReply(hs.pair_id, not reason, reason, backend, chunk_bytes, self._device)
         if reason:
             log.warning("kv pair %d rejected: %s", hs.pair_id, reason)
@@ -119,7 +116,7 @@ class KVReceiver(ReservingReceiver):
             return
         pair = ReceiverPair(
             self.kv, self.reservations, self.config, self.address, self.host, hs.pair_id,
-            backend, chunk_bytes // block_bytes(self.kv), self._forget,
+            backend, chunk_blocks_for(chunk_bytes, block_bytes(self.kv)), self._forget,
         )
         with self._lock:
             if self._closed:

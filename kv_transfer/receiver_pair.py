@@ -6,7 +6,7 @@ Loop (one iteration per frame popped from the pair's frame queue):
     2. parse    TransferHeader, Abort or Bye; anything else is a protocol violation -> teardown
     3. reserve  begin() moves the reservation PENDING -> TRANSFERRING, or says why the data
                 must be drained (unknown/expired id, wrong block count)
-    4. receive  chunks land in the reserved blocks while the reservation is wanted; otherwise
+    4. receive  segments land in the reserved blocks while the reservation is wanted; otherwise
                 they are drained through staging (the pair stays in sync)
     5. resolve  finish() resolves the reservation's future; then the Ack is written
 
@@ -27,7 +27,7 @@ from kv_transfer import rendezvous as rv
 from kv_transfer.channel import RECEIVER_RANK, Channel
 from kv_transfer.config import TransferConfig
 from kv_transfer.layout import DTYPE_NAMES, block_bytes, transfer_shape
-from kv_transfer.pipeline import recv_chunks
+from kv_transfer.pipeline import recv_segments
 from kv_transfer.protocol import Abort, Ack, Bye, ProtocolError, TransferHeader, clip, decode, encode
 from kv_transfer.reservations import Reservations
 from kv_transfer.staging import Staging
@@ -95,7 +95,7 @@ class ReceiverPair:
     def _check(self, hdr: TransferHeader) -> None:
         """A header this pool cannot take is a protocol violation (we cannot even drain it)."""
         expected = transfer_shape(self.kv, hdr.num_blocks)
-        if (hdr.num_blocks > self.kv.shape[2]  # no reservation can be larger than the pool
+        if (hdr.num_blocks > self.kv.shape[0]  # no reservation can be larger than the pool
                 or hdr.shape != expected or hdr.dtype != DTYPE_NAMES[self.kv.dtype]
                 or hdr.nbytes != hdr.num_blocks * block_bytes(self.kv)
                 or hdr.chunk_blocks > self.chunk_blocks):
@@ -108,11 +108,12 @@ class ReceiverPair:
         dst = self.reservations.begin(rid, hdr.num_blocks, self.config.reservation_wait_s)
         landing = not isinstance(dst, str)
         try:
-            nbytes, complete = recv_chunks(
-                channel, staging, self.kv, hdr.num_blocks, hdr.chunk_blocks, hdr.rows, deadline,
+            nbytes, complete = recv_segments(
+                channel, staging, self.kv, hdr.segment_counts(), deadline,
                 dst if landing else None, lambda: self.reservations.wanted(rid),
             )
         except BaseException as exc:
+            channel.close(failed=True)  # no posted receive may write the blocks once freed
             if landing:
                 self.reservations.finish(rid, False, f"transfer failed: {clip(repr(exc))}")
             raise

@@ -8,8 +8,8 @@ Life cycle of one send(address, request_id, block_ids), in the caller's thread:
     2. queue    wait for the pair's lock: transfers on one pair are ordered (at most
                 transfer_timeout_s). State PENDING.
     3. header   push the TransferHeader onto the pair's frame queue. State TRANSFERRING.
-    4. data     send the blocks chunk by chunk: straight from the pool when the ids form
-                runs, else gathered into staging first (pipeline.py).
+    4. data     send the blocks segment by segment: straight from the pool (CPU pools on
+                gloo, any block layout), else gathered into staging first (pipeline.py).
     5. ack      wait for the receiver's Ack (steps 3-5 within transfer_timeout_s).
     6. result   return a TransferResult; nothing is raised for peer or network faults.
 
@@ -39,9 +39,10 @@ from kv_transfer.layout import (
     DTYPE_NAMES, block_bytes, check_pool, choose_backend, chunk_blocks_for,
     device_info, local_host_towards, transfer_shape,
 )
-from kv_transfer.pipeline import send_chunks, sends_rows
+from kv_transfer.pipeline import plan_segments, send_segments
 from kv_transfer.protocol import (
     Abort, Ack, Bye, Fingerprint, Handshake, HandshakeReply, TransferHeader, clip, decode, encode,
+    group_segments,
 )
 from kv_transfer.reservations import check_block_ids
 from kv_transfer.staging import Staging
@@ -65,7 +66,6 @@ class KVSender(KVSenderBase):
 
     def __init__(self, kv: torch.Tensor, fingerprint: Fingerprint, config: TransferConfig) -> None:
         check_pool(kv, fingerprint)
-        chunk_blocks_for(config.chunk_bytes, block_bytes(kv))  # ValueError if a block won't fit
         self.kv, self.fingerprint, self.config = kv, fingerprint, config
         self._lock = threading.Lock()
         self._pairs: dict[str, _Pair] = {}
@@ -74,7 +74,7 @@ class KVSender(KVSenderBase):
         self._closed = False
 
     def send(self, address: str, request_id: str, block_ids: Sequence[int]) -> TransferResult:
-        ids = check_block_ids(block_ids, self.kv.shape[2])
+        ids = check_block_ids(block_ids, self.kv.shape[0])
         start = time.monotonic()
         self._inflight.set(request_id, TransferState.PENDING)
         try:
@@ -213,14 +213,15 @@ class KVSender(KVSenderBase):
 
     def _run(self, pair: _Pair, request_id: str, ids: tuple[int, ...], start: float,
              deadline: float) -> TransferResult:
-        rows = sends_rows(self.kv, pair.staging, ids, pair.chunk_blocks)
+        counts = plan_segments(self.kv, pair.staging, ids, pair.chunk_blocks)
         header = TransferHeader(
             request_id=request_id, seq=pair.seq, num_blocks=len(ids),
             shape=transfer_shape(self.kv, len(ids)), dtype=DTYPE_NAMES[self.kv.dtype],
-            nbytes=len(ids) * block_bytes(self.kv), chunk_blocks=pair.chunk_blocks, rows=rows,
+            nbytes=len(ids) * block_bytes(self.kv), chunk_blocks=pair.chunk_blocks,
+            segments=group_segments(counts),
         )
         pair.client.queue_push(rv.frames_key(pair.pair_id), encode(header))
-        sent = send_chunks(pair.channel, pair.staging, self.kv, ids, pair.chunk_blocks, rows, deadline)
+        sent = send_segments(pair.channel, pair.staging, self.kv, ids, counts, deadline)
         pop = rv.in_thread(lambda: pair.client.queue_pop(rv.acks_key(pair.pair_id)), "kvt-ack")
         ack = decode(pop.result(timeout=max(deadline - time.monotonic(), 0.001)), (Ack,))
         if (ack.request_id, ack.seq) != (request_id, pair.seq):

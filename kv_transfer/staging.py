@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kv_transfer.layout import block_bytes, transfer_shape
+from kv_transfer.layout import block_bytes, run_start, transfer_shape
 
 
 def staging_device(kv: torch.Tensor, backend: str) -> torch.device:
@@ -31,13 +31,13 @@ class Staging:
         self._kv = kv
         self.device = staging_device(kv, backend)
         self._pin = self.device.type == "cpu" and kv.device.type == "cuda"
-        self._block_bytes = block_bytes(kv)
-        self._cap = chunk_blocks * self._block_bytes
+        self.block_bytes = block_bytes(kv)
+        self._cap = chunk_blocks * self.block_bytes
         self._buffers: list[torch.Tensor | None] = [None, None]
 
     def view(self, slot: int, count: int) -> torch.Tensor:
-        """Buffer `slot` (0 or 1) viewed as `count` blocks shaped [L, 2, count, bs, H, D]."""
-        nbytes = count * self._block_bytes
+        """Buffer `slot` (0 or 1) viewed as `count` blocks shaped [count, L, 2, bs, H, D]."""
+        nbytes = count * self.block_bytes
         assert 0 < nbytes <= self._cap, (count, self._cap)
         buf = self._buffers[slot]
         if buf is None or buf.numel() < nbytes:
@@ -52,38 +52,55 @@ class Staging:
         self._buffers = [None, None]
 
 
+def pool_view(kv: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor | None:
+    """The pool's own memory for `ids` ([n, L, 2, bs, H, D], contiguous) when they are one
+    ascending run; else None."""
+    first = run_start(ids)
+    return None if first is None else kv[first:first + len(ids)]
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """[n, ...] viewed as [n, elements per block]: index_select on dim 0 of this 2-d view is a
+    plain memcpy per block."""
+    return t.view(t.shape[0], -1)
+
+
+def _sync(kv: torch.Tensor) -> None:
+    if kv.device.type == "cuda":
+        torch.cuda.current_stream(kv.device).synchronize()
+
+
+def gather(kv: torch.Tensor, ids: tuple[int, ...], out: torch.Tensor) -> None:
+    """out <- kv[ids]; returns when `out` holds the data (synchronous for CUDA)."""
+    run = pool_view(kv, ids)
+    if run is not None:
+        out.copy_(run)                          # one memcpy (device -> pinned host, or same device)
+    elif out.device == kv.device:
+        torch.index_select(_blocks(kv), 0, index_tensor(kv, ids), out=_blocks(out))
+    else:
+        out.copy_(kv.index_select(0, index_tensor(kv, ids)))  # gather on device, then to host
+    _sync(kv)
+
+
+def scatter(kv: torch.Tensor, ids: tuple[int, ...], src: torch.Tensor) -> None:
+    """kv[ids] <- src; returns when the pool holds the data (synchronous for CUDA)."""
+    run = pool_view(kv, ids)
+    if run is not None:
+        run.copy_(src)
+    else:
+        src = src if src.device == kv.device else src.to(kv.device)
+        _blocks(kv).index_copy_(0, index_tensor(kv, ids), _blocks(src))
+    _sync(kv)
+
+
 def index_tensor(kv: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long, device=kv.device)
 
 
-def rows_view(t: torch.Tensor) -> torch.Tensor:
-    """[L, 2, n, bs, H, D] viewed as [L*2, n, bs*H*D]. Indexing dim 1 of this view is far
-    faster on CPU than indexing dim 2 of the 6-d tensor (which can be ~30x slower)."""
-    return t.view(t.shape[0] * t.shape[1], t.shape[2], -1)
-
-
-def gather(kv: torch.Tensor, ids: tuple[int, ...], out: torch.Tensor) -> None:
-    """out <- kv[:, :, ids]; returns when `out` holds the data (synchronous for CUDA)."""
-    idx = index_tensor(kv, ids)
-    if out.device == kv.device:
-        torch.index_select(rows_view(kv), 1, idx, out=rows_view(out))
-    else:
-        out.copy_(rows_view(kv).index_select(1, idx).view(out.shape))  # device -> pinned host
-    if kv.device.type == "cuda":
-        torch.cuda.current_stream(kv.device).synchronize()
-
-
-def scatter(kv: torch.Tensor, ids: tuple[int, ...], src: torch.Tensor) -> None:
-    """kv[:, :, ids] <- src; returns when the pool holds the data (synchronous for CUDA)."""
-    idx = index_tensor(kv, ids)
-    src = src if src.device == kv.device else src.to(kv.device)
-    rows_view(kv).index_copy_(1, idx, rows_view(src))
-    if kv.device.type == "cuda":
-        torch.cuda.current_stream(kv.device).synchronize()
-
-
 def copy_blocks(src: torch.Tensor, src_ids: tuple[int, ...], dst: torch.Tensor,
                 dst_ids: tuple[int, ...]) -> None:
-    """dst[:, :, dst_ids] <- src[:, :, src_ids] through one temporary of that size."""
-    chunk = rows_view(src).index_select(1, index_tensor(src, src_ids))
-    rows_view(dst).index_copy_(1, index_tensor(dst, dst_ids), chunk.to(dst.device))
+    """dst[dst_ids] <- src[src_ids] through at most one temporary of that size."""
+    chunk = pool_view(src, src_ids)
+    if chunk is None:
+        chunk = _blocks(src).index_select(0, index_tensor(src, src_ids)).view(-1, *src.shape[1:])
+    scatter(dst, dst_ids, chunk)

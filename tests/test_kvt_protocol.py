@@ -5,7 +5,7 @@ import pytest
 
 from kv_transfer.protocol import (
     MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Bye, DeviceInfo, Fingerprint, Handshake,
-    HandshakeReply, ProtocolError, TransferHeader, decode, encode,
+    HandshakeReply, ProtocolError, TransferHeader, decode, encode, group_segments,
 )
 
 FP = Fingerprint(PROTOCOL_VERSION, "HuggingFaceTB/SmolLM2-135M", "float32", 16, 30, 3, 64)
@@ -15,7 +15,7 @@ MESSAGES = [
     Handshake(7, FP, DEV, 32 << 20, "ab" * 32),
     HandshakeReply(7, True, "", "gloo", 1 << 20, DeviceInfo("cpu", "h", 0, "", False)),
     HandshakeReply(8, False, "fingerprint mismatch", "", 0, DEV),
-    TransferHeader("req-1", 3, 5, (30, 2, 5, 16, 3, 64), "bfloat16", 5 * 368640, 2, True),
+    TransferHeader("req-1", 3, 5, (5, 30, 2, 16, 3, 64), "bfloat16", 5 * 368640, 2, (2, 2, 1, 1)),
     Ack("req-1", 3, True, "", 1843200),
     Ack("req-2", 4, False, "unknown or expired request", 0),
     Abort("req-3", "prefill failed"),
@@ -93,9 +93,27 @@ def test_bad_nested_and_shapes_rejected():
     with pytest.raises(ProtocolError):
         decode(msgpack.packb(hs))
     with pytest.raises(ProtocolError):  # shape disagrees with num_blocks
-        TransferHeader("r", 1, 4, (30, 2, 5, 16, 3, 64), "float32", 1, 1, False)
+        TransferHeader("r", 1, 4, (5, 30, 2, 16, 3, 64), "float32", 1, 1, (1, 4))
     with pytest.raises(ProtocolError):  # not 6 dims
-        TransferHeader("r", 1, 5, (30, 2, 5, 16), "float32", 1, 1, False)
+        TransferHeader("r", 1, 5, (5, 30, 2, 16), "float32", 1, 1, (1, 5))
+
+
+@pytest.mark.parametrize("segments", [
+    (), (2, 2), (1, 4, 1), (3, 1, 2, 1),  # empty, short of 5 blocks, odd length, count > chunk_blocks
+    (0, 5, 1, 5), (1, 0, 1, 5), (1, 6),   # zero count, zero repeat, too many blocks
+    tuple([1, 1] * 1024 + [1, 1]),        # more (count, repeat) groups than allowed
+])
+def test_bad_segments_rejected(segments):
+    with pytest.raises(ProtocolError, match="segments"):
+        TransferHeader("r", 1, 5, (5, 30, 2, 16, 3, 64), "float32", 1, 2, segments)
+
+
+def test_segments_run_length_round_trip():
+    counts = [2, 2, 2, 1, 2, 1, 1]
+    grouped = group_segments(counts)
+    assert grouped == (2, 3, 1, 1, 2, 1, 1, 2)
+    hdr = TransferHeader("r", 1, 11, (11, 30, 2, 16, 3, 64), "float32", 1, 2, grouped)
+    assert decode(encode(hdr)).segment_counts() == counts
 
 
 def test_encode_rejects_non_messages():

@@ -17,7 +17,7 @@ from kv_transfer.protocol import DeviceInfo, Handshake
 def test_config_defaults_documented_values():
     cfg = TransferConfig()
     assert (cfg.connect_timeout_s, cfg.transfer_timeout_s, cfg.lease_s) == (10.0, 30.0, 60.0)
-    assert cfg.chunk_bytes == 64 << 20 and cfg.pair_idle_timeout_s == 600.0
+    assert cfg.chunk_bytes == 0 and cfg.pair_idle_timeout_s == 600.0
     assert cfg.max_pairs == 64 and cfg.secret == "" and cfg.reservation_wait_s == 10.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.lease_s = 1.0
@@ -82,7 +82,7 @@ def test_cpu_pool_device_info_selects_gloo():
 
 
 def test_fingerprint_and_pool_checks():
-    kv = torch.zeros(30, 2, 8, 16, 3, 64)
+    kv = torch.zeros(8, 30, 2, 16, 3, 64)
     fp = fingerprint_for(kv, "m")
     assert (fp.num_layers, fp.block_size, fp.num_kv_heads, fp.head_dim) == (30, 16, 3, 64)
     assert fp.dtype == "float32" and block_bytes(kv) == 30 * 2 * 16 * 3 * 64 * 4
@@ -90,7 +90,7 @@ def test_fingerprint_and_pool_checks():
     with pytest.raises(ValueError, match="dtype"):
         check_pool(kv.to(torch.bfloat16), fp)
     with pytest.raises(ValueError):
-        fingerprint_for(torch.zeros(30, 3, 8, 16, 3, 64), "m")  # dim 1 must be K/V
+        fingerprint_for(torch.zeros(8, 30, 3, 16, 3, 64), "m")  # dim 2 must be K/V
     with pytest.raises(ValueError):
         fingerprint_for(torch.zeros(4, 4, dtype=torch.int8), "m")
 
@@ -103,8 +103,7 @@ def test_block_ids_and_chunk_plan():
     assert chunk_plan(5, 2) == [(0, 2), (2, 2), (4, 1)]
     assert chunk_plan(1, 8) == [(0, 1)]
     assert chunk_blocks_for(4096, 1000) == 4
-    with pytest.raises(ValueError):
-        chunk_blocks_for(1024, 2048)
+    assert chunk_blocks_for(1024, 2048) == 1  # a block larger than a chunk travels alone
 
 
 def test_parse_address():
@@ -116,7 +115,7 @@ def test_parse_address():
 
 
 def test_judge_handshake():
-    kv = torch.zeros(2, 2, 4, 4, 1, 8)
+    kv = torch.zeros(4, 2, 2, 4, 1, 8)
     fp, dev = fingerprint_for(kv, "m"), _dev("cpu")
     nonce = b"abc"
     good = Handshake(3, fp, dev, 4096, rv.proof("s3cret", nonce, 3))
@@ -128,3 +127,22 @@ def test_judge_handshake():
     assert "authentication" in rv.judge(unauth, fp, "s3cret", nonce, dev)[0]
     other = fingerprint_for(kv.to(torch.float16), "m")
     assert "fingerprint mismatch" in rv.judge(good, other, "", nonce, dev)[0]
+
+
+def test_run_segments_and_sender_plan():
+    from types import SimpleNamespace
+
+    from kv_transfer.layout import run_segments, segment_slices
+    from kv_transfer.pipeline import plan_segments
+
+    ids = (4, 5, 6, 7, 8, 2, 9, 10, 3)
+    assert run_segments(ids, 3) == [3, 2, 1, 2, 1]        # 4-6 | 7-8 | 2 | 9-10 | 3
+    assert segment_slices([3, 2, 1]) == [(0, 3), (3, 2), (5, 1)]
+    assert run_segments((7,), 4) == [1]
+    cpu = torch.zeros(16, 1, 2, 1, 1, 1)
+    on = lambda device: SimpleNamespace(device=torch.device(device))  # noqa: E731
+    # a CPU pool on gloo sends its runs, however many
+    assert plan_segments(cpu, on("cpu"), ids, 3) == [3, 2, 1, 2, 1]
+    assert plan_segments(cpu, on("cpu"), (9, 7, 5, 3, 1), 4) == [1] * 5
+    # a pool staged to another device (a CUDA pool on gloo) is gathered in chunks
+    assert plan_segments(cpu, on("cuda"), ids, 4) == [4, 4, 1]

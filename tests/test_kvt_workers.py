@@ -11,8 +11,8 @@ import time
 
 import torch
 
-SHAPE = (2, 2, 64, 4, 2, 8)  # L, K/V, blocks, block size, heads, head dim: 1 KiB per block
-NUM_BLOCKS = SHAPE[2]
+SHAPE = (64, 2, 2, 4, 2, 8)  # blocks, layers, K/V, block size, heads, head dim: 1 KiB per block
+NUM_BLOCKS = SHAPE[0]
 MODEL = "test-model"
 # connect_timeout_s and lease_s leave room for a TCPStore connection that stalls 5 s on a
 # dropped reverse-DNS query (torch looks up the peer's name on every store connection; this
@@ -61,7 +61,7 @@ def send_and_free(sender, free: FreeList, address: str, request_id: str, n: int)
     """Send n freshly allocated blocks the way the prefill engine would: free them once send()
     returns, whatever the result. Returns (result, the data that was sent)."""
     ids = free.allocate(n)
-    data = sender.kv[:, :, ids].clone()
+    data = sender.kv[ids].clone()
     try:
         return sender.send(address, request_id, ids), data
     finally:
@@ -79,16 +79,16 @@ def _slow(fn, delay_s: float, started):
 def worker_main(conn, role: str, seed: int, cfg_kwargs: dict, model: str, slow_s: float,
                 started) -> None:
     """Host a KVReceiver ('receiver') or KVSender ('sender') over a pool of SHAPE and serve
-    commands from `conn` until 'stop'. slow_s > 0 slows every chunk copy and sets `started`
+    commands from `conn` until 'stop'. slow_s > 0 slows every message and sets `started`
     at the first one (to kill the process mid-transfer)."""
     from kv_transfer import KVReceiver, KVSender, TransferConfig, fingerprint_for
-    from kv_transfer import pipeline
+    from kv_transfer.channel import Channel
 
     torch.manual_seed(seed)
     kv = torch.randn(SHAPE) if role == "sender" else torch.zeros(SHAPE)
-    if slow_s:
-        pipeline.gather = _slow(pipeline.gather, slow_s, started)
-        pipeline.scatter = _slow(pipeline.scatter, slow_s, started)
+    if slow_s:  # every message posted on a pair of this process waits slow_s first
+        Channel.post_send = _slow(Channel.post_send, slow_s, started)
+        Channel.post_recv = _slow(Channel.post_recv, slow_s, started)
     cfg, fp, free = TransferConfig(**cfg_kwargs), fingerprint_for(kv, model), FreeList(NUM_BLOCKS, seed)
     end = KVReceiver(kv, fp, cfg) if role == "receiver" else KVSender(kv, fp, cfg)
     futures = {}
@@ -105,7 +105,7 @@ def worker_main(conn, role: str, seed: int, cfg_kwargs: dict, model: str, slow_s
         elif cmd == "result":
             conn.send(futures.pop(args[0]).result(timeout=args[1]))
         elif cmd == "read":
-            conn.send(kv[:, :, args[0]].clone())
+            conn.send(kv[args[0]].clone())
         elif cmd == "send":
             conn.send(send_and_free(end, free, *args))
         elif cmd == "free_count":
