@@ -183,7 +183,7 @@ class LLMEngine:
         seq = req.seq
         text = req.detok.take(final=finished) if req.detok is not None else ""
         return RequestOutput(seq.request_id, new_ids, text, finished, reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens)
+                             seq.num_output_tokens, seq.num_cached_tokens, seq.first_scheduled_time)
 
     # ---- 4. KV hand-off ---------------------------------------------------------------------------
     def held_blocks(self, request_id: str) -> list[int]:

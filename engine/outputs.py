@@ -22,6 +22,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() the scheduler first admitted it
 
 
 @dataclass

@@ -13,6 +13,7 @@ The engine calls `schedule`, then after running the step `finish` for each ended
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from engine.block_manager import BlockManager
@@ -77,6 +78,8 @@ class Scheduler:
             if not self.bm.allocate(seq):
                 break
             self.waiting.popleft()
+            if seq.first_scheduled_time is None:  # not again after a preemption: queue time
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk.next_for(seq, budget))

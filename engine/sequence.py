@@ -47,6 +47,7 @@ class Sequence:
         self.num_cached_tokens = 0     # prefix-cache hits at the last allocation
         self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
         self.finish_reason: str | None = None
+        self.first_scheduled_time: float | None = None  # time.monotonic() at first admission
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
-import time
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
@@ -97,41 +95,6 @@ class EngineHost:
         if self._pusher is not None:
             self._pusher.cancel()
         self.aengine.shutdown()
-
-
-class FirstScheduled:
-    """When the engine first scheduled a watched request (time.monotonic()), for queue time.
-
-    The engine keeps no such timestamp, so this wraps the `schedule` method of this one
-    engine's scheduler (an instance attribute; engine/ is unchanged) and the engine thread
-    stamps each watched request the first step it appears in. Call `watch` before adding the
-    request and `pop` on every path that ends it; an id not watched is never stored.
-    """
-
-    def __init__(self, engine: LLMEngine):
-        self._times: dict[str, float | None] = {}
-        self._lock = threading.Lock()
-        inner = engine.scheduler.schedule
-
-        def schedule():
-            chunks = inner()
-            now = time.monotonic()
-            with self._lock:
-                for chunk in chunks:
-                    rid = chunk.seq.request_id
-                    if rid in self._times and self._times[rid] is None:
-                        self._times[rid] = now
-            return chunks
-        engine.scheduler.schedule = schedule
-
-    def watch(self, request_id: str) -> None:
-        with self._lock:
-            self._times[request_id] = None
-
-    def pop(self, request_id: str) -> float | None:
-        """The first-scheduled time, or None if never scheduled; forgets the request."""
-        with self._lock:
-            return self._times.pop(request_id, None)
 
 
 class EngineReplica:

@@ -29,7 +29,7 @@ from ray import serve
 from engine.async_engine import EngineDeadError
 from kv_transfer import KVSender, fingerprint_for
 from pdserve import messages
-from pdserve.engine_host import EngineHost, EngineReplica, FirstScheduled
+from pdserve.engine_host import EngineHost, EngineReplica
 from pdserve.serve_config import AppConfig
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,6 @@ class PrefillServer(EngineReplica):
     def __init__(self, config: dict, registry=None):
         cfg = AppConfig.model_validate(config)
         self.host = EngineHost(cfg, "prefill", registry)
-        self.scheduled = FirstScheduled(self.host.engine)
         kv = self.host.engine.runner.kv_pool
         self.sender = KVSender(kv, fingerprint_for(kv, cfg.model_name), cfg.transfer.transfer_config())
         self._send_pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
@@ -60,18 +59,15 @@ class PrefillServer(EngineReplica):
             return messages.encode(messages.PrefillResult(rid, error=error, error_code=400))
         # 2. prefill
         first = None
-        self.scheduled.watch(rid)
         try:
             async for out in self.host.aengine.stream(
                     rid, lambda e: e.add_request(rid, ids, params, hold_blocks=True)):
                 first = out
         except EngineDeadError as exc:
             return messages.encode(messages.PrefillResult(rid, error=str(exc), error_code=500))
-        finally:
-            scheduled = self.scheduled.pop(rid)
         assert first is not None and first.finished
         done = time.monotonic()
-        scheduled = scheduled or done
+        scheduled = first.first_scheduled_time or done
         # 3. answer, 4. push and 5. release in a task the caller cannot cancel
         task = asyncio.ensure_future(self._handoff(req, first, scheduled - arrived, done - scheduled))
         self._handoffs.add(task)

@@ -77,8 +77,11 @@ def test_preemption_by_recompute_frees_and_requeues():
     seqs = [seq(7, f"s{i}", max_tokens=6) for i in range(3)]
     for s in seqs:
         sched.add(s)
+    assert all(s.first_scheduled_time is None for s in seqs)
     fake_step(sched, bm)        # all prefilled, each now 8 tokens in 2 blocks: pool full
     assert bm.num_free_blocks == 0
+    admitted = [s.first_scheduled_time for s in seqs]
+    assert None not in admitted
     fake_step(sched, bm)        # decode the 8th token; each now has 9 tokens
     assert sched.num_preemptions == 0
     fake_step(sched, bm)        # each needs a 3rd block: the newest is preempted
@@ -87,11 +90,14 @@ def test_preemption_by_recompute_frees_and_requeues():
     assert victim.status is SequenceStatus.WAITING and victim.block_table == []
     assert sched.waiting[0] is victim
     steps = 0
+    fake_step(sched, bm)        # re-admission after a preemption keeps the first admission time
+    steps += 1
     while sched.has_work():
         fake_step(sched, bm)
         steps += 1
         assert steps < 100
     assert all(s.num_output_tokens == 6 for s in seqs)
+    assert [s.first_scheduled_time for s in seqs] == admitted
     assert bm.all_free()
 
 

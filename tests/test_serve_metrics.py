@@ -1,10 +1,6 @@
-"""The Ray Serve export (pdserve.serve_metrics) never raises into a request, and the prefill
-replica's first-scheduled clock (pdserve.engine_host.FirstScheduled). No Ray cluster needed:
+"""The Ray Serve export (pdserve.serve_metrics) never raises into a request. No Ray cluster needed:
 outside a replica Ray's metric objects are created and record without Serve's tags."""
 
-import types
-
-from pdserve.engine_host import FirstScheduled
 from pdserve.messages import ReplicaStats
 from pdserve.serve_metrics import ReplicaSeries, RouterSeries, _Export
 
@@ -36,22 +32,3 @@ def test_a_failing_export_is_counted_once_and_turned_off():
     flaky._record(lambda m: calls.append(1) or m["h"].observe(1.0))   # AttributeError inside
     flaky._record(lambda m: calls.append(2))
     assert calls == [1] and flaky.errors == 1 and not flaky.enabled
-
-
-def test_first_scheduled_stamps_only_watched_requests_once():
-    def seq_chunk(rid):
-        return types.SimpleNamespace(seq=types.SimpleNamespace(request_id=rid))
-    steps = [[seq_chunk("a"), seq_chunk("b")], [seq_chunk("a")], [seq_chunk("a")]]
-    engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(schedule=lambda: steps.pop(0)))
-    clock = FirstScheduled(engine)
-    clock.watch("a")
-    clock.watch("never-scheduled")
-    first = engine.scheduler.schedule()
-    assert [c.seq.request_id for c in first] == ["a", "b"]
-    stamped = clock._times["a"]
-    assert stamped is not None and "b" not in clock._times      # not watched: never stored
-    engine.scheduler.schedule()
-    assert clock.pop("a") == stamped                             # the first step, not a later one
-    engine.scheduler.schedule()                                  # after pop: not stored again
-    assert "a" not in clock._times
-    assert clock.pop("never-scheduled") is None and clock._times == {}
