@@ -10,7 +10,7 @@ heads, head dim 64, float32, block size 16):
             runs       one ascending run of block ids on each side (a fresh pool)
             scattered  random block ids on each side (a fragmented pool)
           Both go straight between pool and wire (a block-major pool holds each block
-          contiguously), in messages of up to --chunk-kib (default: the gloo default, 1 MiB).
+          contiguously), in messages of up to --chunk-kib (default: the gloo default, 4 MiB).
 
 Each figure is the median of --repeats runs after one warm-up (pair set-up excluded). With
 --model DIR it also times a float32 prefill forward of the same prompt lengths and prints

@@ -63,7 +63,7 @@ lease_s = 60               a reservation's life: after it the future resolves wi
                            error (at worst lease_s + transfer_timeout_s if data is in flight)
 reservation_wait_s = 10    a header that arrives before its expect() waits this long for it,
                            then its data is drained and nacked (must be < transfer_timeout_s)
-chunk_bytes = 0 (auto)     largest data message: 1 MiB on gloo, 32 MiB on NCCL (a block larger
+chunk_bytes = 0 (auto)     largest data message: 4 MiB on gloo, 32 MiB on NCCL (a block larger
                            than that travels alone); staging is at most 2 messages per pair
                            and side, allocated on first need
 pair_idle_timeout_s = 600  the receiver drops a pair idle this long (reclaims dead senders);

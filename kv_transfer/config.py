@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MiB = 1 << 20
-AUTO_CHUNK_BYTES = {"gloo": 1 * MiB, "nccl": 32 * MiB}
+AUTO_CHUNK_BYTES = {"gloo": 4 * MiB, "nccl": 32 * MiB}
 
 
 def negotiate_chunk_bytes(mine: int, theirs: int, backend: str) -> int:
@@ -40,8 +40,8 @@ class TransferConfig:
             replica may have started pushing); after it the data is drained and nacked. Must be
             below transfer_timeout_s. Default 10 s.
         chunk_bytes: largest single message of KV data, hence the size of one staging buffer;
-            0 (the default) lets the pair choose by backend: 1 MiB on gloo (measured fastest on
-            loopback TCP, benchmarks/kv_transfer_bench.py), 32 MiB on NCCL. A message always
+            0 (the default) lets the pair choose by backend: 4 MiB on gloo (measured best of
+            1/4/16 MiB on loopback TCP, benchmarks/kv_transfer_bench.py), 32 MiB on NCCL. A message always
             holds at least one whole block, so a block larger than this travels alone. Each
             pair keeps two staging buffers (double buffering), so staging memory is at most two
             messages per pair and side, allocated on first need; CPU pools on gloo mostly send

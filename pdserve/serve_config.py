@@ -92,12 +92,21 @@ class TransferOptions(_Model):
     secret: str = Field("", description="Shared secret a sender must present to a receiver ('' = none).")
     host: str = Field("auto", description="Address the decode replicas' KV rendezvous binds and publishes; "
                                           "auto = the Ray node's IP.")
+    chunk_bytes: int = Field(0, ge=0, le=1 << 31, description="Largest KV data message; 0 = by backend "
+                             "(4 MiB gloo, 32 MiB NCCL). A block larger than this travels alone.")
+
+    @field_validator("chunk_bytes")
+    @classmethod
+    def _chunk_bytes(cls, v: int) -> int:
+        if 0 < v < 1024:
+            raise ValueError("chunk_bytes must be 0 (by backend) or at least 1024")
+        return v
 
     def transfer_config(self):
         from kv_transfer import TransferConfig
         return TransferConfig(connect_timeout_s=self.connect_timeout_s, transfer_timeout_s=self.transfer_timeout_s,
                               lease_s=self.lease_s, reservation_wait_s=self.reservation_wait_s,
-                              secret=self.secret)
+                              chunk_bytes=self.chunk_bytes, secret=self.secret)
 
 
 class AppConfig(_Model):

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
@@ -41,3 +42,11 @@ def test_pool_engine_overrides_survive_a_round_trip():
         p = c.engine_for("prefill")
         assert (p.max_num_batched_tokens, p.dtype, p.kv_cache_memory) == (16, "float32", "64MiB")
         assert c.engine_for("decode").max_num_batched_tokens == 512
+
+
+def test_transfer_options_reach_the_transfer_config():
+    cfg = AppConfig(transfer={"chunk_bytes": 8 << 20, "lease_s": 12}).transfer.transfer_config()
+    assert cfg.chunk_bytes == 8 << 20 and cfg.lease_s == 12
+    assert AppConfig().transfer.transfer_config().chunk_bytes == 0   # by backend
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        AppConfig(transfer={"chunk_bytes": 100})
