@@ -39,9 +39,10 @@ LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def pool(num_blocks: int, fill: bool) -> torch.Tensor:
+def pool(num_blocks: int, fill: bool, device: str) -> torch.Tensor:
     shape = (num_blocks, LAYERS, 2, BLOCK, HEADS, HEAD_DIM)
-    return torch.randn(shape) if fill else torch.zeros(shape)
+    kv = torch.randn(shape) if fill else torch.zeros(shape)
+    return kv.to(device)
 
 
 def raw_group(store, rank: int):
@@ -51,9 +52,9 @@ def raw_group(store, rank: int):
     return dist.ProcessGroupGloo(dist.PrefixStore("raw/", store), rank, 2, opts)
 
 
-def receiver_main(conn, num_blocks: int, max_bytes: int, chunk_bytes: int) -> None:
+def receiver_main(conn, num_blocks: int, max_bytes: int, chunk_bytes: int, device: str) -> None:
     """Receiver process: a KVReceiver plus a raw gloo rank 0, driven by commands on `conn`."""
-    kv = pool(num_blocks, fill=False)
+    kv = pool(num_blocks, fill=False, device=device)
     cfg = TransferConfig(chunk_bytes=chunk_bytes, lease_s=120, transfer_timeout_s=60)
     receiver = KVReceiver(kv, fingerprint_for(kv, "bench"), cfg)
     raw_store = dist.TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)
@@ -84,18 +85,18 @@ def block_ids(layout: str, n: int, num_blocks: int, gen: torch.Generator) -> lis
     return torch.randperm(num_blocks, generator=gen)[:n].tolist()
 
 
-def bench_transfers(tokens_list, layouts, repeats: int, chunk_bytes: int) -> dict:
+def bench_transfers(tokens_list, layouts, repeats: int, chunk_bytes: int, device: str) -> dict:
     """{(tokens, layout): (raw seconds, ours seconds)} medians."""
     max_blocks = max(tokens_list) // BLOCK
     num_blocks = 2 * max_blocks + 7
     max_bytes = max_blocks * LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 4
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(child, num_blocks, max_bytes, chunk_bytes))
+    proc = ctx.Process(target=receiver_main, args=(child, num_blocks, max_bytes, chunk_bytes, device))
     proc.start()
     address, raw_port = conn.recv()
     raw_pg = raw_group(dist.TCPStore("127.0.0.1", raw_port, None, False, TIMEOUT), 1)
-    kv = pool(num_blocks, fill=True)
+    kv = pool(num_blocks, fill=True, device=device)
     sender = KVSender(kv, fingerprint_for(kv, "bench"),
                       TransferConfig(chunk_bytes=chunk_bytes, transfer_timeout_s=60))
     data, reply = torch.randint(0, 255, (max_bytes,), dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
@@ -130,19 +131,22 @@ def bench_transfers(tokens_list, layouts, repeats: int, chunk_bytes: int) -> dic
     return out
 
 
-def bench_prefill(model_dir: str, tokens_list) -> dict[int, float]:
-    """{tokens: seconds} of one float32 forward over a random prompt (after a warm-up)."""
+def bench_prefill(model_dir: str, tokens_list, device: str) -> dict[int, float]:
+    """{tokens: seconds} of one float32 forward over a random prompt on `device` (after a warm-up)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     vocab = model.config.vocab_size
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     out = {}
     with torch.inference_mode():
-        model(torch.randint(0, vocab, (1, 128)))
+        model(torch.randint(0, vocab, (1, 128), device=device))
         for tokens in tokens_list:
-            ids = torch.randint(0, vocab, (1, tokens))
+            ids = torch.randint(0, vocab, (1, tokens), device=device)
+            sync()
             start = time.perf_counter()
             model(ids)
+            sync()
             out[tokens] = time.perf_counter() - start
     return out
 
@@ -155,11 +159,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--chunk-kib", type=int, default=0, help="largest message; 0 = the default")
     parser.add_argument("--model", help="HF model directory; adds prefill time and the ratio")
+    parser.add_argument("--device", default="cpu",
+                        help="where both pools live: cpu, or cuda (one GPU: both processes share it, so the "
+                             "pair runs on gloo through pinned host staging; the raw baseline stays on host)")
     args = parser.parse_args()
-    results = bench_transfers(args.tokens, args.layouts, args.repeats, args.chunk_kib << 10)
-    prefill = bench_prefill(args.model, args.tokens) if args.model else {}
+    results = bench_transfers(args.tokens, args.layouts, args.repeats, args.chunk_kib << 10, args.device)
+    prefill = bench_prefill(args.model, args.tokens, args.device) if args.model else {}
     chunk = f"{args.chunk_kib} KiB" if args.chunk_kib else "default"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, chunk {chunk}, "
+    print(f"torch {torch.__version__}, pools on {args.device}, {torch.get_num_threads()} threads, chunk {chunk}, "
           f"median of {args.repeats}; KV {LAYERS}L x {HEADS}H x {HEAD_DIM}D fp32, block {BLOCK}")
     head = (f"{'tokens':>6} {'layout':>9} {'MB':>7} {'raw GB/s':>9} {'ours GB/s':>10} {'ours/raw':>9} "
             f"{'ours ms':>8}")

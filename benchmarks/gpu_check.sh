@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every GPU check in one run (about 6 minutes on one H200), for a session that is lent a GPU:
+#   1. tests/test_cuda.py: the CUDA engine (fp32 == HF on the GPU, bf16 default) and kv_transfer
+#      with CUDA-resident pools (one GPU: gloo through pinned host staging), bit-exact;
+#   2. benchmarks/kv_transfer_bench.py --device cuda: GB/s of that path against raw gloo;
+#   3. benchmarks/gpu_roofline_check.py: prefill MFU and decode bandwidth utilization of a
+#      random-weight Qwen2.5-7B-shaped model beside `pdserve plan`.
+# Needs only python3 with torch, transformers, msgpack and pytest (no Ray, no model download).
+# Logs go to $OUT (the device tool's folder) or bench_out/gpu.
+#
+#   bash benchmarks/gpu_check.sh
+set -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+LOGS=${OUT:-bench_out/gpu}
+mkdir -p "$LOGS"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$LOGS/gpu.txt"
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+    | tee -a "$LOGS/gpu.txt"
+status=0
+# the ini's warning filters name pydantic, which a bare GPU image may lack
+timeout 240 "$PY" -m pytest -q -rs -o "filterwarnings=ignore::DeprecationWarning" tests/test_cuda.py 2>&1 \
+    | tee "$LOGS/test_cuda.log" || status=1
+timeout 120 "$PY" benchmarks/kv_transfer_bench.py --device cuda --repeats 5 2>&1 | tee "$LOGS/kv_cuda.log" || status=1
+timeout 200 "$PY" benchmarks/gpu_roofline_check.py --hardware h200 2>&1 | tee "$LOGS/roofline.log" || status=1
+exit $status

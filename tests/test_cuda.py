@@ -1,0 +1,129 @@
+"""The CUDA paths, on a machine with at least one GPU (skipped elsewhere, so never in CI).
+
+  1. the engine on CUDA: fp32 greedy output equals Hugging Face `generate` on the same GPU, and
+     bf16 (the GPU default) runs, fills the pool and ends all-free;
+  2. kv_transfer with CUDA-resident pools: two pools on one GPU pair over gloo (NCCL cannot pair
+     two ranks on one GPU) through pinned host staging, bit-exact into scattered blocks; a CUDA
+     pool receiving from a CPU pool; the loopback backend between CUDA pools;
+  3. the backend choice: NCCL for pools on two distinct GPUs (only where two exist).
+
+    .venv/bin/pytest -q tests/test_cuda.py
+
+Self-contained (a tiny random model with the built-in tokenizer, random prompts): it needs no
+model download, so it runs on a bare GPU machine with torch, transformers and msgpack.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import Completion
+from engine.sampling_params import SamplingParams
+from kv_transfer import (KVReceiver, KVSender, LoopbackReceiver, LoopbackSender, TransferConfig,
+                         choose_backend, fingerprint_for)
+from kv_transfer.layout import device_info
+from pdserve.models import tiny_model_dir
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SHAPE = (64, 4, 2, 16, 2, 64)       # blocks, layers, K/V, block size, KV heads, head dim
+CFG = TransferConfig(connect_timeout_s=15.0, transfer_timeout_s=20.0, chunk_bytes=64 << 10)
+
+
+def _generate(engine: LLMEngine, prompts, max_tokens: int) -> list[list[int]]:
+    done = {f"r{i}": Completion(f"r{i}", p) for i, p in enumerate(prompts)}
+    for rid, c in done.items():
+        engine.add_request(rid, c.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    while engine.has_work():
+        for out in engine.step():
+            done[out.request_id].add(out)
+    return [done[f"r{i}"].token_ids for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("cuda-model"), "qwen2", seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 17, 40, 64, 130, 333, 700, 9)]
+
+
+def test_engine_fp32_on_cuda_matches_hf_on_cuda(model_dir, prompts):
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device="cuda",
+                                    kv_cache_memory="64MiB", max_num_batched_tokens=128))
+    assert engine.runner.kv_pool.is_cuda
+    ours = _generate(engine, prompts, 24)
+    assert engine.block_manager.all_free()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    with torch.inference_mode():
+        refs = [model.generate(torch.tensor([p], device="cuda"), do_sample=False, max_new_tokens=24,
+                               attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda"))
+                [0, len(p):].tolist() for p in prompts]
+    assert ours == refs
+
+
+def test_engine_bf16_is_the_cuda_default_and_frees_everything(model_dir, prompts):
+    engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="64MiB"))
+    assert engine.runner.kv_pool.dtype == torch.bfloat16 and engine.runner.kv_pool.is_cuda
+    outs = _generate(engine, prompts, 16)
+    assert all(1 <= len(o) <= 16 for o in outs) and engine.block_manager.all_free()
+
+
+def _pools(src_device: str, dst_device: str, dtype=torch.bfloat16):
+    torch.manual_seed(3)
+    return torch.randn(SHAPE).to(src_device, dtype), torch.zeros(SHAPE, dtype=dtype, device=dst_device)
+
+
+@pytest.mark.parametrize("src_device,dst_device", [("cuda", "cuda"), ("cpu", "cuda"), ("cuda", "cpu")])
+def test_cuda_pools_over_gloo_bit_exact(src_device, dst_device):
+    src, dst = _pools(src_device, dst_device)
+    fp = fingerprint_for(src, "m")
+    src_ids = [5, 6, 7, 8, 40, 2, 33, 34, 35, 1, 60, 61, 62, 63, 9, 10, 11]   # runs and strays
+    dst_ids = [50, 3, 4, 20, 21, 22, 23, 24, 0, 44, 45, 12, 13, 14, 15, 16, 17]
+    with KVReceiver(dst, fp, CFG) as receiver, KVSender(src, fp, CFG) as sender:
+        fut = receiver.expect("cuda", dst_ids)
+        res = sender.send(receiver.address, "cuda", src_ids)
+        assert res.ok, res.error
+        assert fut.result(10).ok
+    assert torch.equal(dst[dst_ids].cpu(), src[src_ids].cpu())
+    untouched = sorted(set(range(SHAPE[0])) - set(dst_ids))
+    assert dst[untouched].abs().sum().item() == 0
+
+
+def test_cuda_pools_pair_on_gloo_when_they_share_a_gpu():
+    kv = torch.zeros(SHAPE, device="cuda")
+    info = device_info(kv, "127.0.0.1")
+    assert info.kind == "cuda" and choose_backend(info, info) == "gloo"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_distinct_gpus_select_nccl():
+    a = device_info(torch.zeros(SHAPE, device="cuda:0"), "127.0.0.1")
+    b = device_info(torch.zeros(SHAPE, device="cuda:1"), "127.0.0.1")
+    assert choose_backend(a, b) == choose_backend(b, a) == ("nccl" if a.nccl else "gloo")
+
+
+def test_loopback_between_cuda_pools():
+    src, dst = _pools("cuda", "cuda")
+    fp = fingerprint_for(src, "m")
+    receiver, sender = LoopbackReceiver(dst, fp, CFG), LoopbackSender(src, fp, CFG)
+    try:
+        fut = receiver.expect("lb", [7, 3, 9, 10])
+        assert sender.send(receiver.address, "lb", [1, 2, 3, 50]).ok and fut.result(5).ok
+    finally:
+        receiver.close()
+        sender.close()
+    assert torch.equal(dst[[7, 3, 9, 10]], src[[1, 2, 3, 50]])
