@@ -80,7 +80,8 @@ class DecodeServer(EngineReplica):
                 engine.release_reservation(blocks)
                 raise ValueError(error)
             self.host.count("requests_decoded")
-            return engine.add_prefilled(rid, list(req.prompt_token_ids), req.first_token, params, blocks)
+            return engine.add_prefilled(rid, list(req.prompt_token_ids), req.first_token, params, blocks,
+                                        req.shown_chars)
 
         try:
             async for out in self.host.aengine.stream(rid, admit):

@@ -98,11 +98,15 @@ class LLMEngine:
         self.scheduler.add(req.seq)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
-                      params: SamplingParams, block_ids: list[int]) -> RequestOutput:
+                      params: SamplingParams, block_ids: list[int], shown_chars: int = 0) -> RequestOutput:
         """Decode role: admit a request whose prompt K/V now lies in `block_ids` (from
         `reserve`, filled by `import_kv` or a transfer). Ownership of the blocks passes to
-        the engine here, even when the first token already ends the request."""
+        the engine here, even when the first token already ends the request. `shown_chars`
+        characters of output text were already shown (the prefill engine's first output's
+        `new_text`): the text returned from here on starts after them."""
         req = self._new_request(request_id, list(prompt_token_ids), params, False)
+        if req.detok is not None:
+            req.detok.emitted = shown_chars
         seq = req.seq
         self.block_manager.adopt(seq, block_ids, len(prompt_token_ids))
         seq.token_ids.append(first_token)
@@ -181,7 +185,10 @@ class LLMEngine:
 
     def _output(self, req: _Request, new_ids: list[int], reason, finished: bool) -> RequestOutput:
         seq = req.seq
-        text = req.detok.take(final=finished) if req.detok is not None else ""
+        # A prefill-role request that goes on decoding elsewhere keeps its held-back tail (a
+        # possible start of a stop string): the decode engine decides it.
+        final = finished and not (seq.hold_blocks and reason is None)
+        text = req.detok.take(final=final) if req.detok is not None else ""
         return RequestOutput(seq.request_id, new_ids, text, finished, reason, seq.num_prompt_tokens,
                              seq.num_output_tokens, seq.num_cached_tokens, seq.first_scheduled_time)
 

@@ -66,7 +66,9 @@ class PrefillResult:
     """Prefill replica -> router. `finish_reason` set: the request ended at its first token
     and no K/V was sent. `error` set: nothing was produced and nothing is held.
     `queue_seconds`: from the replica receiving the call to the engine first scheduling the
-    request; `prefill_seconds`: from then to the first token (0.0 from older senders)."""
+    request; `prefill_seconds`: from then to the first token (0.0 from older senders).
+    `first_text`: the text of the first token that is safe to show now (the engine's incremental
+    detokenizer: no split UTF-8 character, no possible start of a stop string)."""
     request_id: str
     first_token: int = -1
     finish_reason: str | None = None
@@ -75,15 +77,19 @@ class PrefillResult:
     queue_seconds: float = 0.0
     error: str | None = None
     error_code: int = 0
+    first_text: str = ""
 
 
 @dataclass(frozen=True)
 class DecodeRequest:
-    """Router -> decode replica: receive the prompt's K/V, then decode from `first_token`."""
+    """Router -> decode replica: receive the prompt's K/V, then decode from `first_token`.
+    `shown_chars`: characters of output text the client already has (the router streamed the
+    prefill replica's `first_text`); the decode replica's text starts after them."""
     request_id: str
     prompt_token_ids: tuple[int, ...]
     first_token: int
     params: WireSamplingParams
+    shown_chars: int = 0
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ class Router:
         self.model_name = self.config.model_name
         self.registry = registry
         self.request_metrics = RequestMetrics(export=RouterSeries())   # also on Ray's metrics port
-        self.orchestrator = Orchestrator(self.config.mode, self.tokenizer, prefill, decode, colocated,
+        self.orchestrator = Orchestrator(self.config.mode, prefill, decode, colocated,
                                          metrics=self.request_metrics)
 
     # ---- plain endpoints ----------------------------------------------------------------------

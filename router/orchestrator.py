@@ -4,9 +4,11 @@ Disaggregated, three steps (the order matters for block ownership):
   1. choose the decode replica (a slot is reserved on it; its KV address is in its metadata);
   2. prefill on a prefill replica with that address: it returns the first token at once and
      pushes the prompt's KV to the decode replica in the background;
-  3. dispatch the decode to exactly that replica: it reserves blocks, receives the KV (the
-     push waits for the reservation) and streams tokens from the first one on.
-If the first token already ends the request, step 3 is skipped and the decode slot released.
+  3. yield the first token (and its text, detokenized by the prefill replica) at once;
+  4. dispatch the decode to exactly the chosen replica: it reserves blocks, receives the KV (the
+     push waits for the reservation) and streams the tokens after the first.
+If the first token already ends the request, steps 3-4 are one final event and the decode slot
+is released. TTFT is thus the prefill's latency, not prefill + KV transfer + decode admission.
 A prefill replica that dies during step 2 is retried once (a fresh request id, so a push the dead
 replica may have started is drained by the decode side and never confused with the retry's).
 Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for
@@ -18,6 +20,7 @@ gone) cancels the replica calls, which abort the request there and free its bloc
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import AsyncIterator
 
@@ -44,9 +47,8 @@ def _check(event) -> messages.TokenEvent:
 
 
 class Orchestrator:
-    def __init__(self, mode: str, tokenizer, prefill=None, decode=None, colocated=None, metrics=None):
+    def __init__(self, mode: str, prefill=None, decode=None, colocated=None, metrics=None):
         self.mode = mode
-        self.tokenizer = tokenizer
         self.metrics = metrics   # a router.metrics.RequestMetrics, or None
         if mode == "colocated":
             self.colocated = colocated.options(stream=True).generate
@@ -100,13 +102,21 @@ class Orchestrator:
                 raise RequestFailed(result.error_code, result.error, kind)
             if self.metrics is not None:
                 self.metrics.observe_prefill(waited + result.queue_seconds, result.prefill_seconds)
-            if result.finish_reason is not None:
-                text = self.tokenizer.decode([result.first_token], skip_special_tokens=True)
-                yield messages.TokenEvent(rid, (result.first_token,), text, True, result.finish_reason,
-                                          len(prompt), 1, result.num_cached_tokens)
+            # 3. the first token, straight from the prefill replica
+            done = result.finish_reason is not None
+            yield messages.TokenEvent(rid, (result.first_token,), result.first_text, done,
+                                      result.finish_reason, len(prompt), 1, result.num_cached_tokens)
+            if done:
                 return
-            # 3. decode on exactly that replica
-            stream = self._decode_handle.dispatch(selection, messages.encode(
-                messages.DecodeRequest(rid, tuple(prompt), result.first_token, wire)))
+            # 4. decode on exactly that replica; its first event repeats the first token
+            stream = self._decode_handle.dispatch(selection, messages.encode(messages.DecodeRequest(
+                rid, tuple(prompt), result.first_token, wire, len(result.first_text))))
+            first = True
             async for data in stream:
-                yield _check(messages.decode(data))
+                event = _check(messages.decode(data))
+                if first:
+                    first = False
+                    event = dataclasses.replace(event, token_ids=event.token_ids[1:])
+                    if not (event.token_ids or event.text or event.finished):
+                        continue
+                yield event

@@ -111,3 +111,54 @@ def test_abort_frees_blocks_at_every_stage(engine_maker, prompts):
         assert engine.abort(f"r{i}") is None   # already finished
     assert engine.block_manager.all_free()
     assert engine.live_request_ids() == []
+
+
+def _split_run(prefill, decode, rid, prompt, params) -> str:
+    """The text a client sees when `prompt` is prefilled in one engine and decoded in another:
+    the prefill's first text, shown at once, then the decode engine's text after it."""
+    prefill.add_request(rid, prompt, params, hold_blocks=True)
+    first = None
+    while prefill.has_work():
+        for out in prefill.step():
+            first = out
+    text = first.new_text
+    if first.finish_reason is not None:
+        prefill.release(rid)
+        return text
+    kv = prefill.export_kv(rid)
+    prefill.release(rid)
+    blocks = decode.reserve(len(prompt))
+    decode.import_kv(blocks, kv)
+    out = decode.add_prefilled(rid, prompt, first.new_token_ids[0], params, blocks, len(text))
+    text += out.new_text
+    while decode.has_work():
+        text += "".join(o.new_text for o in decode.step())
+    return text
+
+
+def test_split_text_equals_single_engine_text_even_with_stop_strings(engine_maker, prompts):
+    """The first token's text is shown straight from the prefill engine; with the decode engine
+    told how much was shown, the client's text equals one engine's, also when a stop string
+    starts in the first token's text (the prefill engine must hold that tail back)."""
+    single, prefill, decode = (engine_maker(max_num_batched_tokens=256) for _ in range(3))
+    for i, p in enumerate(prompts[:4]):
+        plain = SamplingParams(temperature=0.0, max_tokens=12)
+        ref = "".join(o.new_text for o in _run_one(single, f"s{i}", p, plain))
+        assert _split_run(prefill, decode, f"p{i}", p, plain) == ref
+        first_len = len(_run_one(single, f"f{i}", p, SamplingParams(temperature=0.0, max_tokens=1))[0].new_text)
+        if first_len == 0 or len(ref) < first_len + 2:
+            continue
+        stop = ref[first_len - 1:first_len + 1]          # the first token's last character onward
+        cut = SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,))
+        ref_cut = "".join(o.new_text for o in _run_one(single, f"c{i}", p, cut))
+        assert ref_cut == ref[:ref.index(stop)]
+        assert _split_run(prefill, decode, f"q{i}", p, cut) == ref_cut
+    assert all(e.block_manager.all_free() for e in (single, prefill, decode))
+
+
+def _run_one(engine, rid, prompt, params):
+    engine.add_request(rid, prompt, params)
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    return outs
