@@ -15,6 +15,7 @@ signatures and FastAPI then cannot resolve string annotations of the request bod
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 
@@ -35,6 +36,7 @@ from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, co
                                     error_response, usage)
 from router.orchestrator import Orchestrator, RequestFailed
 
+log = logging.getLogger(__name__)
 app = FastAPI(title="pdserve", description="Disaggregated prefill/decode LLM serving (OpenAI-compatible)")
 guard_settings = GuardSettings()
 app.add_middleware(Guards, settings=guard_settings)
@@ -157,6 +159,8 @@ class Router:
         return await self._collect(body, rid, first, events, chat, (start, first_at))
 
     async def _timed(self, events):
+        """`events` under the request deadline; every failure comes out as a RequestFailed, so a
+        stream always ends with an error event and [DONE] rather than a cut connection."""
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 async for ev in events:
@@ -164,6 +168,11 @@ class Router:
         except TimeoutError:
             raise RequestFailed(504, f"request exceeded its deadline of {self.config.request_timeout_s} s",
                                 "timeout") from None
+        except RequestFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug or an unforeseen failure: report, stay up
+            log.exception("request failed unexpectedly")
+            raise RequestFailed(500, f"internal error: {type(exc).__name__}") from None
 
     async def _collect(self, body, rid, first, events, chat, times):
         text, last = first.text, first

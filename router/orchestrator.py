@@ -25,7 +25,7 @@ import time
 from typing import AsyncIterator
 
 from ray.exceptions import RayError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, RayServeException
 
 from pdserve import messages
 from pdserve.messages import WireSamplingParams
@@ -65,7 +65,7 @@ class Orchestrator:
             raise
         except BackPressureError as exc:
             raise RequestFailed(429, f"a pool is at capacity, retry later ({exc})", "overloaded") from None
-        except RayError as exc:
+        except (RayError, RayServeException) as exc:  # e.g. ReplicaUnavailableError: it died
             raise RequestFailed(503, f"a replica failed while serving the request: {type(exc).__name__}",
                                 "server_error") from None
 

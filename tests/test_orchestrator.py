@@ -75,3 +75,29 @@ def test_first_token_that_ends_the_request_skips_decode():
         assert len(events) == 1 and events[0].finished and events[0].finish_reason == "stop"
         assert decode.requests == []
     asyncio.run(main())
+
+
+def test_decode_replica_gone_after_the_first_token_is_a_503():
+    """Serve raises ReplicaUnavailableError (not a RayError) when the chosen replica died before
+    the dispatch: the stream must end with a 503, not a cut connection."""
+    from ray.serve.exceptions import ReplicaUnavailableError
+
+    from router.orchestrator import RequestFailed
+
+    class GoneDecode(FakeDecode):
+        async def dispatch(self, selection, data):
+            raise ReplicaUnavailableError("decode#1")
+            yield  # an async generator, like the real stream
+
+    async def main():
+        result = messages.PrefillResult("r", first_token=7, first_text="Hi")
+        events = Orchestrator("disaggregated", fake_prefill(result), GoneDecode([])).run(
+            "r", [1, 2, 3], SamplingParams(max_tokens=3))
+        assert (await events.__anext__()).text == "Hi"
+        try:
+            await events.__anext__()
+        except RequestFailed as exc:
+            assert exc.code == 503 and "ReplicaUnavailableError" in exc.message
+        else:
+            raise AssertionError("no failure")
+    asyncio.run(main())
