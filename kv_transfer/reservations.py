@@ -5,7 +5,7 @@ Block ownership on the decode side (the engine allocates and frees; this table o
     1. reserved     expect() -> PENDING. The engine has allocated the blocks and handed them to
                     the table; nothing writes them yet. Lease timer running.
     2. receiving    begin() -> TRANSFERRING. One pair thread writes the blocks, chunk by chunk,
-                    checking wanted() between chunks.
+                    checking wanted() between segments.
     3. landed       finish(ok=True) -> DONE. The future resolves ok: the blocks (now holding the
                     KV) belong to the engine again.
     4. failed       lease expiry, cancel(), fail() (sender Abort), close(), or finish(ok=False)
