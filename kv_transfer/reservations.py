@@ -4,7 +4,7 @@ Block ownership on the decode side (the engine allocates and frees; this table o
 
     1. reserved     expect() -> PENDING. The engine has allocated the blocks and handed them to
                     the table; nothing writes them yet. Lease timer running.
-    2. receiving    begin() -> TRANSFERRING. One pair thread writes the blocks, chunk by chunk,
+    2. receiving    begin() -> TRANSFERRING. One pair thread writes the blocks, segment by segment,
                     checking wanted() between segments.
     3. landed       finish(ok=True) -> DONE. The future resolves ok: the blocks (now holding the
                     KV) belong to the engine again.
