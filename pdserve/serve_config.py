@@ -95,12 +95,10 @@ class TransferOptions(_Model):
     chunk_bytes: int = Field(0, ge=0, le=1 << 31, description="Largest KV data message; 0 = by backend "
                              "(4 MiB gloo, 32 MiB NCCL). A block larger than this travels alone.")
 
-    @field_validator("chunk_bytes")
-    @classmethod
-    def _chunk_bytes(cls, v: int) -> int:
-        if 0 < v < 1024:
-            raise ValueError("chunk_bytes must be 0 (by backend) or at least 1024")
-        return v
+    @model_validator(mode="after")
+    def _valid_for_kv_transfer(self):
+        self.transfer_config()   # TransferConfig checks each field and their relations (ValueError)
+        return self
 
     def transfer_config(self):
         from kv_transfer import TransferConfig

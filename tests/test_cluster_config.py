@@ -50,3 +50,5 @@ def test_transfer_options_reach_the_transfer_config():
     assert AppConfig().transfer.transfer_config().chunk_bytes == 0   # by backend
     with pytest.raises(ValueError, match="chunk_bytes"):
         AppConfig(transfer={"chunk_bytes": 100})
+    with pytest.raises(ValueError, match="reservation_wait_s"):   # checked by TransferConfig itself
+        AppConfig(transfer={"reservation_wait_s": 40})
