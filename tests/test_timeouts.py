@@ -1,7 +1,9 @@
 """Timeouts and authentication end to end (tiny model, short timeouts): while the only decode
 replica is frozen (SIGSTOP) no decode slot can be had on it, and the client gets a clean 504 at its
 deadline instead of hanging; both pools end with every block free once the replica thaws, and
-service resumes. (A KV push to a frozen receiver timing out is tested in test_kvt_faults.py.) The API key guards
+service resumes. (A KV push to a frozen receiver timing out is tested in test_kvt_faults.py.) A client
+that leaves between the first token and the decode dispatch leaves a KV push with no reservation: the
+decode replica drains it after `reservation_wait_s` and both pools free everything. The API key guards
 every endpoint but /health."""
 
 import os
@@ -10,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from service_util import http, pools_all_free, tiny_app
+from service_util import http, metrics, pools_all_free, tiny_app, wait_until
 
 pytestmark = pytest.mark.slow
 KEY = {"Authorization": "Bearer test-key"}
@@ -50,4 +52,38 @@ def test_frozen_decode_replica_times_out_cleanly_and_frees_everything(app):
         os.kill(procs[0].pid, signal.SIGCONT)
     # whatever the frozen replica had started (a reservation, a transfer) is freed once it thaws
     assert pools_all_free(app, {"prefill", "decode"}, timeout=45, headers=KEY)
+    assert http(app, "/v1/completions", BODY, headers=KEY)[0] == 200
+
+
+def test_client_gone_between_first_token_and_decode_dispatch_frees_both_sides(app):
+    """The router's own orchestrator, driven from here: take the first token (it comes from the
+    prefill replica, whose push to the chosen decode replica is then under way), then leave before
+    the decode is dispatched. No reservation ever exists for the push: the decode replica drains and
+    nacks it after reservation_wait_s (1 s), the prefill replica counts a failed transfer and frees
+    its blocks."""
+    import asyncio
+
+    from ray import serve
+
+    from engine.sampling_params import SamplingParams
+    from router.orchestrator import Orchestrator
+
+    def failed_pushes():
+        return sum(v for (n, p, _), v in metrics(app, KEY).items()
+                   if n == "pdserve_kv_transfers_failed" and p == "prefill")
+
+    async def first_token_then_leave():
+        orchestrator = Orchestrator("disaggregated", prefill=serve.get_deployment_handle("PrefillServer", "to"),
+                                    decode=serve.get_deployment_handle("DecodeServer", "to"))
+        events = orchestrator.run("gone-after-first", list(range(100, 140)),
+                                  SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        first = await events.__anext__()
+        await events.aclose()
+        return first
+
+    before = failed_pushes()
+    first = asyncio.run(first_token_then_leave())
+    assert len(first.token_ids) == 1 and not first.finished
+    assert wait_until(lambda: failed_pushes() == before + 1, 30), "the orphaned push was never nacked"
+    assert pools_all_free(app, {"prefill", "decode"}, timeout=30, headers=KEY)
     assert http(app, "/v1/completions", BODY, headers=KEY)[0] == 200
