@@ -11,11 +11,14 @@ sequences with an S-token KV cache; bandwidth utilization = (weights + KV read) 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere, no install needed
 from pdserve.plan import HARDWARE, MODELS, decode_intensity, prefill_intensity, tpot_bound, ttft_bound
 
 

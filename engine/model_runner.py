@@ -30,8 +30,11 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """'auto': bf16 on a GPU that supports it (fp16 on older ones), fp32 on CPU."""
     if spec == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return _TORCH_DTYPES[spec]
 
 

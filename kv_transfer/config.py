@@ -65,6 +65,13 @@ class TransferConfig:
     max_pairs: int = 64
     secret: str = field(default="", repr=False)
 
+    @property
+    def op_timeout_s(self) -> float:
+        """NCCL watchdog limit on one posted operation: a backstop above every deadline the
+        transfer code sets itself (a whole transfer, reservation wait included, is bounded by
+        transfer_timeout_s), so only a wait that escaped its own bound trips it."""
+        return self.transfer_timeout_s + self.connect_timeout_s
+
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "transfer_timeout_s", "lease_s", "pair_idle_timeout_s",
                      "reservation_wait_s"):

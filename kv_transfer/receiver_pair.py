@@ -66,7 +66,7 @@ class ReceiverPair:
         try:
             client = rv.connect(self.address, self.config.connect_timeout_s)
             channel = Channel(self.backend, client, self.pair_id, RECEIVER_RANK,
-                              self.config.connect_timeout_s, self.host)
+                              self.config.connect_timeout_s, self.host, self.config.op_timeout_s)
             client.set_timeout(rv.seconds(self.config.pair_idle_timeout_s))
             staging = Staging(self.kv, self.backend, self.chunk_blocks)
             failed = self._serve(client, channel, staging)
@@ -108,10 +108,11 @@ class ReceiverPair:
         dst = self.reservations.begin(rid, hdr.num_blocks, self.config.reservation_wait_s)
         landing = not isinstance(dst, str)
         try:
-            nbytes, complete = recv_segments(
-                channel, staging, self.kv, hdr.segment_counts(), deadline,
-                dst if landing else None, lambda: self.reservations.wanted(rid),
-            )
+            with channel.device_stream(self.kv):
+                nbytes, complete = recv_segments(
+                    channel, staging, self.kv, hdr.segment_counts(), deadline,
+                    dst if landing else None, lambda: self.reservations.wanted(rid),
+                )
         except BaseException as exc:
             channel.close(failed=True)  # no posted receive may write the blocks once freed
             if landing:

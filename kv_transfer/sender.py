@@ -175,7 +175,7 @@ class KVSender(KVSenderBase):
                 return f"bad handshake reply from {address}: {reply}"
             chunk_blocks = chunk_blocks_for(reply.chunk_bytes, block_bytes(self.kv))
             channel = Channel(reply.backend, client, pair_id, SENDER_RANK,
-                              deadline - time.monotonic(), local_host)
+                              deadline - time.monotonic(), local_host, cfg.op_timeout_s)
         except AssertionError:
             raise
         except Exception as exc:  # boundary: every peer/network fault becomes a value
@@ -221,7 +221,8 @@ class KVSender(KVSenderBase):
             segments=group_segments(counts),
         )
         pair.client.queue_push(rv.frames_key(pair.pair_id), encode(header))
-        sent = send_segments(pair.channel, pair.staging, self.kv, ids, counts, deadline)
+        with pair.channel.device_stream(self.kv):
+            sent = send_segments(pair.channel, pair.staging, self.kv, ids, counts, deadline)
         pop = rv.in_thread(lambda: pair.client.queue_pop(rv.acks_key(pair.pair_id)), "kvt-ack")
         ack = decode(pop.result(timeout=max(deadline - time.monotonic(), 0.001)), (Ack,))
         if (ack.request_id, ack.seq) != (request_id, pair.seq):
