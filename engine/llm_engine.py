@@ -23,8 +23,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
-from engine.outputs import Completion, RequestOutput
-from engine.sampler import make_generator, sample
+from engine.outputs import Completion, RequestOutput, TokenLogprobs
+from engine.sampler import SampleRow, make_generator, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
@@ -103,7 +103,8 @@ class LLMEngine:
         `reserve`, filled by `import_kv` or a transfer). Ownership of the blocks passes to
         the engine here, even when the first token already ends the request. `shown_chars`
         characters of output text were already shown (the prefill engine's first output's
-        `new_text`): the text returned from here on starts after them."""
+        `new_text`): the text returned from here on starts after them. The returned output
+        (the first token) has no logprobs: the prefill engine computed them."""
         req = self._new_request(request_id, list(prompt_token_ids), params, False)
         if req.detok is not None:
             req.detok.emitted = shown_chars
@@ -148,12 +149,13 @@ class LLMEngine:
         sampling = [self._requests[ch.seq.request_id] for ch in chunks if ch.sample]
         if not sampling:
             return []
-        tokens = sample(logits, [r.seq.params for r in sampling], [r.generator for r in sampling],
-                        [self._banned(r.seq) for r in sampling])
+        rows = [SampleRow(r.seq.params, r.generator, self._banned(r.seq), r.seq.token_ids,
+                          r.seq.num_prompt_tokens) for r in sampling]
+        tokens, logprobs = sample(logits, rows)
         outputs = []
-        for req, tok in zip(sampling, tokens):
+        for req, tok, lp in zip(sampling, tokens, logprobs):
             req.seq.token_ids.append(tok)
-            outputs.append(self._after_token(req, tok))
+            outputs.append(self._after_token(req, tok, lp))
         return outputs
 
     def _banned(self, seq: Sequence) -> list[int]:
@@ -163,7 +165,7 @@ class LLMEngine:
         return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
 
     # ---- 3. stop checks and outputs ------------------------------------------------------------
-    def _after_token(self, req: _Request, token: int) -> RequestOutput:
+    def _after_token(self, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         seq, p = req.seq, req.seq.params
         k = seq.num_output_tokens
         if req.detok is not None:
@@ -181,16 +183,17 @@ class LLMEngine:
             self.scheduler.finish(seq, reason, keep_blocks=seq.hold_blocks)
             if not seq.hold_blocks:
                 del self._requests[seq.request_id]
-        return self._output(req, [token], reason, done)
+        return self._output(req, [token], reason, done, None if logprobs is None else [logprobs])
 
-    def _output(self, req: _Request, new_ids: list[int], reason, finished: bool) -> RequestOutput:
+    def _output(self, req: _Request, new_ids: list[int], reason, finished: bool,
+                logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         seq = req.seq
         # A prefill-role request that goes on decoding elsewhere keeps its held-back tail (a
         # possible start of a stop string): the decode engine decides it.
         final = finished and not (seq.hold_blocks and reason is None)
         text = req.detok.take(final=final) if req.detok is not None else ""
         return RequestOutput(seq.request_id, new_ids, text, finished, reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens, seq.first_scheduled_time)
+                             seq.num_output_tokens, seq.num_cached_tokens, seq.first_scheduled_time, logprobs)
 
     # ---- 4. KV hand-off ---------------------------------------------------------------------------
     def held_blocks(self, request_id: str) -> list[int]:

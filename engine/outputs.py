@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One output token's log-probability under the model and the `k` most likely tokens
+    with theirs, most likely first (k = the request's `logprobs`; may or may not include the
+    chosen token). Also a wire type: the replicas send it to the router inside messages."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """One request's progress in one step.
@@ -23,6 +34,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() the scheduler first admitted it
+    logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked for them
 
 
 @dataclass
@@ -35,9 +47,11 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.logprobs or ())
         self.text += out.new_text
         if out.finished:
             self.finish_reason = out.finish_reason

@@ -1,14 +1,18 @@
 """Next-token sampling for a batch of sequences with per-request parameters.
 
-Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p (vectorized
+Order per row: log-probabilities of the raw logits (only when asked), penalties, bans, then
+greedy rows take the argmax and sampled rows apply temperature, top-k and top-p (vectorized
 over the rows that use them) and draw with the request's own generator, so a request with a
 seed gets the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -31,26 +35,70 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+@dataclass
+class SampleRow:
+    """What the sampler needs of one sequence that yields a token this step."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    banned: list[int]          # ids it may not pick now (EOS and stop tokens before min_tokens)
+    token_ids: list[int]       # prompt and output so far (the penalties read them)
+    num_prompt_tokens: int
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place, per penalized row: repetition over prompt and output, then frequency and
+    presence over the output (see SamplingParams)."""
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.penalized:
+            continue
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted({t for t in row.token_ids if t < vocab}), device=logits.device)
+            seen = logits[i, ids]
+            logits[i, ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        output = [t for t in row.token_ids[row.num_prompt_tokens:] if t < vocab]
+        if output and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _logprobs(raw: torch.Tensor, k: int, token: int) -> TokenLogprobs:
+    """`raw`: one row of log-probabilities."""
+    top = ()
+    if k:
+        values, ids = raw.topk(k)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(token, float(raw[token]), top)
+
+
 @torch.inference_mode()
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           banned: list[list[int]]) -> list[int]:
-    """Pick one token per row. `banned[i]` lists token ids row i may not pick (EOS and stop
-    tokens before `min_tokens`)."""
-    assert logits.shape[0] == len(params) == len(generators) == len(banned)
-    for i, ids in enumerate(banned):
-        if ids:
-            logits[i, ids] = float("-inf")
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Pick one token per row of `logits` ([len(rows), vocab], float32; modified in place).
+    Returns the tokens and, for rows whose request asked for logprobs, their TokenLogprobs."""
+    assert logits.shape[0] == len(rows)
+    wants = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw = logits[wants].log_softmax(dim=-1) if wants else None   # the model's own distribution
+    _apply_penalties(logits, rows)
+    for i, row in enumerate(rows):
+        if row.banned:
+            logits[i, row.banned] = float("-inf")
     out = logits.argmax(dim=-1).tolist()
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
-        return out
-    dev = logits.device
-    sub = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
-    if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rows):
-        top_k = torch.tensor([max(params[i].top_k, 0) for i in rows], device=dev)
-        top_p = torch.tensor([params[i].top_p for i in rows], device=dev, dtype=sub.dtype)
-        sub = _filter_top_k_top_p(sub, top_k, top_p)
-    probs = sub.softmax(dim=-1)
-    for j, i in enumerate(rows):
-        out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
-    return out
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        dev = logits.device
+        sub = logits[sampled] / torch.tensor([rows[i].params.temperature for i in sampled], device=dev)[:, None]
+        if any(rows[i].params.top_k > 0 or rows[i].params.top_p < 1.0 for i in sampled):
+            top_k = torch.tensor([max(rows[i].params.top_k, 0) for i in sampled], device=dev)
+            top_p = torch.tensor([rows[i].params.top_p for i in sampled], device=dev, dtype=sub.dtype)
+            sub = _filter_top_k_top_p(sub, top_k, top_p)
+        probs = sub.softmax(dim=-1)
+        for j, i in enumerate(sampled):
+            out[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].generator).item())
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    if wants:
+        raw = raw.cpu()
+        for j, i in enumerate(wants):
+            logprobs[i] = _logprobs(raw[j], rows[i].params.logprobs, out[i])
+    return out, logprobs

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20              # alternatives per token, as OpenAI's top_logprobs
+MAX_REPETITION_PENALTY = 10.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -16,6 +19,13 @@ class SamplingParams:
     temperature == 0 means greedy. top_k <= 0 and top_p == 1 disable those filters.
     `min_tokens` suppresses EOS and stop tokens until that many tokens were generated.
     `ignore_eos` keeps generating past EOS (benchmarks use it to fix output lengths).
+    Penalties (OpenAI's and vLLM's semantics, applied before temperature, greedy included):
+    `presence_penalty` is subtracted once from the logit of every token already in the output,
+    `frequency_penalty` once per occurrence there; `repetition_penalty` (Hugging Face's) divides a
+    positive logit and multiplies a negative one of every token in the prompt or the output.
+    `logprobs` = k asks for each output token's log-probability and the k most likely
+    alternatives (k = 0: the chosen token's only), under the model's own distribution: before
+    penalties, temperature, filters and bans.
     """
 
     temperature: float = 1.0
@@ -27,12 +37,21 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
     detokenize: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     def validate(self) -> str | None:
         """Return a human-readable error, or None when the parameters are usable."""
@@ -54,4 +73,10 @@ class SamplingParams:
             return "stop_token_ids must be non-negative integers"
         if self.seed is not None and not 0 <= self.seed < 2**63:
             return "seed must be a non-negative 64-bit integer"
+        if not (-2.0 <= self.presence_penalty <= 2.0 and -2.0 <= self.frequency_penalty <= 2.0):
+            return "presence_penalty and frequency_penalty must be in [-2, 2]"
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            return f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}"
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            return f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
         return None

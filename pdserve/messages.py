@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 VERSION = 1
@@ -33,11 +34,16 @@ class WireSamplingParams:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     seed: int | None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
         return cls(p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens, tuple(p.stop),
-                   tuple(p.stop_token_ids), p.ignore_eos, p.seed)
+                   tuple(p.stop_token_ids), p.ignore_eos, p.seed, p.presence_penalty,
+                   p.frequency_penalty, p.repetition_penalty, p.logprobs)
 
     def to_params(self) -> SamplingParams:
         return SamplingParams(**dataclasses.asdict(self))
@@ -68,7 +74,8 @@ class PrefillResult:
     `queue_seconds`: from the replica receiving the call to the engine first scheduling the
     request; `prefill_seconds`: from then to the first token (0.0 from older senders).
     `first_text`: the text of the first token that is safe to show now (the engine's incremental
-    detokenizer: no split UTF-8 character, no possible start of a stop string)."""
+    detokenizer: no split UTF-8 character, no possible start of a stop string).
+    `first_logprobs`: the first token's, when the request asked for logprobs."""
     request_id: str
     first_token: int = -1
     finish_reason: str | None = None
@@ -78,6 +85,7 @@ class PrefillResult:
     error: str | None = None
     error_code: int = 0
     first_text: str = ""
+    first_logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,9 @@ class DecodeRequest:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """Replica -> router, streamed: new tokens and text; `finished` on the last one."""
+    """Replica -> router, streamed: new tokens and text; `finished` on the last one.
+    `logprobs`: one per token of `token_ids` when the request asked for them, else empty; the
+    decode replica's first event (the first token again) has none."""
     request_id: str
     token_ids: tuple[int, ...]
     text: str
@@ -103,6 +113,7 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -168,7 +179,19 @@ def _build(cls, body: dict):
         value = body[f.name]
         if f.name == "params":
             value = WireSamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+        elif f.name == "first_logprobs":
+            value = None if value is None else _logprobs(value)
+        elif f.name == "logprobs":
+            value = tuple(_logprobs(v) for v in value)
         elif isinstance(value, list):
             value = tuple(value)
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+def _logprobs(body: dict) -> TokenLogprobs:
+    lp = TokenLogprobs(**body)
+    top = tuple((int(t), float(v)) for t, v in lp.top)
+    if not isinstance(lp.token_id, int) or not isinstance(lp.logprob, float):
+        raise TypeError("logprobs: token_id must be an int and logprob a float")
+    return TokenLogprobs(lp.token_id, lp.logprob, top)

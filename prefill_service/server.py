@@ -77,7 +77,8 @@ class PrefillServer(EngineReplica):
     async def _handoff(self, req: messages.PrefillRequest, first, queue_s: float, prefill_s: float) -> bytes:
         rid = req.request_id
         result = messages.PrefillResult(rid, first.new_token_ids[0], first.finish_reason,
-                                        first.num_cached_tokens, prefill_s, queue_s, first_text=first.new_text)
+                                        first.num_cached_tokens, prefill_s, queue_s, first_text=first.new_text,
+                                        first_logprobs=first.logprobs[0] if first.logprobs else None)
         if first.finish_reason is not None:
             await self.host.aengine.call(lambda e: e.release(rid))
         else:

@@ -31,6 +31,7 @@ from pdserve.models import resolve_model
 from pdserve.serve_config import AppConfig
 from pdserve.serve_metrics import RouterSeries
 from router.guards import Guards, GuardSettings
+from router.logprobs import LogprobsFormatter, TokenStrings
 from router.metrics import RequestMetrics, render
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, completion_body, error_body,
                                     error_response, usage)
@@ -67,6 +68,7 @@ class Router:
         guard_settings.configure(self.config.api_key, self.config.max_body_bytes, self.config.max_inflight_requests)
         model_dir = resolve_model(self.config.model, self.config.model_cache, progress=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.token_strings = TokenStrings(self.tokenizer)
         hf = AutoConfig.from_pretrained(model_dir)
         self.max_model_len = min(self.config.engine.max_model_len or 10**9,
                                  getattr(hf, "max_position_embeddings", 2048))
@@ -174,11 +176,20 @@ class Router:
             log.exception("request failed unexpectedly")
             raise RequestFailed(500, f"internal error: {type(exc).__name__}") from None
 
+    def _logprobs(self, body, chat):
+        """A function of a TokenEvent's logprobs giving the choice's OpenAI object, or None when
+        the request did not ask for logprobs."""
+        if body.logprob_count() is None:
+            return None
+        formatter = LogprobsFormatter(self.token_strings)
+        return formatter.chat if chat else formatter.completion
+
     async def _collect(self, body, rid, first, events, chat, times):
-        text, last = first.text, first
+        text, last, entries = first.text, first, list(first.logprobs)
         try:
             async for ev in events:
                 text += ev.text
+                entries += ev.logprobs
                 last = ev
         except RequestFailed as exc:
             self.request_metrics.finish("error")
@@ -186,21 +197,23 @@ class Router:
         self.request_metrics.finish("ok")
         self.request_metrics.observe(*times, time.monotonic(), last.num_output_tokens)
         use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-        return completion_body(rid, self.model_name, text, last.finish_reason, chat, chunk=False, use=use)
+        fmt = self._logprobs(body, chat)
+        return completion_body(rid, self.model_name, text, last.finish_reason, chat, chunk=False, use=use,
+                               logprobs=fmt(tuple(entries)) if fmt else None)
 
     async def _sse(self, body, rid, first, events, chat, times):
         def data(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        last, outcome = first, "aborted"
+        last, outcome, fmt = first, "aborted", self._logprobs(body, chat)
         try:
             if chat:
                 yield data(completion_body(rid, self.model_name, "", None, True, chunk=True, first=True))
             ev = first
             while True:
-                if ev.text or ev.finished:
+                if ev.text or ev.finished or (fmt and ev.logprobs):
                     yield data(completion_body(rid, self.model_name, ev.text, ev.finish_reason if ev.finished else None,
-                                               chat, chunk=True))
+                                               chat, chunk=True, logprobs=fmt(ev.logprobs) if fmt else None))
                 last = ev
                 if ev.finished:
                     break

@@ -2,7 +2,7 @@
 
 Requests are validated strictly (unknown fields and out-of-range values are 400 errors in
 OpenAI's error format); `sampling_params` maps them to the engine's SamplingParams, adding
-vLLM's widely used extensions top_k, min_tokens and ignore_eos.
+vLLM's widely used extensions top_k, min_tokens, ignore_eos and repetition_penalty.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams
 
 MAX_TOKENS_DEFAULT_COMPLETION = 16
 
@@ -39,8 +39,9 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     user: str | None = None
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported (must be 0)")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported (must be 0)")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
 
     @field_validator("stop")
     @classmethod
@@ -55,10 +56,16 @@ class _Sampling(_Strict):
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    def logprob_count(self) -> int | None:
+        """Alternatives per token the client asked for; None = no logprobs."""
+        raise NotImplementedError
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
                               max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
-                              stop=self.stop_list(), ignore_eos=self.ignore_eos, seed=self.seed)
+                              stop=self.stop_list(), ignore_eos=self.ignore_eos, seed=self.seed,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, logprobs=self.logprob_count())
 
     @property
     def include_usage(self) -> bool:
@@ -69,9 +76,12 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
     max_tokens: int | None = Field(MAX_TOKENS_DEFAULT_COMPLETION, ge=1)
     echo: Literal[False] = False
-    logprobs: None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: None = None
     best_of: int | None = Field(None, ge=1, le=1)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -110,9 +120,19 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Literal[False] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: None = None
     response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("response_format")
     @classmethod
@@ -145,8 +165,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
 
 
 def completion_body(rid: str, model: str, text: str | None, finish: str | None, chat: bool,
-                    chunk: bool, use: dict | None = None, first: bool = False) -> dict:
-    """A response (chunk=False) or one stream chunk; text None = a usage-only chunk."""
+                    chunk: bool, use: dict | None = None, first: bool = False,
+                    logprobs: dict | None = None) -> dict:
+    """A response (chunk=False) or one stream chunk; text None = a usage-only chunk.
+    `logprobs`: the choice's OpenAI logprobs object (router/logprobs.py), when asked for."""
     choices = []
     if text is not None:
         if chat:
@@ -154,9 +176,9 @@ def completion_body(rid: str, model: str, text: str | None, finish: str | None, 
             msg = {"content": text} if chunk else {"role": "assistant", "content": text}
             if chunk and first:
                 msg = {"role": "assistant", "content": text}
-            choices = [{"index": 0, key: msg, "logprobs": None, "finish_reason": finish}]
+            choices = [{"index": 0, key: msg, "logprobs": logprobs, "finish_reason": finish}]
         else:
-            choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+            choices = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
     obj = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
     if use is not None or not chunk:

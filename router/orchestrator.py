@@ -104,11 +104,14 @@ class Orchestrator:
                 self.metrics.observe_prefill(waited + result.queue_seconds, result.prefill_seconds)
             # 3. the first token, straight from the prefill replica
             done = result.finish_reason is not None
+            first_logprobs = () if result.first_logprobs is None else (result.first_logprobs,)
             yield messages.TokenEvent(rid, (result.first_token,), result.first_text, done,
-                                      result.finish_reason, len(prompt), 1, result.num_cached_tokens)
+                                      result.finish_reason, len(prompt), 1, result.num_cached_tokens,
+                                      first_logprobs)
             if done:
                 return
-            # 4. decode on exactly that replica; its first event repeats the first token
+            # 4. decode on exactly that replica; its first event repeats the first token (and
+            #    carries no logprobs: the prefill replica's came with step 3)
             stream = self._decode_handle.dispatch(selection, messages.encode(messages.DecodeRequest(
                 rid, tuple(prompt), result.first_token, wire, len(result.first_text))))
             first = True

@@ -48,6 +48,14 @@ CASES = [
     ("too many stops", "/v1/completions", {**GOOD, "stop": [f"s{i}" for i in range(20)]}, 400),
     ("n > 1", "/v1/completions", {**GOOD, "n": 2}, 400),
     ("negative seed", "/v1/completions", {**GOOD, "seed": -1}, 400),
+    ("presence_penalty above 2", "/v1/completions", {**GOOD, "presence_penalty": 2.5}, 400),
+    ("frequency_penalty below -2", "/v1/chat/completions", {**CHAT, "frequency_penalty": -3}, 400),
+    ("repetition_penalty zero", "/v1/completions", {**GOOD, "repetition_penalty": 0}, 400),
+    ("logprobs above 20", "/v1/completions", {**GOOD, "logprobs": 21}, 400),
+    ("logprobs negative", "/v1/completions", {**GOOD, "logprobs": -1}, 400),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 3}, 400),
+    ("top_logprobs above 20", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400),
+    ("echo", "/v1/completions", {**GOOD, "echo": True}, 400),
     ("oversized body", "/v1/completions", b'{"model": "x", "prompt": "' + b"a" * (5 * 2**20) + b'"}', 413),
 ]
 

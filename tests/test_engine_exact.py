@@ -2,10 +2,17 @@
 
 Default model, fp32, sixteen chat and raw prompts of about 10 to 1,000 tokens, each with
 its own max_tokens; several chunk sizes, sequences joining late, and KV exported from one
-engine and imported into a second one. Every test ends with the KV pool all free.
+engine and imported into a second one. Penalties match `generate` with Hugging Face's
+repetition penalty and a reference processor written from OpenAI's presence/frequency formula,
+and logprobs match the log-softmax of `generate`'s raw logits, in one engine and split across a
+prefill and a decode engine. Every test ends with the KV pool all free.
 """
 
+from collections import Counter
+
 import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -113,27 +120,30 @@ def test_abort_frees_blocks_at_every_stage(engine_maker, prompts):
     assert engine.live_request_ids() == []
 
 
-def _split_run(prefill, decode, rid, prompt, params) -> str:
-    """The text a client sees when `prompt` is prefilled in one engine and decoded in another:
-    the prefill's first text, shown at once, then the decode engine's text after it."""
+def _split_run(prefill, decode, rid, prompt, params) -> Completion:
+    """What a client gets when `prompt` is prefilled in one engine and decoded in another: the
+    prefill's first token (text and logprobs) at once, then the decode engine's output after it
+    (its first output repeats the first token: only its text is new)."""
     prefill.add_request(rid, prompt, params, hold_blocks=True)
-    first = None
+    got = Completion(rid, prompt)
     while prefill.has_work():
         for out in prefill.step():
-            first = out
-    text = first.new_text
-    if first.finish_reason is not None:
+            got.add(out)
+    if got.finish_reason is not None:
         prefill.release(rid)
-        return text
+        return got
     kv = prefill.export_kv(rid)
     prefill.release(rid)
     blocks = decode.reserve(len(prompt))
     decode.import_kv(blocks, kv)
-    out = decode.add_prefilled(rid, prompt, first.new_token_ids[0], params, blocks, len(text))
-    text += out.new_text
+    out = decode.add_prefilled(rid, prompt, got.token_ids[0], params, blocks, len(got.text))
+    assert out.new_token_ids == got.token_ids and not out.logprobs
+    got.text += out.new_text
+    got.finish_reason = out.finish_reason
     while decode.has_work():
-        text += "".join(o.new_text for o in decode.step())
-    return text
+        for out in decode.step():
+            got.add(out)
+    return got
 
 
 def test_split_text_equals_single_engine_text_even_with_stop_strings(engine_maker, prompts):
@@ -144,7 +154,7 @@ def test_split_text_equals_single_engine_text_even_with_stop_strings(engine_make
     for i, p in enumerate(prompts[:4]):
         plain = SamplingParams(temperature=0.0, max_tokens=12)
         ref = "".join(o.new_text for o in _run_one(single, f"s{i}", p, plain))
-        assert _split_run(prefill, decode, f"p{i}", p, plain) == ref
+        assert _split_run(prefill, decode, f"p{i}", p, plain).text == ref
         first_len = len(_run_one(single, f"f{i}", p, SamplingParams(temperature=0.0, max_tokens=1))[0].new_text)
         if first_len == 0 or len(ref) < first_len + 2:
             continue
@@ -152,7 +162,7 @@ def test_split_text_equals_single_engine_text_even_with_stop_strings(engine_make
         cut = SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,))
         ref_cut = "".join(o.new_text for o in _run_one(single, f"c{i}", p, cut))
         assert ref_cut == ref[:ref.index(stop)]
-        assert _split_run(prefill, decode, f"q{i}", p, cut) == ref_cut
+        assert _split_run(prefill, decode, f"q{i}", p, cut).text == ref_cut
     assert all(e.block_manager.all_free() for e in (single, prefill, decode))
 
 
@@ -162,3 +172,84 @@ def _run_one(engine, rid, prompt, params):
     while engine.has_work():
         outs += engine.step()
     return outs
+
+
+def _completion(outs, rid, prompt) -> Completion:
+    got = Completion(rid, prompt)
+    for out in outs:
+        got.add(out)
+    return got
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+def _hf_generate(model, prompt, max_new_tokens, **kw):
+    """Greedy `generate`: (new tokens, raw logits per step before any processor)."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
+                             output_logits=True, **kw)
+    return out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]
+
+
+class _OpenAIPenalties(LogitsProcessor):
+    """Reference: OpenAI's documented formula, logit -= count * frequency + (count > 0) * presence,
+    counting the tokens generated so far."""
+
+    def __init__(self, num_prompt: int, frequency: float, presence: float):
+        self.num_prompt, self.frequency, self.presence = num_prompt, frequency, presence
+
+    def __call__(self, input_ids, scores):
+        for row in range(scores.shape[0]):
+            for token, count in Counter(input_ids[row, self.num_prompt:].tolist()).items():
+                scores[row, token] -= count * self.frequency + self.presence
+        return scores
+
+
+PENALTIES = [{"repetition_penalty": 1.3},
+             {"frequency_penalty": 0.8, "presence_penalty": 0.5},
+             {"repetition_penalty": 1.15, "frequency_penalty": -0.4, "presence_penalty": 0.7}]
+
+
+@pytest.mark.parametrize("penalties", PENALTIES)
+def test_penalties_match_hf_generate_in_one_engine_and_split(engine_maker, hf_model, prompts, penalties):
+    single, prefill, decode = (engine_maker(max_num_batched_tokens=256) for _ in range(3))
+    changed = 0
+    for i in (0, 5, 9):
+        p = prompts[i]
+        processors = LogitsProcessorList()
+        if "frequency_penalty" in penalties:
+            processors.append(_OpenAIPenalties(len(p), penalties["frequency_penalty"], penalties["presence_penalty"]))
+        ref, _ = _hf_generate(hf_model, p, 24, repetition_penalty=penalties.get("repetition_penalty", 1.0),
+                              logits_processor=processors)
+        plain, _ = _hf_generate(hf_model, p, 24)
+        changed += ref != plain
+        params = SamplingParams(temperature=0.0, max_tokens=24, **penalties)
+        assert _completion(_run_one(single, f"s{i}", p, params), f"s{i}", p).token_ids == ref
+        assert _split_run(prefill, decode, f"p{i}", p, params).token_ids == ref
+    assert changed, "the penalties changed no output: the test would not see them"
+    assert all(e.block_manager.all_free() for e in (single, prefill, decode))
+
+
+def test_logprobs_are_the_models_own_in_one_engine_and_split(engine_maker, hf_model, prompts):
+    single, prefill, decode = (engine_maker(max_num_batched_tokens=256) for _ in range(3))
+    for i in (1, 7):
+        p = prompts[i]
+        ref, logits = _hf_generate(hf_model, p, 12)
+        params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
+        runs = (_completion(_run_one(single, f"s{i}", p, params), f"s{i}", p),
+                _split_run(prefill, decode, f"p{i}", p, params))
+        for got in runs:
+            assert got.token_ids == ref
+            assert [lp.token_id for lp in got.logprobs] == ref
+            for lp, step_logits in zip(got.logprobs, logits):
+                hf = step_logits.float().log_softmax(-1)
+                assert lp.logprob == pytest.approx(float(hf[lp.token_id]), abs=1e-3)
+                assert len(lp.top) == 5
+                assert [v for _, v in lp.top] == pytest.approx(hf.topk(5).values.tolist(), abs=1e-3)
+                assert all(v == pytest.approx(float(hf[t]), abs=1e-3) for t, v in lp.top)
+    assert all(e.block_manager.all_free() for e in (single, prefill, decode))

@@ -1,13 +1,19 @@
 """Round trip of every wire message, and rejection of bad bytes."""
 
+import dataclasses
+
 import msgpack
 import pytest
 
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from pdserve import messages as m
 
 P = m.WireSamplingParams.of(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_tokens=12, min_tokens=2,
-                                           stop=("\n\n",), stop_token_ids=(7,), ignore_eos=True, seed=3))
+                                           stop=("\n\n",), stop_token_ids=(7,), ignore_eos=True, seed=3,
+                                           presence_penalty=0.5, frequency_penalty=-0.25,
+                                           repetition_penalty=1.2, logprobs=3))
+LP = TokenLogprobs(9, -0.5, ((9, -0.5), (4, -1.25)))
 
 EXAMPLES = [
     m.GenerateRequest("a", (1, 2, 3), P),
@@ -15,8 +21,10 @@ EXAMPLES = [
     m.PrefillResult("b", first_token=9, finish_reason=None, num_cached_tokens=16, prefill_seconds=0.5),
     m.PrefillResult("b", first_token=9, prefill_seconds=0.5, queue_seconds=0.25),
     m.PrefillResult("c", error="boom", error_code=503),
+    m.PrefillResult("b", first_token=9, first_text="x", first_logprobs=LP),
     m.DecodeRequest("d", (1,), 5, P),
     m.TokenEvent("e", (1, 2), "hi", True, "stop", 3, 2, 0),
+    m.TokenEvent("e", (9, 2), "hi", logprobs=(LP, TokenLogprobs(2, -3.0))),
     m.ErrorEvent("f", "bad", 400, "invalid_request_error"),
     m.ReplicaStats("decode", "r1", 100, 90, 2, 0, 0, {"preemptions": 1}),
     m.ReplicaStats("prefill", "p1", 100, 90, 0, 1, 7, {}, {"kv_transfer_seconds": {
@@ -37,6 +45,10 @@ def test_params_round_trip_to_sampling_params():
 @pytest.mark.parametrize("data", [b"", b"\xc1garbage", msgpack.packb([99, "TokenEvent", {}]),
                                   msgpack.packb([1, "Nope", {}]), msgpack.packb([1, "TokenEvent", [1]]),
                                   msgpack.packb([1, "TokenEvent", {"request_id": "x", "bogus": 1}]),
+                                  msgpack.packb([1, "TokenEvent", {"request_id": "x", "logprobs": [
+                                      {"token_id": "a", "logprob": 0.0, "top": []}]}]),
+                                  msgpack.packb([1, "PrefillResult", {"request_id": "x", "first_logprobs": {
+                                      "token_id": 1, "logprob": 0.5, "top": [[1]]}}]),
                                   b"x" * (m.MAX_MESSAGE_BYTES + 1), "not bytes"])
 def test_bad_bytes_are_rejected(data):
     with pytest.raises(m.MessageError):
@@ -50,7 +62,12 @@ def test_wrong_type_is_rejected():
 
 def test_fields_added_later_default_when_an_older_sender_omits_them():
     old = m.decode(msgpack.packb([1, "PrefillResult", {"request_id": "x", "first_token": 3, "prefill_seconds": 0.5}]))
-    assert old.queue_seconds == 0.0 and old.prefill_seconds == 0.5
+    assert old.queue_seconds == 0.0 and old.prefill_seconds == 0.5 and old.first_logprobs is None
+    params = {k: v for k, v in dataclasses.asdict(P).items() if k not in (
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")}
+    old = m.decode(msgpack.packb([1, "PrefillRequest", {"request_id": "x", "prompt_token_ids": [1],
+                                                        "params": params, "kv_address": "a:1"}]))
+    assert old.params.to_params().repetition_penalty == 1.0 and old.params.logprobs is None
     stats = {"pool": "decode", "replica_id": "r", "kv_blocks_total": 1, "kv_blocks_free": 1, "running": 0,
              "waiting": 0, "waiting_prompt_tokens": 0, "extra": {}}
     assert m.decode(msgpack.packb([1, "ReplicaStats", stats])).histograms == {}

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
-from engine.sampler import _filter_top_k_top_p
+from engine.sampler import SampleRow, _apply_penalties, _filter_top_k_top_p, sample
 from engine.sampling_params import SamplingParams
 
 
@@ -92,3 +92,44 @@ def test_detokenizer_is_utf8_safe_and_holds_back_stop_prefixes(default_model_dir
         shown += d.take(final=False)
         assert "caf" not in shown or d.stopped
     assert d.stopped and shown + d.take(final=True) == "Voilà: 🙂 naïve "
+
+
+def _row(params, token_ids, num_prompt, banned=()):
+    gen = torch.Generator().manual_seed(0) if not params.greedy else None
+    return SampleRow(params, gen, list(banned), list(token_ids), num_prompt)
+
+
+def test_penalty_arithmetic():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]] * 3)
+    rows = [_row(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [4, 0, 3, 3, 0], 2),
+            _row(SamplingParams(repetition_penalty=2.0), [1, 2, 0, 1], 3),
+            _row(SamplingParams(), [0, 1, 2], 1)]
+    _apply_penalties(logits, rows)
+    # output [3, 3, 0]: token 3 twice, token 0 once; the prompt (4, 0) does not count
+    assert logits[0].tolist() == [2.0 - 0.5 - 0.25, -1.0, 0.5, 3.0 - 1.0 - 0.25, 1.0]
+    # prompt and output {0, 1, 2}: positive logits divided, negative multiplied
+    assert logits[1].tolist() == [1.0, -2.0, 0.25, 3.0, 1.0]
+    assert logits[2].tolist() == [2.0, -1.0, 0.5, 3.0, 1.0]
+
+
+def test_logprobs_come_from_the_raw_logits_and_bans_still_hold():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]] * 2)
+    raw = logits[0].log_softmax(-1)
+    rows = [_row(SamplingParams(temperature=0, repetition_penalty=3.0, logprobs=2), [3, 3], 1),
+            _row(SamplingParams(temperature=0.5, seed=1, logprobs=0), [1], 1, banned=[3])]
+    tokens, logprobs = sample(logits.clone(), rows)
+    assert tokens[0] == 0          # 3.0 / 3 = 1.0 < 2.0: the penalty moved the argmax
+    assert tokens[1] != 3
+    assert logprobs[0].token_id == 0 and logprobs[0].logprob == pytest.approx(float(raw[0]))
+    assert [t for t, _ in logprobs[0].top] == [3, 0]
+    assert [v for _, v in logprobs[0].top] == pytest.approx([float(raw[3]), float(raw[0])])
+    assert logprobs[1].top == () and logprobs[1].logprob == pytest.approx(float(raw[tokens[1]]))
+    assert sample(logits.clone(), [_row(SamplingParams(temperature=0), [0], 1)] * 2)[1] == [None, None]
+
+
+def test_penalty_and_logprobs_params_are_validated():
+    assert "presence_penalty" in SamplingParams(presence_penalty=2.5).validate()
+    assert "frequency_penalty" in SamplingParams(frequency_penalty=float("nan")).validate()
+    assert "repetition_penalty" in SamplingParams(repetition_penalty=0).validate()
+    assert "logprobs" in SamplingParams(logprobs=21).validate()
+    assert SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.5, logprobs=20).validate() is None

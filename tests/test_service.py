@@ -126,6 +126,70 @@ def test_colocated_mode_matches_hf(colocated, prompts, hf_greedy, tokenizer):
     assert pools_all_free(colocated, {"colocated"})
 
 
+def _logprobs_run(base, path, body, stream):
+    """(text, completion_tokens, the choice's logprobs entries) of one request; streamed chunks'
+    entries are concatenated."""
+    status, text = http(base, path, {**body, "stream": stream, "stream_options": {"include_usage": True}}
+                        if stream else body)
+    assert status == 200, text
+    key = "content" if "messages" in body else "tokens"
+    if not stream:
+        out = json.loads(text)
+        choice = out["choices"][0]
+        return choice.get("text") or choice["message"]["content"], out["usage"]["completion_tokens"], \
+            choice["logprobs"]
+    events = sse_events(text)
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    merged = {}
+    for c in chunks:
+        for k, v in (c["logprobs"] or {}).items():
+            if isinstance(v, list):
+                merged.setdefault(k, []).extend(v)
+    assert key in merged
+    return "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in chunks), \
+        events[-2]["usage"]["completion_tokens"], merged
+
+
+def test_logprobs_over_http_agree_across_streaming_and_modes(disagg, colocated):
+    """Completions (logprobs=3) and chat (top_logprobs=2), greedy: one entry per output token,
+    the first from the prefill replica and the rest from the decode replica, the chosen token
+    the most likely one; streamed and whole answers and the colocated mode agree."""
+    body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 12, "temperature": 0,
+            "logprobs": 3}
+    text, n, lp = _logprobs_run(disagg, "/v1/completions", body, stream=False)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert "".join(lp["tokens"]).startswith(text) and n == 12
+    for chosen, lp_k, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert lp_k <= 0 and top[chosen] == lp_k and lp_k == pytest.approx(max(top.values()))
+        assert 3 <= len(top) <= 4
+    for base, stream in ((disagg, True), (colocated, False), (colocated, True)):
+        text2, n2, lp2 = _logprobs_run(base, "/v1/completions", body, stream)
+        assert (text2, n2, lp2["tokens"]) == (text, n, lp["tokens"])
+        assert lp2["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-3)
+        assert lp2["text_offset"] == lp["text_offset"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    text, n, lp = _logprobs_run(disagg, "/v1/chat/completions", chat, stream=False)
+    assert len(lp["content"]) == n and all(len(item["top_logprobs"]) == 2 for item in lp["content"])
+    assert "".join(item["token"] for item in lp["content"]).startswith(text)
+    _, n2, lp2 = _logprobs_run(disagg, "/v1/chat/completions", chat, stream=True)
+    assert n2 == n and [i["token"] for i in lp2["content"]] == [i["token"] for i in lp["content"]]
+    status, text = http(disagg, "/v1/completions", {**body, "logprobs": None})
+    assert status == 200 and json.loads(text)["choices"][0]["logprobs"] is None
+    assert pools_all_free(disagg, {"prefill", "decode"})
+
+
+def test_penalties_reach_both_pools(disagg, colocated):
+    """The decode replica must apply the penalties over the prompt and every output token
+    (the first one came from the prefill replica): the split answer equals one engine's."""
+    body = {"model": MODEL, "prompt": "one two one two one two one two", "max_tokens": 20, "temperature": 0}
+    penalized = {**body, "frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.3}
+    plain = json.loads(http(disagg, "/v1/completions", body)[1])["choices"][0]["text"]
+    split = json.loads(http(disagg, "/v1/completions", penalized)[1])["choices"][0]["text"]
+    single = json.loads(http(colocated, "/v1/completions", penalized)[1])["choices"][0]["text"]
+    assert split == single and split != plain
+
+
 def test_health_models_and_errors(disagg):
     assert http(disagg, "/health")[0] == 200
     _, text = http(disagg, "/metrics")

@@ -1,0 +1,78 @@
+"""OpenAI's `logprobs` objects from the engine's TokenLogprobs (router side, torch-free).
+
+One `LogprobsFormatter` per request: `chat(entries)` builds the chat API's
+`{"content": [{token, logprob, bytes, top_logprobs}]}` and `completion(entries)` the legacy
+completions API's `{tokens, token_logprobs, top_logprobs, text_offset}`; a streamed request calls
+it once per chunk and `text_offset` runs on across chunks. A token's string is the tokenizer's
+decoding of it alone (special tokens included); its `bytes` are the token's exact bytes when the
+tokenizer is byte-level (GPT-2 style), so a character split across tokens keeps its bytes, and
+the UTF-8 encoding of that string otherwise.
+"""
+
+from __future__ import annotations
+
+from engine.outputs import TokenLogprobs
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: the character a byte-level BPE uses for each byte."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
+class TokenStrings:
+    """Token id -> (text, bytes), cached; shared by all requests of a router."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
+            raw = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(raw, str) and raw and all(c in _BYTE_OF for c in raw) and "\ufffd" in text:
+                data = [_BYTE_OF[c] for c in raw]     # part of a multi-byte character
+            else:
+                data = list(text.encode("utf-8"))
+            hit = self._cache[token_id] = (text, data)
+        return hit
+
+
+class LogprobsFormatter:
+    def __init__(self, strings: TokenStrings):
+        self.strings = strings
+        self.offset = 0   # characters of completion text before the next token
+
+    def chat(self, entries: tuple[TokenLogprobs, ...]) -> dict:
+        def item(token_id: int, logprob: float) -> dict:
+            text, data = self.strings(token_id)
+            return {"token": text, "logprob": logprob, "bytes": data}
+        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
+                            for e in entries], "refusal": None}
+
+    def completion(self, entries: tuple[TokenLogprobs, ...]) -> dict:
+        tokens, offsets, tops = [], [], []
+        for e in entries:
+            text = self.strings(e.token_id)[0]
+            tokens.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+            top = {self.strings(t)[0]: v for t, v in e.top}
+            top.setdefault(text, e.logprob)   # as vLLM: the chosen token is always listed
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+                "text_offset": offsets}

@@ -1,0 +1,40 @@
+"""OpenAI logprobs objects built by the router (router/logprobs.py) with the default model's
+byte-level tokenizer: exact bytes for characters split across tokens, running text offsets."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.outputs import TokenLogprobs
+from router.logprobs import LogprobsFormatter, TokenStrings
+
+
+@pytest.fixture(scope="module")
+def strings(default_model_dir):
+    return TokenStrings(AutoTokenizer.from_pretrained(default_model_dir))
+
+
+def test_token_bytes_rebuild_the_text_even_when_a_character_is_split(strings):
+    text = "Voilà: 🙂 東京 naïve"
+    ids = strings.tokenizer.encode(text)
+    parts = [strings(t) for t in ids]
+    assert any("\ufffd" in s for s, _ in parts), "no character split across tokens: the test sees nothing"
+    assert bytes(b for _, data in parts for b in data).decode("utf-8") == text
+
+
+def test_completion_and_chat_objects(strings):
+    ids = strings.tokenizer.encode("Hello there, world")
+    entries = tuple(TokenLogprobs(t, -0.5 * k, ((t, -0.5 * k), (ids[0], -3.0))) for k, t in enumerate(ids))
+    fmt = LogprobsFormatter(strings)
+    first, rest = fmt.completion(entries[:1]), fmt.completion(entries[1:])
+    tokens = first["tokens"] + rest["tokens"]
+    assert "".join(tokens) == "Hello there, world"
+    assert first["text_offset"] + rest["text_offset"] == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    assert first["token_logprobs"] + rest["token_logprobs"] == [e.logprob for e in entries]
+    assert rest["top_logprobs"][0] == {tokens[1]: -0.5, tokens[0]: -3.0}
+    chat = LogprobsFormatter(strings).chat(entries[:2])
+    assert chat["refusal"] is None and len(chat["content"]) == 2
+    item = chat["content"][1]
+    assert item["token"] == tokens[1] and item["logprob"] == -0.5
+    assert bytes(item["bytes"]).decode() == tokens[1]
+    assert [t["token"] for t in item["top_logprobs"]] == [tokens[1], tokens[0]]
+    assert item["top_logprobs"][1] == {"token": tokens[0], "logprob": -3.0, "bytes": list(tokens[0].encode())}
