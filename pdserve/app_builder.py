@@ -33,7 +33,8 @@ def autoscaling_config(pool_name: str, a: AutoscalingOptions) -> dict:
             "policy": {"policy_function": POLICIES[pool_name], "policy_kwargs": kwargs}}
 
 
-def _pool_options(pool_name: str, pool: PoolConfig, router_class: str | None) -> dict:
+def _pool_options(pool_name: str, pool: PoolConfig, router_class: str | None,
+                  router_kwargs: dict | None = None) -> dict:
     options = {
         "max_ongoing_requests": pool.max_ongoing_requests,
         "max_queued_requests": pool.max_queued_requests,
@@ -49,7 +50,8 @@ def _pool_options(pool_name: str, pool: PoolConfig, router_class: str | None) ->
         options["autoscaling_config"] = autoscaling_config(pool_name, pool.autoscaling)
     if router_class is not None:
         options["request_router_config"] = RequestRouterConfig(
-            request_router_class=router_class, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+            request_router_class=router_class, request_router_kwargs=router_kwargs or {},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     return options
 
 
@@ -68,7 +70,8 @@ def build_app(config: AppConfig | dict):
         options = _pool_options("colocated", cfg.colocated, "router.routing.FreeKVBlocksRouter")
         colocated = ColocatedServer.options(**options).bind(data, registry)
         return Router.options(**router_opts).bind(data, colocated=colocated, registry=registry)
-    prefill_options = _pool_options("prefill", cfg.prefill, "router.routing.QueuedPromptTokensRouter")
+    prefill_options = _pool_options("prefill", cfg.prefill, "router.routing.QueuedPromptTokensRouter",
+                                    {**cfg.routing.model_dump(), "block_size": cfg.engine_for("prefill").block_size})
     decode_options = _pool_options("decode", cfg.decode, "router.routing.FreeKVBlocksRouter")
     prefill = PrefillServer.options(**prefill_options).bind(data, registry)
     decode = DecodeServer.options(**decode_options).bind(data, registry)

@@ -107,6 +107,15 @@ class TransferOptions(_Model):
                               chunk_bytes=self.chunk_bytes, secret=self.secret)
 
 
+class RoutingOptions(_Model):
+    prefix_affinity: bool = Field(True, description="Prefill pool: send a prompt to the replica this router already "
+                                  "sent its longest prefix to (prefix-cache hits), while that replica's load allows.")
+    max_imbalance_tokens: int = Field(2048, ge=0, description="Affinity yields to the load ranking when the "
+                                      "replica's queued prompt tokens exceed the least loaded one's by more.")
+    max_blocks: int = Field(200_000, ge=1, description="Prompt blocks the router remembers (least recently "
+                            "used go first; about 200 bytes each).")
+
+
 class AppConfig(_Model):
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="Separate prefill/decode pools, or one engine pool doing both.")
@@ -118,6 +127,7 @@ class AppConfig(_Model):
     decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode pool.")
     colocated: PoolConfig = Field(default_factory=PoolConfig, description="The pool used in colocated mode.")
     transfer: TransferOptions = Field(default_factory=TransferOptions, description="KV transfer timeouts.")
+    routing: RoutingOptions = Field(default_factory=RoutingOptions, description="How the router picks replicas.")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request end to end.")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for (400 above).")
     api_key: str = Field("", description="When set, every endpoint but /health needs 'Authorization: Bearer <key>'.")

@@ -4,7 +4,9 @@ Both rank every candidate replica (best first) from the stats the replicas publi
 `record_routing_stats`, corrected by the requests this router has in flight on each replica
 (published stats are up to `request_routing_stats_period_s` old):
   * decode:  most free KV blocks (as a fraction of the pool), then fewest running sequences;
-  * prefill: fewest queued prompt tokens.
+  * prefill: fewest queued prompt tokens, except that the replica this router already sent the
+             longest prefix of the prompt to goes first while its load is close enough to the
+             least loaded one's (prefix-cache affinity, router/prefix_affinity.py).
 Serve then sends to the first replica of the ranking that has room.
 """
 
@@ -16,6 +18,9 @@ from typing import List, Optional
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+
+from pdserve import messages
+from router.prefix_affinity import AffinityTable, Candidate, block_hashes, choose
 
 
 class _RankingRouter(FIFOMixin, RequestRouter):
@@ -54,7 +59,50 @@ class FreeKVBlocksRouter(_RankingRouter):
 
 
 class QueuedPromptTokensRouter(_RankingRouter):
-    """Prefill pool: the replica with the fewest queued prompt tokens first."""
+    """Prefill pool: the replica with the fewest queued prompt tokens first, with prefix-cache
+    affinity when `prefix_affinity` (the request router kwargs come from AppConfig.routing)."""
+
+    def initialize_state(self, block_size: int = 16, prefix_affinity: bool = True,
+                         max_imbalance_tokens: int = 2048, max_blocks: int = 200_000, **_):
+        self._table = AffinityTable(block_size, max_blocks) if prefix_affinity else None
+        self._max_imbalance_tokens = max_imbalance_tokens
+        self._mean_prompt_tokens = 0.0   # running mean, to turn requests in flight into tokens
 
     def score(self, replica: RunningReplica) -> tuple:
         return queued_tokens_score(replica.routing_stats or {}, self._in_flight(replica))
+
+    def _prompt(self, pending_request: Optional[PendingRequest]) -> tuple[int, ...] | None:
+        if getattr(self, "_table", None) is None or pending_request is None or not pending_request.args:
+            return None
+        try:
+            return messages.decode(pending_request.args[0], expect=messages.PrefillRequest).prompt_token_ids
+        except messages.MessageError:
+            return None
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        prompt = self._prompt(pending_request)
+        if not prompt:
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        pending_request.routing_context.should_backoff = True
+        matched = self._table.matches(block_hashes(prompt, self._table.block_size),
+                                      [r.replica_id for r in candidate_replicas])
+        candidates = [Candidate(r.replica_id, self._load_tokens(r), (self.score(r), random.random()))
+                      for r in candidate_replicas]
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        return [[by_id[i]] for i in choose(candidates, matched, self._max_imbalance_tokens)]
+
+    def _load_tokens(self, replica: RunningReplica) -> float:
+        stats = replica.routing_stats or {}
+        return stats.get("waiting_prompt_tokens", 0) + self._in_flight(replica) * self._mean_prompt_tokens
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        prompt = self._prompt(pending_request)
+        if prompt:
+            self._mean_prompt_tokens += (len(prompt) - self._mean_prompt_tokens) * 0.05
+            self._table.record(replica_id, block_hashes(prompt, self._table.block_size))
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        if getattr(self, "_table", None) is not None:
+            self._table.forget(replica_id)

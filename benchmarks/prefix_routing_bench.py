@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Prefix-cache affinity benchmark: multi-turn conversations on two prefill replicas, with the
+prefill router's prefix affinity on and then off (`routing.prefix_affinity`), same load.
+
+Deploys a disaggregated app (2 prefill replicas, 1 decode replica, real model, fp32 CPU) on a
+local Ray cluster per setting, one setting at a time. Load: C conversations run at once; each has
+T turns sent one after the other. Turn 1's prompt is a conversation-specific opening of
+--opening tokens (random ids, seeded: a system prompt plus a first question); turn k's prompt is
+turn k-1's prompt, that turn's answer and a new --turn-tokens message (random ids), as a chat
+client resends the whole history. Every request: streaming completion, --output-len tokens
+(ignore_eos, temperature 0).
+
+Printed per setting: TTFT p50/p90 of turns >= 2 (turn 1 can never hit), the prefix-cache hit
+ratio of the prefill pool (hit tokens / prompt tokens looked up, from /metrics), the prompt
+tokens actually computed by the prefill pool, and the wall time.
+
+    python benchmarks/prefix_routing_bench.py [--conversations 4] [--turns 6] [--opening 400] \
+        [--turn-tokens 48] [--output-len 8] [--model DIR] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # service_bench, next to this file
+import service_bench as sb  # noqa: E402
+
+SETTINGS = (("affinity on", True), ("affinity off", False))
+
+
+def app_config(args, affinity: bool):
+    from pdserve.serve_config import AppConfig
+    return AppConfig(mode="disaggregated", model=args.model, served_model_name=sb.SERVED_NAME,
+                     engine={"kv_cache_memory": args.kv_cache_memory, "dtype": "float32", "device": "cpu",
+                             "num_threads": 1},
+                     prefill={"num_replicas": 2}, routing={"prefix_affinity": affinity},
+                     transfer={"host": "127.0.0.1"}, route_prefix=sb.ROUTE)
+
+
+async def conversations(url: str, args, vocab: list[int]) -> list[dict]:
+    """Every turn's record (service_bench.one_request's, plus `turn`)."""
+    import httpx
+    records: list[dict] = []
+
+    async def conversation(client, c: int) -> None:
+        rng = random.Random(args.seed * 1000 + c)
+        prompt = [rng.choice(vocab) for _ in range(args.opening)]
+        for turn in range(1, args.turns + 1):
+            rec = await sb.one_request(client, url, prompt, args.output_len)
+            rec["turn"] = turn
+            records.append(rec)
+            answer = [rng.choice(vocab) for _ in range(args.output_len)]   # ids standing for the reply
+            prompt = prompt + answer + [rng.choice(vocab) for _ in range(args.turn_tokens)]
+
+    limits = httpx.Limits(max_connections=args.conversations + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits, trust_env=False) as client:
+        await asyncio.gather(*(conversation(client, c) for c in range(args.conversations)))
+    return records
+
+
+def prefill_counter(counters: dict, name: str) -> float:
+    return counters.get(f"{name}[prefill]", 0.0)
+
+
+def run_setting(args, base: str, vocab, affinity: bool) -> dict:
+    from ray import serve
+
+    from pdserve.app_builder import build_app
+    serve.run(build_app(app_config(args, affinity)), name=sb.APP_NAME, route_prefix=sb.ROUTE, blocking=False)
+    try:
+        sb.wait_healthy(base, args.health_timeout)
+        before = sb.server_counters(base)
+        t0 = time.perf_counter()
+        records = asyncio.run(conversations(base + "/v1/completions", args, vocab))
+        wall = time.perf_counter() - t0
+        time.sleep(3)   # let the replicas' stats (pushed every second) catch up
+        after = sb.server_counters(base)
+    finally:
+        serve.delete(sb.APP_NAME)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    later = [r["ttft"] for r in records if r["ok"] and r["turn"] >= 2]
+    queried = prefill_counter(delta, "pdserve_prefix_cache_query_tokens")
+    hit = prefill_counter(delta, "pdserve_prefix_cache_hit_tokens")
+    return {"affinity": affinity, "wall_s": wall, "requests": len(records),
+            "failed": sum(not r["ok"] for r in records), "errors": [r["error"] for r in records if not r["ok"]],
+            "ttft_later_p50_s": sb.pct(later, 50), "ttft_later_p90_s": sb.pct(later, 90),
+            "ttft_first_p50_s": sb.pct([r["ttft"] for r in records if r["ok"] and r["turn"] == 1], 50),
+            "prefix_query_tokens": queried, "prefix_hit_tokens": hit,
+            "hit_ratio": hit / queried if queried else None, "computed_prompt_tokens": queried - hit}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=sb.DEFAULT_MODEL)
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--opening", type=int, default=400, help="turn 1 prompt tokens")
+    p.add_argument("--turn-tokens", type=int, default=48, help="new user tokens per later turn")
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory", default="256MiB")
+    p.add_argument("--health-timeout", type=float, default=300.0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--json", metavar="OUT")
+    args = p.parse_args(argv)
+    if min(args.conversations, args.turns, args.opening, args.turn_tokens) < 1 or args.output_len < 2:
+        p.error("counts must be >= 1 and --output-len >= 2")
+    if not Path(args.model).is_dir():
+        p.error(f"--model {args.model}: not a directory (prepare it with `make model`)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cmd, commit = sb.command_line(), sb.git_commit()
+    print(f"$ {cmd}", flush=True)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(args.model)
+    special = set(tok.all_special_ids)
+    vocab = [i for i in range(len(tok)) if i not in special]
+
+    import ray
+    from ray import serve
+    port = sb.free_port()
+    base = f"http://127.0.0.1:{port}{sb.ROUTE}"
+    rows = []
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for name, affinity in SETTINGS:
+            print(f"[{name}] deploying ...", file=sys.stderr, flush=True)
+            rows.append({"setting": name, **run_setting(args, base, vocab, affinity)})
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+    print()
+    print(f"pdserve prefix-affinity benchmark — {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}, "
+          f"commit {commit}; {platform.machine()}, {os.cpu_count()} CPU cores, everything on this host")
+    print(f"app: 2 prefill + 1 decode replicas, {Path(args.model).name} fp32 CPU, 1 torch thread each; load: "
+          f"{args.conversations} conversations at once x {args.turns} turns, opening {args.opening} tokens, "
+          f"+{args.output_len} answer +{args.turn_tokens} user tokens per turn, output {args.output_len}")
+    print()
+    print("| setting | TTFT p50, turns >= 2 (ms) | TTFT p90, turns >= 2 (ms) | TTFT p50, turn 1 (ms) "
+          "| prefix hit ratio | prompt tokens computed | wall (s) | failed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['setting']} | {sb.fmt(r['ttft_later_p50_s'], 1e3)} | {sb.fmt(r['ttft_later_p90_s'], 1e3)} "
+              f"| {sb.fmt(r['ttft_first_p50_s'], 1e3)} | {sb.fmt(r['hit_ratio'], 100, 1)} % "
+              f"| {r['computed_prompt_tokens']:.0f} | {r['wall_s']:.1f} | {r['failed']}/{r['requests']} |")
+        for e in sorted(set(r["errors"]))[:5]:
+            print(f"    error: {e}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": cmd, "commit": commit, "rows": rows}, indent=1))
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Prefix-cache affinity bookkeeping of the prefill router (router/prefix_affinity.py)."""
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from router.prefix_affinity import OWNERS_PER_BLOCK, AffinityTable, Candidate, block_hashes, choose
+
+
+def test_block_hashes_are_the_engines_prefix_cache_keys():
+    prompt = list(range(1000, 1075))                 # 4 full blocks of 16 and 11 tokens
+    bm = BlockManager(num_blocks=8, block_size=16)
+    seq = Sequence("r", prompt, SamplingParams())
+    assert bm.allocate(seq)
+    seq.num_computed_tokens = len(prompt)
+    bm.mark_computed(seq)
+    assert block_hashes(prompt, 16) == seq.block_hashes and len(seq.block_hashes) == 4
+    assert block_hashes(prompt[:15], 16) == []
+
+
+def test_matches_count_leading_blocks_per_replica():
+    t = AffinityTable(block_size=4, max_blocks=100)
+    system = list(range(12))                          # 3 shared blocks
+    t.record("a", block_hashes(system + [50, 51, 52, 53], 4))
+    t.record("b", block_hashes(system[:8] + [60, 61, 62, 63], 4))
+    ask = block_hashes(system + [70, 71, 72, 73, 74], 4)
+    assert t.matches(ask, ["a", "b", "c"]) == {"a": 3, "b": 2}
+    assert t.matches(ask, ["b"]) == {"b": 2}
+    assert t.matches(block_hashes([99] * 8, 4), ["a", "b"]) == {}
+    # a block is not matched when an earlier one was not: only leading runs count
+    assert t.matches(block_hashes([5, 5, 5, 5] + system[4:], 4), ["a"]) == {}
+
+
+def test_owners_are_capped_and_old_blocks_evicted():
+    t = AffinityTable(block_size=2, max_blocks=3)
+    h = block_hashes([1, 2, 3, 4], 2)
+    for r in range(OWNERS_PER_BLOCK + 1):
+        t.record(r, h)
+    assert t.matches(h, list(range(OWNERS_PER_BLOCK + 1))) == {r: 2 for r in range(1, OWNERS_PER_BLOCK + 1)}
+    t.record("x", block_hashes([7, 7, 8, 8], 2))      # 4 entries > 3: the least recently used goes
+    assert len(t) == 3
+    assert t.matches(h, [1]) == {1: 1}                # its first block survived, its second did not
+    t.forget(1)
+    assert t.matches(h, [1, 2]) == {2: 1}
+    t.forget("x")
+    assert len(t) == 1
+
+
+def test_choose_prefers_the_match_only_within_the_imbalance():
+    cands = [Candidate("idle", 0, (0,)), Candidate("warm", 500, (500,)), Candidate("busy", 5000, (5000,))]
+    assert choose(cands, {}, 2048) == ["idle", "warm", "busy"]
+    assert choose(cands, {"warm": 3}, 2048) == ["warm", "idle", "busy"]
+    assert choose(cands, {"warm": 3, "busy": 9}, 2048) == ["warm", "idle", "busy"]   # busy is too far behind
+    assert choose(cands, {"busy": 9}, 2048) == ["idle", "warm", "busy"]
+    assert choose(cands, {"busy": 9}, 10_000) == ["busy", "idle", "warm"]
+    assert choose(cands, {"warm": 2, "idle": 2}, 2048) == ["idle", "warm", "busy"]   # a tie: the ranking decides
+    assert choose([], {"x": 1}, 0) == []
