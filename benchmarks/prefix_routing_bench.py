@@ -10,6 +10,9 @@ turn k-1's prompt, that turn's answer and a new --turn-tokens message (random id
 client resends the whole history. Every request: streaming completion, --output-len tokens
 (ignore_eos, temperature 0).
 
+Before each setting's measured load, --warmup requests of random 64-token prompts (2 at a time)
+warm the fresh replicas up; they are excluded, also from the counters.
+
 Printed per setting: TTFT p50/p90 of turns >= 2 (turn 1 can never hit), the prefix-cache hit
 ratio of the prefill pool (hit tokens / prompt tokens looked up, from /metrics), the prompt
 tokens actually computed by the prefill pool, and the wall time.
@@ -78,6 +81,9 @@ def run_setting(args, base: str, vocab, affinity: bool) -> dict:
     serve.run(build_app(app_config(args, affinity)), name=sb.APP_NAME, route_prefix=sb.ROUTE, blocking=False)
     try:
         sb.wait_healthy(base, args.health_timeout)
+        rng = random.Random(args.seed + 77)
+        warm = [[rng.choice(vocab) for _ in range(64)] for _ in range(args.warmup)]
+        asyncio.run(sb.closed_loop(base + "/v1/completions", warm, 2, args.output_len, args.request_timeout))
         before = sb.server_counters(base)
         t0 = time.perf_counter()
         records = asyncio.run(conversations(base + "/v1/completions", args, vocab))
@@ -107,6 +113,7 @@ def parse_args(argv=None):
     p.add_argument("--turn-tokens", type=int, default=48, help="new user tokens per later turn")
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=4, help="excluded warm-up requests per setting")
     p.add_argument("--kv-cache-memory", default="256MiB")
     p.add_argument("--health-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
@@ -150,7 +157,8 @@ def main(argv=None) -> int:
           f"commit {commit}; {platform.machine()}, {os.cpu_count()} CPU cores, everything on this host")
     print(f"app: 2 prefill + 1 decode replicas, {Path(args.model).name} fp32 CPU, 1 torch thread each; load: "
           f"{args.conversations} conversations at once x {args.turns} turns, opening {args.opening} tokens, "
-          f"+{args.output_len} answer +{args.turn_tokens} user tokens per turn, output {args.output_len}")
+          f"+{args.output_len} answer +{args.turn_tokens} user tokens per turn, output {args.output_len}; "
+          f"{args.warmup} warm-up requests per setting excluded")
     print()
     print("| setting | TTFT p50, turns >= 2 (ms) | TTFT p90, turns >= 2 (ms) | TTFT p50, turn 1 (ms) "
           "| prefix hit ratio | prompt tokens computed | wall (s) | failed |")
