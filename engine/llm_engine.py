@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import Completion, RequestOutput, TokenLogprobs
-from engine.sampler import SampleRow, make_generator, sample
+from engine.sampler import SampleRow, make_generator, sample, skip_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
@@ -104,10 +104,14 @@ class LLMEngine:
         the engine here, even when the first token already ends the request. `shown_chars`
         characters of output text were already shown (the prefill engine's first output's
         `new_text`): the text returned from here on starts after them. The returned output
-        (the first token) has no logprobs: the prefill engine computed them."""
+        (the first token) has no logprobs: the prefill engine computed them. A seeded sampled
+        request continues its random stream after the first token's draw, so the split draws
+        what one engine draws."""
         req = self._new_request(request_id, list(prompt_token_ids), params, False)
         if req.detok is not None:
             req.detok.emitted = shown_chars
+        if req.generator is not None:     # the prefill engine drew the first token from this seed
+            skip_draw(req.generator, self.runner.vocab_size)
         seq = req.seq
         self.block_manager.adopt(seq, block_ids, len(prompt_token_ids))
         seq.token_ids.append(first_token)

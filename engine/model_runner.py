@@ -103,6 +103,11 @@ class ModelRunner:
         return n
 
     @property
+    def vocab_size(self) -> int:
+        """Width of the logits (the LM head's outputs; may exceed the tokenizer's vocabulary)."""
+        return self.model.lm_head.out_features
+
+    @property
     def max_position_embeddings(self) -> int:
         return int(getattr(self.hf_config, "max_position_embeddings", 2048))
 

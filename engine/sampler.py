@@ -22,6 +22,14 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return g
 
 
+def skip_draw(generator: torch.Generator, vocab: int) -> None:
+    """Advance `generator` past one draw of `sample` (one multinomial over a `vocab` row; the
+    random numbers it takes depend on the row's size, not its values). The decode engine calls it
+    for a seeded request whose first token the prefill engine drew from the same seed: the
+    second token then gets fresh random numbers, as in one engine."""
+    torch.multinomial(torch.ones(vocab, device=generator.device), 1, generator=generator)
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask logits outside each row's top-k / nucleus with -inf (rows: [n, vocab])."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)

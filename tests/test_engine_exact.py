@@ -235,6 +235,20 @@ def test_penalties_match_hf_generate_in_one_engine_and_split(engine_maker, hf_mo
     assert all(e.block_manager.all_free() for e in (single, prefill, decode))
 
 
+def test_seeded_sampling_split_draws_what_one_engine_draws(engine_maker, prompts):
+    """The decode engine continues the seed's random stream after the prefill engine's draw of
+    the first token (instead of drawing token 2 with the numbers token 1 used)."""
+    single, prefill, decode = (engine_maker(max_num_batched_tokens=256) for _ in range(3))
+    for i in (2, 6):
+        p = prompts[i]
+        params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=1234 + i, ignore_eos=True)
+        ref = _completion(_run_one(single, f"s{i}", p, params), f"s{i}", p)
+        assert _split_run(prefill, decode, f"p{i}", p, params).token_ids == ref.token_ids
+        other = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=99, ignore_eos=True)
+        assert _completion(_run_one(single, f"o{i}", p, other), f"o{i}", p).token_ids != ref.token_ids
+    assert all(e.block_manager.all_free() for e in (single, prefill, decode))
+
+
 def test_logprobs_are_the_models_own_in_one_engine_and_split(engine_maker, hf_model, prompts):
     single, prefill, decode = (engine_maker(max_num_batched_tokens=256) for _ in range(3))
     for i in (1, 7):
