@@ -3,9 +3,10 @@
 Life cycle of an HTTP request
   1. validate  the body (pydantic, strict); errors are 400s in OpenAI's error format
   2. tokenize  the prompt or apply the chat template (tokenization lives here, not in pools)
-  3. run       the orchestrator: decode replica chosen, prefill there, decode streams back
+  3. run       the orchestrator, once per choice (`n`, router/choices.py): decode replica
+               chosen, prefill there, decode streams back
   4. respond   one JSON body, or server-sent events ending in `data: [DONE]`; a failure
-               before the first token is an HTTP error, after it an error event in the stream
+               before the first tokens is an HTTP error, after them an error event in the stream
 A client that disconnects cancels step 3, which aborts the request in every pool.
 
 (No `from __future__ import annotations` here: Serve's class-based ingress rebuilds the endpoint
@@ -14,6 +15,7 @@ signatures and FastAPI then cannot resolve string annotations of the request bod
 
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -30,11 +32,12 @@ from pdserve import messages
 from pdserve.models import resolve_model
 from pdserve.serve_config import AppConfig
 from pdserve.serve_metrics import RouterSeries
+from router.choices import Choices
 from router.guards import Guards, GuardSettings
 from router.logprobs import LogprobsFormatter, TokenStrings
 from router.metrics import RequestMetrics, render
-from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, completion_body, error_body,
-                                    error_response, usage)
+from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, choice_body, completion_body,
+                                    error_body, error_response, usage)
 from router.orchestrator import Orchestrator, RequestFailed
 
 log = logging.getLogger(__name__)
@@ -147,18 +150,27 @@ class Router:
             return error_response(400, error)
         rid = f"{prefix}-{uuid.uuid4().hex}"
         start = time.monotonic()
-        events = self._timed(self.orchestrator.run(rid, ids, params))
+        choices = Choices([self._choice(rid, i, ids, params) for i in range(body.n)])
         try:
-            first = await events.__anext__()
+            firsts = await choices.start()
             first_at = time.monotonic()
         except RequestFailed as exc:
             self.request_metrics.finish("error")
             return error_response(exc.code, exc.message, exc.kind,
                                   headers={"Retry-After": "1"} if exc.code in (429, 503) else None)
         if body.stream:
-            return StreamingResponse(self._sse(body, rid, first, events, chat, (start, first_at)),
+            return StreamingResponse(self._sse(body, rid, choices, firsts, chat, (start, first_at)),
                                      media_type="text/event-stream")
-        return await self._collect(body, rid, first, events, chat, (start, first_at))
+        return await self._collect(body, rid, choices, firsts, chat, (start, first_at))
+
+    def _choice(self, rid: str, index: int, ids: list[int], params):
+        """Choice `index` of a request: its own request id in the pools and, when the request has
+        a seed, seed + index (the choices differ and each is reproducible)."""
+        if index:
+            rid = f"{rid}-{index}"
+            if params.seed is not None:
+                params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
+        return lambda: self._timed(self.orchestrator.run(rid, ids, params))
 
     async def _timed(self, events):
         """`events` under the request deadline; every failure comes out as a RequestFailed, so a
@@ -184,51 +196,75 @@ class Router:
         formatter = LogprobsFormatter(self.token_strings)
         return formatter.chat if chat else formatter.completion
 
-    async def _collect(self, body, rid, first, events, chat, times):
-        text, last, entries = first.text, first, list(first.logprobs)
+    @staticmethod
+    def _usage(firsts: list[messages.TokenEvent], lasts: list[messages.TokenEvent]) -> dict:
+        """The prompt once, the completion tokens of every choice, and the prompt tokens served
+        from a prefix cache for the choice that had the most (choices 1..n-1 reuse choice 0's).
+        The cache counts come with the first events: the engine that computed the prompt (the
+        prefill replica's; a decode replica's events count none)."""
+        return usage(lasts[0].num_prompt_tokens, sum(ev.num_output_tokens for ev in lasts),
+                     max(ev.num_cached_tokens for ev in firsts))
+
+    def _observe(self, times, lasts: list[messages.TokenEvent]) -> None:
+        self.request_metrics.observe(*times, time.monotonic(), sum(ev.num_output_tokens for ev in lasts),
+                                     max(ev.num_output_tokens for ev in lasts))
+
+    async def _collect(self, body, rid, choices: Choices, firsts, chat, times):
+        texts, lasts = [ev.text for ev in firsts], list(firsts)
+        entries = [list(ev.logprobs) for ev in firsts]
         try:
-            async for ev in events:
-                text += ev.text
-                entries += ev.logprobs
-                last = ev
+            async for i, ev in choices.events():
+                texts[i] += ev.text
+                entries[i] += ev.logprobs
+                lasts[i] = ev
         except RequestFailed as exc:
             self.request_metrics.finish("error")
             return error_response(exc.code, exc.message, exc.kind)
+        finally:
+            await choices.aclose()
         self.request_metrics.finish("ok")
-        self.request_metrics.observe(*times, time.monotonic(), last.num_output_tokens)
-        use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-        fmt = self._logprobs(body, chat)
-        return completion_body(rid, self.model_name, text, last.finish_reason, chat, chunk=False, use=use,
-                               logprobs=fmt(tuple(entries)) if fmt else None)
+        self._observe(times, lasts)
+        out = []
+        for i, last in enumerate(lasts):
+            fmt = self._logprobs(body, chat)
+            out.append(choice_body(i, texts[i], last.finish_reason, chat, chunk=False,
+                                   logprobs=fmt(tuple(entries[i])) if fmt else None))
+        return completion_body(rid, self.model_name, out, chat, chunk=False, use=self._usage(firsts, lasts))
 
-    async def _sse(self, body, rid, first, events, chat, times):
-        def data(obj) -> str:
+    async def _sse(self, body, rid, choices: Choices, firsts, chat, times):
+        def data(choice: dict | None = None, use: dict | None = None) -> str:
+            obj = completion_body(rid, self.model_name, [choice] if choice else [], chat, chunk=True, use=use)
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        last, outcome, fmt = first, "aborted", self._logprobs(body, chat)
+        fmts = [self._logprobs(body, chat) for _ in firsts]
+        lasts, outcome = list(firsts), "aborted"
+
+        def chunk(i: int, ev: messages.TokenEvent) -> str | None:
+            lasts[i] = ev
+            if not (ev.text or ev.finished or (fmts[i] and ev.logprobs)):
+                return None
+            return data(choice_body(i, ev.text, ev.finish_reason if ev.finished else None, chat, chunk=True,
+                                    logprobs=fmts[i](ev.logprobs) if fmts[i] else None))
         try:
             if chat:
-                yield data(completion_body(rid, self.model_name, "", None, True, chunk=True, first=True))
-            ev = first
-            while True:
-                if ev.text or ev.finished or (fmt and ev.logprobs):
-                    yield data(completion_body(rid, self.model_name, ev.text, ev.finish_reason if ev.finished else None,
-                                               chat, chunk=True, logprobs=fmt(ev.logprobs) if fmt else None))
-                last = ev
-                if ev.finished:
-                    break
-                ev = await events.__anext__()
-            self.request_metrics.observe(*times, time.monotonic(), last.num_output_tokens)
+                for i in range(len(firsts)):
+                    yield data(choice_body(i, "", None, True, chunk=True, first=True))
+            for i, ev in enumerate(firsts):
+                if (text := chunk(i, ev)) is not None:
+                    yield text
+            async for i, ev in choices.events():
+                if (text := chunk(i, ev)) is not None:
+                    yield text
+            if not all(ev.finished for ev in lasts):
+                raise RequestFailed(500, "the stream ended without finishing")
+            self._observe(times, lasts)
             if body.include_usage:
-                use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-                yield data(completion_body(rid, self.model_name, None, None, chat, chunk=True, use=use))
+                yield data(use=self._usage(firsts, lasts))
             outcome = "ok"
         except RequestFailed as exc:
             outcome = "error"
-            yield data(error_body(exc.message, exc.kind, exc.code))
-        except StopAsyncIteration:
-            outcome = "error"
-            yield data(error_body("the stream ended without finishing", "server_error", 500))
+            yield f"data: {json.dumps(error_body(exc.message, exc.kind, exc.code), ensure_ascii=False)}\n\n"
         finally:
             self.request_metrics.finish(outcome)
+            await choices.aclose()
         yield "data: [DONE]\n\n"

@@ -48,9 +48,13 @@ class RequestMetrics:
         self.outcomes: Counter = Counter()
         self.export = export
 
-    def observe(self, start: float, first: float, end: float, output_tokens: int) -> None:
+    def observe(self, start: float, first: float, end: float, output_tokens: int,
+                stream_tokens: int | None = None) -> None:
+        """One finished request. `stream_tokens`: the tokens of its longest choice, which sets
+        TPOT when n > 1 choices decode side by side (default: `output_tokens`)."""
         ttft, e2e = first - start, end - start
-        tpot = (end - first) / (output_tokens - 1) if output_tokens > 1 else None
+        per_stream = output_tokens if stream_tokens is None else stream_tokens
+        tpot = (end - first) / (per_stream - 1) if per_stream > 1 else None
         self.ttft.observe(ttft)
         self.e2e.observe(e2e)
         if tpot is not None:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.sampling_params import MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams
 
 MAX_TOKENS_DEFAULT_COMPLETION = 16
+MAX_CHOICES = 16   # most choices (`n`) in one request
 
 
 class _Strict(BaseModel):
@@ -33,7 +34,7 @@ class _Sampling(_Strict):
     top_k: int = Field(-1, ge=-1)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -164,21 +165,23 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def completion_body(rid: str, model: str, text: str | None, finish: str | None, chat: bool,
-                    chunk: bool, use: dict | None = None, first: bool = False,
-                    logprobs: dict | None = None) -> dict:
-    """A response (chunk=False) or one stream chunk; text None = a usage-only chunk.
-    `logprobs`: the choice's OpenAI logprobs object (router/logprobs.py), when asked for."""
-    choices = []
-    if text is not None:
-        if chat:
-            key = "delta" if chunk else "message"
-            msg = {"content": text} if chunk else {"role": "assistant", "content": text}
-            if chunk and first:
-                msg = {"role": "assistant", "content": text}
-            choices = [{"index": 0, key: msg, "logprobs": logprobs, "finish_reason": finish}]
-        else:
-            choices = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+def choice_body(index: int, text: str, finish: str | None, chat: bool, chunk: bool, first: bool = False,
+                logprobs: dict | None = None) -> dict:
+    """One choice of a response (chunk=False) or of a stream chunk; `first` (chat chunks): the
+    choice's opening chunk, which carries the role. `logprobs`: the choice's OpenAI logprobs
+    object (router/logprobs.py), when asked for."""
+    if not chat:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    if not chunk:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+    delta = {"role": "assistant", "content": text} if first else {"content": text}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completion_body(rid: str, model: str, choices: list[dict], chat: bool, chunk: bool,
+                    use: dict | None = None) -> dict:
+    """A response (chunk=False) or one stream chunk; no choices and `use` = a usage-only chunk."""
     obj = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
     if use is not None or not chunk:

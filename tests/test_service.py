@@ -190,6 +190,43 @@ def test_penalties_reach_both_pools(disagg, colocated):
     assert split == single and split != plain
 
 
+def test_n_choices_share_the_prompt_and_have_their_own_seeds(disagg):
+    """n = 3 sampled choices with a seed: choice i draws what a single request with seed + i
+    draws; choices 1 and 2 reuse choice 0's prompt blocks from the prefill replica's prefix cache;
+    usage counts the prompt once and every choice's tokens; streamed, each choice's chunks carry
+    its index and add up to the same texts."""
+    prompt = "Here is a short story about a lighthouse keeper and the sea. " * 4
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 3,
+            "ignore_eos": True}
+    status, text = http(disagg, "/v1/completions", body)
+    assert status == 200, text
+    out = json.loads(text)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    texts = [c["text"] for c in out["choices"]]
+    assert len(set(texts)) > 1
+    for i in range(3):
+        single = json.loads(http(disagg, "/v1/completions", {**body, "n": 1, "seed": 7 + i})[1])
+        assert single["choices"][0]["text"] == texts[i]
+    use = out["usage"]
+    assert use["completion_tokens"] == 18 and use["prompt_tokens"] == single["usage"]["prompt_tokens"]
+    assert use["prompt_tokens_details"]["cached_tokens"] >= 16 * (use["prompt_tokens"] // 16 - 1)
+    status, text = http(disagg, "/v1/completions", {**body, "stream": True,
+                                                    "stream_options": {"include_usage": True}})
+    events = sse_events(text)
+    assert status == 200 and events[-1] == "[DONE]"
+    streamed = ["", "", ""]
+    for e in events[:-1]:
+        for c in e["choices"]:
+            streamed[c["index"]] += c["text"]
+    assert streamed == texts and events[-2]["usage"]["completion_tokens"] == 18
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
+            "temperature": 0, "n": 2}
+    out = json.loads(http(disagg, "/v1/chat/completions", chat)[1])
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert out["choices"][0]["message"] == out["choices"][1]["message"]      # greedy: the same
+    assert pools_all_free(disagg, {"prefill", "decode"})
+
+
 def test_health_models_and_errors(disagg):
     assert http(disagg, "/health")[0] == 200
     _, text = http(disagg, "/metrics")

@@ -1,0 +1,96 @@
+"""The n choices of one request (OpenAI's `n`), run as n requests through the pools.
+
+Life cycle (the router's `_generate` drives it):
+  1. start    choice 0 runs alone until its first token: by then the prompt's full blocks sit in
+              the prefix cache of the prefill replica that computed them. Choices 1..n-1 start
+              then, and prefix affinity (router/prefix_affinity.py) sends them to that replica,
+              which computes only the prompt's last, partial block for each. The first events
+              of all choices are returned together, so any failure so far is still an HTTP
+              status: `start` closes every choice and raises the first RequestFailed.
+  2. events   the other events of all choices, merged as they come, tagged with their index;
+              a choice that fails raises its RequestFailed here (the others are closed).
+  3. aclose   always, at the end (finished, failed, client gone): every choice still running
+              is cancelled, which aborts it in its replicas and frees its blocks.
+Each choice is an async iterator of TokenEvents that raises only RequestFailed (the router's
+`_timed` wraps the orchestrator's run); one task per choice pumps it into a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable
+
+from pdserve import messages
+from router.orchestrator import RequestFailed
+
+Run = Callable[[], AsyncIterator[messages.TokenEvent]]
+
+_END = object()
+
+
+class Choices:
+    def __init__(self, runs: list[Run]):
+        assert runs
+        self._runs = runs
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._firsts: list[asyncio.Future] = []
+        self._open = 0
+
+    async def start(self) -> list[messages.TokenEvent]:
+        """1. The first event of every choice, in index order; raises RequestFailed."""
+        try:
+            firsts = [await self._launch(0)]
+            rest = [self._launch(i) for i in range(1, len(self._runs))]
+            firsts += await asyncio.gather(*rest)
+            return firsts
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _launch(self, index: int) -> messages.TokenEvent:
+        first: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._firsts.append(first)
+        self._tasks.append(asyncio.ensure_future(self._pump(index, first)))
+        self._open += 1
+        return await first
+
+    async def _pump(self, index: int, first: asyncio.Future) -> None:
+        events = self._runs[index]()
+        try:
+            async for event in events:
+                if not first.done():
+                    first.set_result(event)
+                else:
+                    await self._queue.put((index, event))
+            if not first.done():
+                first.set_exception(RequestFailed(500, "a choice ended without any event"))
+        except RequestFailed as exc:
+            if not first.done():
+                first.set_exception(exc)
+            else:
+                await self._queue.put((index, exc))
+            return
+        finally:
+            await events.aclose()
+        await self._queue.put((index, _END))
+
+    async def events(self) -> AsyncIterator[tuple[int, messages.TokenEvent]]:
+        """2. (index, event) for every event after the first ones, until every choice ended."""
+        while self._open:
+            index, item = await self._queue.get()
+            if item is _END:
+                self._open -= 1
+            elif isinstance(item, RequestFailed):
+                raise item
+            else:
+                yield index, item
+
+    async def aclose(self) -> None:
+        """3. Cancel whatever still runs and wait for it to wind down."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for first in self._firsts:
+            if first.done() and not first.cancelled():
+                first.exception()   # retrieved: no "never retrieved" warning

@@ -1,0 +1,71 @@
+"""router/choices.py with scripted runs (no Ray): choice 0 alone until its first event, the
+rest after; events merged; failures before the first events raise from `start`, later ones
+from `events`; every choice still running is closed at the end."""
+
+import asyncio
+
+import pytest
+
+from pdserve.messages import TokenEvent
+from router.choices import Choices
+from router.orchestrator import RequestFailed
+
+
+class Script:
+    """A run yielding `n` events (the last finished), optionally failing after `fail_after`."""
+
+    def __init__(self, log: list, index: int, n: int = 3, fail_after: int | None = None, delay: float = 0.0):
+        self.log, self.index, self.n, self.fail_after, self.delay = log, index, n, fail_after, delay
+
+    async def __call__(self):
+        self.log.append(("start", self.index))
+        try:
+            for k in range(self.n):
+                if self.fail_after is not None and k == self.fail_after:
+                    raise RequestFailed(503, f"choice {self.index} failed")
+                await asyncio.sleep(self.delay)
+                self.log.append(("yield", self.index, k))
+                yield TokenEvent(f"r{self.index}", (k,), f"{self.index}.{k} ", k == self.n - 1)
+        finally:
+            self.log.append(("closed", self.index))
+
+
+def test_choice_zero_first_then_the_rest_merged():
+    async def main():
+        log = []
+        choices = Choices([Script(log, i, n=3 + i) for i in range(3)])
+        firsts = await choices.start()
+        assert [ev.text for ev in firsts] == ["0.0 ", "1.0 ", "2.0 "]
+        assert log.index(("start", 1)) > log.index(("yield", 0, 0))   # choice 0's first token came first
+        assert log.index(("start", 2)) > log.index(("yield", 0, 0))
+        seen = {0: [], 1: [], 2: []}
+        async for i, ev in choices.events():
+            seen[i].append(ev.text)
+        await choices.aclose()
+        assert seen == {i: [f"{i}.{k} " for k in range(1, 3 + i)] for i in range(3)}
+        assert sorted(e for e in log if e[0] == "closed") == [("closed", i) for i in range(3)]
+    asyncio.run(main())
+
+
+def test_a_failure_before_the_first_events_raises_from_start_and_closes_the_others():
+    async def main():
+        log = []
+        choices = Choices([Script(log, 0), Script(log, 1, n=1000, delay=0.01), Script(log, 2, fail_after=0)])
+        with pytest.raises(RequestFailed) as err:
+            await choices.start()
+        assert err.value.code == 503 and "choice 2" in err.value.message
+        assert ("closed", 1) in log        # the long choice was cancelled, not left running
+    asyncio.run(main())
+
+
+def test_a_later_failure_raises_from_events_and_aclose_stops_the_rest():
+    async def main():
+        log = []
+        choices = Choices([Script(log, 0, n=1000, delay=0.01), Script(log, 1, fail_after=2)])
+        await choices.start()
+        with pytest.raises(RequestFailed):
+            async for _ in choices.events():
+                pass
+        await choices.aclose()
+        assert ("closed", 0) in log and ("closed", 1) in log
+    asyncio.run(main())
