@@ -65,11 +65,12 @@ class Choices:
                     await self._queue.put((index, event))
             if not first.done():
                 first.set_exception(RequestFailed(500, "a choice ended without any event"))
-        except RequestFailed as exc:
+        except Exception as exc:  # noqa: BLE001 - RequestFailed, or a bug: the request fails, the router stays up
+            failure = exc if isinstance(exc, RequestFailed) else RequestFailed(500, f"internal error: {exc!r}")
             if not first.done():
-                first.set_exception(exc)
+                first.set_exception(failure)
             else:
-                await self._queue.put((index, exc))
+                await self._queue.put((index, failure))
             return
         finally:
             await events.aclose()

@@ -69,3 +69,16 @@ def test_a_later_failure_raises_from_events_and_aclose_stops_the_rest():
         await choices.aclose()
         assert ("closed", 0) in log and ("closed", 1) in log
     asyncio.run(main())
+
+
+def test_an_unforeseen_exception_becomes_a_500_not_a_hang():
+    async def broken():
+        raise ValueError("bug")
+        yield  # noqa: unreachable - makes this an async generator
+
+    async def main():
+        choices = Choices([broken])
+        with pytest.raises(RequestFailed) as err:
+            await asyncio.wait_for(choices.start(), 5)
+        assert err.value.code == 500 and "bug" in err.value.message
+    asyncio.run(main())
