@@ -109,14 +109,16 @@ class Router:
     # ---- generation -----------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        if isinstance(body.prompt, list):
-            if max(body.prompt) >= len(self.tokenizer):
+        prompts = []
+        for p in body.prompts():
+            if isinstance(p, str):
+                prompts.append(self.tokenizer.encode(p))
+            elif max(p) >= len(self.tokenizer):
                 return error_response(400, f"token id out of range (vocabulary size {len(self.tokenizer)})",
                                       param="prompt")
-            ids = list(body.prompt)
-        else:
-            ids = self.tokenizer.encode(body.prompt)
-        return await self._generate(body, ids, body.max_tokens, chat=False, prefix="cmpl")
+            else:
+                prompts.append(list(p))
+        return await self._generate(body, prompts, body.max_tokens, chat=False, prefix="cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
@@ -125,16 +127,17 @@ class Router:
         except ValueError as exc:
             return error_response(400, str(exc), param="messages")
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return await self._generate(body, ids, body.max_completion_tokens or body.max_tokens, chat=True,
+        return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,
                                     prefix="chatcmpl")
 
-    async def _generate(self, body, ids: list[int], max_tokens: int | None, chat: bool, prefix: str):
+    async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str):
         if body.model != self.model_name:
             return error_response(404, f"model {body.model!r} does not exist; this server serves "
                                   f"{self.model_name!r}", param="model", code="model_not_found")
-        if not ids:
+        if not all(prompts):
             return error_response(400, "the prompt is empty", param="prompt")
-        room = self.max_model_len - len(ids)
+        longest = max(len(ids) for ids in prompts)
+        room = self.max_model_len - longest
         if max_tokens is None:
             max_tokens = min(room, self.config.max_tokens_limit)
         if max_tokens > self.config.max_tokens_limit:
@@ -142,7 +145,7 @@ class Router:
                                   f"{self.config.max_tokens_limit}", param="max_tokens")
         if room < 1 or max_tokens > room:
             return error_response(400, f"this model's maximum context length is {self.max_model_len} tokens; "
-                                  f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}",
+                                  f"the prompt has {longest} tokens and max_tokens is {max_tokens}",
                                   param="max_tokens")
         params = body.sampling_params(max_tokens)
         error = params.validate()
@@ -150,7 +153,9 @@ class Router:
             return error_response(400, error)
         rid = f"{prefix}-{uuid.uuid4().hex}"
         start = time.monotonic()
-        choices = Choices([self._choice(rid, i, ids, params) for i in range(body.n)])
+        n = body.n
+        choices = Choices([[self._choice(rid, p * n + j, j, ids, params) for j in range(n)]
+                           for p, ids in enumerate(prompts)])
         try:
             firsts = await choices.start()
             first_at = time.monotonic()
@@ -163,13 +168,13 @@ class Router:
                                      media_type="text/event-stream")
         return await self._collect(body, rid, choices, firsts, chat, (start, first_at))
 
-    def _choice(self, rid: str, index: int, ids: list[int], params):
-        """Choice `index` of a request: its own request id in the pools and, when the request has
-        a seed, seed + index (the choices differ and each is reproducible)."""
+    def _choice(self, rid: str, index: int, j: int, ids: list[int], params):
+        """Choice `index` of a request, the `j`-th of its prompt: its own request id in the pools
+        and, when the request has a seed, seed + j (a prompt's choices differ, each reproducible)."""
         if index:
             rid = f"{rid}-{index}"
-            if params.seed is not None:
-                params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
+        if j and params.seed is not None:
+            params = dataclasses.replace(params, seed=(params.seed + j) % 2**63)
         return lambda: self._timed(self.orchestrator.run(rid, ids, params))
 
     async def _timed(self, events):
@@ -197,13 +202,14 @@ class Router:
         return formatter.chat if chat else formatter.completion
 
     @staticmethod
-    def _usage(firsts: list[messages.TokenEvent], lasts: list[messages.TokenEvent]) -> dict:
-        """The prompt once, the completion tokens of every choice, and the prompt tokens served
-        from a prefix cache for the choice that had the most (choices 1..n-1 reuse choice 0's).
-        The cache counts come with the first events: the engine that computed the prompt (the
-        prefill replica's; a decode replica's events count none)."""
-        return usage(lasts[0].num_prompt_tokens, sum(ev.num_output_tokens for ev in lasts),
-                     max(ev.num_cached_tokens for ev in firsts))
+    def _usage(n: int, firsts: list[messages.TokenEvent], lasts: list[messages.TokenEvent]) -> dict:
+        """Each prompt once, the completion tokens of every choice, and per prompt the prompt
+        tokens served from a prefix cache for its choice that had the most (choices 1..n-1 reuse
+        choice 0's). The cache counts come with the first events: the engine that computed the
+        prompt (the prefill replica's; a decode replica's events count none)."""
+        groups = range(0, len(lasts), n)
+        return usage(sum(lasts[g].num_prompt_tokens for g in groups), sum(ev.num_output_tokens for ev in lasts),
+                     sum(max(ev.num_cached_tokens for ev in firsts[g:g + n]) for g in groups))
 
     def _observe(self, times, lasts: list[messages.TokenEvent]) -> None:
         self.request_metrics.observe(*times, time.monotonic(), sum(ev.num_output_tokens for ev in lasts),
@@ -229,7 +235,7 @@ class Router:
             fmt = self._logprobs(body, chat)
             out.append(choice_body(i, texts[i], last.finish_reason, chat, chunk=False,
                                    logprobs=fmt(tuple(entries[i])) if fmt else None))
-        return completion_body(rid, self.model_name, out, chat, chunk=False, use=self._usage(firsts, lasts))
+        return completion_body(rid, self.model_name, out, chat, chunk=False, use=self._usage(body.n, firsts, lasts))
 
     async def _sse(self, body, rid, choices: Choices, firsts, chat, times):
         def data(choice: dict | None = None, use: dict | None = None) -> str:
@@ -259,7 +265,7 @@ class Router:
                 raise RequestFailed(500, "the stream ended without finishing")
             self._observe(times, lasts)
             if body.include_usage:
-                yield data(use=self._usage(firsts, lasts))
+                yield data(use=self._usage(body.n, firsts, lasts))
             outcome = "ok"
         except RequestFailed as exc:
             outcome = "error"

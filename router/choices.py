@@ -1,12 +1,15 @@
-"""The n choices of one request (OpenAI's `n`), run as n requests through the pools.
+"""The choices of one request (OpenAI's `n`, times the prompts of a batched completion), each
+run as one request through the pools.
 
+Choices come in groups, one per prompt, in index order (prompt p's choice j has index p*n + j).
 Life cycle (the router's `_generate` drives it):
-  1. start    choice 0 runs alone until its first token: by then the prompt's full blocks sit in
-              the prefix cache of the prefill replica that computed them. Choices 1..n-1 start
-              then, and prefix affinity (router/prefix_affinity.py) sends them to that replica,
-              which computes only the prompt's last, partial block for each. The first events
-              of all choices are returned together, so any failure so far is still an HTTP
-              status: `start` closes every choice and raises the first RequestFailed.
+  1. start    the first choice of every group runs until its first token: by then the prompt's
+              full blocks sit in the prefix cache of the prefill replica that computed them. The
+              group's other choices start then, and prefix affinity (router/prefix_affinity.py)
+              sends them to that replica, which computes only the prompt's last, partial block
+              for each. The first events of all choices are returned together, so any failure
+              so far is still an HTTP status: `start` closes every choice and raises the first
+              RequestFailed.
   2. events   the other events of all choices, merged as they come, tagged with their index;
               a choice that fails raises its RequestFailed here (the others are closed).
   3. aclose   always, at the end (finished, failed, client gone): every choice still running
@@ -29,9 +32,13 @@ _END = object()
 
 
 class Choices:
-    def __init__(self, runs: list[Run]):
-        assert runs
-        self._runs = runs
+    def __init__(self, groups: list[list[Run]]):
+        assert groups and all(groups)
+        self._runs = [run for group in groups for run in group]
+        starts = [0]
+        for group in groups[:-1]:
+            starts.append(starts[-1] + len(group))
+        self._leaders = starts
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._firsts: list[asyncio.Future] = []
@@ -39,12 +46,19 @@ class Choices:
 
     async def start(self) -> list[messages.TokenEvent]:
         """1. The first event of every choice, in index order; raises RequestFailed."""
+        async def group(leader: int, end: int) -> list[messages.TokenEvent]:
+            first = await self._launch(leader)
+            return [first, *await asyncio.gather(*(self._launch(i) for i in range(leader + 1, end)))]
+
+        ends = self._leaders[1:] + [len(self._runs)]
+        starting = [asyncio.ensure_future(group(a, b)) for a, b in zip(self._leaders, ends)]
         try:
-            firsts = [await self._launch(0)]
-            rest = [self._launch(i) for i in range(1, len(self._runs))]
-            firsts += await asyncio.gather(*rest)
-            return firsts
+            groups = await asyncio.gather(*starting)
+            return [event for firsts in groups for event in firsts]
         except BaseException:
+            for task in starting:     # no group may launch a choice after this
+                task.cancel()
+            await asyncio.gather(*starting, return_exceptions=True)
             await self.aclose()
             raise
 
@@ -93,5 +107,7 @@ class Choices:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for first in self._firsts:
-            if first.done() and not first.cancelled():
+            if not first.done():
+                first.cancel()      # whoever still waits for it wakes up
+            elif not first.cancelled():
                 first.exception()   # retrieved: no "never retrieved" warning

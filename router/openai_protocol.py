@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.sampling_params import MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams
 
 MAX_TOKENS_DEFAULT_COMPLETION = 16
-MAX_CHOICES = 16   # most choices (`n`) in one request
+MAX_CHOICES = 16   # most choices in one request (n, times the prompts of a batched completion)
+MAX_PROMPTS = 16   # most prompts in one completion request
 
 
 class _Strict(BaseModel):
@@ -74,31 +75,41 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(MAX_TOKENS_DEFAULT_COMPLETION, ge=1)
     echo: Literal[False] = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: None = None
     best_of: int | None = Field(None, ge=1, le=1)
 
-    def logprob_count(self) -> int | None:
-        return self.logprobs
-
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if isinstance(v[0], str):
-                if len(v) != 1:
-                    raise ValueError("only one prompt per request is supported")
-                v = v[0]
-            elif any((not isinstance(t, int)) or t < 0 for t in v):
-                raise ValueError("token prompts must be non-negative integers")
-        if isinstance(v, str) and not v:
+        prompts = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
+        if not prompts:
             raise ValueError("prompt must not be empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        for p in prompts:
+            if not p:
+                raise ValueError("prompt must not be empty")
+            if not isinstance(p, str) and any((not isinstance(t, int)) or t < 0 for t in p):
+                raise ValueError("token prompts must be non-negative integers")
         return v
+
+    @model_validator(mode="after")
+    def _choices_in_all(self):
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompts x n must be at most {MAX_CHOICES}")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (a list of strings or of token lists)."""
+        v = self.prompt
+        return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(_Strict):

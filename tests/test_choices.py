@@ -33,7 +33,7 @@ class Script:
 def test_choice_zero_first_then_the_rest_merged():
     async def main():
         log = []
-        choices = Choices([Script(log, i, n=3 + i) for i in range(3)])
+        choices = Choices([[Script(log, i, n=3 + i) for i in range(3)]])
         firsts = await choices.start()
         assert [ev.text for ev in firsts] == ["0.0 ", "1.0 ", "2.0 "]
         assert log.index(("start", 1)) > log.index(("yield", 0, 0))   # choice 0's first token came first
@@ -50,7 +50,7 @@ def test_choice_zero_first_then_the_rest_merged():
 def test_a_failure_before_the_first_events_raises_from_start_and_closes_the_others():
     async def main():
         log = []
-        choices = Choices([Script(log, 0), Script(log, 1, n=1000, delay=0.01), Script(log, 2, fail_after=0)])
+        choices = Choices([[Script(log, 0), Script(log, 1, n=1000, delay=0.01), Script(log, 2, fail_after=0)]])
         with pytest.raises(RequestFailed) as err:
             await choices.start()
         assert err.value.code == 503 and "choice 2" in err.value.message
@@ -61,7 +61,7 @@ def test_a_failure_before_the_first_events_raises_from_start_and_closes_the_othe
 def test_a_later_failure_raises_from_events_and_aclose_stops_the_rest():
     async def main():
         log = []
-        choices = Choices([Script(log, 0, n=1000, delay=0.01), Script(log, 1, fail_after=2)])
+        choices = Choices([[Script(log, 0, n=1000, delay=0.01), Script(log, 1, fail_after=2)]])
         await choices.start()
         with pytest.raises(RequestFailed):
             async for _ in choices.events():
@@ -77,8 +77,25 @@ def test_an_unforeseen_exception_becomes_a_500_not_a_hang():
         yield  # noqa: unreachable - makes this an async generator
 
     async def main():
-        choices = Choices([broken])
+        choices = Choices([[broken]])
         with pytest.raises(RequestFailed) as err:
             await asyncio.wait_for(choices.start(), 5)
         assert err.value.code == 500 and "bug" in err.value.message
+    asyncio.run(main())
+
+
+def test_groups_start_their_leaders_at_once_and_followers_after_their_leader():
+    async def main():
+        log = []
+        choices = Choices([[Script(log, 0, delay=0.05), Script(log, 1)], [Script(log, 2), Script(log, 3)]])
+        firsts = await choices.start()
+        assert [ev.request_id for ev in firsts] == ["r0", "r1", "r2", "r3"]
+        assert log.index(("start", 2)) < log.index(("yield", 0, 0))      # both leaders at once
+        assert log.index(("start", 1)) > log.index(("yield", 0, 0))      # followers after their leader
+        assert log.index(("start", 3)) > log.index(("yield", 2, 0))
+        n = 0
+        async for _ in choices.events():
+            n += 1
+        await choices.aclose()
+        assert n == 4 * 2
     asyncio.run(main())

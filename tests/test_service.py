@@ -227,6 +227,30 @@ def test_n_choices_share_the_prompt_and_have_their_own_seeds(disagg):
     assert pools_all_free(disagg, {"prefill", "decode"})
 
 
+def test_batched_prompts_with_n(disagg, prompts, hf_greedy, tokenizer):
+    """A completion with two token prompts and n = 2, greedy: choices 2p and 2p + 1 are prompt
+    p's and equal Hugging Face's output for it; streamed the same; usage counts both prompts."""
+    k = min(max_tokens_for(1), max_tokens_for(4))
+    body = {"model": MODEL, "prompt": [prompts[1], prompts[4]], "max_tokens": k, "temperature": 0, "n": 2}
+    refs = [tokenizer.decode(hf_greedy[i][:k], skip_special_tokens=True) for i in (1, 4)]
+    status, text = http(disagg, "/v1/completions", body)
+    assert status == 200, text
+    out = json.loads(text)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in out["choices"]] == [refs[0], refs[0], refs[1], refs[1]]
+    assert out["usage"]["prompt_tokens"] == len(prompts[1]) + len(prompts[4])
+    events = sse_events(http(disagg, "/v1/completions", {**body, "stream": True})[1])
+    streamed = [""] * 4
+    for e in events[:-1]:
+        for c in e["choices"]:
+            streamed[c["index"]] += c["text"]
+    assert streamed == [c["text"] for c in out["choices"]]
+    status, text = http(disagg, "/v1/completions", {"model": MODEL, "prompt": ["Hello", "The sky is"],
+                                                    "max_tokens": 3, "temperature": 0})
+    assert status == 200 and len(json.loads(text)["choices"]) == 2
+    assert pools_all_free(disagg, {"prefill", "decode"})
+
+
 def test_health_models_and_errors(disagg):
     assert http(disagg, "/health")[0] == 200
     _, text = http(disagg, "/metrics")
