@@ -60,8 +60,9 @@ class BlockManager:
     # ---- allocation for a sequence ------------------------------------------------------
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks; at least one token
-        is always left to compute so the step can produce logits."""
-        if not self.enable_prefix_caching:
+        is always left to compute so the step can produce logits. None for a request that wants
+        prompt logprobs: every prompt position must be computed for its logits."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         hits, prev = [], -1
         for i in range((len(seq) - 1) // self.block_size):

@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import Completion, RequestOutput, TokenLogprobs
-from engine.sampler import SampleRow, make_generator, sample, skip_draw
+from engine.sampler import SampleRow, make_generator, prompt_logprobs, sample, skip_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
@@ -35,6 +35,9 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer | None
     generator: torch.Generator | None
+    # Prompt logprobs collected so far (position p's entry is token p + 1's); None once handed
+    # out with the first token, or when the request did not ask for them.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLMEngine:
@@ -86,7 +89,7 @@ class LLMEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = make_generator(seed, self.runner.device)
-        req = _Request(seq, detok, generator)
+        req = _Request(seq, detok, generator, [] if params.prompt_logprobs is not None else None)
         self._requests[request_id] = req
         return req
 
@@ -143,8 +146,29 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        logits = self.runner.run(chunks)
-        return self._postprocess(chunks, logits)
+        spans = self._prompt_logprob_spans(chunks)
+        out = self.runner.run(chunks, spans)
+        for i, (a, b) in spans.items():
+            ch = chunks[i]
+            targets = ch.seq.token_ids[ch.start + a + 1:ch.start + b + 1]
+            self._requests[ch.seq.request_id].prompt_logprobs += prompt_logprobs(
+                self.runner.model.lm_head, out.hidden[i], targets, ch.seq.params.prompt_logprobs)
+        return self._postprocess(chunks, out.logits)
+
+    def _prompt_logprob_spans(self, chunks: list[ScheduledChunk]) -> dict[int, tuple[int, int]]:
+        """{chunk index: (first, last) row offsets} of the prompt positions in this step whose
+        logprobs a request still lacks (position p gives token p + 1's; a recomputation after
+        preemption does not collect them twice)."""
+        spans = {}
+        for i, ch in enumerate(chunks):
+            collected = self._requests[ch.seq.request_id].prompt_logprobs
+            if collected is None:
+                continue
+            first = max(ch.start, len(collected))
+            last = min(ch.start + ch.num_tokens, ch.seq.num_prompt_tokens - 1)
+            if first < last:
+                spans[i] = (first - ch.start, last - ch.start)
+        return spans
 
     def _postprocess(self, chunks: list[ScheduledChunk], logits) -> list[RequestOutput]:
         for ch in chunks:
@@ -187,7 +211,10 @@ class LLMEngine:
             self.scheduler.finish(seq, reason, keep_blocks=seq.hold_blocks)
             if not seq.hold_blocks:
                 del self._requests[seq.request_id]
-        return self._output(req, [token], reason, done, None if logprobs is None else [logprobs])
+        out = self._output(req, [token], reason, done, None if logprobs is None else [logprobs])
+        if req.prompt_logprobs:            # with the first token, once
+            out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+        return out
 
     def _output(self, req: _Request, new_ids: list[int], reason, finished: bool,
                 logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:

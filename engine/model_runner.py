@@ -53,6 +53,12 @@ class KVShape:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
+@dataclass
+class StepOutput:
+    logits: torch.Tensor | None        # [n_sampling_chunks, vocab], float32
+    hidden: dict[int, torch.Tensor]    # chunk index -> [rows, hidden] (see ModelRunner.run)
+
+
 def kv_shape_of(hf_config, block_size: int, dtype: torch.dtype) -> KVShape:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
@@ -113,16 +119,27 @@ class ModelRunner:
 
     # ---- the forward -----------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+    def run(self, chunks: list[ScheduledChunk],
+            hidden_spans: dict[int, tuple[int, int]] | None = None) -> StepOutput:
         """Feed every chunk; return float32 logits [n_sampling_chunks, vocab] in chunk order
-        (only chunks whose `sample` is true), or None when no chunk samples."""
+        (only chunks whose `sample` is true; None when no chunk samples), and for each
+        `hidden_spans` entry {chunk index: (first, last) row offsets within the chunk} the final
+        hidden states of those rows (prompt logprobs: sampler.prompt_logprobs turns them into
+        log-probabilities slice by slice, never a [tokens, vocab] tensor at once)."""
         input_ids, positions, sample_rows, meta = self._prepare(chunks)
         out = self.model.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                                pd_attn=meta)
-        if not sample_rows:
-            return None
-        hidden = out.last_hidden_state[0, torch.tensor(sample_rows, device=self.device)]
-        return self.model.lm_head(hidden).float()
+        states = out.last_hidden_state[0]
+        hidden = {}
+        if hidden_spans:
+            offsets = [0]
+            for ch in chunks:
+                offsets.append(offsets[-1] + ch.num_tokens)
+            hidden = {i: states[offsets[i] + a:offsets[i] + b] for i, (a, b) in hidden_spans.items()}
+        logits = None
+        if sample_rows:
+            logits = self.model.lm_head(states[torch.tensor(sample_rows, device=self.device)]).float()
+        return StepOutput(logits, hidden)
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         bs = self.config.block_size

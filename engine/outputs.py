@@ -35,6 +35,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() the scheduler first admitted it
     logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked for them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 2..n, with the first token
 
 
 @dataclass
@@ -48,8 +49,10 @@ class Completion:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def add(self, out: RequestOutput) -> None:
+        self.prompt_logprobs.extend(out.prompt_logprobs or ())
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs or ())
         self.text += out.new_text

@@ -81,6 +81,29 @@ def _logprobs(raw: torch.Tensor, k: int, token: int) -> TokenLogprobs:
     return TokenLogprobs(token, float(raw[token]), top)
 
 
+PROMPT_LOGPROB_SLICE = 256   # rows through the LM head at once
+
+
+@torch.inference_mode()
+def prompt_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: list[int],
+                    k: int) -> list[TokenLogprobs]:
+    """Log-probability of each `targets[i]` (the prompt token after row i) under the model's
+    distribution at row i of `hidden` ([len(targets), hidden]), with the k most likely tokens;
+    computed PROMPT_LOGPROB_SLICE rows at a time."""
+    assert hidden.shape[0] == len(targets)
+    out: list[TokenLogprobs] = []
+    for a in range(0, len(targets), PROMPT_LOGPROB_SLICE):
+        lp = lm_head(hidden[a:a + PROMPT_LOGPROB_SLICE]).float().log_softmax(dim=-1)
+        tgt = torch.tensor(targets[a:a + PROMPT_LOGPROB_SLICE], device=lp.device)
+        chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()
+        tops = [()] * len(chosen)
+        if k:
+            values, ids = lp.topk(k, dim=-1)
+            tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        out += [TokenLogprobs(t, c, top) for t, c, top in zip(targets[a:a + PROMPT_LOGPROB_SLICE], chosen, tops)]
+    return out
+
+
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Pick one token per row of `logits` ([len(rows), vocab], float32; modified in place).

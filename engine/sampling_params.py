@@ -25,7 +25,9 @@ class SamplingParams:
     positive logit and multiplies a negative one of every token in the prompt or the output.
     `logprobs` = k asks for each output token's log-probability and the k most likely
     alternatives (k = 0: the chosen token's only), under the model's own distribution: before
-    penalties, temperature, filters and bans.
+    penalties, temperature, filters and bans. `prompt_logprobs` = k asks the same for every
+    prompt token after the first (the request then takes no prefix-cache hits: each prompt
+    position must be computed).
     """
 
     temperature: float = 1.0
@@ -41,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -79,4 +82,6 @@ class SamplingParams:
             return f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}"
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             return f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            return f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
         return None

@@ -38,12 +38,13 @@ class WireSamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
         return cls(p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens, tuple(p.stop),
                    tuple(p.stop_token_ids), p.ignore_eos, p.seed, p.presence_penalty,
-                   p.frequency_penalty, p.repetition_penalty, p.logprobs)
+                   p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs)
 
     def to_params(self) -> SamplingParams:
         return SamplingParams(**dataclasses.asdict(self))
@@ -75,7 +76,8 @@ class PrefillResult:
     request; `prefill_seconds`: from then to the first token (0.0 from older senders).
     `first_text`: the text of the first token that is safe to show now (the engine's incremental
     detokenizer: no split UTF-8 character, no possible start of a stop string).
-    `first_logprobs`: the first token's, when the request asked for logprobs."""
+    `first_logprobs`: the first token's, when the request asked for logprobs; `prompt_logprobs`:
+    the prompt's tokens after the first, when it asked for those."""
     request_id: str
     first_token: int = -1
     finish_reason: str | None = None
@@ -86,6 +88,7 @@ class PrefillResult:
     error_code: int = 0
     first_text: str = ""
     first_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,8 @@ class DecodeRequest:
 class TokenEvent:
     """Replica -> router, streamed: new tokens and text; `finished` on the last one.
     `logprobs`: one per token of `token_ids` when the request asked for them, else empty; the
-    decode replica's first event (the first token again) has none."""
+    decode replica's first event (the first token again) has none. `prompt_logprobs`: on the
+    first event only, the prompt's tokens after the first, when the request asked for them."""
     request_id: str
     token_ids: tuple[int, ...]
     text: str
@@ -114,6 +118,7 @@ class TokenEvent:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,7 @@ def _build(cls, body: dict):
             value = WireSamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
         elif f.name == "first_logprobs":
             value = None if value is None else _logprobs(value)
-        elif f.name == "logprobs":
+        elif f.name in ("logprobs", "prompt_logprobs"):
             value = tuple(_logprobs(v) for v in value)
         elif isinstance(value, list):
             value = tuple(value)

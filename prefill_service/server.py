@@ -78,7 +78,8 @@ class PrefillServer(EngineReplica):
         rid = req.request_id
         result = messages.PrefillResult(rid, first.new_token_ids[0], first.finish_reason,
                                         first.num_cached_tokens, prefill_s, queue_s, first_text=first.new_text,
-                                        first_logprobs=first.logprobs[0] if first.logprobs else None)
+                                        first_logprobs=first.logprobs[0] if first.logprobs else None,
+                                        prompt_logprobs=tuple(first.prompt_logprobs or ()))
         if first.finish_reason is not None:
             await self.host.aengine.call(lambda e: e.release(rid))
         else:

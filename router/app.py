@@ -63,6 +63,35 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
 
 
+class ChoiceView:
+    """One choice as the client sees it: `piece(event)` gives the text and the logprobs object
+    (None when not asked for) of each event; with `echo` (text, token ids), the choice's first
+    piece starts with the prompt, its logprobs with the prompt's tokens."""
+
+    def __init__(self, formatter: LogprobsFormatter | None, chat: bool, echo: tuple[str, list[int]] | None):
+        self.formatter, self.chat, self.echo = formatter, chat, echo
+
+    def piece(self, ev: messages.TokenEvent) -> tuple[str, dict | None]:
+        text, prompt = ev.text, None
+        if self.echo is not None:
+            text = self.echo[0] + text
+            prompt = (self.echo[1], ev.prompt_logprobs)
+            self.echo = None
+        if self.formatter is None:
+            return text, None
+        if self.chat:
+            return text, self.formatter.chat(ev.logprobs)
+        return text, self.formatter.completion(ev.logprobs, prompt)
+
+
+def _extend(whole: dict | None, more: dict | None) -> None:
+    """Append a piece's logprobs lists to the choice's so far."""
+    if whole is not None and more is not None:
+        for key, value in more.items():
+            if isinstance(value, list):
+                whole[key].extend(value)
+
+
 @serve.deployment
 @serve.ingress(app)
 class Router:
@@ -118,7 +147,11 @@ class Router:
                                       param="prompt")
             else:
                 prompts.append(list(p))
-        return await self._generate(body, prompts, body.max_tokens, chat=False, prefix="cmpl")
+        echoes = None
+        if body.echo:
+            echoes = [(p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False), ids)
+                      for p, ids in zip(body.prompts(), prompts)]
+        return await self._generate(body, prompts, body.max_tokens, chat=False, prefix="cmpl", echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
@@ -130,7 +163,8 @@ class Router:
         return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,
                                     prefix="chatcmpl")
 
-    async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str):
+    async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str,
+                        echoes: list[tuple[str, list[int]]] | None = None):
         if body.model != self.model_name:
             return error_response(404, f"model {body.model!r} does not exist; this server serves "
                                   f"{self.model_name!r}", param="model", code="model_not_found")
@@ -164,9 +198,9 @@ class Router:
             return error_response(exc.code, exc.message, exc.kind,
                                   headers={"Retry-After": "1"} if exc.code in (429, 503) else None)
         if body.stream:
-            return StreamingResponse(self._sse(body, rid, choices, firsts, chat, (start, first_at)),
+            return StreamingResponse(self._sse(body, rid, choices, firsts, chat, (start, first_at), echoes),
                                      media_type="text/event-stream")
-        return await self._collect(body, rid, choices, firsts, chat, (start, first_at))
+        return await self._collect(body, rid, choices, firsts, chat, (start, first_at), echoes)
 
     def _choice(self, rid: str, index: int, j: int, ids: list[int], params):
         """Choice `index` of a request, the `j`-th of its prompt: its own request id in the pools
@@ -193,13 +227,10 @@ class Router:
             log.exception("request failed unexpectedly")
             raise RequestFailed(500, f"internal error: {type(exc).__name__}") from None
 
-    def _logprobs(self, body, chat):
-        """A function of a TokenEvent's logprobs giving the choice's OpenAI object, or None when
-        the request did not ask for logprobs."""
-        if body.logprob_count() is None:
-            return None
-        formatter = LogprobsFormatter(self.token_strings)
-        return formatter.chat if chat else formatter.completion
+    def _views(self, body, chat: bool, echoes: list | None, count: int) -> list[ChoiceView]:
+        """One view per choice (prompt p's choices are p*n .. p*n + n-1)."""
+        return [ChoiceView(LogprobsFormatter(self.token_strings) if body.logprob_count() is not None else None,
+                           chat, echoes[k // body.n] if echoes else None) for k in range(count)]
 
     @staticmethod
     def _usage(n: int, firsts: list[messages.TokenEvent], lasts: list[messages.TokenEvent]) -> dict:
@@ -215,13 +246,15 @@ class Router:
         self.request_metrics.observe(*times, time.monotonic(), sum(ev.num_output_tokens for ev in lasts),
                                      max(ev.num_output_tokens for ev in lasts))
 
-    async def _collect(self, body, rid, choices: Choices, firsts, chat, times):
-        texts, lasts = [ev.text for ev in firsts], list(firsts)
-        entries = [list(ev.logprobs) for ev in firsts]
+    async def _collect(self, body, rid, choices: Choices, firsts, chat, times, echoes=None):
+        views, lasts = self._views(body, chat, echoes, len(firsts)), list(firsts)
+        pieces = [views[i].piece(ev) for i, ev in enumerate(firsts)]
+        texts, logprobs = [t for t, _ in pieces], [lp for _, lp in pieces]
         try:
             async for i, ev in choices.events():
-                texts[i] += ev.text
-                entries[i] += ev.logprobs
+                text, lp = views[i].piece(ev)
+                texts[i] += text
+                _extend(logprobs[i], lp)
                 lasts[i] = ev
         except RequestFailed as exc:
             self.request_metrics.finish("error")
@@ -230,27 +263,24 @@ class Router:
             await choices.aclose()
         self.request_metrics.finish("ok")
         self._observe(times, lasts)
-        out = []
-        for i, last in enumerate(lasts):
-            fmt = self._logprobs(body, chat)
-            out.append(choice_body(i, texts[i], last.finish_reason, chat, chunk=False,
-                                   logprobs=fmt(tuple(entries[i])) if fmt else None))
+        out = [choice_body(i, texts[i], last.finish_reason, chat, chunk=False, logprobs=logprobs[i])
+               for i, last in enumerate(lasts)]
         return completion_body(rid, self.model_name, out, chat, chunk=False, use=self._usage(body.n, firsts, lasts))
 
-    async def _sse(self, body, rid, choices: Choices, firsts, chat, times):
+    async def _sse(self, body, rid, choices: Choices, firsts, chat, times, echoes=None):
         def data(choice: dict | None = None, use: dict | None = None) -> str:
             obj = completion_body(rid, self.model_name, [choice] if choice else [], chat, chunk=True, use=use)
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        fmts = [self._logprobs(body, chat) for _ in firsts]
-        lasts, outcome = list(firsts), "aborted"
+        views, lasts, outcome = self._views(body, chat, echoes, len(firsts)), list(firsts), "aborted"
 
         def chunk(i: int, ev: messages.TokenEvent) -> str | None:
             lasts[i] = ev
-            if not (ev.text or ev.finished or (fmts[i] and ev.logprobs)):
+            text, lp = views[i].piece(ev)
+            if not (text or ev.finished or (lp and any(lp.values()))):
                 return None
-            return data(choice_body(i, ev.text, ev.finish_reason if ev.finished else None, chat, chunk=True,
-                                    logprobs=fmts[i](ev.logprobs) if fmts[i] else None))
+            return data(choice_body(i, text, ev.finish_reason if ev.finished else None, chat, chunk=True,
+                                    logprobs=lp))
         try:
             if chat:
                 for i in range(len(firsts)):
@@ -274,3 +304,4 @@ class Router:
             self.request_metrics.finish(outcome)
             await choices.aclose()
         yield "data: [DONE]\n\n"
+

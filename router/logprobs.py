@@ -1,9 +1,9 @@
 """OpenAI's `logprobs` objects from the engine's TokenLogprobs (router side, torch-free).
 
-One `LogprobsFormatter` per request: `chat(entries)` builds the chat API's
+One `LogprobsFormatter` per choice: `chat(entries)` builds the chat API's
 `{"content": [{token, logprob, bytes, top_logprobs}]}` and `completion(entries)` the legacy
-completions API's `{tokens, token_logprobs, top_logprobs, text_offset}`; a streamed request calls
-it once per chunk and `text_offset` runs on across chunks. A token's string is the tokenizer's
+completions API's `{tokens, token_logprobs, top_logprobs, text_offset}` (with `echo`, the prompt's
+tokens first); a streamed choice calls it once per chunk and `text_offset` runs on across chunks. A token's string is the tokenizer's
 decoding of it alone (special tokens included); its `bytes` are the token's exact bytes when the
 tokenizer is byte-level (GPT-2 style), so a character split across tokens keeps its bytes, and
 the UTF-8 encoding of that string otherwise.
@@ -64,15 +64,30 @@ class LogprobsFormatter:
         return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
                             for e in entries], "refusal": None}
 
-    def completion(self, entries: tuple[TokenLogprobs, ...]) -> dict:
-        tokens, offsets, tops = [], [], []
+    def completion(self, entries: tuple[TokenLogprobs, ...],
+                   prompt: tuple[list[int], tuple[TokenLogprobs, ...]] | None = None) -> dict:
+        """`prompt` (echo): the prompt's token ids and the logprobs of its tokens after the first
+        (the first token has none: null in token_logprobs and top_logprobs, as OpenAI's)."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if prompt is not None:
+            ids, prompt_entries = prompt
+            by_token = [None, *prompt_entries] + [None] * (len(ids) - 1 - len(prompt_entries))
+            for token_id, entry in zip(ids, by_token):
+                self._add(out, token_id, entry)
         for e in entries:
-            text = self.strings(e.token_id)[0]
-            tokens.append(text)
-            offsets.append(self.offset)
-            self.offset += len(text)
-            top = {self.strings(t)[0]: v for t, v in e.top}
-            top.setdefault(text, e.logprob)   # as vLLM: the chosen token is always listed
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
-                "text_offset": offsets}
+            self._add(out, e.token_id, e)
+        return out
+
+    def _add(self, out: dict, token_id: int, entry: TokenLogprobs | None) -> None:
+        text = self.strings(token_id)[0]
+        out["tokens"].append(text)
+        out["text_offset"].append(self.offset)
+        self.offset += len(text)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            return
+        top = {self.strings(t)[0]: v for t, v in entry.top}
+        top.setdefault(text, entry.logprob)   # as vLLM: the chosen token is always listed
+        out["token_logprobs"].append(entry.logprob)
+        out["top_logprobs"].append(top)

@@ -62,12 +62,17 @@ class _Sampling(_Strict):
         """Alternatives per token the client asked for; None = no logprobs."""
         raise NotImplementedError
 
+    def prompt_logprob_count(self) -> int | None:
+        """The same for the prompt's tokens (completions with `echo`); None = none."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
                               max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
                               stop=self.stop_list(), ignore_eos=self.ignore_eos, seed=self.seed,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty, logprobs=self.logprob_count())
+                              repetition_penalty=self.repetition_penalty, logprobs=self.logprob_count(),
+                              prompt_logprobs=self.prompt_logprob_count())
 
     @property
     def include_usage(self) -> bool:
@@ -77,7 +82,7 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(MAX_TOKENS_DEFAULT_COMPLETION, ge=1)
-    echo: Literal[False] = False
+    echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: None = None
     best_of: int | None = Field(None, ge=1, le=1)
@@ -110,6 +115,9 @@ class CompletionRequest(_Sampling):
 
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprob_count(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(_Strict):

@@ -107,7 +107,7 @@ class Orchestrator:
             first_logprobs = () if result.first_logprobs is None else (result.first_logprobs,)
             yield messages.TokenEvent(rid, (result.first_token,), result.first_text, done,
                                       result.finish_reason, len(prompt), 1, result.num_cached_tokens,
-                                      first_logprobs)
+                                      first_logprobs, result.prompt_logprobs)
             if done:
                 return
             # 4. decode on exactly that replica; its first event repeats the first token (and

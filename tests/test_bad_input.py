@@ -62,7 +62,8 @@ CASES = [
     ("logprobs negative", "/v1/completions", {**GOOD, "logprobs": -1}, 400),
     ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 3}, 400),
     ("top_logprobs above 20", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400),
-    ("echo", "/v1/completions", {**GOOD, "echo": True}, 400),
+    ("echo wrong type", "/v1/completions", {**GOOD, "echo": [1]}, 400),
+    ("echo on chat", "/v1/chat/completions", {**CHAT, "echo": True}, 400),
     ("oversized body", "/v1/completions", b'{"model": "x", "prompt": "' + b"a" * (5 * 2**20) + b'"}', 413),
 ]
 

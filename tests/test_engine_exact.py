@@ -267,3 +267,23 @@ def test_logprobs_are_the_models_own_in_one_engine_and_split(engine_maker, hf_mo
                 assert [v for _, v in lp.top] == pytest.approx(hf.topk(5).values.tolist(), abs=1e-3)
                 assert all(v == pytest.approx(float(hf[t]), abs=1e-3) for t, v in lp.top)
     assert all(e.block_manager.all_free() for e in (single, prefill, decode))
+
+
+def test_prompt_logprobs_match_hf_forward_across_chunks_and_with_a_cached_prefix(engine_maker, hf_model, prompts):
+    engine = engine_maker(max_num_batched_tokens=61)
+    for i in (3, 11):
+        p = prompts[i]
+        with torch.inference_mode():
+            ref = hf_model(torch.tensor([p])).logits[0].float().log_softmax(-1)
+        params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+        for rid in (f"a{i}", f"b{i}"):     # the second time the prompt's blocks are cached: not used
+            got = _completion(_run_one(engine, rid, p, params), rid, p)
+            assert [lp.token_id for lp in got.prompt_logprobs] == p[1:]
+            assert [lp.logprob for lp in got.prompt_logprobs] == pytest.approx(
+                [float(ref[k, p[k + 1]]) for k in range(len(p) - 1)], abs=1e-3)
+            top = ref[:-1].topk(3, dim=-1)
+            assert [[t for t, _ in lp.top] for lp in got.prompt_logprobs[:5]] == top.indices[:5].tolist()
+            assert [v for lp in got.prompt_logprobs for _, v in lp.top] == pytest.approx(
+                top.values.flatten().tolist(), abs=1e-3)
+            assert got.num_cached_tokens == 0
+    assert engine.block_manager.all_free()

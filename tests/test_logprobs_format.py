@@ -38,3 +38,16 @@ def test_completion_and_chat_objects(strings):
     assert bytes(item["bytes"]).decode() == tokens[1]
     assert [t["token"] for t in item["top_logprobs"]] == [tokens[1], tokens[0]]
     assert item["top_logprobs"][1] == {"token": tokens[0], "logprob": -3.0, "bytes": list(tokens[0].encode())}
+
+
+def test_echo_puts_the_prompt_first_with_no_logprob_for_its_first_token(strings):
+    prompt = strings.tokenizer.encode("The sky is")
+    prompt_entries = tuple(TokenLogprobs(t, -1.0 - k, ((t, -1.0 - k),)) for k, t in enumerate(prompt[1:]))
+    out_id = strings.tokenizer.encode(" blue")[0]
+    fmt = LogprobsFormatter(strings)
+    got = fmt.completion((TokenLogprobs(out_id, -0.25, ((out_id, -0.25),)),), prompt=(prompt, prompt_entries))
+    assert "".join(got["tokens"]) == "The sky is" + strings(out_id)[0]
+    assert got["token_logprobs"] == [None] + [-1.0 - k for k in range(len(prompt) - 1)] + [-0.25]
+    assert got["top_logprobs"][0] is None and got["top_logprobs"][1] == {got["tokens"][1]: -1.0}
+    assert got["text_offset"][:2] == [0, len(got["tokens"][0])]
+    assert fmt.offset == len("".join(got["tokens"]))

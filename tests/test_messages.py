@@ -12,7 +12,7 @@ from pdserve import messages as m
 P = m.WireSamplingParams.of(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_tokens=12, min_tokens=2,
                                            stop=("\n\n",), stop_token_ids=(7,), ignore_eos=True, seed=3,
                                            presence_penalty=0.5, frequency_penalty=-0.25,
-                                           repetition_penalty=1.2, logprobs=3))
+                                           repetition_penalty=1.2, logprobs=3, prompt_logprobs=1))
 LP = TokenLogprobs(9, -0.5, ((9, -0.5), (4, -1.25)))
 
 EXAMPLES = [
@@ -21,10 +21,11 @@ EXAMPLES = [
     m.PrefillResult("b", first_token=9, finish_reason=None, num_cached_tokens=16, prefill_seconds=0.5),
     m.PrefillResult("b", first_token=9, prefill_seconds=0.5, queue_seconds=0.25),
     m.PrefillResult("c", error="boom", error_code=503),
-    m.PrefillResult("b", first_token=9, first_text="x", first_logprobs=LP),
+    m.PrefillResult("b", first_token=9, first_text="x", first_logprobs=LP,
+                    prompt_logprobs=(TokenLogprobs(3, -2.0), LP)),
     m.DecodeRequest("d", (1,), 5, P),
     m.TokenEvent("e", (1, 2), "hi", True, "stop", 3, 2, 0),
-    m.TokenEvent("e", (9, 2), "hi", logprobs=(LP, TokenLogprobs(2, -3.0))),
+    m.TokenEvent("e", (9, 2), "hi", logprobs=(LP, TokenLogprobs(2, -3.0)), prompt_logprobs=(LP,)),
     m.ErrorEvent("f", "bad", 400, "invalid_request_error"),
     m.ReplicaStats("decode", "r1", 100, 90, 2, 0, 0, {"preemptions": 1}),
     m.ReplicaStats("prefill", "p1", 100, 90, 0, 1, 7, {}, {"kv_transfer_seconds": {
@@ -64,7 +65,7 @@ def test_fields_added_later_default_when_an_older_sender_omits_them():
     old = m.decode(msgpack.packb([1, "PrefillResult", {"request_id": "x", "first_token": 3, "prefill_seconds": 0.5}]))
     assert old.queue_seconds == 0.0 and old.prefill_seconds == 0.5 and old.first_logprobs is None
     params = {k: v for k, v in dataclasses.asdict(P).items() if k not in (
-        "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")}
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs")}
     old = m.decode(msgpack.packb([1, "PrefillRequest", {"request_id": "x", "prompt_token_ids": [1],
                                                         "params": params, "kv_address": "a:1"}]))
     assert old.params.to_params().repetition_penalty == 1.0 and old.params.logprobs is None

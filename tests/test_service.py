@@ -251,6 +251,40 @@ def test_batched_prompts_with_n(disagg, prompts, hf_greedy, tokenizer):
     assert pools_all_free(disagg, {"prefill", "decode"})
 
 
+def test_echo_with_prompt_logprobs_as_evaluation_harnesses_ask(disagg, colocated, tokenizer):
+    """`echo` + `logprobs` + `max_tokens` 1 over a batch of token prompts (what lm-eval's
+    loglikelihood requests send): each choice's text starts with its prompt, its logprobs list
+    every prompt token (the first with none) and the generated one; the prompt's logprobs come
+    from the prefill replica, equal the colocated engine's and do not depend on the prefix cache."""
+    prompts = [tokenizer.encode("The capital of France is Paris"), tokenizer.encode("Two plus two is four")]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    runs = []
+    for base in (disagg, disagg, colocated):     # the second time the prompts are cached
+        status, text = http(base, "/v1/completions", body)
+        assert status == 200, text
+        runs.append(json.loads(text))
+    for out in runs:
+        for p, choice in zip(prompts, out["choices"]):
+            lp = choice["logprobs"]
+            assert choice["text"].startswith(tokenizer.decode(p)) and len(lp["tokens"]) == len(p) + 1
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert all(v <= 0 for v in lp["token_logprobs"][1:])
+            assert "".join(lp["tokens"][:len(p)]) == tokenizer.decode(p)
+        assert out["usage"]["completion_tokens"] == 2
+    for out in runs[1:]:
+        for a, b in zip(runs[0]["choices"], out["choices"]):
+            assert b["logprobs"]["token_logprobs"][1:] == pytest.approx(a["logprobs"]["token_logprobs"][1:], abs=1e-3)
+    events = sse_events(http(disagg, "/v1/completions", {**body, "prompt": prompts[0], "stream": True})[1])
+    chunks = [e["choices"][0] for e in events[:-1] if e.get("choices")]
+    assert "".join(c["text"] for c in chunks) == runs[0]["choices"][0]["text"]
+    streamed = [v for c in chunks for v in c["logprobs"]["token_logprobs"]]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(
+        runs[0]["choices"][0]["logprobs"]["token_logprobs"][1:], abs=1e-3)
+    plain = json.loads(http(disagg, "/v1/completions", {**body, "logprobs": None, "prompt": "Hello there"})[1])
+    assert plain["choices"][0]["text"].startswith("Hello there") and plain["choices"][0]["logprobs"] is None
+    assert pools_all_free(disagg, {"prefill", "decode"})
+
+
 def test_health_models_and_errors(disagg):
     assert http(disagg, "/health")[0] == 200
     _, text = http(disagg, "/metrics")
