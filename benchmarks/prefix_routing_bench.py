@@ -130,27 +130,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cmd, commit = sb.command_line(), sb.git_commit()
     print(f"$ {cmd}", flush=True)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(args.model)
-    special = set(tok.all_special_ids)
-    vocab = [i for i in range(len(tok)) if i not in special]
-
-    import ray
-    from ray import serve
+    vocab = sb.plain_vocab(args.model)
     port = sb.free_port()
     base = f"http://127.0.0.1:{port}{sb.ROUTE}"
     rows = []
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with sb.local_serve(port):
         for name, affinity in SETTINGS:
             print(f"[{name}] deploying ...", file=sys.stderr, flush=True)
             rows.append({"setting": name, **run_setting(args, base, vocab, affinity)})
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
 
     print()
     print(f"pdserve prefix-affinity benchmark — {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}, "

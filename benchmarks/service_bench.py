@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -69,12 +70,33 @@ ROUTE = "/pd"
 
 # ---- load ----------------------------------------------------------------------------------------
 
-def make_prompts(model_dir: str, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    """n prompts of random non-special token ids, lengths uniform in [lo, hi]; deterministic in seed."""
+def plain_vocab(model_dir: str) -> list[int]:
+    """The tokenizer's ids that are not special tokens."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     special = set(tok.all_special_ids)
-    vocab = [i for i in range(len(tok)) if i not in special]
+    return [i for i in range(len(tok)) if i not in special]
+
+
+@contextlib.contextmanager
+def local_serve(port: int):
+    """A local Ray cluster (loopback) with Serve's HTTP proxy on `port`, shut down on exit."""
+    import ray
+    from ray import serve
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def make_prompts(model_dir: str, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    """n prompts of random non-special token ids, lengths uniform in [lo, hi]; deterministic in seed."""
+    vocab = plain_vocab(model_dir)
     rng = random.Random(seed)
     return [[rng.choice(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
@@ -352,13 +374,10 @@ def main(argv=None) -> int:
     lens = [len(p) for p in prompts]
 
     import ray
-    from ray import serve
     port = free_port()
     base = f"http://127.0.0.1:{port}{ROUTE}"
     rows = []
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve(port):
         for mode in args.modes:
             print(f"[{mode}] deploying ...", file=sys.stderr, flush=True)
             try:
@@ -371,11 +390,6 @@ def main(argv=None) -> int:
                 rows.append(summarize(mode, failed, 0.0, None, [], {}))
             r = rows[-1]
             print(f"[{mode}] done: {r['ok']}/{r['requests']} ok in {r['wall_s']:.1f} s", file=sys.stderr, flush=True)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
 
     import torch
     print()
