@@ -67,7 +67,8 @@ def build_app(config: AppConfig | dict):
     registry = StatsRegistry.bind()
     router_opts = {"num_replicas": 1, "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": 0}}
     if cfg.mode == "colocated":
-        options = _pool_options("colocated", cfg.colocated, "router.routing.FreeKVBlocksRouter")
+        options = _pool_options("colocated", cfg.colocated, "router.routing.ColocatedRouter",
+                                {**cfg.routing.model_dump(), "block_size": cfg.engine_for("colocated").block_size})
         colocated = ColocatedServer.options(**options).bind(data, registry)
         return Router.options(**router_opts).bind(data, colocated=colocated, registry=registry)
     prefill_options = _pool_options("prefill", cfg.prefill, "router.routing.QueuedPromptTokensRouter",

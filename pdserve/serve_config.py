@@ -108,8 +108,9 @@ class TransferOptions(_Model):
 
 
 class RoutingOptions(_Model):
-    prefix_affinity: bool = Field(True, description="Prefill pool: send a prompt to the replica this router already "
-                                  "sent its longest prefix to (prefix-cache hits), while that replica's load allows.")
+    prefix_affinity: bool = Field(True, description="Prefill (and colocated) pool: send a prompt to the replica this "
+                                  "router already sent its longest prefix to (prefix-cache hits), while that "
+                                  "replica's load allows.")
     max_imbalance_tokens: int = Field(2048, ge=0, description="Affinity yields to the load ranking when the "
                                       "replica's queued prompt tokens exceed the least loaded one's by more.")
     max_blocks: int = Field(200_000, ge=1, description="Prompt blocks the router remembers (least recently "

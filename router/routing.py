@@ -1,12 +1,14 @@
-"""Custom Serve request routers for the two pools.
+"""Custom Serve request routers for the pools.
 
 Both rank every candidate replica (best first) from the stats the replicas publish with
 `record_routing_stats`, corrected by the requests this router has in flight on each replica
 (published stats are up to `request_routing_stats_period_s` old):
   * decode:  most free KV blocks (as a fraction of the pool), then fewest running sequences;
-  * prefill: fewest queued prompt tokens, except that the replica this router already sent the
-             longest prefix of the prompt to goes first while its load is close enough to the
-             least loaded one's (prefix-cache affinity, router/prefix_affinity.py).
+  * prefill: fewest queued prompt tokens;
+  * colocated: as decode.
+Prefill and colocated add prefix-cache affinity: the replica this router already sent the longest
+prefix of the prompt to goes first while its load is close enough to the least loaded one's
+(router/prefix_affinity.py).
 Serve then sends to the first replica of the ranking that has room.
 """
 
@@ -58,9 +60,13 @@ class FreeKVBlocksRouter(_RankingRouter):
         return free_kv_score(replica.routing_stats or {}, self._in_flight(replica), replica.max_ongoing_requests)
 
 
-class QueuedPromptTokensRouter(_RankingRouter):
-    """Prefill pool: the replica with the fewest queued prompt tokens first, with prefix-cache
-    affinity when `prefix_affinity` (the request router kwargs come from AppConfig.routing)."""
+class _PrefixAffinity:
+    """Prefix-cache affinity on top of a ranking router (router/prefix_affinity.py): the replica
+    this router already sent the longest prefix of the prompt to goes first while its estimated
+    queued prompt tokens are within `max_imbalance_tokens` of the least loaded one's. The request
+    router kwargs come from AppConfig.routing; `REQUEST` is the message type the pool receives."""
+
+    REQUEST: type = messages.PrefillRequest
 
     def initialize_state(self, block_size: int = 16, prefix_affinity: bool = True,
                          max_imbalance_tokens: int = 2048, max_blocks: int = 200_000, **_):
@@ -68,14 +74,11 @@ class QueuedPromptTokensRouter(_RankingRouter):
         self._max_imbalance_tokens = max_imbalance_tokens
         self._mean_prompt_tokens = 0.0   # running mean, to turn requests in flight into tokens
 
-    def score(self, replica: RunningReplica) -> tuple:
-        return queued_tokens_score(replica.routing_stats or {}, self._in_flight(replica))
-
     def _prompt(self, pending_request: Optional[PendingRequest]) -> tuple[int, ...] | None:
         if getattr(self, "_table", None) is None or pending_request is None or not pending_request.args:
             return None
         try:
-            return messages.decode(pending_request.args[0], expect=messages.PrefillRequest).prompt_token_ids
+            return messages.decode(pending_request.args[0], expect=self.REQUEST).prompt_token_ids
         except messages.MessageError:
             return None
 
@@ -106,3 +109,20 @@ class QueuedPromptTokensRouter(_RankingRouter):
         super().on_replica_actor_died(replica_id)
         if getattr(self, "_table", None) is not None:
             self._table.forget(replica_id)
+
+
+class QueuedPromptTokensRouter(_PrefixAffinity, _RankingRouter):
+    """Prefill pool: the replica with the fewest queued prompt tokens first, with prefix-cache
+    affinity."""
+
+    REQUEST = messages.PrefillRequest
+
+    def score(self, replica: RunningReplica) -> tuple:
+        return queued_tokens_score(replica.routing_stats or {}, self._in_flight(replica))
+
+
+class ColocatedRouter(_PrefixAffinity, FreeKVBlocksRouter):
+    """Colocated pool: the decode ranking (most free KV blocks first), with prefix-cache affinity
+    (its engines cache prompts like prefill engines do)."""
+
+    REQUEST = messages.GenerateRequest

@@ -1,7 +1,7 @@
-"""Prefix-cache affinity end to end (tiny model): with two prefill replicas, prompts that share a
-long prefix all go to the replica that computed it first, whose prefix cache then serves the
-shared blocks. (Routing by load alone would split six such prompts over both replicas in 31 of
-32 cases.)"""
+"""Prefix-cache affinity end to end (tiny model): with two prefill replicas (or two colocated
+ones), prompts that share a long prefix all go to the replica that computed it first, whose prefix
+cache then serves the shared blocks. (Routing by load alone would split six such prompts over both
+replicas in 31 of 32 cases.)"""
 
 import pytest
 
@@ -10,12 +10,14 @@ from service_util import http, metrics, pools_all_free, tiny_app, wait_until
 pytestmark = pytest.mark.slow
 
 
-def _prefill_series(base: str, name: str) -> dict[str, float]:
-    return {r: v for (n, p, r), v in metrics(base).items() if n == name and p == "prefill"}
+def _series(base: str, name: str, pool: str) -> dict[str, float]:
+    return {r: v for (n, p, r), v in metrics(base).items() if n == name and p == pool}
 
 
-def test_shared_prefixes_stay_on_one_prefill_replica(ray_serve, tiny_llama_dir):
-    with tiny_app(ray_serve, tiny_llama_dir, "pa", prefill={"num_replicas": 2}) as base:
+@pytest.mark.parametrize("mode,pool", [("disaggregated", "prefill"), ("colocated", "colocated")])
+def test_shared_prefixes_stay_on_one_replica(ray_serve, tiny_llama_dir, mode, pool):
+    pools = {"prefill", "decode"} if mode == "disaggregated" else {"colocated"}
+    with tiny_app(ray_serve, tiny_llama_dir, f"pa-{pool}", mode=mode, **{pool: {"num_replicas": 2}}) as base:
         shared = list(range(100, 260))                       # 10 blocks of 16 tokens
         for i in range(6):
             body = {"model": "tiny", "prompt": shared + [300 + i] * 5, "max_tokens": 2, "temperature": 0}
@@ -24,9 +26,9 @@ def test_shared_prefixes_stay_on_one_prefill_replica(ray_serve, tiny_llama_dir):
         total = 6 * (len(shared) + 5)
 
         def counted() -> bool:
-            queries = _prefill_series(base, "pdserve_prefix_cache_query_tokens")
+            queries = _series(base, "pdserve_prefix_cache_query_tokens", pool)
             return len(queries) == 2 and sum(queries.values()) == total
-        assert wait_until(counted, 30), _prefill_series(base, "pdserve_prefix_cache_query_tokens")
-        assert sorted(_prefill_series(base, "pdserve_prefix_cache_query_tokens").values()) == [0, total]
-        assert sum(_prefill_series(base, "pdserve_prefix_cache_hit_tokens").values()) == 5 * len(shared)
-        assert pools_all_free(base, {"prefill", "decode"})
+        assert wait_until(counted, 30), _series(base, "pdserve_prefix_cache_query_tokens", pool)
+        assert sorted(_series(base, "pdserve_prefix_cache_query_tokens", pool).values()) == [0, total]
+        assert sum(_series(base, "pdserve_prefix_cache_hit_tokens", pool).values()) == 5 * len(shared)
+        assert pools_all_free(base, pools)
