@@ -18,6 +18,7 @@ from collections import Counter
 
 from pdserve import messages
 from pdserve.histogram import LATENCY_BUCKETS, QUEUE_BUCKETS, REPLICA_HISTOGRAMS, Histogram, label_text
+from router.prefix_affinity import DECISIONS
 
 __all__ = ["Histogram", "RequestMetrics", "render"]
 
@@ -125,4 +126,10 @@ def render(stats: list[messages.ReplicaStats], outcomes: Counter, latency: Reque
         lines.append(f'pdserve_requests_total{{outcome="{outcome}"}} {outcomes.get(outcome, 0)}')
     if latency is not None:
         lines += latency.lines()
+    lines += ["# HELP pdserve_prefix_affinity_decisions_total Prompts routed by this router, by pool and "
+              "decision: affinity (sent to the replica with the longest cached prefix), imbalanced (matched, "
+              "but that replica was too loaded), no_match",
+              "# TYPE pdserve_prefix_affinity_decisions_total counter"]
+    for (pool, decision), count in sorted(DECISIONS.items()):
+        lines.append(f'pdserve_prefix_affinity_decisions_total{{pool="{pool}",decision="{decision}"}} {count}')
     return "\n".join(lines) + "\n"

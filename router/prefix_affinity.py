@@ -14,18 +14,27 @@ The table is the router process's own memory of its routing, bounded by `max_blo
 a replica may have evicted the blocks since, and another router replica keeps its own table.
 `choose` weighs the saving against the load: the replica with the longest match goes first
 when its estimated queued prompt tokens exceed the least loaded one's by at most
-`max_imbalance_tokens`; otherwise the load ranking stands.
+`max_imbalance_tokens`; otherwise the load ranking stands. Each decision is counted in
+DECISIONS (this process's, by pool and outcome: "affinity", "imbalanced" = matched but too
+loaded, "no_match"), which the router's /metrics shows.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 from engine.block_manager import chain_hash
 
 OWNERS_PER_BLOCK = 4
+DECISIONS: Counter = Counter()   # (pool, decision) -> routing decisions in this process
+
+
+def count_decision(pool: str, decision: str) -> None:
+    """Count one routing decision. Request routers call this function rather than touch
+    DECISIONS: Serve pickles a request router's module by value, which would copy the counter."""
+    DECISIONS[(pool, decision)] += 1
 
 
 def block_hashes(prompt: Sequence[int], block_size: int) -> list[int]:
@@ -86,17 +95,18 @@ class Candidate:
 
 
 def choose(candidates: list[Candidate], matched_blocks: dict[Hashable, int],
-           max_imbalance_tokens: int) -> list[Hashable]:
+           max_imbalance_tokens: int) -> tuple[list[Hashable], str]:
     """All candidates, best first: the load ranking, with the longest prefix match moved to the
-    front when its load is within `max_imbalance_tokens` of the least loaded candidate's."""
+    front when its load is within `max_imbalance_tokens` of the least loaded candidate's; and
+    the decision ("affinity", "imbalanced" or "no_match")."""
     ranked = sorted(candidates, key=lambda c: c.rank_key)
-    if not ranked:
-        return []
+    matched = [c for c in ranked if matched_blocks.get(c.replica, 0) > 0]
+    if not matched:
+        return [c.replica for c in ranked], "no_match"
     least = min(c.load_tokens for c in ranked)
-    eligible = [c for c in ranked if matched_blocks.get(c.replica, 0) > 0
-                and c.load_tokens - least <= max_imbalance_tokens]
-    if eligible:
-        best = max(eligible, key=lambda c: matched_blocks[c.replica])   # ties: the better ranked
-        ranked.remove(best)
-        ranked.insert(0, best)
-    return [c.replica for c in ranked]
+    eligible = [c for c in matched if c.load_tokens - least <= max_imbalance_tokens]
+    if not eligible:
+        return [c.replica for c in ranked], "imbalanced"
+    best = max(eligible, key=lambda c: matched_blocks[c.replica])   # ties: the better ranked
+    ranked.remove(best)
+    return [best.replica] + [c.replica for c in ranked], "affinity"

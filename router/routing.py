@@ -22,7 +22,7 @@ from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
 from pdserve import messages
-from router.prefix_affinity import AffinityTable, Candidate, block_hashes, choose
+from router.prefix_affinity import AffinityTable, Candidate, block_hashes, choose, count_decision
 
 
 class _RankingRouter(FIFOMixin, RequestRouter):
@@ -67,6 +67,7 @@ class _PrefixAffinity:
     router kwargs come from AppConfig.routing; `REQUEST` is the message type the pool receives."""
 
     REQUEST: type = messages.PrefillRequest
+    POOL = "prefill"
 
     def initialize_state(self, block_size: int = 16, prefix_affinity: bool = True,
                          max_imbalance_tokens: int = 2048, max_blocks: int = 200_000, **_):
@@ -92,8 +93,10 @@ class _PrefixAffinity:
                                       [r.replica_id for r in candidate_replicas])
         candidates = [Candidate(r.replica_id, self._load_tokens(r), (self.score(r), random.random()))
                       for r in candidate_replicas]
+        order, decision = choose(candidates, matched, self._max_imbalance_tokens)
+        count_decision(self.POOL, decision)
         by_id = {r.replica_id: r for r in candidate_replicas}
-        return [[by_id[i]] for i in choose(candidates, matched, self._max_imbalance_tokens)]
+        return [[by_id[i]] for i in order]
 
     def _load_tokens(self, replica: RunningReplica) -> float:
         stats = replica.routing_stats or {}
@@ -115,7 +118,7 @@ class QueuedPromptTokensRouter(_PrefixAffinity, _RankingRouter):
     """Prefill pool: the replica with the fewest queued prompt tokens first, with prefix-cache
     affinity."""
 
-    REQUEST = messages.PrefillRequest
+    REQUEST, POOL = messages.PrefillRequest, "prefill"
 
     def score(self, replica: RunningReplica) -> tuple:
         return queued_tokens_score(replica.routing_stats or {}, self._in_flight(replica))
@@ -125,4 +128,4 @@ class ColocatedRouter(_PrefixAffinity, FreeKVBlocksRouter):
     """Colocated pool: the decode ranking (most free KV blocks first), with prefix-cache affinity
     (its engines cache prompts like prefill engines do)."""
 
-    REQUEST = messages.GenerateRequest
+    REQUEST, POOL = messages.GenerateRequest, "colocated"

@@ -47,10 +47,10 @@ def test_owners_are_capped_and_old_blocks_evicted():
 
 def test_choose_prefers_the_match_only_within_the_imbalance():
     cands = [Candidate("idle", 0, (0,)), Candidate("warm", 500, (500,)), Candidate("busy", 5000, (5000,))]
-    assert choose(cands, {}, 2048) == ["idle", "warm", "busy"]
-    assert choose(cands, {"warm": 3}, 2048) == ["warm", "idle", "busy"]
-    assert choose(cands, {"warm": 3, "busy": 9}, 2048) == ["warm", "idle", "busy"]   # busy is too far behind
-    assert choose(cands, {"busy": 9}, 2048) == ["idle", "warm", "busy"]
-    assert choose(cands, {"busy": 9}, 10_000) == ["busy", "idle", "warm"]
-    assert choose(cands, {"warm": 2, "idle": 2}, 2048) == ["idle", "warm", "busy"]   # a tie: the ranking decides
-    assert choose([], {"x": 1}, 0) == []
+    assert choose(cands, {}, 2048) == (["idle", "warm", "busy"], "no_match")
+    assert choose(cands, {"warm": 3}, 2048) == (["warm", "idle", "busy"], "affinity")
+    assert choose(cands, {"warm": 3, "busy": 9}, 2048) == (["warm", "idle", "busy"], "affinity")  # busy: too far
+    assert choose(cands, {"busy": 9}, 2048) == (["idle", "warm", "busy"], "imbalanced")
+    assert choose(cands, {"busy": 9}, 10_000) == (["busy", "idle", "warm"], "affinity")
+    assert choose(cands, {"warm": 2, "idle": 2}, 2048) == (["idle", "warm", "busy"], "affinity")  # tie: ranking
+    assert choose([], {"x": 1}, 0) == ([], "no_match")

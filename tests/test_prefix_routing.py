@@ -3,6 +3,8 @@ ones), prompts that share a long prefix all go to the replica that computed it f
 cache then serves the shared blocks. (Routing by load alone would split six such prompts over both
 replicas in 31 of 32 cases.)"""
 
+import re
+
 import pytest
 
 from service_util import http, metrics, pools_all_free, tiny_app, wait_until
@@ -31,4 +33,8 @@ def test_shared_prefixes_stay_on_one_replica(ray_serve, tiny_llama_dir, mode, po
         assert wait_until(counted, 30), _series(base, "pdserve_prefix_cache_query_tokens", pool)
         assert sorted(_series(base, "pdserve_prefix_cache_query_tokens", pool).values()) == [0, total]
         assert sum(_series(base, "pdserve_prefix_cache_hit_tokens", pool).values()) == 5 * len(shared)
+        _, text = http(base, "/metrics")
+        decisions = {m.group(1): float(m.group(2)) for m in re.finditer(
+            rf'^pdserve_prefix_affinity_decisions_total{{pool="{pool}",decision="(\w+)"}} (\S+)$', text, re.M)}
+        assert decisions.get("affinity", 0) >= 5 and decisions.get("no_match", 0) >= 1, decisions
         assert pools_all_free(base, pools)
