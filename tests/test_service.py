@@ -96,11 +96,13 @@ def test_openai_client(disagg):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
-def test_client_disconnect_mid_stream_frees_everything(disagg):
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_mid_stream_frees_everything(disagg, n):
+    """Also with n = 3 choices streaming at once: every one of them is aborted in its pools."""
     host, port = disagg.split("//")[1].split("/")[0].split(":")
     conn = httpclient.HTTPConnection(host, int(port), timeout=60)
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, "n": n}
     conn.request("POST", "/pd/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     try:
         resp = conn.getresponse()
@@ -109,15 +111,15 @@ def test_client_disconnect_mid_stream_frees_everything(disagg):
             assert resp.fp.readline()
 
         def decoding():
-            return any(v > 0 for (n, p, _), v in metrics(disagg).items()
-                       if n == "pdserve_running_requests" and p == "decode")
-        assert wait_until(decoding, 15), "the streaming request never showed up as running"
+            return sum(v for (name, pool, _), v in metrics(disagg).items()
+                       if name == "pdserve_running_requests" and pool == "decode") >= n
+        assert wait_until(decoding, 15), "the streaming choices never all showed up as running"
     finally:
         conn.sock.close()
         conn.close()
     assert pools_all_free(disagg, {"prefill", "decode"})
     m = metrics(disagg)
-    assert all(v == 0 for (n, _, _), v in m.items() if n == "pdserve_running_requests")
+    assert all(v == 0 for (name, _, _), v in m.items() if name == "pdserve_running_requests")
 
 
 def test_colocated_mode_matches_hf(colocated, prompts, hf_greedy, tokenizer):
