@@ -1,6 +1,6 @@
-"""Prefix-cache affinity for the prefill pool (torch-free).
+"""Prefix-cache affinity for the prefill and colocated pools (torch-free).
 
-A prefill replica keeps the K/V of the prompts it computed in its prefix cache (engine/
+A prefill (or colocated) replica keeps the K/V of the prompts it computed in its prefix cache (engine/
 block_manager.py: full blocks keyed by chained hashes of their tokens) until the blocks are
 handed out again. A prompt that shares a long prefix with an earlier one (a system prompt, the
 previous turns of a conversation) is computed much faster on the replica that computed that
