@@ -3,8 +3,9 @@
 Life cycle of a request in the engine
   1. `add_request` (colocated or prefill role) queues a prompt; `add_prefilled` (decode
      role) admits a prompt whose K/V was imported into reserved blocks, with its first token.
-  2. `step` schedules chunks under the token budget, runs one ragged forward, samples the
-     chunks that reached their last token, and checks stop conditions.
+  2. `step` schedules chunks under the token budget, runs one ragged forward (collecting the
+     prompt logprobs of requests that ask for them), samples the chunks that reached their
+     last token, and checks stop conditions.
   3. A finished request's blocks are freed in the same step, except in the prefill role
      (`hold_blocks`), where they stay held for export until `release`.
   4. `abort` ends a request at any stage and frees whatever it holds.
