@@ -66,12 +66,21 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 class ChoiceView:
     """One choice as the client sees it: `piece(event)` gives the text and the logprobs object
     (None when not asked for) of each event; with `echo` (text, token ids), the choice's first
-    piece starts with the prompt, its logprobs with the prompt's tokens."""
+    piece starts with the prompt, its logprobs with the prompt's tokens. `prompt_only` (echo with
+    max_tokens 0): the generated token is dropped and the choice ends with "length"."""
 
-    def __init__(self, formatter: LogprobsFormatter | None, chat: bool, echo: tuple[str, list[int]] | None):
-        self.formatter, self.chat, self.echo = formatter, chat, echo
+    def __init__(self, formatter: LogprobsFormatter | None, chat: bool, echo: tuple[str, list[int]] | None,
+                 prompt_only: bool = False):
+        self.formatter, self.chat, self.echo, self.prompt_only = formatter, chat, echo, prompt_only
+
+    def finish_reason(self, ev: messages.TokenEvent) -> str | None:
+        if not ev.finished:
+            return None
+        return "length" if self.prompt_only else ev.finish_reason
 
     def piece(self, ev: messages.TokenEvent) -> tuple[str, dict | None]:
+        if self.prompt_only:
+            ev = dataclasses.replace(ev, token_ids=(), text="", logprobs=())
         text, prompt = ev.text, None
         if self.echo is not None:
             text = self.echo[0] + text
@@ -151,7 +160,8 @@ class Router:
         if body.echo:
             echoes = [(p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False), ids)
                       for p, ids in zip(body.prompts(), prompts)]
-        return await self._generate(body, prompts, body.max_tokens, chat=False, prefix="cmpl", echoes=echoes)
+        return await self._generate(body, prompts, 1 if body.prompt_only else body.max_tokens, chat=False,
+                                    prefix="cmpl", echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
@@ -229,22 +239,25 @@ class Router:
 
     def _views(self, body, chat: bool, echoes: list | None, count: int) -> list[ChoiceView]:
         """One view per choice (prompt p's choices are p*n .. p*n + n-1)."""
+        prompt_only = getattr(body, "prompt_only", False)
         return [ChoiceView(LogprobsFormatter(self.token_strings) if body.logprob_count() is not None else None,
-                           chat, echoes[k // body.n] if echoes else None) for k in range(count)]
+                           chat, echoes[k // body.n] if echoes else None, prompt_only) for k in range(count)]
 
     @staticmethod
-    def _usage(n: int, firsts: list[messages.TokenEvent], lasts: list[messages.TokenEvent]) -> dict:
-        """Each prompt once, the completion tokens of every choice, and per prompt the prompt
-        tokens served from a prefix cache for its choice that had the most (choices 1..n-1 reuse
-        choice 0's). The cache counts come with the first events: the engine that computed the
-        prompt (the prefill replica's; a decode replica's events count none)."""
-        groups = range(0, len(lasts), n)
-        return usage(sum(lasts[g].num_prompt_tokens for g in groups), sum(ev.num_output_tokens for ev in lasts),
+    def _usage(body, firsts: list[messages.TokenEvent], lasts: list[messages.TokenEvent]) -> dict:
+        """Each prompt once, the completion tokens of every choice (none for a prompt-only echo),
+        and per prompt the prompt tokens served from a prefix cache for its choice that had the
+        most (choices 1..n-1 reuse choice 0's). The cache counts come with the first events: the
+        engine that computed the prompt (the prefill replica's; a decode replica's events count
+        none)."""
+        n, groups = body.n, range(0, len(lasts), body.n)
+        completion = 0 if getattr(body, "prompt_only", False) else sum(ev.num_output_tokens for ev in lasts)
+        return usage(sum(lasts[g].num_prompt_tokens for g in groups), completion,
                      sum(max(ev.num_cached_tokens for ev in firsts[g:g + n]) for g in groups))
 
-    def _observe(self, times, lasts: list[messages.TokenEvent]) -> None:
-        self.request_metrics.observe(*times, time.monotonic(), sum(ev.num_output_tokens for ev in lasts),
-                                     max(ev.num_output_tokens for ev in lasts))
+    def _observe(self, body, times, lasts: list[messages.TokenEvent]) -> None:
+        tokens = [0 if getattr(body, "prompt_only", False) else ev.num_output_tokens for ev in lasts]
+        self.request_metrics.observe(*times, time.monotonic(), sum(tokens), max(tokens))
 
     async def _collect(self, body, rid, choices: Choices, firsts, chat, times, echoes=None):
         views, lasts = self._views(body, chat, echoes, len(firsts)), list(firsts)
@@ -262,10 +275,10 @@ class Router:
         finally:
             await choices.aclose()
         self.request_metrics.finish("ok")
-        self._observe(times, lasts)
-        out = [choice_body(i, texts[i], last.finish_reason, chat, chunk=False, logprobs=logprobs[i])
+        self._observe(body, times, lasts)
+        out = [choice_body(i, texts[i], views[i].finish_reason(last), chat, chunk=False, logprobs=logprobs[i])
                for i, last in enumerate(lasts)]
-        return completion_body(rid, self.model_name, out, chat, chunk=False, use=self._usage(body.n, firsts, lasts))
+        return completion_body(rid, self.model_name, out, chat, chunk=False, use=self._usage(body, firsts, lasts))
 
     async def _sse(self, body, rid, choices: Choices, firsts, chat, times, echoes=None):
         def data(choice: dict | None = None, use: dict | None = None) -> str:
@@ -279,8 +292,7 @@ class Router:
             text, lp = views[i].piece(ev)
             if not (text or ev.finished or (lp and any(lp.values()))):
                 return None
-            return data(choice_body(i, text, ev.finish_reason if ev.finished else None, chat, chunk=True,
-                                    logprobs=lp))
+            return data(choice_body(i, text, views[i].finish_reason(ev), chat, chunk=True, logprobs=lp))
         try:
             if chat:
                 for i in range(len(firsts)):
@@ -293,9 +305,9 @@ class Router:
                     yield text
             if not all(ev.finished for ev in lasts):
                 raise RequestFailed(500, "the stream ended without finishing")
-            self._observe(times, lasts)
+            self._observe(body, times, lasts)
             if body.include_usage:
-                yield data(use=self._usage(body.n, firsts, lasts))
+                yield data(use=self._usage(body, firsts, lasts))
             outcome = "ok"
         except RequestFailed as exc:
             outcome = "error"

@@ -81,7 +81,8 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(MAX_TOKENS_DEFAULT_COMPLETION, ge=1)
+    max_tokens: int | None = Field(MAX_TOKENS_DEFAULT_COMPLETION, ge=0, description="0 only with echo: the prompt "
+                                   "alone (with its logprobs), nothing generated")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: None = None
@@ -106,7 +107,15 @@ class CompletionRequest(_Sampling):
     def _choices_in_all(self):
         if len(self.prompts()) * self.n > MAX_CHOICES:
             raise ValueError(f"prompts x n must be at most {MAX_CHOICES}")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo (it returns the prompt alone)")
         return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) and nothing generated; the pools
+        still run one token, which the router drops."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or a batch (a list of strings or of token lists)."""

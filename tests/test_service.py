@@ -284,6 +284,14 @@ def test_echo_with_prompt_logprobs_as_evaluation_harnesses_ask(disagg, colocated
         runs[0]["choices"][0]["logprobs"]["token_logprobs"][1:], abs=1e-3)
     plain = json.loads(http(disagg, "/v1/completions", {**body, "logprobs": None, "prompt": "Hello there"})[1])
     assert plain["choices"][0]["text"].startswith("Hello there") and plain["choices"][0]["logprobs"] is None
+    # max_tokens 0 with echo: the prompt alone, as scoring clients ask for it
+    only = json.loads(http(disagg, "/v1/completions", {**body, "max_tokens": 0})[1])
+    for p, choice, ref in zip(prompts, only["choices"], runs[0]["choices"]):
+        assert choice["text"] == tokenizer.decode(p) and choice["finish_reason"] == "length"
+        assert choice["logprobs"]["tokens"] == ref["logprobs"]["tokens"][:len(p)]
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            ref["logprobs"]["token_logprobs"][1:len(p)], abs=1e-3)
+    assert only["usage"]["completion_tokens"] == 0
     assert pools_all_free(disagg, {"prefill", "decode"})
 
 
