@@ -228,6 +228,9 @@ class Router:
             async with asyncio.timeout(self.config.request_timeout_s):
                 async for ev in events:
                     yield ev
+        except (GeneratorExit, asyncio.CancelledError):
+            await events.aclose()     # the orchestrator cancels its replica calls now
+            raise
         except TimeoutError:
             raise RequestFailed(504, f"request exceeded its deadline of {self.config.request_timeout_s} s",
                                 "timeout") from None

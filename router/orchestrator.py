@@ -14,12 +14,16 @@ replica may have started is drained by the decode side and never confused with t
 Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for
 the decode slot in step 1 plus the prefill replica's queue_seconds; prefill = its prefill_seconds.
 Colocated: one call to the colocated pool.
-Failures raise `RequestFailed` with the HTTP status to report; cancelling the iterator (client
-gone) cancels the replica calls, which abort the request there and free its blocks.
+Failures raise `RequestFailed` with the HTTP status to report. Leaving the iterator early (client
+gone, deadline, failure) cancels the replica calls explicitly (`.cancel()` on the Serve response),
+which aborts the request there and frees its blocks: cancelling the asyncio task that awaits a
+Serve response does not cancel the request on the replica, and the proxy's cancellation of the
+whole HTTP request only reaches it while the router's handler is still running.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import AsyncIterator
@@ -58,8 +62,9 @@ class Orchestrator:
             self._decode_handle = decode.options(stream=True)
 
     async def run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:
+        events = self._run(rid, prompt, params)
         try:
-            async for event in self._run(rid, prompt, params):
+            async for event in events:
                 yield event
         except RequestFailed:
             raise
@@ -68,14 +73,20 @@ class Orchestrator:
         except (RayError, RayServeException) as exc:  # e.g. ReplicaUnavailableError: it died
             raise RequestFailed(503, f"a replica failed while serving the request: {type(exc).__name__}",
                                 "server_error") from None
+        finally:
+            await events.aclose()     # closed here, not whenever it is collected: its replica calls end now
 
     async def _prefill(self, rid: str, prompt: list[int], wire, address: str) -> messages.PrefillResult:
         for attempt in range(PREFILL_ATTEMPTS):
             attempt_rid = rid if attempt == 0 else f"{rid}-retry{attempt}"
+            response = self.prefill.remote(messages.encode(
+                messages.PrefillRequest(attempt_rid, tuple(prompt), wire, address)))
             try:
-                data = await self.prefill.remote(messages.encode(
-                    messages.PrefillRequest(attempt_rid, tuple(prompt), wire, address)))
+                data = await response
                 return messages.decode(data, expect=messages.PrefillResult)
+            except asyncio.CancelledError:
+                response.cancel()
+                raise
             except RayError:
                 if attempt == PREFILL_ATTEMPTS - 1:
                     raise
@@ -84,8 +95,15 @@ class Orchestrator:
     async def _run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:
         wire = WireSamplingParams.of(params)
         if self.mode == "colocated":
-            async for data in self.colocated.remote(messages.encode(messages.GenerateRequest(rid, tuple(prompt), wire))):
-                yield _check(messages.decode(data))
+            stream = self.colocated.remote(messages.encode(messages.GenerateRequest(rid, tuple(prompt), wire)))
+            finished = False
+            try:
+                async for data in stream:
+                    yield _check(messages.decode(data))
+                finished = True
+            finally:
+                if not finished:          # client gone, deadline or failure: stop the replica's work
+                    stream.cancel()
             return
         # 1. choose the decode replica
         arrived = time.monotonic()
@@ -114,12 +132,18 @@ class Orchestrator:
             #    carries no logprobs: the prefill replica's came with step 3)
             stream = self._decode_handle.dispatch(selection, messages.encode(messages.DecodeRequest(
                 rid, tuple(prompt), result.first_token, wire, len(result.first_text))))
-            first = True
-            async for data in stream:
-                event = _check(messages.decode(data))
-                if first:
-                    first = False
-                    event = dataclasses.replace(event, token_ids=event.token_ids[1:])
-                    if not (event.token_ids or event.text or event.finished):
-                        continue
-                yield event
+            first, finished = True, False
+            try:
+                async for data in stream:
+                    event = _check(messages.decode(data))
+                    if first:
+                        first = False
+                        event = dataclasses.replace(event, token_ids=event.token_ids[1:])
+                        if not (event.token_ids or event.text or event.finished):
+                            continue
+                    yield event
+                finished = True
+            finally:
+                if not finished:          # client gone, deadline or failure: stop the replica's work
+                    stream.cancel()
+
