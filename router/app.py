@@ -147,8 +147,8 @@ class Router:
     # ---- generation -----------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        prompts = []
-        for p in body.prompts():
+        raw, prompts = body.prompts(), []
+        for p in raw:
             if isinstance(p, str):
                 prompts.append(self.tokenizer.encode(p))
             elif max(p) >= len(self.tokenizer):
@@ -159,7 +159,7 @@ class Router:
         echoes = None
         if body.echo:
             echoes = [(p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False), ids)
-                      for p, ids in zip(body.prompts(), prompts)]
+                      for p, ids in zip(raw, prompts)]
         return await self._generate(body, prompts, 1 if body.prompt_only else body.max_tokens, chat=False,
                                     prefix="cmpl", echoes=echoes)
 
@@ -242,9 +242,8 @@ class Router:
 
     def _views(self, body, chat: bool, echoes: list | None, count: int) -> list[ChoiceView]:
         """One view per choice (prompt p's choices are p*n .. p*n + n-1)."""
-        prompt_only = getattr(body, "prompt_only", False)
         return [ChoiceView(LogprobsFormatter(self.token_strings) if body.logprob_count() is not None else None,
-                           chat, echoes[k // body.n] if echoes else None, prompt_only) for k in range(count)]
+                           chat, echoes[k // body.n] if echoes else None, body.prompt_only) for k in range(count)]
 
     @staticmethod
     def _usage(body, firsts: list[messages.TokenEvent], lasts: list[messages.TokenEvent]) -> dict:
@@ -254,12 +253,12 @@ class Router:
         engine that computed the prompt (the prefill replica's; a decode replica's events count
         none)."""
         n, groups = body.n, range(0, len(lasts), body.n)
-        completion = 0 if getattr(body, "prompt_only", False) else sum(ev.num_output_tokens for ev in lasts)
+        completion = 0 if body.prompt_only else sum(ev.num_output_tokens for ev in lasts)
         return usage(sum(lasts[g].num_prompt_tokens for g in groups), completion,
                      sum(max(ev.num_cached_tokens for ev in firsts[g:g + n]) for g in groups))
 
     def _observe(self, body, times, lasts: list[messages.TokenEvent]) -> None:
-        tokens = [0 if getattr(body, "prompt_only", False) else ev.num_output_tokens for ev in lasts]
+        tokens = [0 if body.prompt_only else ev.num_output_tokens for ev in lasts]
         self.request_metrics.observe(*times, time.monotonic(), sum(tokens), max(tokens))
 
     async def _collect(self, body, rid, choices: Choices, firsts, chat, times, echoes=None):

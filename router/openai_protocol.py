@@ -66,6 +66,11 @@ class _Sampling(_Strict):
         """The same for the prompt's tokens (completions with `echo`); None = none."""
         return None
 
+    @property
+    def prompt_only(self) -> bool:
+        """Return the prompt alone, nothing generated (completions: echo with max_tokens 0)."""
+        return False
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
                               max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
@@ -77,6 +82,11 @@ class _Sampling(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _as_prompts(v) -> list:
+    """A completion's `prompt` as a list of prompts: a string or a token list is one prompt."""
+    return [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else list(v)
 
 
 class CompletionRequest(_Sampling):
@@ -91,7 +101,7 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
-        prompts = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
+        prompts = _as_prompts(v)
         if not prompts:
             raise ValueError("prompt must not be empty")
         if len(prompts) > MAX_PROMPTS:
@@ -119,8 +129,7 @@ class CompletionRequest(_Sampling):
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or a batch (a list of strings or of token lists)."""
-        v = self.prompt
-        return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
+        return _as_prompts(self.prompt)
 
     def logprob_count(self) -> int | None:
         return self.logprobs
