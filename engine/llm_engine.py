@@ -25,7 +25,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import Completion, RequestOutput, TokenLogprobs
-from engine.sampler import SampleRow, make_generator, prompt_logprobs, sample, skip_draw
+from engine.sampler import PenaltyState, SampleRow, make_generator, prompt_logprobs, sample, skip_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
@@ -39,6 +39,7 @@ class _Request:
     # Prompt logprobs collected so far (position p's entry is token p + 1's); None once handed
     # out with the first token, or when the request did not ask for them.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    penalty: PenaltyState | None = None   # penalized requests, from their first sampling step
 
 
 class LLMEngine:
@@ -178,8 +179,10 @@ class LLMEngine:
         sampling = [self._requests[ch.seq.request_id] for ch in chunks if ch.sample]
         if not sampling:
             return []
-        rows = [SampleRow(r.seq.params, r.generator, self._banned(r.seq), r.seq.token_ids,
-                          r.seq.num_prompt_tokens) for r in sampling]
+        for r in sampling:
+            if r.penalty is None and r.seq.params.penalized:   # built once, then kept up by sample()
+                r.penalty = PenaltyState(r.seq.token_ids, r.seq.num_prompt_tokens, logits.shape[-1], logits.device)
+        rows = [SampleRow(r.seq.params, r.generator, self._banned(r.seq), r.penalty) for r in sampling]
         tokens, logprobs = sample(logits, rows)
         outputs = []
         for req, tok, lp in zip(sampling, tokens, logprobs):

@@ -43,6 +43,28 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+class PenaltyState:
+    """The token statistics a penalized request's penalties read, kept on the logits' device:
+    which ids appear in the prompt or the output (repetition) and how often each appears in the
+    output (frequency, presence). Built once from the tokens so far, then `add`ed to with each
+    sampled token, so a step costs a few vocabulary-wide operations per penalized row instead of
+    a pass over the whole prompt."""
+
+    def __init__(self, token_ids: list[int], num_prompt_tokens: int, vocab: int, device: torch.device):
+        self.vocab = vocab
+        seen = torch.tensor([t for t in token_ids if t < vocab], dtype=torch.long, device=device)
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.seen[seen] = True
+        output = torch.tensor([t for t in token_ids[num_prompt_tokens:] if t < vocab], dtype=torch.long,
+                              device=device)
+        self.counts = torch.bincount(output, minlength=vocab).to(torch.float32)
+
+    def add(self, token: int) -> None:
+        if token < self.vocab:
+            self.seen[token] = True
+            self.counts[token] += 1
+
+
 @dataclass
 class SampleRow:
     """What the sampler needs of one sequence that yields a token this step."""
@@ -50,26 +72,23 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None
     banned: list[int]          # ids it may not pick now (EOS and stop tokens before min_tokens)
-    token_ids: list[int]       # prompt and output so far (the penalties read them)
-    num_prompt_tokens: int
+    penalty: PenaltyState | None = None   # the request's, when params.penalized; sample() adds the new token
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """In place, per penalized row: repetition over prompt and output, then frequency and
     presence over the output (see SamplingParams)."""
-    vocab = logits.shape[-1]
     for i, row in enumerate(rows):
-        p = row.params
+        p, state = row.params, row.penalty
         if not p.penalized:
             continue
+        row_logits = logits[i]
         if p.repetition_penalty != 1.0:
-            ids = torch.tensor(sorted({t for t in row.token_ids if t < vocab}), device=logits.device)
-            seen = logits[i, ids]
-            logits[i, ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
-        output = [t for t in row.token_ids[row.num_prompt_tokens:] if t < vocab]
-        if output and (p.frequency_penalty or p.presence_penalty):
-            counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab).to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            scaled = torch.where(row_logits > 0, row_logits / p.repetition_penalty, row_logits * p.repetition_penalty)
+            row_logits.copy_(torch.where(state.seen, scaled, row_logits))
+        if p.frequency_penalty or p.presence_penalty:
+            counts = state.counts.to(logits.dtype)
+            row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def _logprobs(raw: torch.Tensor, k: int, token: int) -> TokenLogprobs:
@@ -127,6 +146,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
         probs = sub.softmax(dim=-1)
         for j, i in enumerate(sampled):
             out[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].generator).item())
+    for i, row in enumerate(rows):
+        if row.penalty is not None:
+            row.penalty.add(out[i])
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     if wants:
         raw = raw.cpu()

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
-from engine.sampler import SampleRow, _apply_penalties, _filter_top_k_top_p, sample
+from engine.sampler import PenaltyState, SampleRow, _apply_penalties, _filter_top_k_top_p, sample
 from engine.sampling_params import SamplingParams
 
 
@@ -96,7 +96,8 @@ def test_detokenizer_is_utf8_safe_and_holds_back_stop_prefixes(default_model_dir
 
 def _row(params, token_ids, num_prompt, banned=()):
     gen = torch.Generator().manual_seed(0) if not params.greedy else None
-    return SampleRow(params, gen, list(banned), list(token_ids), num_prompt)
+    state = PenaltyState(list(token_ids), num_prompt, 5, torch.device("cpu")) if params.penalized else None
+    return SampleRow(params, gen, list(banned), state)
 
 
 def test_penalty_arithmetic():
@@ -133,3 +134,12 @@ def test_penalty_and_logprobs_params_are_validated():
     assert "repetition_penalty" in SamplingParams(repetition_penalty=0).validate()
     assert "logprobs" in SamplingParams(logprobs=21).validate()
     assert SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.5, logprobs=20).validate() is None
+
+
+def test_penalty_state_kept_up_by_sample_equals_one_rebuilt_from_the_tokens():
+    history = [1, 4, 4, 2]
+    row = _row(SamplingParams(temperature=0, frequency_penalty=0.5, repetition_penalty=1.5), history, 2)
+    token, _ = sample(torch.tensor([[0.0, 0.1, 0.2, 5.0, 0.3]]), [row])
+    rebuilt = PenaltyState(history + token, 2, 5, torch.device("cpu"))
+    assert token == [3]
+    assert torch.equal(row.penalty.seen, rebuilt.seen) and torch.equal(row.penalty.counts, rebuilt.counts)
