@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 model: install
-	$(PY) -m pdserve.models --cache-dir $(MODEL_CACHE)
+	$(PY) -m serving.models --cache-dir $(MODEL_CACHE)
 
 serve: model
 	$(VENV)/bin/pdserve serve --port $(PORT) --model-cache $(MODEL_CACHE)

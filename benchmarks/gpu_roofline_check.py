@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere, no install needed
-from pdserve.plan import HARDWARE, MODELS, decode_intensity, prefill_intensity, tpot_bound, ttft_bound
+from pdserve.plan.roofline import HARDWARE, MODELS, decode_intensity, prefill_intensity, tpot_bound, ttft_bound
 
 
 def timed(fn, repeats: int) -> float:

@@ -41,7 +41,7 @@ SETTINGS = (("affinity on", True), ("affinity off", False))
 
 
 def app_config(args, affinity: bool):
-    from pdserve.serve_config import AppConfig
+    from serving.config import AppConfig
     return AppConfig(mode="disaggregated", model=args.model, served_model_name=sb.SERVED_NAME,
                      engine={"kv_cache_memory": args.kv_cache_memory, "dtype": "float32", "device": "cpu",
                              "num_threads": 1},

@@ -221,7 +221,7 @@ def server_counters(base: str) -> dict[str, float]:
 
 
 def app_config(mode: str, args):
-    from pdserve.serve_config import AppConfig
+    from serving.config import AppConfig
     return AppConfig(mode=mode, model=args.model, served_model_name=SERVED_NAME,
                      engine={"kv_cache_memory": args.kv_cache_memory, "dtype": "float32", "device": "cpu",
                              "num_threads": args.threads},

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from pdserve.app_builder import build_app  # noqa: E402
-from pdserve.models import resolve_model  # noqa: E402
-from pdserve.serve_config import AppConfig  # noqa: E402
+from serving.config import AppConfig  # noqa: E402
+from serving.models import resolve_model  # noqa: E402
 from service_util import free_port, http, metrics, pools_all_free, wait_healthy  # noqa: E402
 
 

@@ -22,10 +22,10 @@ from ray import serve
 
 from engine.async_engine import EngineDeadError
 from kv_transfer import KVReceiver, fingerprint_for
-from pdserve import messages
-from pdserve.engine_host import EngineHost, EngineReplica
-from pdserve.replica_util import error_event, kv_bind_host, token_event
-from pdserve.serve_config import AppConfig
+from serving import messages
+from serving.config import AppConfig
+from serving.engine_host import EngineHost, EngineReplica
+from serving.replica_util import error_event, kv_bind_host, token_event
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ def parse_kv_memory(spec: str | int | float) -> tuple[str, float]:
 class EngineConfig:
     """Everything an engine needs; shared by the prefill, decode and colocated roles.
 
-    model: a local Hugging Face model directory (see `pdserve.models.resolve_model`).
+    model: a local Hugging Face model directory (see `serving.models.resolve_model`).
     dtype: float32 | bfloat16 | float16 | auto (bf16 on CUDA, fp32 on CPU).
     device: auto | cpu | cuda | cuda:N (auto picks CUDA when available).
     kv_cache_memory: KV pool budget: 'auto' (90 % of free GPU memory after the weights on

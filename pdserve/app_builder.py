@@ -10,13 +10,18 @@ from __future__ import annotations
 
 from ray.serve.config import RequestRouterConfig
 
-from pdserve.serve_config import AppConfig, AutoscalingOptions, PoolConfig
+from colocated_service.server import ColocatedServer
+from decode_service.server import DecodeServer
+from prefill_service.server import PrefillServer
+from router.app import Router
+from serving.config import AppConfig, AutoscalingOptions, PoolConfig
+from serving.stats_registry import StatsRegistry
 
 ROUTING_STATS_PERIOD_S = 1.0
 
 
-POLICIES = {"prefill": "pdserve.autoscaling:PrefillPolicy", "decode": "pdserve.autoscaling:DecodePolicy",
-            "colocated": "pdserve.autoscaling:DecodePolicy"}
+POLICIES = {"prefill": "serving.autoscaling:PrefillPolicy", "decode": "serving.autoscaling:DecodePolicy",
+            "colocated": "serving.autoscaling:DecodePolicy"}
 
 
 def autoscaling_config(pool_name: str, a: AutoscalingOptions) -> dict:
@@ -56,12 +61,6 @@ def _pool_options(pool_name: str, pool: PoolConfig, router_class: str | None,
 
 
 def build_app(config: AppConfig | dict):
-    from decode_service.server import DecodeServer
-    from pdserve.colocated_server import ColocatedServer
-    from pdserve.stats_registry import StatsRegistry
-    from prefill_service.server import PrefillServer
-    from router.app import Router
-
     cfg = config if isinstance(config, AppConfig) else AppConfig.model_validate(config)
     data = cfg.model_dump()
     registry = StatsRegistry.bind()

@@ -1,5 +1,6 @@
-"""`pdserve` command line: `serve` (the HTTP service on Ray Serve) and `generate` (one-shot
-generation with a local colocated engine, no Ray)."""
+"""`pdserve` command line: `serve` (the HTTP service on Ray Serve), `generate` (one-shot
+generation with a local colocated engine, no Ray), `plan` (pdserve/plan/) and `bench` (pdserve/bench.py).
+Ray, torch and the engine are imported only by the subcommands that need them."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ import threading
 import time
 import urllib.request
 
+from pdserve.plan import cli as plan_cli
+
 
 def _serve(args) -> int:
     import ray
     from ray import serve
 
     from pdserve.app_builder import build_app
-    from pdserve.models import resolve_model
-    from pdserve.serve_config import AppConfig
+    from serving.config import AppConfig
+    from serving.models import resolve_model
 
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     updates = {k: v for k, v in {"model": args.model, "mode": args.mode, "model_cache": args.model_cache,
@@ -76,7 +79,7 @@ def _generate(args) -> int:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from pdserve.models import resolve_model
+    from serving.models import resolve_model
 
     model_dir = resolve_model(args.model, args.model_cache)
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_threads=args.threads))
@@ -89,11 +92,6 @@ def _generate(args) -> int:
     print(json.dumps({"text": out.text, "finish_reason": out.finish_reason,
                       "prompt_tokens": len(ids), "completion_tokens": len(out.token_ids)}, ensure_ascii=False))
     return 0
-
-
-def _plan(args) -> int:
-    from pdserve.plan_cli import run
-    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,9 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--threads", type=int)
     g.set_defaults(fn=_generate)
     pl = sub.add_parser("plan", help="prefill/decode roofline and replica ratio for a workload")
-    from pdserve.plan_cli import add_arguments as plan_arguments
-    plan_arguments(pl)
-    pl.set_defaults(fn=_plan)
+    plan_cli.add_arguments(pl)
+    pl.set_defaults(fn=plan_cli.run)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -28,9 +28,9 @@ from ray import serve
 
 from engine.async_engine import EngineDeadError
 from kv_transfer import KVSender, fingerprint_for
-from pdserve import messages
-from pdserve.engine_host import EngineHost, EngineReplica
-from pdserve.serve_config import AppConfig
+from serving import messages
+from serving.config import AppConfig
+from serving.engine_host import EngineHost, EngineReplica
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
-from pdserve import messages
-from pdserve.models import resolve_model
-from pdserve.serve_config import AppConfig
-from pdserve.serve_metrics import RouterSeries
 from router.choices import Choices
 from router.guards import Guards, GuardSettings
 from router.logprobs import LogprobsFormatter, TokenStrings
@@ -39,6 +35,10 @@ from router.metrics import RequestMetrics, render
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, choice_body, completion_body,
                                     error_body, error_response, usage)
 from router.orchestrator import Orchestrator, RequestFailed
+from serving import messages
+from serving.config import AppConfig
+from serving.models import resolve_model
+from serving.serve_metrics import RouterSeries
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="pdserve", description="Disaggregated prefill/decode LLM serving (OpenAI-compatible)")

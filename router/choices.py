@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Callable
 
-from pdserve import messages
 from router.orchestrator import RequestFailed
+from serving import messages
 
 Run = Callable[[], AsyncIterator[messages.TokenEvent]]
 

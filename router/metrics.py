@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pdserve import messages
-from pdserve.histogram import LATENCY_BUCKETS, QUEUE_BUCKETS, REPLICA_HISTOGRAMS, Histogram, label_text
 from router.prefix_affinity import DECISIONS
+from serving import messages
+from serving.histogram import LATENCY_BUCKETS, QUEUE_BUCKETS, REPLICA_HISTOGRAMS, Histogram, label_text
 
 __all__ = ["Histogram", "RequestMetrics", "render"]
 
@@ -33,7 +33,7 @@ OUTCOMES = ("ok", "error", "aborted")
 
 
 class RequestMetrics:
-    """What the router sees per request. `export` (a `pdserve.serve_metrics.RouterSeries`, or
+    """What the router sees per request. `export` (a `serving.serve_metrics.RouterSeries`, or
     None) receives the same observations for Ray's metrics port."""
 
     def __init__(self, export=None):

@@ -31,8 +31,8 @@ from typing import AsyncIterator
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException
 
-from pdserve import messages
-from pdserve.messages import WireSamplingParams
+from serving import messages
+from serving.messages import WireSamplingParams
 
 
 PREFILL_ATTEMPTS = 2   # a prefill replica that dies mid-request is retried once on another

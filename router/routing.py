@@ -21,8 +21,8 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
-from pdserve import messages
 from router.prefix_affinity import AffinityTable, Candidate, block_hashes, choose, count_decision
+from serving import messages
 
 
 class _RankingRouter(FIFOMixin, RequestRouter):

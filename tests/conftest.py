@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.models import DEFAULT_MODEL_ID, resolve_model, tiny_model_dir
+from serving.models import DEFAULT_MODEL_ID, resolve_model
+from tiny_models import tiny_model_dir
 
 REPO_MODEL_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "models"
 

@@ -88,7 +88,7 @@ def deployed_app(ray_serve: str, name: str, model_dir, served: str, engine: dict
     from ray import serve
 
     from pdserve.app_builder import build_app
-    from pdserve.serve_config import AppConfig
+    from serving.config import AppConfig
     fields = {"mode": "disaggregated", "model": str(model_dir), "served_model_name": served,
               "route_prefix": f"/{name}", "engine": engine, "transfer": {"host": "127.0.0.1"}}
     for key, value in overrides.items():

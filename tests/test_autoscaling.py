@@ -10,8 +10,8 @@ from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from pdserve.app_builder import autoscaling_config
-from pdserve.autoscaling import DecodePolicy, PrefillPolicy, decide
-from pdserve.serve_config import AutoscalingOptions
+from serving.autoscaling import DecodePolicy, PrefillPolicy, decide
+from serving.config import AutoscalingOptions
 
 
 def ctx(metrics, replicas, state=None, now=100.0, min_r=1, max_r=4, target=None):
@@ -91,6 +91,6 @@ def test_config_validation_and_serve_config():
     with pytest.raises(ValueError):
         DecodePolicy(target_kv_utilization=0)
     cfg = autoscaling_config("decode", AutoscalingOptions(max_replicas=3, target_running=8))
-    assert cfg["max_replicas"] == 3 and cfg["policy"]["policy_function"] == "pdserve.autoscaling:DecodePolicy"
+    assert cfg["max_replicas"] == 3 and cfg["policy"]["policy_function"] == "serving.autoscaling:DecodePolicy"
     assert cfg["policy"]["policy_kwargs"]["target_running"] == 8
     AutoscalingConfig(**cfg)   # Serve accepts it

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from pdserve.messages import TokenEvent
 from router.choices import Choices
 from router.orchestrator import RequestFailed
+from serving.messages import TokenEvent
 
 
 class Script:

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from pdserve.serve_config import AppConfig
+from serving.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer import (KVReceiver, KVSender, LoopbackReceiver, LoopbackSender, TransferConfig,
                          choose_backend, fingerprint_for)
 from kv_transfer.layout import device_info
-from pdserve.models import tiny_model_dir
+from tiny_models import tiny_model_dir
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

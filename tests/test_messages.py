@@ -7,7 +7,7 @@ import pytest
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from pdserve import messages as m
+from serving import messages as m
 
 P = m.WireSamplingParams.of(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_tokens=12, min_tokens=2,
                                            stop=("\n\n",), stop_token_ids=(7,), ignore_eos=True, seed=3,

@@ -4,9 +4,9 @@ from collections import Counter
 
 import pytest
 
-from pdserve.histogram import REPLICA_HISTOGRAMS
-from pdserve.messages import ReplicaStats
 from router.metrics import Histogram, RequestMetrics, render
+from serving.histogram import REPLICA_HISTOGRAMS
+from serving.messages import ReplicaStats
 
 
 def test_histogram_is_cumulative():

@@ -15,8 +15,8 @@ import contextlib
 import types
 
 from engine.sampling_params import SamplingParams
-from pdserve import messages
 from router.orchestrator import Orchestrator
+from serving import messages
 
 
 class FakeResponse:

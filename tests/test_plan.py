@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdserve.plan import HARDWARE, MODELS, decode_intensity, plan, prefill_intensity, tpot_bound, ttft_bound
+from pdserve.plan.roofline import HARDWARE, MODELS, decode_intensity, plan, prefill_intensity, tpot_bound, ttft_bound
 
 QWEN = MODELS["qwen2.5-7b"]
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from pdserve.bench import summarize
-from pdserve.plan import HARDWARE, MODELS, decode_context, plan, tpot_bound, ttft_bound
-from pdserve.plan_calibrate import calibrate, load_report, ratio_table, run_points
+from pdserve.plan.calibrate import calibrate, load_report, ratio_table, run_points
+from pdserve.plan.roofline import HARDWARE, MODELS, decode_context, plan, tpot_bound, ttft_bound
 
 QWEN, H200 = MODELS["qwen2.5-7b"], HARDWARE["h200"]
 URL = "http://127.0.0.1:8000"

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.plan import MODELS
-from pdserve.plan_model import count_params, resolve_spec, spec_from_config
+from pdserve.plan.model import count_params, resolve_spec, spec_from_config
+from pdserve.plan.roofline import MODELS
 
 SMOL_CONFIG = Path(__file__).resolve().parents[1] / ".cache/models/SmolLM2-135M-Instruct/config.json"
 # Qwen2.5-7B's published config.json values (q/k/v biases are implied by model_type qwen2)

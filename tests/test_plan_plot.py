@@ -3,8 +3,8 @@
 import json
 
 from pdserve.cli import main
-from pdserve.plan import HARDWARE, MODELS
-from pdserve.plan_plot import plot
+from pdserve.plan.plot import plot
+from pdserve.plan.roofline import HARDWARE, MODELS
 from test_plan_calibrate import URL, _run
 from test_plan_model import QWEN_CONFIG
 

@@ -1,8 +1,8 @@
-"""The Ray Serve export (pdserve.serve_metrics) never raises into a request. No Ray cluster needed:
+"""The Ray Serve export (serving.serve_metrics) never raises into a request. No Ray cluster needed:
 outside a replica Ray's metric objects are created and record without Serve's tags."""
 
-from pdserve.messages import ReplicaStats
-from pdserve.serve_metrics import ReplicaSeries, RouterSeries, _Export
+from serving.messages import ReplicaStats
+from serving.serve_metrics import ReplicaSeries, RouterSeries, _Export
 
 
 def test_router_and_replica_series_record_without_errors():

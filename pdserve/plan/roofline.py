@@ -8,8 +8,8 @@ memory bandwidth). Lower bounds: TTFT(S) = max(2NS / F, (Nb + kappa S) / W); TPO
 max(2NB / F, (Nb + kappa S B) / W); KV transfer = kappa S / link bandwidth.
 
 Measured latencies sit above these bounds; `plan(..., prefill_eff, decode_eff)` divides the bounds by
-efficiency factors in (0, 1] (see pdserve/plan_calibrate.py for deriving them from a `pdserve bench`
-report). Model specs from a Hugging Face config: pdserve/plan_model.py; the plot: pdserve/plan_plot.py.
+efficiency factors in (0, 1] (see pdserve/plan/calibrate.py for deriving them from a `pdserve bench`
+report). Model specs from a Hugging Face config: pdserve/plan/model.py; the plot: pdserve/plan/plot.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import time
 
 from ray import serve
 
-from pdserve import messages
+from serving import messages
 
 STALE_S = 5.0
 

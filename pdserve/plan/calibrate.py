@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.plan import Hardware, ModelSpec, decode_context, tpot_bound, ttft_bound
+from pdserve.plan.roofline import Hardware, ModelSpec, decode_context, tpot_bound, ttft_bound
 
 _LOAD = re.compile(r" (rate|concurrency) ([0-9.eE+-]+)(?:/s)?$")
 

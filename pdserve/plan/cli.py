@@ -1,6 +1,6 @@
 """The `pdserve plan` subcommand: arguments and the run, in the order it prints.
 
-  1. resolve the model (preset or HF config, pdserve/plan_model.py) and the hardware (preset, or
+  1. resolve the model (preset or HF config, pdserve/plan/model.py) and the hardware (preset, or
      `cpu`: this machine measured now);
   2. print the roofline table (intensities, TTFT/TPOT bounds, KV transfer) and the roofline plan;
   3. with --calibrate: print the efficiencies from the bench report's lowest-load run, the
@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from pdserve.plan import calibrate as plan_calibrate
+from pdserve.plan import roofline as planner
+from pdserve.plan.model import resolve_spec
 
 HARDWARE_CHOICES = ["h100", "h200", "a100", "l40s", "cpu"]
 
@@ -43,14 +47,10 @@ def _print_plan(label: str, p) -> None:
 
 
 def run(args) -> int:
-    from pdserve import plan as planner
-    from pdserve.plan_model import resolve_spec
-
     try:
         model = resolve_spec(args.model, args.dtype, args.params)
         report = None
         if args.calibrate:
-            from pdserve import plan_calibrate
             report = plan_calibrate.load_report(args.calibrate)
     except ValueError as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
@@ -75,7 +75,7 @@ def run(args) -> int:
         _print_plan("recommended, calibrated",
                     planner.plan(model, hw, *slos, prefill_eff=cal.prefill_eff, decode_eff=cal.decode_eff))
     if args.plot:
-        from pdserve.plan_plot import plot
+        from pdserve.plan.plot import plot
         plot(args.plot, model, hw, prefill_eff=cal and cal.prefill_eff, decode_eff=cal and cal.decode_eff)
         print(f"\nwrote {args.plot}")
     return 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.outputs import RequestOutput
-from pdserve import messages
+from serving import messages
 
 
 def kv_bind_host(configured: str) -> str:

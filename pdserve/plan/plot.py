@@ -9,7 +9,7 @@ so the planner itself stays import-light.
 
 from __future__ import annotations
 
-from pdserve.plan import Hardware, ModelSpec, decode_intensity, prefill_intensity, tpot_bound, ttft_bound
+from pdserve.plan.roofline import Hardware, ModelSpec, decode_intensity, prefill_intensity, tpot_bound, ttft_bound
 
 
 def lengths(lo: int = 16, hi: int = 32768, per_octave: int = 4) -> list[float]:

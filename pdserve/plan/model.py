@@ -1,7 +1,7 @@
 """Model specs for `pdserve plan`: a preset name or a Hugging Face `config.json` (plain JSON, no torch).
 
 `resolve_spec(model, dtype, params)` is the one entry point the CLI calls:
-  1. `model` names a preset in `pdserve.plan.MODELS`, or is a path to an HF model directory or its
+  1. `model` names a preset in `pdserve.plan.roofline.MODELS`, or is a path to an HF model directory or its
      `config.json`;
   2. for a config, `spec_from_config` reads layers / KV heads / head_dim and counts parameters with
      `count_params` (dense llama-like decoders: Llama, Qwen2, Mistral, SmolLM, ...);
@@ -16,7 +16,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from pdserve.plan import MODELS, ModelSpec
+from pdserve.plan.roofline import MODELS, ModelSpec
 
 DTYPE_BYTES = {"bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0, "half": 2.0,
                "fp32": 4.0, "float32": 4.0, "float": 4.0}

@@ -3,7 +3,7 @@ model, build the engine on its thread, and report its load.
 
 Stats go three ways: `record_routing_stats` (Serve's request routers read them), a push
 to the `StatsRegistry` deployment every `STATS_PERIOD_S` (the router's /metrics reads it), and,
-with each push, Ray Serve gauges (`pdserve.serve_metrics`, on Ray's metrics port).
+with each push, Ray Serve gauges (`serving.serve_metrics`, on Ray's metrics port).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import os
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
-from pdserve import messages
-from pdserve.histogram import REPLICA_HISTOGRAMS, Histogram
-from pdserve.models import resolve_model
-from pdserve.serve_config import AppConfig
-from pdserve.serve_metrics import ReplicaSeries
+from serving import messages
+from serving.config import AppConfig
+from serving.histogram import REPLICA_HISTOGRAMS, Histogram
+from serving.models import resolve_model
+from serving.serve_metrics import ReplicaSeries
 
 log = logging.getLogger(__name__)
 STATS_PERIOD_S = 0.5
@@ -108,7 +108,7 @@ class EngineReplica:
         return await self.host.routing_stats()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's autoscaling hook: the signals of pdserve.autoscaling's policies."""
+        """Serve's autoscaling hook: the signals of serving.autoscaling's policies."""
         s = await self.host.stats()
         return {"queued_prompt_tokens": float(s.waiting_prompt_tokens),
                 "kv_utilization": 1.0 - s.kv_blocks_free / max(s.kv_blocks_total, 1),

@@ -133,7 +133,7 @@ class ErrorEvent:
 @dataclass(frozen=True)
 class ReplicaStats:
     """Replica -> stats registry, periodically: what /metrics and the routers read.
-    `extra`: counters by name; `histograms`: name -> `pdserve.histogram.Histogram.to_wire()`."""
+    `extra`: counters by name; `histograms`: name -> `serving.histogram.Histogram.to_wire()`."""
     pool: str
     replica_id: str
     kv_blocks_total: int

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.histogram import LATENCY_BUCKETS, QUEUE_BUCKETS, REPLICA_HISTOGRAMS
+from serving.histogram import LATENCY_BUCKETS, QUEUE_BUCKETS, REPLICA_HISTOGRAMS
 
 log = logging.getLogger(__name__)
 

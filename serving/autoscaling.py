@@ -1,7 +1,7 @@
 """Per-pool autoscaling policies for Ray Serve (torch-free).
 
 Each pool scales on its own signal, reported by its replicas through
-`record_autoscaling_stats` (see `pdserve.engine_host.EngineReplica`):
+`record_autoscaling_stats` (see `serving.engine_host.EngineReplica`):
   * prefill: queued prompt tokens (queued or mid-prefill), summed over replicas, against
     `target_queued_tokens` per replica;
   * decode: KV-block utilization and running sequences, summed over replicas, against

@@ -11,10 +11,10 @@ from __future__ import annotations
 from ray import serve
 
 from engine.async_engine import EngineDeadError
-from pdserve import messages
-from pdserve.engine_host import EngineHost, EngineReplica
-from pdserve.replica_util import error_event, token_event
-from pdserve.serve_config import AppConfig
+from serving import messages
+from serving.config import AppConfig
+from serving.engine_host import EngineHost, EngineReplica
+from serving.replica_util import error_event, token_event
 
 
 @serve.deployment

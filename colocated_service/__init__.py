@@ -1,0 +1,2 @@
+"""The colocated pool: one engine does both phases (the baseline and the fallback mode);
+see `colocated_service.server`."""
