@@ -1,4 +1,5 @@
 # The two commands: `make serve` and `make test`. Both set up .venv and the default model first.
+# `make test` checks the import layers (import-linter, contracts in pyproject.toml) before pytest.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -27,6 +28,7 @@ serve: model
 	$(VENV)/bin/pdserve serve --port $(PORT) --model-cache $(MODEL_CACHE)
 
 test: model
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: model
