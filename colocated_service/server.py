@@ -1,9 +1,10 @@
 """Colocated replica: one engine does both phases (the baseline and the fallback mode).
 
 Life cycle of a request here (`generate`)
-  1. decode the request; 2. queue the prompt (the engine prefills it in chunks and decodes
-  it with continuous batching); 3. stream TokenEvents until it finishes. Leaving early
-  aborts the request, which frees its blocks.
+  1. decode the request; 2. admit: one engine call checks it (a bad one is a 400 event) and
+  queues the prompt (the engine prefills it in chunks and decodes it with continuous
+  batching); 3. stream TokenEvents until it finishes. Leaving early aborts the request,
+  which frees its blocks.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from engine.async_engine import EngineDeadError
 from serving import messages
 from serving.config import AppConfig
 from serving.engine_host import EngineHost, EngineReplica
-from serving.replica_util import error_event, token_event
+from serving.replica_util import engine_event, error_event
 
 
 @serve.deployment
@@ -30,12 +31,8 @@ class ColocatedServer(EngineReplica):
             yield error_event("", str(exc), 400, "invalid_request_error")
             return
         rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
-        error = await self.host.aengine.call(lambda e: e.check_request(rid, len(ids), params))
-        if error is not None:
-            yield error_event(rid, error, 400, "invalid_request_error")
-            return
         try:
             async for out in self.host.aengine.stream(rid, lambda e: e.add_request(rid, ids, params)):
-                yield token_event(out)
+                yield engine_event(out)
         except EngineDeadError as exc:
             yield error_event(rid, str(exc), 500)

@@ -5,8 +5,9 @@ Life cycle of a request here (`generate`)
   2. expect   hand the reservation to the KV receiver; the prefill replica's push lands in
               exactly those blocks (it may already be waiting for this reservation)
   3. await    the transfer, bounded by the lease; a failure frees the reservation -> error event
-  4. admit    `add_prefilled`: from here the engine owns the blocks, even when the first
-              token already ends the request
+  4. admit    `add_prefilled`, one engine call that checks the request first (a bad one
+              releases the reservation -> 400 event); from here the engine owns the blocks,
+              even when the first token already ends the request
   5. stream   TokenEvents until the request finishes; leaving early (client gone, router
               cancelled) aborts the request in the engine, which frees its blocks
 Block ownership: steps 1-3 belong to this method, which frees the reservation on every path
@@ -21,11 +22,12 @@ import logging
 from ray import serve
 
 from engine.async_engine import EngineDeadError
+from engine.outputs import Rejected
 from kv_transfer import KVReceiver, fingerprint_for
 from serving import messages
 from serving.config import AppConfig
 from serving.engine_host import EngineHost, EngineReplica
-from serving.replica_util import error_event, kv_bind_host, token_event
+from serving.replica_util import engine_event, error_event, kv_bind_host
 
 log = logging.getLogger(__name__)
 
@@ -75,19 +77,17 @@ class DecodeServer(EngineReplica):
         params = req.params.to_params()
 
         def admit(engine):
-            error = engine.check_request(rid, len(req.prompt_token_ids), params)
-            if error is not None:
+            out = engine.add_prefilled(rid, list(req.prompt_token_ids), req.first_token, params, blocks,
+                                       req.shown_chars)
+            if isinstance(out, Rejected):
                 engine.release_reservation(blocks)
-                raise ValueError(error)
-            self.host.count("requests_decoded")
-            return engine.add_prefilled(rid, list(req.prompt_token_ids), req.first_token, params, blocks,
-                                        req.shown_chars)
+            else:
+                self.host.count("requests_decoded")
+            return out
 
         try:
             async for out in self.host.aengine.stream(rid, admit):
-                yield token_event(out)
-        except ValueError as exc:
-            yield error_event(rid, str(exc), 400, "invalid_request_error")
+                yield engine_event(out)
         except EngineDeadError as exc:
             yield error_event(rid, str(exc), 500)
 

@@ -3,10 +3,12 @@
 Contract
   * Every engine call runs on the engine thread: `submit` queues a function of the engine
     and returns a concurrent Future; `call` is its awaitable form.
-  * `stream(request_id, admit)` registers an output queue, runs `admit(engine)` (which adds
-    the request and may return a first output) and yields the request's outputs until it
-    finishes. Leaving the iterator early (client gone, task cancelled) aborts the request,
-    which frees its blocks.
+  * `stream(request_id, admit)` runs `admit(engine)` in one engine call, which checks and adds
+    the request and returns a first output, None, or a `Rejected` (then the stream yields that
+    one value and ends: nothing was admitted, nothing to abort). An admitted request's output
+    queue is registered on the engine thread right after `admit`, before any step can produce
+    an output; the stream yields the outputs until the request finishes. Leaving the iterator
+    early (client gone, task cancelled) aborts the request, which frees its blocks.
   * If a step raises, every live request gets the error and is aborted; the loop goes on.
 The loop: 1. run queued calls, 2. step if there is work, 3. hand outputs to their streams,
 4. sleep until a call arrives when idle.
@@ -22,7 +24,7 @@ import threading
 from typing import AsyncIterator, Callable
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import Rejected, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +54,32 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], object]):
         return await asyncio.wrap_future(self.submit(fn))
 
-    async def stream(self, request_id: str,
-                     admit: Callable[[LLMEngine], RequestOutput | None]) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, q)
+    async def stream(self, request_id: str, admit: Callable[[LLMEngine], RequestOutput | Rejected | None],
+                     ) -> AsyncIterator[RequestOutput | Rejected]:
+        entry = (asyncio.get_running_loop(), asyncio.Queue())
+        q = entry[1]
+
+        def admit_and_register(engine: LLMEngine):
+            result = admit(engine)
+            if not isinstance(result, Rejected):
+                self._streams[request_id] = entry
+            return result
+
+        def end(engine: LLMEngine) -> None:
+            # queued after `admit_and_register`, so it sees whether this stream admitted the request
+            if self._streams.get(request_id) is entry:
+                del self._streams[request_id]
+                engine.abort(request_id)
+
         finished = False
         try:
             # shielded: once submitted, `admit` runs even if we are cancelled, and the abort
             # queued by `finally` runs after it, so nothing it allocated is stranded
-            first = await asyncio.shield(asyncio.wrap_future(self.submit(admit)))
+            first = await asyncio.shield(asyncio.wrap_future(self.submit(admit_and_register)))
+            if isinstance(first, Rejected):
+                finished = True
+                yield first
+                return
             if first is not None:
                 q.put_nowait(first)
             while True:
@@ -74,9 +92,10 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
             if not finished:
-                self.submit(lambda e: e.abort(request_id))
+                self.submit(end)
+            elif self._streams.get(request_id) is entry:
+                del self._streams[request_id]
 
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped.is_set()

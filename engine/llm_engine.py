@@ -3,6 +3,8 @@
 Life cycle of a request in the engine
   1. `add_request` (colocated or prefill role) queues a prompt; `add_prefilled` (decode
      role) admits a prompt whose K/V was imported into reserved blocks, with its first token.
+     Both check the request first (`check_request`) and return a `Rejected` instead of
+     admitting one that cannot be served: check and admit are one engine call.
   2. `step` schedules chunks under the token budget, runs one ragged forward (collecting the
      prompt logprobs of requests that ask for them), samples the chunks that reached their
      last token, and checks stop conditions.
@@ -24,7 +26,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
-from engine.outputs import Completion, RequestOutput, TokenLogprobs
+from engine.outputs import Completion, Rejected, RequestOutput, TokenLogprobs
 from engine.sampler import PenaltyState, SampleRow, make_generator, prompt_logprobs, sample, skip_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -67,7 +69,8 @@ class LLMEngine:
 
     # ---- 1. admission -------------------------------------------------------------------------
     def check_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> str | None:
-        """The reason a request cannot be served, or None. Boundaries call this first."""
+        """The reason a request cannot be served, or None. `add_request` and `add_prefilled`
+        call it before admitting anything."""
         if request_id in self._requests:
             return f"request id {request_id!r} is already in use"
         if num_prompt_tokens < 1:
@@ -80,9 +83,10 @@ class LLMEngine:
                     f"{num_prompt_tokens} tokens and max_tokens is {params.max_tokens}")
         return None
 
-    def _new_request(self, request_id, token_ids, params, hold_blocks) -> _Request:
+    def _new_request(self, request_id, token_ids, params, hold_blocks) -> _Request | Rejected:
         error = self.check_request(request_id, len(token_ids), params)
-        assert error is None, error
+        if error is not None:
+            return Rejected(request_id, error)
         seq = Sequence(request_id, token_ids, params, hold_blocks=hold_blocks)
         detok = None
         if params.detokenize:
@@ -96,23 +100,30 @@ class LLMEngine:
         return req
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    hold_blocks: bool = False) -> None:
-        """Queue a prompt. `hold_blocks` (prefill role): finish after the first token and
-        keep the blocks for `export_kv` until `release`."""
+                    hold_blocks: bool = False) -> Rejected | None:
+        """Queue a prompt, or return why it cannot be served (nothing queued). `hold_blocks`
+        (prefill role): finish after the first token and keep the blocks for `export_kv` until
+        `release`."""
         req = self._new_request(request_id, prompt_token_ids, params, hold_blocks)
+        if isinstance(req, Rejected):
+            return req
         self.scheduler.add(req.seq)
+        return None
 
-    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
-                      params: SamplingParams, block_ids: list[int], shown_chars: int = 0) -> RequestOutput:
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
+                      block_ids: list[int], shown_chars: int = 0) -> RequestOutput | Rejected:
         """Decode role: admit a request whose prompt K/V now lies in `block_ids` (from
         `reserve`, filled by `import_kv` or a transfer). Ownership of the blocks passes to
-        the engine here, even when the first token already ends the request. `shown_chars`
+        the engine here, even when the first token already ends the request; a `Rejected`
+        request leaves them with the caller (who releases the reservation). `shown_chars`
         characters of output text were already shown (the prefill engine's first output's
         `new_text`): the text returned from here on starts after them. The returned output
         (the first token) has no logprobs: the prefill engine computed them. A seeded sampled
         request continues its random stream after the first token's draw, so the split draws
         what one engine draws."""
         req = self._new_request(request_id, list(prompt_token_ids), params, False)
+        if isinstance(req, Rejected):
+            return req
         if req.detok is not None:
             req.detok.emitted = shown_chars
         if req.generator is not None:     # the prefill engine drew the first token from this seed
@@ -267,7 +278,11 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"generate-{id(results)}-{i}"
             results[rid] = Completion(rid, ids)
-            self.add_request(rid, ids, p)
+            rejected = self.add_request(rid, ids, p)
+            if rejected is not None:
+                for queued in results:
+                    self.abort(queued)
+                raise ValueError(f"prompt {i}: {rejected.reason}")
         while self.has_work():
             for out in self.step():
                 results[out.request_id].add(out)

@@ -16,6 +16,17 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class Rejected:
+    """A request the engine refused at admission (`LLMEngine.check_request`'s reason, e.g. a
+    prompt longer than the context): nothing was allocated and the caller still owns whatever it
+    passed in (a decode replica's reservation). A value, not an exception, so a replica turns it
+    into a 400 without a second engine round trip."""
+
+    request_id: str
+    reason: str
+
+
 @dataclass
 class RequestOutput:
     """One request's progress in one step.

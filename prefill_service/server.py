@@ -1,9 +1,10 @@
 """Prefill replica: a Serve deployment holding an engine in the prefill role.
 
 Life cycle of a request here (`prefill`)
-  1. check    validate the request against the engine (context length, parameters)
-  2. prefill  queue the prompt; the engine batches waiting prompts under its token budget
-              with chunked prefill, samples the first token, and holds the prompt's blocks
+  1. admit    one engine call checks the request (context length, parameters; a bad one is
+              a 400 result) and queues the prompt
+  2. prefill  the engine batches waiting prompts under its token budget with chunked
+              prefill, samples the first token, and holds the prompt's blocks
   3. answer   return the first token at once (TTFT does not wait for the transfer)
   4. push     in the background, send the blocks to the decode replica at `kv_address`;
   5. release  free the held blocks after the ack or on failure
@@ -27,6 +28,7 @@ import time
 from ray import serve
 
 from engine.async_engine import EngineDeadError
+from engine.outputs import Rejected
 from kv_transfer import KVSender, fingerprint_for
 from serving import messages
 from serving.config import AppConfig
@@ -53,11 +55,7 @@ class PrefillServer(EngineReplica):
         except messages.MessageError as exc:
             return messages.encode(messages.PrefillResult("", error=str(exc), error_code=400))
         rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
-        # 1. check
-        error = await self.host.aengine.call(lambda e: e.check_request(rid, len(ids), params))
-        if error is not None:
-            return messages.encode(messages.PrefillResult(rid, error=error, error_code=400))
-        # 2. prefill
+        # 1. admit, 2. prefill
         first = None
         try:
             async for out in self.host.aengine.stream(
@@ -65,6 +63,8 @@ class PrefillServer(EngineReplica):
                 first = out
         except EngineDeadError as exc:
             return messages.encode(messages.PrefillResult(rid, error=str(exc), error_code=500))
+        if isinstance(first, Rejected):
+            return messages.encode(messages.PrefillResult(rid, error=first.reason, error_code=400))
         assert first is not None and first.finished
         done = time.monotonic()
         scheduled = first.first_scheduled_time or done

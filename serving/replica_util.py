@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.outputs import RequestOutput
+from engine.outputs import Rejected, RequestOutput
 from serving import messages
 
 
@@ -22,3 +22,11 @@ def token_event(out: RequestOutput) -> bytes:
 
 def error_event(request_id: str, message: str, code: int = 500, kind: str = "server_error") -> bytes:
     return messages.encode(messages.ErrorEvent(request_id, message, code, kind))
+
+
+def engine_event(out: RequestOutput | Rejected) -> bytes:
+    """What an engine stream yields, as a replica's event: a token event, or a 400 error event
+    for a request the engine rejected at admission."""
+    if isinstance(out, Rejected):
+        return error_event(out.request_id, out.reason, 400, "invalid_request_error")
+    return token_event(out)
