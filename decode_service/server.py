@@ -102,9 +102,6 @@ class DecodeServer(EngineReplica):
     def _release(self, blocks: list[int]) -> None:
         self.host.aengine.submit(lambda e: e.release_reservation(blocks))
 
-    def __del__(self):
-        try:
-            self.receiver.close()
-            self.host.shutdown()
-        except Exception:  # noqa: BLE001 - best effort at teardown
-            pass
+    def close_kv(self) -> None:
+        """At shutdown: fail open reservations and stop the receiver's threads and store."""
+        self.receiver.close()

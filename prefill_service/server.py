@@ -16,6 +16,8 @@ histograms (`kv_transfer_seconds`, `kv_transfer_bytes`) and reach /metrics with 
 Block ownership: the engine holds the blocks from step 2; once the first token exists a
 shielded hand-off task owns them and always releases them (step 5), whatever happens to the
 caller. Leaving during step 2 (router cancelled) aborts the request, which frees them.
+Shutdown (`close_kv`, from Serve's `__del__`, after Serve has drained the replica's requests): the
+pushes already in the send pool finish, then the sender closes its pairs; then the engine stops.
 """
 
 from __future__ import annotations
@@ -102,3 +104,10 @@ class PrefillServer(EngineReplica):
                 log.warning("KV transfer of %s to %s failed: %s", rid, address, res.error)
         finally:
             self.host.aengine.submit(lambda e: e.release(rid))
+
+    def close_kv(self) -> None:
+        """At shutdown: let the pushes already handed to the send pool finish (a decode replica
+        waits for each; every one is bounded by the transfer timeout), then close the sender
+        (each decode replica gets a Bye)."""
+        self._send_pool.shutdown(wait=True)
+        self.sender.close()

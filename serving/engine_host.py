@@ -9,6 +9,7 @@ with each push, Ray Serve gauges (`serving.serve_metrics`, on Ray's metrics port
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 
@@ -99,9 +100,24 @@ class EngineHost:
 
 class EngineReplica:
     """What the three engine deployments share: Serve's routing-stats and health hooks and a
-    `stats` call, all answered from `self.host` (an `EngineHost`)."""
+    `stats` call, all answered from `self.host` (an `EngineHost`), and the shutdown: Serve calls
+    the replica's `__del__` once when it stops the replica, which closes the replica's KV
+    endpoint (`close_kv`) and then stops the engine thread."""
 
     host: EngineHost
+
+    def close_kv(self) -> None:
+        """Close this replica's KV endpoint (the prefill sender, the decode receiver); the
+        colocated replica has none."""
+
+    def __del__(self):
+        if self.__dict__.get("_shut_down"):     # Serve calls it, then Python again at collection
+            return
+        self._shut_down = True
+        with contextlib.suppress(Exception):    # best effort at teardown, also half-built
+            self.close_kv()
+        with contextlib.suppress(Exception):
+            self.host.shutdown()
 
     async def record_routing_stats(self) -> dict:
         self.host.start_stats_pusher()
