@@ -9,7 +9,8 @@ Both rank every candidate replica (best first) from the stats the replicas publi
 Prefill and colocated add prefix-cache affinity: the replica this router already sent the longest
 prefix of the prompt to goes first while its load is close enough to the least loaded one's
 (router/prefix_affinity.py).
-Serve then sends to the first replica of the ranking that has room.
+Serve then sends to the first replica of the ranking that has room. Serve's request-router API is
+reached only through serving/ray_compat.py.
 """
 
 from __future__ import annotations
@@ -17,19 +18,14 @@ from __future__ import annotations
 import random
 from typing import List, Optional
 
-from ray.serve._private.request_router.common import PendingRequest
-from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
-
 from router.prefix_affinity import AffinityTable, Candidate, block_hashes, choose, count_decision
 from serving import messages
+from serving.ray_compat import FIFOMixin, PendingRequest, RequestRouter, RunningReplica, back_off_when_full, in_flight
 
 
 class _RankingRouter(FIFOMixin, RequestRouter):
     def _in_flight(self, replica: RunningReplica) -> int:
-        cache = getattr(self, "_replica_queue_len_cache", None)
-        value = cache.get(replica.replica_id) if cache is not None else None
-        return value or 0
+        return in_flight(self, replica)
 
     def score(self, replica: RunningReplica) -> tuple:
         raise NotImplementedError
@@ -37,7 +33,7 @@ class _RankingRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         if pending_request is not None:
-            pending_request.routing_context.should_backoff = True
+            back_off_when_full(pending_request)
         ranked = sorted(candidate_replicas, key=lambda r: (self.score(r), random.random()))
         return [[r] for r in ranked]
 
@@ -88,7 +84,7 @@ class _PrefixAffinity:
         prompt = self._prompt(pending_request)
         if not prompt:
             return await super().choose_replicas(candidate_replicas, pending_request)
-        pending_request.routing_context.should_backoff = True
+        back_off_when_full(pending_request)
         matched = self._table.matches(block_hashes(prompt, self._table.block_size),
                                       [r.replica_id for r in candidate_replicas])
         candidates = [Candidate(r.replica_id, self._load_tokens(r), (self.score(r), random.random()))

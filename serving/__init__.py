@@ -10,5 +10,6 @@
   serve_metrics   the same series on Ray's metrics port (ray.serve.metrics)
   models          model resolution and preparation (`python -m serving.models`)
   autoscaling     per-pool Serve autoscaling policies
+  ray_compat      every Ray API beyond Serve's stable surface (Ray is pinned to a tested range)
 Nothing here imports a pool, the router or `pdserve` (app assembly and tools sit on top).
 """
