@@ -4,7 +4,8 @@ replica's pool.
 Both pools have the engine's block-major layout `[num_blocks, num_layers, 2, block_size,
 num_kv_heads, head_dim]` (one block is contiguous across layers); a request's KV is a list of
 block ids into dim 0. The engine allocates and frees blocks; this package only reads and
-writes the blocks it is handed, and says when it is done.
+writes the blocks it is handed, and says when it is done. The bottom layer, beside `engine/`:
+it imports neither that nor anything above it (import-linter checks it in `make test`).
 
 Public API (two backends, one interface: see base.py):
 
