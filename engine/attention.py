@@ -1,14 +1,15 @@
-"""Paged attention as a transformers attention function.
+"""Paged attention over the block-major KV pool.
 
 The model runner flattens a ragged step (prompt chunks and single decode tokens of many
-sequences) into one row of tokens and passes an `AttentionMetadata` as the `pd_attn`
-keyword; transformers forwards it to this function in every layer. Per layer it
+sequences) into one row of tokens and builds an `AttentionMetadata`; the decoder
+(`engine.decoder`) calls `paged_attention` in every layer. Per layer it
   1. writes the new K/V into the KV pool at `slot_mapping`,
   2. attends every decode token over its sequence's blocks (one batched sdpa call, padded
      keys masked out),
   3. attends every prompt chunk over its past blocks plus itself (explicit offset-causal
      mask: sdpa's `is_causal` is aligned top-left, wrong once the chunk has a past).
-GQA, scaling and kernel choice are left to transformers' own sdpa helper.
+Decode keys are gathered per block into a [batch, max_context] copy per layer (a kernel that
+reads the pool in place is the next step; see the README's limits).
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-ATTN_IMPLEMENTATION = "pdserve_paged"
+import torch.nn.functional as F
 
 
 @dataclass
@@ -53,49 +51,50 @@ def token_slots(block_table: torch.Tensor, block_size: int, num_layers: int) -> 
     return (block_table[:, None] * (num_layers * 2 * block_size) + offsets).flatten()
 
 
-def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
-                            dropout=0.0, pd_attn: AttentionMetadata | None = None, **kwargs):
-    assert pd_attn is not None, "pdserve_paged attention needs the runner's metadata"
-    meta = pd_attn
-    _, n_heads, n_tokens, head_dim = query.shape
+def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of layer `layer` for a ragged step: query [T, H, D], key/value [T, Hkv, D]
+    (RoPE applied) -> [T, H * D]. K/V heads are never repeated for GQA: decode queries of one
+    KV head attend as a group (the group is sdpa's query axis), prompt chunks use sdpa's
+    `enable_gqa`."""
+    n_tokens, n_heads, head_dim = query.shape
     pool = meta.kv_pool
     _, n_layers, _, block_size, n_kv, _ = pool.shape
+    group = n_heads // n_kv
     flat = pool.view(-1, n_kv, head_dim)              # token rows, see token_slots
-    k_shift = 2 * module.layer_idx * block_size       # layer-0 K slot -> this layer's K slot
+    k_shift = 2 * layer * block_size                  # layer-0 K slot -> this layer's K slot
     v_shift = k_shift + block_size
     # 1. store the new K/V
-    flat.index_copy_(0, meta.slot_mapping + k_shift, key[0].transpose(0, 1))
-    flat.index_copy_(0, meta.slot_mapping + v_shift, value[0].transpose(0, 1))
+    flat.index_copy_(0, meta.slot_mapping + k_shift, key)
+    flat.index_copy_(0, meta.slot_mapping + v_shift, value)
 
-    out = None if meta.all_decode else query.new_empty(1, n_tokens, n_heads, head_dim)
+    out = None if meta.all_decode else query.new_empty(n_tokens, n_heads * head_dim)
     # 2. decode tokens, batched; keys gathered a whole block at a time
     if meta.decode_rows is not None:
-        rows = meta.decode_rows
-        q = (query[0] if meta.all_decode else query[0, :, rows]).transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+        q = query if meta.all_decode else query[meta.decode_rows]
         b, nb = meta.decode_blocks.shape
-        k_rows = meta.decode_blocks * (2 * n_layers) + 2 * module.layer_idx  # V: k_rows + 1
+        q = q.view(b, n_kv, group, head_dim)                                  # [B, Hkv, g, D]
+        k_rows = meta.decode_blocks * (2 * n_layers) + 2 * layer             # V: k_rows + 1
         block_rows = pool.view(-1, block_size * n_kv * head_dim)
         kv = block_rows.index_select(0, torch.stack((k_rows, k_rows + 1)).view(-1))
         kv = kv.view(2, b, nb * block_size, n_kv, head_dim)
         k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)                 # [B, Hkv, L, D]
-        o, _ = sdpa_attention_forward(module, q, k, v, meta.decode_mask, scaling=scaling,
-                                      is_causal=False)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+        o = o.reshape(b, n_heads * head_dim)
         if meta.all_decode:
-            return o.view(1, n_tokens, n_heads, head_dim), None
-        out[0, rows] = o[:, 0]
+            return o
+        out[meta.decode_rows] = o
     # 3. prompt chunks, one at a time
     for span in meta.prefills:
-        q = query[:, :, span.q_start:span.q_end]
+        q = query[span.q_start:span.q_end].transpose(0, 1)[None]             # [1, H, n, D]
         if span.context_slots is None:
-            k = key[:, :, span.q_start:span.q_end]
-            v = value[:, :, span.q_start:span.q_end]
+            k = key[span.q_start:span.q_end]
+            v = value[span.q_start:span.q_end]
         else:
-            k = flat[span.context_slots + k_shift].transpose(0, 1).unsqueeze(0)
-            v = flat[span.context_slots + v_shift].transpose(0, 1).unsqueeze(0)
-        o, _ = sdpa_attention_forward(module, q, k, v, span.mask, scaling=scaling,
-                                      is_causal=span.mask is None)
-        out[0, span.q_start:span.q_end] = o[0]
-    return out, None
-
-
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+            k = flat[span.context_slots + k_shift]
+            v = flat[span.context_slots + v_shift]
+        o = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=span.mask, is_causal=span.mask is None,
+                                           scale=scale, enable_gqa=group > 1)
+        out[span.q_start:span.q_end] = o[0].transpose(0, 1).reshape(-1, n_heads * head_dim)
+    return out

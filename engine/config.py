@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_QUANTIZATIONS = (None, "int8", "int4")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -35,7 +36,12 @@ class EngineConfig:
     """Everything an engine needs; shared by the prefill, decode and colocated roles.
 
     model: a local Hugging Face model directory (see `serving.models.resolve_model`).
-    dtype: float32 | bfloat16 | float16 | auto (bf16 on CUDA, fp32 on CPU).
+    dtype: float32 | bfloat16 | float16 | auto (bf16 on CUDA, fp16 on GPUs without bf16; on CPU
+        bf16 where the CPU has native bf16 (AVX512-BF16/AMX), else fp32). float32 is the exact
+        mode: greedy output token-identical to Hugging Face `generate` in fp32.
+    quantization: None | int8 | int4: weight-only quantization of every linear and the LM head
+        (CPU, bf16 activations; int8 per output channel, int4 in groups of 32). Faster
+        small-batch decode; see engine.linear for how larger batches run.
     device: auto | cpu | cuda | cuda:N (auto picks CUDA when available).
     kv_cache_memory: KV pool budget: 'auto' (90 % of free GPU memory after the weights on
         CUDA; min(1 GiB, 25 % of available RAM) on CPU), a fraction of free memory, or a size.
@@ -51,6 +57,7 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"
+    quantization: str | None = None
     device: str = "auto"
     kv_cache_memory: str | int | float = "auto"
     block_size: int = 16
@@ -66,6 +73,11 @@ class EngineConfig:
             raise ValueError("model must be a model directory")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization and self.dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"quantization {self.quantization} computes in bfloat16; dtype {self.dtype!r} "
+                             "contradicts it (use auto or bfloat16)")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         parse_kv_memory(self.kv_cache_memory)

@@ -61,7 +61,7 @@ class LLMEngine:
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()
-        gen = getattr(self.runner.model, "generation_config", None)
+        gen = self.runner.generation_config
         eos = getattr(gen, "eos_token_id", None)
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
         ids.add(self.tokenizer.eos_token_id)
@@ -165,7 +165,7 @@ class LLMEngine:
             ch = chunks[i]
             targets = ch.seq.token_ids[ch.start + a + 1:ch.start + b + 1]
             self._requests[ch.seq.request_id].prompt_logprobs += prompt_logprobs(
-                self.runner.model.lm_head, out.hidden[i], targets, ch.seq.params.prompt_logprobs)
+                self.runner.lm_head, out.hidden[i], targets, ch.seq.params.prompt_logprobs)
         return self._postprocess(chunks, out.logits)
 
     def _prompt_logprob_spans(self, chunks: list[ScheduledChunk]) -> dict[int, tuple[int, int]]:

@@ -2,8 +2,8 @@
 
 `ModelRunner.run(chunks)` does one ragged forward for a step: every scheduled chunk's
 tokens in one flat row with explicit position ids, paged attention (engine.attention),
-and the LM head only on the last position of each chunk that samples. Stock transformers
-model classes are used unchanged; only the attention implementation is ours.
+and the LM head only on the last position of each chunk that samples. transformers loads
+the checkpoint; the forward is engine.decoder's, in the configured weight format.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillSpan, token_slots
+from engine.attention import AttentionMetadata, PrefillSpan, token_slots
 from engine.config import EngineConfig, parse_kv_memory
+from engine.decoder import DecoderModel
+from engine.linear import cpu_has_native_bf16
 from engine.sequence import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -30,12 +32,23 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """'auto': bf16 on a GPU that supports it (fp16 on older ones), fp32 on CPU."""
+    """'auto': bf16 on a GPU that supports it (fp16 on older ones); on CPU bf16 where the CPU
+    computes it natively (AVX512-BF16 / AMX), else fp32."""
     if spec == "auto":
         if device.type != "cuda":
-            return torch.float32
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return _TORCH_DTYPES[spec]
+
+
+def weight_format(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """The linears' format: the quantization if one is set (CPU, bf16 activations), else the dtype."""
+    if config.quantization is None:
+        return {v: k for k, v in _TORCH_DTYPES.items()}[dtype]
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        raise ValueError(f"quantization={config.quantization!r} runs on CPU with bfloat16 activations "
+                         f"(device {device}, dtype {dtype}); unset it or use dtype bfloat16 on cpu")
+    return config.quantization
 
 
 @dataclass(frozen=True)
@@ -73,10 +86,14 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.weight_format = weight_format(config, self.device, self.dtype)
         hf_config = AutoConfig.from_pretrained(config.model)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            config.model, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION,
-        ).to(self.device).eval()
+        # quantized formats start from fp32 weights; the others load in their own dtype
+        load_dtype = torch.float32 if config.quantization else self.dtype
+        hf_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=load_dtype).to(self.device).eval()
+        self.model = DecoderModel(hf_model, self.weight_format, self.dtype)
+        self.generation_config = hf_model.generation_config
+        del hf_model
         self.hf_config = hf_config
         self.kv_shape = kv_shape_of(hf_config, config.block_size, self.dtype)
         self.num_blocks = self._num_blocks()
@@ -111,7 +128,11 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         """Width of the logits (the LM head's outputs; may exceed the tokenizer's vocabulary)."""
-        return self.model.lm_head.out_features
+        return self.model.vocab_size
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] (model dtype) of final hidden states [rows, hidden]."""
+        return self.model.lm_head(hidden)
 
     @property
     def max_position_embeddings(self) -> int:
@@ -127,9 +148,7 @@ class ModelRunner:
         hidden states of those rows (prompt logprobs: sampler.prompt_logprobs turns them into
         log-probabilities slice by slice, never a [tokens, vocab] tensor at once)."""
         input_ids, positions, sample_rows, meta = self._prepare(chunks)
-        out = self.model.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                               pd_attn=meta)
-        states = out.last_hidden_state[0]
+        states = self.model.forward(input_ids, positions, meta)
         hidden = {}
         if hidden_spans:
             offsets = [0]
@@ -177,8 +196,8 @@ class ModelRunner:
             dec = (torch.tensor(dec_rows, device=dev), tables.to(dev), mask.to(dev))
         all_decode = len(dec_rows) == row
         meta = AttentionMetadata(self.kv_pool, torch.cat(slots).to(dev), *dec, prefills, all_decode)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)[None]
-        positions = torch.cat(pos).to(dev)[None]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.cat(pos).to(dev)
         return input_ids, positions, sample_rows, meta
 
     # ---- KV export / import ----------------------------------------------------------------

@@ -9,6 +9,7 @@ seed gets the same tokens whatever else shares its batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -104,7 +105,7 @@ PROMPT_LOGPROB_SLICE = 256   # rows through the LM head at once
 
 
 @torch.inference_mode()
-def prompt_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: list[int],
+def prompt_logprobs(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: list[int],
                     k: int) -> list[TokenLogprobs]:
     """Log-probability of each `targets[i]` (the prompt token after row i) under the model's
     distribution at row i of `hidden` ([len(targets), hidden]), with the k most likely tokens;

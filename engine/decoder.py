@@ -1,0 +1,106 @@
+"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2): the engine's model code.
+
+Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
+format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
+one ragged row of tokens, fused Q/K/V and gate/up projections in the engine's weight format
+(`engine.linear`), and paged attention (`engine.attention`). Per layer it is a dozen torch ops
+where transformers' modules spend several times that in Python, which at small batch is most
+of a step on a CPU. The math is the transformers one, op for op where rounding matters
+(RMSNorm in fp32, RoPE from the model's own rotary module, residuals in the model's dtype), so
+the fp32 mode stays token-identical to Hugging Face `generate`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.linear import make_linear
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class _Layer:
+    __slots__ = ("index", "in_norm", "post_norm", "qkv", "o", "gate_up", "down")
+
+
+class DecoderModel:
+    """`forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]` and
+    `lm_head(hidden [n, hidden]) -> logits [n, vocab]` in the model's dtype."""
+
+    def __init__(self, hf_model, weight_format: str, dtype: torch.dtype):
+        cfg = hf_model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type {cfg.model_type!r} is not supported; pdserve runs "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu only)")
+        self.dtype = dtype
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        self.eps = cfg.rms_norm_eps
+        body = hf_model.model
+        self.embed = body.embed_tokens.weight.detach().to(dtype)
+        self.rotary = body.rotary_emb
+        self.norm = body.norm.weight.detach().to(dtype)
+        self.layers = [self._layer(i, layer, weight_format) for i, layer in enumerate(body.layers)]
+        head = hf_model.lm_head
+        self.vocab_size = head.out_features
+        self.lm_head = make_linear(head.weight.detach(), _bias(head), weight_format, dtype)
+
+    def _layer(self, i: int, hf_layer, fmt: str) -> _Layer:
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        layer = _Layer()
+        layer.index = i
+        layer.in_norm = hf_layer.input_layernorm.weight.detach().to(self.dtype)
+        layer.post_norm = hf_layer.post_attention_layernorm.weight.detach().to(self.dtype)
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        layer.qkv = make_linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt, self.dtype)
+        layer.o = make_linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt, self.dtype)
+        projs = (mlp.gate_proj, mlp.up_proj)
+        layer.gate_up = make_linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt, self.dtype)
+        layer.down = make_linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt, self.dtype)
+        return layer
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' LlamaRMSNorm: normalize in fp32, cast back, then scale
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(x[None], positions[None])             # [1, T, head_dim]
+        cos, sin = cos[0, :, None], sin[0, :, None]                  # broadcast over heads
+        nq, nkv, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
+        t = x.shape[0]
+        for layer in self.layers:
+            h = self._rms_norm(x, layer.in_norm)
+            q, k, v = layer.qkv(h).split((nq, nkv, nkv), dim=-1)
+            q = _rope(q.view(t, -1, d), cos, sin)
+            k = _rope(k.view(t, -1, d), cos, sin)
+            a = paged_attention(layer.index, q, k, v.view(t, -1, d), meta, self.scale)
+            x = x + layer.o(a)
+            h = self._rms_norm(x, layer.post_norm)
+            g, u = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(g) * u)
+        return self._rms_norm(x, self.norm)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _bias(linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
+
+
+def _cat_bias(linears) -> torch.Tensor | None:
+    biases = [_bias(p) for p in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, linears)])
