@@ -33,7 +33,9 @@ class AttentionMetadata:
     kv_pool: torch.Tensor              # [blocks, layers, 2, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor         # [T] layer-0 K slot of each new token (see token_slots)
     decode_rows: torch.Tensor | None   # [B] query rows of decode tokens
-    decode_blocks: torch.Tensor | None  # [B, max_blocks] block tables, padded with block 0
+    decode_blocks: torch.Tensor | None  # [2 * B * max_blocks] layer-0 K then V rows of the block
+                                        # tables (padded with block 0) in the pool viewed as
+                                        # [blocks * layers * 2, block]; see paged_attention
     decode_mask: torch.Tensor | None   # [B, 1, 1, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillSpan]
     all_decode: bool = False           # every row is a decode token, in order (rows = arange)
@@ -72,12 +74,11 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     # 2. decode tokens, batched; keys gathered a whole block at a time
     if meta.decode_rows is not None:
         q = query if meta.all_decode else query[meta.decode_rows]
-        b, nb = meta.decode_blocks.shape
+        b = q.shape[0]
         q = q.view(b, n_kv, group, head_dim)                                  # [B, Hkv, g, D]
-        k_rows = meta.decode_blocks * (2 * n_layers) + 2 * layer             # V: k_rows + 1
         block_rows = pool.view(-1, block_size * n_kv * head_dim)
-        kv = block_rows.index_select(0, torch.stack((k_rows, k_rows + 1)).view(-1))
-        kv = kv.view(2, b, nb * block_size, n_kv, head_dim)
+        kv = block_rows.index_select(0, meta.decode_blocks + 2 * layer)
+        kv = kv.view(2, b, -1, n_kv, head_dim)
         k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)                 # [B, Hkv, L, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
         o = o.reshape(b, n_heads * head_dim)

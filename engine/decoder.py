@@ -66,22 +66,26 @@ class DecoderModel:
         return layer
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # transformers' LlamaRMSNorm: normalize in fp32, cast back, then scale
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(self.dtype)
+        if self.dtype == torch.float32:
+            # transformers' LlamaRMSNorm op for op (the exact mode): normalize, cast, scale
+            return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        # one fused op; it accumulates in fp32 and scales before rounding (closer to fp32 than
+        # transformers' normalize-round-scale)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=self.eps)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(x[None], positions[None])             # [1, T, head_dim]
         cos, sin = cos[0, :, None], sin[0, :, None]                  # broadcast over heads
-        nq, nkv, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = x.shape[0]
         for layer in self.layers:
             h = self._rms_norm(x, layer.in_norm)
-            q, k, v = layer.qkv(h).split((nq, nkv, nkv), dim=-1)
-            q = _rope(q.view(t, -1, d), cos, sin)
-            k = _rope(k.view(t, -1, d), cos, sin)
-            a = paged_attention(layer.index, q, k, v.view(t, -1, d), meta, self.scale)
+            qkv = layer.qkv(h)
+            qk = _rope(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)   # q and k heads at once
+            v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
+            a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale)
             x = x + layer.o(a)
             h = self._rms_norm(x, layer.post_norm)
             g, u = layer.gate_up(h).chunk(2, dim=-1)

@@ -192,6 +192,8 @@ class ModelRunner:
         if dec_rows:
             nb = max(len(t) for t in dec_tables)
             tables = torch.tensor([t + [0] * (nb - len(t)) for t in dec_tables], dtype=torch.long)
+            k_rows = tables * (2 * self.kv_shape.num_layers)
+            tables = torch.stack((k_rows, k_rows + 1)).view(-1)   # see AttentionMetadata.decode_blocks
             mask = (torch.arange(nb * bs)[None, :] < torch.tensor(dec_lens)[:, None])[:, None, None, :]
             dec = (torch.tensor(dec_rows, device=dev), tables.to(dev), mask.to(dev))
         all_decode = len(dec_rows) == row
