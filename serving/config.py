@@ -21,7 +21,12 @@ class _Model(BaseModel):
 
 class EngineOptions(_Model):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and KV dtype; auto = bf16 on CUDA, fp32 on CPU.")
+        "auto", description="Weights, activations and KV dtype; auto = bf16 on CUDA (fp16 without bf16) and on "
+                            "CPUs with native bf16 (AVX512-BF16/AMX), else fp32. float32 is the exact mode "
+                            "(greedy output token-identical to Hugging Face generate).")
+    quantization: Literal["int8", "int4"] | None = Field(
+        None, description="Weight-only quantization of every linear and the LM head (CPU, bf16 activations): "
+                          "faster small-batch decode; may differ between pools (the KV stays bf16).")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N.")
     kv_cache_memory: str | float = Field(
         "auto", description="KV pool budget: 'auto', a fraction of free memory, or a size like '1GiB'.")
