@@ -13,12 +13,17 @@ One run, one machine, one torch thread setting for every contender:
    `min_new_tokens` has nothing to suppress; generate_batch: `eos_token_id=-1`). The same
    semantics on all three make the greedy tokens comparable: (a) and (c) are checked
    token for token against (b).
-2. Decode step time of this engine at several batch sizes: B requests with 32-token
-   prompts, stepped until all of them decode, then `eng.step()` timed one step at a time.
+2. Decode step time of this engine at several batch sizes (default 1, 8, 32, 64) for each CPU
+   weight format (`--formats`, default fp32, bf16, int8, int4): B requests with 32-token
+   prompts, stepped until all of them decode, then `eng.step()` timed one step at a time;
+   beside each, the roofline bound of that step on this CPU (pdserve.plan: bytes read over
+   measured bandwidth, FLOPs over measured matmul peak in the format's compute dtype) and the
+   efficiency bound / measured.
 
-`--profile` adds a breakdown of decode steps (default batch 16 and 64): wall time per component
-(scheduler, `ModelRunner._prepare`, transformer body, paged attention, LM head, sampler,
-detokenizer), the top torch ops (torch.profiler) and the top Python functions (cProfile).
+`--profile` adds a breakdown of decode steps (default batch 1 and 32, in `--profile-format`):
+wall time per component (scheduler, `ModelRunner._prepare`, decoder body, paged attention, LM
+head, sampler, detokenizer), the top torch ops (torch.profiler) and the top Python functions
+(cProfile).
 
     python benchmarks/engine_bench.py [--threads N] [--skip-hf] [--json out.json] [--profile]
 """
@@ -52,6 +57,14 @@ import torch  # noqa: E402
 DEFAULT_MODEL = ".cache/models/SmolLM2-135M-Instruct"
 TARGET_VS_CB = 1.25      # (a) >= 1.25 x (c)
 TARGET_VS_HF = 4.0       # (a) >= 4 x (b)
+TARGET_B1_VS_BOUND = 3.0  # decode batch 1 within 3 x its roofline bound
+TARGET_B32_VS_B1 = 2.0    # decode batch 32 at most 2 x batch 1
+# format name -> (EngineConfig dtype, quantization)
+FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
+           "int4": ("bfloat16", "int4")}
+# weight bytes per parameter a decode step reads: the quantized formats read their int weights
+# up to engine.linear.SMALL_ROWS rows, a dequantized bf16 copy above (int4: + scale and zero per 32)
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
 ENGINE_KW = dict(dtype="float32", device="cpu", max_num_batched_tokens=512, max_num_seqs=64,
                  kv_cache_memory="1GiB")
 
@@ -183,10 +196,38 @@ def check_lengths(name: str, outs: list[list[int]], n: int) -> bool:
 
 # ---- (a) this engine ----------------------------------------------------------------------------
 
-def make_engine(args):
+def make_engine(args, fmt: str = "fp32"):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    return LLMEngine(EngineConfig(model=args.model, num_threads=args.threads, **ENGINE_KW))
+    dtype, quant = FORMATS[fmt]
+    kw = {**ENGINE_KW, "dtype": dtype}
+    return LLMEngine(EngineConfig(model=args.model, num_threads=args.threads, quantization=quant, **kw))
+
+
+def roofline(model_dir: str, threads: int):
+    """(ModelSpec, bandwidth B/s, {compute dtype: matmul FLOP/s}) of this CPU, measured now."""
+    from pdserve.plan.model import resolve_spec
+    from pdserve.plan.roofline import measure_cpu
+    torch.set_num_threads(threads)
+    hw = measure_cpu()
+    peaks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+        a @ b
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        peaks[dtype] = 10 * 2 * 1024**3 / (time.perf_counter() - t0)
+    return resolve_spec(model_dir, dtype="fp32"), hw.mem_bw, peaks
+
+
+def step_bound_ms(spec, bw: float, peaks: dict, fmt: str, batch: int, context: int) -> float:
+    """Roofline lower bound of one decode step: max(FLOPs / peak, bytes / bandwidth)."""
+    from engine.linear import SMALL_ROWS
+    dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+    per_param = WEIGHT_BYTES[fmt] if batch <= SMALL_ROWS or fmt in ("fp32", "bf16") else WEIGHT_BYTES["bf16"]
+    kv_bytes = spec.kv_bytes_per_token / spec.dtype_bytes * (4 if fmt == "fp32" else 2) * context * batch
+    return 1e3 * max(2 * spec.params * batch / peaks[dtype], (spec.params * per_param + kv_bytes) / bw)
 
 
 def run_engine_offline(eng, prompts, warm, new_tokens):
@@ -320,33 +361,32 @@ class _Timers:
 
 def profile_decode(eng, tok, batch: int, steps: int = 8) -> dict:
     """Per-component wall time of pure decode steps, then torch.profiler and cProfile tables."""
+    import engine.decoder as dec
     import engine.llm_engine as le
-    from transformers import AttentionInterface
-
-    from engine.attention import ATTN_IMPLEMENTATION, paged_attention_forward
     from engine.detokenizer import IncrementalDetokenizer
     from engine.sampling_params import SamplingParams
 
     timers = _Timers()
     runner, model = eng.runner, eng.runner.model
-    saved = dict(prepare=runner._prepare, body=model.model.forward, head=model.lm_head.forward,
+    saved = dict(prepare=runner._prepare, body=model.forward, head=model.lm_head, attn=dec.paged_attention,
                  sample=le.sample, schedule=eng.scheduler.schedule, detok=IncrementalDetokenizer.add)
     runner._prepare = timers.wrap("ModelRunner._prepare", saved["prepare"])
-    model.model.forward = timers.wrap("transformer body (model.model)", saved["body"])
-    model.lm_head.forward = timers.wrap("lm_head", saved["head"])
+    model.forward = timers.wrap("decoder body (engine.decoder)", saved["body"])
+    model.lm_head = timers.wrap("lm_head", saved["head"])
     le.sample = timers.wrap("sampler.sample", saved["sample"])
     eng.scheduler.schedule = timers.wrap("scheduler.schedule", saved["schedule"])
     IncrementalDetokenizer.add = timers.wrap("detokenizer.add", saved["detok"])
+    n_layers = len(model.layers)
 
     def attn(*a, **kw):
         with torch.profiler.record_function("pdserve_paged_attention"):
-            return paged_attention_forward(*a, **kw)
-    AttentionInterface.register(ATTN_IMPLEMENTATION, timers.wrap("  paged attention (30 layers)", attn))
+            return saved["attn"](*a, **kw)
+    dec.paged_attention = timers.wrap(f"  paged attention ({n_layers} layers)", attn)
 
     prompts = decode_prompts(tok, batch)
     params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 12, ignore_eos=True)
     rids = [f"prof-b{batch}-{i}" for i in range(batch)]
-    report: dict = {"batch": batch, "steps": steps}
+    report: dict = {"batch": batch, "steps": steps, "layers": n_layers}
     try:
         for rid, p in zip(rids, prompts):
             eng.add_request(rid, p, params)
@@ -380,16 +420,12 @@ def profile_decode(eng, tok, batch: int, steps: int = 8) -> dict:
     finally:
         for rid in rids:
             eng.abort(rid)
-        runner._prepare = saved["prepare"]
-        model.model.forward = saved["body"]
-        model.lm_head.forward = saved["head"]
+        dec.paged_attention = saved["attn"]
         le.sample = saved["sample"]
-        eng.scheduler.schedule = saved["schedule"]
         IncrementalDetokenizer.add = saved["detok"]
-        AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+        model.lm_head = saved["head"]
         # the instance attributes shadow the class methods: drop them
-        for obj, name in ((runner, "_prepare"), (model.model, "forward"), (model.lm_head, "forward"),
-                          (eng.scheduler, "schedule")):
+        for obj, name in ((runner, "_prepare"), (model, "forward"), (eng.scheduler, "schedule")):
             obj.__dict__.pop(name, None)
     return report
 
@@ -397,13 +433,14 @@ def profile_decode(eng, tok, batch: int, steps: int = 8) -> dict:
 def print_profile(rep: dict) -> None:
     b, comp = rep["batch"], rep["components_ms_per_step"]
     total = comp["step total"]
-    body = comp.get("transformer body (model.model)", 0.0)
-    att = comp.get("  paged attention (30 layers)", 0.0)
-    log(f"\n#### Decode step breakdown, batch {b} ({rep['steps']} steps, wall ms per step)\n")
+    att_key = f"  paged attention ({rep['layers']} layers)"
+    body = comp.get("decoder body (engine.decoder)", 0.0)
+    att = comp.get(att_key, 0.0)
+    log(f"\n#### Decode step breakdown, {rep['format']}, batch {b} ({rep['steps']} steps, wall ms per step)\n")
     log("| component | ms/step | share |")
     log("|---|---:|---:|")
-    order = ["scheduler.schedule", "ModelRunner._prepare", "transformer body (model.model)",
-             "  paged attention (30 layers)", "lm_head", "sampler.sample", "detokenizer.add"]
+    order = ["scheduler.schedule", "ModelRunner._prepare", "decoder body (engine.decoder)",
+             att_key, "lm_head", "sampler.sample", "detokenizer.add"]
     for k in order:
         if k in comp:
             log(f"| {k.strip() if not k.startswith('  ') else '  of which ' + k.strip()} | {comp[k]:.2f} | "
@@ -430,7 +467,9 @@ def main() -> int:
                     help="torch intra-op threads for every contender (default: torch's default)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--batches", default="1,4,16,64", help="decode step batch sizes")
+    ap.add_argument("--batches", default="1,8,32,64", help="decode step batch sizes")
+    ap.add_argument("--formats", default="fp32,bf16,int8,int4",
+                    help=f"weight formats whose decode steps are timed ({', '.join(FORMATS)})")
     ap.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch size")
     ap.add_argument("--skip-hf", action="store_true", help="skip (b) and (c)")
     ap.add_argument("--repeat", type=int, default=2,
@@ -439,7 +478,8 @@ def main() -> int:
                     help="token budget per step of (c); default: the engine's")
     ap.add_argument("--profile", action="store_true",
                     help="also break down decode steps (see --profile-batches)")
-    ap.add_argument("--profile-batches", default="16,64", help="batch sizes that --profile breaks down")
+    ap.add_argument("--profile-batches", default="1,32", help="batch sizes that --profile breaks down")
+    ap.add_argument("--profile-format", default="bf16", choices=list(FORMATS), help="format --profile breaks down")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
     args = ap.parse_args()
 
@@ -459,7 +499,7 @@ def main() -> int:
     log(f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads {args.threads} "
         f"(all contenders)")
-    log(f"model {args.model}, float32, cpu; engine: max_num_batched_tokens={ENGINE_KW['max_num_batched_tokens']}, "
+    log(f"model {args.model}, cpu (offline comparison in float32); engine: max_num_batched_tokens={ENGINE_KW['max_num_batched_tokens']}, "
         f"max_num_seqs={ENGINE_KW['max_num_seqs']}, kv_cache_memory={ENGINE_KW['kv_cache_memory']}")
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -494,24 +534,42 @@ def main() -> int:
     results["offline"]["engine"] = {"wall_s": wall_a, "runs_wall_s": walls_a, "tokens": sum(map(len, outs_a)),
                                     "tokens_per_s": sum(map(len, outs_a)) / wall_a, "exact_length": ok_a}
 
-    log(f"running decode steps ... (load {load()})")
-    decode = []
-    for b in batches:
-        r = decode_bench(eng, tok, b, args.decode_steps)
-        decode.append(r)
-        log(f"  batch {b}: {r['ms_per_step_median']:.1f} ms/step, {r['tokens_per_s']:.1f} tok/s")
-    results["decode"] = decode
-
-    profiles = []
-    if args.profile:
-        log("profiling decode steps ...")
-        for b in (int(x) for x in args.profile_batches.split(",") if x.strip()):
-            profiles.append(profile_decode(eng, tok, b))
-        results["profile"] = [{"batch": p["batch"], "components_ms_per_step": p["components_ms_per_step"]}
-                              for p in profiles]
     assert not eng.has_work()
     del eng
     gc.collect()
+
+    formats = [f for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise SystemExit(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
+    spec, bw, peaks = roofline(args.model, args.threads)
+    log(f"this CPU, {args.threads} thread(s): copy bandwidth {bw / 1e9:.1f} GB/s, matmul peak "
+        f"{peaks[torch.float32] / 1e9:.0f} GFLOP/s fp32, {peaks[torch.bfloat16] / 1e9:.0f} GFLOP/s bf16")
+    decode: dict[str, list] = {}
+    profiles = []
+    for fmt in formats:
+        log(f"running decode steps, {fmt} ... (load {load()})")
+        eng = make_engine(args, fmt)
+        decode[fmt] = []
+        for b in batches:
+            r = decode_bench(eng, tok, b, args.decode_steps)
+            ctx = r["prompt_tokens"] + 3 + args.decode_steps // 2
+            r["bound_ms"] = step_bound_ms(spec, bw, peaks, fmt, b, ctx)
+            decode[fmt].append(r)
+            log(f"  batch {b}: {r['ms_per_step_median']:.1f} ms/step, {r['tokens_per_s']:.1f} tok/s "
+                f"(bound {r['bound_ms']:.1f} ms)")
+        if args.profile and fmt == args.profile_format:
+            log(f"profiling decode steps, {fmt} ...")
+            for b in (int(x) for x in args.profile_batches.split(",") if x.strip()):
+                profiles.append({**profile_decode(eng, tok, b), "format": fmt})
+        assert not eng.has_work()
+        del eng
+        gc.collect()
+    results["decode"] = decode
+    results["roofline"] = {"bandwidth_bytes_per_s": bw, "peak_flops": {str(k): v for k, v in peaks.items()}}
+    if profiles:
+        results["profile"] = [{"format": p["format"], "batch": p["batch"],
+                               "components_ms_per_step": p["components_ms_per_step"]} for p in profiles]
 
     outs_b = outs_c = None
     if not args.skip_hf:
@@ -577,13 +635,30 @@ def main() -> int:
         for note in notes_cb:
             log(f"  - (c) vs (b) {note}")
 
-    log(f"\n### Engine decode step time ({decode[0]['prompt_tokens'] if decode else 32}-token prompts, "
-        f"{args.decode_steps} timed pure-decode steps per batch, {args.threads} thread(s))\n")
-    log("| batch | ms/step (median) | ms/step (min..max) | decode tok/s |")
-    log("|---:|---:|---:|---:|")
-    for r in decode:
-        log(f"| {r['batch']} | {r['ms_per_step_median']:.1f} | {r['ms_per_step_min']:.1f}..{r['ms_per_step_max']:.1f}"
-            f" | {r['tokens_per_s']:.1f} |")
+    log(f"\n### Engine decode step time ({args.decode_steps} timed pure-decode steps per batch, 32-token "
+        f"prompts, {args.threads} thread(s)): median ms/step, and in brackets the roofline bound and "
+        f"bound / measured\n")
+    log("| batch | " + " | ".join(formats) + " |")
+    log("|---:|" + "---:|" * len(formats))
+    for i, b in enumerate(batches):
+        cells = [f"{r['ms_per_step_median']:.1f} ({r['bound_ms']:.1f}, {100 * r['bound_ms'] / r['ms_per_step_median']:.0f} %)"
+                 for r in (decode[f][i] for f in formats)]
+        log(f"| {b} | " + " | ".join(cells) + " |")
+    log("| decode tok/s at the largest batch | " + " | ".join(
+        f"{decode[f][-1]['tokens_per_s']:.0f}" for f in formats) + " |")
+    if 1 in batches:
+        i1 = batches.index(1)
+        log("")
+        for f in formats:
+            r1 = decode[f][i1]
+            ratio = r1["ms_per_step_median"] / r1["bound_ms"]
+            line = (f"- {f}: batch 1 at {ratio:.1f}x its bound (target <= {TARGET_B1_VS_BOUND:g}x: "
+                    f"{'PASS' if ratio <= TARGET_B1_VS_BOUND else 'MISS'})")
+            if 32 in batches:
+                r32 = decode[f][batches.index(32)]["ms_per_step_median"] / r1["ms_per_step_median"]
+                line += (f"; batch 32 / batch 1 = {r32:.2f} (target <= {TARGET_B32_VS_B1:g}: "
+                         f"{'PASS' if r32 <= TARGET_B32_VS_B1 else 'MISS'})")
+            log(line)
 
     for p in profiles:
         print_profile(p)
