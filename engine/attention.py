@@ -61,7 +61,7 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     `enable_gqa`."""
     n_tokens, n_heads, head_dim = query.shape
     pool = meta.kv_pool
-    _, n_layers, _, block_size, n_kv, _ = pool.shape
+    block_size, n_kv = pool.shape[3], pool.shape[4]
     group = n_heads // n_kv
     flat = pool.view(-1, n_kv, head_dim)              # token rows, see token_slots
     k_shift = 2 * layer * block_size                  # layer-0 K slot -> this layer's K slot
