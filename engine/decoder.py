@@ -107,4 +107,5 @@ def _cat_bias(linears) -> torch.Tensor | None:
     biases = [_bias(p) for p in linears]
     if all(b is None for b in biases):
         return None
-    return torch.cat([b if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, linears)])
+    like = next(b for b in biases if b is not None)
+    return torch.cat([b if b is not None else like.new_zeros(p.out_features) for b, p in zip(biases, linears)])
