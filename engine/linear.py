@@ -42,7 +42,7 @@ def cpu_has_native_bf16() -> bool:
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype,
                 small_rows: int = SMALL_ROWS) -> Linear:
     """A linear layer for `weight` [out, in] (+ `bias`) in format `fmt` computing in `dtype`
-    (the activations' dtype). The caller keeps no other reference to `weight`."""
+    (the activations' dtype). Raises ValueError for a shape the format cannot take."""
     assert fmt in WEIGHT_FORMATS, fmt
     bias = None if bias is None else bias.to(dtype)
     if fmt in ("int8", "int4"):
@@ -77,7 +77,9 @@ def _int8(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Linear, torc
 def _int4(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Linear, torch.Tensor]:
     """Asymmetric int4 in groups of INT4_GROUP inputs; returns the layer and the dequantized weight."""
     out_f, in_f = weight.shape
-    assert in_f % INT4_GROUP == 0, f"int4 needs in_features divisible by {INT4_GROUP}, got {in_f}"
+    if in_f % INT4_GROUP:
+        raise ValueError(f"int4 quantizes groups of {INT4_GROUP} inputs; this model has a linear with "
+                         f"{in_f} inputs (use int8)")
     w = weight.float().reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     scale = ((hi - lo) / 15).clamp(min=1e-8)

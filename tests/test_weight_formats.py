@@ -141,3 +141,5 @@ def test_impossible_configurations_are_refused():
         weight_format(cfg, torch.device("cpu"), torch.float32)
     assert weight_format(cfg, torch.device("cpu"), torch.bfloat16) == "int4"
     assert weight_format(EngineConfig(model="m"), torch.device("cpu"), torch.float32) == "float32"
+    with pytest.raises(ValueError, match="groups of 32 inputs"):
+        make_linear(torch.randn(8, 40), None, "int4", torch.bfloat16)
