@@ -67,7 +67,7 @@ class DecoderModel:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.dtype == torch.float32:
-            # transformers' LlamaRMSNorm op for op (the exact mode): normalize, cast, scale
+            # transformers' LlamaRMSNorm op for op (the exact mode): normalize, then scale
             return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         # one fused op; it accumulates in fp32 and scales before rounding (closer to fp32 than
         # transformers' normalize-round-scale)

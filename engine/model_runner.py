@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from engine.attention import AttentionMetadata, PrefillSpan, token_slots
 from engine.config import EngineConfig, parse_kv_memory
@@ -87,14 +87,13 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.weight_format = weight_format(config, self.device, self.dtype)
-        hf_config = AutoConfig.from_pretrained(config.model)
         # quantized formats start from fp32 weights; the others load in their own dtype
         load_dtype = torch.float32 if config.quantization else self.dtype
         hf_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=load_dtype).to(self.device).eval()
         self.model = DecoderModel(hf_model, self.weight_format, self.dtype)
         self.generation_config = hf_model.generation_config
+        self.hf_config = hf_config = hf_model.config
         del hf_model
-        self.hf_config = hf_config
         self.kv_shape = kv_shape_of(hf_config, config.block_size, self.dtype)
         self.num_blocks = self._num_blocks()
         s = self.kv_shape
