@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m engine.kernels.build || echo "(the engine will use its pure-torch attention)"
 	touch $@
 
 install: $(VENV)/.installed

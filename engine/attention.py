@@ -4,12 +4,13 @@ The model runner flattens a ragged step (prompt chunks and single decode tokens 
 sequences) into one row of tokens and builds an `AttentionMetadata`; the decoder
 (`engine.decoder`) calls `paged_attention` in every layer. Per layer it
   1. writes the new K/V into the KV pool at `slot_mapping`,
-  2. attends every decode token over its sequence's blocks (one batched sdpa call, padded
-     keys masked out),
-  3. attends every prompt chunk over its past blocks plus itself (explicit offset-causal
+  2. attends every decode token over its sequence's blocks, one call for the whole batch:
+       backend "cpu_paged": the engine's C++ kernel (engine.kernels) reads K/V from the pool
+         in place, block table by block table;
+       backend "torch": K/V gathered a whole block at a time into a [batch, max_context] copy
+         per layer, then one sdpa call with the padding masked out (any device and dtype),
+  3. attends every prompt chunk over its past blocks plus itself (sdpa; explicit offset-causal
      mask: sdpa's `is_causal` is aligned top-left, wrong once the chunk has a past).
-Decode keys are gathered per block into a [batch, max_context] copy per layer (a kernel that
-reads the pool in place is the next step; see the README's limits).
 """
 
 from __future__ import annotations
@@ -29,16 +30,25 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeBatch:
+    """The decode tokens of a step, in the form their backend reads."""
+    rows: torch.Tensor                 # [B] query rows of decode tokens
+    tables: torch.Tensor | None = None  # cpu_paged: [B, max_blocks] int64 block tables (padded)
+    lens: torch.Tensor | None = None   # cpu_paged: [B] int64 context lengths, new token included
+    blocks: torch.Tensor | None = None  # torch: [2 * B * max_blocks] layer-0 K then V rows of the
+                                        # block tables (padded with block 0) in the pool viewed
+                                        # as [blocks * layers * 2, block]; see paged_attention
+    mask: torch.Tensor | None = None   # torch: [B, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass
 class AttentionMetadata:
     kv_pool: torch.Tensor              # [blocks, layers, 2, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor         # [T] layer-0 K slot of each new token (see token_slots)
-    decode_rows: torch.Tensor | None   # [B] query rows of decode tokens
-    decode_blocks: torch.Tensor | None  # [2 * B * max_blocks] layer-0 K then V rows of the block
-                                        # tables (padded with block 0) in the pool viewed as
-                                        # [blocks * layers * 2, block]; see paged_attention
-    decode_mask: torch.Tensor | None   # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    decode: DecodeBatch | None
     prefills: list[PrefillSpan]
     all_decode: bool = False           # every row is a decode token, in order (rows = arange)
+    kernels: object | None = None      # torch.ops.pdserve (backend cpu_paged), else None
 
 
 def token_slots(block_table: torch.Tensor, block_size: int, num_layers: int) -> torch.Tensor:
@@ -71,20 +81,17 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     flat.index_copy_(0, meta.slot_mapping + v_shift, value)
 
     out = None if meta.all_decode else query.new_empty(n_tokens, n_heads * head_dim)
-    # 2. decode tokens, batched; keys gathered a whole block at a time
-    if meta.decode_rows is not None:
-        q = query if meta.all_decode else query[meta.decode_rows]
-        b = q.shape[0]
-        q = q.view(b, n_kv, group, head_dim)                                  # [B, Hkv, g, D]
-        block_rows = pool.view(-1, block_size * n_kv * head_dim)
-        kv = block_rows.index_select(0, meta.decode_blocks + 2 * layer)
-        kv = kv.view(2, b, -1, n_kv, head_dim)
-        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)                 # [B, Hkv, L, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
-        o = o.reshape(b, n_heads * head_dim)
+    # 2. decode tokens, batched
+    dec = meta.decode
+    if dec is not None:
+        q = query if meta.all_decode else query[dec.rows]
+        if meta.kernels is not None:
+            o = meta.kernels.paged_decode_attention(q, pool, dec.tables, dec.lens, layer, scale)
+        else:
+            o = _gathered_decode(layer, q, pool, dec, scale)
         if meta.all_decode:
             return o
-        out[meta.decode_rows] = o
+        out[dec.rows] = o
     # 3. prompt chunks, one at a time
     for span in meta.prefills:
         q = query[span.q_start:span.q_end].transpose(0, 1)[None]             # [1, H, n, D]
@@ -99,3 +106,17 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
                                            scale=scale, enable_gqa=group > 1)
         out[span.q_start:span.q_end] = o[0].transpose(0, 1).reshape(-1, n_heads * head_dim)
     return out
+
+
+def _gathered_decode(layer: int, q: torch.Tensor, pool: torch.Tensor, dec: DecodeBatch, scale: float):
+    """The torch backend: keys gathered a whole block at a time, then one masked sdpa call.
+    The query heads of one KV head attend as a group (sdpa's query axis), so K/V heads are
+    never repeated for GQA."""
+    b, n_heads, head_dim = q.shape
+    block_size, n_kv = pool.shape[3], pool.shape[4]
+    q = q.view(b, n_kv, n_heads // n_kv, head_dim)                           # [B, Hkv, g, D]
+    block_rows = pool.view(-1, block_size * n_kv * head_dim)
+    kv = block_rows.index_select(0, dec.blocks + 2 * layer).view(2, b, -1, n_kv, head_dim)
+    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)                     # [B, Hkv, L, D]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=dec.mask, scale=scale)
+    return o.reshape(b, n_heads * head_dim)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _QUANTIZATIONS = (None, "int8", "int4")
+_ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -43,6 +44,9 @@ class EngineConfig:
         (CPU, bf16 activations; int8 per output channel, int4 in groups of 32). Faster
         small-batch decode; see engine.linear for how larger batches run.
     device: auto | cpu | cuda | cuda:N (auto picks CUDA when available).
+    attention_backend: how decode attention reads the KV pool: cpu_paged (the engine's C++
+        kernel reads K/V in place; CPU, float32/bfloat16), torch (gathers each sequence's
+        blocks, then sdpa; any device), auto (cpu_paged where it applies and builds, else torch).
     kv_cache_memory: KV pool budget: 'auto' (90 % of free GPU memory after the weights on
         CUDA; min(1 GiB, 25 % of available RAM) on CPU), a fraction of free memory, or a size.
     block_size: tokens per KV block.
@@ -59,6 +63,7 @@ class EngineConfig:
     dtype: str = "auto"
     quantization: str | None = None
     device: str = "auto"
+    attention_backend: str = "auto"
     kv_cache_memory: str | int | float = "auto"
     block_size: int = 16
     max_num_batched_tokens: int = 512
@@ -80,6 +85,8 @@ class EngineConfig:
                              "contradicts it (use auto or bfloat16)")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         parse_kv_memory(self.kv_cache_memory)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")

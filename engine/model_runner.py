@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.attention import AttentionMetadata, PrefillSpan, token_slots
+from engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan, token_slots
 from engine.config import EngineConfig, parse_kv_memory
 from engine.decoder import DecoderModel
+from engine.kernels import cpu_kernels
 from engine.linear import cpu_has_native_bf16
 from engine.sequence import ScheduledChunk
 
@@ -39,6 +40,21 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return _TORCH_DTYPES[spec]
+
+
+def attention_kernels(spec: str, device: torch.device, dtype: torch.dtype):
+    """The decode attention backend: torch.ops.pdserve for cpu_paged, None for torch."""
+    fits = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    if spec == "torch" or (spec == "auto" and not fits):
+        return None
+    if not fits:
+        raise ValueError(f"attention_backend='cpu_paged' runs on CPU in float32 or bfloat16 "
+                         f"(device {device}, dtype {dtype}); use auto or torch")
+    kernels = cpu_kernels()
+    if kernels is None and spec == "cpu_paged":
+        raise ValueError("attention_backend='cpu_paged': the CPU kernel could not be built (see the "
+                         "warning above); use auto or torch")
+    return kernels
 
 
 def weight_format(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
@@ -87,6 +103,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.weight_format = weight_format(config, self.device, self.dtype)
+        self.kernels = attention_kernels(config.attention_backend, self.device, self.dtype)
+        self.attention_backend = "torch" if self.kernels is None else "cpu_paged"
         # quantized formats start from fp32 weights; the others load in their own dtype
         load_dtype = torch.float32 if config.quantization else self.dtype
         hf_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=load_dtype).to(self.device).eval()
@@ -100,9 +118,10 @@ class ModelRunner:
         # Block-major: one block is contiguous across layers (see attention.token_slots).
         self.kv_pool = torch.zeros(self.num_blocks, s.num_layers, 2, s.block_size, s.num_kv_heads,
                                    s.head_dim, dtype=self.dtype, device=self.device)
-        log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB on %s (%s)",
+        log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB on %s (%s); decode attention: %s",
                  self.num_blocks, s.block_size, self.num_blocks * s.block_size,
-                 self.kv_pool.numel() * self.kv_pool.element_size() / 2**20, self.device, s.dtype)
+                 self.kv_pool.numel() * self.kv_pool.element_size() / 2**20, self.device, s.dtype,
+                 self.attention_backend)
 
     # ---- sizing ----------------------------------------------------------------------------
     def _num_blocks(self) -> int:
@@ -166,40 +185,54 @@ class ModelRunner:
         dec_rows, dec_tables, dec_lens = [], [], []
         prefills: list[PrefillSpan] = []
         row = 0
+        block_stride = self.kv_shape.num_layers * 2 * bs       # token_slots' stride of one block
         for ch in chunks:
             seq, start, n = ch.seq, ch.start, ch.num_tokens
             end = start + n
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            ctx_slots = token_slots(table, bs, self.kv_shape.num_layers)[:end]
             ids.extend(seq.token_ids[start:end])
-            pos.append(torch.arange(start, end))
-            slots.append(ctx_slots[start:end])
-            if n == 1:
+            if n == 1:   # decode: O(1) bookkeeping, whatever the context length
+                pos.append(start)
+                slots.append(seq.block_table[start // bs] * block_stride + start % bs)
                 dec_rows.append(row)
                 dec_tables.append(seq.block_table[:-(-end // bs)])
                 dec_lens.append(end)
-            elif start == 0:
-                prefills.append(PrefillSpan(row, row + n, None, None))
             else:
-                q_pos = torch.arange(start, end)[:, None]
-                mask = (torch.arange(end)[None, :] <= q_pos)[None, None]
-                prefills.append(PrefillSpan(row, row + n, ctx_slots.to(dev), mask.to(dev)))
+                table = torch.tensor(seq.block_table[:-(-end // bs)], dtype=torch.long)
+                ctx_slots = token_slots(table, bs, self.kv_shape.num_layers)[:end]
+                pos.extend(range(start, end))
+                slots.extend(ctx_slots[start:end].tolist())
+                if start == 0:
+                    prefills.append(PrefillSpan(row, row + n, None, None))
+                else:
+                    q_pos = torch.arange(start, end)[:, None]
+                    mask = (torch.arange(end)[None, :] <= q_pos)[None, None]
+                    prefills.append(PrefillSpan(row, row + n, ctx_slots.to(dev), mask.to(dev)))
             row += n
             if ch.sample:
                 sample_rows.append(row - 1)
-        dec = (None, None, None)
+        decode = None
         if dec_rows:
-            nb = max(len(t) for t in dec_tables)
-            tables = torch.tensor([t + [0] * (nb - len(t)) for t in dec_tables], dtype=torch.long)
-            k_rows = tables * (2 * self.kv_shape.num_layers)
-            tables = torch.stack((k_rows, k_rows + 1)).view(-1)   # see AttentionMetadata.decode_blocks
-            mask = (torch.arange(nb * bs)[None, :] < torch.tensor(dec_lens)[:, None])[:, None, None, :]
-            dec = (torch.tensor(dec_rows, device=dev), tables.to(dev), mask.to(dev))
+            decode = self._decode_batch(dec_rows, dec_tables, dec_lens)
         all_decode = len(dec_rows) == row
-        meta = AttentionMetadata(self.kv_pool, torch.cat(slots).to(dev), *dec, prefills, all_decode)
+        meta = AttentionMetadata(self.kv_pool, torch.tensor(slots, dtype=torch.long, device=dev), decode,
+                                 prefills, all_decode, self.kernels)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.cat(pos).to(dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, sample_rows, meta
+
+    def _decode_batch(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> DecodeBatch:
+        """Block tables padded to the longest (with block 0), in the form the backend reads."""
+        dev, bs = self.device, self.config.block_size
+        nb = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.long)
+        batch = DecodeBatch(torch.tensor(rows, device=dev))
+        if self.kernels is not None:
+            batch.tables, batch.lens = padded.to(dev), torch.tensor(lens, dtype=torch.long, device=dev)
+            return batch
+        k_rows = padded * (2 * self.kv_shape.num_layers)
+        batch.blocks = torch.stack((k_rows, k_rows + 1)).view(-1).to(dev)   # see DecodeBatch.blocks
+        batch.mask = (torch.arange(nb * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(dev)
+        return batch
 
     # ---- KV export / import ----------------------------------------------------------------
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:

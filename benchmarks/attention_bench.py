@@ -1,0 +1,173 @@
+"""Decode attention: the in-place CPU kernel against the torch backend (gather + sdpa).
+
+  .venv/bin/python benchmarks/attention_bench.py [--threads 1] [--model DIR] [--rss-batch 64 --rss-context 2048]
+
+1. Per-layer decode attention time of each backend (SmolLM2-135M's shape: 9 query heads, 3 KV
+   heads, head size 64, 30 layers, block size 16), at batch x context from 1 x 64 to 64 x 2048,
+   bf16 and fp32, on a pool with shuffled block tables (as a busy pool has them).
+2. Decode steps of the real model at batch `--rss-batch` x `--rss-context` tokens of context,
+   each backend in a fresh process: step time and the process's peak RSS above the RSS right
+   after the engine is built (weights + KV pool), i.e. what the steps themselves allocate. The
+   prompts are admitted as a decode replica admits them (`reserve` + `add_prefilled`, KV left as
+   allocated: attention costs the same whatever the values), so no prefill of 64 x 2k tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _status_mib(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak since start or the last reset) of this process, MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:   # "5": reset VmHWM to the current RSS (Linux)
+        f.write("5")
+
+
+def micro(threads: int) -> None:
+    import torch
+
+    from engine.attention import AttentionMetadata, DecodeBatch, paged_attention
+    from engine.kernels import cpu_kernels
+    torch.set_num_threads(threads)
+    kernels = cpu_kernels()
+    if kernels is None:
+        print("the CPU kernel could not be built; nothing to compare")
+        return
+    layers, bs, n_kv, heads, dim = 30, 16, 3, 9, 64
+    print(f"### Decode attention per layer, microseconds ({threads} thread(s); median of 15 calls)\n")
+    print("| dtype | batch x context | torch (gather + sdpa) | cpu_paged (in place) | speed-up |")
+    print("|---|---|---:|---:|---:|")
+    for dtype in (torch.bfloat16, torch.float32):
+        for batch, ctx in ((1, 64), (1, 1024), (8, 256), (32, 512), (64, 2048)):
+            nb = -(-ctx // bs)
+            pool = torch.zeros(batch * nb + 1, layers, 2, bs, n_kv, dim, dtype=dtype).normal_()
+            tables = torch.randperm(batch * nb + 1)[:batch * nb].view(batch, nb)
+            lens = torch.full((batch,), ctx)
+            q = torch.randn(batch, heads, dim, dtype=dtype)
+            k = v = torch.randn(batch, n_kv, dim, dtype=dtype)
+            slots = tables[:, -1] * (layers * 2 * bs) + (ctx - 1) % bs
+            k_rows = tables * (2 * layers)
+            mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :]
+            metas = {
+                "torch": AttentionMetadata(pool, slots, DecodeBatch(torch.arange(batch), blocks=torch.stack(
+                    (k_rows, k_rows + 1)).view(-1), mask=mask), [], True),
+                "cpu_paged": AttentionMetadata(pool, slots, DecodeBatch(torch.arange(batch), tables=tables, lens=lens),
+                                               [], True, kernels),
+            }
+            t = {}
+            for name, meta in metas.items():
+                ts = []
+                for i in range(17):
+                    t0 = time.perf_counter()
+                    paged_attention(i % layers, q, k, v, meta, dim ** -0.5)
+                    ts.append(time.perf_counter() - t0)
+                t[name] = statistics.median(ts[2:]) * 1e6
+            print(f"| {str(dtype).split('.')[1]} | {batch} x {ctx} | {t['torch']:.0f} | {t['cpu_paged']:.0f} | "
+                  f"{t['torch'] / t['cpu_paged']:.1f}x |")
+            del pool
+    print()
+
+
+def rss_child(args) -> None:
+    """One backend's decode steps at batch x context; prints one JSON line."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.outputs import Rejected
+    from engine.sampling_params import SamplingParams
+    torch.set_num_threads(args.threads)
+    batch, ctx = args.rss_batch, args.rss_context
+    tokens = batch * (ctx + 2 * args.steps + 16)
+    eng = LLMEngine(EngineConfig(model=args.model, attention_backend=args.backend, device="cpu",
+                                 kv_cache_memory=tokens // 16 * eng_bytes_per_block(args.model, 16) + 2**20,
+                                 max_num_seqs=batch, max_model_len=ctx + 4 * args.steps + 64))
+    params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps, ignore_eos=True)
+    for i in range(batch):
+        blocks = eng.reserve(ctx)
+        assert blocks is not None, "pool too small"
+        out = eng.add_prefilled(f"r{i}", [100 + (i + j) % 1000 for j in range(ctx)], 5, params, blocks)
+        assert not isinstance(out, Rejected), out
+    eng.step()
+    base = _status_mib("VmRSS")
+    _reset_peak_rss()
+    ts = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        assert len(eng.step()) == batch
+        ts.append(time.perf_counter() - t0)
+    peak = _status_mib("VmHWM")
+    print(json.dumps({"backend": eng.runner.attention_backend, "dtype": eng.runner.kv_shape.dtype,
+                      "step_ms": statistics.median(ts) * 1e3, "rss_before_steps_mib": base,
+                      "peak_rss_mib": peak, "steps_added_mib": peak - base,
+                      "pool_mib": eng.runner.kv_pool.numel() * eng.runner.kv_pool.element_size() / 2**20}))
+
+
+def eng_bytes_per_block(model: str, block_size: int) -> int:
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * 2 * block_size * c.num_key_value_heads * head_dim * 2
+
+
+def rss(args) -> None:
+    print(f"### Decode steps at batch {args.rss_batch} x {args.rss_context} context, real model, "
+          f"{args.threads} thread(s), each backend in a fresh process\n")
+    print("| backend | KV dtype | step ms | KV pool MiB | RSS before steps MiB | peak RSS during steps MiB | peak - before MiB |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for backend in ("torch", "cpu_paged"):
+        cmd = [sys.executable, __file__, "--child", "--backend", backend, "--model", args.model,
+               "--threads", str(args.threads), "--rss-batch", str(args.rss_batch),
+               "--rss-context", str(args.rss_context), "--steps", str(args.steps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("{")), None)
+        if line is None:
+            print(f"| {backend} | failed: {proc.stderr.strip().splitlines()[-1:]} |")
+            continue
+        r = json.loads(line)
+        print(f"| {r['backend']} | {r['dtype']} | {r['step_ms']:.0f} | {r['pool_mib']:.0f} | "
+              f"{r['rss_before_steps_mib']:.0f} | {r['peak_rss_mib']:.0f} | {r['steps_added_mib']:.0f} |")
+    print()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(ROOT / ".cache/models/SmolLM2-135M-Instruct"))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rss-batch", type=int, default=64)
+    ap.add_argument("--rss-context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--skip-micro", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", default="auto", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        rss_child(args)
+        return
+    print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}\n")
+    if not args.skip_micro:
+        micro(args.threads)
+    rss(args)
+    print(f"(1-minute load average at end {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    main()

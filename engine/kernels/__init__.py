@@ -1,0 +1,53 @@
+"""The engine's compiled CPU kernels, built once per machine and loaded on first use.
+
+`paged_decode_attention` (paged_attention_cpu.cpp) reads K/V from the block-major pool in
+place: decode attention without the `[batch, context]` copy per layer that gathering costs.
+It is C++ compiled at run time with `torch.utils.cpp_extension` (g++ and ninja, both standard
+on Linux build images) into torch's extension cache (`~/.cache/torch_extensions`, or
+`TORCH_EXTENSIONS_DIR`), keyed by the source, the flags and this CPU's instruction set, so a
+later start loads it in well under a second; a first build takes ~10 s, and torch's lock
+makes concurrent replicas wait for one build. `make install` builds it ahead
+(`python -m engine.kernels.build`).
+
+Where it cannot be built (no compiler), `cpu_kernels()` logs why once and returns None;
+the engine then uses its pure-torch attention (see engine.attention).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name("paged_attention_cpu.cpp")]
+# -march=native: the build is keyed by this CPU's flags (below), so the cache never runs code
+# built for another CPU. AMX stays off: some kernels/VMs advertise it without enabling it.
+_CFLAGS = ["-O3", "-ffast-math", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor() or platform.machine()
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kernels():
+    """torch.ops.pdserve with the CPU kernels registered, or None where they cannot be built."""
+    import torch
+    from torch.utils.cpp_extension import load
+
+    try:
+        load(name=f"pdserve_cpu_kernels_{_cpu_fingerprint()}", sources=[str(p) for p in _SOURCES],
+             extra_cflags=_CFLAGS, is_python_module=False, verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
+        log.warning("pdserve's CPU attention kernel could not be built (%s: %s); using the slower "
+                    "pure-torch attention", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+    return torch.ops.pdserve
