@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one run (about 6 minutes on one H200), for a session that is lent a GPU:
-#   1. tests/test_cuda.py: the CUDA engine (fp32 == HF on the GPU, bf16 default) and kv_transfer
+#   1. tests/test_cuda.py: the CUDA engine (fp32 == HF on the GPU, bf16 default, the KV pool sized
+#      by profiling within a share of the device, two engines on one GPU) and kv_transfer
 #      with CUDA-resident pools (one GPU: gloo through pinned host staging), bit-exact;
 #   2. benchmarks/kv_transfer_bench.py --device cuda: GB/s of that path against raw gloo;
 #   3. benchmarks/gpu_roofline_check.py: prefill MFU and decode bandwidth utilization of a

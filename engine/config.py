@@ -47,8 +47,10 @@ class EngineConfig:
     attention_backend: how decode attention reads the KV pool: cpu_paged (the engine's C++
         kernel reads K/V in place; CPU, float32/bfloat16), torch (gathers each sequence's
         blocks, then sdpa; any device), auto (cpu_paged where it applies and builds, else torch).
-    kv_cache_memory: KV pool budget: 'auto' (90 % of free GPU memory after the weights on
-        CUDA; min(1 GiB, 25 % of available RAM) on CPU), a fraction of free memory, or a size.
+    kv_cache_memory: KV pool budget (see engine.memory): on CUDA a fraction is the share of the
+        device's total memory for the whole replica (auto: 0.9), the pool getting what the
+        weights and the profiled peak activations leave; on CPU a fraction of available RAM
+        (auto: min(1 GiB, 25 %)); or a size such as '2GiB' for the pool itself.
     block_size: tokens per KV block.
     max_num_batched_tokens: token budget of one step; also the prefill chunk size.
     max_num_seqs: sequences running at once.

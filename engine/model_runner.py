@@ -19,6 +19,7 @@ from engine.config import EngineConfig, parse_kv_memory
 from engine.decoder import DecoderModel
 from engine.kernels import cpu_kernels
 from engine.linear import cpu_has_native_bf16
+from engine.memory import CudaUsage, cpu_kv_budget, cuda_kv_budget
 from engine.sequence import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,11 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return _TORCH_DTYPES[spec]
+
+
+def _cuda_snapshot(device: torch.device) -> tuple[int, int, int]:
+    """(free device memory, torch allocated, torch reserved) now, bytes."""
+    return torch.cuda.mem_get_info(device)[0], torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
 
 def attention_kernels(spec: str, device: torch.device, dtype: torch.dtype):
@@ -101,6 +107,9 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        # on CUDA, what was in use before this runner (another engine in this process counts as
+        # someone else's; see _profile_cuda)
+        at_start = _cuda_snapshot(self.device) if self.device.type == "cuda" else None
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.weight_format = weight_format(config, self.device, self.dtype)
         self.kernels = attention_kernels(config.attention_backend, self.device, self.dtype)
@@ -113,7 +122,7 @@ class ModelRunner:
         self.hf_config = hf_config = hf_model.config
         del hf_model
         self.kv_shape = kv_shape_of(hf_config, config.block_size, self.dtype)
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = self._num_blocks(at_start)
         s = self.kv_shape
         # Block-major: one block is contiguous across layers (see attention.token_slots).
         self.kv_pool = torch.zeros(self.num_blocks, s.num_layers, 2, s.block_size, s.num_kv_heads,
@@ -124,24 +133,59 @@ class ModelRunner:
                  self.attention_backend)
 
     # ---- sizing ----------------------------------------------------------------------------
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, at_start: tuple[int, int, int] | None) -> int:
         kind, value = parse_kv_memory(self.config.kv_cache_memory)
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            budget, how = cuda_kv_budget(kind, value, self._profile_cuda(at_start))
+            log.info("KV pool budget on %s: %.2f GiB = %s", self.device, budget / 2**30, how)
         else:
             import psutil
-            free = psutil.virtual_memory().available
-        if kind == "auto":
-            budget = 0.9 * free if self.device.type == "cuda" else min(2**30, 0.25 * free)
-        elif kind == "fraction":
-            budget = value * free
-        else:
-            budget = value
-        n = int(budget // self.kv_shape.bytes_per_block)
+            budget = cpu_kv_budget(kind, value, psutil.virtual_memory().available)
+            how = f"kv_cache_memory={self.config.kv_cache_memory!r} on CPU"
+        n = int(max(budget, 0) // self.kv_shape.bytes_per_block)
         if n < 1:
-            raise ValueError(f"kv_cache_memory={self.config.kv_cache_memory!r} holds no KV block "
-                             f"({self.kv_shape.bytes_per_block} bytes each)")
+            raise ValueError(f"kv_cache_memory={self.config.kv_cache_memory!r} leaves no room for a KV block "
+                             f"({self.kv_shape.bytes_per_block} bytes each; budget {budget} bytes: {how})")
         return n
+
+    def _profile_cuda(self, at_start: tuple[int, int, int]) -> CudaUsage:
+        """Run the largest step once (a prompt chunk of `max_num_batched_tokens` tokens, the LM head
+        on as many rows as a step or a prompt-logprobs slice can have) with a throwaway pool just
+        big enough, and measure torch's peak (weights + activations) and this process's memory
+        outside torch. See engine.memory."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        temp_pool_bytes = self.run_largest_step()
+        torch.cuda.synchronize(dev)
+        free0, allocated0, reserved0 = at_start
+        peak = torch.cuda.max_memory_allocated(dev) - allocated0 - temp_pool_bytes
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = max(0, (free0 - free) - (torch.cuda.memory_reserved(dev) - reserved0))
+        return CudaUsage(total=total, free=free, peak_torch=peak, non_torch=non_torch)
+
+    @torch.inference_mode()
+    def run_largest_step(self) -> int:
+        """The largest step a replica runs, on dummy tokens: a prompt chunk of
+        `max_num_batched_tokens` tokens into a throwaway pool just big enough, and the LM head on
+        as many rows as a step or a prompt-logprobs slice can have. Returns the throwaway pool's
+        bytes (the profiler subtracts them); everything it allocated is freed on return."""
+        dev, s = self.device, self.kv_shape
+        tokens = max(1, min(self.config.max_num_batched_tokens, self.max_position_embeddings))
+        n_blocks = -(-tokens // s.block_size)
+        pool = torch.zeros(n_blocks, s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim,
+                           dtype=self.dtype, device=dev)
+        slots = token_slots(torch.arange(n_blocks), s.block_size, s.num_layers)[:tokens].to(dev)
+        meta = AttentionMetadata(pool, slots, None, [PrefillSpan(0, tokens, None, None)], False)
+        states = self.model.forward(torch.zeros(tokens, dtype=torch.long, device=dev),
+                                    torch.arange(tokens, device=dev), meta)
+        rows = min(tokens, max(self.config.max_num_seqs, 256))
+        self.model.lm_head(states[:rows]).float()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return pool.numel() * pool.element_size()
 
     @property
     def vocab_size(self) -> int:

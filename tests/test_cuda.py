@@ -5,7 +5,11 @@
   2. kv_transfer with CUDA-resident pools: two pools on one GPU pair over gloo (NCCL cannot pair
      two ranks on one GPU) through pinned host staging, bit-exact into scattered blocks; a CUDA
      pool receiving from a CPU pool; the loopback backend between CUDA pools;
-  3. the backend choice: NCCL for pools on two distinct GPUs (only where two exist).
+  3. the backend choice: NCCL for pools on two distinct GPUs (only where two exist);
+  4. the profiled KV pool: a replica given a share of the device (`kv_cache_memory` 0.3) sizes its
+     pool from the measured weights + peak activations and, after serving, has held no more than
+     that share; two such engines fit side by side on one GPU (fractional GPUs); decode attention
+     on CUDA takes the torch backend (the CPU kernel is refused there).
 
     .venv/bin/pytest -q tests/test_cuda.py
 
@@ -127,3 +131,26 @@ def test_loopback_between_cuda_pools():
         receiver.close()
         sender.close()
     assert torch.equal(dst[[7, 3, 9, 10]], src[[1, 2, 3, 50]])
+
+
+def test_profiled_pool_keeps_the_replica_within_its_share(model_dir, prompts):
+    from engine.model_runner import attention_kernels
+
+    total = torch.cuda.mem_get_info()[1]
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    allocated_before = torch.cuda.memory_allocated()
+    engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory=0.3, max_num_batched_tokens=256))
+    runner = engine.runner
+    assert runner.attention_backend == "torch"
+    pool_bytes = runner.kv_pool.numel() * runner.kv_pool.element_size()
+    assert pool_bytes > 0.1 * total                    # the share went to the pool, not lost
+    outs = _generate(engine, prompts, 16)
+    assert all(len(o) >= 1 for o in outs) and engine.block_manager.all_free()
+    # everything this engine's torch allocations ever held, pool included, stayed within 0.3 x total
+    assert torch.cuda.max_memory_allocated() - allocated_before <= 0.3 * total
+    second = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory=0.3, max_num_batched_tokens=256))
+    assert second.runner.num_blocks > 0.9 * runner.num_blocks    # the first engine's memory is not its share
+    assert _generate(second, prompts[:2], 4) and second.block_manager.all_free()
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        attention_kernels("cpu_paged", torch.device("cuda"), torch.bfloat16)
