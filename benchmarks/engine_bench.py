@@ -201,7 +201,8 @@ def make_engine(args, fmt: str = "fp32"):
     from engine.llm_engine import LLMEngine
     dtype, quant = FORMATS[fmt]
     kw = {**ENGINE_KW, "dtype": dtype}
-    return LLMEngine(EngineConfig(model=args.model, num_threads=args.threads, quantization=quant, **kw))
+    return LLMEngine(EngineConfig(model=args.model, num_threads=args.threads, quantization=quant,
+                                  attention_backend=args.attention, **kw))
 
 
 def roofline(model_dir: str, threads: int):
@@ -480,6 +481,8 @@ def main() -> int:
                     help="also break down decode steps (see --profile-batches)")
     ap.add_argument("--profile-batches", default="1,32", help="batch sizes that --profile breaks down")
     ap.add_argument("--profile-format", default="bf16", choices=list(FORMATS), help="format --profile breaks down")
+    ap.add_argument("--attention", default="auto", choices=["auto", "cpu_paged", "torch"],
+                    help="the engine's decode attention backend")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
     args = ap.parse_args()
 
@@ -500,7 +503,7 @@ def main() -> int:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads {args.threads} "
         f"(all contenders)")
     log(f"model {args.model}, cpu (offline comparison in float32); engine: max_num_batched_tokens={ENGINE_KW['max_num_batched_tokens']}, "
-        f"max_num_seqs={ENGINE_KW['max_num_seqs']}, kv_cache_memory={ENGINE_KW['kv_cache_memory']}")
+        f"max_num_seqs={ENGINE_KW['max_num_seqs']}, kv_cache_memory={ENGINE_KW['kv_cache_memory']}, attention_backend={args.attention}")
 
     tok = AutoTokenizer.from_pretrained(args.model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
