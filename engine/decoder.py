@@ -29,7 +29,7 @@ class DecoderModel:
     """`forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]` and
     `lm_head(hidden [n, hidden]) -> logits [n, vocab]` in the model's dtype."""
 
-    def __init__(self, hf_model, weight_format: str, dtype: torch.dtype):
+    def __init__(self, hf_model, weight_format: str, dtype: torch.dtype, norm_kernels=None):
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {cfg.model_type!r} is not supported; pdserve runs "
@@ -42,6 +42,9 @@ class DecoderModel:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scale = self.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
+        # bf16 on CPU: one-pass RMSNorm (and residual add + RMSNorm) kernels (engine.kernels);
+        # fp32 keeps transformers' ops (the exact mode)
+        self._kernels = norm_kernels if dtype == torch.bfloat16 else None
         body = hf_model.model
         self.embed = body.embed_tokens.weight.detach().to(dtype)
         self.rotary = body.rotary_emb
@@ -66,12 +69,21 @@ class DecoderModel:
         return layer
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._kernels is not None:
+            return self._kernels.rms_norm(x, weight, self.eps)
         if self.dtype == torch.float32:
             # transformers' LlamaRMSNorm op for op (the exact mode): normalize, then scale
             return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         # one fused op; it accumulates in fp32 and scales before rounding (closer to fp32 than
         # transformers' normalize-round-scale)
         return F.rms_norm(x, (x.shape[-1],), weight, eps=self.eps)
+
+    def _add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
+        """(x + delta, rms_norm(x + delta)): the residual add and the next norm."""
+        if self._kernels is not None:
+            return self._kernels.add_rms_norm(x, delta, weight, self.eps)
+        x = x + delta
+        return x, self._rms_norm(x, weight)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -80,17 +92,17 @@ class DecoderModel:
         cos, sin = cos[0, :, None], sin[0, :, None]                  # broadcast over heads
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = x.shape[0]
-        for layer in self.layers:
-            h = self._rms_norm(x, layer.in_norm)
+        h = self._rms_norm(x, self.layers[0].in_norm)
+        for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
             qk = _rope(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)   # q and k heads at once
             v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
             a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale)
-            x = x + layer.o(a)
-            h = self._rms_norm(x, layer.post_norm)
+            x, h = self._add_rms_norm(x, layer.o(a), layer.post_norm)
             g, u = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(g) * u)
-        return self._rms_norm(x, self.norm)
+            next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
+            x, h = self._add_rms_norm(x, layer.down(F.silu(g) * u), next_norm)
+        return h
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

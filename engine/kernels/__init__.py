@@ -23,7 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("paged_attention_cpu.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "norm_cpu.cpp")]
 # -march=native: the build is keyed by this CPU's flags (below), so the cache never runs code
 # built for another CPU. AMX stays off: some kernels/VMs advertise it without enabling it.
 _CFLAGS = ["-O3", "-ffast-math", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]

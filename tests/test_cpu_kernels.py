@@ -1,4 +1,7 @@
-"""The CPU decode-attention kernel (engine/kernels) against the pure-torch backend.
+"""The engine's CPU kernels (engine/kernels) against the torch ops they replace.
+
+- RMSNorm and residual add + RMSNorm (the bf16 decoder's norms) equal F.rms_norm on bf16 rows up
+  to one bf16 rounding step in rare elements, and the residual sum exactly.
 
 - On random pools, shuffled block tables and ragged context lengths, the in-place kernel gives
   the torch backend's output (gather + sdpa) within float rounding, for fp32 and bf16, head
@@ -10,6 +13,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, DecodeBatch, paged_attention
 from engine.config import EngineConfig
@@ -54,6 +58,26 @@ def _both_backends(pool, tables, lens, query, layer, scale):
     out = paged_attention(layer, query, key, value,
                           AttentionMetadata(pool, slots, in_place, [], True, KERNELS), scale)
     return out, ref
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_norm_kernels_match_torch(rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).bfloat16()
+    d = torch.randn(rows, 576, generator=g).bfloat16()
+    w = (torch.rand(576, generator=g) + 0.5).bfloat16()
+    ref = F.rms_norm(x, (576,), w, eps=1e-5)
+    out = KERNELS.rms_norm(x, w, 1e-5)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert (out.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7   # one bf16 step
+    assert (out != ref).float().mean() < 0.01
+    s, h = KERNELS.add_rms_norm(x, d, w, 1e-5)
+    assert torch.equal(s, x + d)
+    ref_h = F.rms_norm(x + d, (576,), w, eps=1e-5)
+    assert (h.float() - ref_h.float()).abs().max() <= ref_h.float().abs().max() * 2**-7
+    x32, w32 = x.float(), w.float()
+    assert torch.allclose(KERNELS.rms_norm(x32, w32, 1e-5), F.rms_norm(x32, (576,), w32, eps=1e-5), atol=1e-5)
 
 
 @needs_kernel
