@@ -107,3 +107,32 @@ def test_repeated_step_failures_make_the_engine_unhealthy_and_a_good_step_heals_
     finally:
         aengine.shutdown()
     assert "dead or stopped" in aengine.health()
+
+
+def test_a_decode_replica_fails_its_health_check_when_it_cannot_serve(tiny_llama_dir):
+    """The real DecodeServer replica class, built outside Serve: healthy, then unhealthy after
+    repeated step failures (Serve replaces a replica whose check_health raises), healthy again
+    after a good step, and unhealthy for good once its KV receiver is broken."""
+    from decode_service.server import DecodeServer
+    from serving.config import AppConfig
+
+    cfg = AppConfig(model=str(tiny_llama_dir), served_model_name="tiny", transfer={"host": "127.0.0.1"},
+                    engine={"kv_cache_memory": "16MiB", "dtype": "float32", "device": "cpu"})
+    replica = DecodeServer.func_or_class(cfg.model_dump())
+    try:
+        asyncio.run(replica.check_health())
+        fail_steps(replica.host.engine, MAX_STEP_FAILURES)
+        for i in range(MAX_STEP_FAILURES):
+            with pytest.raises(EngineDeadError):
+                asyncio.run(first_output(replica.host.aengine, f"f{i}", PROMPT, GREEDY, hold=False))
+        with pytest.raises(RuntimeError, match="steps all failed"):
+            asyncio.run(replica.check_health())
+        asyncio.run(first_output(replica.host.aengine, "ok", PROMPT, GREEDY, hold=False))
+        asyncio.run(replica.check_health())
+        replica.receiver.close()
+        with pytest.raises(RuntimeError, match="KV receiver is closed"):
+            asyncio.run(replica.check_health())
+    finally:
+        replica.__del__()
+    with pytest.raises(RuntimeError, match="dead or stopped"):
+        asyncio.run(replica.check_health())
