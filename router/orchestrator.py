@@ -14,9 +14,11 @@ Disaggregated, four steps (the order is the block ownership):
 If the first token already ends the request, step 3 is one final event and the decode stream is
 cancelled (the reservation is dropped). TTFT is the reservation's round trip plus the prefill's
 latency, not prefill + KV transfer + decode admission.
-A prefill replica that dies before its first token is retried once from step 1 (a fresh request
-id and reservation, so a push the dead replica may have started is refused by the decode side
-and never confused with the retry's).
+A replica that fails before anything was produced (the decode replica gone before step 1
+answered, as when Serve removes a replica between choosing and dispatching; the prefill replica
+dead before its first token) is retried once from step 1 (a fresh request id and reservation, so
+a push the dead replica may have started is refused by the decode side and never confused with
+the retry's).
 Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for the
 decode reservation in step 1 plus the prefill replica's queue_seconds; prefill = its prefill_seconds.
 Colocated: one call to the colocated pool.
@@ -38,13 +40,14 @@ import time
 from typing import AsyncIterator
 
 from ray.exceptions import RayError
-from ray.serve.exceptions import BackPressureError, RayServeException
+from ray.serve.exceptions import BackPressureError, RayServeException, ReplicaUnavailableError
 
 from serving import messages
 from serving.messages import WireSamplingParams
 
 
-PREFILL_ATTEMPTS = 2   # a prefill replica that dies mid-request is retried once on another
+ATTEMPTS = 2   # a request whose replica fails before its first token is retried once
+_GONE = (RayError, ReplicaUnavailableError)   # a replica died, or was removed before the dispatch
 
 
 class RequestFailed(Exception):
@@ -59,8 +62,8 @@ def _check(event) -> messages.TokenEvent:
     return event
 
 
-class _PrefillDied(Exception):
-    """The prefill replica failed before its first token: the request may start over."""
+class _StartOver(Exception):
+    """A replica failed before the first token: the request may start over."""
 
 
 class Orchestrator:
@@ -103,15 +106,15 @@ class Orchestrator:
                 if not finished:          # client gone, deadline or failure: stop the replica's work
                     stream.cancel()
             return
-        for attempt in range(PREFILL_ATTEMPTS):
+        for attempt in range(ATTEMPTS):
             handoff = self._handoff(rid if attempt == 0 else f"{rid}-retry{attempt}", prompt, wire)
             try:
                 async for event in handoff:
                     yield event
                 return
-            except _PrefillDied as died:
-                if attempt == PREFILL_ATTEMPTS - 1:
-                    raise died.__cause__ from None
+            except _StartOver as failed:
+                if attempt == ATTEMPTS - 1:
+                    raise failed.__cause__ from None
             finally:
                 await handoff.aclose()    # now, not when collected: its replica calls end here
         raise AssertionError("unreachable")
@@ -124,7 +127,10 @@ class Orchestrator:
             prefill, decode_ended, abandoned = None, False, True
             try:
                 # 1. the reservation (or a refusal, at once)
-                reserved = _check(messages.decode(await decode.__anext__()))
+                try:
+                    reserved = _check(messages.decode(await decode.__anext__()))
+                except _GONE as exc:
+                    raise _StartOver() from exc
                 assert isinstance(reserved, messages.Reserved), reserved
                 waited = time.monotonic() - arrived
                 # 2. prefill with the reservation's identity
@@ -132,8 +138,8 @@ class Orchestrator:
                     messages.PrefillRequest(rid, tuple(prompt), wire, reserved.kv_address)))
                 try:
                     result = messages.decode(await prefill.__anext__(), expect=messages.PrefillResult)
-                except RayError as exc:
-                    raise _PrefillDied() from exc
+                except _GONE as exc:
+                    raise _StartOver() from exc
                 if result.error is not None:
                     kind = "invalid_request_error" if result.error_code == 400 else "server_error"
                     raise RequestFailed(result.error_code, result.error, kind)

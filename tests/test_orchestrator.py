@@ -192,3 +192,25 @@ def test_a_prefill_replica_dying_before_its_first_token_is_retried_with_a_fresh_
         assert [r.request_id for r in prefill.requests] == ["r", "r-retry1"]
         assert decode.responses[0].cancelled    # the first reservation is dropped at once
     asyncio.run(main())
+
+
+def test_a_decode_replica_removed_before_the_dispatch_is_retried_on_a_fresh_reservation():
+    """Serve may remove a replica between choosing it and dispatching to it (scale-down):
+    nothing was produced yet, so the request starts over."""
+    from ray.serve.exceptions import ReplicaUnavailableError
+
+    class GoneOnce(FakeDecode):
+        async def _stream(self, data):
+            if not self.requests:
+                self.requests.append(None)
+                raise ReplicaUnavailableError("decode#1")
+            async for event in super()._stream(data):
+                yield event
+
+    async def main():
+        result = messages.PrefillResult("r-retry1", first_token=0, finish_reason="length", first_text="x")
+        decode, prefill = GoneOnce([]), FakePrefill(result)
+        events = [ev async for ev in Orchestrator("disaggregated", prefill, decode).run(
+            "r", [1, 2], SamplingParams(max_tokens=1))]
+        assert events[-1].finished and [r.request_id for r in prefill.requests] == ["r-retry1"]
+    asyncio.run(main())
