@@ -244,17 +244,31 @@ def _send_in_thread(tx, address: str, rid: str, n: int, out: dict) -> threading.
     return thread
 
 
+def _start_stalled(stalled, receiver, tx, rid: str, n: int, out: dict):
+    """Reserve and send `rid` (n blocks) from a thread until its data is stalled; (thread, future)."""
+    _, fut = expect_and_free_on_resolve(receiver, receiver.free, rid, n)
+    thread = _send_in_thread(tx, receiver.address, rid, n, out)
+    assert stalled.wait(30)
+    return thread, fut
+
+
+def _release_and_land(release, thread, out: dict, rid: str, fut, receiver, tx) -> None:
+    """Let the stalled transfer `rid` go on: it lands, and both free-lists are full again."""
+    release.set()
+    thread.join(30)
+    assert out[rid].ok and fut.result(10).ok
+    assert receiver.free.count == NUM_BLOCKS and tx.free.count == NUM_BLOCKS
+
+
 def test_a_stalled_transfer_does_not_hold_the_next_one_to_the_same_receiver(monkeypatch):
     """No head-of-line blocking: while one transfer's data is stuck, the next one to the same
     receiver goes on its own pair and lands (with its meta), bit-exact."""
     stalled, release = _stall_first_receive(monkeypatch)
     receiver, tx = _local("receiver"), _local("sender")
     try:
-        _, slow_fut = expect_and_free_on_resolve(receiver, receiver.free, "stuck", 6)
-        fast_ids, fast_fut = expect_and_free_on_resolve(receiver, receiver.free, "behind", 5)
         out = {}
-        slow = _send_in_thread(tx, receiver.address, "stuck", 6, out)
-        assert stalled.wait(30)
+        slow, slow_fut = _start_stalled(stalled, receiver, tx, "stuck", 6, out)
+        fast_ids, fast_fut = expect_and_free_on_resolve(receiver, receiver.free, "behind", 5)
         src_ids = tx.free.allocate(5)
         res = tx.send(receiver.address, "behind", src_ids, meta=b"first token 7")
         landed = fast_fut.result(10)
@@ -262,10 +276,7 @@ def test_a_stalled_transfer_does_not_hold_the_next_one_to_the_same_receiver(monk
         assert torch.equal(receiver.kv[fast_ids], tx.kv[src_ids])
         tx.free.free(src_ids)
         assert not slow_fut.done()            # the stuck one is still in flight meanwhile
-        release.set()
-        slow.join(30)
-        assert out["stuck"].ok and slow_fut.result(10).ok
-        assert receiver.free.count == NUM_BLOCKS and tx.free.count == NUM_BLOCKS
+        _release_and_land(release, slow, out, "stuck", slow_fut, receiver, tx)
     finally:
         release.set()
         tx.close()
@@ -278,11 +289,9 @@ def test_a_send_waiting_for_a_pair_is_cancelled_at_once(monkeypatch):
     stalled, release = _stall_first_receive(monkeypatch)
     receiver, tx = _local("receiver"), _local("sender", max_pairs_per_peer=1)
     try:
-        _, busy_fut = expect_and_free_on_resolve(receiver, receiver.free, "busy", 3)
-        _, queued_fut = expect_and_free_on_resolve(receiver, receiver.free, "queued", 3)
         out = {}
-        busy = _send_in_thread(tx, receiver.address, "busy", 3, out)
-        assert stalled.wait(30)
+        busy, busy_fut = _start_stalled(stalled, receiver, tx, "busy", 3, out)
+        _, queued_fut = expect_and_free_on_resolve(receiver, receiver.free, "queued", 3)
         queued = _send_in_thread(tx, receiver.address, "queued", 3, out)
         assert wait_for(lambda: tx.state("queued") is not None)
         assert tx.cancel("queued")
@@ -291,10 +300,7 @@ def test_a_send_waiting_for_a_pair_is_cancelled_at_once(monkeypatch):
         assert not tx.cancel("busy")          # its data is moving: it runs to its end
         receiver.cancel("queued")
         assert not queued_fut.result(5).ok
-        release.set()
-        busy.join(30)
-        assert out["busy"].ok and busy_fut.result(5).ok
-        assert receiver.free.count == NUM_BLOCKS and tx.free.count == NUM_BLOCKS
+        _release_and_land(release, busy, out, "busy", busy_fut, receiver, tx)
     finally:
         release.set()
         tx.close()
