@@ -1,17 +1,23 @@
 """Decode replica: a Serve deployment holding an engine in the decode role.
 
-Life cycle of a request here (`generate`)
-  1. reserve  blocks for the prompt's K/V on the engine thread; none free -> 503 event
-  2. expect   hand the reservation to the KV receiver; the prefill replica's push lands in
-              exactly those blocks (it may already be waiting for this reservation)
-  3. await    the transfer, bounded by the lease; a failure frees the reservation -> error event
-  4. admit    `add_prefilled`, one engine call that checks the request first (a bad one
-              releases the reservation -> 400 event); from here the engine owns the blocks,
-              even when the first token already ends the request
+Life cycle of a request here (`generate`, a streaming call the router makes before the prefill)
+  1. reserve  blocks for the prompt's K/V on the engine thread; none free -> a 503 event at once
+              (the prefill never runs)
+  2. expect   hand the reservation to the KV receiver, then yield `Reserved` (its identity: the
+              request id at this replica's KV address), which the router hands to the prefill
+  3. await    the push, bounded by the lease (which also covers the prefill's queue and the
+              prefill); it lands in the reserved blocks with the first token (a KVHandoff); a
+              failure frees the reservation -> error event
+  4. admit    `add_prefilled` with that first token, one engine call that checks the request
+              first (a bad one releases the reservation -> 400 event); from here the engine owns
+              the blocks, even when the first token already ends the request
   5. stream   TokenEvents until the request finishes; leaving early (client gone, router
               cancelled) aborts the request in the engine, which frees its blocks
 Block ownership: steps 1-3 belong to this method, which frees the reservation on every path
-that does not reach step 4 (error, lease expiry, cancellation); from step 4 the engine.
+that does not reach step 4: an error, lease expiry, or the router leaving (client gone, the
+first token ended the request, the prefill failed): the reservation is cancelled at once (a
+push already writing is drained first) and freed when the receiver resolves it. From step 4 the
+engine.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ class DecodeServer(EngineReplica):
     def record_replica_metadata(self) -> dict:
         return {"kv_address": self.receiver.address}
 
+    def kv_health(self) -> str:
+        return self.receiver.health()
+
     async def generate(self, data: bytes):
         self.host.start_stats_pusher()
         try:
@@ -58,18 +67,27 @@ class DecodeServer(EngineReplica):
         if blocks is None:
             yield error_event(rid, "decode replica is out of KV blocks; retry later", 503, "overloaded")
             return
-        # 2. expect, 3. await the transfer
-        transfer = self.receiver.expect(rid, blocks)
+        # 2. expect, 3. await the push
         try:
+            transfer = self.receiver.expect(rid, blocks)
+        except (ValueError, RuntimeError) as exc:      # a duplicate id, or the receiver is closed
+            self._release(blocks)
+            yield error_event(rid, f"cannot reserve: {exc}", 400 if isinstance(exc, ValueError) else 503)
+            return
+        resolved = False
+        try:
+            yield messages.encode(messages.Reserved(rid, self.receiver.address, len(blocks)))
             result = await asyncio.shield(asyncio.wrap_future(transfer))
-        except asyncio.CancelledError:
-            self.receiver.cancel(rid)
-            transfer.add_done_callback(lambda _: self._release(blocks))
-            raise
-        if not result.ok:
+            resolved = True
+        finally:
+            if not resolved:         # the router left: drop the reservation now
+                self.receiver.cancel(rid)
+                transfer.add_done_callback(lambda _: self._release(blocks))
+        handoff = self._handoff(result)
+        if isinstance(handoff, str):
             self._release(blocks)
             self.host.count("kv_transfers_failed")
-            yield error_event(rid, f"KV transfer failed: {result.error}", 502)
+            yield error_event(rid, f"KV transfer failed: {handoff}", 502)
             return
         self.host.count("kv_transfers_landed")
         self.host.count("kv_bytes_received", result.nbytes)
@@ -77,8 +95,8 @@ class DecodeServer(EngineReplica):
         params = req.params.to_params()
 
         def admit(engine):
-            out = engine.add_prefilled(rid, list(req.prompt_token_ids), req.first_token, params, blocks,
-                                       req.shown_chars)
+            out = engine.add_prefilled(rid, list(req.prompt_token_ids), handoff.first_token, params, blocks,
+                                       handoff.shown_chars)
             if isinstance(out, Rejected):
                 engine.release_reservation(blocks)
             else:
@@ -90,6 +108,16 @@ class DecodeServer(EngineReplica):
                 yield engine_event(out)
         except EngineDeadError as exc:
             yield error_event(rid, str(exc), 500)
+
+    @staticmethod
+    def _handoff(result) -> messages.KVHandoff | str:
+        """The first token that came with a landed push, or why there is none."""
+        if not result.ok:
+            return result.error
+        try:
+            return messages.decode(result.meta, expect=messages.KVHandoff)
+        except messages.MessageError as exc:
+            return f"bad hand-off from the prefill replica: {exc}"
 
     async def _reserve(self, num_tokens: int) -> list[int] | None:
         fut = self.host.aengine.submit(lambda e: e.reserve(num_tokens))

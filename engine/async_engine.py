@@ -9,7 +9,12 @@ Contract
     queue is registered on the engine thread right after `admit`, before any step can produce
     an output; the stream yields the outputs until the request finishes. Leaving the iterator
     early (client gone, task cancelled) aborts the request, which frees its blocks.
-  * If a step raises, every live request gets the error and is aborted; the loop goes on.
+  * If a step raises, every request the step could have touched (queued or running) gets the
+    error and is aborted; the loop goes on. Requests held for export (prefill role, finished,
+    blocks under a running KV push) are left alone: their blocks stay held until `release`,
+    so a failed step never frees blocks a send thread is still reading.
+  * `health()` says why the engine can no longer serve ('' while it can): its thread is dead or
+    stopped, or its last MAX_STEP_FAILURES steps in a row all raised.
 The loop: 1. run queued calls, 2. step if there is work, 3. hand outputs to their streams,
 4. sleep until a call arrives when idle.
 """
@@ -29,6 +34,9 @@ from engine.outputs import Rejected, RequestOutput
 log = logging.getLogger(__name__)
 
 
+MAX_STEP_FAILURES = 3   # failed steps in a row (no successful one between) that make it unhealthy
+
+
 class EngineDeadError(RuntimeError):
     pass
 
@@ -39,6 +47,7 @@ class AsyncEngine:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
+        self._step_failures = 0    # consecutive failed steps; written by the engine thread only
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -100,6 +109,14 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped.is_set()
 
+    def health(self) -> str:
+        """'' while the engine can step; else why not (for a replica's health check)."""
+        if not self.alive():
+            return "the engine thread is dead or stopped"
+        if self._step_failures >= MAX_STEP_FAILURES:
+            return f"the engine's last {self._step_failures} steps all failed"
+        return ""
+
     def shutdown(self) -> None:
         self._stopped.set()
         self._calls.put((None, None))
@@ -114,9 +131,11 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - reported to every stream, then recovered
-                log.exception("engine step failed; aborting all requests")
+                self._step_failures += 1
+                log.exception("engine step failed (%d in a row); aborting its requests", self._step_failures)
                 self._fail_all(exc)
                 continue
+            self._step_failures = 0
             for out in outputs:
                 self._deliver(out.request_id, out)
 
@@ -144,6 +163,6 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     def _fail_all(self, exc: Exception) -> None:
-        for request_id in self.engine.live_request_ids():
+        for request_id in self.engine.unfinished_request_ids():   # not those held for export
             self.engine.abort(request_id)
             self._deliver(request_id, EngineDeadError(f"engine step failed: {exc}"))

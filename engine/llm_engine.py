@@ -155,6 +155,11 @@ class LLMEngine:
         """Requests not yet ended: queued, running, or held for export."""
         return list(self._requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Requests a step may still touch: queued or running, not those held for export
+        (finished; their blocks stay held until `release`, whatever happens to later steps)."""
+        return [rid for rid, req in self._requests.items() if not req.seq.is_finished]
+
     def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
         if not chunks:

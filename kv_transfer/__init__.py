@@ -11,11 +11,12 @@ Public API (two backends, one interface: see base.py):
 
     receiver = KVReceiver(kv, fingerprint, config, host="127.0.0.1")   # decode side
     receiver.address                                  # "host:port", publish it
-    fut = receiver.expect(request_id, block_ids)      # Future[TransferResult]
-    receiver.cancel(request_id); receiver.state(request_id); receiver.close()
+    fut = receiver.expect(request_id, block_ids)      # Future[TransferResult]; .meta on landing
+    receiver.cancel(request_id); receiver.state(request_id); receiver.health(); receiver.close()
 
     sender = KVSender(kv, fingerprint, config)        # prefill side
-    result = sender.send(receiver_address, request_id, block_ids)   # blocking TransferResult
+    result = sender.send(receiver_address, request_id, block_ids, meta=b"")   # blocking
+    sender.cancel(request_id)                         # drop a send still waiting for a pair
     sender.abort(receiver_address, request_id, reason); sender.close()
 
     LoopbackReceiver / LoopbackSender: same API, one process, pool-to-pool copies.
@@ -26,23 +27,28 @@ From asyncio, `await asyncio.wrap_future(fut)` on the decode side and
 
 Life cycle of one transfer
 --------------------------
-1. Decode: the engine allocates blocks and calls `expect(request_id, block_ids)` (PENDING).
-   The decode replica's address travels to the prefill side with the request (router's job).
-2. Prefill: after prefill, `send(address, request_id, block_ids)`. The first send to an
-   address builds a pair: a Handshake through the receiver's TCPStore (fingerprint, device,
-   optional secret proof), a HandshakeReply, then a 2-rank process group (receiver rank 0,
-   sender rank 1): NCCL when both pools are on CUDA on distinct GPUs, else gloo. Pairs are
-   cached; one process can be in many pairs; there is no global world.
-3. The sender pushes a TransferHeader on the pair's frame queue in the store, then the blocks
-   as segments (messages) of at most `chunk_bytes` (at least one block) over the group. The
-   receiver's pair thread takes the reservation to TRANSFERRING (a header that arrives before
-   its expect() waits up to reservation_wait_s for it) and writes each segment into the
-   reserved blocks. CPU pools on gloo send every segment straight from the pool and receive it
+1. Decode: the engine allocates blocks and calls `expect(request_id, block_ids)` (PENDING),
+   before the sender has anything to send. The decode replica's address and the request id
+   (the reservation's identity) travel to the prefill side with the request (router's job).
+2. Prefill: after prefill, `send(address, request_id, block_ids, meta)`. A send takes an idle
+   pair to that address or builds one (up to max_pairs_per_peer per address): a Handshake
+   through the receiver's TCPStore (fingerprint, device, optional secret proof), a
+   HandshakeReply, then a 2-rank process group (receiver rank 0, sender rank 1): NCCL when
+   both pools are on CUDA on distinct GPUs, else gloo. Pairs are cached; one process can be
+   in many pairs; there is no global world.
+3. The sender pushes a TransferHeader (with `meta`) on the pair's frame queue in the store,
+   then the blocks as segments (messages) of at most `chunk_bytes` (at least one block) over
+   the group. The receiver's pair thread takes the reservation to TRANSFERRING (a header
+   whose reservation does not exist is refused at once: nothing waits for a reservation) and
+   writes each segment into the reserved blocks. CPU pools on gloo send every segment straight from the pool and receive it
    straight into the pool whatever the block layout; a CUDA pool on gloo, a fragmented pool on
    NCCL, and a segment whose destination is not one run go through two bounded staging buffers
    (pipeline.py).
-4. The receiver resolves the future (DONE) and pushes an Ack; the sender returns its result.
-Transfers on one pair are ordered; different pairs run in parallel (a thread per pair).
+4. The receiver resolves the future (DONE, with the sender's `meta`) and pushes an Ack; the
+   sender returns its result.
+A pair carries one transfer at a time; the pairs between one sender and one receiver (up to
+max_pairs_per_peer) and pairs to other receivers run in parallel (a receiver thread per pair),
+so a slow, stalled or refused transfer holds only its own pair.
 
 Block ownership
 ---------------
@@ -59,17 +65,18 @@ Prefill (sender):   the caller holds its blocks during send() and frees them whe
 Timeouts (TransferConfig; every wait has one)
 ---------------------------------------------
 connect_timeout_s = 10     building a pair (store connect, handshake, group rendezvous)
-transfer_timeout_s = 30    one transfer on its pair (data + ack); also the wait for a busy pair
+transfer_timeout_s = 30    one transfer on its pair (data + ack); also the wait for a free pair
 lease_s = 60               a reservation's life: after it the future resolves with a timeout
                            error (at worst lease_s + transfer_timeout_s if data is in flight)
-reservation_wait_s = 10    a header that arrives before its expect() waits this long for it,
-                           then its data is drained and nacked (must be < transfer_timeout_s)
 chunk_bytes = 0 (auto)     largest data message: 4 MiB on gloo, 32 MiB on NCCL (a block larger
                            than that travels alone); staging is at most 2 messages per pair
                            and side, allocated on first need
 pair_idle_timeout_s = 600  the receiver drops a pair idle this long (reclaims dead senders);
                            the sender rebuilds it on its next send
-max_pairs = 64; secret = "" (no authentication)
+max_pairs = 64             pairs a receiver accepts
+max_pairs_per_peer = 4     pairs a sender keeps to one receiver (transfers in flight to it);
+                           a send finding all busy waits for one, within transfer_timeout_s
+secret = "" (no authentication)
 A dead peer surfaces as an error value within these bounds: the sender's send() returns
 ok=False (the connection closes at once, or a timeout fires); the receiver fails the
 reservation whose data was in flight, and any other reservation at its lease.

@@ -1,7 +1,8 @@
 """The transport interface both backends (loopback, gloo/NCCL) implement.
 
 Sender side (prefill replica), called from the engine's or a service's threads:
-    send(address, request_id, block_ids) -> TransferResult   blocking, thread-safe
+    send(address, request_id, block_ids, meta=b"") -> TransferResult   blocking, thread-safe
+    cancel(request_id) -> bool                               drop a send that moved no data yet
     abort(address, request_id, reason)  -> TransferResult    tell the receiver to give up
     state(request_id) -> TransferState | None                in-flight sends only
     close()
@@ -11,6 +12,7 @@ Receiver side (decode replica):
     expect(request_id, block_ids) -> Future[TransferResult]  reserve blocks for one transfer
     cancel(request_id) -> bool
     state(request_id) -> TransferState | None
+    health() -> str                                          '' while it can receive, else why not
     close()
 
 Errors caused by the peer or the network are values (`TransferResult.ok is False`), never
@@ -49,6 +51,7 @@ class TransferResult:
 
     ok: the KV landed in the receiver's reserved blocks. error: '' when ok, else why not.
     nbytes: KV bytes moved. seconds: time from the start of the transfer to its end.
+    meta: on the receiver, the sender's `meta` bytes of a landed transfer (else b"").
     """
 
     request_id: str
@@ -56,6 +59,7 @@ class TransferResult:
     error: str = ""
     nbytes: int = 0
     seconds: float = 0.0
+    meta: bytes = b""
 
     @classmethod
     def failure(cls, request_id: str, error: str, seconds: float = 0.0) -> TransferResult:
@@ -80,14 +84,23 @@ class KVSenderBase(_Closing):
     any result), then frees them. send() never writes the caller's pool."""
 
     @abc.abstractmethod
-    def send(self, address: str, request_id: str, block_ids: Sequence[int]) -> TransferResult:
+    def send(self, address: str, request_id: str, block_ids: Sequence[int],
+             meta: bytes = b"") -> TransferResult:
         """Copy blocks `block_ids` of the local pool into the blocks the receiver at `address`
-        reserved for `request_id`. Blocks until the receiver acknowledges or a timeout or fault
-        ends the transfer. At most two attempts (the second only after a fast fault, not a
+        reserved for `request_id` (the reservation must exist already: a transfer nobody
+        expects is refused at once, its data drained), and hand `meta` (at most 4 KiB) to the
+        receiver with it. Blocks until the receiver acknowledges or a timeout or fault ends
+        the transfer. At most two attempts (the second only after a fast fault, not a
         timeout, on a pair that had carried earlier transfers, e.g. one the receiver dropped
         as idle), each within
-        connect_timeout_s (pair) + transfer_timeout_s (turn on the pair) + transfer_timeout_s
-        (data and Ack)."""
+        transfer_timeout_s (a free pair to that address) + connect_timeout_s (building one)
+        + transfer_timeout_s (data and Ack)."""
+
+    @abc.abstractmethod
+    def cancel(self, request_id: str) -> bool:
+        """Drop the in-flight send of `request_id` if it has not started moving data (it is
+        waiting for a pair): send() returns a failure at once. False when no such send waits
+        (none in flight, or its data is already moving: that one runs to its end)."""
 
     @abc.abstractmethod
     def abort(self, address: str, request_id: str, reason: str) -> TransferResult:
@@ -127,6 +140,11 @@ class KVReceiverBase(_Closing):
     @abc.abstractmethod
     def state(self, request_id: str) -> TransferState | None:
         """The state of reservation `request_id`; None when unknown or forgotten."""
+
+    @abc.abstractmethod
+    def health(self) -> str:
+        """'' while the receiver can take transfers; else why it cannot (closed, a thread it
+        needs is dead). Cheap; for a replica's health check."""
 
     @abc.abstractmethod
     def close(self) -> None:

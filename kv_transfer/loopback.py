@@ -48,7 +48,7 @@ class LoopbackReceiver(ReservingReceiver):
         self.reservations.close()
 
     def land(self, src: torch.Tensor, request_id: str, src_ids: tuple[int, ...],
-             chunk_bytes: int) -> TransferResult:
+             chunk_bytes: int, meta: bytes = b"") -> TransferResult:
         """Copy `src[src_ids]` into the blocks reserved for `request_id` (sender's thread)."""
         dst_ids = self.reservations.begin(request_id, len(src_ids))
         if isinstance(dst_ids, str):
@@ -67,7 +67,7 @@ class LoopbackReceiver(ReservingReceiver):
             return self.reservations.finish(request_id, False, f"copy failed: {exc!r}")
         if self.kv.device.type == "cuda":
             torch.cuda.synchronize(self.kv.device)
-        return self.reservations.finish(request_id, True, nbytes=nbytes)
+        return self.reservations.finish(request_id, True, nbytes=nbytes, meta=meta)
 
 
 class LoopbackSender(KVSenderBase):
@@ -91,7 +91,8 @@ class LoopbackSender(KVSenderBase):
         mismatch = peer.fingerprint.mismatch(self.fingerprint)
         return f"handshake rejected: fingerprint mismatch: {mismatch}" if mismatch else peer
 
-    def send(self, address: str, request_id: str, block_ids: Sequence[int]) -> TransferResult:
+    def send(self, address: str, request_id: str, block_ids: Sequence[int],
+             meta: bytes = b"") -> TransferResult:
         ids = check_block_ids(block_ids, self.kv.shape[0])
         start = time.monotonic()
         peer = self._peer(address)
@@ -99,11 +100,14 @@ class LoopbackSender(KVSenderBase):
             return TransferResult.failure(request_id, peer)
         self._inflight.set(request_id, TransferState.TRANSFERRING)
         try:
-            result = peer.land(self.kv, request_id, ids, self.config.chunk_bytes)
+            result = peer.land(self.kv, request_id, ids, self.config.chunk_bytes, meta)
         finally:
             self._inflight.clear(request_id)
         return TransferResult(request_id, result.ok, result.error, result.nbytes,
                               time.monotonic() - start)
+
+    def cancel(self, request_id: str) -> bool:
+        return False   # a loopback send moves its data as soon as it starts: nothing waits
 
     def abort(self, address: str, request_id: str, reason: str) -> TransferResult:
         peer = self._peer(address)

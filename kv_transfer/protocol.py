@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: block-major pools, segmented transfers
+PROTOCOL_VERSION = 3  # 2: block-major pools, segmented transfers; 3: a header carries `meta`
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_SEGMENT_GROUPS = 1024  # (count, repeat) pairs in a TransferHeader
 MAX_STR_LEN = 4096
@@ -42,7 +42,7 @@ def clip(text: str, limit: int = 1024) -> str:
 
 
 def _conforms(value: object, tp: object) -> bool:
-    if tp in (int, str, bool):
+    if tp in (int, str, bool, bytes):
         return type(value) is tp
     if typing.get_origin(tp) is tuple:
         return isinstance(value, tuple) and all(type(v) is int for v in value)
@@ -54,8 +54,8 @@ def _check_types(msg: object) -> None:
         value = getattr(msg, name)
         if not _conforms(value, tp):
             raise ProtocolError(f"{type(msg).__name__}.{name}: bad type {type(value).__name__}")
-        if type(value) is str and len(value) > MAX_STR_LEN:
-            raise ProtocolError(f"{type(msg).__name__}.{name}: string longer than {MAX_STR_LEN}")
+        if type(value) in (str, bytes) and len(value) > MAX_STR_LEN:
+            raise ProtocolError(f"{type(msg).__name__}.{name}: longer than {MAX_STR_LEN}")
 
 
 def _check_request_id(request_id: str) -> None:
@@ -166,7 +166,8 @@ class TransferHeader:
     in the sender's block-list order, sent as consecutive segments of whole blocks, one
     message each. `segments` lists the segments' block counts run-length encoded as
     (count, repeat) pairs (see group_segments); no segment is larger than `chunk_blocks`
-    (see pipeline.py)."""
+    (see pipeline.py). `meta`: the caller's bytes for the receiver's caller (at most
+    MAX_STR_LEN; kv_transfer never reads them), delivered with the landed transfer's result."""
 
     request_id: str
     seq: int
@@ -176,6 +177,7 @@ class TransferHeader:
     nbytes: int
     chunk_blocks: int
     segments: tuple[int, ...]
+    meta: bytes = b""
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -56,6 +56,15 @@ class KVReceiver(ReservingReceiver):
         self._accept = threading.Thread(target=self._accept_loop, name="kvt-accept", daemon=True)
         self._accept.start()
 
+    def health(self) -> str:
+        """'' while this receiver can take transfers, else why not (closed, its accept thread
+        or its lease reaper died, its store server gone)."""
+        if self._closed or self._server is None:
+            return "the KV receiver is closed"
+        if not self._accept.is_alive():
+            return "the KV receiver's accept thread died"
+        return super().health()
+
     def pair_count(self) -> int:
         with self._lock:
             return len(self._pairs)

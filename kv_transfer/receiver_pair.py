@@ -4,8 +4,8 @@ Loop (one iteration per frame popped from the pair's frame queue):
 
     1. wait     pop the next frame (at most pair_idle_timeout_s; then the pair is torn down)
     2. parse    TransferHeader, Abort or Bye; anything else is a protocol violation -> teardown
-    3. reserve  begin() moves the reservation PENDING -> TRANSFERRING, or says why the data
-                must be drained (unknown/expired id, wrong block count)
+    3. reserve  begin() moves the reservation PENDING -> TRANSFERRING, or says at once why the
+                data must be drained (unknown, cancelled or expired id, wrong block count)
     4. receive  segments land in the reserved blocks while the reservation is wanted; otherwise
                 they are drained through staging (the pair stays in sync)
     5. resolve  finish() resolves the reservation's future; then the Ack is written
@@ -105,7 +105,7 @@ class ReceiverPair:
         self._check(hdr)
         deadline = time.monotonic() + self.config.transfer_timeout_s
         rid = hdr.request_id
-        dst = self.reservations.begin(rid, hdr.num_blocks, self.config.reservation_wait_s)
+        dst = self.reservations.begin(rid, hdr.num_blocks)
         landing = not isinstance(dst, str)
         try:
             with channel.device_stream(self.kv):
@@ -120,5 +120,5 @@ class ReceiverPair:
             raise
         if not landing:
             return Ack(rid, hdr.seq, False, dst, 0)
-        result = self.reservations.finish(rid, complete, "", nbytes)
+        result = self.reservations.finish(rid, complete, "", nbytes, hdr.meta)
         return Ack(rid, hdr.seq, result.ok, result.error, result.nbytes)

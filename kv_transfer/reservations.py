@@ -5,7 +5,8 @@ Block ownership on the decode side (the engine allocates and frees; this table o
     1. reserved     expect() -> PENDING. The engine has allocated the blocks and handed them to
                     the table; nothing writes them yet. Lease timer running.
     2. receiving    begin() -> TRANSFERRING. One pair thread writes the blocks, segment by segment,
-                    checking wanted() between segments.
+                    checking wanted() between segments. A transfer for an id not PENDING here is
+                    refused at once (drained and nacked): reservations come before transfers.
     3. landed       finish(ok=True) -> DONE. The future resolves ok: the blocks (now holding the
                     KV) belong to the engine again.
     4. failed       lease expiry, cancel(), fail() (sender Abort), close(), or finish(ok=False)
@@ -88,23 +89,15 @@ class Reservations:
             self._cond.notify_all()
         return res.future
 
-    def begin(self, request_id: str, num_blocks: int, wait_s: float = 0.0) -> tuple[int, ...] | str:
+    def begin(self, request_id: str, num_blocks: int) -> tuple[int, ...] | str:
         """PENDING -> TRANSFERRING for an incoming transfer of `num_blocks` blocks.
 
-        A header may arrive before its reservation (the decode replica reserves when its
-        request is dispatched, which can be after the prefill replica started pushing): an
-        id never seen waits up to `wait_s` for `add`. Returns the destination block ids, or
-        a reason string when the data must be drained instead (unknown/expired id, not
-        PENDING, block-count mismatch; a mismatch also fails the reservation)."""
+        The reservation exists before its transfer starts (the decode replica reserves before
+        the prefill runs), so nothing waits here: returns the destination block ids, or a
+        reason string when the data must be drained instead (unknown, cancelled or expired id,
+        not PENDING, block-count mismatch; a mismatch also fails the reservation)."""
         with self._cond:
             res = self._open.get(request_id)
-            deadline = time.monotonic() + wait_s
-            while res is None and not self._closed and request_id not in self._finished:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-                res = self._open.get(request_id)
             if res is None:
                 return f"unknown or expired request {request_id!r}"
             if res.state is not TransferState.PENDING:
@@ -124,15 +117,17 @@ class Reservations:
             res = self._open.get(request_id)
             return res is not None and not res.doomed
 
-    def finish(self, request_id: str, ok: bool, error: str = "", nbytes: int = 0) -> TransferResult:
+    def finish(self, request_id: str, ok: bool, error: str = "", nbytes: int = 0,
+               meta: bytes = b"") -> TransferResult:
         """TRANSFERRING -> DONE/FAILED, called by the writer once it stopped writing. A doomed
-        reservation fails with its doom reason even if all data landed."""
+        reservation fails with its doom reason even if all data landed. `meta`: the sender's
+        bytes, handed to the future's result when ok."""
         with self._cond:
             res = self._open.get(request_id)
             assert res is not None and res.state is TransferState.TRANSFERRING, request_id
             if res.doomed:
                 ok, error = False, res.doomed
-            resolved = self._resolve_locked(request_id, ok, error, nbytes)
+            resolved = self._resolve_locked(request_id, ok, error, nbytes, meta)
         self._deliver(*resolved)
         return resolved[1]
 
@@ -173,14 +168,20 @@ class Reservations:
         if self._reaper is not threading.current_thread():
             self._reaper.join(timeout=5)
 
-    def _resolve_locked(self, request_id: str, ok: bool, error: str, nbytes: int):
+    def alive(self) -> bool:
+        """Whether the table takes reservations and its lease reaper runs."""
+        with self._cond:
+            return not self._closed and self._reaper.is_alive()
+
+    def _resolve_locked(self, request_id: str, ok: bool, error: str, nbytes: int, meta: bytes = b""):
         res = self._open.pop(request_id)
         state = TransferState.DONE if ok else TransferState.FAILED
         self._finished[request_id] = state
         while len(self._finished) > _KEEP_FINISHED:
             self._finished.popitem(last=False)
         start = res.started or res.created
-        result = TransferResult(request_id, ok, error, nbytes if ok else 0, self._clock() - start)
+        result = TransferResult(request_id, ok, error, nbytes if ok else 0, self._clock() - start,
+                                meta if ok else b"")
         return res.future, result
 
     @staticmethod
@@ -216,3 +217,6 @@ class ReservingReceiver(KVReceiverBase):
 
     def state(self, request_id: str) -> TransferState | None:
         return self.reservations.state(request_id)
+
+    def health(self) -> str:
+        return "" if self.reservations.alive() else "the receiver's reservation table is closed or its lease reaper died"

@@ -1,25 +1,29 @@
 """Prefill side of the gloo/NCCL backend.
 
-Life cycle of one send(address, request_id, block_ids), in the caller's thread:
+Life cycle of one send(address, request_id, block_ids, meta), in the caller's thread:
 
-    1. pair     reuse the cached pair for `address`, or build one: connect to the receiver's
-                store, take a pair id, push a Handshake, wait for the HandshakeReply, join the
-                2-rank group as rank 1 (all within connect_timeout_s).
-    2. queue    wait for the pair's lock: transfers on one pair are ordered (at most
-                transfer_timeout_s). State PENDING.
-    3. header   push the TransferHeader onto the pair's frame queue. State TRANSFERRING.
-    4. data     send the blocks segment by segment: straight from the pool (CPU pools on
+    1. pair     take an idle pair to `address`, or build one while the address has fewer than
+                max_pairs_per_peer (connect to the receiver's store, take a pair id, push a
+                Handshake, wait for the HandshakeReply, join the 2-rank group as rank 1, all
+                within connect_timeout_s), else wait for one to come back (at most
+                transfer_timeout_s). State PENDING; cancel() ends the send here.
+    2. header   push the TransferHeader (with `meta`) onto the pair's frame queue. TRANSFERRING.
+    3. data     send the blocks segment by segment: straight from the pool (CPU pools on
                 gloo, any block layout), else gathered into staging first (pipeline.py).
-    5. ack      wait for the receiver's Ack (steps 3-5 within transfer_timeout_s).
-    6. result   return a TransferResult; nothing is raised for peer or network faults.
+    4. ack      wait for the receiver's Ack (steps 2-4 within transfer_timeout_s).
+    5. result   give the pair back (a broken one is dropped) and return a TransferResult;
+                nothing is raised for peer or network faults.
+
+Each pair carries one transfer at a time, and several pairs to one address carry several at
+once: a slow or stalled transfer holds only its own pair, never the hand-offs behind it.
 
 Block ownership: the caller keeps `block_ids` allocated during send() and frees them when it
-returns, whatever the result. send() only reads them (step 4), and never after returning.
+returns, whatever the result. send() only reads them (step 3), and never after returning.
 
-A fault tears the pair down (closing its group; NCCL is aborted) and the next send to that
-address builds a fresh one. A fault before the deadline on a pair that had already carried a
-transfer is retried once on a fresh pair, because the receiver may have dropped the idle pair
-meanwhile; a timeout is not retried.
+A fault tears its pair down (closing its group; NCCL is aborted); the other pairs to that
+address go on. A fault before the deadline on a pair that had already carried a transfer is
+retried once on another pair, because the receiver may have dropped the idle pair meanwhile;
+a timeout is not retried.
 """
 
 from __future__ import annotations
@@ -52,13 +56,20 @@ from kv_transfer.staging import Staging
 class _Pair:
     address: str
     pair_id: int
-    client: object  # TCPStore client: frames and acks; used only under `lock`
+    client: object  # TCPStore client: frames and acks; used only by the send holding the pair
     channel: Channel
     staging: Staging
     chunk_blocks: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
     seq: int = 0
     broken: bool = False
+
+
+@dataclass
+class _Peer:
+    """The pairs to one receiver address: the idle ones, and how many exist (idle, busy or
+    being built), at most max_pairs_per_peer."""
+    idle: list[_Pair] = field(default_factory=list)
+    count: int = 0
 
 
 class KVSender(KVSenderBase):
@@ -67,85 +78,117 @@ class KVSender(KVSenderBase):
     def __init__(self, kv: torch.Tensor, fingerprint: Fingerprint, config: TransferConfig) -> None:
         check_pool(kv, fingerprint)
         self.kv, self.fingerprint, self.config = kv, fingerprint, config
-        self._lock = threading.Lock()
-        self._pairs: dict[str, _Pair] = {}
-        self._build_locks: dict[str, threading.Lock] = {}
+        self._cond = threading.Condition()   # guards _peers, _cancelled, _closed
+        self._peers: dict[str, _Peer] = {}
+        self._cancelled: set[str] = set()    # in-flight sends told to stop before their data
         self._inflight = InFlight()
         self._closed = False
 
-    def send(self, address: str, request_id: str, block_ids: Sequence[int]) -> TransferResult:
+    def send(self, address: str, request_id: str, block_ids: Sequence[int],
+             meta: bytes = b"") -> TransferResult:
         ids = check_block_ids(block_ids, self.kv.shape[0])
         start = time.monotonic()
         self._inflight.set(request_id, TransferState.PENDING)
         try:
             for attempt in range(2):
-                pair = self._pair(address)
+                pair = self._acquire(address, request_id, start + self.config.transfer_timeout_s)
                 if isinstance(pair, str):
                     return TransferResult.failure(request_id, pair, time.monotonic() - start)
-                result, retry = self._transfer(pair, request_id, ids, start)
+                try:
+                    result, retry = self._transfer(pair, request_id, ids, meta, start)
+                finally:
+                    self._give_back(pair)
                 if not retry or attempt:
                     return result
+                self._drop_idle(address)   # they idled as long: the receiver may have dropped them too
             raise AssertionError("unreachable")
         finally:
-            self._inflight.clear(request_id)
+            with self._cond:
+                self._inflight.clear(request_id)
+                self._cancelled.discard(request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        with self._cond:
+            if self._inflight.get(request_id) is not TransferState.PENDING:
+                return False
+            self._cancelled.add(request_id)
+            self._cond.notify_all()
+            return True
 
     def abort(self, address: str, request_id: str, reason: str) -> TransferResult:
-        pair = self._pair(address)
+        pair = self._acquire(address, "", time.monotonic() + self.config.transfer_timeout_s)
         if isinstance(pair, str):
             return TransferResult.failure(request_id, pair)
-        frame = encode(Abort(request_id, clip(reason)))
-        if not pair.lock.acquire(timeout=self.config.transfer_timeout_s):
-            return TransferResult.failure(request_id, "timed out waiting for the pair")
         try:
-            pair.client.queue_push(rv.frames_key(pair.pair_id), frame)
+            pair.client.queue_push(rv.frames_key(pair.pair_id), encode(Abort(request_id, clip(reason))))
             return TransferResult(request_id, True)
         except Exception as exc:
             self._drop(pair)
             return TransferResult.failure(request_id, f"abort not delivered: {clip(repr(exc))}")
         finally:
-            pair.lock.release()
+            self._give_back(pair)
 
     def state(self, request_id: str) -> TransferState | None:
         return self._inflight.get(request_id)
 
     def close(self) -> None:
-        with self._lock:
+        """Wait for the transfers in flight (each bounded by its own deadline), then say Bye on
+        every pair and close it. Idempotent."""
+        deadline = time.monotonic() + self.config.connect_timeout_s + self.config.transfer_timeout_s
+        with self._cond:
             self._closed = True
-            pairs = list(self._pairs.values())
-            self._pairs.clear()
+            self._cond.notify_all()
+            while any(p.count > len(p.idle) for p in self._peers.values()):
+                if not self._cond.wait(max(deadline - time.monotonic(), 0)) and time.monotonic() >= deadline:
+                    break
+            pairs = [pair for peer in self._peers.values() for pair in peer.idle]
+            for peer in self._peers.values():
+                peer.count -= len(peer.idle)
+                peer.idle.clear()
         for pair in pairs:
-            if pair.lock.acquire(timeout=self.config.transfer_timeout_s):
-                try:
-                    pair.client.queue_push(rv.frames_key(pair.pair_id), encode(Bye("sender closed")))
-                except Exception:
-                    pass  # the receiver reclaims the pair at its idle timeout instead
-                finally:
-                    pair.broken = True
-                    pair.channel.close(failed=False)
-                    pair.staging.release()
-                    pair.lock.release()
+            try:
+                pair.client.queue_push(rv.frames_key(pair.pair_id), encode(Bye("sender closed")))
+            except Exception:
+                pass  # the receiver reclaims the pair at its idle timeout instead
+            pair.broken = True
+            pair.channel.close(failed=False)
+            pair.staging.release()
 
-    def _pair(self, address: str) -> _Pair | str:
-        """The cached pair for `address`, else a newly built one; a string says why none."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("sender is closed")
-            build_lock = self._build_locks.setdefault(address, threading.Lock())
-        with build_lock:  # concurrent first sends to one address build one pair
-            with self._lock:
-                pair = self._pairs.get(address)
-            if pair is not None:
-                return pair
-            pair = self._build(address)
-            if isinstance(pair, _Pair):
-                with self._lock:
-                    closed = self._closed
-                    if not closed:
-                        self._pairs[address] = pair
-                if closed:  # close() ran while we built it; it never saw this pair
-                    self._drop(pair)
+    def _acquire(self, address: str, request_id: str, deadline: float) -> _Pair | str:
+        """An idle pair to `address`, a new one while the address has fewer than
+        max_pairs_per_peer, else the first one given back before `deadline`; a string says
+        why none (cancelled, closed, timed out, cannot pair)."""
+        with self._cond:
+            while True:
+                if self._closed:
                     return "sender closed"
-            return pair
+                if request_id in self._cancelled:
+                    return "cancelled before its data moved"
+                peer = self._peers.setdefault(address, _Peer())
+                if peer.idle:
+                    return peer.idle.pop()
+                if peer.count < self.config.max_pairs_per_peer:
+                    peer.count += 1
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return f"timed out waiting for a free pair to {address}"
+                self._cond.wait(remaining)
+        pair = self._build(address)  # outside the lock: other sends go on meanwhile
+        if isinstance(pair, str):
+            with self._cond:
+                peer.count -= 1
+                self._cond.notify_all()
+        return pair
+
+    def _give_back(self, pair: _Pair) -> None:
+        with self._cond:
+            peer = self._peers[pair.address]
+            if pair.broken:
+                peer.count -= 1
+            else:
+                peer.idle.append(pair)
+            self._cond.notify_all()
 
     def _build(self, address: str) -> _Pair | str:
         """_connect() bounded by connect_timeout_s even if the receiver's store is frozen."""
@@ -184,41 +227,36 @@ class KVSender(KVSenderBase):
         staging = Staging(self.kv, reply.backend, chunk_blocks)
         return _Pair(address, pair_id, client, channel, staging, chunk_blocks)
 
-    def _transfer(self, pair: _Pair, request_id: str, ids: tuple[int, ...],
+    def _transfer(self, pair: _Pair, request_id: str, ids: tuple[int, ...], meta: bytes,
                   start: float) -> tuple[TransferResult, bool]:
-        """Steps 2-6 on `pair`. Returns (result, whether a fresh pair is worth one retry)."""
-        if not pair.lock.acquire(timeout=self.config.transfer_timeout_s):
-            return TransferResult.failure(request_id, "timed out waiting for the pair",
-                                          time.monotonic() - start), False
-        try:
-            if pair.broken:  # a send before us broke it while we waited
-                return TransferResult.failure(request_id, "pair broke"), True
-            reused = pair.seq > 0
-            pair.seq += 1
+        """Steps 2-4 on a pair this send holds. Returns (result, worth retrying on another pair)."""
+        with self._cond:
+            if request_id in self._cancelled:
+                return TransferResult.failure(request_id, "cancelled before its data moved"), False
             self._inflight.set(request_id, TransferState.TRANSFERRING)
-            deadline = time.monotonic() + self.config.transfer_timeout_s
-            try:
-                return self._run(pair, request_id, ids, start, deadline), False
-            except AssertionError:
-                raise
-            except Exception as exc:  # boundary: every peer/network fault becomes a value
-                self._drop(pair)
-                error = f"transfer to {pair.address} failed: {clip(repr(exc))}"
-                # A reused pair that failed fast (closed, e.g. dropped as idle) is worth a fresh
-                # one; one that ran into its deadline (hung receiver) is not.
-                retry = reused and time.monotonic() < deadline
-                return TransferResult.failure(request_id, error, time.monotonic() - start), retry
-        finally:
-            pair.lock.release()
+        reused = pair.seq > 0
+        pair.seq += 1
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        try:
+            return self._run(pair, request_id, ids, meta, start, deadline), False
+        except AssertionError:
+            raise
+        except Exception as exc:  # boundary: every peer/network fault becomes a value
+            self._drop(pair)
+            error = f"transfer to {pair.address} failed: {clip(repr(exc))}"
+            # A reused pair that failed fast (closed, e.g. dropped as idle) is worth a fresh
+            # one; one that ran into its deadline (hung receiver) is not.
+            retry = reused and time.monotonic() < deadline
+            return TransferResult.failure(request_id, error, time.monotonic() - start), retry
 
-    def _run(self, pair: _Pair, request_id: str, ids: tuple[int, ...], start: float,
+    def _run(self, pair: _Pair, request_id: str, ids: tuple[int, ...], meta: bytes, start: float,
              deadline: float) -> TransferResult:
         counts = plan_segments(self.kv, pair.staging, ids, pair.chunk_blocks)
         header = TransferHeader(
             request_id=request_id, seq=pair.seq, num_blocks=len(ids),
             shape=transfer_shape(self.kv, len(ids)), dtype=DTYPE_NAMES[self.kv.dtype],
             nbytes=len(ids) * block_bytes(self.kv), chunk_blocks=pair.chunk_blocks,
-            segments=group_segments(counts),
+            segments=group_segments(counts), meta=meta,
         )
         pair.client.queue_push(rv.frames_key(pair.pair_id), encode(header))
         with pair.channel.device_stream(self.kv):
@@ -232,11 +270,18 @@ class KVSender(KVSenderBase):
             return TransferResult.failure(request_id, f"receiver: {ack.error}", elapsed)
         return TransferResult(request_id, True, "", sent, elapsed)
 
+    def _drop_idle(self, address: str) -> None:
+        with self._cond:
+            peer = self._peers.get(address)
+            stale = list(peer.idle) if peer is not None else []
+            if peer is not None:
+                peer.count -= len(stale)
+                peer.idle.clear()
+        for pair in stale:
+            self._drop(pair)
+
     def _drop(self, pair: _Pair) -> None:
-        """Tear `pair` down after a fault (caller holds pair.lock)."""
-        with self._lock:
-            if self._pairs.get(pair.address) is pair:
-                del self._pairs[pair.address]
+        """Tear `pair` down after a fault (by the send holding it; _give_back forgets it)."""
         pair.broken = True
         pair.channel.close(failed=True)
         pair.staging.release()

@@ -1,23 +1,32 @@
 """Prefill replica: a Serve deployment holding an engine in the prefill role.
 
-Life cycle of a request here (`prefill`)
+Life cycle of a request here (`prefill`, a streaming call; the decode replica has already
+reserved blocks for the K/V under the request's id at `kv_address`)
   1. admit    one engine call checks the request (context length, parameters; a bad one is
               a 400 result) and queues the prompt
   2. prefill  the engine batches waiting prompts under its token budget with chunked
               prefill, samples the first token, and holds the prompt's blocks
-  3. answer   return the first token at once (TTFT does not wait for the transfer)
-  4. push     in the background, send the blocks to the decode replica at `kv_address`;
-  5. release  free the held blocks after the ack or on failure
-When the first token already ends the request (EOS, max_tokens=1) step 4 is skipped.
+  3. push     a hand-off task starts sending the blocks into the reservation at once, with the
+              first token (a KVHandoff in the transfer's meta): the reservation exists, so the
+              push never waits for one
+  4. answer   yield the first token (PrefillResult) at once: TTFT does not wait for the push
+  5. release  the hand-off task frees the held blocks when the push ends (ack or failure);
+              the stream ends with a HandoffDone
+When the first token already ends the request (EOS, max_tokens=1) step 3 is skipped and the
+blocks are released before the answer.
 Timing: `queue_seconds` runs from the call's arrival here to the engine first scheduling the
 request, `prefill_seconds` from then to the first token; both travel in the PrefillResult. The
-push (step 4) ends after the result is returned, so its time and size go to this replica's
-histograms (`kv_transfer_seconds`, `kv_transfer_bytes`) and reach /metrics with the stats.
-Block ownership: the engine holds the blocks from step 2; once the first token exists a
-shielded hand-off task owns them and always releases them (step 5), whatever happens to the
-caller. Leaving during step 2 (router cancelled) aborts the request, which frees them.
-Shutdown (`close_kv`, from Serve's `__del__`, after Serve has drained the replica's requests): the
-pushes already in the send pool finish, then the sender closes its pairs; then the engine stops.
+push's time and size go to this replica's histograms (`kv_transfer_seconds`, `kv_transfer_bytes`).
+Block ownership: the engine holds the blocks from step 2; once the first token exists the
+hand-off task owns them and always releases them (step 5), whatever happens to the caller. A
+failed engine step never frees them (the engine fails only requests it steps). Leaving during
+step 2 (router cancelled) aborts the request, which frees them. Leaving during the push (the
+router abandoned the request: client gone, decode replica failed) cancels a push still waiting
+for a pair at once; one whose data is moving runs to its end (the decode side, told too, drains
+it) and then frees the blocks.
+Shutdown: the call lasts until its push ends, so Serve's graceful shutdown (which waits for
+ongoing calls, up to graceful_shutdown_timeout_s) never cuts a push. Then `close_kv` (from
+Serve's `__del__`) lets any push left in the send pool finish and closes the sender's pairs.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from ray import serve
 
 from engine.async_engine import EngineDeadError
 from engine.outputs import Rejected
-from kv_transfer import KVSender, fingerprint_for
+from kv_transfer import KVSender, TransferResult, fingerprint_for
 from serving import messages
 from serving.config import AppConfig
 from serving.engine_host import EngineHost, EngineReplica
@@ -45,17 +54,21 @@ class PrefillServer(EngineReplica):
         cfg = AppConfig.model_validate(config)
         self.host = EngineHost(cfg, "prefill", registry)
         kv = self.host.engine.runner.kv_pool
-        self.sender = KVSender(kv, fingerprint_for(kv, cfg.model_name), cfg.transfer.transfer_config())
-        self._send_pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
+        transfer = cfg.transfer.transfer_config()
+        self.sender = KVSender(kv, fingerprint_for(kv, cfg.model_name), transfer)
+        self._send_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2 * transfer.max_pairs_per_peer, thread_name_prefix="kv-send")
         self._handoffs: set[asyncio.Task] = set()
+        self._abandoned: set[str] = set()     # pushes the router gave up on before they started
 
-    async def prefill(self, data: bytes) -> bytes:
+    async def prefill(self, data: bytes):
         arrived = time.monotonic()
         self.host.start_stats_pusher()
         try:
             req = messages.decode(data, expect=messages.PrefillRequest)
         except messages.MessageError as exc:
-            return messages.encode(messages.PrefillResult("", error=str(exc), error_code=400))
+            yield messages.encode(messages.PrefillResult("", error=str(exc), error_code=400))
+            return
         rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
         # 1. admit, 2. prefill
         first = None
@@ -64,37 +77,44 @@ class PrefillServer(EngineReplica):
                     rid, lambda e: e.add_request(rid, ids, params, hold_blocks=True)):
                 first = out
         except EngineDeadError as exc:
-            return messages.encode(messages.PrefillResult(rid, error=str(exc), error_code=500))
+            yield messages.encode(messages.PrefillResult(rid, error=str(exc), error_code=500))
+            return
         if isinstance(first, Rejected):
-            return messages.encode(messages.PrefillResult(rid, error=first.reason, error_code=400))
+            yield messages.encode(messages.PrefillResult(rid, error=first.reason, error_code=400))
+            return
         assert first is not None and first.finished
         done = time.monotonic()
         scheduled = first.first_scheduled_time or done
-        # 3. answer, 4. push and 5. release in a task the caller cannot cancel
-        task = asyncio.ensure_future(self._handoff(req, first, scheduled - arrived, done - scheduled))
+        result = messages.PrefillResult(
+            rid, first.new_token_ids[0], first.finish_reason, first.num_cached_tokens, done - scheduled,
+            scheduled - arrived, first_text=first.new_text,
+            first_logprobs=first.logprobs[0] if first.logprobs else None,
+            prompt_logprobs=tuple(first.prompt_logprobs or ()))
+        if first.finish_reason is not None:
+            self.host.aengine.submit(lambda e: e.release(rid))
+            yield messages.encode(result)
+            return
+        # 3. push (a task the caller cannot cancel), 4. answer, 5. its end
+        handoff = messages.KVHandoff(first.new_token_ids[0], len(first.new_text))
+        task = asyncio.ensure_future(self._push(req.kv_address, rid, handoff))
         self._handoffs.add(task)
         task.add_done_callback(self._handoffs.discard)
-        return await asyncio.shield(task)
-
-    async def _handoff(self, req: messages.PrefillRequest, first, queue_s: float, prefill_s: float) -> bytes:
-        rid = req.request_id
-        result = messages.PrefillResult(rid, first.new_token_ids[0], first.finish_reason,
-                                        first.num_cached_tokens, prefill_s, queue_s, first_text=first.new_text,
-                                        first_logprobs=first.logprobs[0] if first.logprobs else None,
-                                        prompt_logprobs=tuple(first.prompt_logprobs or ()))
-        if first.finish_reason is not None:
-            await self.host.aengine.call(lambda e: e.release(rid))
-        else:
-            blocks = await self.host.aengine.call(lambda e: e.held_blocks(rid))
-            push = asyncio.ensure_future(self._push(req.kv_address, rid, blocks))
-            self._handoffs.add(push)
-            push.add_done_callback(self._handoffs.discard)
-        return messages.encode(result)
-
-    async def _push(self, address: str, rid: str, blocks: list[int]) -> None:
-        loop = asyncio.get_running_loop()
         try:
-            res = await loop.run_in_executor(self._send_pool, self.sender.send, address, rid, blocks)
+            yield messages.encode(result)
+            res = await asyncio.shield(task)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not task.done():
+                self._abandon(rid)
+            raise
+        yield messages.encode(messages.HandoffDone(rid, res.ok, res.error))
+
+    async def _push(self, address: str, rid: str, handoff: messages.KVHandoff) -> TransferResult:
+        """Owns the held blocks: sends them, then always releases them."""
+        loop = asyncio.get_running_loop()
+        meta = messages.encode(handoff)
+        try:
+            blocks = await self.host.aengine.call(lambda e: e.held_blocks(rid))
+            res = await loop.run_in_executor(self._send_pool, self._send, address, rid, blocks, meta)
             self.host.count("kv_transfers_sent" if res.ok else "kv_transfers_failed")
             if res.ok:
                 self.host.count("kv_bytes_sent", res.nbytes)
@@ -102,8 +122,21 @@ class PrefillServer(EngineReplica):
                 self.host.observe("kv_transfer_bytes", res.nbytes)
             else:
                 log.warning("KV transfer of %s to %s failed: %s", rid, address, res.error)
+            return res
         finally:
+            self._abandoned.discard(rid)
             self.host.aengine.submit(lambda e: e.release(rid))
+
+    def _send(self, address: str, rid: str, blocks: list[int], meta: bytes) -> TransferResult:
+        if rid in self._abandoned:        # given up before its turn in the send pool
+            return TransferResult.failure(rid, "abandoned by the router before it started")
+        return self.sender.send(address, rid, blocks, meta)
+
+    def _abandon(self, rid: str) -> None:
+        """The router gave the request up: a push that has not moved data yet is dropped now
+        (one already moving runs to its end; the decode side drains it)."""
+        self._abandoned.add(rid)
+        self.sender.cancel(rid)
 
     def close_kv(self) -> None:
         """At shutdown: let the pushes already handed to the send pool finish (a decode replica

@@ -1,24 +1,35 @@
 """Runs one request across the pools and yields its TokenEvents.
 
-Disaggregated, three steps (the order matters for block ownership):
-  1. choose the decode replica (a slot is reserved on it; its KV address is in its metadata);
-  2. prefill on a prefill replica with that address: it returns the first token at once and
-     pushes the prompt's KV to the decode replica in the background;
+Disaggregated, four steps (the order is the block ownership):
+  1. reserve: choose the decode replica and open its decode stream first; it reserves blocks
+     for the prompt's K/V and answers `Reserved` (the reservation's identity: the request id at
+     its KV address), or refuses at once (out of KV blocks: a 503 before any prefill ran);
+  2. prefill on a prefill replica with that identity (a stream): its first event is the first
+     token, and meanwhile it pushes the K/V, with the first token, into the reserved blocks
+     (which already exist: no push waits); the rest of that stream (the push's end) is read in
+     the background;
   3. yield the first token (and its text, detokenized by the prefill replica) at once;
-  4. dispatch the decode to exactly the chosen replica: it reserves blocks, receives the KV (the
-     push waits for the reservation) and streams the tokens after the first.
-If the first token already ends the request, steps 3-4 are one final event and the decode slot
-is released. TTFT is thus the prefill's latency, not prefill + KV transfer + decode admission.
-A prefill replica that dies during step 2 is retried once (a fresh request id, so a push the dead
-replica may have started is drained by the decode side and never confused with the retry's).
-Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for
-the decode slot in step 1 plus the prefill replica's queue_seconds; prefill = its prefill_seconds.
+  4. stream the decode stream's tokens after the first: the decode replica admits the request
+     as soon as the K/V lands.
+If the first token already ends the request, step 3 is one final event and the decode stream is
+cancelled (the reservation is dropped). TTFT is the reservation's round trip plus the prefill's
+latency, not prefill + KV transfer + decode admission.
+A replica that fails before anything was produced (the decode replica gone before step 1
+answered, as when Serve removes a replica between choosing and dispatching; the prefill replica
+dead before its first token) is retried once from step 1 (a fresh request id and reservation, so
+a push the dead replica may have started is refused by the decode side and never confused with
+the retry's).
+Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for the
+decode reservation in step 1 plus the prefill replica's queue_seconds; prefill = its prefill_seconds.
 Colocated: one call to the colocated pool.
 Failures raise `RequestFailed` with the HTTP status to report. Leaving the iterator early (client
-gone, deadline, failure) cancels the replica calls explicitly (`.cancel()` on the Serve response),
-which aborts the request there and frees its blocks: cancelling the asyncio task that awaits a
-Serve response does not cancel the request on the replica, and the proxy's cancellation of the
-whole HTTP request only reaches it while the router's handler is still running.
+gone, deadline, failure) cancels both replica calls explicitly (`.cancel()` on the Serve
+responses): the decode replica drops the reservation at once, the prefill replica a push that
+has not started (a push already moving runs to its end into the dropped reservation, which the
+decode side drains) or the prefill itself, freeing its blocks. Cancelling the asyncio task that
+awaits a Serve response does not cancel the request on the replica, and the proxy's
+cancellation of the whole HTTP request only reaches it while the router's handler is still
+running.
 """
 
 from __future__ import annotations
@@ -29,13 +40,14 @@ import time
 from typing import AsyncIterator
 
 from ray.exceptions import RayError
-from ray.serve.exceptions import BackPressureError, RayServeException
+from ray.serve.exceptions import BackPressureError, RayServeException, ReplicaUnavailableError
 
 from serving import messages
 from serving.messages import WireSamplingParams
 
 
-PREFILL_ATTEMPTS = 2   # a prefill replica that dies mid-request is retried once on another
+ATTEMPTS = 2   # a request whose replica fails before its first token is retried once
+_GONE = (RayError, ReplicaUnavailableError)   # a replica died, or was removed before the dispatch
 
 
 class RequestFailed(Exception):
@@ -50,14 +62,19 @@ def _check(event) -> messages.TokenEvent:
     return event
 
 
+class _StartOver(Exception):
+    """A replica failed before the first token: the request may start over."""
+
+
 class Orchestrator:
     def __init__(self, mode: str, prefill=None, decode=None, colocated=None, metrics=None):
         self.mode = mode
         self.metrics = metrics   # a router.metrics.RequestMetrics, or None
+        self._followers: set[asyncio.Task] = set()   # prefill streams read to the push's end
         if mode == "colocated":
             self.colocated = colocated.options(stream=True).generate
         else:
-            self.prefill = prefill.prefill
+            self.prefill = prefill.options(stream=True).prefill
             self.decode = decode.options(stream=True).generate
             self._decode_handle = decode.options(stream=True)
 
@@ -76,22 +93,6 @@ class Orchestrator:
         finally:
             await events.aclose()     # closed here, not whenever it is collected: its replica calls end now
 
-    async def _prefill(self, rid: str, prompt: list[int], wire, address: str) -> messages.PrefillResult:
-        for attempt in range(PREFILL_ATTEMPTS):
-            attempt_rid = rid if attempt == 0 else f"{rid}-retry{attempt}"
-            response = self.prefill.remote(messages.encode(
-                messages.PrefillRequest(attempt_rid, tuple(prompt), wire, address)))
-            try:
-                data = await response
-                return messages.decode(data, expect=messages.PrefillResult)
-            except asyncio.CancelledError:
-                response.cancel()
-                raise
-            except RayError:
-                if attempt == PREFILL_ATTEMPTS - 1:
-                    raise
-        raise AssertionError("unreachable")
-
     async def _run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:
         wire = WireSamplingParams.of(params)
         if self.mode == "colocated":
@@ -105,36 +106,59 @@ class Orchestrator:
                 if not finished:          # client gone, deadline or failure: stop the replica's work
                     stream.cancel()
             return
-        # 1. choose the decode replica
+        for attempt in range(ATTEMPTS):
+            handoff = self._handoff(rid if attempt == 0 else f"{rid}-retry{attempt}", prompt, wire)
+            try:
+                async for event in handoff:
+                    yield event
+                return
+            except _StartOver as failed:
+                if attempt == ATTEMPTS - 1:
+                    raise failed.__cause__ from None
+            finally:
+                await handoff.aclose()    # now, not when collected: its replica calls end here
+        raise AssertionError("unreachable")
+
+    async def _handoff(self, rid: str, prompt: list[int], wire) -> AsyncIterator[messages.TokenEvent]:
         arrived = time.monotonic()
         async with self.decode.choose_replica() as selection:
-            address = selection.replica_metadata.get("kv_address")
-            if not address:
-                raise RequestFailed(503, "the chosen decode replica has no KV address yet", "overloaded")
-            # 2. prefill there (once more, under a fresh id, if the prefill replica died)
-            waited = time.monotonic() - arrived
-            result = await self._prefill(rid, prompt, wire, address)
-            rid = result.request_id
-            if result.error is not None:
-                kind = "invalid_request_error" if result.error_code == 400 else "server_error"
-                raise RequestFailed(result.error_code, result.error, kind)
-            if self.metrics is not None:
-                self.metrics.observe_prefill(waited + result.queue_seconds, result.prefill_seconds)
-            # 3. the first token, straight from the prefill replica
-            done = result.finish_reason is not None
-            first_logprobs = () if result.first_logprobs is None else (result.first_logprobs,)
-            yield messages.TokenEvent(rid, (result.first_token,), result.first_text, done,
-                                      result.finish_reason, len(prompt), 1, result.num_cached_tokens,
-                                      first_logprobs, result.prompt_logprobs)
-            if done:
-                return
-            # 4. decode on exactly that replica; its first event repeats the first token (and
-            #    carries no logprobs: the prefill replica's came with step 3)
-            stream = self._decode_handle.dispatch(selection, messages.encode(messages.DecodeRequest(
-                rid, tuple(prompt), result.first_token, wire, len(result.first_text))))
-            first, finished = True, False
+            decode = self._decode_handle.dispatch(selection, messages.encode(
+                messages.DecodeRequest(rid, tuple(prompt), wire)))
+            prefill, decode_ended, abandoned = None, False, True
             try:
-                async for data in stream:
+                # 1. the reservation (or a refusal, at once)
+                try:
+                    reserved = _check(messages.decode(await decode.__anext__()))
+                except _GONE as exc:
+                    raise _StartOver() from exc
+                assert isinstance(reserved, messages.Reserved), reserved
+                waited = time.monotonic() - arrived
+                # 2. prefill with the reservation's identity
+                prefill = self.prefill.remote(messages.encode(
+                    messages.PrefillRequest(rid, tuple(prompt), wire, reserved.kv_address)))
+                try:
+                    result = messages.decode(await prefill.__anext__(), expect=messages.PrefillResult)
+                except _GONE as exc:
+                    raise _StartOver() from exc
+                if result.error is not None:
+                    kind = "invalid_request_error" if result.error_code == 400 else "server_error"
+                    raise RequestFailed(result.error_code, result.error, kind)
+                self._follow(prefill)
+                if self.metrics is not None:
+                    self.metrics.observe_prefill(waited + result.queue_seconds, result.prefill_seconds)
+                # 3. the first token, straight from the prefill replica
+                done = result.finish_reason is not None
+                first_logprobs = () if result.first_logprobs is None else (result.first_logprobs,)
+                yield messages.TokenEvent(rid, (result.first_token,), result.first_text, done,
+                                          result.finish_reason, len(prompt), 1, result.num_cached_tokens,
+                                          first_logprobs, result.prompt_logprobs)
+                if done:
+                    abandoned = False     # `finally` drops the reservation; the prefill stream ends
+                    return
+                # 4. the decode stream; its first token event repeats the first token (and
+                #    carries no logprobs: the prefill replica's came with step 3)
+                first = True
+                async for data in decode:
                     event = _check(messages.decode(data))
                     if first:
                         first = False
@@ -142,8 +166,22 @@ class Orchestrator:
                         if not (event.token_ids or event.text or event.finished):
                             continue
                     yield event
-                finished = True
+                decode_ended, abandoned = True, False
             finally:
-                if not finished:          # client gone, deadline or failure: stop the replica's work
-                    stream.cancel()
+                if not decode_ended:      # the reservation (or the stream) is no longer wanted
+                    decode.cancel()
+                if abandoned and prefill is not None:   # client gone, deadline or failure
+                    prefill.cancel()
 
+    def _follow(self, prefill) -> None:
+        """Read the rest of a prefill stream (the push's end) in the background: the call ends
+        when its push does, so Serve never cuts a push when it drains the replica."""
+        async def drain():
+            try:
+                async for _ in prefill:
+                    pass
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - cancelled, or the replica died:
+                pass                                     # the decode side reports the failed transfer
+        task = asyncio.ensure_future(drain())
+        self._followers.add(task)
+        task.add_done_callback(self._followers.discard)

@@ -94,9 +94,11 @@ class PoolConfig(_Model):
 class TransferOptions(_Model):
     connect_timeout_s: float = Field(10.0, gt=0, description="Building a sender-receiver pair.")
     transfer_timeout_s: float = Field(30.0, gt=0, description="One KV transfer, header to ack.")
-    lease_s: float = Field(30.0, gt=0, description="Decode side: a reservation not filled in time is freed.")
-    reservation_wait_s: float = Field(10.0, gt=0, description="Decode side: how long a KV push that arrives "
-                                      "before its request waits for the reservation.")
+    lease_s: float = Field(120.0, gt=0, description="Decode side: a reservation (made before the prefill "
+                           "runs) whose KV has not landed this long after it is freed; covers the prefill's "
+                           "queue, the prefill and the push.")
+    max_pairs_per_peer: int = Field(4, ge=1, description="Prefill side: KV transfers in flight at once to one "
+                                    "decode replica, each on its own pair (a stalled one holds only its own).")
     secret: str = Field("", description="Shared secret a sender must present to a receiver ('' = none).")
     host: str = Field("auto", description="Address the decode replicas' KV rendezvous binds and publishes; "
                                           "auto = the Ray node's IP.")
@@ -111,7 +113,7 @@ class TransferOptions(_Model):
     def transfer_config(self):
         from kv_transfer import TransferConfig
         return TransferConfig(connect_timeout_s=self.connect_timeout_s, transfer_timeout_s=self.transfer_timeout_s,
-                              lease_s=self.lease_s, reservation_wait_s=self.reservation_wait_s,
+                              lease_s=self.lease_s, max_pairs_per_peer=self.max_pairs_per_peer,
                               chunk_bytes=self.chunk_bytes, secret=self.secret)
 
 

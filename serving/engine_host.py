@@ -110,6 +110,10 @@ class EngineReplica:
         """Close this replica's KV endpoint (the prefill sender, the decode receiver); the
         colocated replica has none."""
 
+    def kv_health(self) -> str:
+        """'' while this replica's KV endpoint works, else why not (the decode receiver)."""
+        return ""
+
     def __del__(self):
         if self.__dict__.get("_shut_down"):     # Serve calls it, then Python again at collection
             return
@@ -131,8 +135,12 @@ class EngineReplica:
                 "running": float(s.running)}
 
     async def check_health(self) -> None:
-        if not self.host.aengine.alive():
-            raise RuntimeError(f"{self.host.pool} engine thread is dead")
+        """Serve's health hook: raising makes Serve replace the replica. Fails when the engine can
+        no longer step (its thread is dead, or its last steps all failed) or the replica's KV
+        endpoint is broken (the decode receiver closed or lost a thread)."""
+        reason = self.host.aengine.health() or self.kv_health()
+        if reason:
+            raise RuntimeError(f"{self.host.pool} replica unhealthy: {reason}")
 
     async def stats(self) -> bytes:
         return messages.encode(await self.host.stats())

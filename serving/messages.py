@@ -60,8 +60,10 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class PrefillRequest:
-    """Router -> prefill replica: compute the prompt, return the first token, and push the
-    K/V to the decode replica at `kv_address` (unless the first token ends the request)."""
+    """Router -> prefill replica (a streaming call): compute the prompt, answer with the first
+    token (a `PrefillResult`), push the K/V into the reservation (`request_id` at the decode
+    replica's `kv_address`, from its `Reserved` event) unless the first token ends the request,
+    and end the stream with a `HandoffDone` once the push has ended."""
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: WireSamplingParams
@@ -93,14 +95,41 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class DecodeRequest:
-    """Router -> decode replica: receive the prompt's K/V, then decode from `first_token`.
-    `shown_chars`: characters of output text the client already has (the router streamed the
-    prefill replica's `first_text`); the decode replica's text starts after them."""
+    """Router -> decode replica (a streaming call, made before the prefill): reserve blocks for
+    the prompt's K/V and answer `Reserved` (or an `ErrorEvent` at once), receive the K/V with a
+    `KVHandoff`, then stream `TokenEvent`s from its first token."""
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    first_token: int
     params: WireSamplingParams
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """Decode replica -> router, the first event of a decode stream: blocks for `num_blocks`
+    blocks of K/V are reserved under `request_id` at the KV receiver `kv_address` (the
+    reservation's identity, which the router hands to the prefill replica)."""
+    request_id: str
+    kv_address: str
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """Prefill replica -> decode replica, inside the KV push (the transfer's `meta`): how to go
+    on from the K/V. `first_token`: the token the prefill sampled; `shown_chars`: characters of
+    output text the client already has (the prefill replica's `first_text`): the decode
+    replica's text starts after them."""
+    first_token: int
     shown_chars: int = 0
+
+
+@dataclass(frozen=True)
+class HandoffDone:
+    """Prefill replica -> router, the last event of a prefill stream that pushed K/V: the push
+    ended (`ok`: it landed; else `error`). The prefill replica's blocks are free by then."""
+    request_id: str
+    ok: bool
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -145,8 +174,9 @@ class ReplicaStats:
     histograms: dict = field(default_factory=dict)
 
 
-MESSAGES = {cls.__name__: cls for cls in (GenerateRequest, PrefillRequest, PrefillResult,
-                                           DecodeRequest, TokenEvent, ErrorEvent, ReplicaStats)}
+MESSAGES = {cls.__name__: cls for cls in (GenerateRequest, PrefillRequest, PrefillResult, DecodeRequest,
+                                           Reserved, KVHandoff, HandoffDone, TokenEvent, ErrorEvent,
+                                           ReplicaStats)}
 
 
 def encode(msg) -> bytes:

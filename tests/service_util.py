@@ -78,6 +78,41 @@ def wait_until(pred, timeout: float, every: float = 0.25) -> bool:
     return False
 
 
+def _open_stream(base: str, path: str, body: dict, headers=None):
+    import http.client
+    host, _, rest = base.split("//", 1)[1].partition("/")
+    hostname, port = host.split(":")
+    conn = http.client.HTTPConnection(hostname, int(port), timeout=60)
+    conn.request("POST", f"/{rest}{path}" if rest else path, json.dumps(body),
+                 {"Content-Type": "application/json", **(headers or {})})
+    return conn, conn.getresponse()
+
+
+def leave_at_first_token(base: str, body: dict, headers=None, path: str = "/v1/completions") -> None:
+    """Stream `body` and close the connection as soon as the first token's event arrives."""
+    conn, resp = _open_stream(base, path, body, headers)
+    assert resp.status == 200, resp.status
+    for line in resp:
+        if line.startswith(b"data: {"):
+            break
+    conn.close()
+
+
+def stream_times(base: str, body: dict, headers=None, path: str = "/v1/completions") -> tuple[list[float], str]:
+    """Stream `body` to the end: (arrival time of each event with a choice, the text)."""
+    conn, resp = _open_stream(base, path, body, headers)
+    assert resp.status == 200, resp.status
+    times, text = [], ""
+    for line in resp:
+        if line.startswith(b"data: {"):
+            event = json.loads(line[6:])
+            if event.get("choices"):
+                times.append(time.monotonic())
+                text += event["choices"][0].get("text") or ""
+    conn.close()
+    return times, text
+
+
 TINY_ENGINE = {"kv_cache_memory": "32MiB", "dtype": "float32", "device": "cpu", "num_threads": 1}
 
 

@@ -50,5 +50,6 @@ def test_transfer_options_reach_the_transfer_config():
     assert AppConfig().transfer.transfer_config().chunk_bytes == 0   # by backend
     with pytest.raises(ValueError, match="chunk_bytes"):
         AppConfig(transfer={"chunk_bytes": 100})
-    with pytest.raises(ValueError, match="reservation_wait_s"):   # checked by TransferConfig itself
-        AppConfig(transfer={"reservation_wait_s": 40})
+    assert AppConfig(transfer={"max_pairs_per_peer": 2}).transfer.transfer_config().max_pairs_per_peer == 2
+    with pytest.raises(ValueError, match="max_pairs_per_peer"):
+        AppConfig(transfer={"max_pairs_per_peer": 0})

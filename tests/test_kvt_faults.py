@@ -37,6 +37,11 @@ def _local(role: str, seed: int = 5, **cfg):
     return end
 
 
+def pairs(tx) -> list[int]:
+    """The ids of the sender's idle pairs (with no send running, every pair it has)."""
+    return [pair.pair_id for peer in tx._peers.values() for pair in peer.idle]
+
+
 def test_receiver_killed_mid_transfer():
     rx = Worker("receiver", slow_s=0.3)  # 0.3 s per chunk: 16 blocks take > 1 s
     tx = _local("sender")
@@ -54,7 +59,7 @@ def test_receiver_killed_mid_transfer():
         assert not sender.is_alive() and not out["res"].ok
         assert waited < TRANSFER_TIMEOUT, f"sender noticed only after {waited:.1f}s"
         assert tx.free.count == NUM_BLOCKS and tx.state("doomed") is None
-        assert tx._pairs == {}  # the broken pair was torn down
+        assert pairs(tx) == []  # the broken pair was torn down
     finally:
         tx.close()
         rx.kill()
@@ -71,7 +76,7 @@ def test_hung_receiver_times_out_instead_of_hanging():
         res, _ = send_and_free(tx, tx.free, rx.address, "hung", 40)
         waited = time.monotonic() - start
         assert not res.ok and waited < 2.0 + 3, (waited, res.error)  # a timeout: no retry
-        assert tx.free.count == NUM_BLOCKS and tx._pairs == {}
+        assert tx.free.count == NUM_BLOCKS and pairs(tx) == []
         fresh = _local("sender", connect_timeout_s=2.0)  # must build a pair: the store is frozen
         start = time.monotonic()
         res, _ = send_and_free(fresh, fresh.free, rx.address, "hung-2", 4)
@@ -139,13 +144,13 @@ def test_garbage_at_the_rendezvous_is_rejected_and_service_continues():
 
         # garbage on an established pair's frame queue: the receiver drops that pair, and
         # the sender's next transfer rebuilds it transparently
-        old_pair = tx._pairs[rx.address].pair_id
+        [old_pair] = pairs(tx)
         client.queue_push(rv.frames_key(old_pair), b"not a frame")
         time.sleep(0.5)
         ids = rx.call("expect", "rebuilt", 5)
         res, sent = send_and_free(tx, tx.free, rx.address, "rebuilt", 5)
         assert res.ok, res.error
-        assert tx._pairs[rx.address].pair_id != old_pair
+        assert pairs(tx) and old_pair not in pairs(tx)
         assert rx.call("result", "rebuilt", 10).ok and torch.equal(rx.call("read", ids), sent)
         assert tx.free.count == NUM_BLOCKS and rx.call("free_count") == NUM_BLOCKS
     finally:
@@ -214,3 +219,98 @@ def test_receiver_close_fails_reservations_and_senders_fast():
     with pytest.raises(RuntimeError):
         receiver.expect("after-close", [1])
     tx.close()
+
+
+def _stall_first_receive(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The first segment receive posted in this process waits for `release` (set by the test);
+    `stalled` says it is waiting. Later receives run normally."""
+    stalled, release = threading.Event(), threading.Event()
+    real_post_recv, calls = Channel.post_recv, []
+
+    def post_recv(self, tensor):
+        calls.append(1)
+        if len(calls) == 1:
+            stalled.set()
+            release.wait(30)
+        return real_post_recv(self, tensor)
+
+    monkeypatch.setattr(Channel, "post_recv", post_recv)
+    return stalled, release
+
+
+def _send_in_thread(tx, address: str, rid: str, n: int, out: dict) -> threading.Thread:
+    thread = threading.Thread(target=lambda: out.update({rid: send_and_free(tx, tx.free, address, rid, n)[0]}))
+    thread.start()
+    return thread
+
+
+def _start_stalled(stalled, receiver, tx, rid: str, n: int, out: dict):
+    """Reserve and send `rid` (n blocks) from a thread until its data is stalled; (thread, future)."""
+    _, fut = expect_and_free_on_resolve(receiver, receiver.free, rid, n)
+    thread = _send_in_thread(tx, receiver.address, rid, n, out)
+    assert stalled.wait(30)
+    return thread, fut
+
+
+def _release_and_land(release, thread, out: dict, rid: str, fut, receiver, tx) -> None:
+    """Let the stalled transfer `rid` go on: it lands, and both free-lists are full again."""
+    release.set()
+    thread.join(30)
+    assert out[rid].ok and fut.result(10).ok
+    assert receiver.free.count == NUM_BLOCKS and tx.free.count == NUM_BLOCKS
+
+
+def test_a_stalled_transfer_does_not_hold_the_next_one_to_the_same_receiver(monkeypatch):
+    """No head-of-line blocking: while one transfer's data is stuck, the next one to the same
+    receiver goes on its own pair and lands (with its meta), bit-exact."""
+    stalled, release = _stall_first_receive(monkeypatch)
+    receiver, tx = _local("receiver"), _local("sender")
+    try:
+        out = {}
+        slow, slow_fut = _start_stalled(stalled, receiver, tx, "stuck", 6, out)
+        fast_ids, fast_fut = expect_and_free_on_resolve(receiver, receiver.free, "behind", 5)
+        src_ids = tx.free.allocate(5)
+        res = tx.send(receiver.address, "behind", src_ids, meta=b"first token 7")
+        landed = fast_fut.result(10)
+        assert res.ok and landed.ok and landed.meta == b"first token 7", (res, landed)
+        assert torch.equal(receiver.kv[fast_ids], tx.kv[src_ids])
+        tx.free.free(src_ids)
+        assert not slow_fut.done()            # the stuck one is still in flight meanwhile
+        _release_and_land(release, slow, out, "stuck", slow_fut, receiver, tx)
+    finally:
+        release.set()
+        tx.close()
+        receiver.close()
+
+
+def test_a_send_waiting_for_a_pair_is_cancelled_at_once(monkeypatch):
+    """With every pair to a receiver busy, a queued send waits; cancel() ends it at once, before
+    any of its data moves (the router tells the prefill side that the hand-off is abandoned)."""
+    stalled, release = _stall_first_receive(monkeypatch)
+    receiver, tx = _local("receiver"), _local("sender", max_pairs_per_peer=1)
+    try:
+        out = {}
+        busy, busy_fut = _start_stalled(stalled, receiver, tx, "busy", 3, out)
+        _, queued_fut = expect_and_free_on_resolve(receiver, receiver.free, "queued", 3)
+        queued = _send_in_thread(tx, receiver.address, "queued", 3, out)
+        assert wait_for(lambda: tx.state("queued") is not None)
+        assert tx.cancel("queued")
+        queued.join(10)
+        assert not out["queued"].ok and "cancelled" in out["queued"].error
+        assert not tx.cancel("busy")          # its data is moving: it runs to its end
+        receiver.cancel("queued")
+        assert not queued_fut.result(5).ok
+        _release_and_land(release, busy, out, "busy", busy_fut, receiver, tx)
+    finally:
+        release.set()
+        tx.close()
+        receiver.close()
+
+
+def wait_for(pred, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False

@@ -65,7 +65,7 @@ def test_unknown_request_is_drained_and_pair_stays_usable(rx, tx):
     _transfer(rx, tx, "after-drain", 9)  # same pair, still in sync
 
 
-def test_many_transfers_in_flight_on_one_pair(rx, tx):
+def test_many_transfers_in_flight_to_one_receiver(rx, tx):
     n_requests = 8
     dst = {f"many-{i}": rx.call("expect", f"many-{i}", 3 + i % 4) for i in range(n_requests)}
     results, sent = {}, {}
@@ -82,7 +82,8 @@ def test_many_transfers_in_flight_on_one_pair(rx, tx):
     for rid, ids in dst.items():
         assert rx.call("result", rid, 10).ok
         assert torch.equal(rx.call("read", ids), sent[rid])
-    assert len(tx._pairs) == 1  # all on one cached pair
+    peers = list(tx._peers.values())   # all to one address, on at most max_pairs_per_peer pairs
+    assert len(peers) == 1 and 1 <= peers[0].count <= tx.config.max_pairs_per_peer
 
 
 def test_two_senders_into_one_receiver_at_once(rx, tx):

@@ -16,6 +16,7 @@ MESSAGES = [
     HandshakeReply(7, True, "", "gloo", 1 << 20, DeviceInfo("cpu", "h", 0, "", False)),
     HandshakeReply(8, False, "fingerprint mismatch", "", 0, DEV),
     TransferHeader("req-1", 3, 5, (5, 30, 2, 16, 3, 64), "bfloat16", 5 * 368640, 2, (2, 2, 1, 1)),
+    TransferHeader("req-2", 0, 1, (1, 30, 2, 16, 3, 64), "float32", 368640, 1, (1, 1), b"\x93\x01meta"),
     Ack("req-1", 3, True, "", 1843200),
     Ack("req-2", 4, False, "unknown or expired request", 0),
     Abort("req-3", "prefill failed"),

@@ -75,14 +75,23 @@ def test_close_fails_everything():
         t.add("x", (3,))
 
 
-def test_header_before_reservation_waits_for_it(table):
-    timer = threading.Timer(0.1, lambda: table.add("early", (7,)))
-    timer.start()
-    assert table.begin("early", 1, wait_s=2) == (7,)  # the reservation came while we waited
-    table.finish("early", True)
-    start = time.monotonic()
-    assert "unknown" in table.begin("never", 1, wait_s=0.2)
-    assert 0.15 < time.monotonic() - start < 1.5
-    start = time.monotonic()
-    assert "unknown" in table.begin("early", 1, wait_s=5)  # already resolved: no waiting
-    assert time.monotonic() - start < 0.5
+def test_transfer_nobody_reserved_is_refused_at_once(table):
+    """Reservations come before transfers: an unknown, resolved or cancelled id is refused
+    without waiting, so its data is drained and the pair moves on."""
+    assert "unknown" in table.begin("never", 1)
+    table.add("done", (7,))
+    table.begin("done", 1)
+    table.finish("done", True)
+    assert "unknown" in table.begin("done", 1)          # already resolved
+    fut = table.add("gone", (3,))
+    table.cancel("gone")
+    assert not fut.result(0).ok and "unknown" in table.begin("gone", 1)
+
+
+def test_meta_travels_with_a_landed_transfer_only(table):
+    ok, bad = table.add("ok", (1,)), table.add("bad", (2,))
+    table.begin("ok", 1)
+    table.begin("bad", 1)
+    table.finish("ok", True, nbytes=8, meta=b"first-token")
+    table.finish("bad", False, "boom", meta=b"first-token")
+    assert ok.result(0).meta == b"first-token" and bad.result(0).meta == b""

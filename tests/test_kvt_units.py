@@ -18,7 +18,7 @@ def test_config_defaults_documented_values():
     cfg = TransferConfig()
     assert (cfg.connect_timeout_s, cfg.transfer_timeout_s, cfg.lease_s) == (10.0, 30.0, 60.0)
     assert cfg.chunk_bytes == 0 and cfg.pair_idle_timeout_s == 600.0
-    assert cfg.max_pairs == 64 and cfg.secret == "" and cfg.reservation_wait_s == 10.0
+    assert cfg.max_pairs == 64 and cfg.secret == "" and cfg.max_pairs_per_peer == 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.lease_s = 1.0
 
@@ -26,8 +26,8 @@ def test_config_defaults_documented_values():
 @pytest.mark.parametrize("kwargs", [
     {"connect_timeout_s": 0}, {"transfer_timeout_s": -1}, {"lease_s": "60"},
     {"pair_idle_timeout_s": True}, {"chunk_bytes": 100}, {"chunk_bytes": 1.5e6},
-    {"chunk_bytes": 1 << 40}, {"max_pairs": 0}, {"secret": None}, {"reservation_wait_s": 0},
-    {"reservation_wait_s": 30.0},  # must be below transfer_timeout_s
+    {"chunk_bytes": 1 << 40}, {"max_pairs": 0}, {"secret": None}, {"max_pairs_per_peer": 0},
+    {"max_pairs_per_peer": 2.0},
 ])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):

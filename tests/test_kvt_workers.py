@@ -17,7 +17,7 @@ MODEL = "test-model"
 # connect_timeout_s and lease_s leave room for a TCPStore connection that stalls 5 s on a
 # dropped reverse-DNS query (torch looks up the peer's name on every store connection; this
 # sandbox's resolver drops a few percent of those queries).
-BASE_CFG = dict(connect_timeout_s=15.0, transfer_timeout_s=5.0, lease_s=20.0, reservation_wait_s=0.5,
+BASE_CFG = dict(connect_timeout_s=15.0, transfer_timeout_s=5.0, lease_s=20.0,
                 chunk_bytes=4096, secret="s3cret")  # 4 blocks per chunk, so most transfers are multi-chunk
 
 

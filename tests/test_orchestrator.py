@@ -1,32 +1,37 @@
 """The orchestrator's event order in disaggregated mode, against in-process stand-ins for the two
 Serve handles (the real handles and replicas are exercised end to end in test_service.py):
 
-  * the first token is yielded from the prefill result before the decode call is made, so TTFT
-    does not wait for the KV transfer or the decode replica;
-  * the decode replica is told how much text the client already has, and the first token it
-    repeats is dropped, so the client sees every token and every character once;
-  * a first token that ends the request is one final event and no decode call is made;
-  * a consumer that leaves early (client gone) cancels the decode call on its replica, and one
-    that leaves during the prefill cancels the prefill call.
+  * the decode call comes first: its reservation (or refusal, at once) precedes the prefill, and
+    the reservation's identity (its KV address) goes to the prefill replica;
+  * the first token is yielded from the prefill result before the decode replica answers, so
+    TTFT does not wait for the KV transfer or the decode admission;
+  * the first token the decode replica repeats is dropped, so the client sees every token and
+    every character once;
+  * a first token that ends the request is one final event and the reservation is cancelled;
+  * a consumer that leaves early (client gone) cancels both replica calls (the reservation and
+    the push), one that leaves during the prefill too; a prefill replica that dies before its
+    first token is retried once, with a fresh id and reservation.
 """
 
 import asyncio
 import contextlib
 import types
 
+import pytest
+from ray.exceptions import ActorDiedError
+
 from engine.sampling_params import SamplingParams
-from router.orchestrator import Orchestrator
+from router.orchestrator import Orchestrator, RequestFailed
 from serving import messages
+
+ADDRESS = "127.0.0.1:1"
 
 
 class FakeResponse:
-    """A Serve response: awaitable or async-iterable, with `cancel()` (recorded)."""
+    """A Serve streaming response: async-iterable, with `cancel()` (recorded)."""
 
     def __init__(self, source):
         self.source, self.cancelled = source, False
-
-    def __await__(self):
-        return self.source.__await__()
 
     def __aiter__(self):
         return self
@@ -40,126 +45,172 @@ class FakeResponse:
 
 class FakeDecode:
     """`options(stream=True)`, its `.generate.choose_replica()` and `.dispatch()`, as the router
-    uses them."""
+    uses them. The stream answers Reserved at once, then `events` once `release` is set."""
 
-    def __init__(self, events):
+    def __init__(self, events, log: list | None = None):
         self.events, self.requests, self.release = events, [], asyncio.Event()
         self.generate = self
         self.responses: list[FakeResponse] = []
+        self.log = log if log is not None else []
 
     def options(self, stream):
         return self
 
     @contextlib.asynccontextmanager
     async def choose_replica(self):
-        yield types.SimpleNamespace(replica_metadata={"kv_address": "127.0.0.1:1"})
+        yield types.SimpleNamespace()
 
     def dispatch(self, selection, data):
         self.responses.append(FakeResponse(self._stream(data)))
         return self.responses[-1]
 
     async def _stream(self, data):
-        self.requests.append(messages.decode(data, expect=messages.DecodeRequest))
-        await self.release.wait()                 # the test decides when the decode replica answers
+        req = messages.decode(data, expect=messages.DecodeRequest)
+        self.requests.append(req)
+        self.log.append("decode")
+        yield messages.encode(messages.Reserved(req.request_id, ADDRESS, 1))
+        await self.release.wait()                 # the test decides when the KV lands
         for event in self.events:
             yield messages.encode(event)
 
 
-def fake_prefill(result, delay: float = 0.0, calls: list | None = None):
-    async def answer():
-        await asyncio.sleep(delay)
-        return messages.encode(result)
+class FakePrefill:
+    """`options(stream=True).prefill.remote(data)`: a stream of the PrefillResult (after `delay`)
+    then, unless it ends the request, a HandoffDone. `die` calls fail before their first token."""
 
-    def remote(data):
-        response = FakeResponse(answer())
-        if calls is not None:
-            calls.append(response)
-        return response
-    return types.SimpleNamespace(prefill=types.SimpleNamespace(remote=remote))
+    def __init__(self, result, delay: float = 0.0, log: list | None = None, die: int = 0):
+        self.result, self.delay, self.die = result, delay, die
+        self.requests, self.responses = [], []
+        self.log = log if log is not None else []
+        self.prefill = self
+
+    def options(self, stream):
+        return self
+
+    def remote(self, data):
+        self.responses.append(FakeResponse(self._stream(data)))
+        return self.responses[-1]
+
+    async def _stream(self, data):
+        req = messages.decode(data, expect=messages.PrefillRequest)
+        self.requests.append(req)
+        self.log.append("prefill")
+        await asyncio.sleep(self.delay)
+        if self.die:
+            self.die -= 1
+            raise ActorDiedError()
+        yield messages.encode(self.result)
+        if self.result.finish_reason is None:
+            yield messages.encode(messages.HandoffDone(req.request_id, True))
 
 
-def test_first_token_comes_before_decode_and_is_not_repeated():
+def test_reservation_first_then_the_first_token_before_decode_answers():
     async def main():
+        log = []
         result = messages.PrefillResult("r", first_token=7, first_text="Hel", prefill_seconds=0.1)
         decode = FakeDecode([
             messages.TokenEvent("r", (7,), "", False, None, 3, 1),           # repeats the first token
             messages.TokenEvent("r", (8,), "lo", False, None, 3, 2),
             messages.TokenEvent("r", (9,), "!", True, "length", 3, 3),
-        ])
-        orch = Orchestrator("disaggregated", fake_prefill(result), decode)
-        events = orch.run("r", [1, 2, 3], SamplingParams(max_tokens=3))
-        first = await asyncio.wait_for(events.__anext__(), 5)   # the decode replica has not answered
+        ], log)
+        prefill = FakePrefill(result, log=log)
+        events = Orchestrator("disaggregated", prefill, decode).run("r", [1, 2, 3], SamplingParams(max_tokens=3))
+        first = await asyncio.wait_for(events.__anext__(), 5)   # the KV has not landed yet
         assert (first.token_ids, first.text, first.finished) == ((7,), "Hel", False)
+        assert log == ["decode", "prefill"] and prefill.requests[0].kv_address == ADDRESS
         decode.release.set()
         rest = [ev async for ev in events]
-        assert decode.requests[0].shown_chars == 3 and decode.requests[0].first_token == 7
         assert [ev.token_ids for ev in rest] == [(8,), (9,)]
         assert first.text + "".join(ev.text for ev in rest) == "Hello!"
         assert rest[-1].finished and rest[-1].num_output_tokens == 3
+        assert not decode.responses[0].cancelled and not prefill.responses[0].cancelled
     asyncio.run(main())
 
 
-def test_first_token_that_ends_the_request_skips_decode():
+def test_first_token_that_ends_the_request_drops_the_reservation():
     async def main():
         result = messages.PrefillResult("r", first_token=0, finish_reason="stop", first_text="")
-        decode = FakeDecode([])
-        orch = Orchestrator("disaggregated", fake_prefill(result), decode)
-        events = [ev async for ev in orch.run("r", [1, 2], SamplingParams(max_tokens=5))]
+        decode, prefill = FakeDecode([]), FakePrefill(result)
+        events = [ev async for ev in Orchestrator("disaggregated", prefill, decode).run(
+            "r", [1, 2], SamplingParams(max_tokens=5))]
         assert len(events) == 1 and events[0].finished and events[0].finish_reason == "stop"
-        assert decode.requests == []
+        assert decode.responses[0].cancelled and not prefill.responses[0].cancelled
     asyncio.run(main())
 
 
-def test_decode_replica_gone_after_the_first_token_is_a_503():
-    """Serve raises ReplicaUnavailableError (not a RayError) when the chosen replica died before
-    the dispatch: the stream must end with a 503, not a cut connection."""
+@pytest.mark.parametrize("refusal", ["out of blocks", "replica gone"])
+def test_a_refused_or_missing_reservation_fails_before_any_prefill(refusal):
+    """Out of KV blocks is a 503 at once; Serve raises ReplicaUnavailableError (not a RayError)
+    when the chosen replica died before the dispatch: a 503 too, not a cut connection."""
     from ray.serve.exceptions import ReplicaUnavailableError
 
-    from router.orchestrator import RequestFailed
-
-    class GoneDecode(FakeDecode):
+    class Refusing(FakeDecode):
         async def _stream(self, data):
-            raise ReplicaUnavailableError("decode#1")
-            yield  # an async generator, like the real stream
+            if refusal == "replica gone":
+                raise ReplicaUnavailableError("decode#1")
+            yield messages.encode(messages.ErrorEvent("r", "decode replica is out of KV blocks", 503, "overloaded"))
 
     async def main():
-        result = messages.PrefillResult("r", first_token=7, first_text="Hi")
-        events = Orchestrator("disaggregated", fake_prefill(result), GoneDecode([])).run(
-            "r", [1, 2, 3], SamplingParams(max_tokens=3))
-        assert (await events.__anext__()).text == "Hi"
-        try:
+        prefill = FakePrefill(messages.PrefillResult("r", first_token=7, first_text="Hi"))
+        events = Orchestrator("disaggregated", prefill, Refusing([])).run("r", [1, 2, 3], SamplingParams(max_tokens=3))
+        with pytest.raises(RequestFailed) as failed:
             await events.__anext__()
-        except RequestFailed as exc:
-            assert exc.code == 503 and "ReplicaUnavailableError" in exc.message
-        else:
-            raise AssertionError("no failure")
+        assert failed.value.code == 503 and prefill.requests == []
     asyncio.run(main())
 
 
-def test_leaving_early_cancels_the_replica_calls():
+def test_leaving_early_cancels_both_replica_calls():
     async def main():
         result = messages.PrefillResult("r", first_token=7, first_text="Hi")
         decode = FakeDecode([messages.TokenEvent("r", (7,), "", False, None, 3, 1)]
                             + [messages.TokenEvent("r", (8,), "x", False, None, 3, 2)] * 5)
         decode.release.set()
-        events = Orchestrator("disaggregated", fake_prefill(result), decode).run(
-            "r", [1, 2, 3], SamplingParams(max_tokens=50))
+        prefill = FakePrefill(result)
+        events = Orchestrator("disaggregated", prefill, decode).run("r", [1, 2, 3], SamplingParams(max_tokens=50))
         await events.__anext__()                # the first token
         await events.__anext__()                # one from the decode stream
         await events.aclose()                   # the client is gone
-        assert decode.responses[0].cancelled
+        assert decode.responses[0].cancelled and prefill.responses[0].cancelled
 
-        calls = []
-        slow = Orchestrator("disaggregated", fake_prefill(result, delay=10, calls=calls), FakeDecode([]))
-        task = asyncio.ensure_future(slow.run("s", [1, 2], SamplingParams(max_tokens=5)).__anext__())
+        slow_decode, slow = FakeDecode([]), FakePrefill(result, delay=10)
+        task = asyncio.ensure_future(Orchestrator("disaggregated", slow, slow_decode).run(
+            "s", [1, 2], SamplingParams(max_tokens=5)).__anext__())
         await asyncio.sleep(0.05)
         task.cancel()                           # the client left during the prefill
         await asyncio.gather(task, return_exceptions=True)
-        assert calls[0].cancelled
+        assert slow.responses[0].cancelled and slow_decode.responses[0].cancelled
+    asyncio.run(main())
 
-        finished = FakeDecode([messages.TokenEvent("r", (9,), "!", True, "length", 3, 2)])
-        finished.release.set()
-        done = [ev async for ev in Orchestrator("disaggregated", fake_prefill(result), finished).run(
-            "r", [1, 2, 3], SamplingParams(max_tokens=2))]
-        assert done[-1].finished and not finished.responses[0].cancelled   # a finished stream is left alone
+
+def test_a_prefill_replica_dying_before_its_first_token_is_retried_with_a_fresh_reservation():
+    async def main():
+        result = messages.PrefillResult("r-retry1", first_token=0, finish_reason="length", first_text="x")
+        decode, prefill = FakeDecode([]), FakePrefill(result, die=1)
+        events = [ev async for ev in Orchestrator("disaggregated", prefill, decode).run(
+            "r", [1, 2], SamplingParams(max_tokens=1))]
+        assert events[-1].finished and [r.request_id for r in decode.requests] == ["r", "r-retry1"]
+        assert [r.request_id for r in prefill.requests] == ["r", "r-retry1"]
+        assert decode.responses[0].cancelled    # the first reservation is dropped at once
+    asyncio.run(main())
+
+
+def test_a_decode_replica_removed_before_the_dispatch_is_retried_on_a_fresh_reservation():
+    """Serve may remove a replica between choosing it and dispatching to it (scale-down):
+    nothing was produced yet, so the request starts over."""
+    from ray.serve.exceptions import ReplicaUnavailableError
+
+    class GoneOnce(FakeDecode):
+        async def _stream(self, data):
+            if not self.requests:
+                self.requests.append(None)
+                raise ReplicaUnavailableError("decode#1")
+            async for event in super()._stream(data):
+                yield event
+
+    async def main():
+        result = messages.PrefillResult("r-retry1", first_token=0, finish_reason="length", first_text="x")
+        decode, prefill = GoneOnce([]), FakePrefill(result)
+        events = [ev async for ev in Orchestrator("disaggregated", prefill, decode).run(
+            "r", [1, 2], SamplingParams(max_tokens=1))]
+        assert events[-1].finished and [r.request_id for r in prefill.requests] == ["r-retry1"]
     asyncio.run(main())
