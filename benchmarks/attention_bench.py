@@ -133,7 +133,7 @@ def rss(args) -> None:
           f"{args.threads} thread(s), each backend in a fresh process\n")
     print("| backend | KV dtype | step ms | KV pool MiB | RSS before steps MiB | peak RSS during steps MiB | peak - before MiB |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for backend in ("torch", "cpu_paged"):
+    for backend in ("torch", "paged"):
         cmd = [sys.executable, __file__, "--child", "--backend", backend, "--model", args.model,
                "--threads", str(args.threads), "--rss-batch", str(args.rss_batch),
                "--rss-context", str(args.rss_context), "--steps", str(args.steps)]

@@ -481,7 +481,7 @@ def main() -> int:
                     help="also break down decode steps (see --profile-batches)")
     ap.add_argument("--profile-batches", default="1,32", help="batch sizes that --profile breaks down")
     ap.add_argument("--profile-format", default="bf16", choices=list(FORMATS), help="format --profile breaks down")
-    ap.add_argument("--attention", default="auto", choices=["auto", "cpu_paged", "torch"],
+    ap.add_argument("--attention", default="auto", choices=["auto", "paged", "torch"],
                     help="the engine's decode attention backend")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
     args = ap.parse_args()

@@ -3,10 +3,13 @@
 #   1. tests/test_cuda.py: the CUDA engine (fp32 == HF on the GPU, bf16 default, the KV pool sized
 #      by profiling within a share of the device, two engines on one GPU) and kv_transfer
 #      with CUDA-resident pools (one GPU: gloo through pinned host staging), bit-exact;
-#   2. benchmarks/kv_transfer_bench.py --device cuda: GB/s of that path against raw gloo;
+#   2. benchmarks/gpu_decode_check.py: decode step ms, eager torch attention vs the Triton paged
+#      kernel vs the paged kernel replayed from CUDA graphs;
+#   2b. benchmarks/kv_transfer_bench.py --device cuda: GB/s of that path against raw gloo;
 #   3. benchmarks/gpu_roofline_check.py: prefill MFU and decode bandwidth utilization of a
 #      random-weight Qwen2.5-7B-shaped model beside `pdserve plan`.
-# Needs only python3 with torch, transformers, msgpack and pytest (no Ray, no model download).
+# Needs only python3 with torch (CUDA build: it brings Triton), transformers, msgpack and pytest
+# (no Ray, no model download).
 # Logs go to $OUT (the device tool's folder) or bench_out/gpu.
 #
 #   bash benchmarks/gpu_check.sh
@@ -23,6 +26,7 @@ status=0
 # the ini's warning filters name pydantic, which a bare GPU image may lack
 timeout 240 "$PY" -m pytest -q -rs -o "filterwarnings=ignore::DeprecationWarning" tests/test_cuda.py 2>&1 \
     | tee "$LOGS/test_cuda.log" || status=1
-timeout 120 "$PY" benchmarks/kv_transfer_bench.py --device cuda --repeats 5 2>&1 | tee "$LOGS/kv_cuda.log" || status=1
-timeout 200 "$PY" benchmarks/gpu_roofline_check.py --hardware h200 2>&1 | tee "$LOGS/roofline.log" || status=1
+timeout 100 "$PY" benchmarks/gpu_decode_check.py 2>&1 | tee "$LOGS/decode.log" || status=1
+timeout 100 "$PY" benchmarks/kv_transfer_bench.py --device cuda --repeats 5 2>&1 | tee "$LOGS/kv_cuda.log" || status=1
+timeout 160 "$PY" benchmarks/gpu_roofline_check.py --hardware h200 2>&1 | tee "$LOGS/roofline.log" || status=1
 exit $status

@@ -5,8 +5,8 @@ sequences) into one row of tokens and builds an `AttentionMetadata`; the decoder
 (`engine.decoder`) calls `paged_attention` in every layer. Per layer it
   1. writes the new K/V into the KV pool at `slot_mapping`,
   2. attends every decode token over its sequence's blocks, one call for the whole batch:
-       backend "cpu_paged": the engine's C++ kernel (engine.kernels) reads K/V from the pool
-         in place, block table by block table;
+       backend "paged": the engine's kernel (engine.kernels: C++ on CPU, Triton on CUDA) reads
+         K/V from the pool in place, block table by block table;
        backend "torch": K/V gathered a whole block at a time into a [batch, max_context] copy
          per layer, then one sdpa call with the padding masked out (any device and dtype),
   3. attends every prompt chunk over its past blocks plus itself (sdpa; explicit offset-causal
@@ -33,8 +33,8 @@ class PrefillSpan:
 class DecodeBatch:
     """The decode tokens of a step, in the form their backend reads."""
     rows: torch.Tensor                 # [B] query rows of decode tokens
-    tables: torch.Tensor | None = None  # cpu_paged: [B, max_blocks] int64 block tables (padded)
-    lens: torch.Tensor | None = None   # cpu_paged: [B] int64 context lengths, new token included
+    tables: torch.Tensor | None = None  # paged: [B, max_blocks] int64 block tables (padded)
+    lens: torch.Tensor | None = None   # paged: [B] int64 context lengths, new token included
     blocks: torch.Tensor | None = None  # torch: [2 * B * max_blocks] layer-0 K then V rows of the
                                         # block tables (padded with block 0) in the pool viewed
                                         # as [blocks * layers * 2, block]; see paged_attention
@@ -48,7 +48,7 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     prefills: list[PrefillSpan]
     all_decode: bool = False           # every row is a decode token, in order (rows = arange)
-    kernels: object | None = None      # torch.ops.pdserve (backend cpu_paged), else None
+    kernels: object | None = None      # backend paged: has paged_decode_attention; torch: None
 
 
 def token_slots(block_table: torch.Tensor, block_size: int, num_layers: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _QUANTIZATIONS = (None, "int8", "int4")
-_ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch")
+_ATTENTION_BACKENDS = ("auto", "paged", "torch")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -44,9 +44,12 @@ class EngineConfig:
         (CPU, bf16 activations; int8 per output channel, int4 in groups of 32). Faster
         small-batch decode; see engine.linear for how larger batches run.
     device: auto | cpu | cuda | cuda:N (auto picks CUDA when available).
-    attention_backend: how decode attention reads the KV pool: cpu_paged (the engine's C++
-        kernel reads K/V in place; CPU, float32/bfloat16), torch (gathers each sequence's
-        blocks, then sdpa; any device), auto (cpu_paged where it applies and builds, else torch).
+    attention_backend: how decode attention reads the KV pool: paged (the engine's kernel reads
+        K/V in place by block table: C++ on CPU in float32/bfloat16, Triton on CUDA), torch
+        (gathers each sequence's blocks, then sdpa; any device and dtype), auto (paged where it
+        applies and is available, else torch).
+    cuda_graphs: on CUDA with the paged attention backend, replay pure decode steps from CUDA
+        graphs captured at start, one per batch bucket (engine.cuda_graphs).
     kv_cache_memory: KV pool budget (see engine.memory): on CUDA a fraction is the share of the
         device's total memory for the whole replica (auto: 0.9), the pool getting what the
         weights and the profiled peak activations leave; on CPU a fraction of available RAM
@@ -66,6 +69,7 @@ class EngineConfig:
     quantization: str | None = None
     device: str = "auto"
     attention_backend: str = "auto"
+    cuda_graphs: bool = True
     kv_cache_memory: str | int | float = "auto"
     block_size: int = 16
     max_num_batched_tokens: int = 512

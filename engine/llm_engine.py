@@ -52,9 +52,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        pool_tokens = self.runner.num_blocks * config.block_size
-        self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings,
-                                 self.runner.max_position_embeddings, pool_tokens)
+        self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = self._eos_ids()
         self._rng = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan, token_slots
 from engine.config import EngineConfig, parse_kv_memory
+from engine.cuda_graphs import DecodeGraphs
 from engine.decoder import DecoderModel
 from engine.kernels import cpu_kernels
 from engine.linear import cpu_has_native_bf16
@@ -49,18 +50,28 @@ def _cuda_snapshot(device: torch.device) -> tuple[int, int, int]:
 
 
 def attention_kernels(spec: str, device: torch.device, dtype: torch.dtype):
-    """The decode attention backend: torch.ops.pdserve for cpu_paged, None for torch."""
-    fits = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-    if spec == "torch" or (spec == "auto" and not fits):
-        return None
-    if not fits:
-        raise ValueError(f"attention_backend='cpu_paged' runs on CPU in float32 or bfloat16 "
-                         f"(device {device}, dtype {dtype}); use auto or torch")
-    kernels = cpu_kernels()
-    if kernels is None and spec == "cpu_paged":
-        raise ValueError("attention_backend='cpu_paged': the CPU kernel could not be built (see the "
-                         "warning above); use auto or torch")
-    return kernels
+    """(kernels, backend name) of decode attention: an object with `paged_decode_attention`
+    (the C++ op on CPU, Triton on CUDA) and "cpu_paged"/"triton_paged", or (None, "torch")."""
+    if spec == "torch":
+        return None, "torch"
+    if device.type == "cpu":
+        if dtype not in (torch.float32, torch.bfloat16):
+            if spec == "paged":
+                raise ValueError(f"attention_backend='paged' runs on CPU in float32 or bfloat16, not {dtype}; "
+                                 "use auto or torch")
+            return None, "torch"
+        kernels = cpu_kernels()
+        if kernels is None and spec == "paged":
+            raise ValueError("attention_backend='paged': the CPU kernel could not be built (see the warning "
+                             "above); use auto or torch")
+        return kernels, "cpu_paged" if kernels is not None else "torch"
+    try:
+        from engine.kernels.triton_attention import TritonKernels
+    except ImportError as exc:
+        if spec == "paged":
+            raise ValueError(f"attention_backend='paged' on {device} needs Triton ({exc}); use auto or torch") from exc
+        return None, "torch"
+    return TritonKernels(), "triton_paged"
 
 
 def weight_format(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
@@ -112,8 +123,7 @@ class ModelRunner:
         at_start = _cuda_snapshot(self.device) if self.device.type == "cuda" else None
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.weight_format = weight_format(config, self.device, self.dtype)
-        self.kernels = attention_kernels(config.attention_backend, self.device, self.dtype)
-        self.attention_backend = "torch" if self.kernels is None else "cpu_paged"
+        self.kernels, self.attention_backend = attention_kernels(config.attention_backend, self.device, self.dtype)
         # quantized formats start from fp32 weights; the others load in their own dtype
         load_dtype = torch.float32 if config.quantization else self.dtype
         hf_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=load_dtype).to(self.device).eval()
@@ -132,6 +142,10 @@ class ModelRunner:
                  self.num_blocks, s.block_size, self.num_blocks * s.block_size,
                  self.kv_pool.numel() * self.kv_pool.element_size() / 2**20, self.device, s.dtype,
                  self.attention_backend)
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs and self.kernels is not None:
+            self.graphs = DecodeGraphs(self.model, self.kv_pool, self.kernels, config.max_num_seqs,
+                                       -(-self.max_model_len // s.block_size))
 
     # ---- sizing ----------------------------------------------------------------------------
     def _num_blocks(self, at_start: tuple[int, int, int] | None) -> int:
@@ -201,6 +215,12 @@ class ModelRunner:
     def max_position_embeddings(self) -> int:
         return int(getattr(self.hf_config, "max_position_embeddings", 2048))
 
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence this runner serves: the configured or the model's limit, capped by the pool."""
+        limit = self.max_position_embeddings
+        return min(self.config.max_model_len or limit, limit, self.num_blocks * self.config.block_size)
+
     # ---- the forward -----------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk],
@@ -211,7 +231,10 @@ class ModelRunner:
         hidden states of those rows (prompt logprobs: sampler.prompt_logprobs turns them into
         log-probabilities slice by slice, never a [tokens, vocab] tensor at once)."""
         input_ids, positions, sample_rows, meta = self._prepare(chunks)
-        states = self.model.forward(input_ids, positions, meta)
+        if self.graphs is not None and not hidden_spans and self.graphs.fits(meta):
+            states = self.graphs.run(input_ids, positions, meta)
+        else:
+            states = self.model.forward(input_ids, positions, meta)
         hidden = {}
         if hidden_spans:
             offsets = [0]

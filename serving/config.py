@@ -28,9 +28,10 @@ class EngineOptions(_Model):
         None, description="Weight-only quantization of every linear and the LM head (CPU, bf16 activations): "
                           "faster small-batch decode; may differ between pools (the KV stays bf16).")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N.")
-    attention_backend: Literal["auto", "cpu_paged", "torch"] = Field(
-        "auto", description="Decode attention: cpu_paged (C++ kernel reading K/V from the pool in place; CPU, "
-                            "fp32/bf16), torch (gather + sdpa; any device), auto (cpu_paged where it applies).")
+    attention_backend: Literal["auto", "paged", "torch"] = Field(
+        "auto", description="Decode attention: paged (the engine's kernel reads K/V from the pool in place: C++ "
+                            "on CPU in fp32/bf16, Triton on CUDA), torch (gather + sdpa; any device), auto "
+                            "(paged where it applies).")
     kv_cache_memory: str | float = Field(
         "auto", description="KV pool budget: 'auto', a fraction of free memory, or a size like '1GiB'.")
     block_size: int = Field(16, description="Tokens per KV block (must match across pools).")

@@ -132,22 +132,23 @@ def test_engine_gives_the_same_tokens_with_either_backend(tmp_path):
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     results = {}
-    for backend in ("cpu_paged", "torch"):
+    for backend in ("paged", "torch"):
         # 16-token budget: the 40-token prompt runs in chunks with a past, beside decode tokens
         eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
                                      block_size=4, max_num_batched_tokens=16, attention_backend=backend))
-        assert eng.runner.attention_backend == backend
+        assert eng.runner.attention_backend == {"paged": "cpu_paged", "torch": "torch"}[backend]
         results[backend] = [c.token_ids for c in eng.generate(prompts, params)]
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-    assert results["cpu_paged"] == results["torch"]
+    assert results["paged"] == results["torch"]
     assert all(len(t) == 20 for t in results["torch"])
 
 
 def test_backend_choice_and_refusals():
-    assert attention_kernels("torch", torch.device("cpu"), torch.float32) is None
-    assert attention_kernels("auto", torch.device("cpu"), torch.float16) is None   # no fp16 kernel: torch
+    cpu = torch.device("cpu")
+    assert attention_kernels("torch", cpu, torch.float32) == (None, "torch")
+    assert attention_kernels("auto", cpu, torch.float16) == (None, "torch")   # no fp16 kernel: torch
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        attention_kernels("cpu_paged", torch.device("cpu"), torch.float16)
+        attention_kernels("paged", cpu, torch.float16)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(model="m", attention_backend="flash")
-    assert (attention_kernels("auto", torch.device("cpu"), torch.float32) is None) == (KERNELS is None)
+    assert attention_kernels("auto", cpu, torch.float32)[1] == ("torch" if KERNELS is None else "cpu_paged")
