@@ -32,8 +32,8 @@ from router.choices import Choices
 from router.guards import Guards, GuardSettings
 from router.logprobs import LogprobsFormatter, TokenStrings
 from router.metrics import RequestMetrics, render
-from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, choice_body, completion_body,
-                                    error_body, error_response, usage)
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_responses import choice_body, completion_body, error_body, error_response, usage
 from router.orchestrator import Orchestrator, RequestFailed
 from serving import messages
 from serving.config import AppConfig
@@ -61,6 +61,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     """FastAPI's own errors (unparsable body, unknown route, wrong method) in OpenAI's format."""
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception):
+    """A bug: a 500 in OpenAI's format (Starlette logs the exception)."""
+    return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
 class ChoiceView:
@@ -160,7 +166,8 @@ class Router:
         if body.echo:
             echoes = [(p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False), ids)
                       for p, ids in zip(raw, prompts)]
-        return await self._generate(body, prompts, 1 if body.prompt_only else body.max_tokens, chat=False,
+        max_tokens = 1 if body.prompt_only else body.max_tokens_within(self.config.max_tokens_limit)
+        return await self._generate(body, prompts, max_tokens, chat=False,
                                     prefix="cmpl", echoes=echoes)
 
     @app.post("/v1/chat/completions")
@@ -313,7 +320,7 @@ class Router:
             outcome = "ok"
         except RequestFailed as exc:
             outcome = "error"
-            yield f"data: {json.dumps(error_body(exc.message, exc.kind, exc.code), ensure_ascii=False)}\n\n"
+            yield f"data: {json.dumps(error_body(exc.message, exc.kind, code=exc.code), ensure_ascii=False)}\n\n"
         finally:
             self.request_metrics.finish(outcome)
             await choices.aclose()
