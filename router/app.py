@@ -23,12 +23,14 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
 from router.choices import Choices
+from router.contract import Served, openapi_document
 from router.guards import Guards, GuardSettings
 from router.logprobs import LogprobsFormatter, TokenStrings
 from router.metrics import RequestMetrics, render
@@ -41,7 +43,9 @@ from serving.models import resolve_model
 from serving.serve_metrics import RouterSeries
 
 log = logging.getLogger(__name__)
-app = FastAPI(title="pdserve", description="Disaggregated prefill/decode LLM serving (OpenAI-compatible)")
+# /openapi.json and /docs are the Router's own endpoints: the document depends on its configuration.
+app = FastAPI(title="pdserve", description="Disaggregated prefill/decode LLM serving (OpenAI-compatible)",
+              openapi_url=None, docs_url=None, redoc_url=None)
 guard_settings = GuardSettings()
 app.add_middleware(Guards, settings=guard_settings)
 
@@ -120,12 +124,28 @@ class Router:
         self.max_model_len = min(self.config.engine.max_model_len or 10**9,
                                  getattr(hf, "max_position_embeddings", 2048))
         self.model_name = self.config.model_name
+        self.served = Served((self.model_name,), self.config.max_tokens_limit, len(self.tokenizer),
+                             self.max_model_len, api_key=bool(self.config.api_key))
+        self._documents: dict[str, dict] = {}
         self.registry = registry
         self.request_metrics = RequestMetrics(export=RouterSeries())   # also on Ray's metrics port
         self.orchestrator = Orchestrator(self.config.mode, prefill, decode, colocated,
                                          metrics=self.request_metrics)
 
     # ---- plain endpoints ----------------------------------------------------------------------
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        """The API contract (router/contract.py) of this deployment."""
+        root = request.scope.get("root_path", "").rstrip("/")
+        if root not in self._documents:
+            self._documents[root] = openapi_document(request.app, self.served, root)
+        return self._documents[root]
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        root = request.scope.get("root_path", "").rstrip("/")
+        return get_swagger_ui_html(openapi_url=root + "/openapi.json", title="pdserve")
+
     @app.get("/health")
     async def health(self):
         pools = {s.pool for s in await self._stats()}
