@@ -197,6 +197,8 @@ class Router:
         except ValueError as exc:
             return error_response(400, str(exc), param="messages")
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if body.max_completion_tokens is not None and (body.max_tokens or 0) > self.config.max_tokens_limit:
+            return self._above_limit("max_tokens", body.max_tokens)   # overridden, yet bounded as documented
         return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,
                                     prefix="chatcmpl")
 
@@ -212,8 +214,7 @@ class Router:
         if max_tokens is None:
             max_tokens = min(room, self.config.max_tokens_limit)
         if max_tokens > self.config.max_tokens_limit:
-            return error_response(400, f"max_tokens {max_tokens} is above this server's limit of "
-                                  f"{self.config.max_tokens_limit}", param="max_tokens")
+            return self._above_limit("max_tokens", max_tokens)
         if room < 1 or max_tokens > room:
             return error_response(400, f"this model's maximum context length is {self.max_model_len} tokens; "
                                   f"the prompt has {longest} tokens and max_tokens is {max_tokens}",
@@ -238,6 +239,10 @@ class Router:
             return StreamingResponse(self._sse(body, rid, choices, firsts, chat, (start, first_at), echoes),
                                      media_type="text/event-stream")
         return await self._collect(body, rid, choices, firsts, chat, (start, first_at), echoes)
+
+    def _above_limit(self, name: str, value: int):
+        return error_response(400, f"{name} {value} is above this server's limit of {self.config.max_tokens_limit}",
+                              param=name)
 
     def _choice(self, rid: str, index: int, j: int, ids: list[int], params):
         """Choice `index` of a request, the `j`-th of its prompt: its own request id in the pools

@@ -70,8 +70,8 @@ _BATCH_BOUNDS = {n: MAX_CHOICES // n for n in range(2, MAX_CHOICES + 1)
                  if MAX_CHOICES // n < MAX_CHOICES // (n - 1)}
 COMPLETION_CROSS_FIELD = {"allOf": [
     _implies("max_tokens", {"const": 0}, {"properties": {"echo": {"const": True}}, "required": ["echo"]}),
-    *(_implies("n", {"minimum": n}, _batch_at_most(k)) for n, k in _BATCH_BOUNDS.items())]}
-CHAT_CROSS_FIELD = _implies("top_logprobs", {"minimum": 1},
+    *(_implies("n", {"type": "integer", "minimum": n}, _batch_at_most(k)) for n, k in _BATCH_BOUNDS.items())]}
+CHAT_CROSS_FIELD = _implies("top_logprobs", {"type": "integer", "minimum": 1},
                             {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]})
 
 
@@ -99,7 +99,8 @@ class _Sampling(_Strict):
     stream: bool = Field(False, description="Server-sent events (text/event-stream), ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = None
     stop: Stop = Field(None, description=f"Up to {MAX_STOPS} non-empty strings that end the output (not included).")
-    seed: Int(ge=0, le=2**63 - 1) | None = Field(None, description="Choice j of a prompt uses seed + j.")
+    seed: Int(ge=0) | None = Field(None, description="Any non-negative integer, used modulo 2^63; choice j of a "
+                                   "prompt uses seed + j.")
     user: Text | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -126,7 +127,8 @@ class _Sampling(_Strict):
         temperature = 0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE else self.temperature
         return SamplingParams(temperature=temperature, top_p=max(self.top_p, MIN_TOP_P), top_k=max(self.top_k, 0),
                               max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
-                              stop=self.stop_list(), ignore_eos=self.ignore_eos, seed=self.seed,
+                              stop=self.stop_list(), ignore_eos=self.ignore_eos,
+                              seed=None if self.seed is None else self.seed % 2**63,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=max(self.repetition_penalty, MIN_REPETITION_PENALTY),
                               logprobs=self.logprob_count(),

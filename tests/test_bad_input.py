@@ -34,6 +34,8 @@ CASES = [
     ("beyond context", "/v1/completions", {**GOOD, "prompt": "word " * 9000}, 400),
     ("prompt + max_tokens beyond context", "/v1/completions", {**GOOD, "prompt": "word " * 4500, "max_tokens": 4000}, 400),
     ("max_tokens above the limit", "/v1/completions", {**GOOD, "max_tokens": 5000}, 400),
+    ("max_tokens above the limit, max_completion_tokens below", "/v1/chat/completions",
+     {**CHAT, "max_tokens": 5000, "max_completion_tokens": 2}, 400),
     ("max_tokens zero", "/v1/completions", {**GOOD, "max_tokens": 0}, 400),
     ("max_tokens negative", "/v1/completions", {**GOOD, "max_tokens": -5}, 400),
     ("max_tokens huge", "/v1/completions", {**GOOD, "max_tokens": 10**12}, 400),
@@ -94,6 +96,7 @@ def test_server_still_serves_and_nothing_leaked(disagg):
 
 @pytest.mark.parametrize("extra", [
     {"max_tokens": 2.0, "n": 2.0},                                         # JSON Schema's integers include 2.0
+    {"seed": 2**64 + 5},                                                   # used modulo 2^63
     {"temperature": 5e-324}, {"temperature": 1e-40, "repetition_penalty": 1e-300},   # (a 500 once: the
     {"top_p": 5e-324}, {"top_p": 1e-40, "top_k": 2**31 - 1},               # engine's float32 turned them into
     {"repetition_penalty": 5e-324, "presence_penalty": -2, "frequency_penalty": 2},  # 0 or inf)

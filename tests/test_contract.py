@@ -79,18 +79,23 @@ def _valid(schema: dict, doc: dict, body: dict) -> bool:
     (CompletionRequest, {"prompt": "x", "n": True}),
     (CompletionRequest, {"prompt": "x", "max_tokens": "4"}),
     (CompletionRequest, {"prompt": "x", "stop": ["a"] * 17}),
+    (CompletionRequest, {"prompt": "x", "seed": 2**64}),
+    (CompletionRequest, {"prompt": "x", "seed": -1}),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2, "logprobs": True}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": None, "logprobs": None}),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000,
+                             "max_completion_tokens": 2}),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json"}}),
 ])
 def test_the_request_schemas_accept_what_the_validator_accepts(model, body):
     """Including the rules that span fields (if/then in the document)."""
-    doc = document(served_model_name="m")
+    doc = document(served_model_name="m", max_tokens_limit=4096)
     body = {"model": "m", **body}
     try:
         model.model_validate(body)
-        accepted = True
+        accepted = max(body.get("max_tokens") or 0, body.get("max_completion_tokens") or 0) <= 4096  # the router's
     except ValueError:
         accepted = False
     schema = doc["components"]["schemas"][model.__name__]
