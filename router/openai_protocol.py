@@ -3,9 +3,10 @@ OpenAPI document (router/contract.py adds what depends on the configuration).
 
 Requests are validated strictly (JSON types as declared, no coercion, no text with a lone
 surrogate escape; unknown fields and out-of-range values are 400 errors in OpenAI's error
-format), and every bound lives on a field, so the document states it. Checks that span fields are model validators and are stated in the
-model's description. `sampling_params` maps a request to the engine's SamplingParams, adding
-vLLM's widely used extensions top_k, min_tokens, ignore_eos and repetition_penalty. Responses:
+format), and every bound lives on a field, so the document states it. The rules that span fields
+are model validators, stated in the model's description and, as if/then, in its JSON schema.
+`sampling_params` maps a request to the engine's SamplingParams, adding vLLM's widely used
+extensions top_k, min_tokens, ignore_eos and repetition_penalty. Responses:
 router/openai_responses.py.
 """
 
@@ -104,8 +105,9 @@ class _Sampling(_Strict):
     user: Text | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="vLLM's (Hugging Face's); below "
-                                      f"{MIN_REPETITION_PENALTY:g} it acts as {MIN_REPETITION_PENALTY:g}.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY,
+                                      description=f"vLLM's (Hugging Face's); below {MIN_REPETITION_PENALTY:g} it "
+                                                  f"acts as {MIN_REPETITION_PENALTY:g}.")
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -152,10 +154,11 @@ class CompletionRequest(_Sampling):
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
         description=f"A string, a list of token ids, or a batch of up to {MAX_PROMPTS} of either (one kind).")
     max_tokens: Int(ge=0) | None = Field(MAX_TOKENS_DEFAULT_COMPLETION, description="0 only with echo: the prompt "
-                                   "alone (with its logprobs), nothing generated; null: as many as the context allows. The default is at most the server's limit.")
+                                         "alone (with its logprobs), nothing generated; null: as many as the "
+                                         "context allows. The default is at most the server's limit.")
     echo: bool = Field(False, description="The prompt before the completion (its tokens' logprobs with `logprobs`).")
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Alternatives per token (0: the "
-                                 "chosen token's logprob only).")
+                                                        "chosen token's logprob only).")
     suffix: None = None
     best_of: Int(ge=1, le=1) | None = None
 
