@@ -23,17 +23,19 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
 from router.choices import Choices
+from router.contract import Served, openapi_document
 from router.guards import Guards, GuardSettings
 from router.logprobs import LogprobsFormatter, TokenStrings
 from router.metrics import RequestMetrics, render
-from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, choice_body, completion_body,
-                                    error_body, error_response, usage)
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_responses import choice_body, completion_body, error_body, error_response, usage
 from router.orchestrator import Orchestrator, RequestFailed
 from serving import messages
 from serving.config import AppConfig
@@ -41,7 +43,9 @@ from serving.models import resolve_model
 from serving.serve_metrics import RouterSeries
 
 log = logging.getLogger(__name__)
-app = FastAPI(title="pdserve", description="Disaggregated prefill/decode LLM serving (OpenAI-compatible)")
+# /openapi.json and /docs are the Router's own endpoints: the document depends on its configuration.
+app = FastAPI(title="pdserve", description="Disaggregated prefill/decode LLM serving (OpenAI-compatible)",
+              openapi_url=None, docs_url=None, redoc_url=None)
 guard_settings = GuardSettings()
 app.add_middleware(Guards, settings=guard_settings)
 
@@ -61,6 +65,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     """FastAPI's own errors (unparsable body, unknown route, wrong method) in OpenAI's format."""
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception):
+    """A bug: a 500 in OpenAI's format (Starlette logs the exception)."""
+    return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
 class ChoiceView:
@@ -114,12 +124,28 @@ class Router:
         self.max_model_len = min(self.config.engine.max_model_len or 10**9,
                                  getattr(hf, "max_position_embeddings", 2048))
         self.model_name = self.config.model_name
+        self.served = Served((self.model_name,), self.config.max_tokens_limit, len(self.tokenizer),
+                             self.max_model_len, api_key=bool(self.config.api_key))
+        self._documents: dict[str, dict] = {}
         self.registry = registry
         self.request_metrics = RequestMetrics(export=RouterSeries())   # also on Ray's metrics port
         self.orchestrator = Orchestrator(self.config.mode, prefill, decode, colocated,
                                          metrics=self.request_metrics)
 
     # ---- plain endpoints ----------------------------------------------------------------------
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        """The API contract (router/contract.py) of this deployment."""
+        root = request.scope.get("root_path", "").rstrip("/")
+        if root not in self._documents:
+            self._documents[root] = openapi_document(request.app, self.served, root)
+        return self._documents[root]
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        root = request.scope.get("root_path", "").rstrip("/")
+        return get_swagger_ui_html(openapi_url=root + "/openapi.json", title="pdserve")
+
     @app.get("/health")
     async def health(self):
         pools = {s.pool for s in await self._stats()}
@@ -160,7 +186,8 @@ class Router:
         if body.echo:
             echoes = [(p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False), ids)
                       for p, ids in zip(raw, prompts)]
-        return await self._generate(body, prompts, 1 if body.prompt_only else body.max_tokens, chat=False,
+        max_tokens = 1 if body.prompt_only else body.max_tokens_within(self.config.max_tokens_limit)
+        return await self._generate(body, prompts, max_tokens, chat=False,
                                     prefix="cmpl", echoes=echoes)
 
     @app.post("/v1/chat/completions")
@@ -170,6 +197,8 @@ class Router:
         except ValueError as exc:
             return error_response(400, str(exc), param="messages")
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if body.max_completion_tokens is not None and (body.max_tokens or 0) > self.config.max_tokens_limit:
+            return self._above_limit("max_tokens", body.max_tokens)   # overridden, yet bounded as documented
         return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,
                                     prefix="chatcmpl")
 
@@ -185,8 +214,7 @@ class Router:
         if max_tokens is None:
             max_tokens = min(room, self.config.max_tokens_limit)
         if max_tokens > self.config.max_tokens_limit:
-            return error_response(400, f"max_tokens {max_tokens} is above this server's limit of "
-                                  f"{self.config.max_tokens_limit}", param="max_tokens")
+            return self._above_limit("max_tokens", max_tokens)
         if room < 1 or max_tokens > room:
             return error_response(400, f"this model's maximum context length is {self.max_model_len} tokens; "
                                   f"the prompt has {longest} tokens and max_tokens is {max_tokens}",
@@ -211,6 +239,10 @@ class Router:
             return StreamingResponse(self._sse(body, rid, choices, firsts, chat, (start, first_at), echoes),
                                      media_type="text/event-stream")
         return await self._collect(body, rid, choices, firsts, chat, (start, first_at), echoes)
+
+    def _above_limit(self, name: str, value: int):
+        return error_response(400, f"{name} {value} is above this server's limit of {self.config.max_tokens_limit}",
+                              param=name)
 
     def _choice(self, rid: str, index: int, j: int, ids: list[int], params):
         """Choice `index` of a request, the `j`-th of its prompt: its own request id in the pools
@@ -313,7 +345,7 @@ class Router:
             outcome = "ok"
         except RequestFailed as exc:
             outcome = "error"
-            yield f"data: {json.dumps(error_body(exc.message, exc.kind, exc.code), ensure_ascii=False)}\n\n"
+            yield f"data: {json.dumps(error_body(exc.message, exc.kind, code=exc.code), ensure_ascii=False)}\n\n"
         finally:
             self.request_metrics.finish(outcome)
             await choices.aclose()

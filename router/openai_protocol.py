@@ -1,59 +1,113 @@
-"""OpenAI-compatible request models and response builders.
+"""OpenAI-compatible request models: what the server accepts, and the request half of the
+OpenAPI document (router/contract.py adds what depends on the configuration).
 
-Requests are validated strictly (unknown fields and out-of-range values are 400 errors in
-OpenAI's error format); `sampling_params` maps them to the engine's SamplingParams, adding
-vLLM's widely used extensions top_k, min_tokens, ignore_eos and repetition_penalty.
+Requests are validated strictly (JSON types as declared, no coercion, no text with a lone
+surrogate escape; unknown fields and out-of-range values are 400 errors in OpenAI's error
+format), and every bound lives on a field, so the document states it. The rules that span fields
+are model validators, stated in the model's description and, as if/then, in its JSON schema.
+`sampling_params` maps a request to the engine's SamplingParams, adding vLLM's widely used
+extensions top_k, min_tokens, ignore_eos and repetition_penalty. Responses:
+router/openai_responses.py.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from engine.sampling_params import MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams
 
 MAX_TOKENS_DEFAULT_COMPLETION = 16
 MAX_CHOICES = 16   # most choices in one request (n, times the prompts of a batched completion)
 MAX_PROMPTS = 16   # most prompts in one completion request
+MAX_STOPS = 16
+MAX_TOP_K = 2**31 - 1
+# The engine samples in float32 (or bf16): a positive value below these would underflow there, or
+# overflow the logits it divides, and the step fails. Each clamp keeps the request's meaning:
+GREEDY_BELOW_TEMPERATURE = 1e-5   # as vLLM: a temperature this small is greedy
+MIN_TOP_P = 1e-9                  # any top_p below the top token's probability (>= 1/vocab) keeps only that token
+MIN_REPETITION_PENALTY = 1e-6     # already divides a repeated token's positive logit by a million
+
+
+def _integral(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(ge: int | None = None, le: int | None = None):  # noqa: N802 - a type, used in annotations
+    """An integer in [ge, le]. JSON Schema's integers include 2.0, so an integral float is one too
+    (strict validation takes no other float, nor "2", nor true). The bounds come before the
+    conversion, so that the JSON schema states them."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (a lone surrogate escape is not)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]   # JSON can carry "\udc80"; no tokenizer takes it
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
+TokenIds = Annotated[list[Int(ge=0)], Field(min_length=1)]
+Stop = NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None
+
+
+def _implies(name: str, schema: dict, then: dict) -> dict:
+    """JSON Schema for a model validator's "`name` matching `schema` needs `then`"."""
+    return {"if": {"properties": {name: schema}, "required": [name]}, "then": then}
+
+
+def _batch_at_most(k: int) -> dict:
+    """`prompt`: a string, a token list, or a batch of at most k."""
+    return {"properties": {"prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+                                                {"type": "array", "maxItems": k}]}}}
+
+
+# prompts x n <= MAX_CHOICES: the n from which each smaller batch bound holds
+_BATCH_BOUNDS = {n: MAX_CHOICES // n for n in range(2, MAX_CHOICES + 1)
+                 if MAX_CHOICES // n < MAX_CHOICES // (n - 1)}
+COMPLETION_CROSS_FIELD = {"allOf": [
+    _implies("max_tokens", {"const": 0}, {"properties": {"echo": {"const": True}}, "required": ["echo"]}),
+    *(_implies("n", {"type": "integer", "minimum": n}, _batch_at_most(k)) for n, k in _BATCH_BOUNDS.items())]}
+CHAT_CROSS_FIELD = _implies("top_logprobs", {"type": "integer", "minimum": 1},
+                            {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]})
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _StrictOpen(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="Send a last chunk with `usage` (and no choices) before [DONE].")
 
 
 class _Sampling(_Strict):
-    model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    model: str = Field(description="The served model's name (GET /v1/models); any other is a 404.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 (or below {GREEDY_BELOW_TEMPERATURE:g}) is "
+                               "greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
-    stream: bool = False
+    top_k: Int(ge=-1, le=MAX_TOP_K) = Field(-1, description="vLLM's; -1 or 0: off.")
+    min_tokens: Int(ge=0) = Field(0, description="vLLM's: no EOS or stop before this many tokens (at most max_tokens).")
+    ignore_eos: bool = Field(False, description="vLLM's: go on past EOS.")
+    n: Int(ge=1, le=MAX_CHOICES) = Field(1, description=f"Choices per prompt (prompts x n at most {MAX_CHOICES}).")
+    stream: bool = Field(False, description="Server-sent events (text/event-stream), ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    user: str | None = None
+    stop: Stop = Field(None, description=f"Up to {MAX_STOPS} non-empty strings that end the output (not included).")
+    seed: Int(ge=0) | None = Field(None, description="Any non-negative integer, used modulo 2^63; choice j of a "
+                                   "prompt uses seed + j.")
+    user: Text | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must be non-empty")
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop sequences")
-        return v
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY,
+                                      description=f"vLLM's (Hugging Face's); below {MIN_REPETITION_PENALTY:g} it "
+                                                  f"acts as {MIN_REPETITION_PENALTY:g}.")
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -72,11 +126,14 @@ class _Sampling(_Strict):
         return False
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+        temperature = 0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE else self.temperature
+        return SamplingParams(temperature=temperature, top_p=max(self.top_p, MIN_TOP_P), top_k=max(self.top_k, 0),
                               max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
-                              stop=self.stop_list(), ignore_eos=self.ignore_eos, seed=self.seed,
+                              stop=self.stop_list(), ignore_eos=self.ignore_eos,
+                              seed=None if self.seed is None else self.seed % 2**63,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty, logprobs=self.logprob_count(),
+                              repetition_penalty=max(self.repetition_penalty, MIN_REPETITION_PENALTY),
+                              logprobs=self.logprob_count(),
                               prompt_logprobs=self.prompt_logprob_count())
 
     @property
@@ -90,28 +147,20 @@ def _as_prompts(v) -> list:
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(MAX_TOKENS_DEFAULT_COMPLETION, ge=0, description="0 only with echo: the prompt "
-                                   "alone (with its logprobs), nothing generated")
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """A completion of one prompt or a batch. Across fields: prompts x n is at most 16, and
+    max_tokens 0 needs echo."""
+    model_config = ConfigDict(json_schema_extra=COMPLETION_CROSS_FIELD)
+    prompt: (NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
+        description=f"A string, a list of token ids, or a batch of up to {MAX_PROMPTS} of either (one kind).")
+    max_tokens: Int(ge=0) | None = Field(MAX_TOKENS_DEFAULT_COMPLETION, description="0 only with echo: the prompt "
+                                         "alone (with its logprobs), nothing generated; null: as many as the "
+                                         "context allows. The default is at most the server's limit.")
+    echo: bool = Field(False, description="The prompt before the completion (its tokens' logprobs with `logprobs`).")
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Alternatives per token (0: the "
+                                                        "chosen token's logprob only).")
     suffix: None = None
-    best_of: int | None = Field(None, ge=1, le=1)
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v):
-        prompts = _as_prompts(v)
-        if not prompts:
-            raise ValueError("prompt must not be empty")
-        if len(prompts) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
-        for p in prompts:
-            if not p:
-                raise ValueError("prompt must not be empty")
-            if not isinstance(p, str) and any((not isinstance(t, int)) or t < 0 for t in p):
-                raise ValueError("token prompts must be non-negative integers")
-        return v
+    best_of: Int(ge=1, le=1) | None = None
 
     @model_validator(mode="after")
     def _choices_in_all(self):
@@ -124,8 +173,12 @@ class CompletionRequest(_Sampling):
     @property
     def prompt_only(self) -> bool:
         """echo with max_tokens 0: the prompt (and its logprobs) and nothing generated; the pools
-        still run one token, which the router drops."""
+        still run one token) | None = Field(Nonewhich the router drops."""
         return self.echo and self.max_tokens == 0
+
+    def max_tokens_within(self, limit: int) -> int | None:
+        """max_tokens as asked for; the default no higher than the server's `limit`."""
+        return self.max_tokens if "max_tokens" in self.model_fields_set else min(self.max_tokens, limit)
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or a batch (a list of strings or of token lists)."""
@@ -138,30 +191,36 @@ class CompletionRequest(_Sampling):
         return self.logprobs if self.echo else None
 
 
+class TextPart(_StrictOpen):
+    """A text content part; other keys are ignored."""
+    type: Literal["text"]
+    text: Text
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict]
-    name: str | None = None
+    content: Text | list[TextPart] = Field(description="Text, or text parts (no images or audio).")
+    name: Text | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_StrictOpen):
+    """Only plain text; other keys are ignored."""
+    type: Literal["text"]
 
 
 class ChatCompletionRequest(_Sampling):
+    """A chat completion. Across fields: top_logprobs above 0 needs logprobs true."""
+    model_config = ConfigDict(json_schema_extra=CHAT_CROSS_FIELD)
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int(ge=1) | None = Field(None, description="Default: as many as the context allows.")
+    max_completion_tokens: Int(ge=1) | None = Field(None, description="Overrides max_tokens.")
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Alternatives per token (with logprobs).")
     tools: None = None
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -172,55 +231,6 @@ class ChatCompletionRequest(_Sampling):
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @field_validator("response_format")
-    @classmethod
-    def _format(cls, v):
-        if v is not None and v.get("type") != "text":
-            raise ValueError("only response_format type 'text' is supported")
-        return v
-
     def conversation(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in self.messages]
-
-
-# ---- responses --------------------------------------------------------------------------------
-def error_response(status: int, message: str, kind: str = "invalid_request_error",
-                   param: str | None = None, code: str | int | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, headers=headers,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": code}})
-
-
-def error_body(message: str, kind: str, code: int | str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def choice_body(index: int, text: str, finish: str | None, chat: bool, chunk: bool, first: bool = False,
-                logprobs: dict | None = None) -> dict:
-    """One choice of a response (chunk=False) or of a stream chunk; `first` (chat chunks): the
-    choice's opening chunk, which carries the role. `logprobs`: the choice's OpenAI logprobs
-    object (router/logprobs.py), when asked for."""
-    if not chat:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    if not chunk:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
-    delta = {"role": "assistant", "content": text} if first else {"content": text}
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-
-
-def completion_body(rid: str, model: str, choices: list[dict], chat: bool, chunk: bool,
-                    use: dict | None = None) -> dict:
-    """A response (chunk=False) or one stream chunk; no choices and `use` = a usage-only chunk."""
-    obj = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
-    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
-    if use is not None or not chunk:
-        body["usage"] = use
-    return body

@@ -34,6 +34,8 @@ CASES = [
     ("beyond context", "/v1/completions", {**GOOD, "prompt": "word " * 9000}, 400),
     ("prompt + max_tokens beyond context", "/v1/completions", {**GOOD, "prompt": "word " * 4500, "max_tokens": 4000}, 400),
     ("max_tokens above the limit", "/v1/completions", {**GOOD, "max_tokens": 5000}, 400),
+    ("max_tokens above the limit, max_completion_tokens below", "/v1/chat/completions",
+     {**CHAT, "max_tokens": 5000, "max_completion_tokens": 2}, 400),
     ("max_tokens zero", "/v1/completions", {**GOOD, "max_tokens": 0}, 400),
     ("max_tokens negative", "/v1/completions", {**GOOD, "max_tokens": -5}, 400),
     ("max_tokens huge", "/v1/completions", {**GOOD, "max_tokens": 10**12}, 400),
@@ -64,6 +66,15 @@ CASES = [
     ("top_logprobs above 20", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400),
     ("echo wrong type", "/v1/completions", {**GOOD, "echo": [1]}, 400),
     ("echo on chat", "/v1/chat/completions", {**CHAT, "echo": True}, 400),
+    ("lone surrogate in the prompt", "/v1/completions", b'{"model": "%s", "prompt": "a\\udcf3"}' % M.encode(), 400),
+    ("lone surrogate in a message", "/v1/chat/completions",
+     b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % M.encode(), 400),
+    ("max_tokens a numeric string", "/v1/completions", {**GOOD, "max_tokens": "2"}, 400),
+    ("max_tokens a fraction", "/v1/completions", {**GOOD, "max_tokens": 2.5}, 400),
+    ("n a boolean", "/v1/completions", {**GOOD, "n": True}, 400),
+    ("echo a number", "/v1/completions", {**GOOD, "echo": 1}, 400),
+    ("top_k above 2^31 - 1", "/v1/completions", {**GOOD, "top_k": 2**64}, 400),
+    ("response_format json_object", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400),
     ("oversized body", "/v1/completions", b'{"model": "x", "prompt": "' + b"a" * (5 * 2**20) + b'"}', 413),
 ]
 
@@ -81,6 +92,19 @@ def test_server_still_serves_and_nothing_leaked(disagg):
     assert http(disagg, "/v1/completions", GOOD)[0] == 200
     assert http(disagg, "/v1/chat/completions", CHAT)[0] == 200
     assert pools_all_free(disagg, {"prefill", "decode"})
+
+
+@pytest.mark.parametrize("extra", [
+    {"max_tokens": 2.0, "n": 2.0},                                         # JSON Schema's integers include 2.0
+    {"seed": 2**64 + 5},                                                   # used modulo 2^63
+    {"temperature": 5e-324}, {"temperature": 1e-40, "repetition_penalty": 1e-300},   # (a 500 once: the
+    {"top_p": 5e-324}, {"top_p": 1e-40, "top_k": 2**31 - 1},               # engine's float32 turned them into
+    {"repetition_penalty": 5e-324, "presence_penalty": -2, "frequency_penalty": 2},  # 0 or inf)
+], ids=str)
+def test_extreme_values_within_the_bounds_are_served(disagg, extra):
+    body = {**GOOD, "prompt": "Hello there", "max_tokens": 3, "temperature": 1.0, **extra}   # sampled
+    status, text = http(disagg, "/v1/completions", body)
+    assert status == 200, text
 
 
 def test_unknown_route_and_wrong_method_are_openai_errors(disagg):

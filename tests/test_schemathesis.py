@@ -1,12 +1,31 @@
-"""Property-based requests generated from the router's own OpenAPI schema (schemathesis), against
-a running deployment with a tiny model: whatever the body, never a 5xx."""
+"""Fuzzing from the router's own OpenAPI document (schemathesis), against running deployments of a
+tiny model, and the document itself as a client sees it.
+
+Positive mode: requests that fit the document. Most are accepted (the document states every bound
+the server enforces, `model` and the max_tokens limit included) and run through the prefill pool,
+the KV transfer and the decode pool, as JSON and as server-sent events; every response conforms to
+the document (status, content type, body, each SSE event). Negative mode: requests that break the
+document; every one is a 4xx with OpenAI's error object. Both end with every KV block free. Each
+prints its own summary: per operation, generated / accepted (2xx) / rejected (4xx) / 5xx / failures.
+(schemathesis' strategies are driven by hypothesis directly: its pytest plugin does not load under
+pytest 9.)
+"""
+
+import collections
+import json
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
-from service_util import http, pools_all_free, tiny_app
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
+                                                response_schema_conformance, status_code_conformance)
+from service_util import http, metrics, pools_all_free, tiny_app
 
 pytestmark = pytest.mark.slow
+CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance]
+EXAMPLES = {GenerationMode.POSITIVE: 100, GenerationMode.NEGATIVE: 60}   # per POST operation
 
 
 @pytest.fixture(scope="module")
@@ -15,24 +34,151 @@ def app(ray_serve, tiny_llama_dir):
         yield base
 
 
-def test_no_server_errors(app):
-    """Every operation of the schema, 25 generated requests each (schemathesis' strategies driven
-    by hypothesis directly: its pytest plugin does not load under pytest 9)."""
-    schema = schemathesis.openapi.from_url(app + "/openapi.json")
-    operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
-    failures = []
-    for op in operations:
-        @given(case=op.as_strategy())
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        def check(case):
-            response = case.call(base_url=app, timeout=60)
-            if response.status_code >= 500:
-                failures.append(f"{case.method} {case.path} {case.body!r:.200}: {response.status_code}")
-        check()
-    assert not failures, failures[:5]
+@pytest.fixture(scope="module")
+def other_app(ray_serve, tiny_llama_dir):
+    """The same model under another name and limit."""
+    with tiny_app(ray_serve, tiny_llama_dir, "st2", served_model_name="tiny-b", max_tokens_limit=5) as base:
+        yield base
 
 
-def test_nothing_leaked_after_fuzzing(app):
+def fuzz(base: str, mode: GenerationMode, extra_checks=()) -> tuple[dict, list[str]]:
+    """Every operation of the document (negative mode: those with a body), EXAMPLES[mode] cases each;
+    returns per-operation counts and the failures."""
+    schema = schemathesis.openapi.from_url(base + "/openapi.json")
+    counts, failures = {}, []
+    for operation in (result.ok() for result in schema.get_all_operations()):
+        if mode == GenerationMode.NEGATIVE and operation.method.upper() != "POST":
+            continue      # nothing to break: no parameters, no body
+        count = counts[operation.label] = collections.Counter()
+
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(max_examples=EXAMPLES[mode], deadline=None, suppress_health_check=list(HealthCheck),
+                  database=None, phases=[Phase.generate])
+        def run(case):
+            response = case.call(base_url=base, timeout=120)
+            status = response.status_code
+            count["generated"] += 1
+            count["2xx" if status < 300 else "4xx" if status < 500 else "5xx"] += 1
+            count["streamed"] += status < 300 and "event-stream" in response.headers.get("content-type", [""])[0]
+            problems = []
+            try:
+                case.validate_response(response, checks=CHECKS + list(extra_checks))
+            except (AssertionError, BaseExceptionGroup) as exc:
+                problems.append(str(exc)[:1500])
+            if mode == GenerationMode.NEGATIVE and not (400 <= status < 500 and _openai_error(response.text)):
+                problems.append(f"not an OpenAI-format 4xx: {status} {response.text[:300]}")
+            if problems:
+                count["failures"] += 1
+                failures.extend(f"{case.method} {case.path} {case.body!r:.300}: {p}" for p in problems)
+        run()
+    return counts, failures
+
+
+def _openai_error(text: str) -> bool:
+    try:
+        error = json.loads(text)["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return set(error) == {"message", "type", "param", "code"} and bool(error["message"])
+
+
+def summary(title: str, counts: dict) -> str:
+    columns = ("generated", "2xx", "streamed", "4xx", "5xx", "failures")
+    lines = [title, f"{'operation':28}" + "".join(f"{c:>11}" for c in columns)]
+    total = collections.Counter()
+    for label, count in counts.items():
+        total.update(count)
+        lines.append(f"{label:28}" + "".join(f"{count[c]:>11}" for c in columns))
+    lines.append(f"{'total':28}" + "".join(f"{total[c]:>11}" for c in columns)
+                 + f"   accepted {total['2xx'] / max(total['generated'], 1):.0%}")
+    return "\n".join(lines)
+
+
+def decoded(base: str) -> float:
+    return sum(v for (name, _, _), v in metrics(base).items() if name == "pdserve_requests_decoded")
+
+
+def test_positive_fuzzing_is_mostly_accepted_runs_through_the_pools_and_conforms(app, capsys):
+    before = decoded(app)
+    counts, failures = fuzz(app, GenerationMode.POSITIVE)
+    with capsys.disabled():
+        print("\n" + summary("schemathesis positive mode, " + ", ".join(c.__name__ for c in CHECKS), counts))
+    assert not failures, "\n\n".join(failures[:3])
+    for label in ("POST /v1/completions", "POST /v1/chat/completions"):
+        assert counts[label]["2xx"] >= 0.5 * counts[label]["generated"], counts[label]
+        assert 0 < counts[label]["streamed"] < counts[label]["2xx"], counts[label]   # SSE and JSON both
+    assert decoded(app) > before                      # past the prefill pool, through the KV transfer
+    assert pools_all_free(app, {"prefill", "decode"})
+
+
+def test_negative_fuzzing_is_all_openai_format_4xx(app, capsys):
+    counts, failures = fuzz(app, GenerationMode.NEGATIVE, extra_checks=[negative_data_rejection])
+    with capsys.disabled():
+        print("\n" + summary("schemathesis negative mode, every response a 4xx in OpenAI's format", counts))
+    assert not failures, "\n\n".join(failures[:3])
+    assert all(count["generated"] == count["4xx"] > 0 for count in counts.values()), counts
     assert http(app, "/health")[0] == 200
+    assert pools_all_free(app, {"prefill", "decode"})
+
+
+def _request_schemas(doc: dict) -> tuple[dict, dict]:
+    schemas = doc["components"]["schemas"]
+    return schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
+
+
+@pytest.mark.parametrize("which", ["app", "other_app"])
+def test_the_document_states_the_served_model_and_the_max_tokens_limit_of_each_config(which, request):
+    base = request.getfixturevalue(which)
+    name, limit = {"app": ("tiny", 8), "other_app": ("tiny-b", 5)}[which]
+    status, text = http(base, "/openapi.json")
+    assert status == 200
+    completion, chat = _request_schemas(json.loads(text))
+    for properties, fields in ((completion, ("max_tokens",)), (chat, ("max_tokens", "max_completion_tokens"))):
+        assert properties["model"]["enum"] == [name]
+        for field in fields:
+            assert [s["maximum"] for s in properties[field]["anyOf"] if s.get("type") == "integer"] == [limit]
+    assert json.loads(http(base, "/v1/models")[1])["data"][0]["id"] == name
+    # and the server holds to it
+    body = {"model": name, "prompt": "Hi", "max_tokens": limit}
+    assert http(base, "/v1/completions", body)[0] == 200
+    assert http(base, "/v1/completions", {**body, "max_tokens": limit + 1})[0] == 400
+    assert http(base, "/v1/completions", {**body, "model": name + "x"})[0] == 404
+
+
+def test_the_openai_client_round_trips_with_its_own_types(app):
+    """The official client, streaming and not, and its pydantic types validating what came back."""
+    import openai
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    client = openai.OpenAI(base_url=app + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=4,
+                                                           temperature=0, logprobs=True, top_logprobs=2)
+    parsed = ChatCompletion.model_validate_json(chat.text)
+    assert parsed.choices[0].finish_reason == "length" and len(parsed.choices[0].logprobs.content) == 4
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk.model_dump())
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        parsed.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 4
+
+    completion = client.completions.with_raw_response.create(model="tiny", prompt="Once", max_tokens=4,
+                                                             temperature=0, logprobs=1)
+    parsed = Completion.model_validate_json(completion.text)
+    assert len(parsed.choices[0].logprobs.tokens) == parsed.usage.completion_tokens == 4
+    # (with echo, the prompt's first token has null logprobs, as OpenAI's API answers, which the
+    # client's own Completion type does not allow: the client reads it without validating)
+    echoed = client.completions.create(model="tiny", prompt="Once", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Once" + parsed.choices[0].text
+    streamed = list(client.completions.create(model="tiny", prompt="Once", max_tokens=4, temperature=0, stream=True))
+    assert all(isinstance(c, Completion) for c in streamed)
+    assert "".join(c.choices[0].text for c in streamed) == parsed.choices[0].text
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt="Once", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="Once", max_tokens=9)
     assert pools_all_free(app, {"prefill", "decode"})

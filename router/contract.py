@@ -1,0 +1,156 @@
+"""The API contract: the OpenAPI document that GET /openapi.json serves, for one deployment.
+
+FastAPI writes the request half from the request models (router/openai_protocol.py, every
+bound on its field); `openapi_document` then adds what depends on the configuration and what
+FastAPI cannot know, in this order:
+  1. limits     `model` is an enum of the served name(s), `max_tokens` (and chat's
+                `max_completion_tokens`) has this server's `max_tokens_limit` as its maximum,
+                token ids lie below the vocabulary size
+  2. responses  each operation's bodies (router/openai_responses.py): JSON, for the generation
+                endpoints also `text/event-stream` (each event's `data` a chunk or an error
+                object, or `[DONE]`), Prometheus text for /metrics, and OpenAI's error object
+                for every 4xx and 5xx the server sends (no 422: validation errors are 400s)
+  3. auth       with an API key configured, a bearer scheme and a 401 on every operation but /health
+The Router builds `Served` once at start (config, tokenizer, model) and the document from it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
+
+from router.guards import OPEN_PATHS
+from router.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, ErrorResponse,
+                                     Health, ModelList)
+
+REF = "#/components/schemas/{model}"
+
+ERRORS = {
+    400: "Invalid request: a body that breaks the schema, a prompt beyond the context, or a bad token id.",
+    401: "Missing or wrong API key.",
+    404: "Unknown model (or route).",
+    413: "Request body above `max_body_bytes`.",
+    429: "Overloaded: too many requests in flight, or a pool's queue is full (see Retry-After).",
+    500: "Internal error.",
+    502: "A KV transfer between the pools failed.",
+    503: "No ready replica, or one failed while serving the request (see Retry-After).",
+    504: "The request passed its deadline (`request_timeout_s`).",
+}
+GUARDED = (401, 413, 429, 500)   # any operation (router/guards.py, and a bug)
+GENERATION = (400, 404, 502, 503, 504)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the document states about one deployment."""
+    model_names: tuple[str, ...]
+    max_tokens_limit: int
+    vocab_size: int
+    max_model_len: int
+    api_key: bool = False
+
+
+def openapi_document(app, served: Served, root_path: str = "") -> dict:
+    """The OpenAPI 3.1 document of `app` (the router's FastAPI app) as `served` configures it."""
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes,
+                      servers=[{"url": root_path}] if root_path else None)
+    _limits(doc, served)
+    _responses(doc, served)
+    if served.api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+        for path in OPEN_PATHS:
+            for operation in doc["paths"].get(path, {}).values():
+                operation["security"] = []
+    return doc
+
+
+# ---- 1. limits ---------------------------------------------------------------------------------
+def _request_schema(doc: dict, path: str) -> dict:
+    ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    return doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+
+
+def _integers(schema) -> Iterator[dict]:
+    """Every integer schema inside `schema` (through anyOf and items)."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            yield schema
+        for value in schema.values():
+            yield from _integers(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            yield from _integers(value)
+
+
+def _limits(doc: dict, served: Served) -> None:
+    note = (f" At most {served.max_tokens_limit} on this server (its max_tokens_limit); prompt + max_tokens "
+            f"must fit the model's context of {served.max_model_len} tokens.")
+    for path, fields in (("/v1/completions", ("max_tokens",)),
+                         ("/v1/chat/completions", ("max_tokens", "max_completion_tokens"))):
+        properties = _request_schema(doc, path)["properties"]
+        properties["model"]["enum"] = list(served.model_names)
+        for name in fields:
+            for integer in _integers(properties[name]):
+                integer["maximum"] = served.max_tokens_limit
+            properties[name]["description"] = properties[name].get("description", "") + note
+            if properties[name].get("default") is not None:
+                properties[name]["default"] = min(properties[name]["default"], served.max_tokens_limit)
+        for integer in _integers(properties.get("prompt")):
+            integer["maximum"] = served.vocab_size - 1
+
+
+# ---- 2. responses ------------------------------------------------------------------------------
+def _json(model: str) -> dict:
+    return {"application/json": {"schema": {"$ref": REF.format(model=model)}}}
+
+
+def _events(chunk: str) -> dict:
+    """text/event-stream: the schema of one event (OpenAPI 3.1 has no itemSchema; 3.2's is the same)."""
+    data = {"type": "string", "description": "A chunk, an error object (the request failed mid-stream), or "
+            "[DONE] (the last event).",
+            "if": {"const": "[DONE]"},
+            "else": {"contentMediaType": "application/json",
+                     "contentSchema": {"anyOf": [{"$ref": REF.format(model=chunk)},
+                                                 {"$ref": REF.format(model="ErrorResponse")}]}}}
+    return {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                             "properties": {"data": data, "event": {"type": "string"}}}}}
+
+
+def _ok(path: str) -> dict:
+    if path == "/v1/completions":
+        return {"description": "The completion, or with `stream` its server-sent events.",
+                "content": {**_json("Completion"), **_events("CompletionChunk")}}
+    if path == "/v1/chat/completions":
+        return {"description": "The chat completion, or with `stream` its server-sent events.",
+                "content": {**_json("ChatCompletion"), **_events("ChatCompletionChunk")}}
+    if path == "/v1/models":
+        return {"description": "The served model.", "content": _json("ModelList")}
+    if path == "/health":
+        return {"description": "Every pool has a ready replica.", "content": _json("Health")}
+    assert path == "/metrics", path
+    return {"description": "Prometheus text exposition format 0.0.4.",
+            "content": {"text/plain": {"schema": {"type": "string"}}}}
+
+
+def _responses(doc: dict, served: Served) -> None:
+    schemas = doc["components"]["schemas"]
+    schemas.pop("HTTPValidationError", None)
+    schemas.pop("ValidationError", None)
+    _, defs = models_json_schema([(m, "serialization") for m in (Completion, CompletionChunk, ChatCompletion,
+                                                                  ChatCompletionChunk, ModelList, Health,
+                                                                  ErrorResponse)], ref_template=REF)
+    schemas.update(copy.deepcopy(defs["$defs"]))
+    for path, item in doc["paths"].items():
+        for method, operation in item.items():
+            codes = set(GUARDED) | (set(GENERATION) if method == "post" else set())
+            if path == "/health":
+                codes = (codes - {401}) | {503}
+            elif not served.api_key:
+                codes.discard(401)
+            operation["responses"] = {"200": _ok(path), **{
+                str(code): {"description": ERRORS[code], "content": _json("ErrorResponse")} for code in sorted(codes)}}

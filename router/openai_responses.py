@@ -1,0 +1,199 @@
+"""OpenAI-compatible responses: the builders the router answers with, and the pydantic models
+that describe what they build, for the OpenAPI document (router/contract.py).
+
+The router builds plain dicts (one per response or stream chunk: no model validation on the hot
+path); the models say what those dicts are, and the schemathesis tests hold the server to them.
+Streams: each server-sent event's `data` is a chunk object or, when the request fails after its
+first tokens, an error object; the stream ends with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+# ---- builders ----------------------------------------------------------------------------------
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    """OpenAI's error object. A message quoting a client's lone surrogate stays encodable."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error",
+                   param: str | None = None, code: str | int | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers, content=error_body(message, kind, param, code))
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def choice_body(index: int, text: str, finish: str | None, chat: bool, chunk: bool, first: bool = False,
+                logprobs: dict | None = None) -> dict:
+    """One choice of a response (chunk=False) or of a stream chunk; `first` (chat chunks): the
+    choice's opening chunk, which carries the role. `logprobs`: the choice's OpenAI logprobs
+    object (router/logprobs.py), when asked for."""
+    if not chat:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    if not chunk:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+    delta = {"role": "assistant", "content": text} if first else {"content": text}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completion_body(rid: str, model: str, choices: list[dict], chat: bool, chunk: bool,
+                    use: dict | None = None) -> dict:
+    """A response (chunk=False) or one stream chunk; no choices and `use` = a usage-only chunk."""
+    obj = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
+    if use is not None or not chunk:
+        body["usage"] = use
+    return body
+
+
+# ---- models (documentation) --------------------------------------------------------------------
+FinishReason = Literal["stop", "length"]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, overloaded, unavailable, timeout, server_error, ...")
+    param: str | None = Field(description="The request field at fault, when one is.")
+    code: str | int | None = Field(description="e.g. model_not_found, invalid_api_key, body_too_large, "
+                                                "rate_limit_exceeded.")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error format, for every 4xx and 5xx."""
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(ge=0, description="Prompt tokens served from a prefix cache.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(ge=0, description="Each prompt counted once.")
+    completion_tokens: int = Field(ge=0, description="Over every choice.")
+    total_tokens: int = Field(ge=0)
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions API's logprobs; with echo the prompt's tokens come first, the very
+    first with null."""
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = Field(ge=0, description="prompt x n + j")
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+
+
+class CompletionChunkChoice(CompletionChoice):
+    finish_reason: FinishReason | None = Field(description="Set on the choice's last chunk.")
+
+
+class _Body(BaseModel):
+    id: str
+    created: int
+    model: str
+
+
+class Completion(_Body):
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(_Body):
+    """One event of a streamed completion; the last one (`stream_options.include_usage`) has no
+    choices and carries `usage`."""
+    object: Literal["text_completion"]
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = Field(ge=0)
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(_Body):
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = Field(None, description="On each choice's first chunk.")
+    content: str
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = Field(ge=0)
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(_Body):
+    """One event of a streamed chat completion; the last one (`stream_options.include_usage`) has
+    no choices and carries `usage`."""
+    object: Literal["chat.completion.chunk"]
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int = Field(description="Longest prompt + output, in tokens.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]

@@ -1,0 +1,102 @@
+"""The OpenAPI document without a deployment (router/contract.py over the router's FastAPI app):
+what it declares for each operation, and how it follows the configuration."""
+
+import json
+
+import jsonschema
+import pytest
+
+from router.app import app
+from router.contract import ERRORS, Served, openapi_document
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from serving.config import AppConfig
+
+VOCAB, CONTEXT = 49152, 2048
+
+
+def document(**config) -> dict:
+    cfg = AppConfig(**config)
+    return openapi_document(app, Served((cfg.model_name,), cfg.max_tokens_limit, VOCAB, CONTEXT,
+                                        api_key=bool(cfg.api_key)))
+
+
+def requests(doc: dict) -> tuple[dict, dict]:
+    schemas = doc["components"]["schemas"]
+    return schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
+
+
+def test_model_enum_and_limits_follow_the_config():
+    for config, name, limit in (({}, "SmolLM2-135M-Instruct", 4096),
+                                ({"served_model_name": "m", "max_tokens_limit": 8}, "m", 8)):
+        completion, chat = requests(document(**config))
+        assert completion["properties"]["model"]["enum"] == chat["properties"]["model"]["enum"] == [name]
+        for schema, field in ((completion, "max_tokens"), (chat, "max_tokens"), (chat, "max_completion_tokens")):
+            integer = next(s for s in schema["properties"][field]["anyOf"] if s["type"] == "integer")
+            assert integer["maximum"] == limit
+        assert completion["properties"]["max_tokens"]["default"] == min(16, limit)
+        tokens = json.dumps(completion["properties"]["prompt"])
+        assert tokens.count(f'"maximum": {VOCAB - 1}') == 2     # a token list, and a batch of them
+
+
+def test_every_operation_declares_its_bodies_and_every_error_status():
+    doc = document()
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    for path, item in doc["paths"].items():
+        for method, operation in item.items():
+            responses = operation["responses"]
+            assert "422" not in responses and "401" not in responses
+            for code, response in responses.items():
+                if code != "200":
+                    assert int(code) in ERRORS
+                    assert response["content"] == {"application/json": {"schema": {
+                        "$ref": "#/components/schemas/ErrorResponse"}}}
+            if method == "post":
+                assert {"400", "404", "413", "429", "500", "502", "503", "504"} <= set(responses)
+                assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert "503" in doc["paths"]["/health"]["get"]["responses"]
+
+
+def test_an_api_key_adds_the_bearer_scheme_and_401_everywhere_but_health():
+    doc = document(api_key="k")
+    assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    assert doc["security"] == [{"bearer": []}]
+    assert doc["paths"]["/health"]["get"]["security"] == [] and "401" not in doc["paths"]["/health"]["get"]["responses"]
+    assert all("401" in item[m]["responses"] for path, item in doc["paths"].items() if path != "/health" for m in item)
+
+
+def _valid(schema: dict, doc: dict, body: dict) -> bool:
+    return jsonschema.Draft202012Validator({**schema, "components": doc["components"]}).is_valid(body)
+
+
+@pytest.mark.parametrize("model,body", [
+    (CompletionRequest, {"prompt": ["a"] * 9, "n": 2}),
+    (CompletionRequest, {"prompt": [[1], [2]], "n": 9}),
+    (CompletionRequest, {"prompt": list(range(100)), "n": 16}),
+    (CompletionRequest, {"prompt": "x", "max_tokens": 0}),
+    (CompletionRequest, {"prompt": "x", "max_tokens": 0, "echo": True}),
+    (CompletionRequest, {"prompt": [1.0, 2], "n": 2.0}),
+    (CompletionRequest, {"prompt": "x", "n": True}),
+    (CompletionRequest, {"prompt": "x", "max_tokens": "4"}),
+    (CompletionRequest, {"prompt": "x", "stop": ["a"] * 17}),
+    (CompletionRequest, {"prompt": "x", "seed": 2**64}),
+    (CompletionRequest, {"prompt": "x", "seed": -1}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2, "logprobs": True}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": None, "logprobs": None}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000,
+                             "max_completion_tokens": 2}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json"}}),
+])
+def test_the_request_schemas_accept_what_the_validator_accepts(model, body):
+    """Including the rules that span fields (if/then in the document)."""
+    doc = document(served_model_name="m", max_tokens_limit=4096)
+    body = {"model": "m", **body}
+    try:
+        model.model_validate(body)
+        accepted = max(body.get("max_tokens") or 0, body.get("max_completion_tokens") or 0) <= 4096  # the router's
+    except ValueError:
+        accepted = False
+    schema = doc["components"]["schemas"][model.__name__]
+    assert _valid(schema, doc, body) == accepted
