@@ -1,5 +1,5 @@
 """`pdserve` command line: `serve` (the HTTP service on Ray Serve), `generate` (one-shot
-generation with a local colocated engine, no Ray), `plan` (pdserve/plan/) and `bench` (pdserve/bench.py).
+generation with a local colocated engine, no Ray), `plan` and `simulate` (pdserve/plan/) and `bench` (pdserve/bench.py).
 Ray, torch and the engine are imported only by the subcommands that need them."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 from pdserve.plan import cli as plan_cli
+from pdserve.plan import sim_cli
 
 
 def _serve(args) -> int:
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     pl = sub.add_parser("plan", help="prefill/decode roofline and replica ratio for a workload")
     plan_cli.add_arguments(pl)
     pl.set_defaults(fn=plan_cli.run)
+    sm = sub.add_parser("simulate", help="discrete-event simulation of a P/D or colocated fleet (pdserve/plan/sim_cli.py)")
+    sim_cli.add_arguments(sm)
+    sm.set_defaults(fn=sim_cli.run)
     args = p.parse_args(argv)
     return args.fn(args)
 
