@@ -20,7 +20,7 @@ def _serve(args) -> int:
     import ray
     from ray import serve
 
-    from pdserve.app_builder import build_app
+    from pdserve.app_builder import build_app, deploy
     from serving.config import AppConfig
     from serving.models import resolve_model
 
@@ -42,7 +42,10 @@ def _serve(args) -> int:
     else:
         ray.init(address=args.address, logging_level="WARNING")
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(cfg), name="pdserve", route_prefix=cfg.route_prefix, blocking=False)
+    if cfg.autoscaling is not None:         # an application-level policy needs a config deploy
+        deploy(cfg, "pdserve", cfg.route_prefix)
+    else:
+        serve.run(build_app(cfg), name="pdserve", route_prefix=cfg.route_prefix, blocking=False)
     base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     _wait_healthy(base, timeout=600)
     print(f"\npdserve is up ({cfg.mode}) at {base}  model: {cfg.model_name}\n\n"

@@ -115,9 +115,15 @@ class Router:
                                  getattr(hf, "max_position_embeddings", 2048))
         self.model_name = self.config.model_name
         self.registry = registry
-        self.request_metrics = RequestMetrics(export=RouterSeries())   # also on Ray's metrics port
+        slo = self.config.autoscaling
+        self.request_metrics = RequestMetrics(export=RouterSeries(),   # also on Ray's metrics port
+                                              window_s=slo.window_s if slo else 30.0)
         self.orchestrator = Orchestrator(self.config.mode, prefill, decode, colocated,
                                          metrics=self.request_metrics)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook (collected when the SLO policy autoscales the router at 1 replica): the window."""
+        return self.request_metrics.window.snapshot(time.monotonic())
 
     # ---- plain endpoints ----------------------------------------------------------------------
     @app.get("/health")
@@ -197,6 +203,9 @@ class Router:
             return error_response(400, error)
         rid = f"{prefix}-{uuid.uuid4().hex}"
         start = time.monotonic()
+        for ids in prompts:
+            for _ in range(body.n):
+                self.request_metrics.window.arrived(start, len(ids))
         n = body.n
         choices = Choices([[self._choice(rid, p * n + j, j, ids, params) for j in range(n)]
                            for p, ids in enumerate(prompts)])
