@@ -155,3 +155,18 @@ def test_goodput_counts_only_requests_meeting_both_slos():
     from pdserve.plan.simulator import Result
     s = summarize(Result([a, b], 10.0, [(0.0, math.inf)]), ttft_slo=1.0, tpot_slo=0.5)
     assert s["goodput"] == pytest.approx(0.1) and s["attainment"] == 0.5 and s["replica_seconds"] == 10.0
+
+
+def test_validate_against_a_bench_report(capsys):
+    from pathlib import Path
+
+    from pdserve.plan.calibrate import calibrate, load_report
+    from pdserve.plan.roofline import HARDWARE, MODELS
+    report = load_report(Path(__file__).parents[1] / "docs" / "bench_cpu.json")
+    assert calibrate(report, MODELS["smollm2-135m"], HARDWARE["h100"], "rate 0.5/s").run.load == 0.5
+    with pytest.raises(ValueError):
+        calibrate(report, MODELS["smollm2-135m"], HARDWARE["h100"], "rate 7/s")
+    assert main(["simulate", "--model", "smollm2-135m", "--hardware", "h100", "--seeds", "2", "--validate",
+                 str(Path(__file__).parents[1] / "docs" / "bench_cpu.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| rate ") == 3 and "worst sim/meas" in out

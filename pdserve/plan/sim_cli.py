@@ -5,7 +5,8 @@
   2. one of:
      * `--fleet P:D` or `--fleet colocated:N`: one fixed fleet under `--rate`, `--schedule` or `--trace`;
      * `--policy slo|per-pool`: one autoscaled fleet (from 1:1) under `--schedule` or `--trace`;
-     * neither: the comparison at each of `--rates` (colocated vs best P:D split vs both policies),
+     * `--validate BENCH_JSON`: each measured run of the report against its simulation;
+     * none of these: the comparison at each of `--rates` (colocated vs best P:D split vs both policies),
        the recommended split, and with `--schedule` the two policies' replicas over time;
   3. prints markdown tables; `--json` and `--plot` write them.
 Bad input prints one line and exits 2.
@@ -19,6 +20,7 @@ import sys
 import time
 
 from pdserve.plan import calibrate as plan_calibrate
+from pdserve.plan import sim_validate
 from pdserve.plan import roofline
 from pdserve.plan.model import resolve_spec
 from pdserve.plan.sim_load import parse_schedule, poisson, read_trace
@@ -33,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=float)
     p.add_argument("--hardware", default="h100", choices=["h100", "h200", "a100", "l40s", "cpu"])
     p.add_argument("--calibrate", metavar="BENCH_JSON", help="efficiencies from a pdserve bench report")
+    p.add_argument("--calibration-run", metavar="NAME_END", help="calibrate from the report's run whose name ends "
+                   "with this (e.g. 'rate 0.5/s') instead of its lowest-load run")
     p.add_argument("--prefill-eff", type=float, default=None, help="compute efficiency (default 1 or calibrated)")
     p.add_argument("--decode-eff", type=float, default=None, help="bandwidth efficiency (default 1 or calibrated)")
     p.add_argument("--kv-tokens", type=int, help="KV tokens per replica (default: 90%% of memory beside weights)")
@@ -54,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=float, default=0.9, help="SLO attainment a fixed fleet must reach")
     p.add_argument("--max-replicas", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--validate", metavar="BENCH_JSON", help="simulate each open-loop run of a pdserve bench report "
+                   "on 1:1 and compare with the measurement (calibrates from it unless --calibrate is given)")
+    p.add_argument("--seeds", type=int, default=20, help="--validate: simulations per run")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG")
 
@@ -62,8 +69,9 @@ def _model(args):
     spec = resolve_spec(args.model, args.dtype, args.params)
     hw = roofline.measure_cpu() if args.hardware == "cpu" else roofline.HARDWARE[args.hardware]
     pe, de = 1.0, 1.0
-    if args.calibrate:
-        cal = plan_calibrate.calibrate(plan_calibrate.load_report(args.calibrate), spec, hw)
+    if args.calibrate or args.validate:
+        cal = plan_calibrate.calibrate(plan_calibrate.load_report(args.calibrate or args.validate), spec, hw,
+                                       args.calibration_run)
         pe, de = cal.prefill_eff, cal.decode_eff
         print(plan_calibrate.describe(cal))
     pe = args.prefill_eff or pe
@@ -115,7 +123,11 @@ def run(args) -> int:
           f"KV {m.kv_tokens} tokens/replica, max_num_seqs {m.max_num_seqs}, step budget {m.max_batched_tokens}; "
           f"SLOs TTFT {args.ttft_slo * 1e3:.0f} ms, TPOT {args.tpot_slo * 1e3:.0f} ms")
     t0, out, timelines = time.perf_counter(), {"args": vars(args)}, {}
-    if fleet or args.policy:
+    if args.validate:
+        rows = sim_validate.validate(m, plan_calibrate.load_report(args.validate), args.seeds)
+        print(sim_validate.table(rows))
+        out["validation"] = rows
+    elif fleet or args.policy:
         try:
             reqs, duration, schedule = _requests(args, study)
         except ValueError as exc:
