@@ -27,7 +27,7 @@ from pdserve.plan import calibrate as plan_calibrate
 from pdserve.plan import roofline
 from pdserve.plan.model import resolve_spec
 from pdserve.plan.sim_report import step_model
-from serving.config import AppConfig, AutoscalingOptions, PoolConfig, SloAutoscalingOptions, SloPoolBounds
+from serving.config import AppConfig, AutoscalingOptions, PoolConfig, SloAutoscalingOptions, PoolBounds
 from serving.models import resolve_model
 from serving.stats_registry import StatsRegistry
 
@@ -52,7 +52,7 @@ def autoscaling_config(pool_name: str, a: AutoscalingOptions) -> dict:
             "policy": {"policy_function": POLICIES[pool_name], "policy_kwargs": kwargs}}
 
 
-def slo_bounds_config(b: SloPoolBounds, a: SloAutoscalingOptions) -> dict:
+def slo_bounds_config(b: PoolBounds, a: SloAutoscalingOptions) -> dict:
     """A pool's autoscaling_config under the SLO policy: bounds and delays; the policy is the app's."""
     return {"min_replicas": b.min_replicas, "max_replicas": b.max_replicas,
             "initial_replicas": b.initial_replicas or b.min_replicas,
@@ -131,7 +131,7 @@ def build_app(config: AppConfig | dict):
     router_opts = {"num_replicas": 1, "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": 0}}
     if cfg.autoscaling is not None:      # pinned at 1: autoscaled only so that Serve collects its SLO window
         router_opts.pop("num_replicas")
-        router_opts["autoscaling_config"] = slo_bounds_config(SloPoolBounds(max_replicas=1), cfg.autoscaling)
+        router_opts["autoscaling_config"] = slo_bounds_config(PoolBounds(max_replicas=1), cfg.autoscaling)
     if cfg.mode == "colocated":
         options = _pool_options("colocated", cfg.colocated, "router.routing.ColocatedRouter",
                                 {**cfg.routing.model_dump(), "block_size": cfg.engine_for("colocated").block_size})

@@ -44,11 +44,23 @@ class EngineOptions(_Model):
         return EngineConfig(model=model_dir, **self.model_dump())
 
 
-class AutoscalingOptions(_Model):
-    """Per-pool autoscaling (serving.autoscaling); set on a pool to replace its fixed count."""
+class PoolBounds(_Model):
+    """A pool's replica bounds (per-pool autoscaling, and each pool under the SLO policy)."""
     min_replicas: int = Field(1, ge=1, description="Fewest replicas.")
     max_replicas: int = Field(4, ge=1, description="Most replicas.")
     initial_replicas: int | None = Field(None, ge=1, description="Replicas at start (default min_replicas).")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
+        return self
+
+
+class AutoscalingOptions(PoolBounds):
+    """Per-pool autoscaling (serving.autoscaling); set on a pool to replace its fixed count."""
     upscale_delay_s: float = Field(5.0, ge=0, description="A scale-up must be wanted this long first.")
     downscale_delay_s: float = Field(30.0, ge=0, description="A scale-down must be wanted this long first.")
     look_back_period_s: float = Field(5.0, gt=0, description="Window over which replica metrics are averaged.")
@@ -59,28 +71,6 @@ class AutoscalingOptions(_Model):
     target_queued_tokens: float = Field(2048, gt=0, description="Prefill: queued prompt tokens per replica.")
     target_kv_utilization: float = Field(0.7, gt=0, le=1, description="Decode: KV-block utilization per replica.")
     target_running: float = Field(32, gt=0, description="Decode: running sequences per replica.")
-
-    @model_validator(mode="after")
-    def _bounds(self):
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
-        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
-            raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
-        return self
-
-
-class SloPoolBounds(_Model):
-    min_replicas: int = Field(1, ge=1, description="Fewest replicas of this pool.")
-    max_replicas: int = Field(4, ge=1, description="Most replicas of this pool.")
-    initial_replicas: int | None = Field(None, ge=1, description="Replicas at start (default min_replicas).")
-
-    @model_validator(mode="after")
-    def _bounds(self):
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
-        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
-            raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
-        return self
 
 
 class SloAutoscalingOptions(_Model):
@@ -107,8 +97,8 @@ class SloAutoscalingOptions(_Model):
     downscale_delay_s: float = Field(30.0, ge=0, description="A scale-down must be wanted this long first.")
     look_back_period_s: float = Field(5.0, gt=0, description="Window over which reported metrics are averaged.")
     metrics_interval_s: float = Field(1.0, gt=0, description="How often replicas and the router report.")
-    prefill: SloPoolBounds = Field(default_factory=SloPoolBounds, description="Prefill pool bounds.")
-    decode: SloPoolBounds = Field(default_factory=SloPoolBounds, description="Decode pool bounds.")
+    prefill: PoolBounds = Field(default_factory=PoolBounds, description="Prefill pool bounds.")
+    decode: PoolBounds = Field(default_factory=PoolBounds, description="Decode pool bounds.")
 
 
 class PoolConfig(_Model):

@@ -13,7 +13,8 @@ sequence ends), as pdserve's decode replicas reserve blocks before the transfer.
                     `max_num_seqs`); each step emits one token per running sequence. O(log B) per
                     step: a sequence is kept as the step index at which it finishes, and the batch's
                     total context grows by B per step.
-  ColocatedReplica  both: decode sequences first, the rest of the token budget to prompt chunks.
+  ColocatedReplica  both: decode sequences first, the rest of the token budget to prompt chunks (none
+                    while `max_num_seqs` sequences decode).
 """
 
 from __future__ import annotations
@@ -83,17 +84,21 @@ class PrefillReplica(_Replica):
     def idle(self) -> bool:
         return not self.busy and not self.queue
 
-    def start(self, now: float) -> float | None:
-        budget, chunk = self.m.max_batched_tokens, []
+    def take_chunk(self, budget: int) -> tuple[list, int]:
+        """Prompt chunks from the head of the queue within `budget` tokens: ([(entry, tokens)], total)."""
+        chunk, total = [], 0
         for entry in self.queue:
-            if budget <= 0:
+            if total >= budget:
                 break
-            take = min(budget, entry[1])
+            take = min(budget - total, entry[1])
             chunk.append((entry, take))
-            budget -= take
+            total += take
+        return chunk, total
+
+    def start(self, now: float) -> float | None:
+        chunk, tokens = self.take_chunk(self.m.max_batched_tokens)
         if not chunk:
             return None
-        tokens = self.m.max_batched_tokens - budget
         self.chunk, self.busy = chunk, True
         return now + self.m.step_time(tokens)
 
@@ -164,15 +169,9 @@ class ColocatedReplica(PrefillReplica):
         return not self.busy and not self.queue and not self.batch.heap
 
     def start(self, now: float) -> float | None:
-        self.stepping = min(len(self.batch.heap), self.m.max_num_seqs)
-        budget, chunk = self.m.max_batched_tokens - self.stepping, []
-        for entry in self.queue:
-            if budget <= 0:
-                break
-            take = min(budget, entry[1])
-            chunk.append((entry, take))
-            budget -= take
-        tokens = sum(t for _, t in chunk)
+        self.stepping = len(self.batch.heap)     # decode first; prompts get the rest of the budget
+        room = self.m.max_batched_tokens - self.stepping if self.stepping < self.m.max_num_seqs else 0
+        chunk, tokens = self.take_chunk(room)
         if not chunk and not self.stepping:
             return None
         self.chunk, self.busy = chunk, True
