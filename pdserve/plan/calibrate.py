@@ -120,8 +120,8 @@ def ratio_table(report: dict, m: ModelSpec, hw: Hardware, cal: Calibration) -> s
 
 def describe(cal: Calibration) -> str:
     """The lines `pdserve plan --calibrate` prints about the calibration point and its factors."""
-    lines = [f"calibration run: {cal.run.name} (the lowest-load run: queueing inflates latencies at higher "
-             f"load), {cal.input_len} in / {cal.output_len} out tokens, decode batch ~{cal.run.decode_batch} "
+    lines = [f"calibration run: {cal.run.name} (unless chosen, the lowest-load run: queueing inflates latencies "
+             f"at higher load), {cal.input_len} in / {cal.output_len} out tokens, decode batch ~{cal.run.decode_batch} "
              "(Little's law)",
              f"prefill efficiency {cal.prefill_eff:.3g} (TTFT bound {cal.ttft_bound * 1e3:.2f} ms / measured p50 "
              f"{cal.run.ttft_p50 * 1e3:.1f} ms); decode efficiency {cal.decode_eff:.3g} (TPOT bound "
