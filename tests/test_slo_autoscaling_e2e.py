@@ -8,7 +8,6 @@ off), so that any load of at least 0.5 req/s needs 2 prefill and 2 decode replic
 they shrink back to 1 while a long stream runs; no request fails, the stream completes, no block leaks.
 """
 
-import random
 import threading
 import time
 
@@ -17,7 +16,7 @@ from ray import serve
 
 from pdserve.app_builder import deploy, slo_policy
 from pdserve.plan.model import resolve_spec
-from service_util import TINY_ENGINE, http, pools_all_free, wait_healthy, wait_until
+from service_util import TINY_ENGINE, closed_loop_load, http, pools_all_free, reaches, wait_healthy, wait_until
 from serving.config import AppConfig
 from serving.slo_model import StepModel, Workload, size_fleet
 
@@ -55,28 +54,9 @@ def test_slo_policy_grows_both_pools_to_the_predicted_counts_and_back(ray_serve,
     try:
         wait_healthy(base)
         assert replicas("PrefillServer") == 1 and replicas("DecodeServer") == 1
-        statuses, stop, peak = [], threading.Event(), {"PrefillServer": 1, "DecodeServer": 1}
-
-        def client(seed):
-            rng = random.Random(seed)
-            while not stop.is_set():
-                prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(200, 400))]
-                statuses.append(http(base, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 64,
-                                                              "ignore_eos": True, "temperature": 0})[0])
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-
-        def scaled_up():
-            for name in peak:
-                peak[name] = max(peak[name], replicas(name))
-            return peak == {"PrefillServer": 2, "DecodeServer": 2}
-
-        up = wait_until(scaled_up, 90)
-        stop.set()
-        for t in threads:
-            t.join()
+        peak = {"PrefillServer": 1, "DecodeServer": 1}
+        with closed_loop_load(base, 4, 64) as statuses:
+            up = reaches(peak, replicas, {"PrefillServer": 2, "DecodeServer": 2}, 90)
         assert up, f"peak replicas under load: {peak}"
         stream = []
 
