@@ -4,9 +4,18 @@ Disaggregated: Router -> (PrefillServer pool, DecodeServer pool), plus the Stats
 Colocated: Router -> ColocatedServer pool, plus the StatsRegistry.
 Each pool gets its own replica count, resources and request router; deployments reach each
 other through handles passed by `.bind`.
+
+With `autoscaling: {policy: slo}` both pools get bounds-and-delays autoscaling configs without a
+policy of their own, the router an autoscaling config pinned at one replica (so that Serve collects
+its `record_autoscaling_stats`), and the application an application-level policy
+(`slo_policy(cfg)`): an application-level policy lives in the Serve *application* config, outside
+`args`, so such an app is deployed from `application_config(cfg, ...)` (what `pdserve serve` does;
+`serve.run` of a bound app has no place for it).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from ray.serve.config import RequestRouterConfig
 
@@ -14,7 +23,12 @@ from colocated_service.server import ColocatedServer
 from decode_service.server import DecodeServer
 from prefill_service.server import PrefillServer
 from router.app import Router
-from serving.config import AppConfig, AutoscalingOptions, PoolConfig
+from pdserve.plan import calibrate as plan_calibrate
+from pdserve.plan import roofline
+from pdserve.plan.model import resolve_spec
+from pdserve.plan.sim_report import step_model
+from serving.config import AppConfig, AutoscalingOptions, PoolConfig, SloAutoscalingOptions, PoolBounds
+from serving.models import resolve_model
 from serving.stats_registry import StatsRegistry
 
 ROUTING_STATS_PERIOD_S = 1.0
@@ -38,8 +52,56 @@ def autoscaling_config(pool_name: str, a: AutoscalingOptions) -> dict:
             "policy": {"policy_function": POLICIES[pool_name], "policy_kwargs": kwargs}}
 
 
+def slo_bounds_config(b: PoolBounds, a: SloAutoscalingOptions) -> dict:
+    """A pool's autoscaling_config under the SLO policy: bounds and delays; the policy is the app's."""
+    return {"min_replicas": b.min_replicas, "max_replicas": b.max_replicas,
+            "initial_replicas": b.initial_replicas or b.min_replicas,
+            "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
+            "look_back_period_s": a.look_back_period_s, "metrics_interval_s": a.metrics_interval_s}
+
+
+def slo_policy(cfg: AppConfig) -> dict:
+    """The application-level `autoscaling_policy` for `autoscaling: {policy: slo}`: SloPolicy with the
+    per-replica model of the decode pool's engine from the planner (the served model's HF config; the
+    hardware preset, or this CPU measured now; efficiencies from `calibrate` or given). Side effects:
+    prepares the model directory; `hardware: cpu` runs a 1-second CPU measurement."""
+    a = cfg.autoscaling
+    spec = resolve_spec(str(resolve_model(cfg.model, cfg.model_cache, progress=False)))
+    hw = roofline.measure_cpu() if a.hardware == "cpu" else roofline.HARDWARE[a.hardware]
+    pe = de = 1.0
+    if a.calibrate:
+        cal = plan_calibrate.calibrate(plan_calibrate.load_report(a.calibrate), spec, hw)
+        pe, de = cal.prefill_eff, cal.decode_eff
+    engine = cfg.engine_for("decode")
+    kv_tokens = int(2**30 // spec.kv_bytes_per_token) if a.hardware == "cpu" else None   # CPU auto pool: 1 GiB
+    m = step_model(spec, hw, a.prefill_eff or pe, a.decode_eff or de, kv_tokens, engine.max_num_seqs,
+                   cfg.engine_for("prefill").max_num_batched_tokens)
+    return {"policy_function": "serving.slo_autoscaling:SloPolicy",
+            "policy_kwargs": {"model": dataclasses.asdict(m), "ttft_slo": a.ttft_slo, "tpot_slo": a.tpot_slo,
+                              "utilization": a.utilization, "hysteresis": a.hysteresis, "warmup_s": a.warmup_s,
+                              "window_s": a.window_s, "correction_gain": a.correction_gain}}
+
+
+def application_config(cfg: AppConfig, name: str = "pdserve", route_prefix: str | None = None) -> dict:
+    """A Serve application config (one entry of a Serve config file's `applications`) for `cfg`,
+    with the application-level SLO policy when `cfg.autoscaling` asks for it."""
+    app = {"name": name, "route_prefix": route_prefix or cfg.route_prefix,
+           "import_path": "pdserve.app_builder:app_builder", "args": cfg.model_dump(mode="json")}
+    if cfg.autoscaling is not None:
+        app["autoscaling_policy"] = slo_policy(cfg)
+    return app
+
+
+def deploy(cfg: AppConfig, name: str = "pdserve", route_prefix: str | None = None) -> None:
+    """Deploy `cfg` as a config-deployed Serve application (needed for the application-level policy);
+    Serve must be started. Returns once the controller accepted it (not when it is healthy)."""
+    from ray.serve.context import _get_global_client   # Serve's own client: `serve deploy` without the dashboard
+    from ray.serve.schema import ServeDeploySchema
+    _get_global_client().deploy_apps(ServeDeploySchema(applications=[application_config(cfg, name, route_prefix)]))
+
+
 def _pool_options(pool_name: str, pool: PoolConfig, router_class: str | None,
-                  router_kwargs: dict | None = None) -> dict:
+                  router_kwargs: dict | None = None, slo: SloAutoscalingOptions | None = None) -> dict:
     options = {
         "max_ongoing_requests": pool.max_ongoing_requests,
         "max_queued_requests": pool.max_queued_requests,
@@ -49,7 +111,9 @@ def _pool_options(pool_name: str, pool: PoolConfig, router_class: str | None,
         # Serve stops routing to a replica being removed and waits this long for its streams.
         "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
     }
-    if pool.autoscaling is None:
+    if slo is not None:
+        options["autoscaling_config"] = slo_bounds_config(getattr(slo, pool_name), slo)
+    elif pool.autoscaling is None:
         options["num_replicas"] = pool.num_replicas
     else:
         options["autoscaling_config"] = autoscaling_config(pool_name, pool.autoscaling)
@@ -65,14 +129,18 @@ def build_app(config: AppConfig | dict):
     data = cfg.model_dump()
     registry = StatsRegistry.bind()
     router_opts = {"num_replicas": 1, "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": 0}}
+    if cfg.autoscaling is not None:      # pinned at 1: autoscaled only so that Serve collects its SLO window
+        router_opts.pop("num_replicas")
+        router_opts["autoscaling_config"] = slo_bounds_config(PoolBounds(max_replicas=1), cfg.autoscaling)
     if cfg.mode == "colocated":
         options = _pool_options("colocated", cfg.colocated, "router.routing.ColocatedRouter",
                                 {**cfg.routing.model_dump(), "block_size": cfg.engine_for("colocated").block_size})
         colocated = ColocatedServer.options(**options).bind(data, registry)
         return Router.options(**router_opts).bind(data, colocated=colocated, registry=registry)
     prefill_options = _pool_options("prefill", cfg.prefill, "router.routing.QueuedPromptTokensRouter",
-                                    {**cfg.routing.model_dump(), "block_size": cfg.engine_for("prefill").block_size})
-    decode_options = _pool_options("decode", cfg.decode, "router.routing.FreeKVBlocksRouter")
+                                    {**cfg.routing.model_dump(), "block_size": cfg.engine_for("prefill").block_size},
+                                    slo=cfg.autoscaling)
+    decode_options = _pool_options("decode", cfg.decode, "router.routing.FreeKVBlocksRouter", slo=cfg.autoscaling)
     prefill = PrefillServer.options(**prefill_options).bind(data, registry)
     decode = DecodeServer.options(**decode_options).bind(data, registry)
     return Router.options(**router_opts).bind(data, prefill=prefill, decode=decode, registry=registry)

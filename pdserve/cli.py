@@ -1,5 +1,5 @@
 """`pdserve` command line: `serve` (the HTTP service on Ray Serve), `generate` (one-shot
-generation with a local colocated engine, no Ray), `plan` (pdserve/plan/) and `bench` (pdserve/bench.py).
+generation with a local colocated engine, no Ray), `plan` and `simulate` (pdserve/plan/) and `bench` (pdserve/bench.py).
 Ray, torch and the engine are imported only by the subcommands that need them."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import time
 import urllib.request
 
 from pdserve.plan import cli as plan_cli
+from pdserve.plan import sim_cli
 
 
 def _serve(args) -> int:
     import ray
     from ray import serve
 
-    from pdserve.app_builder import build_app
+    from pdserve.app_builder import build_app, deploy
     from serving.config import AppConfig
     from serving.models import resolve_model
 
@@ -41,7 +42,10 @@ def _serve(args) -> int:
     else:
         ray.init(address=args.address, logging_level="WARNING")
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(cfg), name="pdserve", route_prefix=cfg.route_prefix, blocking=False)
+    if cfg.autoscaling is not None:         # an application-level policy needs a config deploy
+        deploy(cfg, "pdserve", cfg.route_prefix)
+    else:
+        serve.run(build_app(cfg), name="pdserve", route_prefix=cfg.route_prefix, blocking=False)
     base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     _wait_healthy(base, timeout=600)
     print(f"\npdserve is up ({cfg.mode}) at {base}  model: {cfg.model_name}\n\n"
@@ -127,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     pl = sub.add_parser("plan", help="prefill/decode roofline and replica ratio for a workload")
     plan_cli.add_arguments(pl)
     pl.set_defaults(fn=plan_cli.run)
+    sm = sub.add_parser("simulate", help="discrete-event simulation of a P/D or colocated fleet (pdserve/plan/sim_cli.py)")
+    sim_cli.add_arguments(sm)
+    sm.set_defaults(fn=sim_cli.run)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -128,9 +128,15 @@ class Router:
                              self.max_model_len, api_key=bool(self.config.api_key))
         self._documents: dict[str, dict] = {}
         self.registry = registry
-        self.request_metrics = RequestMetrics(export=RouterSeries())   # also on Ray's metrics port
+        slo = self.config.autoscaling
+        self.request_metrics = RequestMetrics(export=RouterSeries(),   # also on Ray's metrics port
+                                              window_s=slo.window_s if slo else 30.0)
         self.orchestrator = Orchestrator(self.config.mode, prefill, decode, colocated,
                                          metrics=self.request_metrics)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook (collected when the SLO policy autoscales the router at 1 replica): the window."""
+        return self.request_metrics.window.snapshot(time.monotonic())
 
     # ---- plain endpoints ----------------------------------------------------------------------
     @app.get("/openapi.json", include_in_schema=False)
@@ -225,6 +231,9 @@ class Router:
             return error_response(400, error)
         rid = f"{prefix}-{uuid.uuid4().hex}"
         start = time.monotonic()
+        for ids in prompts:
+            for _ in range(body.n):
+                self.request_metrics.window.arrived(start, len(ids))
         n = body.n
         choices = Choices([[self._choice(rid, p * n + j, j, ids, params) for j in range(n)]
                            for p, ids in enumerate(prompts)])

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 
 from router.prefix_affinity import DECISIONS
+from router.slo_window import SloWindow
 from serving import messages
 from serving.histogram import LATENCY_BUCKETS, QUEUE_BUCKETS, REPLICA_HISTOGRAMS, Histogram, label_text
 
@@ -36,7 +37,7 @@ class RequestMetrics:
     """What the router sees per request. `export` (a `serving.serve_metrics.RouterSeries`, or
     None) receives the same observations for Ray's metrics port."""
 
-    def __init__(self, export=None):
+    def __init__(self, export=None, window_s: float = 30.0):
         self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token, from request arrival", LATENCY_BUCKETS)
         self.tpot = Histogram("pdserve_tpot_seconds", "Mean time per output token after the first", LATENCY_BUCKETS)
         self.e2e = Histogram("pdserve_e2e_seconds", "Request latency, arrival to last token", LATENCY_BUCKETS)
@@ -48,6 +49,7 @@ class RequestMetrics:
         self.output_tokens = 0
         self.outcomes: Counter = Counter()
         self.export = export
+        self.window = SloWindow(window_s)      # the SLO autoscaling policy's view (router/slo_window.py)
 
     def observe(self, start: float, first: float, end: float, output_tokens: int,
                 stream_tokens: int | None = None) -> None:
@@ -60,6 +62,7 @@ class RequestMetrics:
         self.e2e.observe(e2e)
         if tpot is not None:
             self.tpot.observe(tpot)
+        self.window.finished(end, ttft, tpot, per_stream)
         self.output_tokens += output_tokens
         if self.export is not None:
             self.export.request(ttft, tpot, e2e, output_tokens)

@@ -2,8 +2,10 @@
 
 import contextlib
 import json
+import random
 import re
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -141,3 +143,37 @@ def deployed_app(ray_serve: str, name: str, model_dir, served: str, engine: dict
 def tiny_app(ray_serve: str, model_dir, name: str, **overrides):
     """`deployed_app` of the tiny model, served as "tiny"."""
     return deployed_app(ray_serve, name, model_dir, "tiny", TINY_ENGINE, **overrides)
+
+
+@contextlib.contextmanager
+def closed_loop_load(base: str, clients: int, max_tokens: int, model: str = "tiny"):
+    """`clients` threads, each sending a completion of 200-400 random tokens as soon as its last one
+    ended, until the block exits (then joined); yields the list of HTTP statuses, filled as they end."""
+    statuses, stop = [], threading.Event()
+
+    def client(seed):
+        rng = random.Random(seed)
+        while not stop.is_set():
+            prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(200, 400))]
+            statuses.append(http(base, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                          "ignore_eos": True, "temperature": 0})[0])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        yield statuses
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def reaches(peak: dict[str, int], count, target: dict[str, int], timeout: float) -> bool:
+    """Wait until each deployment's running replicas (`count(name)`) has reached `target`; `peak` keeps
+    the highest count seen per deployment (for the failure message)."""
+    def done():
+        for name in peak:
+            peak[name] = max(peak[name], count(name))
+        return all(peak[name] >= n for name, n in target.items())
+    return wait_until(done, timeout)

@@ -6,14 +6,13 @@ replica while two long streams are still running: no request fails and no stream
 replica being removed stops taking requests and finishes its streams), and no block leaks.
 """
 
-import random
 import threading
 import time
 
 import pytest
 from ray import serve
 
-from service_util import http, pools_all_free, tiny_app, wait_until
+from service_util import closed_loop_load, http, pools_all_free, reaches, tiny_app, wait_until
 
 pytestmark = pytest.mark.slow
 SCALING = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 3,
@@ -31,29 +30,9 @@ def test_pools_scale_up_under_load_and_back_down(ray_serve, tiny_llama_dir):
                            "engine": {"max_num_batched_tokens": 16}},
                   decode={"autoscaling": {**SCALING, "target_running": 3, "target_kv_utilization": 0.9}}) as base:
         assert replicas("as", "DecodeServer") == 1 and replicas("as", "PrefillServer") == 1
-        statuses, stop = [], threading.Event()
         peak = {"DecodeServer": 1, "PrefillServer": 1}
-
-        def client(seed):
-            rng = random.Random(seed)
-            while not stop.is_set():
-                prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(200, 400))]
-                statuses.append(http(base, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 150,
-                                                              "ignore_eos": True, "temperature": 0})[0])
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-
-        def scaled_up():
-            for name in peak:
-                peak[name] = max(peak[name], replicas("as", name))
-            return peak["DecodeServer"] == 2 and peak["PrefillServer"] == 2
-
-        up = wait_until(scaled_up, 120)
-        stop.set()
-        for t in threads:
-            t.join()
+        with closed_loop_load(base, 6, 150) as statuses:
+            up = reaches(peak, lambda name: replicas("as", name), {"DecodeServer": 2, "PrefillServer": 2}, 120)
         assert up, f"peak replicas under load: {peak}"
         # two long streams (2 running < 0.8 x 3 per replica on one replica fewer, so the pool shrinks while
         # they run, and the router spreads them over both replicas): none may be cut

@@ -87,9 +87,14 @@ def run_points(report: dict) -> list[RunPoint]:
     return sorted(points, key=lambda p: p.load)
 
 
-def calibrate(report: dict, m: ModelSpec, hw: Hardware) -> Calibration:
-    """Efficiencies from the report's lowest-load run against this model and hardware's roofline."""
-    point = run_points(report)[0]
+def calibrate(report: dict, m: ModelSpec, hw: Hardware, run: str | None = None) -> Calibration:
+    """Efficiencies from the report's lowest-load run (or the run whose name ends with `run`, e.g.
+    "rate 0.5/s": when the lowest-load run ran on cold replicas) against this model and hardware's roofline."""
+    points = run_points(report)
+    chosen = [p for p in points if run is None or p.name.endswith(run)]
+    if not chosen:
+        raise ValueError(f"no run of the bench report ends with {run!r}: {', '.join(p.name for p in points)}")
+    point = chosen[0]
     s, out = report["args"]["input_len"], report["args"]["output_len"]
     return Calibration(point, s, out, ttft_bound(m, hw, s),
                        tpot_bound(m, hw, decode_context(s, out), point.decode_batch))
@@ -115,8 +120,8 @@ def ratio_table(report: dict, m: ModelSpec, hw: Hardware, cal: Calibration) -> s
 
 def describe(cal: Calibration) -> str:
     """The lines `pdserve plan --calibrate` prints about the calibration point and its factors."""
-    lines = [f"calibration run: {cal.run.name} (the lowest-load run: queueing inflates latencies at higher "
-             f"load), {cal.input_len} in / {cal.output_len} out tokens, decode batch ~{cal.run.decode_batch} "
+    lines = [f"calibration run: {cal.run.name} (unless chosen, the lowest-load run: queueing inflates latencies "
+             f"at higher load), {cal.input_len} in / {cal.output_len} out tokens, decode batch ~{cal.run.decode_batch} "
              "(Little's law)",
              f"prefill efficiency {cal.prefill_eff:.3g} (TTFT bound {cal.ttft_bound * 1e3:.2f} ms / measured p50 "
              f"{cal.run.ttft_p50 * 1e3:.1f} ms); decode efficiency {cal.decode_eff:.3g} (TPOT bound "

@@ -1,0 +1,78 @@
+"""Load for `pdserve simulate`: Poisson arrivals at a piecewise-constant rate, or a CSV trace.
+
+A trace CSV has one request per row: `arrival_s,input_len,output_len` (a header row is allowed).
+Prompt lengths of generated load are uniform in input_len * (1 +- jitter), as `pdserve bench` sends
+them; outputs are exactly output_len (bench uses ignore_eos).
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class Request:
+    """One simulated request; the simulator fills in `first` (first token) and `end` (last token)."""
+    id: int
+    arrival: float
+    input_len: int
+    output_len: int
+    first: float = -1.0
+    end: float = -1.0
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        return (self.end - self.first) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+
+def parse_schedule(text: str) -> list[tuple[float, float]]:
+    """'0:5,60:50,120:5' -> [(0, 5), (60, 50), (120, 5)]: from each time (s) on, that rate (req/s)."""
+    try:
+        steps = sorted((float(t), float(r)) for t, r in (part.split(":") for part in text.split(",")))
+    except ValueError as exc:
+        raise ValueError(f"bad schedule {text!r}: expected 'time:rate,time:rate,...'") from exc
+    if not steps or steps[0][0] != 0 or any(r < 0 for _, r in steps):
+        raise ValueError(f"bad schedule {text!r}: it must start at time 0 and rates must be >= 0")
+    return steps
+
+
+def poisson(schedule: list[tuple[float, float]], duration: float, input_len: int, output_len: int,
+            jitter: float = 0.0, seed: int = 0) -> list[Request]:
+    """Poisson arrivals over [0, duration) at the schedule's rate (piecewise constant)."""
+    rng = random.Random(seed)
+    lo, hi = max(1, int(input_len * (1 - jitter))), max(1, int(input_len * (1 + jitter)))
+    out, t = [], 0.0
+    bounds = [s[0] for s in schedule[1:]] + [duration]
+    for (start, rate), stop in zip(schedule, bounds):
+        t = max(t, start)
+        while rate > 0:
+            t += rng.expovariate(rate)
+            if t >= min(stop, duration):
+                t = stop
+                break
+            out.append(Request(len(out), t, rng.randint(lo, hi), output_len))
+    return out
+
+
+def read_trace(path: str | Path) -> list[Request]:
+    """Requests from a CSV of arrival_s,input_len,output_len (sorted by arrival); ValueError if malformed."""
+    rows = []
+    try:
+        with open(path, newline="") as f:
+            for i, row in enumerate(csv.reader(f)):
+                if not row or (i == 0 and not row[0].replace(".", "", 1).isdigit()):
+                    continue
+                rows.append((float(row[0]), int(row[1]), int(row[2])))
+    except (OSError, ValueError, IndexError) as exc:
+        raise ValueError(f"cannot read trace {path}: {exc} (rows: arrival_s,input_len,output_len)") from exc
+    if not rows or any(a < 0 or i < 1 or o < 1 for a, i, o in rows):
+        raise ValueError(f"trace {path} is empty or has negative times / lengths below 1")
+    rows.sort()
+    return [Request(k, a, i, o) for k, (a, i, o) in enumerate(rows)]

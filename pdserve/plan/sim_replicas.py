@@ -1,0 +1,192 @@
+"""Simulated replicas: the engine step loop of each pool, priced by `serving.slo_model.StepModel`.
+
+Every replica is a small state machine driven by the event loop (pdserve/plan/simulator.py):
+  `start(now)`  -> the end time of the step it starts now, or None when it has nothing to do
+                   (called only when the replica is idle);
+  `end(now)`    -> what the finished step completed (prompts done / sequences done); the replica is idle.
+KV is reserved by the router when it routes a request (prompt + output tokens, released when the
+sequence ends), as pdserve's decode replicas reserve blocks before the transfer.
+
+  PrefillReplica    FIFO of prompts; each step takes up to `max_batched_tokens` prompt tokens from the
+                    head (chunked prefill: a long prompt spans steps, short ones share a step).
+  DecodeReplica     continuous batching: sequences whose KV arrived join at the next step (up to
+                    `max_num_seqs`); each step emits one token per running sequence. O(log B) per
+                    step: a sequence is kept as the step index at which it finishes, and the batch's
+                    total context grows by B per step.
+  ColocatedReplica  both: decode sequences first, the rest of the token budget to prompt chunks (none
+                    while `max_num_seqs` sequences decode).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from pdserve.plan.sim_load import Request
+from serving.slo_model import StepModel
+
+
+class _Replica:
+    __slots__ = ("id", "m", "kv_reserved", "busy", "draining", "ready_at", "created", "removed")
+
+    def __init__(self, rid: int, m: StepModel, created: float, ready_at: float):
+        self.id, self.m = rid, m
+        self.kv_reserved = 0
+        self.busy = self.draining = False
+        self.created, self.ready_at, self.removed = created, ready_at, -1.0
+
+    def kv_free(self) -> int:
+        return self.m.kv_tokens - self.kv_reserved
+
+    def idle(self) -> bool:
+        raise NotImplementedError
+
+
+class _Batch:
+    """The running decode batch: sequences as (finish step, id, request), total context tokens."""
+    __slots__ = ("heap", "step", "context")
+
+    def __init__(self):
+        self.heap: list = []
+        self.step = 0
+        self.context = 0
+
+    def add(self, r: Request) -> None:
+        heapq.heappush(self.heap, (self.step + r.output_len - 1, r.id, r))
+        self.context += r.input_len + 1
+
+    def advance(self, batch: int, now: float) -> list[Request]:
+        """One step done: every sequence got a token; returns those that finished now."""
+        self.step += 1
+        self.context += batch
+        done = []
+        while self.heap and self.heap[0][0] <= self.step:
+            r = heapq.heappop(self.heap)[2]
+            r.end = now
+            self.context -= r.input_len + r.output_len
+            done.append(r)
+        return done
+
+
+class PrefillReplica(_Replica):
+    __slots__ = ("queue", "queued_tokens", "chunk")
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.queue: deque = deque()        # [request, prompt tokens left]
+        self.queued_tokens = 0
+        self.chunk: list = []
+
+    def add(self, r: Request) -> None:
+        self.queue.append([r, r.input_len])
+        self.queued_tokens += r.input_len
+
+    def idle(self) -> bool:
+        return not self.busy and not self.queue
+
+    def take_chunk(self, budget: int) -> tuple[list, int]:
+        """Prompt chunks from the head of the queue within `budget` tokens: ([(entry, tokens)], total)."""
+        chunk, total = [], 0
+        for entry in self.queue:
+            if total >= budget:
+                break
+            take = min(budget - total, entry[1])
+            chunk.append((entry, take))
+            total += take
+        return chunk, total
+
+    def start(self, now: float) -> float | None:
+        chunk, tokens = self.take_chunk(self.m.max_batched_tokens)
+        if not chunk:
+            return None
+        self.chunk, self.busy = chunk, True
+        return now + self.m.step_time(tokens)
+
+    def end(self, now: float) -> list[Request]:
+        done = []
+        for entry, take in self.chunk:
+            entry[1] -= take
+            self.queued_tokens -= take
+            if entry[1] == 0:
+                done.append(entry[0])
+        while self.queue and self.queue[0][1] == 0:
+            self.queue.popleft()
+        self.chunk, self.busy = [], False
+        for r in done:
+            r.first = now
+        return done
+
+
+class DecodeReplica(_Replica):
+    __slots__ = ("pending", "batch", "stepping")
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.pending: deque = deque()      # KV arrived, waiting for a batch slot
+        self.batch = _Batch()
+        self.stepping = 0
+
+    @property
+    def running(self) -> int:
+        return len(self.batch.heap)
+
+    def add(self, r: Request) -> None:
+        self.pending.append(r)
+
+    def idle(self) -> bool:
+        return not self.busy and not self.pending and not self.batch.heap
+
+    def start(self, now: float) -> float | None:
+        while self.pending and len(self.batch.heap) < self.m.max_num_seqs:
+            self.batch.add(self.pending.popleft())
+        self.stepping = len(self.batch.heap)
+        if not self.stepping:
+            return None
+        self.busy = True
+        return now + self.m.step_time(0, self.stepping, self.batch.context)
+
+    def end(self, now: float) -> list[Request]:
+        self.busy = False
+        done = self.batch.advance(self.stepping, now)
+        for r in done:
+            self.kv_reserved -= r.input_len + r.output_len
+        return done
+
+
+class ColocatedReplica(PrefillReplica):
+    __slots__ = ("batch", "stepping")
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.batch = _Batch()
+        self.stepping = 0
+
+    @property
+    def running(self) -> int:
+        return len(self.batch.heap)
+
+    def idle(self) -> bool:
+        return not self.busy and not self.queue and not self.batch.heap
+
+    def start(self, now: float) -> float | None:
+        self.stepping = len(self.batch.heap)     # decode first; prompts get the rest of the budget
+        room = self.m.max_batched_tokens - self.stepping if self.stepping < self.m.max_num_seqs else 0
+        chunk, tokens = self.take_chunk(room)
+        if not chunk and not self.stepping:
+            return None
+        self.chunk, self.busy = chunk, True
+        return now + self.m.step_time(tokens, self.stepping, self.batch.context)
+
+    def end(self, now: float) -> list[Request]:
+        """Returns the sequences that finished; prompts that completed join the batch (first token now)."""
+        done = self.batch.advance(self.stepping, now) if self.stepping else []
+        for r in done:
+            self.kv_reserved -= r.input_len + r.output_len
+        for r in PrefillReplica.end(self, now):
+            if r.output_len > 1:
+                self.batch.add(r)
+            else:
+                r.end = now
+                self.kv_reserved -= r.input_len + r.output_len
+                done.append(r)
+        return done

@@ -1,0 +1,140 @@
+"""The per-replica service-time model and the SLO fleet sizing (torch-free, pure arithmetic).
+
+One formula prices every engine step, prefill, decode or mixed (colocated):
+    compute = 2 N (prefill_tokens + decode_seqs) / (F * prefill_eff)
+    memory  = (N b + kappa (decode_context_tokens + prefill_tokens)) / (W * decode_eff)
+    step    = max(compute, memory)
+i.e. the roofline of `pdserve plan` (pdserve/plan/roofline.py) with compute running at `prefill_eff` of
+peak and memory traffic at `decode_eff` of bandwidth, the two efficiencies `pdserve plan --calibrate`
+measures. The simulator (pdserve/plan/sim_*.py) steps replicas with it; the SLO autoscaling policy
+(serving/slo_autoscaling.py) sizes both pools with `size_fleet`:
+  1. prefill: a replica serves a prompt of S tokens in `prefill_time(S)`; the router sends each prompt
+     to the least-loaded replica, so the pool is an M/D/P queue: TTFT p90 ~ s + the p90 of the
+     Erlang-C (M/M/P) wait, halved for deterministic service; the least P meeting the SLO;
+  2. decode: the largest batch B whose step meets the TPOT SLO, fits the KV budget and `max_num_seqs`;
+     a replica then emits B / tpot(B) tokens/s; D = rate * (out - 1) / (utilization * B / tpot(B));
+  3. `correction` factors (measured / predicted, from the live percentiles) scale both service times.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+@dataclass(frozen=True)
+class StepModel:
+    """One replica's engine as the roofline sees it, with calibrated efficiencies and engine limits."""
+    params: float                   # N, parameters
+    weight_bytes: float             # N b
+    kv_bytes_per_token: float       # kappa
+    peak_flops: float               # F
+    mem_bw: float                   # W, bytes/s
+    link_bw: float                  # prefill -> decode KV transfer, bytes/s
+    prefill_eff: float = 1.0
+    decode_eff: float = 1.0
+    kv_tokens: int = 1 << 20        # tokens of KV one replica holds
+    max_num_seqs: int = 256         # running batch limit
+    max_batched_tokens: int = 8192  # token budget of one step (prefill chunk)
+
+    def __post_init__(self):
+        for k, v in asdict(self).items():
+            if not v > 0:
+                raise ValueError(f"StepModel.{k} must be positive, got {v!r}")
+
+    def step_time(self, prefill_tokens: float, decode_seqs: float = 0, decode_context_tokens: float = 0) -> float:
+        compute = 2 * self.params * (prefill_tokens + decode_seqs) / (self.peak_flops * self.prefill_eff)
+        memory = (self.weight_bytes + self.kv_bytes_per_token * (decode_context_tokens + prefill_tokens)) \
+            / (self.mem_bw * self.decode_eff)
+        return max(compute, memory)
+
+    def prefill_time(self, prompt_tokens: float) -> float:
+        """Prefill of one prompt alone, in chunks of `max_batched_tokens`."""
+        chunks = max(1, math.ceil(prompt_tokens / self.max_batched_tokens))
+        return sum(self.step_time(min(self.max_batched_tokens, prompt_tokens - i * self.max_batched_tokens))
+                   for i in range(chunks))
+
+    def tpot(self, batch: float, context: float) -> float:
+        """Decode step time of `batch` sequences of mean KV length `context`."""
+        return self.step_time(0, batch, batch * context)
+
+    def transfer_time(self, prompt_tokens: float) -> float:
+        return self.kv_bytes_per_token * prompt_tokens / self.link_bw
+
+
+@dataclass(frozen=True)
+class Workload:
+    rate: float           # requests/s
+    input_len: float      # mean prompt tokens
+    output_len: float     # mean output tokens
+
+
+@dataclass(frozen=True)
+class FleetSize:
+    prefill: int
+    decode: int
+    decode_batch: int
+    ttft_p90: float       # predicted at these counts
+    tpot: float           # predicted at decode_batch
+    reason: str
+
+
+def erlang_c(servers: int, load: float) -> float:
+    """Probability an arrival waits in an M/M/c queue with `servers` and offered `load` (= rate x service)."""
+    if load >= servers:
+        return 1.0
+    b = 1.0                               # Erlang B by recursion, then C
+    for k in range(1, servers + 1):
+        b = load * b / (k + load * b)
+    rho = load / servers
+    return b / (1 - rho + rho * b)
+
+
+def ttft_p90(service: float, rate: float, replicas: int = 1) -> float:
+    """Predicted TTFT p90 of a prefill pool of `replicas` fed `rate` prompts/s; inf if saturated.
+
+    M/M/c wait tail P(W > t) = C exp(-(c - a) t / s), so its p90 is s ln(10 C) / (c - a) when C > 0.1;
+    halved, as an M/D/c queue waits about half as long."""
+    load = rate * service
+    if load >= replicas:
+        return math.inf
+    c = erlang_c(replicas, load)
+    wait = service * math.log(10 * c) / (replicas - load) / 2 if c > 0.1 else 0.0
+    return service + wait
+
+
+def decode_batch(m: StepModel, w: Workload, tpot_slo: float, correction: float = 1.0) -> int:
+    """Largest batch meeting the TPOT SLO within the KV budget and max_num_seqs (0: unreachable)."""
+    context = w.input_len + w.output_len / 2
+    kv_limit = int(m.kv_tokens // max(w.input_len + w.output_len, 1))
+    lo, hi = 0, min(m.max_num_seqs, kv_limit)
+    while lo < hi:                      # tpot is monotone in the batch
+        mid = (lo + hi + 1) // 2
+        if m.tpot(mid, context) * correction <= tpot_slo:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def size_fleet(m: StepModel, w: Workload, ttft_slo: float, tpot_slo: float, utilization: float = 0.8,
+               correction: tuple[float, float] = (1.0, 1.0), max_replicas: int = 100_000) -> FleetSize:
+    """The least prefill and decode replicas predicted to meet both SLOs at this workload.
+
+    `utilization` caps how busy the decode pool runs at its SLO batch (headroom for bursts);
+    `correction` = (prefill, decode) multipliers of the service times. Unreachable SLOs return
+    counts of 0 with the reason.
+    """
+    cp, cd = correction
+    service = m.prefill_time(w.input_len) * cp
+    batch = decode_batch(m, w, tpot_slo, cd)
+    if service > ttft_slo or batch == 0:
+        why = "TTFT" if service > ttft_slo else "TPOT/KV"
+        return FleetSize(0, 0, batch, service, m.tpot(1, w.input_len) * cd, f"{why} SLO unreachable per replica")
+    prefill = max(1, math.ceil(w.rate * service))
+    while prefill < max_replicas and ttft_p90(service, w.rate, prefill) > ttft_slo:
+        prefill += 1
+    tpot = m.tpot(batch, w.input_len + w.output_len / 2) * cd
+    tokens_per_s = utilization * batch / tpot
+    decode = max(1, math.ceil(w.rate * max(w.output_len - 1, 0) / tokens_per_s))
+    return FleetSize(prefill, min(decode, max_replicas), batch, ttft_p90(service, w.rate, prefill), tpot,
+                     f"decode batch {batch}")

@@ -1,0 +1,130 @@
+"""The SLO policy's decision, shared by the Serve policy (serving/slo_autoscaling.py) and the simulator.
+
+Each tick, from an `Observation` of the last window (arrival rate, mean prompt/output lengths, measured
+TTFT/TPOT p90 at the router):
+  1. correct: compare the measured p90s with what the model predicts at the current counts and this
+     load; move each correction factor (prefill, decode) geometrically toward measured / predicted
+     (`gain` per tick, each step within x0.5..x2, the factor within `bounds`); needs `min_samples`;
+  2. size: `size_fleet` gives the least prefill and decode counts meeting both SLOs at the arrival rate
+     plus the backlog drained over `drain_s` (queued prompt tokens for prefill, requests waiting at the
+     router for decode): a fleet sized for the arrival rate alone never drains a queue built while
+     replicas were starting;
+  3. hysteresis, per pool: scale up to the sized count at once; scale down one replica per tick, only
+     when the load / (1 - hysteresis) still fits one replica fewer and no replica is warming up;
+  4. no observation (the router has not reported) holds both pools; an SLO no replica count can meet
+     holds them too, with the reason.
+Bounds (min/max) and Serve's upscale/downscale delays are applied by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from serving.slo_model import StepModel, Workload, size_fleet, ttft_p90
+
+
+@dataclass(frozen=True)
+class SloTargets:
+    ttft_slo: float
+    tpot_slo: float
+    utilization: float = 0.8       # decode pool's busy fraction at its SLO batch
+    hysteresis: float = 0.2
+    gain: float = 0.5              # how far one tick moves a correction toward measured / predicted
+    bounds: tuple[float, float] = (0.25, 8.0)
+    min_samples: int = 20          # completed requests in the window before correcting
+    drain_s: float = 20.0          # a backlog is sized to drain within this long
+
+    def __post_init__(self):
+        if not (self.ttft_slo > 0 and self.tpot_slo > 0 and 0 < self.utilization <= 1
+                and 0 <= self.hysteresis < 1 and 0 <= self.gain <= 1 and self.drain_s > 0 and 0 < self.bounds[0] <= 1 <= self.bounds[1]):
+            raise ValueError(f"invalid SLO targets {self}")
+
+
+@dataclass(frozen=True)
+class Observation:
+    rate: float                    # arrivals/s over the window
+    input_len: float               # mean prompt tokens of the window's requests
+    output_len: float              # mean output tokens
+    ttft_p90: float | None = None  # measured at the router; None without enough samples
+    tpot_p90: float | None = None
+    samples: int = 0               # completed requests behind the percentiles
+    queued_prompt_tokens: float = 0.0   # prefill backlog now (the prefill replicas' autoscaling metric)
+    waiting_requests: float = 0.0       # requests the router holds for want of decode KV
+
+
+@dataclass(frozen=True)
+class SloDecision:
+    prefill: int
+    decode: int
+    correction: tuple[float, float]
+    predicted_ttft_p90: float
+    predicted_tpot: float
+    reason: str
+
+
+def predicted_tpot(m: StepModel, w: Workload, decode: int, correction: float) -> float:
+    """TPOT at `decode` replicas: the batch B solving B = rate * (out - 1) * tpot(B) / decode (Little)."""
+    context, batch = w.input_len + w.output_len / 2, 1.0
+    for _ in range(20):
+        tpot = m.tpot(batch, context) * correction
+        batch = min(max(1.0, w.rate * max(w.output_len - 1, 0) * tpot / decode), m.max_num_seqs)
+    return m.tpot(batch, context) * correction
+
+
+def _corrected(factor: float, measured: float | None, predicted: float, slo: float, t: SloTargets,
+               samples: int) -> float:
+    """Only where the model predicts the SLO is met at the current counts: beyond it the fleet is short,
+    a backlog (which the model does not price) is expected, and scaling up, not a correction, is the fix."""
+    if measured is None or samples < t.min_samples or not 0 < predicted <= slo or measured <= 0:
+        return factor
+    step = min(2.0, max(0.5, (measured / predicted) ** t.gain))
+    return min(t.bounds[1], max(t.bounds[0], factor * step))
+
+
+def _step(current: int, sized: int, sized_with_margin: int, warming: bool) -> int:
+    if sized > current:
+        return sized
+    if current > 1 and not warming and sized_with_margin <= current - 1:
+        return current - 1
+    return current
+
+
+def has_backlog(m: StepModel, obs: Observation | None, prefill: int) -> bool:
+    """More queued prompt tokens than one step of every prefill replica, or requests waiting for KV."""
+    return obs is not None and (obs.waiting_requests > 0 or obs.queued_prompt_tokens > prefill * m.max_batched_tokens)
+
+
+def decide(m: StepModel, t: SloTargets, obs: Observation | None, prefill: int, decode: int,
+           correction: tuple[float, float] = (1.0, 1.0), warming: bool = False, quiet: bool = True) -> SloDecision:
+    """Replica counts for both pools (see the module docstring); `prefill`/`decode` are the current counts.
+    `quiet`: no backlog during the measurement window (the caller tracks it with `has_backlog`); the
+    window's percentiles of requests that waited through a backlog would teach the model queueing."""
+    prefill, decode = max(prefill, 1), max(decode, 1)
+    if obs is None:
+        return SloDecision(prefill, decode, correction, math.nan, math.nan, "no router metrics yet")
+    w = Workload(max(obs.rate, 0.0), max(obs.input_len, 1.0), max(obs.output_len, 1.0))
+    cp, cd = correction
+    backlog_p = obs.queued_prompt_tokens / w.input_len / t.drain_s
+    backlog_d = obs.waiting_requests / t.drain_s
+    if w.rate > 0 and not warming and quiet and not has_backlog(m, obs, prefill):
+        cp = _corrected(cp, obs.ttft_p90, ttft_p90(m.prefill_time(w.input_len) * cp, w.rate, prefill), t.ttft_slo,
+                        t, obs.samples)
+        cd = _corrected(cd, obs.tpot_p90, predicted_tpot(m, w, decode, cd), t.tpot_slo, t, obs.samples)
+    def sized(scale: float):
+        size_p = size_fleet(m, replace(w, rate=(w.rate + backlog_p) * scale), t.ttft_slo, t.tpot_slo,
+                            t.utilization, (cp, cd))
+        size_d = size_fleet(m, replace(w, rate=(w.rate + backlog_d) * scale), t.ttft_slo, t.tpot_slo,
+                            t.utilization, (cp, cd))
+        return size_p, size_d.decode
+
+    (size, need_d) = sized(1.0)
+    if size.prefill == 0:
+        return SloDecision(prefill, decode, (cp, cd), size.ttft_p90, size.tpot, "hold: " + size.reason)
+    margin, margin_d = sized(1 / (1 - t.hysteresis))
+    new_p = _step(prefill, size.prefill, margin.prefill, warming)
+    new_d = _step(decode, need_d, margin_d, warming)
+    return SloDecision(new_p, new_d, (cp, cd), size.ttft_p90, size.tpot,
+                       f"{w.rate:.3g} req/s of {w.input_len:.0f}/{w.output_len:.0f} tokens"
+                       f"{' + backlog' if backlog_p or backlog_d else ''} needs {size.prefill}P:{need_d}D "
+                       f"({size.reason}, correction {cp:.2f}/{cd:.2f})")

@@ -1,0 +1,172 @@
+"""`pdserve simulate`: the discrete-event simulator against hand-computed timings, KV budgets,
+routing, autoscaling and the CLI (pure Python, fast)."""
+
+import math
+
+import pytest
+
+from pdserve.cli import main
+from pdserve.plan.sim_load import Request, parse_schedule, poisson, read_trace
+from pdserve.plan.sim_report import summarize
+from pdserve.plan.sim_scaling import Bounds, PerPoolScaler, SloScaler
+from pdserve.plan.sim_replicas import DecodeReplica
+from pdserve.plan.simulator import Fleet, Simulator, replica_seconds
+from serving.slo_model import StepModel
+from serving.slo_policy import SloTargets
+
+# 1 GFLOP per token-pass, 1 GB of weights: a step of T prompt tokens + B sequences costs
+# max((T + B) / 1000, (1 + ctx * 1e-6)) ms-ish; numbers below chosen so each term is easy to follow
+M = StepModel(params=5e8, weight_bytes=1e9, kv_bytes_per_token=1e5, peak_flops=1e12, mem_bw=1e12, link_bw=1e9,
+              kv_tokens=10_000, max_num_seqs=8, max_batched_tokens=512)
+
+
+def req(i, t, n_in, n_out):
+    return Request(i, t, n_in, n_out)
+
+
+def test_step_model_prices_compute_and_memory():
+    assert M.step_time(512) == pytest.approx(max(2 * 5e8 * 512 / 1e12, (1e9 + 1e5 * 512) / 1e12))   # 0.512 s compute
+    assert M.step_time(0, 2, 20000) == pytest.approx((1e9 + 1e5 * 20000) / 1e12)                      # memory-bound
+    assert M.prefill_time(1024) == pytest.approx(2 * M.step_time(512))                              # two chunks
+    with pytest.raises(ValueError):
+        StepModel(0, 1, 1, 1, 1, 1)
+
+
+def test_one_request_disaggregated_matches_hand_timing():
+    r = req(0, 0.0, 1024, 5)
+    res = Simulator(M, Fleet("disaggregated", 1, 1)).run([r], 10.0)
+    assert r.ttft == pytest.approx(2 * M.step_time(512))                 # chunked: two prefill steps
+    transfer = 1e5 * 1024 / 1e9
+    steps = sum(M.step_time(0, 1, 1025 + k) for k in range(4))           # context grows one token a step
+    assert r.end - r.first == pytest.approx(transfer + steps)
+    assert res.timeline == [] and replica_seconds(res) == pytest.approx(20.0)
+
+
+def test_short_prompts_share_a_prefill_step():
+    # a starts a step at once; b and c arrive during it and share the next one (chunked prefill)
+    a, b, c = req(0, 0.0, 100, 2), req(1, 0.01, 200, 2), req(2, 0.02, 200, 2)
+    Simulator(M, Fleet("disaggregated", 1, 1)).run([a, b, c], 10.0)
+    assert a.first == pytest.approx(M.step_time(100))
+    assert b.first == c.first == pytest.approx(a.first + M.step_time(400))
+
+
+def test_colocated_one_request():
+    r = req(0, 0.0, 100, 3)
+    Simulator(M, Fleet("colocated", 1)).run([r], 10.0)
+    assert r.ttft == pytest.approx(M.step_time(100))
+    assert r.end - r.first == pytest.approx(M.step_time(0, 1, 101) + M.step_time(0, 1, 102))
+
+
+def test_kv_budget_makes_the_router_wait_and_reservations_return():
+    # each request reserves 6000 of 10000 KV tokens: the second waits until the first ends
+    a, b = req(0, 0.0, 5000, 1000), req(1, 0.0, 5000, 1000)
+    sim = Simulator(M, Fleet("disaggregated", 1, 1))
+    sim.run([a, b], 100.0, drain_s=10_000)
+    assert a.end > 0 and b.end > 0
+    assert b.first == pytest.approx(a.end + M.prefill_time(5000))     # b was routed when a freed its KV
+    assert all(r.kv_reserved == 0 for r in sim.pools["decode"])
+
+
+def test_continuous_batching_and_max_num_seqs():
+    d = DecodeReplica(0, M, 0.0, 0.0)
+    reqs = [req(i, 0.0, 10, 3 + i % 2) for i in range(10)]
+    for r in reqs:
+        d.kv_reserved += r.input_len + r.output_len
+        d.add(r)
+    end = d.start(0.0)
+    assert d.stepping == 8 and end == pytest.approx(M.step_time(0, 8, 8 * 11))   # at most max_num_seqs
+    assert d.end(end) == [] and d.batch.context == 8 * 12
+    t = d.start(end)
+    done = d.end(t)                              # the 3-token outputs (2 decode steps) end now
+    assert sorted(r.id for r in done) == [0, 2, 4, 6]
+    t2 = d.start(t)
+    assert d.stepping == 6                       # the two waiting sequences joined the running four
+    while t2 is not None:
+        d.end(t2)
+        t2 = d.start(t2)
+    assert all(r.end > 0 for r in reqs) and d.kv_reserved == 0 and d.idle()
+
+
+def test_many_replicas_route_by_sampling_and_every_request_ends():
+    reqs = poisson([(0, 200)], 5.0, 64, 8, seed=3)
+    sim = Simulator(M, Fleet("disaggregated", 100, 100))
+    res = sim.run(reqs, 5.0)
+    assert all(r.end > 0 for r in reqs)
+    s = summarize(res, 10, 10)
+    assert s["finished"] == len(reqs) and s["mean_replicas"] == pytest.approx(200)
+
+
+def test_slo_scaler_grows_both_pools_on_a_step_and_shrinks_after():
+    b = Bounds(1, 50, upscale_delay_s=1, downscale_delay_s=5, warmup_s=5)
+    fast = StepModel(5e8, 1e9, 1e5, 1e13, 1e12, 1e9, kv_tokens=100_000, max_num_seqs=4, max_batched_tokens=2048)
+    scaler = SloScaler(fast, SloTargets(0.5, 0.02), b, b)
+    schedule = [(0.0, 1.0), (30.0, 40.0), (90.0, 1.0)]
+    reqs = poisson(schedule, 240.0, 512, 256, seed=1)
+    res = Simulator(fast, Fleet("disaggregated", 1, 1, scaler, startup_s=5)).run(reqs, 240.0)
+    peak_p = max(p for _, p, _ in res.timeline)
+    peak_d = max(d for _, _, d in res.timeline)
+    assert peak_p >= 2 and peak_d >= 2
+    assert res.timeline[-1][1:] < (peak_p, peak_d)
+    downs = [(a[1] - b[1], a[2] - b[2]) for a, b in zip(res.timeline, res.timeline[1:])]
+    assert all(dp <= 1 and dd <= 1 for dp, dd in downs)      # one replica at a time on the way down
+    assert all(r.end > 0 for r in reqs)
+
+
+def test_per_pool_scaler_scales_on_queued_tokens():
+    b = Bounds(1, 8, upscale_delay_s=0, downscale_delay_s=0, warmup_s=0)
+    reqs = poisson([(0.0, 20.0)], 20.0, 1000, 4, seed=2)
+    res = Simulator(M, Fleet("disaggregated", 1, 1, PerPoolScaler(b, b, target_queued_tokens=1000),
+                             startup_s=1)).run(reqs, 20.0)
+    assert max(p for _, p, _ in res.timeline) > 1
+
+
+def test_load_generation_and_traces(tmp_path):
+    assert parse_schedule("0:5,60:50") == [(0.0, 5.0), (60.0, 50.0)]
+    with pytest.raises(ValueError):
+        parse_schedule("10:5")
+    reqs = poisson([(0.0, 50.0)], 100.0, 100, 10, jitter=0.5, seed=0)
+    assert abs(len(reqs) - 5000) < 300 and all(50 <= r.input_len <= 150 for r in reqs)
+    assert all(a.arrival <= b.arrival for a, b in zip(reqs, reqs[1:]))
+    p = tmp_path / "t.csv"
+    p.write_text("arrival_s,input_len,output_len\n1.5,100,10\n0.5,20,2\n")
+    assert [(r.arrival, r.input_len) for r in read_trace(p)] == [(0.5, 20), (1.5, 100)]
+    p.write_text("1,-1,2\n")
+    with pytest.raises(ValueError):
+        read_trace(p)
+
+
+def test_cli_fixed_fleet_policy_and_comparison(tmp_path, capsys):
+    assert main(["simulate", "--fleet", "2:1", "--rate", "5", "--duration", "10", "--json",
+                 str(tmp_path / "a.json")]) == 0
+    assert "| 2:1 |" in capsys.readouterr().out
+    assert main(["simulate", "--policy", "slo", "--schedule", "0:1,10:20", "--duration", "30",
+                 "--startup-s", "5", "--plot", str(tmp_path / "b.png")]) == 0
+    assert (tmp_path / "b.png").stat().st_size > 0
+    assert main(["simulate", "--rates", "1,5", "--duration", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended:" in out and "best P:D" in out
+    assert main(["simulate", "--fleet", "x:y"]) == 2
+    assert main(["simulate", "--policy", "slo"]) == 2
+
+
+def test_goodput_counts_only_requests_meeting_both_slos():
+    a, b = req(0, 0.0, 10, 3), req(1, 0.0, 10, 3)
+    a.first, a.end, b.first, b.end = 0.1, 0.3, 2.0, 2.2
+    from pdserve.plan.simulator import Result
+    s = summarize(Result([a, b], 10.0, [(0.0, math.inf)]), ttft_slo=1.0, tpot_slo=0.5)
+    assert s["goodput"] == pytest.approx(0.1) and s["attainment"] == 0.5 and s["replica_seconds"] == 10.0
+
+
+def test_validate_against_a_bench_report(capsys):
+    from pathlib import Path
+
+    from pdserve.plan.calibrate import calibrate, load_report
+    from pdserve.plan.roofline import HARDWARE, MODELS
+    report = load_report(Path(__file__).parents[1] / "docs" / "bench_cpu.json")
+    assert calibrate(report, MODELS["smollm2-135m"], HARDWARE["h100"], "rate 0.5/s").run.load == 0.5
+    with pytest.raises(ValueError):
+        calibrate(report, MODELS["smollm2-135m"], HARDWARE["h100"], "rate 7/s")
+    assert main(["simulate", "--model", "smollm2-135m", "--hardware", "h100", "--seeds", "2", "--validate",
+                 str(Path(__file__).parents[1] / "docs" / "bench_cpu.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| rate ") == 3 and "worst sim/meas" in out

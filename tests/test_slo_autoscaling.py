@@ -1,0 +1,153 @@
+"""The SLO policy as Serve runs it: inside Serve's application-level wrapper
+(`_apply_app_level_autoscaling_config`, which adds each pool's bounds and delays), with synthetic
+contexts for the prefill pool, the decode pool and the router. Plus the router's window and the
+config wiring (torch-free, fast)."""
+
+import dataclasses
+
+import pytest
+from ray.serve._private.common import DeploymentID
+from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+from ray.serve.schema import ServeApplicationSchema
+
+from pdserve.app_builder import _pool_options, application_config
+from router.slo_window import SloWindow
+from serving.config import AppConfig, PoolConfig
+from serving.slo_autoscaling import INPUT, OUTPUT, RATE, SAMPLES, TPOT_P90, TTFT_P90, SloPolicy
+from serving.slo_model import StepModel, Workload, size_fleet, ttft_p90
+from serving.slo_policy import predicted_tpot
+
+MODEL = StepModel(params=5e8, weight_bytes=1e9, kv_bytes_per_token=1e5, peak_flops=1e13, mem_bw=1e12,
+                  link_bw=1e9, kv_tokens=100_000, max_num_seqs=4, max_batched_tokens=2048)
+IDS = {name: DeploymentID(name=name, app_name="app") for name in ("PrefillServer", "DecodeServer", "Router")}
+OLD = {"first_seen": {f"{p}/{k}r{i}": 0.0 for p in "pd" for k in ("PrefillServer", "DecodeServer")
+                      for i in range(8)}}
+
+
+def ctx(name, replicas, metrics=None, state=None, now=100.0, min_r=1, max_r=8, up=0.0, down=0.0):
+    ids = [f"{name}r{i}" for i in range(replicas)]
+    per_replica = {k: dict(zip(ids, v if isinstance(v, list) else [v] * replicas)) for k, v in (metrics or {}).items()}
+    return AutoscalingContext(
+        deployment_id=IDS[name], deployment_name=name, app_name="app", current_num_replicas=replicas,
+        target_num_replicas=replicas, running_replicas=ids, total_num_requests=0.0, total_queued_requests=0.0,
+        aggregated_metrics=per_replica, raw_metrics={}, capacity_adjusted_min_replicas=min_r,
+        capacity_adjusted_max_replicas=max_r, policy_state=dict(state or {}), last_scale_up_time=None,
+        last_scale_down_time=None, current_time=now,
+        config=AutoscalingConfig(min_replicas=min_r, max_replicas=max_r, upscale_delay_s=up, downscale_delay_s=down))
+
+
+def router(rate, n_in=512.0, n_out=256.0, ttft=0.0, tpot=0.0, samples=0.0):
+    return {RATE: rate, INPUT: n_in, OUTPUT: n_out, TTFT_P90: ttft, TPOT_P90: tpot, SAMPLES: samples}
+
+
+def run(policy, p, d, r, **kw):
+    contexts = {c.deployment_id: c for c in (p, d, r) if c is not None}
+    decisions, states = _apply_app_level_autoscaling_config(policy)(contexts)
+    return decisions.get(IDS["PrefillServer"]), decisions.get(IDS["DecodeServer"]), states
+
+
+def policy(**kw):
+    return SloPolicy(model=dataclasses.asdict(MODEL), ttft_slo=0.5, tpot_slo=0.02, **kw)
+
+
+def test_a_load_step_sets_both_pools_to_the_planned_counts():
+    expected = size_fleet(MODEL, Workload(40.0, 512, 256), 0.5, 0.02)
+    assert expected.prefill >= 2 and expected.decode >= 2            # the step needs both pools to grow
+    p, d, states = run(policy(), ctx("PrefillServer", 1, {"queued_prompt_tokens": 0}, OLD),
+                       ctx("DecodeServer", 1, {}, OLD), ctx("Router", 1, router(40.0), max_r=1))
+    assert (p, d) == (expected.prefill, expected.decode)
+    assert "needs" in states[IDS["PrefillServer"]]["last_reason"]
+    # light load before the step: one replica each
+    p, d, _ = run(policy(), ctx("PrefillServer", 1, {}, OLD), ctx("DecodeServer", 1, {}, OLD),
+                  ctx("Router", 1, router(1.0), max_r=1))
+    assert (p, d) == (1, 1)
+
+
+def test_holds_without_router_metrics():
+    for r in (None, ctx("Router", 1, {}, max_r=1)):
+        p, d, states = run(policy(), ctx("PrefillServer", 3, {}, OLD), ctx("DecodeServer", 2, {}, OLD), r)
+        assert (p, d) == (3, 2)
+        assert states[IDS["PrefillServer"]]["last_reason"] == "no router metrics yet"
+
+
+def test_scales_down_one_step_at_a_time_and_not_while_warming():
+    pol, state = policy(), dict(OLD)
+    counts = (6, 5)
+    for expected in ((5, 4), (4, 3), (3, 2), (2, 1), (1, 1)):
+        p, d, states = run(pol, ctx("PrefillServer", counts[0], {}, state), ctx("DecodeServer", counts[1], {}, OLD),
+                           ctx("Router", 1, router(0.1), max_r=1))
+        assert (p, d) == expected
+        counts, state = (p, d), states[IDS["PrefillServer"]]
+    fresh = {"first_seen": {}}                       # replicas first seen now: warming up, no scale-down
+    assert run(pol, ctx("PrefillServer", 4, {}, fresh), ctx("DecodeServer", 4, {}, fresh),
+               ctx("Router", 1, router(0.1), max_r=1))[:2] == (4, 4)
+
+
+def test_bounds_and_serve_delays_apply_per_pool():
+    p, d, _ = run(policy(), ctx("PrefillServer", 1, {}, OLD, max_r=2), ctx("DecodeServer", 1, {}, OLD, min_r=1, max_r=3),
+                  ctx("Router", 1, router(400.0), max_r=1))
+    assert (p, d) == (2, 3)
+    # an upscale delay: Serve's wrapper holds the first tick's scale-up
+    p, d, _ = run(policy(), ctx("PrefillServer", 1, {}, OLD, up=30), ctx("DecodeServer", 1, {}, OLD, up=30),
+                  ctx("Router", 1, router(40.0), max_r=1))
+    assert (p, d) == (1, 1)
+
+
+def test_measured_percentiles_correct_the_model():
+    pol = policy()
+    w = Workload(15.0, 512, 256)
+    plain = size_fleet(MODEL, w, 0.5, 0.02)
+    tpot_pred = predicted_tpot(MODEL, w, plain.decode, 1.0)
+    ttft_pred = ttft_p90(MODEL.prefill_time(512), 15.0, plain.prefill)
+    state = dict(OLD)
+    for _ in range(6):                    # measured TPOT twice the prediction, TTFT as predicted
+        p, d, states = run(pol, ctx("PrefillServer", plain.prefill, {}, state),
+                           ctx("DecodeServer", plain.decode, {}, OLD),
+                           ctx("Router", 1, router(15.0, ttft=ttft_pred, tpot=2 * tpot_pred, samples=100), max_r=1))
+        state = states[IDS["PrefillServer"]]
+    cp, cd = state["correction"]
+    assert cd == pytest.approx(2.0, rel=0.2) and cp == pytest.approx(1.0)
+    assert d > plain.decode                # the slower decode than modelled needs more replicas
+
+
+def test_a_backlog_grows_prefill_beyond_the_arrival_rate():
+    base = run(policy(), ctx("PrefillServer", 1, {"queued_prompt_tokens": 0}, OLD), ctx("DecodeServer", 1, {}, OLD),
+               ctx("Router", 1, router(10.0), max_r=1))
+    more = run(policy(), ctx("PrefillServer", 1, {"queued_prompt_tokens": 200_000}, OLD),
+               ctx("DecodeServer", 1, {}, OLD), ctx("Router", 1, router(10.0), max_r=1))
+    assert more[0] > base[0]
+
+
+def test_router_window():
+    w = SloWindow(window_s=10)
+    for t in range(20):
+        w.arrived(float(t), 100 + t)
+    for t in range(10, 20):
+        w.finished(float(t), ttft=0.1 * (t - 9), tpot=0.01, output_tokens=32)
+    s = w.snapshot(19.5)
+    assert s[RATE] == pytest.approx(10 / 10) and s[INPUT] == pytest.approx(sum(100 + t for t in range(10, 20)) / 10)
+    assert s[OUTPUT] == 32 and s[SAMPLES] == 10 and s[TTFT_P90] == pytest.approx(0.9) and s[TPOT_P90] == 0.01
+    assert SloWindow().snapshot(5.0)[RATE] == 0.0
+
+
+def test_config_wiring(monkeypatch):
+    with pytest.raises(ValueError):
+        AppConfig.model_validate({"mode": "colocated", "autoscaling": {"ttft_slo": 1, "tpot_slo": 0.1}})
+    with pytest.raises(ValueError):
+        AppConfig.model_validate({"autoscaling": {"ttft_slo": 1, "tpot_slo": 0.1},
+                                  "decode": {"autoscaling": {"max_replicas": 2}}})
+    cfg = AppConfig.model_validate({"autoscaling": {"ttft_slo": 1, "tpot_slo": 0.1, "hardware": "h100",
+                                                    "prefill_eff": 0.5, "decode_eff": 0.5,
+                                                    "decode": {"max_replicas": 6}}})
+    opts = _pool_options("decode", cfg.decode, None, slo=cfg.autoscaling)
+    assert "num_replicas" not in opts and opts["autoscaling_config"]["max_replicas"] == 6
+    assert "policy" not in opts["autoscaling_config"]                  # the app's policy decides
+    AutoscalingConfig(**opts["autoscaling_config"])
+    monkeypatch.setattr("pdserve.app_builder.resolve_model", lambda *a, **k: "qwen2.5-7b")
+    app = application_config(cfg, "x", "/")
+    assert app["autoscaling_policy"]["policy_function"] == "serving.slo_autoscaling:SloPolicy"
+    ServeApplicationSchema(**app)                                       # Serve accepts it
+    kwargs = app["autoscaling_policy"]["policy_kwargs"]
+    assert SloPolicy(**kwargs).m.prefill_eff == 0.5 and kwargs["ttft_slo"] == 1
+    assert "autoscaling_policy" not in application_config(AppConfig(), "x")
