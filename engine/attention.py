@@ -88,7 +88,7 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
         if meta.kernels is not None:
             o = meta.kernels.paged_decode_attention(q, pool, dec.tables, dec.lens, layer, scale)
         else:
-            o = _gathered_decode(layer, q, pool, dec, scale)
+            o = gathered_decode(layer, q, pool, dec, scale)
         if meta.all_decode:
             return o
         out[dec.rows] = o
@@ -108,7 +108,7 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     return out
 
 
-def _gathered_decode(layer: int, q: torch.Tensor, pool: torch.Tensor, dec: DecodeBatch, scale: float):
+def gathered_decode(layer: int, q: torch.Tensor, pool: torch.Tensor, dec: DecodeBatch, scale: float):
     """The torch backend: keys gathered a whole block at a time, then one masked sdpa call.
     The query heads of one KV head attend as a group (sdpa's query axis), so K/V heads are
     never repeated for GQA."""

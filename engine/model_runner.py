@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan, token_slots
+from engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan, gathered_decode, token_slots
 from engine.config import EngineConfig, parse_kv_memory
 from engine.cuda_graphs import DecodeGraphs
 from engine.decoder import DecoderModel
@@ -72,6 +72,34 @@ def attention_kernels(spec: str, device: torch.device, dtype: torch.dtype):
             raise ValueError(f"attention_backend='paged' on {device} needs Triton ({exc}); use auto or torch") from exc
         return None, "torch"
     return TritonKernels(), "triton_paged"
+
+
+def paged_kernel_problem(kernels, num_heads: int, shape: KVShape, device: torch.device,
+                         dtype: torch.dtype) -> str | None:
+    """None if `kernels.paged_decode_attention` gives the torch backend's decode attention on a
+    small random pool of this geometry (shuffled blocks, ragged lengths), else what went wrong."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        bs, layers = shape.block_size, 2
+        n_blocks, width = 7, 3
+        pool = torch.randn(n_blocks, layers, 2, bs, shape.num_kv_heads, shape.head_dim, generator=g)
+        pool = pool.to(device, dtype)
+        tables = torch.randperm(n_blocks, generator=g)[:2 * width].view(2, width).to(device)
+        lens = torch.tensor([2 * bs + 1, 3 if bs > 3 else 1], device=device)
+        q = torch.randn(2, num_heads, shape.head_dim, generator=g).to(device, dtype)
+        scale = shape.head_dim ** -0.5
+        out = kernels.paged_decode_attention(q, pool, tables, lens, 1, scale).float()
+        k_rows = tables * (2 * layers)
+        mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        dec = DecodeBatch(torch.arange(2, device=device), blocks=torch.stack((k_rows, k_rows + 1)).view(-1), mask=mask)
+        ref = gathered_decode(1, q, pool, dec, scale).float()
+    except Exception as exc:  # noqa: BLE001 - any failure is the answer
+        return f"{type(exc).__name__}: {exc}"
+    err = (out - ref).abs().max().item()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    if not err <= tol * max(1.0, ref.abs().max().item()):
+        return f"max difference {err:.3g} from the torch backend"
+    return None
 
 
 def weight_format(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
@@ -143,9 +171,28 @@ class ModelRunner:
                  self.kv_pool.numel() * self.kv_pool.element_size() / 2**20, self.device, s.dtype,
                  self.attention_backend)
         self.graphs = None
+        if self.device.type == "cuda" and self.kernels is not None:
+            self._check_cuda_kernels()
         if self.device.type == "cuda" and config.cuda_graphs and self.kernels is not None:
-            self.graphs = DecodeGraphs(self.model, self.kv_pool, self.kernels, config.max_num_seqs,
-                                       -(-self.max_model_len // s.block_size))
+            try:
+                self.graphs = DecodeGraphs(self.model, self.kv_pool, self.kernels, config.max_num_seqs,
+                                           -(-self.max_model_len // s.block_size))
+            except Exception as exc:  # noqa: BLE001 - eager decode still works
+                log.warning("CUDA graph capture failed (%s: %s); decode runs eagerly", type(exc).__name__, exc)
+
+    def _check_cuda_kernels(self) -> None:
+        """At start on CUDA, the Triton kernel must agree with the torch backend on a small
+        random case; if it fails to compile or disagrees, auto falls back to torch (a warning),
+        an explicit `paged` refuses to start."""
+        problem = paged_kernel_problem(self.kernels, self.model.num_heads, self.kv_shape, self.device, self.dtype)
+        if problem is None:
+            return
+        if self.config.attention_backend == "paged":
+            raise ValueError(f"attention_backend='paged': the paged kernel failed its check on {self.device}: "
+                             f"{problem}")
+        log.warning("paged attention kernel failed its check on %s (%s); using the torch backend",
+                    self.device, problem)
+        self.kernels, self.attention_backend = None, "torch"
 
     # ---- sizing ----------------------------------------------------------------------------
     def _num_blocks(self, at_start: tuple[int, int, int] | None) -> int:

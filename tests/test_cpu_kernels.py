@@ -19,7 +19,7 @@ from engine.attention import AttentionMetadata, DecodeBatch, paged_attention
 from engine.config import EngineConfig
 from engine.kernels import cpu_kernels
 from engine.llm_engine import LLMEngine
-from engine.model_runner import attention_kernels
+from engine.model_runner import KVShape, attention_kernels, paged_kernel_problem
 from engine.sampling_params import SamplingParams
 from tiny_models import tiny_model_dir
 
@@ -152,3 +152,25 @@ def test_backend_choice_and_refusals():
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(model="m", attention_backend="flash")
     assert attention_kernels("auto", cpu, torch.float32)[1] == ("torch" if KERNELS is None else "cpu_paged")
+
+
+def test_the_start_up_check_of_a_paged_kernel():
+    # what a CUDA runner runs on its Triton kernel before trusting it (a failure falls back to torch)
+    shape = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
+    cpu = torch.device("cpu")
+    if KERNELS is not None:
+        assert paged_kernel_problem(KERNELS, 9, shape, cpu, torch.bfloat16) is None
+        assert paged_kernel_problem(KERNELS, 9, shape, cpu, torch.float32) is None
+
+    class Wrong:
+        @staticmethod
+        def paged_decode_attention(q, pool, tables, lens, layer, scale):
+            return torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+
+    class Broken:
+        @staticmethod
+        def paged_decode_attention(*args):
+            raise RuntimeError("no kernel image for this GPU")
+
+    assert "max difference" in paged_kernel_problem(Wrong(), 9, shape, cpu, torch.float32)
+    assert "no kernel image" in paged_kernel_problem(Broken(), 9, shape, cpu, torch.float32)
