@@ -130,7 +130,8 @@ class Router:
         self.registry = registry
         slo = self.config.autoscaling
         self.request_metrics = RequestMetrics(export=RouterSeries(),   # also on Ray's metrics port
-                                              window_s=slo.window_s if slo else 30.0)
+                                              window_s=slo.window_s if slo else 30.0,
+                                              goodput=self.config.goodput_targets)
         self.orchestrator = Orchestrator(self.config.mode, prefill, decode, colocated,
                                          metrics=self.request_metrics)
 

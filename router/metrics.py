@@ -37,7 +37,7 @@ class RequestMetrics:
     """What the router sees per request. `export` (a `serving.serve_metrics.RouterSeries`, or
     None) receives the same observations for Ray's metrics port."""
 
-    def __init__(self, export=None, window_s: float = 30.0):
+    def __init__(self, export=None, window_s: float = 30.0, goodput: tuple[float, float] = (1.0, 0.1)):
         self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token, from request arrival", LATENCY_BUCKETS)
         self.tpot = Histogram("pdserve_tpot_seconds", "Mean time per output token after the first", LATENCY_BUCKETS)
         self.e2e = Histogram("pdserve_e2e_seconds", "Request latency, arrival to last token", LATENCY_BUCKETS)
@@ -47,6 +47,7 @@ class RequestMetrics:
         self.prefill = Histogram("pdserve_prefill_seconds", "Prefill time, first scheduling to first token, "
                                  "measured in the prefill replica", LATENCY_BUCKETS)
         self.output_tokens = 0
+        self.goodput_targets, self.goodput = goodput, 0   # (TTFT, TPOT) seconds; requests meeting both
         self.outcomes: Counter = Counter()
         self.export = export
         self.window = SloWindow(window_s)      # the SLO autoscaling policy's view (router/slo_window.py)
@@ -64,8 +65,10 @@ class RequestMetrics:
             self.tpot.observe(tpot)
         self.window.finished(end, ttft, tpot, per_stream)
         self.output_tokens += output_tokens
+        good = ttft <= self.goodput_targets[0] and (tpot is None or tpot <= self.goodput_targets[1])
+        self.goodput += good
         if self.export is not None:
-            self.export.request(ttft, tpot, e2e, output_tokens)
+            self.export.request(ttft, tpot, e2e, output_tokens, good)
 
     def observe_prefill(self, queue_seconds: float, prefill_seconds: float) -> None:
         self.queue.observe(queue_seconds)
@@ -84,7 +87,10 @@ class RequestMetrics:
         for h in (self.ttft, self.tpot, self.e2e, self.queue, self.prefill):
             out += h.lines()
         out += ["# HELP pdserve_output_tokens_total Output tokens returned",
-                "# TYPE pdserve_output_tokens_total counter", f"pdserve_output_tokens_total {self.output_tokens}"]
+                "# TYPE pdserve_output_tokens_total counter", f"pdserve_output_tokens_total {self.output_tokens}",
+                f"# HELP pdserve_goodput_requests_total Finished requests with TTFT <= {self.goodput_targets[0]:g} s "
+                f"and TPOT <= {self.goodput_targets[1]:g} s", "# TYPE pdserve_goodput_requests_total counter",
+                f"pdserve_goodput_requests_total {self.goodput}"]
         if self.export is not None:
             out += ["# HELP pdserve_router_ray_metrics_errors_total Errors exporting the router's series to "
                     "Ray's metrics port (the first one turns the export off)",

@@ -160,6 +160,12 @@ class RoutingOptions(_Model):
                             "used go first; about 200 bytes each).")
 
 
+class GoodputOptions(_Model):
+    """The targets a finished request must meet to count as goodput (`pdserve_goodput_requests_total`)."""
+    ttft_s: float = Field(1.0, gt=0, description="Time to first token at most this, seconds.")
+    tpot_s: float = Field(0.1, gt=0, description="Mean time per output token after the first at most this, seconds.")
+
+
 class AppConfig(_Model):
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="Separate prefill/decode pools, or one engine pool doing both.")
@@ -181,6 +187,9 @@ class AppConfig(_Model):
     autoscaling: SloAutoscalingOptions | None = Field(
         None, description="Application-level autoscaling of both pools (`policy: slo`); default: none, each "
                           "pool scales by its own `autoscaling` block or keeps its `num_replicas`.")
+    goodput: GoodputOptions | None = Field(
+        None, description="SLO targets of the goodput counter; default: the SLO policy's ttft_slo/tpot_slo when "
+                          "`autoscaling` is set, else 1 s TTFT and 0.1 s TPOT.")
 
     @model_validator(mode="after")
     def _slo_autoscaling(self):
@@ -205,6 +214,16 @@ class AppConfig(_Model):
 
     def engine_for(self, pool: str) -> EngineOptions:
         return EngineOptions.model_validate({**self.engine.model_dump(), **getattr(self, pool).engine})
+
+    @property
+    def goodput_targets(self) -> tuple[float, float]:
+        """(TTFT, TPOT) in seconds a request must meet to count as goodput."""
+        if self.goodput is not None:
+            return self.goodput.ttft_s, self.goodput.tpot_s
+        if self.autoscaling is not None:
+            return self.autoscaling.ttft_slo, self.autoscaling.tpot_slo
+        g = GoodputOptions()
+        return g.ttft_s, g.tpot_s
 
     @property
     def model_name(self) -> str:

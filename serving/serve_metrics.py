@@ -74,9 +74,11 @@ class RouterSeries(_Export):
         m["requests"] = metrics.Counter("pdserve_requests_total", "Requests finished by the router, by outcome",
                                         tag_keys=("outcome",))
         m["output_tokens"] = metrics.Counter("pdserve_output_tokens_total", "Output tokens returned")
+        m["goodput"] = metrics.Counter("pdserve_goodput_requests_total",
+                                       "Finished requests that met the goodput TTFT and TPOT targets")
         return m
 
-    def request(self, ttft: float, tpot: float | None, e2e: float, output_tokens: int) -> None:
+    def request(self, ttft: float, tpot: float | None, e2e: float, output_tokens: int, good: bool = False) -> None:
         def record(m):
             m["ttft"].observe(ttft)
             m["e2e"].observe(e2e)
@@ -84,6 +86,8 @@ class RouterSeries(_Export):
                 m["tpot"].observe(tpot)
             if output_tokens > 0:
                 m["output_tokens"].inc(output_tokens)
+            if good:
+                m["goodput"].inc(1)
         self._record(record)
 
     def prefill(self, queue_seconds: float, prefill_seconds: float) -> None:

@@ -50,6 +50,20 @@ def pools_all_free(base: str, pools: set[str], timeout=30.0, headers=None) -> bo
     return False
 
 
+def ray_metrics_url() -> str:
+    """This node's Ray metrics export URL (the driver's cluster); skips the calling test where no
+    metrics agent answers."""
+    import pytest
+    import ray
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        urllib.request.urlopen(url, timeout=5).read()
+    except OSError:
+        pytest.skip(f"no metrics agent answers on port {port}")
+    return url
+
+
 def wait_healthy(base: str, timeout=300.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

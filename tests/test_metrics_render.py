@@ -67,9 +67,30 @@ def test_outcomes_and_observations_reach_the_export():
     latency.observe(0.0, 0.5, 1.5, 3)
     latency.observe_prefill(0.1, 0.4)
     latency.finish("ok")
-    assert export.calls == [("request", (0.5, 0.5, 1.5, 3)), ("prefill", (0.1, 0.4)), ("outcome", "ok")]
+    assert export.calls == [("request", (0.5, 0.5, 1.5, 3, False)), ("prefill", (0.1, 0.4)), ("outcome", "ok")]
     text = render([], latency.outcomes, latency)
     assert 'pdserve_requests_total{outcome="ok"} 1' in text and "pdserve_router_ray_metrics_errors_total 0" in text
+
+
+def test_goodput_counts_requests_meeting_both_targets():
+    latency = RequestMetrics(goodput=(0.5, 0.05))
+    latency.observe(0.0, 0.4, 0.4 + 10 * 0.04, 11)     # meets both
+    latency.observe(0.0, 0.6, 0.6 + 10 * 0.04, 11)     # TTFT too slow
+    latency.observe(0.0, 0.1, 0.1 + 10 * 0.06, 11)     # TPOT too slow
+    latency.observe(0.0, 0.5, 0.5, 1)                  # one token: TTFT alone decides (at the target)
+    lines = render([], latency.outcomes, latency).splitlines()
+    assert "pdserve_goodput_requests_total 2" in lines
+    assert "# HELP pdserve_goodput_requests_total Finished requests with TTFT <= 0.5 s and TPOT <= 0.05 s" in lines
+
+
+def test_goodput_targets_follow_the_slo_policy_unless_set():
+    from serving.config import AppConfig
+    assert AppConfig().goodput_targets == (1.0, 0.1)
+    slo = {"ttft_slo": 2.0, "tpot_slo": 0.2}
+    assert AppConfig(autoscaling=slo).goodput_targets == (2.0, 0.2)
+    both = AppConfig(autoscaling=slo, goodput={"ttft_s": 0.3, "tpot_s": 0.03})
+    assert both.goodput_targets == (0.3, 0.03)
+    assert AppConfig.model_validate(both.model_dump()).goodput_targets == (0.3, 0.03)
 
 
 def test_replica_histograms_render_with_pool_and_replica_labels():

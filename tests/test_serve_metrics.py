@@ -7,7 +7,7 @@ from serving.serve_metrics import ReplicaSeries, RouterSeries, _Export
 
 def test_router_and_replica_series_record_without_errors():
     router = RouterSeries()
-    router.request(0.1, 0.02, 0.5, 20)
+    router.request(0.1, 0.02, 0.5, 20, True)
     router.request(0.1, None, 0.1, 0)        # one token: no TPOT; zero tokens: no inc (Ray rejects inc(0))
     router.prefill(0.0, 0.08)
     for outcome in ("ok", "error", "aborted"):

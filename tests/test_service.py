@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine_prompts import max_tokens_for
-from service_util import http, metrics, pools_all_free, sse_events, wait_until
+from service_util import http, metrics, pools_all_free, ray_metrics_url, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -347,14 +347,7 @@ def test_ray_metrics_port_has_the_pdserve_series(disagg):
     """Ray's metrics agent exports what the router and replicas record through ray.serve.metrics
     (prefixed `ray_`); skipped where this cluster runs no metrics agent."""
     import urllib.request
-
-    import ray
-    port = ray._private.worker.global_worker.node.metrics_export_port
-    url = f"http://127.0.0.1:{port}/metrics"
-    try:
-        urllib.request.urlopen(url, timeout=5).read()
-    except OSError:
-        pytest.skip(f"no metrics agent answers on port {port}")
+    url = ray_metrics_url()
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
     assert http(disagg, "/v1/completions", body)[0] == 200
     wanted = ("ray_pdserve_ttft_seconds_count", "ray_pdserve_prefill_seconds_count", "ray_pdserve_requests_total",
