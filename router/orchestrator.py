@@ -131,6 +131,10 @@ class Orchestrator:
                     reserved = _check(messages.decode(await decode.__anext__()))
                 except _GONE as exc:
                     raise _StartOver() from exc
+                except RequestFailed as failed:
+                    if failed.code == 503 and self.metrics is not None:   # out of KV: the SLO policy's signal
+                        self.metrics.window.refused(time.monotonic())
+                    raise
                 assert isinstance(reserved, messages.Reserved), reserved
                 waited = time.monotonic() - arrived
                 # 2. prefill with the reservation's identity

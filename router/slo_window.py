@@ -1,7 +1,8 @@
 """The router's sliding window of traffic for the SLO autoscaling policy (serving/slo_autoscaling.py).
 
 Called by the router: `arrived` once per request as it is admitted (after validation), `finished`
-once per completed request (from `RequestMetrics.observe`); `snapshot` by Serve's
+once per completed request (from `RequestMetrics.observe`), `refused` once per request a decode
+replica refused for want of KV blocks (the orchestrator, at the reservation); `snapshot` by Serve's
 `record_autoscaling_stats` hook about every `metrics_interval_s`. Pure Python, no locks (the
 router's event loop is its only caller). Memory: one tuple per request of the last `window_s`.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from serving.slo_autoscaling import INPUT, OUTPUT, RATE, SAMPLES, TPOT_P90, TTFT_P90
+from serving.slo_autoscaling import INPUT, OUTPUT, RATE, REFUSED, SAMPLES, TPOT_P90, TTFT_P90
 
 
 def _p90(values: list[float]) -> float:
@@ -27,6 +28,7 @@ class SloWindow:
         self.window_s = window_s
         self.arrivals: deque = deque()     # (t, prompt tokens)
         self.done: deque = deque()         # (t, ttft, tpot or None, output tokens)
+        self.refusals: deque = deque()     # t
         self.started: float | None = None
 
     def arrived(self, now: float, prompt_tokens: int) -> None:
@@ -36,12 +38,17 @@ class SloWindow:
     def finished(self, now: float, ttft: float, tpot: float | None, output_tokens: int) -> None:
         self.done.append((now, ttft, tpot, output_tokens))
 
+    def refused(self, now: float) -> None:
+        self.refusals.append(now)
+
     def snapshot(self, now: float) -> dict[str, float]:
         """Rates per second over the window (or since the first arrival, if shorter); p90s of the
         requests that finished in it (0 without any); mean lengths (0 without requests)."""
         for q in (self.arrivals, self.done):
             while q and q[0][0] < now - self.window_s:
                 q.popleft()
+        while self.refusals and self.refusals[0] < now - self.window_s:
+            self.refusals.popleft()
         span = min(self.window_s, max(now - self.started, 1.0)) if self.started is not None else self.window_s
         n, k = len(self.arrivals), len(self.done)
         return {RATE: n / span,
@@ -49,4 +56,4 @@ class SloWindow:
                 OUTPUT: sum(d[3] for d in self.done) / k if k else 0.0,
                 TTFT_P90: _p90([d[1] for d in self.done]),
                 TPOT_P90: _p90([d[2] for d in self.done if d[2] is not None]),
-                SAMPLES: float(k)}
+                SAMPLES: float(k), REFUSED: len(self.refusals) / span}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 PREFILL_METRIC = "queued_prompt_tokens"
 KV_METRIC = "kv_utilization"
 RUNNING_METRIC = "running"
+WAITING_METRIC = "waiting"          # sequences queued in the engine (decode: landed, not yet running)
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ class EngineReplica:
         s = await self.host.stats()
         return {"queued_prompt_tokens": float(s.waiting_prompt_tokens),
                 "kv_utilization": 1.0 - s.kv_blocks_free / max(s.kv_blocks_total, 1),
-                "running": float(s.running)}
+                "running": float(s.running), "waiting": float(s.waiting)}
 
     async def check_health(self) -> None:
         """Serve's health hook: raising makes Serve replace the replica. Fails when the engine can

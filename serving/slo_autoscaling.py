@@ -5,8 +5,9 @@ deployment's `AutoscalingContext` and applies, per deployment, the bounds and up
 delays of that deployment's `autoscaling_config` to what it returns (`_apply_app_level_autoscaling_config`).
 What `SloPolicy.__call__` does each tick:
   1. read the router's window (`ROUTER_METRICS`, reported by the router's `record_autoscaling_stats`;
-     the router is autoscaled with min = max = 1 only so that Serve collects them) and the prefill
-     replicas' queued prompt tokens into an `Observation`; none yet: hold both pools;
+     the router is autoscaled with min = max = 1 only so that Serve collects them), the prefill
+     replicas' queued prompt tokens and the decode replicas' waiting sequences into an `Observation`;
+     none yet: hold both pools;
   2. `serving.slo_policy.decide` (model correction, sizing, one-step scale-down with hysteresis, no
      scale-down while a replica younger than `warmup_s` exists);
   3. clamp to each pool's capacity-adjusted min/max and return {prefill id: P, decode id: D} with
@@ -18,19 +19,22 @@ numbers, policy_kwargs must be JSON); pdserve/app_builder.py builds it from the 
 
 from __future__ import annotations
 
-from serving.autoscaling import PREFILL_METRIC, _replica_values, _track_ages
+from serving.autoscaling import PREFILL_METRIC, WAITING_METRIC, _replica_values, _track_ages
 from serving.slo_model import StepModel
 from serving.slo_policy import Observation, SloTargets, decide, has_backlog
 
 # What the router reports (router/slo_window.py); Serve averages each over look_back_period_s.
-RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES = (
-    "slo_arrival_rate", "slo_input_tokens", "slo_output_tokens", "slo_ttft_p90", "slo_tpot_p90", "slo_samples")
-ROUTER_METRICS = (RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES)
+RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES, REFUSED = (
+    "slo_arrival_rate", "slo_input_tokens", "slo_output_tokens", "slo_ttft_p90", "slo_tpot_p90", "slo_samples",
+    "slo_refused_rate")
+ROUTER_METRICS = (RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES, REFUSED)
 
 
-def observation(router_metrics: dict | None, prefill_metrics: dict | None) -> Observation | None:
+def observation(router_metrics: dict | None, prefill_metrics: dict | None,
+                decode_metrics: dict | None = None) -> Observation | None:
     """The router replicas' window (rates summed, lengths rate-weighted, p90s the worst) plus the
-    prefill pool's queued prompt tokens; None until a router replica has reported."""
+    prefill pool's queued prompt tokens and the decode pool's waiting sequences (each summed over
+    replicas); None until a router replica has reported."""
     rates = _replica_values(router_metrics, RATE)
     if not rates:
         return None
@@ -48,7 +52,9 @@ def observation(router_metrics: dict | None, prefill_metrics: dict | None) -> Ob
 
     samples = int(sum(_replica_values(router_metrics, SAMPLES).values()))
     return Observation(total, mean(INPUT, 1.0), mean(OUTPUT, 1.0), worst(TTFT_P90), worst(TPOT_P90), samples,
-                       sum(_replica_values(prefill_metrics, PREFILL_METRIC).values()))
+                       sum(_replica_values(prefill_metrics, PREFILL_METRIC).values()),
+                       sum(_replica_values(decode_metrics, WAITING_METRIC).values()),
+                       sum(_replica_values(router_metrics, REFUSED).values()))
 
 
 class SloPolicy:
@@ -76,7 +82,7 @@ class SloPolicy:
         ages = {"first_seen": state.get("first_seen", {})}
         warming = _track_ages(ages, {f"p/{r}" for r in pctx.running_replicas} | {f"d/{r}" for r in dctx.running_replicas},
                               now, self.warmup_s)
-        obs = observation(rctx.aggregated_metrics if rctx else None, pctx.aggregated_metrics)
+        obs = observation(rctx.aggregated_metrics if rctx else None, pctx.aggregated_metrics, dctx.aggregated_metrics)
         current_p, current_d = max(pctx.current_num_replicas, 1), max(dctx.current_num_replicas, 1)
         if has_backlog(self.m, obs, current_p):
             state["backlog_at"] = now

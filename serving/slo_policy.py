@@ -6,9 +6,9 @@ TTFT/TPOT p90 at the router):
      load; move each correction factor (prefill, decode) geometrically toward measured / predicted
      (`gain` per tick, each step within x0.5..x2, the factor within `bounds`); needs `min_samples`;
   2. size: `size_fleet` gives the least prefill and decode counts meeting both SLOs at the arrival rate
-     plus the backlog drained over `drain_s` (queued prompt tokens for prefill, requests waiting at the
-     router for decode): a fleet sized for the arrival rate alone never drains a queue built while
-     replicas were starting;
+     plus the backlog drained over `drain_s` (queued prompt tokens for prefill; for decode, requests
+     waiting for a decode slot plus the rate of requests refused for want of decode KV): a fleet sized
+     for the arrival rate alone never drains a queue built while replicas were starting;
   3. hysteresis, per pool: scale up to the sized count at once; scale down one replica per tick, only
      when the load / (1 - hysteresis) still fits one replica fewer and no replica is warming up;
   4. no observation (the router has not reported) holds both pools; an SLO no replica count can meet
@@ -50,7 +50,9 @@ class Observation:
     tpot_p90: float | None = None
     samples: int = 0               # completed requests behind the percentiles
     queued_prompt_tokens: float = 0.0   # prefill backlog now (the prefill replicas' autoscaling metric)
-    waiting_requests: float = 0.0       # requests the router holds for want of decode KV
+    waiting_requests: float = 0.0       # requests waiting for decode: in the decode engines' queues (live),
+                                        # at the router for want of KV (simulator)
+    refused_rate: float = 0.0           # requests/s refused for want of decode KV (503 at the reservation)
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,10 @@ def _step(current: int, sized: int, sized_with_margin: int, warming: bool) -> in
 
 
 def has_backlog(m: StepModel, obs: Observation | None, prefill: int) -> bool:
-    """More queued prompt tokens than one step of every prefill replica, or requests waiting for KV."""
-    return obs is not None and (obs.waiting_requests > 0 or obs.queued_prompt_tokens > prefill * m.max_batched_tokens)
+    """More queued prompt tokens than one step of every prefill replica, a request or more waiting for
+    decode (on average: one landing between two steps is not a backlog), or any refused for want of KV."""
+    return obs is not None and (obs.waiting_requests >= 1 or obs.refused_rate > 0
+                                or obs.queued_prompt_tokens > prefill * m.max_batched_tokens)
 
 
 def decide(m: StepModel, t: SloTargets, obs: Observation | None, prefill: int, decode: int,
@@ -106,7 +110,7 @@ def decide(m: StepModel, t: SloTargets, obs: Observation | None, prefill: int, d
     w = Workload(max(obs.rate, 0.0), max(obs.input_len, 1.0), max(obs.output_len, 1.0))
     cp, cd = correction
     backlog_p = obs.queued_prompt_tokens / w.input_len / t.drain_s
-    backlog_d = obs.waiting_requests / t.drain_s
+    backlog_d = obs.waiting_requests / t.drain_s + obs.refused_rate
     if w.rate > 0 and not warming and quiet and not has_backlog(m, obs, prefill):
         cp = _corrected(cp, obs.ttft_p90, ttft_p90(m.prefill_time(w.input_len) * cp, w.rate, prefill), t.ttft_slo,
                         t, obs.samples)

@@ -21,6 +21,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from engine.sampling_params import SamplingParams
+from router.metrics import RequestMetrics
 from router.orchestrator import Orchestrator, RequestFailed
 from serving import messages
 
@@ -152,10 +153,14 @@ def test_a_refused_or_missing_reservation_fails_before_any_prefill(refusal):
 
     async def main():
         prefill = FakePrefill(messages.PrefillResult("r", first_token=7, first_text="Hi"))
-        events = Orchestrator("disaggregated", prefill, Refusing([])).run("r", [1, 2, 3], SamplingParams(max_tokens=3))
+        metrics = RequestMetrics()
+        events = Orchestrator("disaggregated", prefill, Refusing([]), metrics=metrics).run(
+            "r", [1, 2, 3], SamplingParams(max_tokens=3))
         with pytest.raises(RequestFailed) as failed:
             await events.__anext__()
         assert failed.value.code == 503 and prefill.requests == []
+        # out of KV is the SLO policy's decode backlog signal; a replica gone (retried, then 503) is not
+        assert len(metrics.window.refusals) == (1 if refusal == "out of blocks" else 0)
     asyncio.run(main())
 
 

@@ -14,7 +14,7 @@ from ray.serve.schema import ServeApplicationSchema
 from pdserve.app_builder import _pool_options, application_config
 from router.slo_window import SloWindow
 from serving.config import AppConfig, PoolConfig
-from serving.slo_autoscaling import INPUT, OUTPUT, RATE, SAMPLES, TPOT_P90, TTFT_P90, SloPolicy
+from serving.slo_autoscaling import INPUT, OUTPUT, RATE, REFUSED, SAMPLES, TPOT_P90, TTFT_P90, SloPolicy
 from serving.slo_model import StepModel, Workload, size_fleet, ttft_p90
 from serving.slo_policy import predicted_tpot
 
@@ -119,6 +119,24 @@ def test_a_backlog_grows_prefill_beyond_the_arrival_rate():
     assert more[0] > base[0]
 
 
+def test_decode_backlog_grows_decode_beyond_the_arrival_rate():
+    """Decode replicas' waiting sequences (one or more on average) and requests refused for want of
+    decode KV are a backlog: decode grows beyond what the arrival rate alone needs, and the model's
+    correction holds while they last."""
+    def decode_count(waiting=0.0, refused=0.0):
+        d, state = run(policy(), ctx("PrefillServer", 1, {"queued_prompt_tokens": 0}, OLD),
+                       ctx("DecodeServer", 1, {"waiting": waiting}, OLD),
+                       ctx("Router", 1, {**router(10.0), REFUSED: refused}, max_r=1))[1:]
+        return d, state[IDS["PrefillServer"]].get("backlog_at")
+    base, at = decode_count()
+    assert at is None
+    assert decode_count(waiting=0.5)[0] == base                  # a request landing between steps
+    more, at = decode_count(waiting=400.0)
+    assert more > base and at is not None
+    refused, at = decode_count(refused=20.0)
+    assert refused > base and at is not None
+
+
 def test_router_window():
     w = SloWindow(window_s=10)
     for t in range(20):
@@ -129,6 +147,9 @@ def test_router_window():
     assert s[RATE] == pytest.approx(10 / 10) and s[INPUT] == pytest.approx(sum(100 + t for t in range(10, 20)) / 10)
     assert s[OUTPUT] == 32 and s[SAMPLES] == 10 and s[TTFT_P90] == pytest.approx(0.9) and s[TPOT_P90] == 0.01
     assert SloWindow().snapshot(5.0)[RATE] == 0.0
+    for t in (12.0, 19.0):
+        w.refused(t)
+    assert w.snapshot(19.5)[REFUSED] == pytest.approx(2 / 10) and w.snapshot(25.0)[REFUSED] == pytest.approx(1 / 10)
 
 
 def test_config_wiring(monkeypatch):
