@@ -1,6 +1,7 @@
 """Decode attention: the in-place CPU kernel against the torch backend (gather + sdpa).
 
   .venv/bin/python benchmarks/attention_bench.py [--threads 1] [--model DIR] [--rss-batch 64 --rss-context 2048]
+  .venv/bin/python benchmarks/attention_bench.py --chunks      (only 3.)
 
 1. Per-layer decode attention time of each backend (SmolLM2-135M's shape: 9 query heads, 3 KV
    heads, head size 64, 30 layers, block size 16), at batch x context from 1 x 64 to 64 x 2048,
@@ -10,6 +11,10 @@
    after the engine is built (weights + KV pool), i.e. what the steps themselves allocate. The
    prompts are admitted as a decode replica admits them (`reserve` + `add_prefilled`, KV left as
    allocated: attention costs the same whatever the values), so no prefill of 64 x 2k tokens.
+3. `--chunks`: a prompt chunk of n tokens after a past (a prefix-cache tail, a later chunk of a
+   long prompt), per layer: its context gathered + sdpa with the offset-causal mask (what the
+   engine runs above model_runner.KERNEL_CHUNK_ROWS tokens) against the paged kernel with one row
+   per token over its own causal context (what it runs at or below).
 """
 
 from __future__ import annotations
@@ -86,6 +91,57 @@ def micro(threads: int) -> None:
     print()
 
 
+def chunks(threads: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from engine.attention import token_slots
+    from engine.kernels import cpu_kernels
+    from engine.model_runner import KERNEL_CHUNK_ROWS
+    torch.set_num_threads(threads)
+    kernels = cpu_kernels()
+    if kernels is None:
+        print("the CPU kernel could not be built; nothing to compare")
+        return
+    layers, bs, n_kv, heads, dim, layer = 30, 16, 3, 9, 64, 7
+    print(f"### A prompt chunk after a past, per layer, microseconds ({threads} thread(s); median of 15 calls; "
+          f"the engine uses the kernel up to {KERNEL_CHUNK_ROWS} tokens)\n")
+    print("| dtype | past | chunk tokens | gather + sdpa | kernel rows | kernel speed-up |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for dtype in (torch.bfloat16, torch.float32):
+        for past in (32, 256, 2048):
+            for n in (2, 3, 4, 6, 8, 16, 64, 256):
+                ctx, nb = past + n, -(-(past + n) // bs)
+                pool = torch.randn(nb + 8, layers, 2, bs, n_kv, dim).to(dtype)
+                table = torch.randperm(nb + 8)[:nb]
+                slots = token_slots(table, bs, layers)[:ctx] + 2 * layer * bs
+                flat = pool.view(-1, n_kv, dim)
+                q = torch.randn(n, heads, dim).to(dtype)
+                mask = (torch.arange(ctx)[None, :] <= torch.arange(past, ctx)[:, None])[None, None]
+                lens = torch.arange(past + 1, ctx + 1)
+
+                def gather():
+                    k, v = flat[slots], flat[slots + bs]
+                    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                          v.transpose(0, 1)[None], attn_mask=mask,
+                                                          scale=dim ** -0.5, enable_gqa=True)
+
+                def rows():
+                    return kernels.paged_decode_attention(q, pool, table[None].expand(n, -1).contiguous(), lens,
+                                                          layer, dim ** -0.5)
+                t = {}
+                for name, fn in (("gather", gather), ("rows", rows)):
+                    ts = []
+                    for _ in range(17):
+                        t0 = time.perf_counter()
+                        fn()
+                        ts.append(time.perf_counter() - t0)
+                    t[name] = statistics.median(ts[2:]) * 1e6
+                print(f"| {str(dtype).split('.')[1]} | {past} | {n} | {t['gather']:.0f} | {t['rows']:.0f} | "
+                      f"{t['gather'] / t['rows']:.2f}x |")
+    print()
+
+
 def rss_child(args) -> None:
     """One backend's decode steps at batch x context; prints one JSON line."""
     import torch
@@ -156,6 +212,7 @@ def main() -> None:
     ap.add_argument("--rss-context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--skip-micro", action="store_true")
+    ap.add_argument("--chunks", action="store_true", help="only the prompt-chunk comparison (3.)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="auto", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -163,6 +220,10 @@ def main() -> None:
         rss_child(args)
         return
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}\n")
+    if args.chunks:
+        chunks(args.threads)
+        print(f"(1-minute load average at end {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")
+        return
     if not args.skip_micro:
         micro(args.threads)
     rss(args)

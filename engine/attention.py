@@ -6,11 +6,14 @@ sequences) into one row of tokens and builds an `AttentionMetadata`; the decoder
   1. writes the new K/V into the KV pool at `slot_mapping`,
   2. attends every decode token over its sequence's blocks, one call for the whole batch:
        backend "paged": the engine's kernel (engine.kernels: C++ on CPU, Triton on CUDA) reads
-         K/V from the pool in place, block table by block table;
+         K/V from the pool in place, block table by block table; the tokens of short prompt
+         chunks after a past (model_runner.KERNEL_CHUNK_ROWS) are rows of the same call, each
+         over its own causal context;
        backend "torch": K/V gathered a whole block at a time into a [batch, max_context] copy
          per layer, then one sdpa call with the padding masked out (any device and dtype),
-  3. attends every prompt chunk over its past blocks plus itself (sdpa; explicit offset-causal
-     mask: sdpa's `is_causal` is aligned top-left, wrong once the chunk has a past).
+  3. attends every other prompt chunk over its past blocks plus itself (sdpa on the chunk's
+     context gathered once; explicit offset-causal mask: sdpa's `is_causal` is aligned
+     top-left, wrong once the chunk has a past).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ class PrefillSpan:
 
 @dataclass
 class DecodeBatch:
-    """The decode tokens of a step, in the form their backend reads."""
+    """The decode tokens of a step (and, with the paged backend, the tokens of short prompt chunks
+    after a past), in the form their backend reads."""
     rows: torch.Tensor                 # [B] query rows of decode tokens
     tables: torch.Tensor | None = None  # paged: [B, max_blocks] int64 block tables (padded)
     lens: torch.Tensor | None = None   # paged: [B] int64 context lengths, new token included

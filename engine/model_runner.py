@@ -49,6 +49,13 @@ def _cuda_snapshot(device: torch.device) -> tuple[int, int, int]:
     return torch.cuda.mem_get_info(device)[0], torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
 
+# Prompt chunks after a past of at most this many tokens join the paged kernel's call, a row per
+# token; longer ones gather their context and run sdpa. Measured per layer (SmolLM2 shapes, one
+# thread, past 32-2048): the kernel is 1.1-4x faster at 2-4 rows, sdpa's GEMMs win from 6-8 rows
+# (3-9x at 16-256); `benchmarks/attention_bench.py --chunks`.
+KERNEL_CHUNK_ROWS = 4
+
+
 def attention_kernels(spec: str, device: torch.device, dtype: torch.dtype):
     """(kernels, backend name) of decode attention: an object with `paged_decode_attention`
     (the C++ op on CPU, Triton on CUDA) and "cpu_paged"/"triton_paged", or (None, "torch")."""
@@ -305,12 +312,16 @@ class ModelRunner:
             seq, start, n = ch.seq, ch.start, ch.num_tokens
             end = start + n
             ids.extend(seq.token_ids[start:end])
-            if n == 1:   # decode: O(1) bookkeeping, whatever the context length
-                pos.append(start)
-                slots.append(seq.block_table[start // bs] * block_stride + start % bs)
-                dec_rows.append(row)
-                dec_tables.append(seq.block_table[:-(-end // bs)])
-                dec_lens.append(end)
+            if n == 1 or (start > 0 and n <= KERNEL_CHUNK_ROWS and self.kernels is not None):
+                # decode, or a short chunk after a past (a prefix-cache tail): each token is a row of
+                # the paged kernel's call over its own causal context; O(n) bookkeeping
+                table = seq.block_table[:-(-end // bs)]
+                for p in range(start, end):
+                    pos.append(p)
+                    slots.append(table[p // bs] * block_stride + p % bs)
+                    dec_rows.append(row + p - start)
+                    dec_tables.append(table)
+                    dec_lens.append(p + 1)
             else:
                 table = torch.tensor(seq.block_table[:-(-end // bs)], dtype=torch.long)
                 ctx_slots = token_slots(table, bs, self.kv_shape.num_layers)[:end]

@@ -143,6 +143,38 @@ def test_engine_gives_the_same_tokens_with_either_backend(tmp_path):
     assert all(len(t) == 20 for t in results["torch"])
 
 
+@needs_kernel
+def test_short_chunks_after_a_cached_prefix_are_kernel_rows(tmp_path):
+    """A prefix-cache hit leaves a tail of 2-4 prompt tokens after a past: with the paged backend
+    they are rows of the kernel's call (no sdpa span), with the same tokens as the torch backend
+    and as an engine without the prefix cache."""
+    path = tiny_model_dir(tmp_path / "m", "llama", seed=5)
+    base = list(range(5, 45))
+    prompts = [base[:32]] + [base[:32 + t] for t in (2, 3, 4)]     # block size 4: 8 cached blocks, then t
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    results, tails = {}, {}
+    for backend, caching in (("paged", True), ("torch", True), ("paged", False)):
+        eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
+                                     block_size=4, attention_backend=backend, enable_prefix_caching=caching))
+        seen, prepare = [], eng.runner._prepare
+
+        def spy(chunks, prepare=prepare, seen=seen):
+            out = prepare(chunks)
+            for ch in chunks:
+                if ch.start > 0 and ch.num_tokens > 1:
+                    seen.append((ch.num_tokens, len(out[3].prefills)))
+            return out
+        eng.runner._prepare = spy
+        results[backend, caching] = [eng.generate([p], params)[0].token_ids for p in prompts]   # one at a time
+        tails[backend, caching] = seen
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert results["paged", True] == results["torch", True] == results["paged", False]
+    assert sorted(n for n, _ in tails["paged", True]) == [2, 3, 4]
+    assert all(spans == 0 for _, spans in tails["paged", True])      # kernel rows, no sdpa span
+    assert all(spans == 1 for _, spans in tails["torch", True])      # the torch backend: an sdpa span
+    assert tails["paged", False] == []                                # no cache: no tail with a past
+
+
 def test_backend_choice_and_refusals():
     cpu = torch.device("cpu")
     assert attention_kernels("torch", cpu, torch.float32) == (None, "torch")
