@@ -1,0 +1,86 @@
+"""A one-machine Ray cluster that listens on loopback: what `pdserve serve` starts when it is given
+no `--address`, and what the tests and the benchmarks start.
+
+Who calls: the driver, once, instead of a plain `ray.init()`; `ray.shutdown()` ends it as usual.
+
+Why more than `ray.init(_node_ip_address="127.0.0.1")`: Ray 2.60 rewrites a loopback node address to
+the machine's network address (`resolve_ip_for_localhost`) on Linux, and its C++ servers (GCS,
+raylet, every worker's core-worker server) listen on all interfaces unless the node address is
+127.0.0.1. Ray keeps a node on loopback only where it treats the machine as single-node, which on
+Linux is the switch `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (macOS and Windows default to it; on Linux
+its only effect is that the node address defaults to 127.0.0.1 and `ray start` refuses to join
+nodes). Ray reads it once at import and its child processes read it at their start, so `init`
+sets it in `os.environ` and in Ray's imported constant for the duration of `ray.init` (the GCS,
+raylet and agents it spawns inherit it; workers inherit it from the raylet) and restores both after,
+so nothing else in the calling process (say a test that starts a multi-node cluster) sees it.
+
+What then binds where (Ray 2.60, Linux; tests/test_local_sockets.py lists and checks it):
+    127.0.0.1   GCS, raylet (node and object manager), dashboard agent (gRPC, HTTP, metrics
+                export), runtime-env agent, autoscaler and dashboard metrics, every worker's
+                core-worker gRPC server, the Serve proxy (its HTTP host is the caller's choice)
+    all         each Serve replica's inter-deployment gRPC server: Ray Serve binds it to
+                "[::]:0" in code (serve/_private/replica.py), with no option to change it. Ray's
+                token authentication guards it (and TLS, when RAY_USE_TLS is set).
+Token authentication: a new local Ray 2.60 cluster turns it on by default (the token lives in
+~/.ray/auth_token). `init` refuses to start with `RAY_AUTH_MODE` set to anything but "token",
+since the one listener Ray leaves on all interfaces would then take unauthenticated calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+LOOPBACK = "127.0.0.1"
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+class LocalRayError(RuntimeError):
+    """The local cluster could not be started on loopback with token authentication."""
+
+
+def init(num_cpus: int | None = None, logging_level: str = "WARNING", log_to_driver: bool = True) -> None:
+    """Start a local Ray cluster bound to loopback, with token authentication on.
+
+    Raises LocalRayError (before starting anything) when RAY_AUTH_MODE asks for no authentication,
+    and (after ray.shutdown()) when Ray did not take the loopback node address or did not turn
+    authentication on, so a future Ray that changes either fails loudly instead of exposing a port.
+    """
+    import ray
+    from ray._private.authentication import authentication_utils
+
+    mode = os.environ.get(AUTH_MODE_ENV)
+    if mode is not None and mode.lower() != "token":
+        raise LocalRayError(f"{AUTH_MODE_ENV}={mode}: pdserve's local cluster keeps Ray's token authentication "
+                            f"on (one Ray Serve listener per replica is not on loopback); unset it")
+    with _single_node():
+        ray.init(_node_ip_address=LOOPBACK, num_cpus=num_cpus, include_dashboard=False,
+                 logging_level=logging_level, log_to_driver=log_to_driver)
+    problem = ""
+    if ray.util.get_node_ip_address() != LOOPBACK:
+        problem = f"Ray took node address {ray.util.get_node_ip_address()}, not {LOOPBACK}"
+    elif not authentication_utils.is_token_auth_enabled():
+        problem = "Ray started without token authentication"
+    if problem:
+        ray.shutdown()
+        raise LocalRayError(f"the local Ray cluster is not as pdserve requires: {problem}")
+
+
+@contextlib.contextmanager
+def _single_node() -> Iterator[None]:
+    """LOCAL_ONLY_ENV=0 in this process's environment and Ray's constant, restored on exit."""
+    from ray._private import ray_constants
+
+    saved_env, saved_const = os.environ.get(LOCAL_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_const
+        if saved_env is None:
+            os.environ.pop(LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[LOCAL_ONLY_ENV] = saved_env
