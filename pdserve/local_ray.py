@@ -10,9 +10,10 @@ raylet, every worker's core-worker server) listen on all interfaces unless the n
 Linux is the switch `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (macOS and Windows default to it; on Linux
 its only effect is that the node address defaults to 127.0.0.1 and `ray start` refuses to join
 nodes). Ray reads it once at import and its child processes read it at their start, so `init`
-sets it in `os.environ` and in Ray's imported constant for the duration of `ray.init` (the GCS,
-raylet and agents it spawns inherit it; workers inherit it from the raylet) and restores both after,
-so nothing else in the calling process (say a test that starts a multi-node cluster) sees it.
+sets it in `os.environ` and in Ray's imported constant for the duration of `ray.init` only
+(`serving.ray_compat.single_node_start`: the GCS, raylet and agents it spawns inherit it, workers
+inherit it from the raylet) and restores both after, so nothing else in the calling process (say a
+test that starts a multi-node cluster) sees it.
 
 What then binds where (Ray 2.60, Linux; tests/test_local_sockets.py lists and checks it):
     127.0.0.1   GCS, raylet (node and object manager), dashboard agent (gRPC, HTTP, metrics
@@ -28,12 +29,11 @@ since the one listener Ray leaves on all interfaces would then take unauthentica
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
+
+from serving import ray_compat
 
 LOOPBACK = "127.0.0.1"
-LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
@@ -49,38 +49,19 @@ def init(num_cpus: int | None = None, logging_level: str = "WARNING", log_to_dri
     authentication on, so a future Ray that changes either fails loudly instead of exposing a port.
     """
     import ray
-    from ray._private.authentication import authentication_utils
 
     mode = os.environ.get(AUTH_MODE_ENV)
     if mode is not None and mode.lower() != "token":
         raise LocalRayError(f"{AUTH_MODE_ENV}={mode}: pdserve's local cluster keeps Ray's token authentication "
                             f"on (one Ray Serve listener per replica is not on loopback); unset it")
-    with _single_node():
+    with ray_compat.single_node_start():
         ray.init(_node_ip_address=LOOPBACK, num_cpus=num_cpus, include_dashboard=False,
                  logging_level=logging_level, log_to_driver=log_to_driver)
     problem = ""
     if ray.util.get_node_ip_address() != LOOPBACK:
         problem = f"Ray took node address {ray.util.get_node_ip_address()}, not {LOOPBACK}"
-    elif not authentication_utils.is_token_auth_enabled():
+    elif not ray_compat.token_auth_enabled():
         problem = "Ray started without token authentication"
     if problem:
         ray.shutdown()
         raise LocalRayError(f"the local Ray cluster is not as pdserve requires: {problem}")
-
-
-@contextlib.contextmanager
-def _single_node() -> Iterator[None]:
-    """LOCAL_ONLY_ENV=0 in this process's environment and Ray's constant, restored on exit."""
-    from ray._private import ray_constants
-
-    saved_env, saved_const = os.environ.get(LOCAL_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[LOCAL_ONLY_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved_const
-        if saved_env is None:
-            os.environ.pop(LOCAL_ONLY_ENV, None)
-        else:
-            os.environ[LOCAL_ONLY_ENV] = saved_env

@@ -37,11 +37,3 @@ def test_local_start_refuses_to_turn_off_token_auth(monkeypatch):
     with pytest.raises(local_ray.LocalRayError, match="token authentication"):
         local_ray.init()
 
-
-def test_single_node_switch_is_confined_to_the_start(monkeypatch):
-    from ray._private import ray_constants
-    monkeypatch.delenv(local_ray.LOCAL_ONLY_ENV, raising=False)
-    before = ray_constants.ENABLE_RAY_CLUSTER
-    with local_ray._single_node():
-        assert os.environ[local_ray.LOCAL_ONLY_ENV] == "0" and ray_constants.ENABLE_RAY_CLUSTER is False
-    assert local_ray.LOCAL_ONLY_ENV not in os.environ and ray_constants.ENABLE_RAY_CLUSTER == before
