@@ -42,7 +42,8 @@ class LocalRayError(RuntimeError):
 
 
 def init(num_cpus: int | None = None, logging_level: str = "WARNING", log_to_driver: bool = True) -> None:
-    """Start a local Ray cluster bound to loopback, with token authentication on.
+    """Start a new local Ray cluster bound to loopback, with token authentication on (a new one even
+    when RAY_ADDRESS names another: `pdserve serve --address` is for joining a cluster).
 
     Raises LocalRayError (before starting anything) when RAY_AUTH_MODE asks for no authentication,
     and (after ray.shutdown()) when Ray did not take the loopback node address or did not turn
@@ -55,7 +56,7 @@ def init(num_cpus: int | None = None, logging_level: str = "WARNING", log_to_dri
         raise LocalRayError(f"{AUTH_MODE_ENV}={mode}: pdserve's local cluster keeps Ray's token authentication "
                             f"on (one Ray Serve listener per replica is not on loopback); unset it")
     with ray_compat.single_node_start():
-        ray.init(_node_ip_address=LOOPBACK, num_cpus=num_cpus, include_dashboard=False,
+        ray.init(address="local", _node_ip_address=LOOPBACK, num_cpus=num_cpus, include_dashboard=False,
                  logging_level=logging_level, log_to_driver=log_to_driver)
     problem = ""
     if ray.util.get_node_ip_address() != LOOPBACK:
