@@ -80,10 +80,12 @@ def plain_vocab(model_dir: str) -> list[int]:
 
 @contextlib.contextmanager
 def local_serve(port: int):
-    """A local Ray cluster (loopback) with Serve's HTTP proxy on `port`, shut down on exit."""
+    """A local Ray cluster (loopback, pdserve/local_ray.py) with Serve's HTTP proxy on `port`, shut down on exit."""
     import ray
     from ray import serve
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False, logging_level="WARNING")
+
+    from pdserve import local_ray
+    local_ray.init(num_cpus=8)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield

@@ -23,6 +23,7 @@ from ray import serve
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from pdserve import local_ray  # noqa: E402
 from pdserve.app_builder import build_app  # noqa: E402
 from serving.config import AppConfig  # noqa: E402
 from serving.models import resolve_model  # noqa: E402
@@ -58,8 +59,7 @@ def main() -> int:
     print("command:", " ".join(sys.argv), flush=True)
     model_dir = resolve_model(args.model, args.model_cache, progress=False)
     port = free_port()
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
+    local_ray.init(num_cpus=8, logging_level="ERROR", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = AppConfig(mode="disaggregated", model=str(model_dir), served_model_name="m", route_prefix="/soak",
                     engine={"kv_cache_memory": "128MiB", "num_threads": 1}, transfer={"host": "127.0.0.1"},

@@ -70,8 +70,20 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def start_server(host: str, timeout_s: float) -> TCPStore:
-    """A TCPStore server on a free port of `host` (the receiver side)."""
-    return TCPStore(host, 0, None, True, seconds(timeout_s), wait_for_workers=False)
+    """A TCPStore server on a free port of `host` only (the receiver side). TCPStore given a host
+    and port 0 listens on every interface; handed a socket already bound to `host`, it listens there
+    (the store closes the socket when it stops)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(addr)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return TCPStore(host, port, None, True, seconds(timeout_s), wait_for_workers=False,
+                    master_listen_fd=sock.detach())
 
 
 def connect(address: str, timeout_s: float) -> TCPStore:

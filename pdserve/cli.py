@@ -20,6 +20,7 @@ def _serve(args) -> int:
     import ray
     from ray import serve
 
+    from pdserve import local_ray
     from pdserve.app_builder import build_app, deploy
     from serving.config import AppConfig
     from serving.models import resolve_model
@@ -37,8 +38,11 @@ def _serve(args) -> int:
     cfg = AppConfig.model_validate(data)
     print(f"preparing model {cfg.model} ...", flush=True)
     resolve_model(cfg.model, cfg.model_cache)
-    if args.address is None:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, logging_level="WARNING")
+    if args.address is None:                # one machine: Ray on loopback (pdserve/local_ray.py)
+        try:
+            local_ray.init()
+        except local_ray.LocalRayError as exc:
+            raise SystemExit(str(exc)) from exc
     else:
         ray.init(address=args.address, logging_level="WARNING")
     serve.start(http_options={"host": args.host, "port": args.port})

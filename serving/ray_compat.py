@@ -8,16 +8,29 @@ things the routers need have no public form at all:
     type is private, filled as it sends), read by `in_flight`;
   * asking Serve to back off and retry when every ranked replica is full, instead of queueing on the
     first one, set by `back_off_when_full` (`PendingRequest.routing_context`, a private class).
-Nothing else in the runtime may import `ray.serve._private` or `ray._private`. pyproject.toml pins
+The local cluster's start (pdserve/local_ray.py) needs two more, private in Ray 2.60:
+  * `single_node_start`: Ray's single-node switch for the duration of `ray.init`, which keeps the
+    node on 127.0.0.1 (nothing public does; see local_ray.py);
+  * `token_auth_enabled`: whether this process runs Ray with token authentication.
+Nothing else in pdserve may import `ray.serve._private` or `ray._private`. pyproject.toml pins
 Ray to the range the tests have run on; tests/test_ray_compat.py imports these names and exercises
-both helpers, so an upgrade that moves them fails there, loudly, before anything is deployed.
+the helpers, so an upgrade that moves them fails there, loudly, before anything is deployed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
+from ray._private import ray_constants
+from ray._private.authentication import authentication_utils
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-__all__ = ["FIFOMixin", "PendingRequest", "RequestRouter", "RunningReplica", "back_off_when_full", "in_flight"]
+__all__ = ["FIFOMixin", "PendingRequest", "RequestRouter", "RunningReplica", "SINGLE_NODE_ENV", "back_off_when_full",
+           "in_flight", "single_node_start", "token_auth_enabled"]
+
+SINGLE_NODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR    # "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def in_flight(router: RequestRouter, replica: RunningReplica) -> int:
@@ -32,3 +45,26 @@ def in_flight(router: RequestRouter, replica: RunningReplica) -> int:
 def back_off_when_full(pending_request: PendingRequest) -> None:
     """Have Serve wait and rank again when no replica of the ranking has room."""
     pending_request.routing_context.should_backoff = True
+
+
+@contextlib.contextmanager
+def single_node_start() -> Iterator[None]:
+    """Within the block, Ray treats this machine as single-node: SINGLE_NODE_ENV=0 in this process's
+    environment (processes started in the block inherit it) and in the constant Ray read from it
+    at import. Both are restored on exit."""
+    saved_env, saved_const = os.environ.get(SINGLE_NODE_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[SINGLE_NODE_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_const
+        if saved_env is None:
+            os.environ.pop(SINGLE_NODE_ENV, None)
+        else:
+            os.environ[SINGLE_NODE_ENV] = saved_env
+
+
+def token_auth_enabled() -> bool:
+    """Whether Ray in this process runs with token authentication (RAY_AUTH_MODE=token)."""
+    return authentication_utils.is_token_auth_enabled()

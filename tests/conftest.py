@@ -54,13 +54,15 @@ def hf_greedy(default_model_dir, prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def ray_serve():
-    """One local Ray cluster (on loopback) and Serve HTTP proxy on a free port per session."""
+    """One local Ray cluster, as `pdserve serve` starts it (pdserve/local_ray.py: on loopback), and
+    Serve's HTTP proxy on 127.0.0.1 and a free port, per session."""
     import ray
     from ray import serve
 
+    from pdserve import local_ray
     from service_util import free_port
     port = free_port()
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    local_ray.init(num_cpus=8)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()

@@ -114,6 +114,23 @@ def test_parse_address():
             rv.parse_address(bad)
 
 
+def test_store_server_listens_on_its_host_only():
+    """The rendezvous binds the address it publishes, not every interface (TCPStore's default)."""
+    import psutil
+
+    def listening(port):
+        return {c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+    server = rv.start_server("127.0.0.1", 5.0)
+    port = server.port
+    assert listening(port) == {"127.0.0.1"}
+    server.set("k", b"v")
+    assert rv.connect(f"127.0.0.1:{port}", 5.0).get("k") == b"v"
+    del server
+    assert listening(port) == set()
+
+
 def test_judge_handshake():
     kv = torch.zeros(4, 2, 2, 4, 1, 8)
     fp, dev = fingerprint_for(kv, "m"), _dev("cpu")

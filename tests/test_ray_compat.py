@@ -1,9 +1,10 @@
 """Every Ray API beyond Serve's stable surface goes through serving/ray_compat.py; this test
-imports those names and runs both helpers against Ray's own classes, and checks the installed Ray
+imports those names and runs the helpers against Ray's own classes, and checks the installed Ray
 is in the range pyproject.toml pins, so a Ray upgrade that moves or changes them fails here first."""
 
 import asyncio
 import importlib.metadata
+import os
 import re
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ from packaging.requirements import Requirement
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 
 from router.routing import ColocatedRouter, FreeKVBlocksRouter, QueuedPromptTokensRouter
+from serving import ray_compat
 from serving.ray_compat import FIFOMixin, PendingRequest, RequestRouter, RunningReplica, back_off_when_full, in_flight
 
 
@@ -45,3 +47,17 @@ def test_back_off_when_full_sets_the_routing_context():
     assert request.routing_context.should_backoff is False
     back_off_when_full(request)
     assert request.routing_context.should_backoff is True
+
+
+def test_single_node_start_is_confined_to_its_block(monkeypatch):
+    """The switch that keeps a local node on loopback (pdserve/local_ray.py) reaches Ray's constant
+    and the environment inside the block only."""
+    from ray._private import ray_constants, services
+    monkeypatch.delenv(ray_compat.SINGLE_NODE_ENV, raising=False)
+    assert ray_compat.SINGLE_NODE_ENV == "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    with ray_compat.single_node_start():
+        assert os.environ[ray_compat.SINGLE_NODE_ENV] == "0" and ray_constants.ENABLE_RAY_CLUSTER is False
+        assert services.get_node_ip_address() == "127.0.0.1"
+    assert ray_compat.SINGLE_NODE_ENV not in os.environ and ray_constants.ENABLE_RAY_CLUSTER == before
+    assert isinstance(ray_compat.token_auth_enabled(), bool)

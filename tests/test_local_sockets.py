@@ -1,0 +1,39 @@
+"""What a local deployment listens on: the session's Ray cluster (started as `pdserve serve` starts
+it, pdserve/local_ray.py) serving the disaggregated app must listen on loopback only, except the one
+listener Ray Serve binds to every interface in code: each Serve replica's inter-deployment gRPC
+server (token-authenticated). The decode replicas' KV rendezvous binds the configured
+`transfer.host` (127.0.0.1 here)."""
+
+import os
+
+import pytest
+
+from pdserve import local_ray
+
+from socket_util import listening, report
+
+
+def test_local_deployment_listens_on_loopback_only(disagg):
+    """Ray's processes are this (driver) process's descendants; the driver's own sockets are left
+    out because other tests in the session may have opened listeners in it."""
+    socks = listening(os.getpid(), include_root=False)
+    print(report(socks))
+    names = {s.name for s in socks}
+    # the deployment is all there: Ray's servers, the proxy, the pools, the router, the registry
+    for expected in ("gcs_server", "raylet", "ray::ProxyActor", "ray::DashboardAgent", "ray::RuntimeEnvAgent"):
+        assert expected in names, report(socks)
+    replicas = {s.pid for s in socks if s.name.startswith("ray::ServeReplica:pd:")}
+    assert len(replicas) >= 5, report(socks)   # registry, router, 1 prefill, 2 decode
+    exposed = [s for s in socks if not s.loopback]
+    # the documented exception: one wildcard socket per Serve replica process, nothing else
+    assert all(s.name.startswith("ray::ServeReplica:") and s.ip in ("::", "0.0.0.0") for s in exposed), report(socks)
+    by_pid = [s.pid for s in exposed]
+    assert len(by_pid) == len(set(by_pid)), report(socks)
+    assert set(by_pid) == {s.pid for s in socks if s.name.startswith("ray::ServeReplica:")}, report(socks)
+
+
+def test_local_start_refuses_to_turn_off_token_auth(monkeypatch):
+    monkeypatch.setenv(local_ray.AUTH_MODE_ENV, "disabled")
+    with pytest.raises(local_ray.LocalRayError, match="token authentication"):
+        local_ray.init()
+
