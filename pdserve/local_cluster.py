@@ -120,13 +120,15 @@ class LocalCluster:
         set it before the driver's first `ray.init`."""
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.tmp_dir / "auth_token")}
 
-    def connect(self) -> None:
-        """`ray.init` this process to the cluster, with its token (sets `driver_env()` in os.environ)."""
+    def connect(self, log_to_driver: bool = False) -> None:
+        """`ray.init` this process to the cluster, with its token (sets `driver_env()` in os.environ).
+        The workers' logs stay in `tmp_dir` unless `log_to_driver` (every fake node's log monitor tails
+        the one shared session directory, so the driver would print each line once per node)."""
         import ray
         from ray._raylet import Config
         os.environ.update(self.driver_env())
         Config.initialize("")          # Ray caches its config, auth mode included (as Ray's own token setup does)
-        ray.init(address=self.address, logging_level="WARNING")
+        ray.init(address=self.address, logging_level="WARNING", log_to_driver=log_to_driver)
 
     def nodes(self) -> list[dict]:
         """The alive nodes: [{"node_id", "type", "resources"}] (needs a connected driver)."""
