@@ -23,7 +23,9 @@ Life cycle:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import random
 import sys
 import tempfile
@@ -39,7 +41,7 @@ from service_util import free_port, http, metrics, pools_all_free, sse_events, w
 
 APP = "pdserve"
 POOLS = {"prefill": "PrefillServer", "decode": "DecodeServer"}
-DECODE_SCALING = {"min_replicas": 1, "max_replicas": 2, "target_running": 3, "target_kv_utilization": 0.9,
+DECODE_SCALING = {"min_replicas": 1, "max_replicas": 2, "target_running": 2, "target_kv_utilization": 0.9,
                   "upscale_delay_s": 1, "downscale_delay_s": 3, "look_back_period_s": 2,
                   "metrics_interval_s": 0.5, "warmup_s": 4}
 MAX_LAUNCH_S = 60        # the node must be up this soon after the scale-up decision
@@ -214,9 +216,13 @@ def run(args) -> dict:
 
     tokenizer = resolve_model(DEFAULT_MODEL_ID, cache_dir=ROOT / ".cache" / "models", progress=False)
     model = tiny_model_dir(Path(tempfile.mkdtemp(prefix="tiny-")), "llama", tokenizer_dir=tokenizer)
+    # The replicas' compiled CPU kernels in this checkout's own cache: checkouts of other paths sharing
+    # ~/.cache/torch_extensions rebuild the extension under one lock, which stalls a replica's start.
+    checkout = hashlib.sha1(str(ROOT).encode()).hexdigest()[:8]
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(tempfile.gettempdir()) / f"pdserve-torch-ext-{checkout}"))
     t_start = time.time()
     cluster = LocalCluster.start(ROOT / "cluster.local.yaml")
-    report: dict = {"checks": {}}
+    report: dict = {"checks": {}, "tmp_dir": str(cluster.tmp_dir)}
     try:
         cluster.connect()
         assert cluster.wait_for_nodes({"prefill_gpu": 1, "decode_gpu": 1}, 180), cluster.node_counts()
@@ -280,7 +286,8 @@ def run(args) -> dict:
         serve.shutdown()
         import ray
         ray.shutdown()
-        left = cluster.stop()
+        failed = not report["checks"] or not all(report["checks"].values())
+        left = cluster.stop(keep_logs=args.logs if failed and args.logs else None)
         report["checks"]["nothing_survives"] = not left
         report["total_s"] = round(time.time() - t_start, 1)
     return report
@@ -311,6 +318,7 @@ def main(argv=None) -> int:
     p.add_argument("--down-timeout", type=float, default=120, help="seconds for the idle node to go")
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
+    p.add_argument("--logs", type=Path, help="where to copy the cluster's Ray logs when a check failed")
     args = p.parse_args(argv)
     report = run(args)
     print_timeline(report)

@@ -166,9 +166,10 @@ class LocalCluster:
                 continue       # gone, or not ours
         return found
 
-    def stop(self, grace_s: float = 10) -> list[int]:
+    def stop(self, grace_s: float = 10, keep_logs: Path | None = None) -> list[int]:
         """Step 4: SIGTERM every process of the cluster, SIGKILL what is left after `grace_s`, remove the
-        temp dir. Returns the pids that were still alive at the end (expected: none)."""
+        temp dir (its Ray logs copied to `keep_logs` first, if given). Returns the pids that were still
+        alive at the end (expected: none)."""
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5)):
             for pid in self.pids():
                 try:
@@ -179,6 +180,8 @@ class LocalCluster:
             while self.pids() and time.monotonic() < deadline:
                 time.sleep(0.2)
         left = self.pids()
+        if keep_logs is not None:
+            shutil.copytree(self.tmp_dir / "ray" / "session_latest" / "logs", keep_logs, dirs_exist_ok=True)
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
         return left
 
