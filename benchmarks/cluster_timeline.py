@@ -282,6 +282,12 @@ def run(args) -> dict:
             report["terminated_after_scale_down_s"] = round(ev["node_terminated"] - ev["scale_down"], 2)
             report["checks"]["terminated_after_idle"] = report["terminated_after_scale_down_s"] >= 0.8 * idle_s
         report["samples"] = sampler.samples
+        report["autoscaler_events"] = auto = [(round(at - t0, 2), text) for at, text in cluster.autoscaler_events()
+                                              if " node" in text]
+        ev["autoscaler_adds_decode_node"] = next((at for at, text in auto if at >= load_start
+                                                  and text.startswith("Adding") and "decode_gpu" in text), None)
+        ev["autoscaler_removes_decode_node"] = next((at for at, text in auto if at >= load_stop
+                                                     and text.startswith("Removing") and "decode_gpu" in text), None)
     finally:
         serve.shutdown()
         import ray
@@ -305,6 +311,8 @@ def print_timeline(report: dict) -> None:
             print(f"{s['t']:7.1f}  {row[0]:7d}  {row[1]:6d}({row[2]})  {row[3]:11d}  {row[4]:10d}")
             last = row
     print("events (s):", json.dumps(report.get("events")))
+    for at, text in report.get("autoscaler_events", []):
+        print(f"  autoscaler at {at:7.1f} s: {text}")
     print("requests:", json.dumps(report.get("requests")))
     for k in ("launch_after_decision_s", "terminated_after_scale_down_s", "idle_timeout_s"):
         print(f"{k}: {report.get(k)}")

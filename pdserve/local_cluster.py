@@ -21,6 +21,7 @@ cluster, not this one.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import secrets
@@ -151,6 +152,21 @@ class LocalCluster:
                 return True
             time.sleep(0.5)
         return False
+
+    def autoscaler_events(self) -> list[tuple[float, str]]:
+        """The autoscaler's event summaries so far ("Adding 1 node(s) of type decode_gpu.", "Removing 1 nodes
+        of type decode_gpu (idle)."), as (epoch seconds, text), from its log in the temp dir."""
+        log = self.tmp_dir / "ray" / "session_latest" / "logs" / "monitor.log"
+        events = []
+        for line in (log.read_text(errors="replace").splitlines() if log.exists() else []):
+            stamp, sep, text = line.partition(":event_summary:")
+            if sep:
+                try:
+                    at = datetime.datetime.strptime(stamp[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                except ValueError:
+                    continue
+                events.append((at, text.strip()))
+        return events
 
     def pids(self) -> list[int]:
         """Processes of this cluster: their command line or environment names the temp dir."""
