@@ -16,7 +16,7 @@ Life cycle:
              2nd decode node and has received KV, then a few seconds more
   5. idle    stop the load; wait for the pool to return to 1 replica and the idle node to be terminated
   6. report  the timeline (replicas per pool, nodes per type, sampled every 0.5 s) and its events, the
-             checks; JSON and a plot; exit status 1 when a check failed
+             checks; JSON and a plot (cluster_timeline_report.py); exit status 1 when a check failed
   7. stop    Serve, the driver, then every process of the cluster by process id (none may survive)
 """
 
@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+from cluster_timeline_report import events_of, plot, print_timeline  # noqa: E402
 from pdserve.local_cluster import LocalCluster  # noqa: E402
 from service_util import free_port, http, metrics, pools_all_free, sse_events, wait_healthy  # noqa: E402
 
@@ -150,25 +151,7 @@ class Load:
             t.join()
 
 
-def events_of(samples: list[dict], load_start: float, load_stop: float, first_node: str) -> dict:
-    """The moments (s after the deploy) read off the samples."""
-    def first(pred, after=-1.0):
-        return next((s["t"] for s in samples if s["t"] >= after and pred(s)), None)
-    ev = {"load_start": load_start, "load_stop": load_stop}
-    ev["scale_up_decision"] = first(lambda s: s["wanted"]["decode"] >= 2, load_start)
-    ev["node_launched"] = first(lambda s: s["nodes"]["decode_gpu"] >= 2, load_start)
-    ev["replica_placed"] = first(lambda s: any(r["pool"] == "decode" and r["node_id"] != first_node
-                                               and r["node_type"] == "decode_gpu" for r in s["replicas"].values())
-                                 and s["running"]["decode"] >= 2, load_start)
-    new_ids = {rid for s in samples for rid, r in s["replicas"].items()
-               if r["pool"] == "decode" and r["node_id"] != first_node}
-    ev["kv_on_new_node"] = first(lambda s: any(s["landed"].get(rid, 0) > 0 for rid in new_ids), load_start)
-    ev["scale_down"] = first(lambda s: s["running"]["decode"] == 1 and s["wanted"]["decode"] == 1, load_stop)
-    ev["node_terminated"] = first(lambda s: s["nodes"]["decode_gpu"] == 1, load_stop)
-    return ev
-
-
-def placement_checks(sampler: Sampler, cluster: LocalCluster) -> dict:
+def placement_checks(cluster: LocalCluster) -> dict:
     types = {n["node_id"]: n["type"] for n in cluster.nodes()}
     on = {}
     for a in actors_by_node():
@@ -176,35 +159,6 @@ def placement_checks(sampler: Sampler, cluster: LocalCluster) -> dict:
             if a["cls"].endswith(cls):
                 on.setdefault(cls, set()).add(types.get(a["node_id"]))
     return {k: sorted(str(t) for t in v) for k, v in on.items()}
-
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    s, ev = report["samples"], report["events"]
-    t = [x["t"] for x in s]
-    fig, (a1, a2) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5))
-    for pool in POOLS:
-        a1.step(t, [x["running"][pool] for x in s], where="post", label=f"{pool} replicas running",
-                lw=3 if pool == "prefill" else 1.5)
-    a1.step(t, [x["wanted"]["decode"] for x in s], where="post", ls=":", label="decode replicas wanted")
-    for typ in ("prefill_gpu", "decode_gpu"):
-        a2.step(t, [x["nodes"][typ] for x in s], where="post", label=f"{typ} nodes", lw=3 if typ == "prefill_gpu" else 1.5)
-    for name, at in ev.items():
-        if at is not None:
-            for ax in (a1, a2):
-                ax.axvline(at, color="grey", lw=0.7, ls="--")
-            a2.annotate(name, (at, 0.2), rotation=90, fontsize=7, va="bottom", ha="right")
-    a1.set_ylabel("replicas")
-    a2.set_ylabel("nodes")
-    a2.set_xlabel("seconds since pdserve was healthy")
-    for ax in (a1, a2):
-        ax.set_ylim(0, 3)
-        ax.legend(loc="upper right", fontsize=8)
-    a1.set_title("decode pool scale-up and down on the local multi-node cluster (Ray autoscaler v1, fake nodes)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def run(args) -> dict:
@@ -240,7 +194,7 @@ def run(args) -> dict:
                  for i in range(4)]
         s = wait_for(sampler, lambda s: any(v > 0 for v in s["landed"].values()), 30) or sampler.latest()
         placed = {r["pool"]: r["node_id"] for r in s["replicas"].values()}
-        report["placement"] = placement_checks(sampler, cluster)
+        report["placement"] = placement_checks(cluster)
         first_node = placed.get("decode")
         report["checks"]["placement"] = (report["placement"].get("Router") == ["ray.head.default"]
                                          and report["placement"].get("StatsRegistry") == ["ray.head.default"]
@@ -282,6 +236,8 @@ def run(args) -> dict:
             report["terminated_after_scale_down_s"] = round(ev["node_terminated"] - ev["scale_down"], 2)
             report["checks"]["terminated_after_idle"] = report["terminated_after_scale_down_s"] >= 0.8 * idle_s
         report["samples"] = sampler.samples
+        report["checks"]["pools_only_on_their_types"] = all(   # every replica seen, at every sample
+            r["node_type"] in (None, f"{r['pool']}_gpu") for x in sampler.samples for r in x["replicas"].values())
         report["autoscaler_events"] = auto = [(round(at - t0, 2), text) for at, text in cluster.autoscaler_events()
                                               if " node" in text]
         ev["autoscaler_adds_decode_node"] = next((at for at, text in auto if at >= load_start
@@ -299,26 +255,6 @@ def run(args) -> dict:
     return report
 
 
-def print_timeline(report: dict) -> None:
-    print(f"startup (cluster + deploy) {report.get('startup_s')} s; total {report.get('total_s')} s")
-    print(f"placement: {report.get('placement')}")
-    print("   t(s)  prefill  decode(wanted)  prefill_gpu  decode_gpu  nodes")
-    last = None
-    for s in report.get("samples", []):
-        row = (s["running"]["prefill"], s["running"]["decode"], s["wanted"]["decode"],
-               s["nodes"]["prefill_gpu"], s["nodes"]["decode_gpu"])
-        if row != last:
-            print(f"{s['t']:7.1f}  {row[0]:7d}  {row[1]:6d}({row[2]})  {row[3]:11d}  {row[4]:10d}")
-            last = row
-    print("events (s):", json.dumps(report.get("events")))
-    for at, text in report.get("autoscaler_events", []):
-        print(f"  autoscaler at {at:7.1f} s: {text}")
-    print("requests:", json.dumps(report.get("requests")))
-    for k in ("launch_after_decision_s", "terminated_after_scale_down_s", "idle_timeout_s"):
-        print(f"{k}: {report.get(k)}")
-    print("checks:", json.dumps(report["checks"]))
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=6)
@@ -327,10 +263,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
     p.add_argument("--logs", type=Path, help="where to copy the cluster's Ray logs when a check failed")
+    p.add_argument("--from-json", type=Path, help="print and plot a saved report instead of running")
     args = p.parse_args(argv)
-    report = run(args)
+    report = json.loads(args.from_json.read_text()) if args.from_json else run(args)
     print_timeline(report)
-    if args.json:
+    if args.json and not args.from_json:
         args.json.write_text(json.dumps(report, indent=1))
     if args.plot and report.get("samples"):
         plot(report, args.plot)

@@ -38,7 +38,8 @@ def _local_cluster(args) -> int:
     cluster = LocalCluster.start(args.cluster)
     try:
         cluster.connect()
-        want = {name: t.get("min_workers", 0) for name, t in cluster.config["available_node_types"].items()}
+        want = {name: t["min_workers"] for name, t in cluster.config["available_node_types"].items()
+                if t.get("min_workers")}
         print(f"Ray at {cluster.address} (temp dir {cluster.tmp_dir}); waiting for the nodes {want} ...", flush=True)
         if not cluster.wait_for_nodes(want, timeout_s=300):
             raise SystemExit(f"the autoscaler did not launch the min_workers nodes: {cluster.node_counts()}")
