@@ -114,6 +114,9 @@ class LocalCluster:
             cluster.stop()
             out = getattr(exc, "stderr", "") or ""
             raise RuntimeError(f"ray start --head failed: {exc}\n{out[-2000:]}") from exc
+        except BaseException:          # Ctrl-C while it starts: leave nothing behind
+            cluster.stop()
+            raise
         return cluster
 
     def driver_env(self) -> dict[str, str]:
