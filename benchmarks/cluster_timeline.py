@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -250,6 +251,7 @@ def run(args) -> dict:
         ray.shutdown()
         failed = not report["checks"] or not all(report["checks"].values())
         left = cluster.stop(keep_logs=args.logs if failed and args.logs else None)
+        shutil.rmtree(model, ignore_errors=True)
         report["checks"]["nothing_survives"] = not left
         report["total_s"] = round(time.time() - t_start, 1)
     return report
