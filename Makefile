@@ -1,4 +1,5 @@
-# The two commands: `make serve` and `make test`. Both set up .venv and the default model first.
+# The two commands: `make serve` and `make test` (and `make local-cluster`: the same on a local multi-node
+# Ray cluster under its autoscaler, see README). Each sets up .venv and the default model first.
 # `make test` checks the import layers (import-linter, contracts in pyproject.toml) before pytest.
 PYTHON ?= python3
 VENV   := .venv
@@ -10,7 +11,7 @@ MODEL_CACHE := .cache/models
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5' || echo 'torch==2.13.0')
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test bench clean
+.PHONY: install model serve local-cluster test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +28,9 @@ model: install
 
 serve: model
 	$(VENV)/bin/pdserve serve --port $(PORT) --model-cache $(MODEL_CACHE)
+
+local-cluster: model
+	$(VENV)/bin/pdserve local-cluster --port $(PORT) --model-cache $(MODEL_CACHE)
 
 test: model
 	$(VENV)/bin/lint-imports --no-cache

@@ -3,7 +3,8 @@
 Disaggregated: Router -> (PrefillServer pool, DecodeServer pool), plus the StatsRegistry.
 Colocated: Router -> ColocatedServer pool, plus the StatsRegistry.
 Each pool gets its own replica count, resources and request router; deployments reach each
-other through handles passed by `.bind`.
+other through handles passed by `.bind`. The router and the registry are pinned to the head node
+(serving/placement.py): on a cluster only the pools run on pool nodes.
 
 With `autoscaling: {policy: slo}` both pools get bounds-and-delays autoscaling configs without a
 policy of their own, the router an autoscaling config pinned at one replica (so that Serve collects
@@ -29,6 +30,7 @@ from pdserve.plan.model import resolve_spec
 from pdserve.plan.sim_report import step_model
 from serving.config import AppConfig, AutoscalingOptions, PoolConfig, SloAutoscalingOptions, PoolBounds
 from serving.models import resolve_model
+from serving.placement import head_actor_options
 from serving.stats_registry import StatsRegistry
 
 ROUTING_STATS_PERIOD_S = 1.0
@@ -128,7 +130,8 @@ def build_app(config: AppConfig | dict):
     cfg = config if isinstance(config, AppConfig) else AppConfig.model_validate(config)
     data = cfg.model_dump()
     registry = StatsRegistry.bind()
-    router_opts = {"num_replicas": 1, "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": 0}}
+    router_opts = {"num_replicas": 1, "max_ongoing_requests": 4096,
+                   "ray_actor_options": head_actor_options()}      # on the head node, never on a pool's
     if cfg.autoscaling is not None:      # pinned at 1: autoscaled only so that Serve collects its SLO window
         router_opts.pop("num_replicas")
         router_opts["autoscaling_config"] = slo_bounds_config(PoolBounds(max_replicas=1), cfg.autoscaling)

@@ -1,4 +1,5 @@
-"""`pdserve` command line: `serve` (the HTTP service on Ray Serve), `generate` (one-shot
+"""`pdserve` command line: `serve` (the HTTP service on Ray Serve), `local-cluster` (the same on a
+multi-node Ray cluster with its autoscaler, simulated on this machine: pdserve/local_cluster.py), `generate` (one-shot
 generation with a local colocated engine, no Ray), `plan` and `simulate` (pdserve/plan/) and `bench` (pdserve/bench.py).
 Ray, torch and the engine are imported only by the subcommands that need them."""
 
@@ -18,26 +19,10 @@ from pdserve.plan import sim_cli
 
 def _serve(args) -> int:
     import ray
-    from ray import serve
 
     from pdserve import local_ray
-    from pdserve.app_builder import build_app, deploy
-    from serving.config import AppConfig
-    from serving.models import resolve_model
 
-    cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
-    updates = {k: v for k, v in {"model": args.model, "mode": args.mode, "model_cache": args.model_cache,
-                                 "api_key": args.api_key}.items() if v is not None}
-    data = cfg.model_dump()
-    data.update(updates)
-    for pool, n in (("prefill", args.prefill_replicas), ("decode", args.decode_replicas)):
-        if n is not None:
-            data[pool]["num_replicas"] = n
-    if args.address is None:
-        data["transfer"]["host"] = "127.0.0.1" if data["transfer"]["host"] == "auto" else data["transfer"]["host"]
-    cfg = AppConfig.model_validate(data)
-    print(f"preparing model {cfg.model} ...", flush=True)
-    resolve_model(cfg.model, cfg.model_cache)
+    cfg = _app_config(args, local=args.address is None)
     if args.address is None:                # one machine: Ray on loopback (pdserve/local_ray.py)
         try:
             local_ray.init()
@@ -45,12 +30,66 @@ def _serve(args) -> int:
             raise SystemExit(str(exc)) from exc
     else:
         ray.init(address=args.address, logging_level="WARNING")
-    serve.start(http_options={"host": args.host, "port": args.port})
+    return _serve_until_stopped(cfg, args.host, args.port)
+
+
+def _local_cluster(args) -> int:
+    """`pdserve local-cluster`: cluster.local.yaml's fake multi-node cluster (pdserve/local_cluster.py),
+    pdserve deployed on it, everything stopped on Ctrl-C."""
+    from pdserve.local_cluster import LocalCluster
+
+    cfg = _app_config(args, local=False)
+    print(f"starting the local cluster of {args.cluster} ...", flush=True)
+    cluster = LocalCluster.start(args.cluster)
+    try:
+        cluster.connect()
+        want = {name: t["min_workers"] for name, t in cluster.config["available_node_types"].items()
+                if t.get("min_workers")}
+        print(f"Ray at {cluster.address} (temp dir {cluster.tmp_dir}); waiting for the nodes {want} ...", flush=True)
+        if not cluster.wait_for_nodes(want, timeout_s=300):
+            raise SystemExit(f"the autoscaler did not launch the min_workers nodes: {cluster.node_counts()}")
+        return _serve_until_stopped(cfg, args.host, args.port, proxy_location="HeadOnly")
+    finally:
+        left = cluster.stop()
+        print(f"local cluster stopped{f' (still alive: {left})' if left else ''}.", flush=True)
+
+
+def _app_config(args, local: bool):
+    from serving.config import AppConfig
+    from serving.models import resolve_model
+
+    cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
+    updates = {k: v for k, v in {"model": args.model, "mode": getattr(args, "mode", None),
+                                 "model_cache": args.model_cache,
+                                 "api_key": getattr(args, "api_key", None)}.items() if v is not None}
+    data = cfg.model_dump()
+    data.update(updates)
+    for pool in ("prefill", "decode"):
+        n = getattr(args, f"{pool}_replicas", None)
+        if n is not None:
+            data[pool]["num_replicas"] = n
+    if local:
+        data["transfer"]["host"] = "127.0.0.1" if data["transfer"]["host"] == "auto" else data["transfer"]["host"]
+    cfg = AppConfig.model_validate(data)
+    print(f"preparing model {cfg.model} ...", flush=True)
+    resolve_model(cfg.model, cfg.model_cache)
+    return cfg
+
+
+def _serve_until_stopped(cfg, host: str, port: int, proxy_location: str | None = None) -> int:
+    """Start Serve on the connected Ray, deploy `cfg`, wait until healthy, then until Ctrl-C or SIGTERM;
+    shut Serve and the driver down."""
+    import ray
+    from ray import serve
+
+    from pdserve.app_builder import build_app, deploy
+    serve.start(http_options={"host": host, "port": port},
+                **({"proxy_location": proxy_location} if proxy_location else {}))
     if cfg.autoscaling is not None:         # an application-level policy needs a config deploy
         deploy(cfg, "pdserve", cfg.route_prefix)
     else:
         serve.run(build_app(cfg), name="pdserve", route_prefix=cfg.route_prefix, blocking=False)
-    base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     _wait_healthy(base, timeout=600)
     print(f"\npdserve is up ({cfg.mode}) at {base}  model: {cfg.model_name}\n\n"
           f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
@@ -122,6 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--prefill-replicas", type=int)
     s.add_argument("--decode-replicas", type=int)
     s.set_defaults(fn=_serve)
+    lc = sub.add_parser("local-cluster", help="cluster.local.yaml on this machine (Ray's autoscaler with fake "
+                                              "nodes) with pdserve deployed; Ctrl-C stops everything")
+    lc.add_argument("--cluster", default="cluster.local.yaml", help="fake multi-node cluster config")
+    lc.add_argument("--config", default="serve_config.cluster.local.yaml", help="Serve config YAML")
+    lc.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    lc.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    lc.add_argument("--model", help="default model id or a local HF model directory")
+    lc.add_argument("--model-cache", help="where the default model is converted and cached")
+    lc.set_defaults(fn=_local_cluster)
     sub.add_parser("bench", help="load-test any OpenAI-compatible endpoint (pdserve bench --help)")
     g = sub.add_parser("generate", help="one-shot chat generation with a local engine (no Ray)")
     g.add_argument("prompt")

@@ -2,7 +2,7 @@
 replica, so the router's /metrics can show every pool and replica.
 
 Replicas push every 0.5 s; an entry not refreshed for `STALE_S` (a dead or removed replica)
-is dropped.
+is dropped. Pinned to the head node (serving/placement.py).
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import time
 from ray import serve
 
 from serving import messages
+from serving.placement import head_actor_options
 
 STALE_S = 5.0
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0},
+@serve.deployment(num_replicas=1, ray_actor_options=head_actor_options(),
                   logging_config={"enable_access_log": False})
 class StatsRegistry:
     def __init__(self):

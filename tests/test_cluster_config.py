@@ -53,3 +53,48 @@ def test_transfer_options_reach_the_transfer_config():
     assert AppConfig(transfer={"max_pairs_per_peer": 2}).transfer.transfer_config().max_pairs_per_peer == 2
     with pytest.raises(ValueError, match="max_pairs_per_peer"):
         AppConfig(transfer={"max_pairs_per_peer": 0})
+
+
+def _types(name: str) -> dict:
+    return yaml.safe_load((ROOT / name).read_text())["available_node_types"]
+
+
+def test_cluster_local_yaml_mirrors_cluster_yaml():
+    """cluster.local.yaml (fake multi-node provider) passes Ray's validator as the autoscaler loads it, and has
+    cluster.yaml's worker types, custom resources and limits; its head type is the fake provider's fixed name."""
+    raw = yaml.safe_load((ROOT / "cluster.local.yaml").read_text())
+    validate_config(raw)        # the autoscaler validates the file as written (no defaults file for this provider)
+    real = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    assert raw["provider"]["type"] == "fake_multinode" and raw["head_node_type"] == "ray.head.default"
+    assert raw["max_workers"] == real["max_workers"]
+    local, cloud = _types("cluster.local.yaml"), _types("cluster.yaml")
+    assert set(local) - {"ray.head.default"} == set(cloud) - {real["head_node_type"]}
+    builtin = {"CPU", "GPU", "memory", "object_store_memory"}
+    for name in set(cloud) - {real["head_node_type"]}:
+        lt, ct = local[name], cloud[name]
+        assert (lt["min_workers"], lt["max_workers"]) == (ct["min_workers"], ct["max_workers"]), name
+        custom = {k: v for k, v in lt["resources"].items() if k not in builtin}
+        assert custom == {k: v for k, v in ct["resources"].items() if k not in builtin}, name
+        assert lt["resources"]["CPU"] == 1 and lt["resources"]["object_store_memory"] <= 200_000_000, name
+    head = local["ray.head.default"]["resources"]
+    assert head["CPU"] == cloud[real["head_node_type"]]["resources"]["CPU"] == 0
+
+
+def test_local_cluster_serve_config_targets_node_types_of_cluster_local_yaml():
+    offered = {name: set(t.get("resources", {})) for name, t in _types("cluster.local.yaml").items()}
+    cfg = AppConfig.from_yaml(ROOT / "serve_config.cluster.local.yaml")
+    for pool in ("prefill", "decode"):
+        p = getattr(cfg, pool)
+        hosts = [name for name, res in offered.items() if set(p.resources) <= res and p.resources]
+        assert hosts == [f"{pool}_gpu"], f"{pool} pool resources {p.resources} match node types {hosts}"
+        assert p.num_cpus == _types("cluster.local.yaml")[f"{pool}_gpu"]["resources"]["CPU"]   # one replica a node
+        assert p.autoscaling is not None and p.autoscaling.max_replicas <= _types("cluster.yaml")[f"{pool}_gpu"]["max_workers"]
+
+
+def test_router_and_registry_ask_for_the_head_node():
+    from pdserve.app_builder import build_app
+    from serving.stats_registry import StatsRegistry
+    app = build_app(AppConfig(engine={"dtype": "float32"}))
+    router = app._bound_deployment
+    assert router.ray_actor_options["resources"] == {"node:__internal_head__": 0.001}
+    assert StatsRegistry.ray_actor_options["resources"] == {"node:__internal_head__": 0.001}
