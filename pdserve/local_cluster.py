@@ -129,9 +129,10 @@ class LocalCluster:
         The workers' logs stay in `tmp_dir` unless `log_to_driver` (every fake node's log monitor tails
         the one shared session directory, so the driver would print each line once per node)."""
         import ray
-        from ray._raylet import Config
+
+        from serving import ray_compat
         os.environ.update(self.driver_env())
-        Config.initialize("")          # Ray caches its config, auth mode included (as Ray's own token setup does)
+        ray_compat.reload_auth_config()
         ray.init(address=self.address, logging_level="WARNING", log_to_driver=log_to_driver)
 
     def nodes(self) -> list[dict]:

@@ -12,6 +12,9 @@ The local cluster's start (pdserve/local_ray.py) needs two more, private in Ray 
   * `single_node_start`: Ray's single-node switch for the duration of `ray.init`, which keeps the
     node on 127.0.0.1 (nothing public does; see local_ray.py);
   * `token_auth_enabled`: whether this process runs Ray with token authentication.
+And a driver joining the local multi-node cluster with its token (pdserve/local_cluster.py):
+  * `reload_auth_config`: Ray caches its config, the auth mode included, at first use; after the
+    token's environment is set it must read it again (as Ray's own token setup does).
 Nothing else in pdserve may import `ray.serve._private` or `ray._private`. pyproject.toml pins
 Ray to the range the tests have run on; tests/test_ray_compat.py imports these names and exercises
 the helpers, so an upgrade that moves them fails there, loudly, before anything is deployed.
@@ -28,7 +31,7 @@ from ray._private.authentication import authentication_utils
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 __all__ = ["FIFOMixin", "PendingRequest", "RequestRouter", "RunningReplica", "SINGLE_NODE_ENV", "back_off_when_full",
-           "in_flight", "single_node_start", "token_auth_enabled"]
+           "in_flight", "reload_auth_config", "single_node_start", "token_auth_enabled"]
 
 SINGLE_NODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR    # "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -63,6 +66,12 @@ def single_node_start() -> Iterator[None]:
             os.environ.pop(SINGLE_NODE_ENV, None)
         else:
             os.environ[SINGLE_NODE_ENV] = saved_env
+
+
+def reload_auth_config() -> None:
+    """Make Ray in this process read its config (RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH) again."""
+    from ray._raylet import Config
+    Config.initialize("")
 
 
 def token_auth_enabled() -> bool:
