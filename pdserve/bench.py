@@ -70,7 +70,10 @@ async def run_load(url: str, bodies: list[dict], concurrency: int | None, rate: 
         start = time.perf_counter()
 
         async def run(body):
-            results.append(await one_request(client, url, body))
+            sent = time.perf_counter() - start
+            result = await one_request(client, url, body)
+            # what the run offered, for `pdserve simulate --validate` to replay exactly
+            results.append({**result, "sent": sent, "prompt_tokens": len(body["prompt"])})
             bar.update(1)
 
         if rate:

@@ -170,3 +170,25 @@ def test_validate_against_a_bench_report(capsys):
                  str(Path(__file__).parents[1] / "docs" / "bench_cpu.json")]) == 0
     out = capsys.readouterr().out
     assert out.count("| rate ") == 3 and "worst sim/meas" in out
+
+
+def test_validate_replays_the_measured_requests_when_the_report_records_them():
+    """A bench report whose results carry send times and prompt lengths is replayed exactly: requests
+    far apart never queue, so each simulated TTFT is its own prompt's prefill time."""
+    from pdserve.plan.sim_validate import validate
+    prompts = [100, 300, 200, 400, 250]
+    results = [{"ok": True, "ttft": 0.5, "tpot": 0.01, "e2e": 1.0, "tokens": 4, "sent": 30.0 * i, "prompt_tokens": n}
+               for i, n in enumerate(prompts)]
+    report = {"args": {"url": "u", "compare": None, "input_len": 250, "output_len": 4, "jitter": 0.5,
+                       "ttft_slo": 1.0, "tpot_slo": 0.5, "rates": "0.03", "concurrency": None},
+              "runs": [{"name": "u rate 0.03/s", "results": results,
+                        "summary": {"requests": 5, "failed": 0, "wall_s": 121.0, "req_per_s": 5 / 121,
+                                    "output_tok_per_s": 20 / 121, "goodput_req_per_s": 5 / 121, "ttft_p50": 0.5,
+                                    "ttft_p90": 0.5, "tpot_p50": 0.01, "tpot_p90": 0.01, "e2e_p50": 1.0}}]}
+    (row,) = validate(M, report)
+    assert row["how"] == "replayed"
+    ttfts = sorted(M.prefill_time(n) for n in prompts)
+    assert row["simulated"]["ttft_p50"] == pytest.approx(ttfts[2])
+    assert row["simulated"]["ttft_p90"] == pytest.approx(ttfts[4])
+    del results[0]["sent"]                                   # an older report: Poisson draws instead
+    assert validate(M, report, seeds=2)[0]["how"] == "2 Poisson draws"
