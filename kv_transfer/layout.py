@@ -106,13 +106,13 @@ def segment_slices(counts: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def local_host_towards(peer_host: str) -> str:
-    """The local address the OS would use to reach `peer_host` (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((peer_host, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
+    """The local address the OS would use to reach `peer_host` (no packet is sent). Raises OSError
+    when there is no route: the sender's pairing turns it into an error value (falling back to
+    127.0.0.1 would only move the failure to a peer that cannot reach us)."""
+    family = socket.AF_INET6 if ":" in peer_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((peer_host, 9))
+        return s.getsockname()[0]
 
 
 def device_info(kv: torch.Tensor, host: str) -> DeviceInfo:

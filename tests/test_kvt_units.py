@@ -7,7 +7,7 @@ import torch
 
 from kv_transfer import TransferConfig, choose_backend, fingerprint_for
 from kv_transfer.layout import (
-    block_bytes, check_pool, chunk_blocks_for, chunk_plan, device_info,
+    block_bytes, check_pool, chunk_blocks_for, chunk_plan, device_info, local_host_towards,
 )
 from kv_transfer import rendezvous as rv
 from kv_transfer.reservations import check_block_ids
@@ -112,6 +112,12 @@ def test_parse_address():
     for bad in ("nohost", ":80", "h:", "h:x", "h:70000"):
         with pytest.raises(ValueError):
             rv.parse_address(bad)
+
+
+def test_local_host_towards_a_peer_or_no_route():
+    assert local_host_towards("127.0.0.1") == "127.0.0.1"
+    with pytest.raises(OSError):            # not reachable: an error, not a 127.0.0.1 the peer cannot reach
+        local_host_towards("0.0.0.0.1")
 
 
 def test_store_server_listens_on_its_host_only():

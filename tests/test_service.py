@@ -297,6 +297,8 @@ def test_echo_with_prompt_logprobs_as_evaluation_harnesses_ask(disagg, colocated
 
 def test_health_models_and_errors(disagg):
     assert http(disagg, "/health")[0] == 200
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+    assert http(disagg, "/v1/completions", body)[0] == 200      # so that the latency series have a sample
     _, text = http(disagg, "/metrics")
     count = float(re.search(r"^pdserve_ttft_seconds_count (\S+)$", text, re.M).group(1))
     assert count > 0 and "pdserve_tpot_seconds_bucket" in text
