@@ -3,8 +3,12 @@
 Closed loop (`--concurrency C`: C clients, each sends its next request when the last ends) or open
 loop (`--rate R`: Poisson arrivals at R requests/s; `--rates R1,R2,..` sweeps). Prompts are random
 token ids with lengths uniform in input_len * (1 +- jitter); every request streams exactly
-`--output-len` tokens (ignore_eos). Reports p50/p90/p99 TTFT, TPOT and end-to-end latency, throughput
-and goodput (requests/s meeting both the TTFT and the TPOT SLO); writes JSON and PNG plots (latency
+`--output-len` tokens (ignore_eos). Each run of a `--rates` sweep draws its own prompts (seed, run
+index): re-sent prompts would come from the server's prefix cache, so every rate after the first would
+measure cache hits; `--compare` sends the same prompts to both endpoints. Separate invocations against
+one server should differ in `--seed` for the same reason; the summary's `cached_prompt_fraction` (from
+the usage's `prompt_tokens_details.cached_tokens`, where the server reports it) shows what was reused.
+Reports p50/p90/p99 TTFT, TPOT and end-to-end latency, throughput and goodput (requests/s meeting both the TTFT and the TPOT SLO); writes JSON and PNG plots (latency
 CDFs; goodput against rate); `--compare URL` runs the same load against a second endpoint.
 """
 
@@ -30,7 +34,7 @@ def percentile(values: list[float], q: float) -> float | None:
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     start = time.perf_counter()
     first = None
-    tokens = 0
+    tokens = cached = 0
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -43,14 +47,20 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                     return {"ok": False, "error": event["error"]["message"], "e2e": time.perf_counter() - start}
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
+                    cached = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 if event.get("choices") and event["choices"][0].get("text") and first is None:
                     first = time.perf_counter()
     except httpx.HTTPError as exc:
         return {"ok": False, "error": repr(exc), "e2e": time.perf_counter() - start}
     end = time.perf_counter()
     first = first or end
-    return {"ok": True, "ttft": first - start, "e2e": end - start, "tokens": tokens,
+    return {"ok": True, "ttft": first - start, "e2e": end - start, "tokens": tokens, "cached_tokens": cached,
             "tpot": (end - first) / (tokens - 1) if tokens > 1 else 0.0}
+
+
+def run_seed(seed: int, run: int) -> int:
+    """The prompts' seed of run `run` of a sweep (run 0 keeps `seed`, as a single run always has)."""
+    return seed + 7919 * run
 
 
 def make_bodies(args, n: int, seed: int) -> list[dict]:
@@ -100,7 +110,9 @@ def summarize(results: list[dict], wall: float, ttft_slo: float, tpot_slo: float
     good = [r for r in ok if r["ttft"] <= ttft_slo and r["tpot"] <= tpot_slo]
     out = {"requests": len(results), "failed": len(results) - len(ok), "wall_s": wall,
            "req_per_s": len(ok) / wall, "output_tok_per_s": sum(r["tokens"] for r in ok) / wall,
-           "goodput_req_per_s": len(good) / wall}
+           "goodput_req_per_s": len(good) / wall,
+           "cached_prompt_fraction": sum(r.get("cached_tokens", 0) for r in ok)
+           / max(1, sum(r.get("prompt_tokens", 0) for r in ok))}
     for key in ("ttft", "tpot", "e2e"):
         for q in (50, 90, 99):
             out[f"{key}_p{q}"] = percentile([r[key] for r in ok], q)
@@ -165,11 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     urls = [args.url] + ([args.compare] if args.compare else [])
     rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
-    bodies = make_bodies(args, args.requests, args.seed)
     rows, runs, goodput = [], [], []
     print("command: pdserve bench " + " ".join(argv if argv is not None else sys.argv[1:]), flush=True)
     for url in urls:
-        for rate in rates:
+        for i, rate in enumerate(rates):
+            bodies = make_bodies(args, args.requests, run_seed(args.seed, i))
             results, wall = asyncio.run(run_load(url, bodies, None if rate else (args.concurrency or 4), rate,
                                                  args.seed, headers, not args.no_progress))
             summary = summarize(results, wall, args.ttft_slo, args.tpot_slo)
