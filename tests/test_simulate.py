@@ -2,6 +2,7 @@
 routing, autoscaling and the CLI (pure Python, fast)."""
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +193,130 @@ def test_validate_replays_the_measured_requests_when_the_report_records_them():
     assert row["simulated"]["ttft_p90"] == pytest.approx(ttfts[4])
     del results[0]["sent"]                                   # an older report: Poisson draws instead
     assert validate(M, report, seeds=2)[0]["how"] == "2 Poisson draws"
+
+
+# ---- one host's cores shared with the serving work (pdserve/plan/sim_host.py) -------------------------
+def test_host_load_shares_the_cores_and_reprices_running_steps():
+    from types import SimpleNamespace as R
+
+    from pdserve.plan.sim_host import HostCpu, HostLoad
+    a, b = R(id=1), R(id=2)
+    load = HostLoad(HostCpu(cores=2, token_cpu=0.01, loop_token_cpu=0.002, base_cores=0.5))
+    assert load.start(0.0, a, 0.1, 0) == [(pytest.approx(0.1), a)]           # 1 engine + 0.5 cores <= 2
+    ends = {r.id: t for t, r in load.start(0.0, b, 0.1, 4)}          # 2.5 cores: both at 0.8
+    assert ends == {1: pytest.approx(0.125), 2: pytest.approx((0.1 + 4 * 0.002) / 0.8)}
+    (end_b,) = load.finish(0.125, a)                                        # b has 0.008 s left, alone now
+    assert end_b == (pytest.approx(0.133), b)
+    load.finish(0.133, b)
+    load.emitted(0.133, 100)                                                 # 100 tokens/s at tau 1 s: +1 core
+    assert load.start(0.133, a, 0.1, 0)[0][0] == pytest.approx(0.133 + 0.1 * 2.5 / 2)   # 1 + 1 + 0.5 cores
+    load.finish(0.2, a)
+    assert load.start(50.0, a, 0.1, 0)[0][0] == pytest.approx(50.1)          # the rate decayed away
+    with pytest.raises(ValueError):
+        HostCpu(cores=2, token_cpu=0.001, loop_token_cpu=0.002)
+
+
+def test_host_load_decode_steps_beside_another_engine_slow_by_the_measured_interference(tmp_path):
+    import json
+    from types import SimpleNamespace as R
+
+    from pdserve.plan.sim_host import HostCpu, HostLoad
+    (tmp_path / "ci.json").write_text(json.dumps({"decode": {"slowdown": 2.0}, "prefill": {"slowdown": 3.0}}))
+    host = HostCpu(cores=4).with_interference(tmp_path / "ci.json")
+    prefill, decode, decode2 = R(id=1), R(id=2), R(id=3)
+    load = HostLoad(host)
+    assert load.start(0.0, decode, 0.1, 1) == [(pytest.approx(0.1), decode)]      # alone: full speed
+    load.finish(0.1, decode)
+    load.start(0.1, prefill, 0.3, 0)
+    ends = {r.id: t for t, r in load.start(0.1, decode, 0.1, 1)}
+    assert ends == {1: pytest.approx(0.4), 2: pytest.approx(0.3)}                 # prefill is not slowed
+    assert load.finish(0.3, decode) == [(pytest.approx(0.4), prefill)]
+    assert {r.id: t for t, r in load.start(0.3, decode2, 0.05, 2)} == {1: pytest.approx(0.4), 3: pytest.approx(0.4)}
+
+
+def test_host_cpu_fits_a_line_through_the_two_lowest_rate_runs(tmp_path):
+    import json
+
+    from pdserve.plan.sim_host import HostCpu
+
+    def run(rate, tok_s, serving_cores, loop_cores):
+        cores = {"prefill engine": 0.3, "prefill rest": 0.0, "decode engine": 0.4, "decode rest": loop_cores,
+                 "router": serving_cores - loop_cores, "proxy": 0.0, "client": 0.0, "ray": 0.1}
+        return {"rate": rate, "tokens": tok_s * 10, "wall_s": 10.0, "cores": cores}
+    path = tmp_path / "host.json"
+    # serving = 0.05 + 0.004 s/token, of which the loop 0.01 + 0.001 s/token; a third run is ignored
+    path.write_text(json.dumps({"cpus": 2, "runs": [run(4, 200, 0.85, 0.21), run(1, 20, 0.13, 0.03),
+                                                    run(0.5, 10, 0.09, 0.02)]}))
+    h = HostCpu.from_measurement(path)
+    assert (h.cores, h.token_cpu, h.loop_token_cpu) == (2, pytest.approx(0.004), pytest.approx(0.001))
+    assert h.base_cores == pytest.approx(0.05 + 0.1)
+    path.write_text(json.dumps({"cpus": 2, "runs": [run(1, 20, 0.13, 0.03)]}))
+    with pytest.raises(ValueError, match="two rates"):
+        HostCpu.from_measurement(path)
+
+
+def test_shared_host_makes_tpot_grow_with_load_where_own_devices_keep_it_flat():
+    from pdserve.plan.sim_host import HostCpu
+    host = HostCpu(cores=2, token_cpu=0.004, loop_token_cpu=0.001, base_cores=0.1)
+
+    m = StepModel(**{**M.__dict__, "mem_bw": 1e11})     # decode steps ~10 ms, memory-bound up to batch 8
+
+    def tpot(rate, h):
+        reqs = poisson([(0.0, rate)], 60, 200, 64, 0.0, seed=3)
+        Simulator(m, Fleet("disaggregated", 1, 1), 0, host=h).run(reqs, 60)
+        return summarize_tpot(reqs)
+    alone = [tpot(r, None) for r in (0.2, 3)]
+    shared = [tpot(r, host) for r in (0.2, 3)]
+    assert alone[1] / alone[0] < 1.1                     # batching is nearly free on a device of its own
+    assert shared[0] < alone[0] * 1.2 and shared[1] > alone[1] * 1.25
+
+
+def summarize_tpot(reqs):
+    done = sorted(r.tpot for r in reqs if r.end >= 0)
+    return done[len(done) // 2]
+
+
+def test_calibration_by_simulation_reproduces_the_calibration_run():
+    from pdserve.plan.sim_host import HostCpu
+    from pdserve.plan.sim_validate import calibrate_by_simulation, validate
+    results = [{"ok": True, "ttft": 0.3, "tpot": 0.01, "e2e": 1.0, "tokens": 8, "sent": 0.7 * i,
+                "prompt_tokens": 200 + 37 * (i % 5)} for i in range(40)]
+    summary = {"requests": 40, "failed": 0, "wall_s": 30.0, "req_per_s": 1.3, "output_tok_per_s": 10,
+               "goodput_req_per_s": 1.3, "ttft_p50": 0.004, "ttft_p90": 0.005, "tpot_p50": 0.003,
+               "tpot_p90": 0.004, "e2e_p50": 0.03}
+    report = {"args": {"url": "u", "input_len": 250, "output_len": 8, "jitter": 0.2, "ttft_slo": 1.0,
+                       "tpot_slo": 0.5}, "runs": [{"name": "u rate 1.4/s", "results": results, "summary": summary}]}
+    host = HostCpu(cores=1.5, token_cpu=0.002, loop_token_cpu=0.0005, base_cores=0.2)
+    memory_bound = StepModel(**{**M.__dict__, "mem_bw": 1e11, "link_bw": 1e12})   # decode memory-, prefill compute-bound
+    m = calibrate_by_simulation(memory_bound, report, host)
+    (row,) = validate(m, report, host=host)
+    assert row["simulated"]["ttft_p50"] == pytest.approx(0.004, rel=0.02)
+    assert row["simulated"]["tpot_p50"] == pytest.approx(0.003, rel=0.02)
+    assert m.prefill_eff > 10 and m.decode_eff > 1      # both moved: the targets are far from the start
+
+
+def test_cli_host_cpu_needs_one_host_to_simulate(tmp_path, capsys):
+    (tmp_path / "h.json").write_text("{}")
+    assert main(["simulate", "--model", "smollm2-135m", "--host-cpu", str(tmp_path / "h.json")]) == 2
+    assert "host_cpu.py report" in capsys.readouterr().err
+    docs = Path(__file__).parents[1] / "docs"
+    assert main(["simulate", "--model", "smollm2-135m", "--host-cpu", str(docs / "host_cpu.json")]) == 2
+    assert "with --fleet, --policy or --validate" in capsys.readouterr().err
+    assert main(["simulate", "--model", "smollm2-135m", "--fleet", "1:1",
+                 "--host-interference", str(docs / "core_interference.json")]) == 2
+    assert "needs --host-cpu" in capsys.readouterr().err
+
+
+def test_cli_validates_this_host_s_measurement_with_its_host_model(capsys):
+    """The README's table: the measured sweep replayed on one shared host, calibrated by simulation on
+    its lowest rate, which the simulation then reproduces."""
+    docs = Path(__file__).parents[1] / "docs"
+    assert main(["simulate", "--model", "smollm2-135m", "--hardware", "h100", "--max-batched-tokens", "512",
+                 "--max-num-seqs", "64", "--kv-tokens", "23301", "--validate", str(docs / "bench_cpu_validate.json"),
+                 "--host-cpu", str(docs / "host_cpu.json"),
+                 "--host-interference", str(docs / "core_interference.json")]) == 0
+    out = capsys.readouterr().out
+    assert "one host: 2 cores" in out and "calibrated by simulation" in out
+    first = next(line for line in out.splitlines() if line.startswith("| rate 0.5/s"))
+    (ttft_meas, ttft_sim), _, (tpot_meas, tpot_sim) = [c.split(" / ") for c in first.split("|")[2:5]]
+    assert abs(float(ttft_sim) / float(ttft_meas) - 1) < 0.03 and abs(float(tpot_sim) / float(tpot_meas) - 1) < 0.06

@@ -6,6 +6,8 @@
      * `--fleet P:D` or `--fleet colocated:N`: one fixed fleet under `--rate`, `--schedule` or `--trace`;
      * `--policy slo|per-pool`: one autoscaled fleet (from 1:1) under `--schedule` or `--trace`;
      * `--validate BENCH_JSON`: each measured run of the report against its simulation;
+     `--host-cpu HOST_JSON` (with `--fleet`, `--policy` or `--validate`): the replicas share one host's
+     cores with the serving work, as `benchmarks/host_cpu.py` measured them (pdserve/plan/sim_host.py);
      * none of these: the comparison at each of `--rates` (colocated vs best P:D split vs both policies),
        the recommended split, and with `--schedule` the two policies' replicas over time;
   3. prints markdown tables; `--json` and `--plot` write them.
@@ -23,6 +25,7 @@ from pdserve.plan import calibrate as plan_calibrate
 from pdserve.plan import sim_validate
 from pdserve.plan import roofline
 from pdserve.plan.model import resolve_spec
+from pdserve.plan.sim_host import HostCpu
 from pdserve.plan.sim_load import parse_schedule, poisson, read_trace
 from pdserve.plan.sim_report import step_model, summarize
 from pdserve.plan.sim_study import HEADER, Study, autoscaled, compare, make_scaler, recommend
@@ -61,6 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", metavar="BENCH_JSON", help="simulate each open-loop run of a pdserve bench report "
                    "on 1:1 and compare with the measurement (calibrates from it unless --calibrate is given)")
     p.add_argument("--seeds", type=int, default=20, help="--validate: simulations per run")
+    p.add_argument("--host-cpu", metavar="HOST_JSON", help="replicas share one host's cores: costs from a "
+                   "benchmarks/host_cpu.py report (its lowest-rate run); with --validate the efficiencies are then "
+                   "calibrated by simulating the calibration run")
+    p.add_argument("--host-interference", metavar="CORE_JSON", help="with --host-cpu: how much a decode step slows "
+                   "while another engine steps, from a benchmarks/core_interference.py report (default: not at all)")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG")
 
@@ -116,15 +124,31 @@ def run(args) -> int:
         rates = [float(r) for r in args.rates.split(",")] if not (fleet or args.policy) else []
         if args.policy and not (args.schedule or args.trace):
             raise ValueError("--policy needs --schedule or --trace")
+        host = HostCpu.from_measurement(args.host_cpu) if args.host_cpu else None
+        if args.host_interference:
+            if not host:
+                raise ValueError("--host-interference needs --host-cpu")
+            host = host.with_interference(args.host_interference)
+        if host and not (fleet or args.policy or args.validate):
+            raise ValueError("--host-cpu models one host: use it with --fleet, --policy or --validate")
+        if host and args.validate:
+            m = sim_validate.calibrate_by_simulation(m, plan_calibrate.load_report(args.validate), host,
+                                                     args.calibration_run, args.seeds)
     except ValueError as exc:
         print(f"pdserve simulate: {exc}", file=sys.stderr)
         return 2
     print(f"{spec.name} on {hw.name}: prefill eff {m.prefill_eff:.3g}, decode eff {m.decode_eff:.3g}, "
           f"KV {m.kv_tokens} tokens/replica, max_num_seqs {m.max_num_seqs}, step budget {m.max_batched_tokens}; "
           f"SLOs TTFT {args.ttft_slo * 1e3:.0f} ms, TPOT {args.tpot_slo * 1e3:.0f} ms")
+    if host:
+        print(f"one host: {host.cores:g} cores, {host.engine_cores:g} per stepping engine, "
+              f"{host.token_cpu * 1e3:.2f} ms CPU per streamed token ({host.loop_token_cpu * 1e3:.2f} ms of it in "
+              f"the decode replica's loop, serial with its step), {host.base_cores:.2f} cores of background, "
+              f"decode steps beside another engine x{host.decode_interference:.2f}"
+              + ("; efficiencies calibrated by simulation" if args.validate else ""))
     t0, out, timelines = time.perf_counter(), {"args": vars(args)}, {}
     if args.validate:
-        rows = sim_validate.validate(m, plan_calibrate.load_report(args.validate), args.seeds)
+        rows = sim_validate.validate(m, plan_calibrate.load_report(args.validate), args.seeds, host)
         print(sim_validate.table(rows))
         out["validation"] = rows
     elif fleet or args.policy:
@@ -135,7 +159,7 @@ def run(args) -> int:
             return 2
         if args.policy:
             fleet = Fleet("disaggregated", 1, 1, make_scaler(m, study, args.policy), startup_s=args.startup_s)
-        res = Simulator(m, fleet, args.seed).run(reqs, duration)
+        res = Simulator(m, fleet, args.seed, host=host).run(reqs, duration)
         summary = summarize(res, args.ttft_slo, args.tpot_slo)
         print(SUMMARY_HEADER)
         _print_summary(args.fleet or f"{args.policy} policy", summary)

@@ -12,6 +12,8 @@ Colocated: the router picks the replica with the most free KV; prefill and decod
 Autoscaling (TICK events every `tick_s`): `PerPoolScaler` or `SloScaler` (pdserve/plan/sim_scaling.py)
 returns counts; new replicas serve after `startup_s`; removed ones drain (take no new requests, leave
 when empty). Replica-seconds count every replica from creation to removal, within [0, duration].
+With a `HostCpu` (pdserve/plan/sim_host.py) the replicas share one host's cores with the serving work:
+every step is stretched while the host is oversubscribed, and decode steps pay their event loop's GIL.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.plan.sim_host import HostCpu, HostLoad
 from pdserve.plan.sim_load import Request
 from pdserve.plan.sim_replicas import ColocatedReplica, DecodeReplica, PrefillReplica
 from serving.slo_model import StepModel
@@ -49,8 +52,11 @@ class Result:
 
 
 class Simulator:
-    def __init__(self, model: StepModel, fleet: Fleet, seed: int = 0, decode_model: StepModel | None = None):
+    def __init__(self, model: StepModel, fleet: Fleet, seed: int = 0, decode_model: StepModel | None = None,
+                 host: HostCpu | None = None):
         self.m, self.dm, self.fleet = model, decode_model or model, fleet
+        self.host = HostLoad(host) if host is not None else None
+        self.version: dict[int, int] = {}       # id(replica) -> its current STEP event (with a host: re-priced)
         self.rng = random.Random(seed)
         self.heap: list = []
         self.seq = 0
@@ -124,8 +130,18 @@ class Simulator:
     def _kick(self, r) -> None:
         if not r.busy:
             end = r.start(self.now)
-            if end is not None:
-                self._push(end, STEP, r)
+            if end is None:
+                return
+            if self.host is None:
+                self._push(end, STEP, (r, 0))
+            else:
+                self._reprice(self.host.start(self.now, r, end - self.now, getattr(r, "stepping", 0)))
+
+    def _reprice(self, ends: list) -> None:
+        """New end times of the host's running steps: each supersedes that replica's pending STEP event."""
+        for t, r in ends:
+            v = self.version[id(r)] = self.version.get(id(r), 0) + 1
+            self._push(t, STEP, (r, v))
 
     def _drain_router(self) -> None:
         while self.waiting and self._route(self.waiting[0]):
@@ -133,7 +149,11 @@ class Simulator:
 
     # ---- events -------------------------------------------------------------------------------
     def _step_done(self, r) -> None:
+        decoded = getattr(r, "stepping", 0)
         done = r.end(self.now)
+        if self.host is not None:
+            self._reprice(self.host.finish(self.now, r))
+            self.host.emitted(self.now, decoded + (len(done) if type(r) is PrefillReplica else 0))
         if type(r) is PrefillReplica:
             for req in done:
                 self._push(self.now + self.m.transfer_time(req.input_len), KV, (self.home.pop(req.id), req))
@@ -185,7 +205,8 @@ class Simulator:
                 if self.fleet.scaler is not None:
                     self.fleet.scaler.arrived(obj, t)
             elif kind == STEP:
-                self._step_done(obj)
+                if self.host is None or obj[1] == self.version[id(obj[0])]:     # else superseded
+                    self._step_done(obj[0])
             elif kind == KV:
                 self._kv_arrived(*obj)
             elif kind == TICK:
