@@ -7,7 +7,9 @@ Contract
     the request and returns a first output, None, or a `Rejected` (then the stream yields that
     one value and ends: nothing was admitted, nothing to abort). An admitted request's output
     queue is registered on the engine thread right after `admit`, before any step can produce
-    an output; the stream yields the outputs until the request finishes. Leaving the iterator
+    an output; the stream yields the outputs until the request finishes, outputs that are ready
+    together (the reader fell behind the engine) merged into one (`RequestOutput.merge`): one
+    message for the replica to send instead of one per step. Leaving the iterator
     early (client gone, task cancelled) aborts the request, which frees its blocks.
   * If a step raises, every request the step could have touched (queued or running) gets the
     error and is aborted; the loop goes on. Requests held for export (prefill role, finished,
@@ -96,6 +98,12 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                while not item.finished and not q.empty():    # fell behind: what is ready, as one
+                    later = q.get_nowait()
+                    if isinstance(later, BaseException):
+                        q.put_nowait(later)                    # the queue was empty: it stays last
+                        break
+                    item = item.merge(later)
                 finished = item.finished
                 yield item
                 if finished:

@@ -48,6 +48,21 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 2..n, with the first token
 
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This output and the same request's next one as a single output (the tokens, text and
+        logprobs of both, in order; the later one's state). A stream whose reader fell behind hands
+        on what is ready this way: one message instead of one per step."""
+        assert later.request_id == self.request_id and not self.finished
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            [*(self.logprobs or ()), *(later.logprobs or ())]
+        return RequestOutput(self.request_id, self.new_token_ids + later.new_token_ids,
+                             self.new_text + later.new_text, later.finished, later.finish_reason,
+                             later.num_prompt_tokens, later.num_output_tokens,
+                             max(self.num_cached_tokens, later.num_cached_tokens),
+                             self.first_scheduled_time if self.first_scheduled_time is not None
+                             else later.first_scheduled_time,
+                             logprobs, self.prompt_logprobs or later.prompt_logprobs)
+
 
 @dataclass
 class Completion:

@@ -81,3 +81,30 @@ def test_a_duplicate_id_is_rejected_without_touching_the_live_request(engine):
         assert sum(len(o.new_token_ids) for o in outs) == 24
     finally:
         aengine.shutdown()
+
+
+def test_a_reader_that_falls_behind_gets_the_ready_outputs_merged(engine):
+    """A stream read slowly hands on several steps' tokens per output (one message instead of one
+    per step), and the tokens, text and logprobs are the same as read at once."""
+    aengine = AsyncEngine(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    async def run(rid, pause):
+        outs = []
+        async for out in aengine.stream(rid, lambda e: e.add_request(rid, [5, 6, 7], params)):
+            outs.append(out)
+            await asyncio.sleep(pause)     # the engine steps on meanwhile
+        return outs
+
+    try:
+        fast, slow = asyncio.run(run("fast", 0)), asyncio.run(run("slow", 0.05))
+    finally:
+        aengine.shutdown()
+    assert len(slow) < len(fast) and slow[-1].finished and slow[-1].finish_reason == "length"
+    assert any(len(o.new_token_ids) > 1 for o in slow)
+
+    def joined(outs):
+        return ([t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
+                [(lp.token_id, round(lp.logprob, 4)) for o in outs for lp in o.logprobs or ()])
+    assert joined(slow) == joined(fast) and len(joined(slow)[0]) == 12 == len(joined(slow)[2])
+    assert slow[-1].num_output_tokens == 12
