@@ -26,7 +26,10 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "norm_cpu.cpp")]
 # -march=native: the build is keyed by this CPU's flags (below), so the cache never runs code
 # built for another CPU. AMX stays off: some kernels/VMs advertise it without enabling it.
-_CFLAGS = ["-O3", "-ffast-math", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+# -fopenmp: at::parallel_for is an inline template that runs on torch's OpenMP threads only when
+# the extension itself is compiled with OpenMP (without it, every kernel runs on one thread); the
+# library it links is the libgomp.so.1 torch has already loaded.
+_CFLAGS = ["-O3", "-ffast-math", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-fopenmp"]
 
 
 def _cpu_fingerprint() -> str:
@@ -45,7 +48,7 @@ def cpu_kernels():
 
     try:
         load(name=f"pdserve_cpu_kernels_{_cpu_fingerprint()}", sources=[str(p) for p in _SOURCES],
-             extra_cflags=_CFLAGS, is_python_module=False, verbose=False)
+             extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         log.warning("pdserve's CPU attention kernel could not be built (%s: %s); using the slower "
                     "pure-torch attention", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
