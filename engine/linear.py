@@ -12,7 +12,7 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             point each (the gpt-fast/torchao scheme). Steps of at most
                             `small_rows` rows run a GEMV kernel that streams the int weights once
                             per call: the engine's own (`kernels.int8_gemv` / `int4_gemv`,
-                            engine/kernels/quant_gemv_cpu.cpp, weights repacked in blocks of 16
+                            engine/kernels/int8_gemv_cpu.cpp, int4_gemv_cpu.cpp; weights in blocks of 16
                             output channels) where it builds, else aten's `_weight_int8pack_mm` /
                             `_weight_int4pack_mm_for_cpu`. Both read 2-4x fewer bytes than bf16 but
                             do not use the matrix unit, so their time grows with the rows; steps
@@ -127,7 +127,7 @@ def _int4(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Lin
 
 
 def _blocks_of_16(q: torch.Tensor) -> torch.Tensor:
-    """int8 [out, in] in int8_gemv's layout (engine/kernels/quant_gemv_cpu.cpp): [out/16, in/2, 32],
+    """int8 [out, in] in int8_gemv's layout (engine/kernels/int8_gemv_cpu.cpp): [out/16, in/2, 32],
     byte 2c + e of [b, j] = q[16b + c, 2j + e]; zeros pad out to a multiple of 16, in to even."""
     q = F.pad(q, (0, q.shape[1] % 2, 0, -q.shape[0] % 16))
     return q.view(-1, 16, q.shape[1] // 2, 2).transpose(1, 2).reshape(-1, q.shape[1] // 2, 32).contiguous()
@@ -135,7 +135,7 @@ def _blocks_of_16(q: torch.Tensor) -> torch.Tensor:
 
 def _int4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int4 [out, in] values 0..15 and their bf16 [out, groups] scales and zeros in int4_gemv's
-    layout (engine/kernels/quant_gemv_cpu.cpp): blocks of 16 output channels, output channels
+    layout (engine/kernels/int4_gemv_cpu.cpp): blocks of 16 output channels, output channels
     padded with zeros to a multiple of 16."""
     out_f, in_f = q.shape
     pad = -out_f % 16
