@@ -8,7 +8,7 @@ linears' few-row kernels (engine.linear). They are C++ compiled at run time with
 `torch.utils.cpp_extension` (g++ and ninja, both standard on Linux build images) into torch's
 extension cache (`~/.cache/torch_extensions`, or `TORCH_EXTENSIONS_DIR`), keyed by the sources
 (ninja also rebuilds on a changed header), the flags and this CPU's instruction set, so a
-later start loads it in well under a second; a first build takes ~10 s, and torch's lock
+later start loads it in well under a second; a first build took 28 s here (4 sources), and torch's lock
 makes concurrent replicas wait for one build. `make install` builds it ahead
 (`python -m engine.kernels.build`).
 
