@@ -63,7 +63,8 @@ TARGET_B32_VS_B1 = 2.0    # decode batch 32 at most 2 x batch 1
 FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
            "int4": ("bfloat16", "int4")}
 # weight bytes per parameter a decode step reads: the quantized formats read their int weights
-# up to engine.linear.SMALL_ROWS rows, a dequantized bf16 copy above (int4: + scale and zero per 32)
+# up to engine.linear.quantized_small_rows() rows, a dequantized bf16 copy above (int4: + scale
+# and zero per 32)
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
 ENGINE_KW = dict(dtype="float32", device="cpu", max_num_batched_tokens=512, max_num_seqs=64,
                  kv_cache_memory="1GiB")
@@ -224,9 +225,11 @@ def roofline(model_dir: str, threads: int):
 
 def step_bound_ms(spec, bw: float, peaks: dict, fmt: str, batch: int, context: int) -> float:
     """Roofline lower bound of one decode step: max(FLOPs / peak, bytes / bandwidth)."""
-    from engine.linear import SMALL_ROWS
+    from engine.kernels import cpu_kernels
+    from engine.linear import quantized_small_rows
     dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
-    per_param = WEIGHT_BYTES[fmt] if batch <= SMALL_ROWS or fmt in ("fp32", "bf16") else WEIGHT_BYTES["bf16"]
+    small = batch <= quantized_small_rows(cpu_kernels())
+    per_param = WEIGHT_BYTES[fmt] if small or fmt in ("fp32", "bf16") else WEIGHT_BYTES["bf16"]
     kv_bytes = spec.kv_bytes_per_token / spec.dtype_bytes * (4 if fmt == "fp32" else 2) * context * batch
     return 1e3 * max(2 * spec.params * batch / peaks[dtype], (spec.params * per_param + kv_bytes) / bw)
 

@@ -29,7 +29,7 @@ class DecoderModel:
     """`forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]` and
     `lm_head(hidden [n, hidden]) -> logits [n, vocab]` in the model's dtype."""
 
-    def __init__(self, hf_model, weight_format: str, dtype: torch.dtype, norm_kernels=None):
+    def __init__(self, hf_model, weight_format: str, dtype: torch.dtype, kernels=None):
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {cfg.model_type!r} is not supported; pdserve runs "
@@ -42,9 +42,9 @@ class DecoderModel:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scale = self.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
-        # bf16 on CPU: one-pass RMSNorm (and residual add + RMSNorm) kernels (engine.kernels);
-        # fp32 keeps transformers' ops (the exact mode)
-        self._kernels = norm_kernels if dtype == torch.bfloat16 else None
+        # bf16 on CPU: one-pass RMSNorm (and residual add + RMSNorm) kernels and the int8/int4
+        # GEMV kernels (engine.kernels); fp32 keeps transformers' ops (the exact mode)
+        self._kernels = kernels if dtype == torch.bfloat16 else None
         body = hf_model.model
         self.embed = body.embed_tokens.weight.detach().to(dtype)
         self.rotary = body.rotary_emb
@@ -52,7 +52,7 @@ class DecoderModel:
         self.layers = [self._layer(i, layer, weight_format) for i, layer in enumerate(body.layers)]
         head = hf_model.lm_head
         self.vocab_size = head.out_features
-        self.lm_head = make_linear(head.weight.detach(), _bias(head), weight_format, dtype)
+        self.lm_head = self._linear(head.weight.detach(), _bias(head), weight_format)
 
     def _layer(self, i: int, hf_layer, fmt: str) -> _Layer:
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
@@ -61,12 +61,15 @@ class DecoderModel:
         layer.in_norm = hf_layer.input_layernorm.weight.detach().to(self.dtype)
         layer.post_norm = hf_layer.post_attention_layernorm.weight.detach().to(self.dtype)
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        layer.qkv = make_linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt, self.dtype)
-        layer.o = make_linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt, self.dtype)
+        layer.qkv = self._linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt)
+        layer.o = self._linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt)
         projs = (mlp.gate_proj, mlp.up_proj)
-        layer.gate_up = make_linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt, self.dtype)
-        layer.down = make_linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt, self.dtype)
+        layer.gate_up = self._linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt)
+        layer.down = self._linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt)
         return layer
+
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+        return make_linear(weight, bias, fmt, self.dtype, kernels=self._kernels)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:

@@ -8,14 +8,23 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             weight is prepacked once into oneDNN's blocked layout
                             (`mkldnn._linear_pointwise`): 2-4x faster than plain bf16 `mm`.
   int8 / int4 (CPU)         weight-only quantization with bf16 activations: int8 per output
-                            channel (`_weight_int8pack_mm`), int4 in groups of 32 input columns
-                            with a scale and zero point each (`_weight_int4pack_mm_for_cpu`, the
-                            gpt-fast/torchao scheme). These GEMV-style kernels read 2-4x fewer
-                            bytes than bf16 but do not use the matrix unit, so steps with more than
-                            `small_rows` rows run a prepacked bf16 copy of the *dequantized* weight
+                            channel, int4 in groups of 32 input columns with a scale and zero
+                            point each (the gpt-fast/torchao scheme). Steps of at most
+                            `small_rows` rows run a GEMV kernel that streams the int weights once
+                            per call: the engine's own (`kernels.int8_gemv` / `int4_gemv`,
+                            engine/kernels/int8_gemv_cpu.cpp, int4_gemv_cpu.cpp; weights in blocks of 16
+                            output channels) where it builds, else aten's `_weight_int8pack_mm` /
+                            `_weight_int4pack_mm_for_cpu`. Both read 2-4x fewer bytes than bf16 but
+                            do not use the matrix unit, so their time grows with the rows; steps
+                            with more rows run a prepacked bf16 copy of the *dequantized* weight
                             instead (the same quantized model, computed on the matrix unit). That
                             copy makes quantization pay at every batch size, at the cost of memory:
-                            a quantized model holds both (documented in the README).
+                            a quantized model holds both (documented in the README). The row
+                            thresholds are measured (`benchmarks/linear_bench.py`, the model's
+                            linears at 1 and 2 threads): the engine's kernels beat the bf16 copy
+                            up to 8 rows for int8 and beyond for int4, where above 8 rows (their
+                            one-pass limit) they read the weights twice, so both stop at 8
+                            (KERNEL_SMALL_ROWS); aten's lose to it above 4 (SMALL_ROWS).
 
 Exactness: fp32 is plain `F.linear` (the exact mode). Every other format rounds.
 """
@@ -29,7 +38,9 @@ import torch.nn.functional as F
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 INT4_GROUP = 32
-SMALL_ROWS = 4       # at most this many rows: the quantized kernel; more: the bf16 copy
+# at most this many rows: the quantized GEMV kernel; more: the bf16 copy (measured; see above)
+SMALL_ROWS = 4            # aten's kernels
+KERNEL_SMALL_ROWS = 8     # the engine's kernels (their one-pass row count, kMaxRows)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -39,15 +50,25 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def quantized_small_rows(kernels) -> int:
+    """Rows up to which a quantized layer runs its GEMV kernel (more: the bf16 copy)."""
+    return SMALL_ROWS if kernels is None else KERNEL_SMALL_ROWS
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype,
-                small_rows: int = SMALL_ROWS) -> Linear:
+                small_rows: int | None = None, kernels=None) -> Linear:
     """A linear layer for `weight` [out, in] (+ `bias`) in format `fmt` computing in `dtype`
-    (the activations' dtype). Raises ValueError for a shape the format cannot take."""
+    (the activations' dtype). `kernels`: the engine's CPU kernels (`engine.kernels.cpu_kernels()`)
+    for the quantized formats' steps of at most `small_rows` rows (default
+    `quantized_small_rows(kernels)`), or None for aten's. Called once per layer at model load;
+    the layer keeps what it needs (the packed weight, and for int8/int4 the dequantized bf16 copy).
+    Raises ValueError for a shape the format cannot take."""
     assert fmt in WEIGHT_FORMATS, fmt
-    bias = None if bias is None else bias.to(dtype)
+    small_rows = quantized_small_rows(kernels) if small_rows is None else small_rows
+    bias = None if bias is None else bias.to(dtype).contiguous()
     if fmt in ("int8", "int4"):
         assert weight.device.type == "cpu" and dtype == torch.bfloat16, "weight-only quantization is CPU + bf16"
-        quant, dequantized = (_int8 if fmt == "int8" else _int4)(weight, bias)
+        quant, dequantized = (_int8 if fmt == "int8" else _int4)(weight, bias, kernels)
         dense = _dense(dequantized.to(torch.bfloat16), bias)
         return lambda x: quant(x) if x.shape[0] <= small_rows else dense(x)
     return _dense(weight.to(dtype), bias)
@@ -61,20 +82,25 @@ def _dense(w: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     return lambda x: F.linear(x, w, bias)
 
 
-def _int8(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Linear, torch.Tensor]:
+def _int8(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Linear, torch.Tensor]:
     """Symmetric int8 per output channel; returns the layer and the dequantized weight."""
     w = weight.float()
     scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
     q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
     scale = scale.to(torch.bfloat16)
+    dequantized = q.float() * scale.float()[:, None]
+    if kernels is not None:
+        blocks, scale32 = _blocks_of_16(q), F.pad(scale.float(), (0, -len(scale) % 16))
+        out_f = weight.shape[0]
+        return lambda x: kernels.int8_gemv(x, blocks, scale32, bias, out_f), dequantized
 
     def linear(x):
         y = torch.ops.aten._weight_int8pack_mm(x, q, scale)
         return y if bias is None else y + bias
-    return linear, q.float() * scale.float()[:, None]
+    return linear, dequantized
 
 
-def _int4(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Linear, torch.Tensor]:
+def _int4(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Linear, torch.Tensor]:
     """Asymmetric int4 in groups of INT4_GROUP inputs; returns the layer and the dequantized weight."""
     out_f, in_f = weight.shape
     if in_f % INT4_GROUP:
@@ -84,14 +110,39 @@ def _int4(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Linear, torc
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     scale = ((hi - lo) / 15).clamp(min=1e-8)
     q = ((w - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+    # a weight is (q - 8) * scale + zero, so zero = lo + 8 * scale; both rounded to bf16
+    scale, zero = scale.reshape(out_f, -1).to(torch.bfloat16), (lo + 8 * scale).reshape(out_f, -1).to(torch.bfloat16)
+    dequantized = (q.reshape(out_f, -1, INT4_GROUP) - 8) * scale.float()[..., None] + zero.float()[..., None]
+    dequantized = dequantized.reshape(out_f, in_f)
+    if kernels is not None:
+        packed, sz = _int4_blocks(q, scale, zero)
+        return lambda x: kernels.int4_gemv(x, packed, sz, bias, out_f), dequantized
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    # the kernel computes (q - 8) * scale + zero, so zero = lo + 8 * scale; layout [groups, out, 2]
-    scales_zeros = torch.stack([scale.reshape(out_f, -1).t(), (lo + 8 * scale).reshape(out_f, -1).t()], dim=-1)
-    scales_zeros = scales_zeros.to(torch.bfloat16).contiguous()
+    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()      # [groups, out, 2]
 
     def linear(x):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_zeros)
         return y if bias is None else y + bias
-    sz = scales_zeros.float()
-    dequantized = (q.reshape(out_f, -1, INT4_GROUP) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
-    return linear, dequantized.reshape(out_f, in_f)
+    return linear, dequantized
+
+
+def _blocks_of_16(q: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] in int8_gemv's layout (engine/kernels/int8_gemv_cpu.cpp): [out/16, in/2, 32],
+    byte 2c + e of [b, j] = q[16b + c, 2j + e]; zeros pad out to a multiple of 16, in to even."""
+    q = F.pad(q, (0, q.shape[1] % 2, 0, -q.shape[0] % 16))
+    return q.view(-1, 16, q.shape[1] // 2, 2).transpose(1, 2).reshape(-1, q.shape[1] // 2, 32).contiguous()
+
+
+def _int4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 [out, in] values 0..15 and their bf16 [out, groups] scales and zeros in int4_gemv's
+    layout (engine/kernels/int4_gemv_cpu.cpp): blocks of 16 output channels, output channels
+    padded with zeros to a multiple of 16."""
+    out_f, in_f = q.shape
+    pad = -out_f % 16
+    q = F.pad(q, (0, 0, 0, pad)).to(torch.uint8)
+    blocks, groups = (out_f + pad) // 16, in_f // INT4_GROUP
+    q = q.view(blocks, 16, groups, 8, 4)                              # [block, channel, group, step, 4 inputs]
+    byte = q[..., :2] | (q[..., 2:] << 4)                             # inputs 4t + e and 4t + 2 + e
+    packed = byte.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256).contiguous()
+    sz = torch.stack([F.pad(t, (0, 0, 0, pad)).view(blocks, 16, groups).transpose(1, 2) for t in (scale, zero)], 2)
+    return packed, sz.contiguous()                                    # [block, group, 2, 16]

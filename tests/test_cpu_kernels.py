@@ -9,6 +9,10 @@
 - A whole engine in the exact mode (fp32) gives the same greedy tokens with either backend,
   through prompt chunks and decode, and frees its blocks.
 - Asking for the kernel where it cannot run is a clear error.
+- The int8 and int4 GEMV kernels (the quantized linears' few-row path) give x @ dequant(w).T
+  (+ bias) within one bf16 rounding, for shapes that are not multiples of their blocks, every
+  row count of one pass and some that take two, with and without bias; they refuse a weight that
+  is not in their layout.
 """
 
 import pytest
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, DecodeBatch, paged_attention
+from engine import linear
 from engine.config import EngineConfig
 from engine.kernels import cpu_kernels
 from engine.llm_engine import LLMEngine
@@ -78,6 +83,47 @@ def test_norm_kernels_match_torch(rows):
     assert (h.float() - ref_h.float()).abs().max() <= ref_h.float().abs().max() * 2**-7
     x32, w32 = x.float(), w.float()
     assert torch.allclose(KERNELS.rms_norm(x32, w32, 1e-5), F.rms_norm(x32, (576,), w32, eps=1e-5), atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt,out_f,in_f", [
+    ("int8", 37, 77),        # channels not a multiple of 16, odd inputs
+    ("int8", 960, 576),      # SmolLM2's fused QKV
+    ("int8", 5, 2),
+    ("int4", 37, 96),
+    ("int4", 48, 32),
+    ("int4", 576, 1536),     # SmolLM2's down projection
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_quant_gemv_matches_the_dequantized_weight(fmt, out_f, in_f, with_bias):
+    g = torch.Generator().manual_seed(out_f * in_f)
+    w = torch.randn(out_f, in_f, generator=g) * 0.05
+    bias = (torch.randn(out_f, generator=g) * 0.1).bfloat16() if with_bias else None
+    layer, dequantized = (linear._int8 if fmt == "int8" else linear._int4)(w, bias, KERNELS)
+    for rows in [*range(1, linear.KERNEL_SMALL_ROWS + 1), 9, 19]:       # 9 and 19: more than one pass
+        x = torch.randn(rows, in_f, generator=g).bfloat16()
+        ref = x.float() @ dequantized.t() + (0 if bias is None else bias.float())
+        y = layer(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
+        err = (y.float() - ref).abs()
+        assert (err <= ref.abs() * 2**-8 + ref.abs().max() * 1e-4).all(), (rows, err.max().item())
+
+
+@needs_kernel
+def test_quant_gemv_refuses_what_is_not_its_layout():
+    w = torch.randn(32, 64)
+    x = torch.randn(2, 64).bfloat16()
+    q = w.to(torch.int8)
+    with pytest.raises(RuntimeError, match="int8"):
+        KERNELS.int8_gemv(x, q, torch.ones(32), None, 32)                 # [out, in], not blocks of 16
+    with pytest.raises(RuntimeError, match="bf16"):
+        KERNELS.int8_gemv(x.float(), linear._blocks_of_16(q), torch.ones(32), None, 32)
+    packed, sz = linear._int4_blocks(torch.zeros(32, 64, dtype=torch.int32), torch.ones(32, 2).bfloat16(),
+                                     torch.zeros(32, 2).bfloat16())
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        KERNELS.int4_gemv(torch.randn(2, 48).bfloat16(), packed, sz, None, 32)
+    with pytest.raises(RuntimeError, match="bias"):
+        KERNELS.int4_gemv(x, packed, sz, torch.zeros(31).bfloat16(), 32)
 
 
 @needs_kernel

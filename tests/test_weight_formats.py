@@ -3,7 +3,8 @@
 - Every supported architecture (tiny llama, qwen2 with random q/k/v biases, mistral with an
   untied head) in fp32 gives Hugging Face `generate`'s greedy tokens.
 - Each format's linear stays within its rounding of the fp32 product; a quantized layer gives
-  the same model whether a step has few rows (int kernel) or many (dequantized bf16 copy).
+  the same model whether a step has few rows (int kernel: the engine's where it builds, aten's
+  otherwise) or many (dequantized bf16 copy), and both int kernels give the same numbers.
 - On the real model, bf16, int8 and int4 move the mean log-likelihood of a fixed text by at most
   their measured tolerances (a perplexity-style check), and every format frees its KV blocks.
 - Configurations that cannot run are refused with a clear error.
@@ -16,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
-from engine.linear import cpu_has_native_bf16, make_linear
+from engine.kernels import cpu_kernels
+from engine.linear import cpu_has_native_bf16, make_linear, quantized_small_rows
 from engine.llm_engine import LLMEngine
 from engine.model_runner import resolve_dtype, weight_format
 from engine.sampling_params import SamplingParams
@@ -59,16 +61,25 @@ def test_every_arch_in_fp32_matches_hf_generate(tmp_path, arch):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("fmt,tolerance", [("float32", 1e-6), ("bfloat16", 0.01), ("int8", 0.02), ("int4", 0.12)])
+KERNELS = cpu_kernels()
+# the quantized formats' few-row kernels: aten's (the fallback) and, where they build, the engine's
+INT_KERNELS = [pytest.param(None, id="aten"),
+               pytest.param(KERNELS, id="engine", marks=pytest.mark.skipif(KERNELS is None, reason="not built"))]
+
+
+@pytest.mark.parametrize("fmt,tolerance,kernels", [
+    ("float32", 1e-6, None), ("bfloat16", 0.01, None),
+    *[pytest.param(fmt, tol, *k.values, id=f"{fmt}-{k.id}", marks=k.marks)
+      for fmt, tol in (("int8", 0.02), ("int4", 0.12)) for k in INT_KERNELS]])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_formats_stay_within_their_rounding(fmt, tolerance, bias):
+def test_linear_formats_stay_within_their_rounding(fmt, tolerance, bias, kernels):
     if fmt in ("int8", "int4") and not torch.backends.mkldnn.is_available():
         pytest.skip("weight-only kernels need a oneDNN build")
     torch.manual_seed(0)
     w, b = torch.randn(96, 128) * 0.05, (torch.randn(96) * 0.1 if bias else None)
     dtype = torch.float32 if fmt == "float32" else torch.bfloat16
-    layer = make_linear(w, b, fmt, dtype)
-    for rows in (1, 3, 8, 33):
+    layer = make_linear(w, b, fmt, dtype, kernels=kernels)
+    for rows in (1, 3, 8, 9, 33):
         x = torch.randn(rows, 128)
         ref = torch.nn.functional.linear(x, w, b)
         y = layer(x.to(dtype)).float()
@@ -77,18 +88,32 @@ def test_linear_formats_stay_within_their_rounding(fmt, tolerance, bias):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_quantized_layer_is_one_model_at_any_row_count(fmt):
+@pytest.mark.parametrize("kernels", INT_KERNELS)
+def test_quantized_layer_is_one_model_at_any_row_count(fmt, kernels):
     torch.manual_seed(1)
     w = torch.randn(64, 96) * 0.05
-    layer = make_linear(w, None, fmt, torch.bfloat16, small_rows=4)
-    x = torch.randn(8, 96).bfloat16()
-    one_by_one = torch.cat([layer(x[i:i + 1]) for i in range(8)]).float()    # int kernel
+    layer = make_linear(w, None, fmt, torch.bfloat16, kernels=kernels)
+    rows = quantized_small_rows(kernels) + 1
+    x = torch.randn(rows, 96).bfloat16()
+    one_by_one = torch.cat([layer(x[i:i + 1]) for i in range(rows)]).float()   # int kernel
     batched = layer(x).float()                                                  # dequantized bf16 copy
     # the two paths differ by bf16 rounding only, far below the quantization error itself
     assert ((one_by_one - batched).norm() / batched.norm()).item() < 0.01
     exact = torch.nn.functional.linear(x.float(), w)
     quant_error = ((batched - exact).norm() / exact.norm()).item()
     assert quant_error > 0.002   # it really is quantized: not the fp32 weight in disguise
+
+
+@pytest.mark.skipif(KERNELS is None, reason="the engine's CPU kernels could not be built here")
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_engine_and_aten_int_kernels_agree(fmt):
+    torch.manual_seed(2)
+    w, b = torch.randn(64, 96) * 0.05, torch.randn(64) * 0.1
+    ours, aten = (make_linear(w, b, fmt, torch.bfloat16, kernels=k) for k in (KERNELS, None))
+    for rows in range(1, 5):
+        x = torch.randn(rows, 96).bfloat16()
+        # aten adds the bias after rounding, the engine's kernel before: a bf16 step apart at most
+        assert ((ours(x).float() - aten(x).float()).norm() / aten(x).float().norm()).item() < 0.005
 
 
 def _mean_loglik(model_dir, ids, dtype, quantization):

@@ -2,15 +2,19 @@
 
 `paged_decode_attention` (paged_attention_cpu.cpp) reads K/V from the block-major pool in
 place: decode attention without the `[batch, context]` copy per layer that gathering costs.
-It is C++ compiled at run time with `torch.utils.cpp_extension` (g++ and ninja, both standard
-on Linux build images) into torch's extension cache (`~/.cache/torch_extensions`, or
-`TORCH_EXTENSIONS_DIR`), keyed by the source, the flags and this CPU's instruction set, so a
-later start loads it in well under a second; a first build takes ~10 s, and torch's lock
+`rms_norm` / `add_rms_norm` (norm_cpu.cpp) are the bf16 decoder's one-pass norms, and
+`int8_gemv` / `int4_gemv` (int8_gemv_cpu.cpp, int4_gemv_cpu.cpp; gemv_cpu.h) the quantized
+linears' few-row kernels (engine.linear). They are C++ compiled at run time with
+`torch.utils.cpp_extension` (g++ and ninja, both standard on Linux build images) into torch's
+extension cache (`~/.cache/torch_extensions`, or `TORCH_EXTENSIONS_DIR`), keyed by the sources
+(ninja also rebuilds on a changed header), the flags and this CPU's instruction set, so a
+later start loads it in well under a second; a first build took 28 s here (4 sources), and torch's lock
 makes concurrent replicas wait for one build. `make install` builds it ahead
 (`python -m engine.kernels.build`).
 
-Where it cannot be built (no compiler), `cpu_kernels()` logs why once and returns None;
-the engine then uses its pure-torch attention (see engine.attention).
+Where they cannot be built (no compiler), `cpu_kernels()` logs why once and returns None;
+the engine then uses its pure-torch attention (see engine.attention), aten's norms and aten's
+weight-only int8/int4 kernels (see engine.linear).
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "norm_cpu.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in
+            ("paged_attention_cpu.cpp", "norm_cpu.cpp", "int8_gemv_cpu.cpp", "int4_gemv_cpu.cpp")]
 # -march=native: the build is keyed by this CPU's flags (below), so the cache never runs code
 # built for another CPU. AMX stays off: some kernels/VMs advertise it without enabling it.
-_CFLAGS = ["-O3", "-ffast-math", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+# -fopenmp: at::parallel_for is an inline template that runs on torch's OpenMP threads only when
+# the extension itself is compiled with OpenMP (without it, every kernel runs on one thread); the
+# library it links is the libgomp.so.1 torch has already loaded.
+_CFLAGS = ["-O3", "-ffast-math", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-fopenmp"]
 
 
 def _cpu_fingerprint() -> str:
@@ -45,9 +53,10 @@ def cpu_kernels():
 
     try:
         load(name=f"pdserve_cpu_kernels_{_cpu_fingerprint()}", sources=[str(p) for p in _SOURCES],
-             extra_cflags=_CFLAGS, is_python_module=False, verbose=False)
+             extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
-        log.warning("pdserve's CPU attention kernel could not be built (%s: %s); using the slower "
-                    "pure-torch attention", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        log.warning("pdserve's CPU kernels could not be built (%s: %s); using the slower pure-torch "
+                    "attention, norms and int8/int4 linears", type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "")
         return None
     return torch.ops.pdserve

@@ -1,0 +1,106 @@
+// Shared by the weight-only GEMV kernels (int8_gemv_cpu.cpp, int4_gemv_cpu.cpp): y = x @ dequant(w).T
+// (+ bias) for a few rows x of bf16 activations, registered as torch.ops.pdserve.int8_gemv and
+// int4_gemv; engine/linear.py packs the weights and calls them for steps of at most `small_rows` rows.
+//
+// At batch 1 a decode step reads every weight once, so these kernels stream the weight bytes
+// once per call for up to kMaxRows rows (every row is computed against each weight as it is
+// read; more rows take one pass per kMaxRows) and keep all arithmetic in registers. Products
+// and sums in fp32; the output is rounded to bf16 once, bias included. Threads split the
+// output channels (at::parallel_for, torch's thread count). Both take the weight in blocks of
+// 16 output channels (N: n rounded up to 16, padded with zeros), so a thread reads contiguous
+// memory. With AVX512 (F, BW, VL, BF16) the weights become bf16 numbers, exactly, and meet
+// broadcast pairs of inputs in `vdpbf16ps` across 16 channels; elsewhere a scalar loop computes
+// the same sums from the same layouts.
+#pragma once
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PDSERVE_AVX512 1
+#endif
+#define PDSERVE_UNROLL _Pragma("GCC unroll 16")
+
+namespace pdserve_gemv {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t kMaxRows = 8;
+
+inline float bias_at(const bf16* bias, int64_t n) { return bias ? static_cast<float>(bias[n]) : 0.f; }
+
+#ifdef PDSERVE_AVX512
+// y[n .. n + 16) = v + bias, rounded to bf16; only the channels below N are written
+inline void store16(bf16* y, const bf16* bias, int64_t N, int64_t n, __m512 v) {
+  const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
+  if (bias)
+    v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, bias + n)), 16)));
+  _mm256_mask_storeu_epi16(y + n, valid, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+inline __m512 bf16x16(const bf16* p) {      // 16 bf16 -> fp32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
+// Each kernel computes the R rows of NB blocks of 16 channels, whose weights it reads side by
+// side. int8 up to 4 rows reads two stretches of a thread's blocks at once: two memory streams
+// measured 15-18 % faster than one on this project's CPU (benchmarks/linear_bench.py's shapes);
+// int4 (more work per byte) and more rows (compute-bound) measured no gain, so one stream.
+
+// Blocks [b0, b1) of R rows: with AVX512, as two streams (the first and second half of the
+// range side by side) for R <= kTwoUpTo, else one; elsewhere the scalar loop, block by block.
+template <int R, int kTwoUpTo, typename Avx, typename Scalar>
+void over_blocks(int64_t b0, int64_t b1, Avx&& avx, Scalar&& scalar) {
+#ifdef PDSERVE_AVX512
+  int64_t b = b0;
+  if constexpr (R <= kTwoUpTo) {
+    const int64_t half = (b1 - b0) / 2;
+    for (; b < b0 + half; ++b) {
+      const int64_t two[2] = {b, b + half};
+      avx(std::integral_constant<int, 2>{}, two);
+    }
+    b += half;
+  }
+  for (; b < b1; ++b) avx(std::integral_constant<int, 1>{}, &b);
+#else
+  for (int64_t b = b0; b < b1; ++b) scalar(b);
+#endif
+}
+template <template <int> class Kernel, typename... Args>
+void with_rows(int64_t rows, Args... args) {
+  switch (rows) {
+    case 1: Kernel<1>::run(args...); break;
+    case 2: Kernel<2>::run(args...); break;
+    case 3: Kernel<3>::run(args...); break;
+    case 4: Kernel<4>::run(args...); break;
+    case 5: Kernel<5>::run(args...); break;
+    case 6: Kernel<6>::run(args...); break;
+    case 7: Kernel<7>::run(args...); break;
+    default: Kernel<8>::run(args...); break;
+  }
+}
+
+inline void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "x: a [rows, in] bf16 CPU tensor");
+}
+
+inline const bf16* bias_ptr(const std::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n && bias->is_contiguous(),
+              "bias: [out] contiguous bf16");
+  return bias->data_ptr<bf16>();
+}
+
+}  // namespace pdserve_gemv
