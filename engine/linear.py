@@ -70,6 +70,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype
         assert weight.device.type == "cpu" and dtype == torch.bfloat16, "weight-only quantization is CPU + bf16"
         quant, dequantized = (_int8 if fmt == "int8" else _int4)(weight, bias, kernels)
         dense = _dense(dequantized.to(torch.bfloat16), bias)
+        if quant is None:                    # a shape only the bf16 copy takes
+            return dense
         return lambda x: quant(x) if x.shape[0] <= small_rows else dense(x)
     return _dense(weight.to(dtype), bias)
 
@@ -100,8 +102,10 @@ def _int8(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Lin
     return linear, dequantized
 
 
-def _int4(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Linear, torch.Tensor]:
-    """Asymmetric int4 in groups of INT4_GROUP inputs; returns the layer and the dequantized weight."""
+def _int4(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Linear | None, torch.Tensor]:
+    """Asymmetric int4 in groups of INT4_GROUP inputs; returns the layer (None where only the bf16
+    copy can run it: aten's kernel and a number of outputs not a multiple of 16) and the dequantized
+    weight."""
     out_f, in_f = weight.shape
     if in_f % INT4_GROUP:
         raise ValueError(f"int4 quantizes groups of {INT4_GROUP} inputs; this model has a linear with "
@@ -117,6 +121,8 @@ def _int4(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Lin
     if kernels is not None:
         packed, sz = _int4_blocks(q, scale, zero)
         return lambda x: kernels.int4_gemv(x, packed, sz, bias, out_f), dequantized
+    if out_f % 16:                           # aten's int4 packing takes multiples of 16 outputs only
+        return None, dequantized
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()      # [groups, out, 2]
 

@@ -104,6 +104,20 @@ def test_quantized_layer_is_one_model_at_any_row_count(fmt, kernels):
     assert quant_error > 0.002   # it really is quantized: not the fp32 weight in disguise
 
 
+@pytest.mark.parametrize("kernels", INT_KERNELS)
+def test_int4_with_outputs_not_a_multiple_of_16_runs_on_every_path(kernels):
+    """aten's int4 packing refuses 40 outputs; without the engine's kernels the layer runs the bf16
+    copy of the same quantized weight at every row count instead of failing at model load."""
+    torch.manual_seed(3)
+    w, x = torch.randn(40, 64) * 0.05, torch.randn(3, 64).to(torch.bfloat16)
+    layer = make_linear(w, None, "int4", torch.bfloat16, kernels=kernels)
+    one_row = torch.cat([layer(x[i:i + 1]) for i in range(3)]).float()
+    wide = layer(x.repeat(4, 1))[:3].float()          # 12 rows: the bf16 copy on every path
+    assert one_row.shape == (3, 40) and ((one_row - wide).norm() / wide.norm()).item() < 0.01
+    exact = torch.nn.functional.linear(x.float(), w)
+    assert 0.002 < ((wide - exact).norm() / exact.norm()).item() < 0.2
+
+
 @pytest.mark.skipif(KERNELS is None, reason="the engine's CPU kernels could not be built here")
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_engine_and_aten_int_kernels_agree(fmt):
