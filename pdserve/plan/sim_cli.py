@@ -6,10 +6,11 @@
      * `--fleet P:D` or `--fleet colocated:N`: one fixed fleet under `--rate`, `--schedule` or `--trace`;
      * `--policy slo|per-pool`: one autoscaled fleet (from 1:1) under `--schedule` or `--trace`;
      * `--validate BENCH_JSON`: each measured run of the report against its simulation;
-     `--host-cpu HOST_JSON` (with `--fleet`, `--policy` or `--validate`): the replicas share one host's
-     cores with the serving work, as `benchmarks/host_cpu.py` measured them (pdserve/plan/sim_host.py);
      * none of these: the comparison at each of `--rates` (colocated vs best P:D split vs both policies),
        the recommended split, and with `--schedule` the two policies' replicas over time;
+     with `--fleet`, `--policy` or `--validate`, `--host-cpu HOST_JSON` (and `--host-interference`)
+     makes the replicas share one host's cores with the serving work, as `benchmarks/host_cpu.py` (and
+     `core_interference.py`) measured them (pdserve/plan/sim_host.py);
   3. prints markdown tables; `--json` and `--plot` write them.
 Bad input prints one line and exits 2.
 """
@@ -65,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "on 1:1 and compare with the measurement (calibrates from it unless --calibrate is given)")
     p.add_argument("--seeds", type=int, default=20, help="--validate: simulations per run")
     p.add_argument("--host-cpu", metavar="HOST_JSON", help="replicas share one host's cores: costs from a "
-                   "benchmarks/host_cpu.py report (its lowest-rate run); with --validate the efficiencies are then "
+                   "benchmarks/host_cpu.py report (a line through its two lowest rates); with --validate the efficiencies are then "
                    "calibrated by simulating the calibration run")
     p.add_argument("--host-interference", metavar="CORE_JSON", help="with --host-cpu: how much a decode step slows "
                    "while another engine steps, from a benchmarks/core_interference.py report (default: not at all)")

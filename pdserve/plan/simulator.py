@@ -13,7 +13,9 @@ Autoscaling (TICK events every `tick_s`): `PerPoolScaler` or `SloScaler` (pdserv
 returns counts; new replicas serve after `startup_s`; removed ones drain (take no new requests, leave
 when empty). Replica-seconds count every replica from creation to removal, within [0, duration].
 With a `HostCpu` (pdserve/plan/sim_host.py) the replicas share one host's cores with the serving work:
-every step is stretched while the host is oversubscribed, and decode steps pay their event loop's GIL.
+every running step slows while the host is oversubscribed (re-priced at each step's start and end), a
+decode step beside another engine's step slows by the measured interference, and decode steps pay
+their event loop's GIL.
 """
 
 from __future__ import annotations
