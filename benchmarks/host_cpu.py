@@ -1,7 +1,7 @@
 """Where a served run's CPU goes, by role: the engines' threads, the rest of each replica, the router,
 Serve's proxy, Ray, and the load generator itself (this process).
 
-`pdserve simulate --host-cores` prices the serving work around the engines (streaming a token through
+`pdserve simulate --host-cpu` prices the serving work around the engines (streaming a token through
 the decode replica's event loop, the router and the proxy; admitting a request) as CPU that shares the
 host's cores with the engines. This script measures those costs on a running `pdserve serve`: it
 snapshots the CPU time of every process of the server's tree and of every thread of its replicas,
@@ -22,6 +22,7 @@ costs `--host-cpu` uses.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -66,7 +67,7 @@ def snapshot(root: int) -> dict[str, float]:
 def measure(root: int, url: str, rate: float, seed: int, bench_args: argparse.Namespace) -> dict:
     bodies = bench.make_bodies(bench_args, bench_args.requests, seed)   # fresh prompts: no prefix-cache hits
     before, t0 = snapshot(root), time.perf_counter()
-    results, wall = bench.asyncio.run(bench.run_load(url, bodies, None, rate, seed, {}, False))
+    results, wall = asyncio.run(bench.run_load(url, bodies, None, rate, seed, {}, False))
     after, elapsed = snapshot(root), time.perf_counter() - t0
     ok = [r for r in results if r["ok"]]
     tokens = sum(r["tokens"] for r in ok)
