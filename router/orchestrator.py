@@ -16,9 +16,11 @@ cancelled (the reservation is dropped). TTFT is the reservation's round trip plu
 latency, not prefill + KV transfer + decode admission.
 A replica that fails before anything was produced (the decode replica gone before step 1
 answered, as when Serve removes a replica between choosing and dispatching; the prefill replica
-dead before its first token) is retried once from step 1 (a fresh request id and reservation, so
-a push the dead replica may have started is refused by the decode side and never confused with
-the retry's).
+dead before its first token) is retried from step 1 after each delay of `retry_delays_s` (default
+RETRY_DELAYS_S: 0 to 4 s, ~8 s in all, longer than the gap a redeploy leaves between a pool's old
+replica stopping and its new one serving, during which the handle still offers the old one), each
+time with a fresh request id and reservation, so a push the dead replica may have started is
+refused by the decode side and never confused with the retry's.
 Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for the
 decode reservation in step 1 plus the prefill replica's queue_seconds; prefill = its prefill_seconds.
 Colocated: one call to the colocated pool.
@@ -46,7 +48,7 @@ from serving import messages
 from serving.messages import WireSamplingParams
 
 
-ATTEMPTS = 2   # a request whose replica fails before its first token is retried once
+RETRY_DELAYS_S = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)   # before each attempt (see the module docstring)
 _GONE = (RayError, ReplicaUnavailableError)   # a replica died, or was removed before the dispatch
 
 
@@ -67,8 +69,10 @@ class _StartOver(Exception):
 
 
 class Orchestrator:
-    def __init__(self, mode: str, prefill=None, decode=None, colocated=None, metrics=None):
+    def __init__(self, mode: str, prefill=None, decode=None, colocated=None, metrics=None,
+                 retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S):
         self.mode = mode
+        self.retry_delays_s = retry_delays_s
         self.metrics = metrics   # a router.metrics.RequestMetrics, or None
         self._followers: set[asyncio.Task] = set()   # prefill streams read to the push's end
         if mode == "colocated":
@@ -106,14 +110,16 @@ class Orchestrator:
                 if not finished:          # client gone, deadline or failure: stop the replica's work
                     stream.cancel()
             return
-        for attempt in range(ATTEMPTS):
+        for attempt, delay in enumerate(self.retry_delays_s):
+            if delay:
+                await asyncio.sleep(delay)
             handoff = self._handoff(rid if attempt == 0 else f"{rid}-retry{attempt}", prompt, wire)
             try:
                 async for event in handoff:
                     yield event
                 return
             except _StartOver as failed:
-                if attempt == ATTEMPTS - 1:
+                if attempt == len(self.retry_delays_s) - 1:
                     raise failed.__cause__ from None
             finally:
                 await handoff.aclose()    # now, not when collected: its replica calls end here

@@ -10,7 +10,8 @@ Serve handles (the real handles and replicas are exercised end to end in test_se
   * a first token that ends the request is one final event and the reservation is cancelled;
   * a consumer that leaves early (client gone) cancels both replica calls (the reservation and
     the push), one that leaves during the prefill too; a prefill replica that dies before its
-    first token is retried once, with a fresh id and reservation.
+    first token is retried with a fresh id and reservation, and a pool without a live replica
+    for a few seconds (a redeploy) is waited for, not failed.
 """
 
 import asyncio
@@ -154,8 +155,8 @@ def test_a_refused_or_missing_reservation_fails_before_any_prefill(refusal):
     async def main():
         prefill = FakePrefill(messages.PrefillResult("r", first_token=7, first_text="Hi"))
         metrics = RequestMetrics()
-        events = Orchestrator("disaggregated", prefill, Refusing([]), metrics=metrics).run(
-            "r", [1, 2, 3], SamplingParams(max_tokens=3))
+        events = Orchestrator("disaggregated", prefill, Refusing([]), metrics=metrics,
+                              retry_delays_s=(0, 0.01, 0.01)).run("r", [1, 2, 3], SamplingParams(max_tokens=3))
         with pytest.raises(RequestFailed) as failed:
             await events.__anext__()
         assert failed.value.code == 503 and prefill.requests == []
@@ -218,4 +219,40 @@ def test_a_decode_replica_removed_before_the_dispatch_is_retried_on_a_fresh_rese
         events = [ev async for ev in Orchestrator("disaggregated", prefill, decode).run(
             "r", [1, 2], SamplingParams(max_tokens=1))]
         assert events[-1].finished and [r.request_id for r in prefill.requests] == ["r-retry1"]
+    asyncio.run(main())
+
+
+def test_a_decode_pool_without_a_live_replica_for_a_while_is_waited_for():
+    """A redeploy stops a pool's old replica before its new one serves, and meanwhile the handle
+    still offers the old one (ReplicaUnavailableError at each dispatch): the request starts over
+    after growing delays instead of failing, and a request that never finds one fails with a 503
+    once they are spent."""
+    from ray.serve.exceptions import ReplicaUnavailableError
+
+    class GoneUntil(FakeDecode):
+        def __init__(self, events, back_at):
+            super().__init__(events)
+            self.back_at, self.tries = back_at, []
+
+        async def _stream(self, data):
+            self.tries.append(asyncio.get_running_loop().time())
+            if self.tries[-1] < self.back_at:
+                raise ReplicaUnavailableError("decode#old")
+            async for event in super()._stream(data):
+                yield event
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        result = messages.PrefillResult("r-retry3", first_token=0, finish_reason="length", first_text="x")
+        decode, prefill = GoneUntil([], back_at=loop.time() + 0.3), FakePrefill(result)
+        events = [ev async for ev in Orchestrator("disaggregated", prefill, decode,
+                                                  retry_delays_s=(0, 0.1, 0.1, 0.2, 0.4)).run(
+            "r", [1, 2], SamplingParams(max_tokens=1))]
+        assert events[-1].finished and len(decode.tries) == 4
+        assert [r.request_id for r in prefill.requests] == ["r-retry3"]
+        never = GoneUntil([], back_at=loop.time() + 60)
+        with pytest.raises(RequestFailed) as failed:
+            await Orchestrator("disaggregated", FakePrefill(result), never,
+                               retry_delays_s=(0, 0.01, 0.01)).run("s", [1, 2], SamplingParams(max_tokens=1)).__anext__()
+        assert failed.value.code == 503 and len(never.tries) == 3
     asyncio.run(main())
