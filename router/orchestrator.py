@@ -17,8 +17,9 @@ latency, not prefill + KV transfer + decode admission.
 A replica that fails before anything was produced (the decode replica gone before step 1
 answered, as when Serve removes a replica between choosing and dispatching; the prefill replica
 dead before its first token) is retried from step 1 after each delay of `retry_delays_s` (default
-RETRY_DELAYS_S: 0 to 4 s, ~8 s in all, longer than the gap a redeploy leaves between a pool's old
-replica stopping and its new one serving, during which the handle still offers the old one), each
+RETRY_DELAYS_S: 0.25 s doubling to 2 s, ~14 s in all, longer than the gap a redeploy leaves between
+a pool's old replica stopping and its new one serving, during which the handle still offers the
+old one: 7.6 s in a CI run), each
 time with a fresh request id and reservation, so a push the dead replica may have started is
 refused by the decode side and never confused with the retry's.
 Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for the
@@ -48,7 +49,7 @@ from serving import messages
 from serving.messages import WireSamplingParams
 
 
-RETRY_DELAYS_S = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)   # before each attempt (see the module docstring)
+RETRY_DELAYS_S = (0.0, 0.25, 0.5, 1.0) + (2.0,) * 6   # before each attempt (see the module docstring)
 _GONE = (RayError, ReplicaUnavailableError)   # a replica died, or was removed before the dispatch
 
 
