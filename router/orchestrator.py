@@ -65,6 +65,16 @@ def _check(event) -> messages.TokenEvent:
     return event
 
 
+def _cancel(response) -> None:
+    """Cancel a Serve response. One whose dispatch failed (its replica gone) re-raises that error
+    from `cancel()`; there is nothing to cancel then, and raising here would replace the error
+    being handled (a `_StartOver` would become a 503)."""
+    try:
+        response.cancel()
+    except (*_GONE, RayServeException):
+        pass
+
+
 class _StartOver(Exception):
     """A replica failed before the first token: the request may start over."""
 
@@ -109,7 +119,7 @@ class Orchestrator:
                 finished = True
             finally:
                 if not finished:          # client gone, deadline or failure: stop the replica's work
-                    stream.cancel()
+                    _cancel(stream)
             return
         for attempt, delay in enumerate(self.retry_delays_s):
             if delay:
@@ -180,9 +190,9 @@ class Orchestrator:
                 decode_ended, abandoned = True, False
             finally:
                 if not decode_ended:      # the reservation (or the stream) is no longer wanted
-                    decode.cancel()
+                    _cancel(decode)
                 if abandoned and prefill is not None:   # client gone, deadline or failure
-                    prefill.cancel()
+                    _cancel(prefill)
 
     def _follow(self, prefill) -> None:
         """Read the rest of a prefill stream (the push's end) in the background: the call ends

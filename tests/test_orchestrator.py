@@ -20,6 +20,7 @@ import types
 
 import pytest
 from ray.exceptions import ActorDiedError
+from ray.serve.exceptions import ReplicaUnavailableError
 
 from engine.sampling_params import SamplingParams
 from router.metrics import RequestMetrics
@@ -33,15 +34,22 @@ class FakeResponse:
     """A Serve streaming response: async-iterable, with `cancel()` (recorded)."""
 
     def __init__(self, source):
-        self.source, self.cancelled = source, False
+        self.source, self.cancelled, self.failed = source, False, None
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
-        return await self.source.__anext__()
+        try:
+            return await self.source.__anext__()
+        except ReplicaUnavailableError as exc:
+            self.failed = exc
+            raise
 
     def cancel(self):
+        # as Serve's: a response whose dispatch failed re-raises that error from cancel()
+        if self.failed is not None:
+            raise self.failed
         self.cancelled = True
 
 
