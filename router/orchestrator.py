@@ -19,9 +19,8 @@ answered, as when Serve removes a replica between choosing and dispatching; the 
 dead before its first token) is retried from step 1 after each delay of `retry_delays_s` (default
 RETRY_DELAYS_S: 0.25 s doubling to 2 s, ~14 s in all, longer than the gap a redeploy leaves between
 a pool's old replica stopping and its new one serving, during which the handle still offers the
-old one: 7.6 s in a CI run), each
-time with a fresh request id and reservation, so a push the dead replica may have started is
-refused by the decode side and never confused with the retry's.
+old one: 7.6 s in a CI run), each time with a fresh request id and reservation, so a push the
+dead replica may have started is refused by the decode side and never confused with the retry's.
 Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for the
 decode reservation in step 1 plus the prefill replica's queue_seconds; prefill = its prefill_seconds.
 Colocated: one call to the colocated pool.
