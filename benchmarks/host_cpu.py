@@ -112,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"args": vars(args), "cpus": os.cpu_count(),
                        "runs": [{k: v for k, v in r.items() if k != "results"} for r in runs]}, f, indent=1)
     if args.bench_json:
-        with open(args.bench_json, "w") as f:
-            json.dump({"args": vars(args), "runs": [{"name": f"{args.url} rate {r['rate']:g}/s", "summary": r["summary"],
-                                                     "results": r["results"]} for r in runs]}, f, indent=1)
+        bench.write_report(args.bench_json, args, [(bench.run_name(args.url, r["rate"], 0), r["results"], r["summary"])
+                                                   for r in runs])
     return 0
 
 

@@ -63,6 +63,18 @@ def run_seed(seed: int, run: int) -> int:
     return seed + 7919 * run
 
 
+def run_name(url: str, rate: float | None, concurrency: int) -> str:
+    """A run's name in the report: what `pdserve plan --calibrate` and `simulate --validate` parse."""
+    return f"{url} " + (f"rate {rate:g}/s" if rate else f"concurrency {concurrency}")
+
+
+def write_report(path: str, args, runs: list[tuple[str, list[dict], dict]]) -> None:
+    """The `--json` report: the arguments and each (name, results, summary) run."""
+    with open(path, "w") as f:
+        json.dump({"args": vars(args), "runs": [{"name": n, "summary": s, "results": r} for n, r, s in runs]},
+                  f, indent=1)
+
+
 def make_bodies(args, n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     lo, hi = int(args.input_len * (1 - args.jitter)), int(args.input_len * (1 + args.jitter))
@@ -185,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             results, wall = asyncio.run(run_load(url, bodies, None if rate else (args.concurrency or 4), rate,
                                                  args.seed, headers, not args.no_progress))
             summary = summarize(results, wall, args.ttft_slo, args.tpot_slo)
-            name = f"{url} " + (f"rate {rate:g}/s" if rate else f"concurrency {args.concurrency or 4}")
+            name = run_name(url, rate, args.concurrency or 4)
             rows.append((name, summary))
             runs.append((name, results, summary))
             if rate:
@@ -193,9 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print(f"goodput: requests/s with TTFT <= {args.ttft_slo} s and TPOT <= {args.tpot_slo} s")
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"args": vars(args), "runs": [{"name": n, "summary": s, "results": r} for n, r, s in runs]},
-                      f, indent=1)
+        write_report(args.json_out, args, runs)
     if args.plot:
         plot(args.plot, runs, goodput)
     return 1 if any(s["failed"] for _, s in rows) else 0
