@@ -58,19 +58,20 @@ def replay_run(m: StepModel, results: list[dict], output_len: int, ttft_slo: flo
             "tpot_p90": percentile(tpot, 90), "goodput_req_per_s": good / max(r.end for r in reqs)}
 
 
-def _simulate(m: StepModel, report: dict, run: dict, seeds: int, host: HostCpu | None) -> tuple[dict, str]:
-    """One open-loop run of the report simulated: (summary, how)."""
+def _simulate(m: StepModel, report: dict, rate: float, run: dict, seeds: int,
+              host: HostCpu | None) -> tuple[dict, str]:
+    """One open-loop run of the report (offered `rate`) simulated: (summary, how)."""
     a, meas, results = report["args"], run["summary"], run.get("results") or []
     if results and all("sent" in r and "prompt_tokens" in r for r in results):
         return replay_run(m, results, a["output_len"], a["ttft_slo"], a["tpot_slo"], host=host), "replayed"
-    rate = next(p.load for p in run_points(report) if p.name == run["name"])
     return simulate_run(m, rate, meas["requests"], a["input_len"], a["output_len"], a.get("jitter", 0.0),
                         a["ttft_slo"], a["tpot_slo"], seeds, host=host), f"{seeds} Poisson draws"
 
 
-def _open_loop_runs(report: dict) -> list[dict]:
-    names = [p.name for p in run_points(report) if " rate " in p.name]
-    return [next(r for r in report["runs"] if r["name"] == n) for n in names]
+def _open_loop_runs(report: dict) -> list[tuple[float, dict]]:
+    """(offered rate, run) of the primary endpoint's open-loop runs, lowest rate first."""
+    by_name = {r["name"]: r for r in report["runs"]}
+    return [(p.load, by_name[p.name]) for p in run_points(report) if " rate " in p.name]
 
 
 def calibrate_by_simulation(m: StepModel, report: dict, host: HostCpu, run: str | None = None, seeds: int = 20,
@@ -78,12 +79,13 @@ def calibrate_by_simulation(m: StepModel, report: dict, host: HostCpu, run: str 
     """`m` with the efficiencies under which the simulated calibration run (the lowest-rate open-loop run,
     or the one whose name ends with `run`) reproduces its measured TTFT and TPOT p50 on `host`: a
     fixed point of eff *= simulated / measured, from `m`'s efficiencies."""
-    runs = [r for r in _open_loop_runs(report) if run is None or r["name"].endswith(run)]
+    runs = [(rate, r) for rate, r in _open_loop_runs(report) if run is None or r["name"].endswith(run)]
     if not runs:
         raise ValueError(f"no open-loop run of the bench report ends with {run!r}")
-    meas = runs[0]["summary"]
+    rate, chosen = runs[0]
+    meas = chosen["summary"]
     for _ in range(rounds):
-        sim, _how = _simulate(m, report, runs[0], seeds, host)
+        sim, _how = _simulate(m, report, rate, chosen, seeds, host)
         m = replace(m, prefill_eff=m.prefill_eff * sim["ttft_p50"] / meas["ttft_p50"],
                     decode_eff=m.decode_eff * sim["tpot_p50"] / meas["tpot_p50"])
     return m
@@ -91,7 +93,7 @@ def calibrate_by_simulation(m: StepModel, report: dict, host: HostCpu, run: str 
 
 def validate(m: StepModel, report: dict, seeds: int = 20, host: HostCpu | None = None) -> list[dict]:
     return [{"run": run["name"], "measured": run["summary"], "how": how, "simulated": sim}
-            for run in _open_loop_runs(report) for sim, how in [_simulate(m, report, run, seeds, host)]]
+            for rate, run in _open_loop_runs(report) for sim, how in [_simulate(m, report, rate, run, seeds, host)]]
 
 
 KEYS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput_req_per_s")
