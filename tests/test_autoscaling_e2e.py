@@ -34,24 +34,34 @@ def test_pools_scale_up_under_load_and_back_down(ray_serve, tiny_llama_dir):
         with closed_loop_load(base, 6, 150) as statuses:
             up = reaches(peak, lambda name: replicas("as", name), {"DecodeServer": 2, "PrefillServer": 2}, 120)
         assert up, f"peak replicas under load: {peak}"
-        # two long streams (2 running < 0.8 x 3 per replica on one replica fewer, so the pool shrinks while
-        # they run, and the router spreads them over both replicas): none may be cut
-        streams = []
+        # two clients stream long completions back to back until the decode pool's scale-down has begun (2
+        # running < 0.8 x 3 per replica on one replica fewer, so the pool shrinks while they run, and the
+        # router spreads them over both replicas): the replica being removed must finish its stream, none
+        # may be cut. Back to back, so a stream is in flight however long the scale-down decision takes.
+        streams, removal_began = [], threading.Event()
 
-        def long_stream(seed):
-            status, text = http(base, "/v1/completions", {"model": "tiny", "prompt": [seed + 100] * 20,
-                                                          "max_tokens": 1900, "ignore_eos": True,
-                                                          "temperature": 0, "stream": True}, timeout=300)
-            streams.append((status, text.rstrip().endswith("data: [DONE]"), '"error"' in text,
-                            time.monotonic()))
-        long_threads = [threading.Thread(target=long_stream, args=(i,)) for i in range(2)]
-        for t in long_threads:
+        def long_streams(seed):
+            while not removal_began.is_set():
+                started = time.monotonic()
+                status, text = http(base, "/v1/completions", {"model": "tiny", "prompt": [seed + 100] * 20,
+                                                              "max_tokens": 1900, "ignore_eos": True,
+                                                              "temperature": 0, "stream": True}, timeout=300)
+                streams.append((status, text.rstrip().endswith("data: [DONE]"), '"error"' in text,
+                                started, time.monotonic()))
+        clients = [threading.Thread(target=long_streams, args=(i,)) for i in range(2)]
+        for t in clients:
             t.start()
-        assert wait_until(lambda: replicas("as", "DecodeServer") == 1, 90), "decode pool did not scale back down"
-        scaled_down_at = time.monotonic()
-        for t in long_threads:
+        began = wait_until(lambda: replicas("as", "DecodeServer") < 2, 90, every=0.1)
+        began_at = time.monotonic()
+        removal_began.set()
+        assert began, "decode pool did not start to scale down"
+        assert wait_until(lambda: (len(serve.status().applications["as"].deployments["DecodeServer"]
+                                       .replica_states) == 1 and replicas("as", "DecodeServer") == 1), 90), \
+            "the removed decode replica did not stop"
+        for t in clients:
             t.join()
-        assert [s[:3] for s in streams] == [(200, True, False)] * 2, streams
-        assert max(s[3] for s in streams) > scaled_down_at, "the streams ended before the scale-down"
+        assert streams and [s[:3] for s in streams] == [(200, True, False)] * len(streams), streams
+        in_flight = [s for s in streams if s[3] < began_at < s[4]]
+        assert len(in_flight) == 2, f"streams in flight when the scale-down began: {len(in_flight)} of {streams}"
         assert statuses and all(s == 200 for s in statuses), f"{statuses.count(200)}/{len(statuses)} ok"
         assert pools_all_free(base, {"prefill", "decode"})
