@@ -8,8 +8,12 @@ each format called as a decode step calls it (layer by layer, then the LM head),
 come from memory and not from a cache that one repeated call would keep warm. Prints the median
 microseconds per call and the weight bytes each call reads per second (GB/s) for:
 
-  bf16        the prepacked oneDNN bf16 weight (engine.linear's dense path; also the
-              quantized formats' copy above `small_rows`)
+  bf16-onednn the prepacked oneDNN bf16 weight (engine.linear's dense path above its GEMV
+              threshold; also the quantized formats' copy above `small_rows`)
+  fp32-mkl    F.linear on the fp32 weight (MKL)
+  bf16, fp32  the engine's dense GEMVs (engine.kernels.bf16_gemv on the blocked weight,
+              fp32_gemv on the row-major one), where they build vectorized, at every row count
+              (engine.linear switches away above its thresholds)
   int8-aten   torch.ops.aten._weight_int8pack_mm
   int4-aten   torch.ops.aten._weight_int4pack_mm_for_cpu
   int8, int4  engine.linear's quantized layers with the engine's CPU kernels (engine.kernels),
@@ -38,14 +42,21 @@ from engine.kernels import cpu_kernels  # noqa: E402
 SHAPES = {"qkv": ((960, 576), 30), "o": ((576, 576), 30), "gate_up": ((3072, 576), 30),
           "down": ((576, 1536), 30), "lm_head": ((49152, 576), 1)}
 # bytes of weight a call reads per parameter (int4: + a bf16 scale and zero per 32)
-BYTES = {"bf16": 2.0, "int8-aten": 1.0, "int4-aten": 0.5 + 4 / 32, "int8": 1.0, "int4": 0.5 + 4 / 32}
+BYTES = {"bf16-onednn": 2.0, "fp32-mkl": 4.0, "bf16": 2.0, "fp32": 4.0, "int8-aten": 1.0,
+         "int4-aten": 0.5 + 4 / 32, "int8": 1.0, "int4": 0.5 + 4 / 32}
+DTYPE = {"fp32-mkl": torch.float32, "fp32": torch.float32}      # activations; the others bf16
 
 
 def _factories(kernels) -> dict:
     bf16 = torch.bfloat16
-    out = {"bf16": lambda w: linear._dense(w.to(bf16), None),
+    out = {"bf16-onednn": lambda w: linear._dense(w.to(bf16), None),
+           "fp32-mkl": lambda w: linear._dense(w, None),
            "int8-aten": lambda w: linear._int8(w, None, None)[0],
            "int4-aten": lambda w: linear._int4(w, None, None)[0]}
+    if kernels is not None and kernels.gemv_vectorized():
+        out["bf16"] = lambda w: (lambda blocks, n: lambda x: kernels.bf16_gemv(x, blocks, None, n))(
+            linear._blocks_of_16(w.to(bf16)), w.shape[0])
+        out["fp32"] = lambda w: (lambda wf: lambda x: kernels.fp32_gemv(x, wf, None))(w.contiguous())
     if kernels is not None:
         out["int8"] = lambda w: linear.make_linear(w, None, "int8", bf16, small_rows=64, kernels=kernels)
         out["int4"] = lambda w: linear.make_linear(w, None, "int4", bf16, small_rows=64, kernels=kernels)
@@ -93,7 +104,8 @@ def main() -> None:
         for fmt, make in factories.items():
             model = {name: [make(w) for w in ws] for name, ws in weights.items()}
             for r in rows:
-                xs = {name: torch.randn(r, k, generator=g).bfloat16() for name, ((_, k), _) in SHAPES.items()}
+                xs = {name: torch.randn(r, k, generator=g).to(DTYPE.get(fmt, torch.bfloat16))
+                      for name, ((_, k), _) in SHAPES.items()}
                 results[fmt, r] = _step_times(model, xs, args.reps)
             del model
             for name, ((n, k), count) in SHAPES.items():

@@ -42,8 +42,10 @@ class DecoderModel:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scale = self.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
-        # bf16 on CPU: one-pass RMSNorm (and residual add + RMSNorm) kernels and the int8/int4
-        # GEMV kernels (engine.kernels); fp32 keeps transformers' ops (the exact mode)
+        # `kernels` (engine.kernels, CPU): the GEMV kernels for the linears (engine.linear) in every
+        # dtype; in bf16 also the one-pass RMSNorm (and residual add + RMSNorm) kernels, while fp32
+        # keeps transformers' norm ops (the exact mode)
+        self._linear_kernels = kernels
         self._kernels = kernels if dtype == torch.bfloat16 else None
         body = hf_model.model
         self.embed = body.embed_tokens.weight.detach().to(dtype)
@@ -69,7 +71,7 @@ class DecoderModel:
         return layer
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
-        return make_linear(weight, bias, fmt, self.dtype, kernels=self._kernels)
+        return make_linear(weight, bias, fmt, self.dtype, kernels=self._linear_kernels)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:

@@ -7,6 +7,20 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
   dense (fp32, bf16, fp16)  `F.linear`; on a CPU with native bf16 (AVX512-BF16 / AMX) a bf16
                             weight is prepacked once into oneDNN's blocked layout
                             (`mkldnn._linear_pointwise`): 2-4x faster than plain bf16 `mm`.
+                            Where the engine's kernels build vectorized (AVX512-BF16), steps
+                            of at most `dense_small_rows(dtype)` rows run its GEMVs instead
+                            (engine/kernels/dense_gemv_cpu.cpp), which stream the weight once per
+                            8 rows near the memory bound: `kernels.fp32_gemv` on the row-major
+                            fp32 weight itself, `kernels.bf16_gemv` on a bf16 copy in blocks of
+                            16 output channels (int8's layout). oneDNN's bf16 and MKL's fp32
+                            small-row paths run at about 0.75x and 0.3-0.45x of their speed on
+                            this project's CPU (benchmarks/linear_bench.py). Thresholds,
+                            measured there: bf16 up to 8 rows (above, oneDNN's packed weight
+                            wins); fp32 up to 64 rows, the largest decode batch (MKL's fp32 GEMM
+                            stayed 2x slower even at 256 rows on this AMD CPU; on CPUs where MKL
+                            is strong it would win for prompt chunks, which keep `F.linear`).
+                            Memory: fp32 shares its one weight; bf16 holds the blocked copy
+                            beside oneDNN's packed one (2x its weight bytes).
   int8 / int4 (CPU)         weight-only quantization with bf16 activations: int8 per output
                             channel, int4 in groups of 32 input columns with a scale and zero
                             point each (the gpt-fast/torchao scheme). Steps of at most
@@ -26,7 +40,10 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             one-pass limit) they read the weights twice, so both stop at 8
                             (KERNEL_SMALL_ROWS); aten's lose to it above 4 (SMALL_ROWS).
 
-Exactness: fp32 is plain `F.linear` (the exact mode). Every other format rounds.
+Exactness: fp32 (the exact mode) computes in fp32 throughout: `F.linear` or the fp32 GEMV, whose
+sums run in another order than MKL's (as MKL's own GEMV and GEMM differ), so logits match
+Hugging Face's to fp32 rounding and greedy tokens stay identical on the exactness prompts
+(tests/test_engine_exact.py). Every other format rounds.
 """
 
 from __future__ import annotations
@@ -41,6 +58,8 @@ INT4_GROUP = 32
 # at most this many rows: the quantized GEMV kernel; more: the bf16 copy (measured; see above)
 SMALL_ROWS = 4            # aten's kernels
 KERNEL_SMALL_ROWS = 8     # the engine's kernels (their one-pass row count, kMaxRows)
+# at most this many rows: the engine's dense GEMV (measured; see above)
+DENSE_SMALL_ROWS = {torch.bfloat16: 8, torch.float32: 64}
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -55,12 +74,22 @@ def quantized_small_rows(kernels) -> int:
     return SMALL_ROWS if kernels is None else KERNEL_SMALL_ROWS
 
 
+def dense_small_rows(dtype: torch.dtype, kernels) -> int:
+    """Rows up to which a dense layer of `dtype` runs the engine's GEMV (0: never)."""
+    if kernels is None or dtype not in DENSE_SMALL_ROWS or not kernels.gemv_vectorized():
+        return 0
+    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        return 0
+    return DENSE_SMALL_ROWS[dtype]
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype,
                 small_rows: int | None = None, kernels=None) -> Linear:
     """A linear layer for `weight` [out, in] (+ `bias`) in format `fmt` computing in `dtype`
     (the activations' dtype). `kernels`: the engine's CPU kernels (`engine.kernels.cpu_kernels()`)
     for the quantized formats' steps of at most `small_rows` rows (default
-    `quantized_small_rows(kernels)`), or None for aten's. Called once per layer at model load;
+    `quantized_small_rows(kernels)`) and the dense formats' steps of at most
+    `dense_small_rows(dtype, kernels)` rows, or None for aten's. Called once per layer at model load;
     the layer keeps what it needs (the packed weight, and for int8/int4 the dequantized bf16 copy).
     Raises ValueError for a shape the format cannot take."""
     assert fmt in WEIGHT_FORMATS, fmt
@@ -69,19 +98,28 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype
     if fmt in ("int8", "int4"):
         assert weight.device.type == "cpu" and dtype == torch.bfloat16, "weight-only quantization is CPU + bf16"
         quant, dequantized = (_int8 if fmt == "int8" else _int4)(weight, bias, kernels)
-        dense = _dense(dequantized.to(torch.bfloat16), bias)
         if quant is None:                    # a shape only the bf16 copy takes
-            return dense
+            return _dense(dequantized.to(torch.bfloat16), bias, kernels)
+        dense = _dense(dequantized.to(torch.bfloat16), bias)
         return lambda x: quant(x) if x.shape[0] <= small_rows else dense(x)
-    return _dense(weight.to(dtype), bias)
+    return _dense(weight.to(dtype), bias, kernels)
 
 
-def _dense(w: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-    if w.device.type == "cpu" and w.dtype == torch.bfloat16 and cpu_has_native_bf16():
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _dense(w: torch.Tensor, bias: torch.Tensor | None, kernels=None) -> Linear:
+    """`kernels`: the engine's CPU kernels for the GEMVs at few rows, or None."""
     w = w.contiguous()
-    return lambda x: F.linear(x, w, bias)
+    if w.device.type == "cpu" and w.dtype == torch.bfloat16 and cpu_has_native_bf16():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+        many = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # noqa: E731
+    else:
+        many = lambda x: F.linear(x, w, bias)  # noqa: E731
+    few = dense_small_rows(w.dtype, kernels) if w.device.type == "cpu" else 0
+    if not few:
+        return many
+    if w.dtype == torch.bfloat16:
+        blocks, out_f = _blocks_of_16(w), w.shape[0]
+        return lambda x: kernels.bf16_gemv(x, blocks, bias, out_f) if x.shape[0] <= few else many(x)
+    return lambda x: kernels.fp32_gemv(x, w, bias) if x.shape[0] <= few else many(x)
 
 
 def _int8(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Linear, torch.Tensor]:
@@ -133,8 +171,9 @@ def _int4(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Lin
 
 
 def _blocks_of_16(q: torch.Tensor) -> torch.Tensor:
-    """int8 [out, in] in int8_gemv's layout (engine/kernels/int8_gemv_cpu.cpp): [out/16, in/2, 32],
-    byte 2c + e of [b, j] = q[16b + c, 2j + e]; zeros pad out to a multiple of 16, in to even."""
+    """int8 or bf16 [out, in] in int8_gemv's and bf16_gemv's layout (engine/kernels/
+    int8_gemv_cpu.cpp, dense_gemv_cpu.cpp): [out/16, in/2, 32], element 2c + e of [b, j] =
+    q[16b + c, 2j + e]; zeros pad out to a multiple of 16, in to even."""
     q = F.pad(q, (0, q.shape[1] % 2, 0, -q.shape[0] % 16))
     return q.view(-1, 16, q.shape[1] // 2, 2).transpose(1, 2).reshape(-1, q.shape[1] // 2, 32).contiguous()
 

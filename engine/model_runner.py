@@ -162,9 +162,9 @@ class ModelRunner:
         # quantized formats start from fp32 weights; the others load in their own dtype
         load_dtype = torch.float32 if config.quantization else self.dtype
         hf_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=load_dtype).to(self.device).eval()
-        # bf16 on CPU: the engine's norm and int8/int4 GEMV kernels (None where they cannot build)
-        cpu_bf16_kernels = cpu_kernels() if self.device.type == "cpu" and self.dtype == torch.bfloat16 else None
-        self.model = DecoderModel(hf_model, self.weight_format, self.dtype, cpu_bf16_kernels)
+        # on CPU: the engine's GEMV and (bf16) norm kernels (None where they cannot build)
+        self.model = DecoderModel(hf_model, self.weight_format, self.dtype,
+                                  cpu_kernels() if self.device.type == "cpu" else None)
         self.generation_config = hf_model.generation_config
         self.hf_config = hf_config = hf_model.config
         del hf_model

@@ -13,6 +13,11 @@
   (+ bias) within one bf16 rounding, for shapes that are not multiples of their blocks, every
   row count of one pass and some that take two, with and without bias; they refuse a weight that
   is not in their layout.
+- The dense GEMVs (fp32 and bf16 steps of few rows) give x @ w.T (+ bias) within fp32 summation
+  error (and one bf16 rounding), for sizes that are not multiples of their vectors or channel
+  groups, every row count of one pass and some that take more; an fp32 row's output does not
+  depend on the rows beside it; engine.linear's dense layers switch to them at few rows and back
+  above their thresholds; they refuse what is not their dtype or layout.
 """
 
 import pytest
@@ -124,6 +129,88 @@ def test_quant_gemv_refuses_what_is_not_its_layout():
         KERNELS.int4_gemv(torch.randn(2, 48).bfloat16(), packed, sz, None, 32)
     with pytest.raises(RuntimeError, match="bias"):
         KERNELS.int4_gemv(x, packed, sz, torch.zeros(31).bfloat16(), 32)
+
+
+needs_vector_gemv = pytest.mark.skipif(KERNELS is None or not KERNELS.gemv_vectorized(),
+                                       reason="the dense GEMVs are used only where they build with AVX512-BF16")
+
+
+def _dense_gemv(w, bias, x):
+    """The kernel for w's dtype: fp32_gemv on w itself, bf16_gemv on its blocked copy."""
+    if w.dtype == torch.float32:
+        return KERNELS.fp32_gemv(x, w, bias)
+    return KERNELS.bf16_gemv(x, linear._blocks_of_16(w), bias, w.shape[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_f,in_f", [
+    (37, 77),          # neither a multiple of the channel groups nor of the vectors; odd inputs
+    (960, 576),        # SmolLM2's fused QKV
+    (3, 1536),         # fewer channels than a group
+    (130, 33),
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dense_gemv_matches_a_double_precision_product(dtype, out_f, in_f, with_bias):
+    g = torch.Generator().manual_seed(out_f + in_f)
+    w = (torch.randn(out_f, in_f, generator=g) * 0.05).to(dtype)
+    bias = (torch.randn(out_f, generator=g) * 0.1).to(dtype) if with_bias else None
+    xs = torch.randn(19, in_f, generator=g).to(dtype)
+    full = _dense_gemv(w, bias, xs)
+    for rows in [*range(1, 9), 9, 19]:                                    # 9 and 19: more than one pass
+        x = xs[:rows]
+        ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+        y = _dense_gemv(w, bias, x)
+        assert y.dtype == dtype and y.shape == (rows, out_f)
+        err = (y.double() - ref).abs()
+        # fp32: the classic bound of a sum of in_f products; bf16: one rounding of the fp32 sum
+        bound = (x.double().abs() @ w.double().abs().t()) * in_f * 2**-24 + 1e-12
+        if dtype == torch.bfloat16:
+            bound = bound + ref.abs() * 2**-8
+        assert (err <= bound).all(), (rows, err.max().item())
+        if dtype == torch.float32:
+            # batch-invariant: row r alone, or beside other rows, gives the same numbers
+            assert torch.equal(y, full[:rows]), rows
+            assert torch.equal(_dense_gemv(w, bias, x[-1:]), y[-1:]), rows
+
+
+@needs_vector_gemv
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_layers_use_the_gemv_at_few_rows_only(dtype):
+    g = torch.Generator().manual_seed(3)
+    w, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    few = linear.dense_small_rows(dtype, KERNELS)
+    assert few == linear.DENSE_SMALL_ROWS[dtype] and linear.dense_small_rows(dtype, None) == 0
+    calls = []
+    name = "fp32_gemv" if dtype == torch.float32 else "bf16_gemv"
+
+    class Counting:                  # the real kernels, counting the GEMV's calls
+        def __getattr__(self, attr):
+            kernel = getattr(KERNELS, attr)
+            if attr != name:
+                return kernel
+            return lambda x, *rest: calls.append(x.shape[0]) or kernel(x, *rest)
+    layer = linear.make_linear(w, bias, "float32" if dtype == torch.float32 else "bfloat16", dtype,
+                               kernels=Counting())
+    for rows in (1, few, few + 1):
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        y = layer(x)
+        ref = F.linear(x.double(), w.to(dtype).double(), bias.to(dtype).double())
+        assert torch.allclose(y.double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+    assert calls == [1, few]
+
+
+@needs_kernel
+def test_dense_gemv_refuses_what_is_not_its_layout():
+    w = torch.randn(32, 16)
+    with pytest.raises(RuntimeError, match="fp32"):
+        KERNELS.fp32_gemv(torch.randn(2, 16).bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="in"):
+        KERNELS.fp32_gemv(torch.randn(2, 15), w, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        KERNELS.fp32_gemv(torch.randn(2, 16), w, torch.zeros(7))
+    with pytest.raises(RuntimeError, match="bf16"):
+        KERNELS.bf16_gemv(torch.randn(2, 16).bfloat16(), w.bfloat16(), None, 32)    # [out, in], not blocks
 
 
 @needs_kernel

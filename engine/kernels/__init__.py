@@ -28,7 +28,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in
-            ("paged_attention_cpu.cpp", "norm_cpu.cpp", "int8_gemv_cpu.cpp", "int4_gemv_cpu.cpp")]
+            ("paged_attention_cpu.cpp", "norm_cpu.cpp", "int8_gemv_cpu.cpp", "int4_gemv_cpu.cpp",
+              "dense_gemv_cpu.cpp")]
 # -march=native: the build is keyed by this CPU's flags (below), so the cache never runs code
 # built for another CPU. AMX stays off: some kernels/VMs advertise it without enabling it.
 # -fopenmp: at::parallel_for is an inline template that runs on torch's OpenMP threads only when

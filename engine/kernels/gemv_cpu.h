@@ -1,6 +1,7 @@
-// Shared by the weight-only GEMV kernels (int8_gemv_cpu.cpp, int4_gemv_cpu.cpp): y = x @ dequant(w).T
-// (+ bias) for a few rows x of bf16 activations, registered as torch.ops.pdserve.int8_gemv and
-// int4_gemv; engine/linear.py packs the weights and calls them for steps of at most `small_rows` rows.
+// Shared by the bf16-activation GEMV kernels (int8_gemv_cpu.cpp, int4_gemv_cpu.cpp, and bf16_gemv in
+// dense_gemv_cpu.cpp): y = x @ w.T (+ bias) for a few rows x of bf16 activations, w dequantized
+// from int8 / int4 or bf16 itself, registered as torch.ops.pdserve.int8_gemv, int4_gemv and
+// bf16_gemv; engine/linear.py packs the weights and calls them for steps of few rows.
 //
 // At batch 1 a decode step reads every weight once, so these kernels stream the weight bytes
 // once per call for up to kMaxRows rows (every row is computed against each weight as it is
@@ -53,10 +54,65 @@ inline __m512 bf16x16(const bf16* p) {      // 16 bf16 -> fp32 (exact)
 }
 #endif
 
+#ifdef PDSERVE_AVX512
+// The kernels on weights in pairs of inputs (int8, bf16): R rows x NB blocks of 16 output
+// channels over K inputs (K even). `pair(j, k)` gives block j's weights at inputs k and k + 1 as
+// 32 bf16 (channel c's two at lanes 2c, 2c + 1), the layout `vdpbf16ps` multiplies with a
+// broadcast pair of inputs; `out(j, r, sums)` takes the 16 fp32 sums of row r and block j. A
+// independent chains per accumulator hide the dot product's latency where few rows and blocks
+// give too few.
+template <int R, int NB, typename Pair, typename Out>
+inline void pair_dots(const bf16* x, int64_t K, Pair&& pair, Out&& out) {
+  constexpr int A = R * NB <= 2 ? 4 : (R <= 4 ? 2 : 1);
+  __m512 acc[NB][A][R];
+  PDSERVE_UNROLL
+  for (int j = 0; j < NB; ++j)
+    for (int a = 0; a < A; ++a) for (int r = 0; r < R; ++r) acc[j][a][r] = _mm512_setzero_ps();
+  auto step = [&](int j, int64_t k, int a) {
+    const __m512bh wp = pair(j, k);
+    PDSERVE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      int32_t two;
+      std::memcpy(&two, x + r * K + k, 4);
+      acc[j][a][r] = _mm512_dpbf16_ps(acc[j][a][r], (__m512bh)_mm512_set1_epi32(two), wp);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 2 * A <= K; k += 2 * A) {
+    PDSERVE_UNROLL
+    for (int a = 0; a < A; ++a) {
+      PDSERVE_UNROLL
+      for (int j = 0; j < NB; ++j) step(j, k + 2 * a, a);
+    }
+  }
+  for (; k < K; k += 2)
+    for (int j = 0; j < NB; ++j) step(j, k, 0);
+  PDSERVE_UNROLL
+  for (int j = 0; j < NB; ++j) {
+    PDSERVE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      __m512 sum = acc[j][0][r];
+      PDSERVE_UNROLL
+      for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[j][a][r]);
+      out(j, r, sum);
+    }
+  }
+}
+#endif
+
+// The scalar loop's sum of one row x [K] against channel c of one block in pairs layout
+template <typename W>
+inline float pair_dot_scalar(const bf16* x, int64_t K, const W* block, int64_t c) {
+  float acc = 0.f;
+  for (int64_t k = 0; k < K; ++k) acc += static_cast<float>(x[k]) * static_cast<float>(block[(k / 2) * 32 + 2 * c + k % 2]);
+  return acc;
+}
+
 // Each kernel computes the R rows of NB blocks of 16 channels, whose weights it reads side by
-// side. int8 up to 4 rows reads two stretches of a thread's blocks at once: two memory streams
-// measured 15-18 % faster than one on this project's CPU (benchmarks/linear_bench.py's shapes);
-// int4 (more work per byte) and more rows (compute-bound) measured no gain, so one stream.
+// side. int8 and bf16 up to 4 rows read two stretches of a thread's blocks at once: two memory
+// streams measured 15-18 % faster than one for int8 on this project's CPU
+// (benchmarks/linear_bench.py's shapes); int4 (more work per byte) and more rows (compute-bound)
+// measured no gain, so one stream.
 
 // Blocks [b0, b1) of R rows: with AVX512, as two streams (the first and second half of the
 // range side by side) for R <= kTwoUpTo, else one; elsewhere the scalar loop, block by block.

@@ -15,44 +15,16 @@ using namespace pdserve_gemv;
 template <int R, int NB>
 void int8_avx(const bf16* x, int64_t K, const int8_t* q, const float* scale, const bf16* bias, bf16* y,
               int64_t N, const int64_t* blocks) {
-  constexpr int A = R * NB <= 2 ? 4 : (R <= 4 ? 2 : 1);   // independent dot-product chains per row
-  __m512 acc[NB][A][R];
-  PDSERVE_UNROLL
-  for (int j = 0; j < NB; ++j)
-    for (int a = 0; a < A; ++a) for (int r = 0; r < R; ++r) acc[j][a][r] = _mm512_setzero_ps();
-  auto step = [&](int j, int64_t k, int a) {              // inputs k, k + 1 of block j's 16 channels
-    const __m128i* w = reinterpret_cast<const __m128i*>(q + blocks[j] * K * 16 + k * 16);
-    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(w)));       // channels 0-7
-    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(w + 1)));   // channels 8-15
-    const __m512bh wp = _mm512_cvtne2ps_pbh(w1, w0);     // exact: |q| <= 127 fits bf16's 8 bits
-    PDSERVE_UNROLL
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * K + k, 4);
-      acc[j][a][r] = _mm512_dpbf16_ps(acc[j][a][r], (__m512bh)_mm512_set1_epi32(pair), wp);
-    }
-  };
-  int64_t k = 0;
-  for (; k + 2 * A <= K; k += 2 * A) {
-    PDSERVE_UNROLL
-    for (int a = 0; a < A; ++a) {
-      PDSERVE_UNROLL
-      for (int j = 0; j < NB; ++j) step(j, k + 2 * a, a);
-    }
-  }
-  for (; k < K; k += 2)
-    for (int j = 0; j < NB; ++j) step(j, k, 0);
-  PDSERVE_UNROLL
-  for (int j = 0; j < NB; ++j) {
-    const __m512 s = _mm512_loadu_ps(scale + blocks[j] * 16);
-    PDSERVE_UNROLL
-    for (int r = 0; r < R; ++r) {
-      __m512 sum = acc[j][0][r];
-      PDSERVE_UNROLL
-      for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[j][a][r]);
-      store16(y + r * N, bias, N, blocks[j] * 16, _mm512_mul_ps(sum, s));
-    }
-  }
+  pair_dots<R, NB>(x, K,
+      [&](int j, int64_t k) {                              // inputs k, k + 1 of block j's 16 channels
+        const __m128i* w = reinterpret_cast<const __m128i*>(q + blocks[j] * K * 16 + k * 16);
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(w)));       // channels 0-7
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(w + 1)));   // channels 8-15
+        return _mm512_cvtne2ps_pbh(w1, w0);                // exact: |q| <= 127 fits bf16's 8 bits
+      },
+      [&](int j, int r, __m512 sum) {
+        store16(y + r * N, bias, N, blocks[j] * 16, _mm512_mul_ps(sum, _mm512_loadu_ps(scale + blocks[j] * 16)));
+      });
 }
 #endif
 
@@ -61,12 +33,9 @@ void int8_block(const bf16* x, int64_t K, const int8_t* q, const float* scale, c
                 int64_t N, int64_t b) {
   const int8_t* p = q + b * K * 16;
   for (int64_t c = 0; c < 16 && b * 16 + c < N; ++c)
-    for (int r = 0; r < R; ++r) {
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k)
-        acc += static_cast<float>(x[r * K + k]) * static_cast<float>(p[(k / 2) * 32 + 2 * c + k % 2]);
-      y[r * N + b * 16 + c] = static_cast<bf16>(acc * scale[b * 16 + c] + bias_at(bias, b * 16 + c));
-    }
+    for (int r = 0; r < R; ++r)
+      y[r * N + b * 16 + c] = static_cast<bf16>(pair_dot_scalar(x + r * K, K, p, c) * scale[b * 16 + c] +
+                                                bias_at(bias, b * 16 + c));
 }
 template <int R>
 void int8_range(const bf16* x, int64_t K, const int8_t* q, const float* scale, const bf16* bias, bf16* y,

@@ -1,0 +1,179 @@
+// Dense GEMVs: y = x @ w.T (+ bias) for a few rows x of an unquantized linear; engine.linear
+// calls them for decode steps of at most `DENSE_SMALL_ROWS[dtype]` rows.
+//
+//   fp32_gemv(x [R, K] fp32, w [N, K] fp32, bias [N] fp32?) -> [R, N] fp32
+//       the linear's own row-major weight, read in place (no second copy)
+//   bf16_gemv(x [R, K] bf16, w [N/16, ceil(K/2), 32] bf16, bias [n] bf16?, n) -> [R, n] bf16
+//       the weight in blocks of 16 output channels and pairs of inputs (int8_gemv's layout, in
+//       bf16: element 2c + e of w[b, j] is channel 16b + c's weight at input 2j + e)
+//   gemv_vectorized() -> bool: built with AVX512 (F, BW, VL, BF16); engine.linear uses these
+//       kernels only then (the scalar fallback is slower than oneDNN / MKL)
+//
+// Why: at batch 1 a decode step reads every weight once, so its linears are bound by memory
+// bandwidth; oneDNN's bf16 and MKL's fp32 small-row paths stream weights at 0.75x and 0.3-0.45x
+// of these kernels' speed on this project's CPU (benchmarks/linear_bench.py), and each call
+// carries microseconds of set-up that 30 layers x 4 linears multiply. Both kernels stream each
+// weight once per call for up to kMaxRows rows.
+//
+// fp32 (the exact mode): each output channel is a dot product over its weight row (llama.cpp's
+// scheme), 4 channels side by side (4 memory streams; 2 and 8 measured slower at 1-4 rows), each
+// against every row of x from L1, with the rows two groups ahead prefetched (1.2-1.5x at 2-8
+// rows). Products and sums in fp32: 16 lanes of partial sums per (channel, row) over K in order,
+// then one fixed tree reduction, then the bias. A row's result therefore does not depend on the
+// other rows or on the thread split (batch-invariant).
+// bf16: gemv_cpu.h's pair kernel, as int8_gemv without the conversion: the blocked layout reads
+// one contiguous stream per thread half, 1.25x faster than row-major dot products measured at
+// 1-4 rows. Products and sums in fp32, rounded to bf16 once, bias included.
+#include "gemv_cpu.h"
+
+namespace {
+
+using namespace pdserve_gemv;
+
+// ---- fp32, row-major ----------------------------------------------------------------------------
+
+#ifdef PDSERVE_AVX512
+// Channels [n, n + C) for R rows: C * R accumulators, the R rows of x reloaded from L1 per step;
+// `prefetch`: channels [n + 2C, n + 3C) exist and are fetched into cache on the way
+template <int R, int C>
+void fp32_channels(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t N,
+                   int64_t n, bool prefetch) {
+  __m512 acc[C][R];
+  PDSERVE_UNROLL
+  for (int c = 0; c < C; ++c) for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  const float* wn = w + n * K;
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+    __m512 xv[R];
+    PDSERVE_UNROLL
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_ps(m, x + r * K + k);
+    PDSERVE_UNROLL
+    for (int c = 0; c < C; ++c) {
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wn + (2 * C + c) * K + k), _MM_HINT_T0);
+      const __m512 wv = _mm512_maskz_loadu_ps(m, wn + c * K + k);
+      PDSERVE_UNROLL
+      for (int r = 0; r < R; ++r) acc[c][r] = _mm512_fmadd_ps(xv[r], wv, acc[c][r]);
+    }
+  }
+  PDSERVE_UNROLL
+  for (int c = 0; c < C; ++c) {
+    const float b = bias ? bias[n + c] : 0.f;
+    PDSERVE_UNROLL
+    for (int r = 0; r < R; ++r) y[r * N + n + c] = _mm512_reduce_add_ps(acc[c][r]) + b;
+  }
+}
+#endif
+
+// 4 channels side by side up to 4 rows, 2 above (the C x R accumulators and R rows of x fit the
+// 32 vector registers)
+template <int R> constexpr int kChannels = R <= 4 ? 4 : 2;
+
+template <int R>
+void fp32_range(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t N,
+                int64_t n0, int64_t n1) {
+#ifdef PDSERVE_AVX512
+  constexpr int C = kChannels<R>;
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) fp32_channels<R, C>(x, K, w, bias, y, N, n, n + 3 * C <= n1);
+  for (; n < n1; ++n) fp32_channels<R, 1>(x, K, w, bias, y, N, n, false);
+#else
+  for (int64_t n = n0; n < n1; ++n)
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += x[r * K + k] * w[n * K + k];
+      y[r * N + n] = acc + (bias ? bias[n] : 0.f);
+    }
+#endif
+}
+
+template <int R> struct Fp32Range {
+  template <typename... A> static void run(A... a) { fp32_range<R>(a...); }
+};
+
+at::Tensor fp32_gemv(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
+              "x: a [rows, in] fp32 CPU tensor");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(1) == x_in.size(1) && w.is_contiguous(),
+              "w: a contiguous fp32 [out, in] weight");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == w.size(0) &&
+                                    bias->is_contiguous()), "bias: [out] contiguous fp32");
+  at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor y = at::empty({rows, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // chunks of at least 64 channels (a thread's share outweighs its start-up); rows past kMaxRows
+  // take another pass over the weights
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows)
+      with_rows<Fp32Range>(std::min(kMaxRows, rows - r0), xp + r0 * K, K, wp, bp, yp + r0 * N, N, n0, n1);
+  });
+  return y;
+}
+
+// ---- bf16, blocks of 16 channels ----------------------------------------------------------------
+
+template <int R>
+void bf16_range(const bf16* x, int64_t K, const bf16* w, const bf16* bias, bf16* y, int64_t N,
+                int64_t b0, int64_t b1) {
+  over_blocks<R, 4>(b0, b1,
+      [&](auto nb, const int64_t* blocks) {
+#ifdef PDSERVE_AVX512
+        pair_dots<R, decltype(nb)::value>(x, K,
+            [&](int j, int64_t k) { return (__m512bh)_mm512_loadu_si512(w + blocks[j] * K * 16 + k * 16); },
+            [&](int j, int r, __m512 sum) { store16(y + r * N, bias, N, blocks[j] * 16, sum); });
+#endif
+      },
+      [&](int64_t b) {
+        const bf16* p = w + b * K * 16;
+        for (int64_t c = 0; c < 16 && b * 16 + c < N; ++c)
+          for (int r = 0; r < R; ++r)
+            y[r * N + b * 16 + c] = static_cast<bf16>(pair_dot_scalar(x + r * K, K, p, c) + bias_at(bias, b * 16 + c));
+      });
+}
+
+template <int R> struct Bf16Range {
+  template <typename... A> static void run(A... a) { bf16_range<R>(a...); }
+};
+
+at::Tensor bf16_gemv(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                     int64_t n) {
+  check_x(x_in);
+  const int64_t rows = x_in.size(0), K = x_in.size(1) + x_in.size(1) % 2, blocks = (n + 15) / 16;
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+              w.sizes() == at::IntArrayRef({blocks, K / 2, 32}), "w: [ceil(out/16), ceil(in/2), 32] bf16");
+  const bf16* b = bias_ptr(bias, n);
+  // an odd input size meets the weight's zero column with a zero input
+  at::Tensor x = K == x_in.size(1) ? x_in.contiguous() : at::constant_pad_nd(x_in, {0, 1});
+  at::Tensor y = at::empty({rows, n}, x_in.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = w.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {     // as int8_gemv
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows)
+      with_rows<Bf16Range>(std::min(kMaxRows, rows - r0), xp + r0 * K, K, wp, b, yp + r0 * n, n, b0, b1);
+  });
+  return y;
+}
+
+bool gemv_vectorized() {
+#ifdef PDSERVE_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("fp32_gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("bf16_gemv(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+  m.def("gemv_vectorized() -> bool", &gemv_vectorized);
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
+  m.impl("fp32_gemv", &fp32_gemv);
+  m.impl("bf16_gemv", &bf16_gemv);
+}
