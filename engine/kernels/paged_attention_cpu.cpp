@@ -12,6 +12,18 @@
 //   lens    [B] int64                         (context length of each sequence, new token included)
 //   -> out  [B, H * D]                        (same dtype as query)
 // Softmax in fp32, two passes over the scores (max, then exp-sum), as sdpa's math.
+//
+// bf16 with head size 64 or 128 on AVX512-BF16 (`attend_bf16_avx`): one work item per
+// (sequence, KV head), so a single sequence's heads spread over the threads. Scores come 16
+// keys at a time: each key's dot product with a query head as `vdpbf16ps` (exact products, fp32
+// sums) left in a vector of 16 partial sums, and the 16 vectors reduced together by a transpose
+// (about 3 instructions per key instead of 10 for a reduction each); the scale is applied to the
+// scores. The output sums p * v in fp32 with up to 24 accumulators in registers (query heads of
+// the group in chunks). Keys and values are prefetched 16-32 tokens ahead (the pool's blocks
+// lie anywhere in memory). Measured against the generic loop below on SmolLM2's shapes (9
+// heads, 3 KV heads, 64 dims, bf16, 2 threads; benchmarks/attention_bench.py): per layer
+// 1.2x at 1 x 64 tokens, 2.2-2.9x from 8 x 256 to 64 x 2048; the real model's decode step at
+// 64 x 2048 went from 419 to 180 ms.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,11 +31,123 @@
 
 #include <algorithm>
 #include <cmath>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 namespace {
+
+// s[0 .. len) <- softmax(s), in fp32: the max, then exp and sum, then the scaling
+inline void softmax_in_place(float* s, int64_t len) {
+  float m = std::numeric_limits<float>::lowest();
+  for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
+  float sum = 0.f;
+  for (int64_t j = 0; j < len; ++j) { s[j] = std::exp(s[j] - m); sum += s[j]; }
+  const float inv = 1.f / sum;
+  for (int64_t j = 0; j < len; ++j) s[j] *= inv;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#define PDSERVE_ATTN_AVX512 1
+using bf16 = c10::BFloat16;
+
+// out[i] = sum of the 16 lanes of v[i], for 16 vectors: three halving steps across and within
+// 128-bit lanes, after which lane 4r + c holds the sum of v[r + 4c]; one permute restores order
+inline __m512 reduce16(__m512 v[16]) {
+  __m512 c[8], e[4], g[2];
+  for (int i = 0; i < 8; ++i)      // [v2i's 8 partial sums, v2i+1's 8]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)      // quarter r: v4i+r's 4 partial sums
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)      // quarter r: v8i+r's 2 partial sums, then v8i+4+r's
+    g[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, sums);
+}
+
+inline __m512 bf16x16_ps(const bf16* p) {    // 16 bf16 -> fp32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+template <int64_t kDim>
+void attend_bf16_avx(const bf16* query, const bf16* pool, const int64_t* tables, const int64_t* lens, bf16* out,
+                     int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
+                     int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t token_stride, float scale) {
+  constexpr int kPairs = kDim / 32, kVecs = kDim / 16;
+  constexpr int kHeadChunk = 24 / kVecs;      // query heads whose outputs fit 24 registers
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const bf16*> keys, values;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];
+      const int64_t padded = (len + 15) / 16 * 16;
+      const int64_t* table = tables + b * max_blocks;
+      keys.resize(len);
+      values.resize(len);
+      for (int64_t start = 0, i = 0; start < len; start += block_size, ++i) {
+        const bf16* row = pool + table[i] * block_stride + h * kDim;
+        for (int64_t t = start; t < std::min(len, start + block_size); ++t, row += token_stride) {
+          keys[t] = row + k_offset;
+          values[t] = row + v_offset;
+        }
+      }
+      scores.resize(group * padded);
+      const bf16* q0 = query + (b * heads + h * group) * kDim;
+      // 1. scores[g, t] = scale * q_g . k_t, 16 keys at a time
+      for (int64_t g = 0; g < group; ++g) {
+        __m512bh q[kPairs];
+        for (int i = 0; i < kPairs; ++i) q[i] = (__m512bh)_mm512_loadu_si512(q0 + g * kDim + 32 * i);
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+          __m512 part[16];
+          if (g == 0)                  // the next 16 keys, from memory, while these 16 are summed
+            for (int64_t t = t0 == 0 ? 16 : t0 + 32; t < std::min(len, t0 + 48); ++t)
+              for (int j = 0; j < kDim * 2; j += 64) _mm_prefetch(reinterpret_cast<const char*>(keys[t]) + j, _MM_HINT_T0);
+          for (int i = 0; i < 16; ++i) {
+            part[i] = _mm512_setzero_ps();
+            if (t0 + i < len)
+              for (int j = 0; j < kPairs; ++j)
+                part[i] = _mm512_dpbf16_ps(part[i], q[j], (__m512bh)_mm512_loadu_si512(keys[t0 + i] + 32 * j));
+          }
+          _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale)));
+        }
+      }
+      // 2. softmax per query head over the len scores
+      for (int64_t g = 0; g < group; ++g) softmax_in_place(scores.data() + g * padded, len);
+      // 3. out_g = sum_t p[g, t] v_t, kHeadChunk query heads at a time
+      for (int64_t g0 = 0; g0 < group; g0 += kHeadChunk) {
+        const int64_t heads_here = std::min<int64_t>(kHeadChunk, group - g0);
+        __m512 acc[kHeadChunk][kVecs];
+        for (int g = 0; g < kHeadChunk; ++g) for (int j = 0; j < kVecs; ++j) acc[g][j] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; ++t) {
+          if (g0 == 0 && t + 16 < len)
+            for (int j = 0; j < kDim * 2; j += 64) _mm_prefetch(reinterpret_cast<const char*>(values[t + 16]) + j, _MM_HINT_T0);
+          __m512 v[kVecs];
+          for (int j = 0; j < kVecs; ++j) v[j] = bf16x16_ps(values[t] + 16 * j);
+          for (int g = 0; g < kHeadChunk; ++g) {
+            if (g >= heads_here) break;
+            const __m512 p = _mm512_set1_ps(scores[(g0 + g) * padded + t]);
+            for (int j = 0; j < kVecs; ++j) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
+          }
+        }
+        for (int g = 0; g < heads_here; ++g) {
+          bf16* o = out + (b * heads + h * group + g0 + g) * kDim;
+          for (int j = 0; j < kVecs; ++j)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[g][j]));
+        }
+      }
+    }
+  });
+}
+#endif
 
 template <typename T, int64_t kDim>
 void attend(const T* query, const T* pool, const int64_t* tables, const int64_t* lens, T* out,
@@ -58,15 +182,7 @@ void attend(const T* query, const T* pool, const int64_t* tables, const int64_t*
         }
       }
       // 2. softmax per query head
-      for (int64_t head = 0; head < heads; ++head) {
-        float* s = scores.data() + head * len;
-        float m = std::numeric_limits<float>::lowest();
-        for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
-        float sum = 0.f;
-        for (int64_t j = 0; j < len; ++j) { s[j] = std::exp(s[j] - m); sum += s[j]; }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < len; ++j) s[j] *= inv;
-      }
+      for (int64_t head = 0; head < heads; ++head) softmax_in_place(scores.data() + head * len, len);
       // 3. out_head = sum_j p[head, j] v_j
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
@@ -113,6 +229,15 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
                     out.data_ptr<T>(), batch, heads, kv_heads, dim, tables.size(1), block_size, block_stride,
                     k_offset, v_offset, token_stride, static_cast<float>(scale));
   };
+#ifdef PDSERVE_ATTN_AVX512
+  if (query.scalar_type() == at::kBFloat16 && (dim == 64 || dim == 128)) {
+    auto fast = dim == 64 ? attend_bf16_avx<64> : attend_bf16_avx<128>;
+    fast(q.data_ptr<bf16>(), pool.data_ptr<bf16>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+         out.data_ptr<bf16>(), batch, heads, kv_heads, tables.size(1), block_size, block_stride, k_offset,
+         v_offset, token_stride, static_cast<float>(scale));
+    return out;
+  }
+#endif
   auto by_dim = [&](auto tag) {
     if (dim == 64) run(tag, std::integral_constant<int64_t, 64>{});
     else if (dim == 128) run(tag, std::integral_constant<int64_t, 128>{});
