@@ -17,7 +17,7 @@ One run, one machine, one torch thread setting for every contender:
    weight format (`--formats`, default fp32, bf16, int8, int4): B requests with 32-token
    prompts, stepped until all of them decode, then `eng.step()` timed one step at a time;
    beside each, the roofline bound of that step on this CPU (pdserve.plan: bytes read over
-   measured bandwidth, FLOPs over measured matmul peak in the format's compute dtype) and the
+   measured read bandwidth, FLOPs over measured matmul peak in the format's compute dtype) and the
    efficiency bound / measured.
 
 `--profile` adds a breakdown of decode steps (default batch 1 and 32, in `--profile-format`):
@@ -207,7 +207,8 @@ def make_engine(args, fmt: str = "fp32"):
 
 
 def roofline(model_dir: str, threads: int):
-    """(ModelSpec, bandwidth B/s, {compute dtype: matmul FLOP/s}) of this CPU, measured now."""
+    """(ModelSpec, Hardware (read bandwidth `mem_bw`, copy `link_bw`), {compute dtype: matmul
+    FLOP/s}) of this CPU, measured now."""
     from pdserve.plan.model import resolve_spec
     from pdserve.plan.roofline import measure_cpu
     torch.set_num_threads(threads)
@@ -220,7 +221,7 @@ def roofline(model_dir: str, threads: int):
         for _ in range(10):
             a @ b
         peaks[dtype] = 10 * 2 * 1024**3 / (time.perf_counter() - t0)
-    return resolve_spec(model_dir, dtype="fp32"), hw.mem_bw, peaks
+    return resolve_spec(model_dir, dtype="fp32"), hw, peaks
 
 
 def step_bound_ms(spec, bw: float, peaks: dict, fmt: str, batch: int, context: int) -> float:
@@ -548,8 +549,10 @@ def main() -> int:
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise SystemExit(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
-    spec, bw, peaks = roofline(args.model, args.threads)
-    log(f"this CPU, {args.threads} thread(s): copy bandwidth {bw / 1e9:.1f} GB/s, matmul peak "
+    spec, hw, peaks = roofline(args.model, args.threads)
+    bw = hw.mem_bw
+    log(f"this CPU, {args.threads} thread(s): read bandwidth {bw / 1e9:.1f} GB/s (the bound's; copy "
+        f"{hw.link_bw / 1e9:.1f} GB/s), matmul peak "
         f"{peaks[torch.float32] / 1e9:.0f} GFLOP/s fp32, {peaks[torch.bfloat16] / 1e9:.0f} GFLOP/s bf16")
     decode: dict[str, list] = {}
     profiles = []
@@ -572,7 +575,8 @@ def main() -> int:
         del eng
         gc.collect()
     results["decode"] = decode
-    results["roofline"] = {"bandwidth_bytes_per_s": bw, "peak_flops": {str(k): v for k, v in peaks.items()}}
+    results["roofline"] = {"bandwidth_bytes_per_s": bw, "copy_bandwidth_bytes_per_s": hw.link_bw,
+                           "peak_flops": {str(k): v for k, v in peaks.items()}}
     if profiles:
         results["profile"] = [{"format": p["format"], "batch": p["batch"],
                                "components_ms_per_step": p["components_ms_per_step"]} for p in profiles]
