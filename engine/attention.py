@@ -67,6 +67,19 @@ def token_slots(block_table: torch.Tensor, block_size: int, num_layers: int) -> 
     return (block_table[:, None] * (num_layers * 2 * block_size) + offsets).flatten()
 
 
+def fused_decode_attention(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                           meta: AttentionMetadata, scale: float, rope_store) -> torch.Tensor:
+    """`paged_attention` for an all-decode step of the bf16 CPU decoder with the paged kernel,
+    RoPE included: qkv [T, (H + 2 Hkv) * D] un-rotated, cos/sin [T, D] -> [T, H * D]. Two kernel
+    calls: `rope_store` (engine.kernels; RoPE, then the K/V store, 1. above) and the paged decode
+    kernel (2.). The caller checks `meta.all_decode` and `meta.kernels`."""
+    assert meta.all_decode and meta.kernels is not None and meta.decode is not None
+    n_kv = meta.kv_pool.shape[4]
+    q = rope_store(qkv, cos, sin, meta.kv_pool, meta.slot_mapping, layer, num_heads, n_kv)
+    dec = meta.decode
+    return meta.kernels.paged_decode_attention(q, meta.kv_pool, dec.tables, dec.lens, layer, scale)
+
+
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of layer `layer` for a ragged step: query [T, H, D], key/value [T, Hkv, D]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, fused_decode_attention, paged_attention
 from engine.linear import make_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -97,12 +97,19 @@ class DecoderModel:
         cos, sin = cos[0, :, None], sin[0, :, None]                  # broadcast over heads
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = x.shape[0]
+        # bf16 decode steps with the paged kernel: RoPE and the K/V store in one op per layer
+        fused = self._kernels is not None and meta.all_decode and meta.kernels is not None
+        cos2, sin2 = cos[:, 0], sin[:, 0]                            # [T, head_dim]
         h = self._rms_norm(x, self.layers[0].in_norm)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
-            qk = _rope(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)   # q and k heads at once
-            v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
-            a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale)
+            if fused:
+                a = fused_decode_attention(layer.index, qkv, cos2, sin2, nh, meta, self.scale,
+                                           self._kernels.rope_store)
+            else:
+                qk = _rope(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)   # q and k heads at once
+                v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
+                a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale)
             x, h = self._add_rms_norm(x, layer.o(a), layer.post_norm)
             g, u = layer.gate_up(h).chunk(2, dim=-1)
             next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm

@@ -13,6 +13,7 @@
   (+ bias) within one bf16 rounding, for shapes that are not multiples of their blocks, every
   row count of one pass and some that take two, with and without bias; they refuse a weight that
   is not in their layout.
+- RoPE + K/V store fused (the bf16 decode step's) gives the unfused ops' q and pool rows.
 - The dense GEMVs (fp32 and bf16 steps of few rows) give x @ w.T (+ bias) within fp32 summation
   error (and one bf16 rounding), for sizes that are not multiples of their vectors or channel
   groups, every row count of one pass and some that take more; an fp32 row's output does not
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, DecodeBatch, paged_attention
-from engine import linear
+from engine import decoder, linear
 from engine.config import EngineConfig
 from engine.kernels import cpu_kernels
 from engine.llm_engine import LLMEngine
@@ -230,6 +231,35 @@ def test_kernel_matches_torch_backend(dtype, tol, heads, kv_heads, dim, block_si
         out, ref = _both_backends(pool, tables, lens, query, layer, dim ** -0.5)
         assert out.shape == ref.shape == (5, heads * dim) and out.dtype == dtype
         assert (out.float() - ref.float()).abs().max().item() <= tol
+
+
+@needs_kernel
+def test_rope_store_matches_the_unfused_ops():
+    # RoPE then the K/V store, fused, against decoder._rope + the store of paged_attention: the same
+    # q and pool rows up to one bf16 rounding, and no other pool row touched
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, bs, layers, t = 9, 3, 64, 16, 3, 5
+    pool = torch.randn(8, layers, 2, bs, kv_heads, dim, generator=g).bfloat16()
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    angle = torch.rand(t, dim // 2, generator=g) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, -1).bfloat16(), torch.cat([angle.sin()] * 2, -1).bfloat16()
+    per_block = layers * 2 * bs
+    slots = torch.tensor([0, 5, 3 * per_block + 5, 7 * per_block + 15, per_block + 2])   # layer-0 K slots
+    layer = 1
+    fused_pool = pool.clone()
+    q = KERNELS.rope_store(qkv, cos, sin, fused_pool, slots, layer, heads, kv_heads)
+    qk = decoder._rope(qkv[:, :(heads + kv_heads) * dim].view(t, heads + kv_heads, dim).float(),
+                       cos[:, None].float(), sin[:, None].float())
+    flat = pool.view(-1, kv_heads, dim)
+    flat[slots + 2 * layer * bs] = qk[:, heads:].bfloat16()
+    flat[slots + (2 * layer + 1) * bs] = qkv[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim)
+    assert q.shape == (t, heads, dim)
+    assert (q.float() - qk[:, :heads]).abs().max() <= qk.abs().max() * 2**-8
+    assert (fused_pool.float() - pool.float()).abs().max() <= qk.abs().max() * 2**-8
+    changed = (fused_pool.view(-1, kv_heads * dim) != pool.view(-1, kv_heads * dim)).any(-1)
+    assert changed.sum() <= 2 * t                  # at most the rounding of the rows it wrote
+    with pytest.raises(RuntimeError, match="slot"):
+        KERNELS.rope_store(qkv, cos, sin, fused_pool, slots + pool.numel(), layer, heads, kv_heads)
 
 
 @needs_kernel
