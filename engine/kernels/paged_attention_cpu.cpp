@@ -13,17 +13,17 @@
 //   -> out  [B, H * D]                        (same dtype as query)
 // Softmax in fp32, two passes over the scores (max, then exp-sum), as sdpa's math.
 //
-// bf16 with head size 64 or 128 on AVX512-BF16 (`attend_bf16_avx`): one work item per
+// Head size 64 or 128 on AVX512-BF16 (`attend_avx`, bf16 and fp32): one work item per
 // (sequence, KV head), so a single sequence's heads spread over the threads. Scores come 16
-// keys at a time: each key's dot product with a query head as `vdpbf16ps` (exact products, fp32
-// sums) left in a vector of 16 partial sums, and the 16 vectors reduced together by a transpose
+// keys at a time: each key's dot product with a query head (bf16: `vdpbf16ps`, exact products;
+// fp32: FMA; sums in fp32) left in a vector of 16 partial sums, and the 16 vectors reduced together by a transpose
 // (about 3 instructions per key instead of 10 for a reduction each); the scale is applied to the
 // scores. The output sums p * v in fp32 with up to 24 accumulators in registers (query heads of
 // the group in chunks). Keys and values are prefetched 16-32 tokens ahead (the pool's blocks
 // lie anywhere in memory). Measured against the generic loop below on SmolLM2's shapes (9
 // heads, 3 KV heads, 64 dims, bf16, 2 threads; benchmarks/attention_bench.py): per layer
-// 1.2x at 1 x 64 tokens, 2.2-2.9x from 8 x 256 to 64 x 2048; the real model's decode step at
-// 64 x 2048 went from 419 to 180 ms.
+// 1.2x at 1 x 64 tokens, 2.2-2.9x from 8 x 256 to 64 x 2048 (the real model's decode step at
+// 64 x 2048: 419 -> 180 ms); fp32, 1 thread: 1.4x at 1 x 64, 2.5-2.9x from 1 x 1024 to 64 x 2048.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -77,16 +77,45 @@ inline __m512 bf16x16_ps(const bf16* p) {    // 16 bf16 -> fp32 (exact)
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-template <int64_t kDim>
-void attend_bf16_avx(const bf16* query, const bf16* pool, const int64_t* tables, const int64_t* lens, bf16* out,
-                     int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
-                     int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t token_stride, float scale) {
-  constexpr int kPairs = kDim / 32, kVecs = kDim / 16;
+// Per element type: a query head held in registers (bf16: pairs for `vdpbf16ps`), one key's dot
+// product with it added to 16 lanes of partial sums, a value row as fp32, an output row stored
+template <typename T, int64_t kDim> struct Elems;
+template <int64_t kDim> struct Elems<bf16, kDim> {
+  static constexpr int kQ = kDim / 32;
+  using Q = __m512bh;
+  static Q load_q(const bf16* p, int i) { return (__m512bh)_mm512_loadu_si512(p + 32 * i); }
+  static __m512 dot(__m512 acc, const Q* q, const bf16* k) {
+    for (int j = 0; j < kQ; ++j) acc = _mm512_dpbf16_ps(acc, q[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
+    return acc;
+  }
+  static __m512 row16(const bf16* p) { return bf16x16_ps(p); }
+  static void store16(bf16* o, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+};
+template <int64_t kDim> struct Elems<float, kDim> {
+  static constexpr int kQ = kDim / 16;
+  using Q = __m512;
+  static Q load_q(const float* p, int i) { return _mm512_loadu_ps(p + 16 * i); }
+  static __m512 dot(__m512 acc, const Q* q, const float* k) {
+    for (int j = 0; j < kQ; ++j) acc = _mm512_fmadd_ps(q[j], _mm512_loadu_ps(k + 16 * j), acc);
+    return acc;
+  }
+  static __m512 row16(const float* p) { return _mm512_loadu_ps(p); }
+  static void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+};
+
+template <typename T, int64_t kDim>
+void attend_avx(const T* query, const T* pool, const int64_t* tables, const int64_t* lens, T* out,
+                int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
+                int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t token_stride, float scale) {
+  using E = Elems<T, kDim>;
+  constexpr int kVecs = kDim / 16, kRowBytes = kDim * sizeof(T);
   constexpr int kHeadChunk = 24 / kVecs;      // query heads whose outputs fit 24 registers
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const bf16*> keys, values;
+    std::vector<const T*> keys, values;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];
       const int64_t padded = (len + 15) / 16 * 16;
@@ -94,28 +123,26 @@ void attend_bf16_avx(const bf16* query, const bf16* pool, const int64_t* tables,
       keys.resize(len);
       values.resize(len);
       for (int64_t start = 0, i = 0; start < len; start += block_size, ++i) {
-        const bf16* row = pool + table[i] * block_stride + h * kDim;
+        const T* row = pool + table[i] * block_stride + h * kDim;
         for (int64_t t = start; t < std::min(len, start + block_size); ++t, row += token_stride) {
           keys[t] = row + k_offset;
           values[t] = row + v_offset;
         }
       }
       scores.resize(group * padded);
-      const bf16* q0 = query + (b * heads + h * group) * kDim;
+      const T* q0 = query + (b * heads + h * group) * kDim;
       // 1. scores[g, t] = scale * q_g . k_t, 16 keys at a time
       for (int64_t g = 0; g < group; ++g) {
-        __m512bh q[kPairs];
-        for (int i = 0; i < kPairs; ++i) q[i] = (__m512bh)_mm512_loadu_si512(q0 + g * kDim + 32 * i);
+        typename E::Q q[E::kQ];
+        for (int i = 0; i < E::kQ; ++i) q[i] = E::load_q(q0 + g * kDim, i);
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
           __m512 part[16];
           if (g == 0)                  // the next 16 keys, from memory, while these 16 are summed
             for (int64_t t = t0 == 0 ? 16 : t0 + 32; t < std::min(len, t0 + 48); ++t)
-              for (int j = 0; j < kDim * 2; j += 64) _mm_prefetch(reinterpret_cast<const char*>(keys[t]) + j, _MM_HINT_T0);
+              for (int j = 0; j < kRowBytes; j += 64) _mm_prefetch(reinterpret_cast<const char*>(keys[t]) + j, _MM_HINT_T0);
           for (int i = 0; i < 16; ++i) {
             part[i] = _mm512_setzero_ps();
-            if (t0 + i < len)
-              for (int j = 0; j < kPairs; ++j)
-                part[i] = _mm512_dpbf16_ps(part[i], q[j], (__m512bh)_mm512_loadu_si512(keys[t0 + i] + 32 * j));
+            if (t0 + i < len) part[i] = E::dot(part[i], q, keys[t0 + i]);
           }
           _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale)));
         }
@@ -129,9 +156,9 @@ void attend_bf16_avx(const bf16* query, const bf16* pool, const int64_t* tables,
         for (int g = 0; g < kHeadChunk; ++g) for (int j = 0; j < kVecs; ++j) acc[g][j] = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; ++t) {
           if (g0 == 0 && t + 16 < len)
-            for (int j = 0; j < kDim * 2; j += 64) _mm_prefetch(reinterpret_cast<const char*>(values[t + 16]) + j, _MM_HINT_T0);
+            for (int j = 0; j < kRowBytes; j += 64) _mm_prefetch(reinterpret_cast<const char*>(values[t + 16]) + j, _MM_HINT_T0);
           __m512 v[kVecs];
-          for (int j = 0; j < kVecs; ++j) v[j] = bf16x16_ps(values[t] + 16 * j);
+          for (int j = 0; j < kVecs; ++j) v[j] = E::row16(values[t] + 16 * j);
           for (int g = 0; g < kHeadChunk; ++g) {
             if (g >= heads_here) break;
             const __m512 p = _mm512_set1_ps(scores[(g0 + g) * padded + t]);
@@ -139,9 +166,8 @@ void attend_bf16_avx(const bf16* query, const bf16* pool, const int64_t* tables,
           }
         }
         for (int g = 0; g < heads_here; ++g) {
-          bf16* o = out + (b * heads + h * group + g0 + g) * kDim;
-          for (int j = 0; j < kVecs; ++j)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[g][j]));
+          T* o = out + (b * heads + h * group + g0 + g) * kDim;
+          for (int j = 0; j < kVecs; ++j) E::store16(o + 16 * j, acc[g][j]);
         }
       }
     }
@@ -230,12 +256,16 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
                     k_offset, v_offset, token_stride, static_cast<float>(scale));
   };
 #ifdef PDSERVE_ATTN_AVX512
-  if (query.scalar_type() == at::kBFloat16 && (dim == 64 || dim == 128)) {
-    auto fast = dim == 64 ? attend_bf16_avx<64> : attend_bf16_avx<128>;
-    fast(q.data_ptr<bf16>(), pool.data_ptr<bf16>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-         out.data_ptr<bf16>(), batch, heads, kv_heads, tables.size(1), block_size, block_stride, k_offset,
-         v_offset, token_stride, static_cast<float>(scale));
-    return out;
+  if (dim == 64 || dim == 128) {
+    auto fast = [&](auto tag) {
+      using T = decltype(tag);
+      auto kernel = dim == 64 ? attend_avx<T, 64> : attend_avx<T, 128>;
+      kernel(q.data_ptr<T>(), pool.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+             out.data_ptr<T>(), batch, heads, kv_heads, tables.size(1), block_size, block_stride, k_offset,
+             v_offset, token_stride, static_cast<float>(scale));
+    };
+    if (query.scalar_type() == at::kBFloat16) { fast(bf16{}); return out; }
+    if (query.scalar_type() == at::kFloat) { fast(float{}); return out; }
   }
 #endif
   auto by_dim = [&](auto tag) {
