@@ -118,7 +118,7 @@ at::Tensor fp32_gemv(const at::Tensor& x_in, const at::Tensor& w, const std::opt
 template <int R>
 void bf16_range(const bf16* x, int64_t K, const bf16* w, const bf16* bias, bf16* y, int64_t N,
                 int64_t b0, int64_t b1) {
-  over_blocks<R, 4>(b0, b1,
+  over_blocks<R, 8>(b0, b1,
       [&](auto nb, const int64_t* blocks) {
 #ifdef PDSERVE_AVX512
         pair_dots<R, decltype(nb)::value>(x, K,

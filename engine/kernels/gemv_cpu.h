@@ -109,10 +109,11 @@ inline float pair_dot_scalar(const bf16* x, int64_t K, const W* block, int64_t c
 }
 
 // Each kernel computes the R rows of NB blocks of 16 channels, whose weights it reads side by
-// side. int8 and bf16 up to 4 rows read two stretches of a thread's blocks at once: two memory
-// streams measured 15-18 % faster than one for int8 on this project's CPU
-// (benchmarks/linear_bench.py's shapes); int4 (more work per byte) and more rows (compute-bound)
-// measured no gain, so one stream.
+// side. int8 and bf16 read two stretches of a thread's blocks at once: two memory streams
+// measured 15-18 % faster than one for int8 up to 4 rows on this project's CPU
+// (benchmarks/linear_bench.py's shapes), and at 5-8 rows, where one broadcast input pair then
+// serves two blocks, 1.2-1.5x (bf16 at 8 rows, 1 thread: 13.4 -> 8.9 ms a step's linears; int8
+// 10.4 -> 8.8); int4 (more work per byte) measured no gain, so one stream.
 
 // Blocks [b0, b1) of R rows: with AVX512, as two streams (the first and second half of the
 // range side by side) for R <= kTwoUpTo, else one; elsewhere the scalar loop, block by block.

@@ -40,7 +40,7 @@ void int8_block(const bf16* x, int64_t K, const int8_t* q, const float* scale, c
 template <int R>
 void int8_range(const bf16* x, int64_t K, const int8_t* q, const float* scale, const bf16* bias, bf16* y,
                 int64_t N, int64_t b0, int64_t b1) {
-  over_blocks<R, 4>(b0, b1,
+  over_blocks<R, 8>(b0, b1,
       [&](auto nb, const int64_t* blocks) {
 #ifdef PDSERVE_AVX512
         int8_avx<R, decltype(nb)::value>(x, K, q, scale, bias, y, N, blocks);
