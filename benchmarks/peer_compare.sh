@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Served comparison against llama.cpp's llama-server on the same model (../shared/PEERS.md's
-# workloads W1, W2, W4), one load generator, both servers up, each workload run against
+# workloads W1-W4), one load generator, both servers up, each workload run against
 # pdserve and then llama-server (`pdserve bench --compare`), fresh prompts per workload.
 #
 #   LLAMA_SERVER=/path/to/llama-server GGUF=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -40,7 +40,9 @@ echo "== W1: 1 stream, 128 -> 64"
 bench --concurrency 1 --requests 8 --input-len 128 --jitter 0 --output-len 64 --seed 1 --json "$OUT/w1.json"
 echo "== W2: 8 streams, closed loop, 128 -> 64"
 bench --concurrency 8 --requests 32 --input-len 128 --jitter 0 --output-len 64 --seed 2 --json "$OUT/w2.json"
-echo "== W4: Poisson 0.6 req/s, 256 -> 64, SLO TTFT 1 s / TPOT 100 ms"
-bench --rates 0.6 --requests 24 --input-len 256 --jitter 0 --output-len 64 --ttft-slo 1 --tpot-slo 0.1 --seed 4 \
+echo "== W3: 4 streams, closed loop, 1024 -> 32 (TPOT while long prompts prefill)"
+bench --concurrency 4 --requests 16 --input-len 1024 --jitter 0 --output-len 32 --seed 3 --json "$OUT/w3.json"
+echo "== W4: Poisson 0.6 and 1.1 req/s, 256 -> 64, SLO TTFT 1 s / TPOT 100 ms"
+bench --rates 0.6,1.1 --requests 24 --input-len 256 --jitter 0 --output-len 64 --ttft-slo 1 --tpot-slo 0.1 --seed 4 \
     --json "$OUT/w4.json"
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
