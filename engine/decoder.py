@@ -29,7 +29,7 @@ class DecoderModel:
     """`forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]` and
     `lm_head(hidden [n, hidden]) -> logits [n, vocab]` in the model's dtype."""
 
-    def __init__(self, hf_model, weight_format: str, dtype: torch.dtype, kernels=None):
+    def __init__(self, hf_model, weight_format: str, dtype: torch.dtype, kernels=None, gemv: bool = True):
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {cfg.model_type!r} is not supported; pdserve runs "
@@ -43,9 +43,10 @@ class DecoderModel:
         self.scale = self.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
         # `kernels` (engine.kernels, CPU): the GEMV kernels for the linears (engine.linear) in every
-        # dtype; in bf16 also the one-pass RMSNorm (and residual add + RMSNorm) kernels, while fp32
-        # keeps transformers' norm ops (the exact mode)
-        self._linear_kernels = kernels
+        # dtype unless `gemv` is off (EngineConfig.cpu_gemv); in bf16 also the one-pass RMSNorm (and
+        # residual add + RMSNorm) and RoPE + K/V store kernels, while fp32 keeps transformers' norm
+        # ops (the exact mode)
+        self._linear_kernels = kernels if gemv else None
         self._kernels = kernels if dtype == torch.bfloat16 else None
         body = hf_model.model
         self.embed = body.embed_tokens.weight.detach().to(dtype)

@@ -162,9 +162,10 @@ class ModelRunner:
         # quantized formats start from fp32 weights; the others load in their own dtype
         load_dtype = torch.float32 if config.quantization else self.dtype
         hf_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=load_dtype).to(self.device).eval()
-        # on CPU: the engine's GEMV and (bf16) norm kernels (None where they cannot build)
+        # on CPU: the engine's GEMV (unless cpu_gemv is off) and bf16 norm kernels (None where they
+        # cannot build)
         self.model = DecoderModel(hf_model, self.weight_format, self.dtype,
-                                  cpu_kernels() if self.device.type == "cpu" else None)
+                                  cpu_kernels() if self.device.type == "cpu" else None, gemv=config.cpu_gemv)
         self.generation_config = hf_model.generation_config
         self.hf_config = hf_config = hf_model.config
         del hf_model

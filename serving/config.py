@@ -32,6 +32,12 @@ class EngineOptions(_Model):
         "auto", description="Decode attention: paged (the engine's kernel reads K/V from the pool in place: C++ "
                             "on CPU in fp32/bf16, Triton on CUDA), torch (gather + sdpa; any device), auto "
                             "(paged where it applies).")
+    cuda_graphs: bool = Field(
+        True, description="CUDA with the paged backend: replay pure decode steps from CUDA graphs captured "
+                          "at start, one per batch bucket.")
+    cpu_gemv: bool = Field(
+        True, description="CPU: steps of few rows run the engine's GEMV kernels (faster small-batch decode; "
+                          "bf16 then holds a second, blocked copy of every weight). False: one bf16 copy.")
     kv_cache_memory: str | float = Field(
         "auto", description="KV pool budget: 'auto', a fraction of free memory, or a size like '1GiB'.")
     block_size: int = Field(16, description="Tokens per KV block (must match across pools).")

@@ -44,6 +44,18 @@ def test_pool_engine_overrides_survive_a_round_trip():
         assert c.engine_for("decode").max_num_batched_tokens == 512
 
 
+def test_every_engine_key_the_readme_documents_is_accepted():
+    # the README's configuration table lists `engine.<key>` rows; each must pass AppConfig's validation
+    # (extra keys are refused) and reach EngineConfig
+    import re
+    keys = re.findall(r"^\| `engine\.(\w+)` \|", (ROOT / "README.md").read_text(), re.M)
+    assert {"dtype", "cuda_graphs", "cpu_gemv", "num_threads"} <= set(keys), keys
+    engine = AppConfig(engine={"cuda_graphs": False, "cpu_gemv": False}).engine_for("decode").engine_config("m")
+    assert (engine.cuda_graphs, engine.cpu_gemv) == (False, False)
+    fields = set(AppConfig().engine.model_fields)
+    assert set(keys) <= fields, f"documented but refused: {set(keys) - fields}"
+
+
 def test_transfer_options_reach_the_transfer_config():
     cfg = AppConfig(transfer={"chunk_bytes": 8 << 20, "lease_s": 12}).transfer.transfer_config()
     assert cfg.chunk_bytes == 8 << 20 and cfg.lease_s == 12

@@ -201,6 +201,28 @@ def test_dense_layers_use_the_gemv_at_few_rows_only(dtype):
     assert calls == [1, few]
 
 
+@needs_vector_gemv
+@pytest.mark.parametrize("gemv", [True, False])
+def test_cpu_gemv_off_leaves_the_linears_to_onednn(tmp_path, gemv):
+    # EngineConfig.cpu_gemv = False: the decoder's linears never call the engine's GEMV (one bf16
+    # weight copy); on: a decode-sized step does
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir(tmp_path), dtype=torch.bfloat16)
+    calls = []
+
+    class Counting:
+        def __getattr__(self, attr):
+            kernel = getattr(KERNELS, attr)
+            if attr != "bf16_gemv":
+                return kernel
+            return lambda x, *rest: calls.append(x.shape[0]) or kernel(x, *rest)
+    model = decoder.DecoderModel(hf, "bfloat16", torch.bfloat16, Counting(), gemv=gemv)
+    h = torch.randn(1, hf.config.hidden_size).bfloat16()
+    model.layers[0].qkv(h)
+    model.lm_head(h)
+    assert calls == ([1, 1] if gemv else [])
+
+
 @needs_kernel
 def test_dense_gemv_refuses_what_is_not_its_layout():
     w = torch.randn(32, 16)
