@@ -137,7 +137,7 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
         for (int i = 0; i < E::kQ; ++i) q[i] = E::load_q(q0 + g * kDim, i);
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
           __m512 part[16];
-          if (g == 0)                  // the next 16 keys, from memory, while these 16 are summed
+          if (g == 0)                  // keys 16-32 ahead, from memory, while these 16 are summed
             for (int64_t t = t0 == 0 ? 16 : t0 + 32; t < std::min(len, t0 + 48); ++t)
               for (int j = 0; j < kRowBytes; j += 64) _mm_prefetch(reinterpret_cast<const char*>(keys[t]) + j, _MM_HINT_T0);
           for (int i = 0; i < 16; ++i) {
