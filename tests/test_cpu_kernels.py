@@ -240,9 +240,9 @@ def test_dense_gemv_refuses_what_is_not_its_layout():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size,max_ctx", [
     (9, 3, 64, 16, 70),     # SmolLM2's attention
-    (9, 3, 64, 16, 300),    # ... over longer contexts (bf16: many 16-key steps, prefetched ahead)
-    (8, 2, 128, 8, 70),     # the other specialized head size (bf16: a group of 4 in two chunks)
-    (14, 2, 64, 1, 70),     # a group of 7 (bf16: two chunks), block size 1
+    (9, 3, 64, 16, 300),    # ... over longer contexts (vectorized path: many 16-key steps, prefetched ahead)
+    (8, 2, 128, 8, 70),     # the other specialized head size (vectorized path: a group of 4 in two chunks)
+    (14, 2, 64, 1, 70),     # a group of 7 (vectorized path: two chunks), block size 1
     (4, 4, 32, 4, 70),      # no GQA, a head size without specialization
     (6, 2, 16, 1, 70),      # block size 1
 ])
