@@ -77,9 +77,7 @@ def quantized_small_rows(kernels) -> int:
 def dense_small_rows(dtype: torch.dtype, kernels) -> int:
     """Rows up to which a dense layer of `dtype` runs the engine's GEMV (0: never)."""
     if kernels is None or dtype not in DENSE_SMALL_ROWS or not kernels.gemv_vectorized():
-        return 0
-    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
-        return 0
+        return 0                             # vectorized: built for this CPU's AVX512-BF16
     return DENSE_SMALL_ROWS[dtype]
 
 

@@ -136,6 +136,19 @@ needs_vector_gemv = pytest.mark.skipif(KERNELS is None or not KERNELS.gemv_vecto
                                        reason="the dense GEMVs are used only where they build with AVX512-BF16")
 
 
+class _Counting:
+    """The real kernels, recording the row count of every call of kernel `name` in `calls`."""
+
+    def __init__(self, name: str, calls: list):
+        self._name, self._calls = name, calls
+
+    def __getattr__(self, attr):
+        kernel = getattr(KERNELS, attr)
+        if attr != self._name:
+            return kernel
+        return lambda x, *rest: self._calls.append(x.shape[0]) or kernel(x, *rest)
+
+
 def _dense_gemv(w, bias, x):
     """The kernel for w's dtype: fp32_gemv on w itself, bf16_gemv on its blocked copy."""
     if w.dtype == torch.float32:
@@ -183,16 +196,9 @@ def test_dense_layers_use_the_gemv_at_few_rows_only(dtype):
     few = linear.dense_small_rows(dtype, KERNELS)
     assert few == linear.DENSE_SMALL_ROWS[dtype] and linear.dense_small_rows(dtype, None) == 0
     calls = []
-    name = "fp32_gemv" if dtype == torch.float32 else "bf16_gemv"
-
-    class Counting:                  # the real kernels, counting the GEMV's calls
-        def __getattr__(self, attr):
-            kernel = getattr(KERNELS, attr)
-            if attr != name:
-                return kernel
-            return lambda x, *rest: calls.append(x.shape[0]) or kernel(x, *rest)
+    counting = _Counting("fp32_gemv" if dtype == torch.float32 else "bf16_gemv", calls)
     layer = linear.make_linear(w, bias, "float32" if dtype == torch.float32 else "bfloat16", dtype,
-                               kernels=Counting())
+                               kernels=counting)
     for rows in (1, few, few + 1):
         x = torch.randn(rows, 64, generator=g).to(dtype)
         y = layer(x)
@@ -209,14 +215,7 @@ def test_cpu_gemv_off_leaves_the_linears_to_onednn(tmp_path, gemv):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir(tmp_path), dtype=torch.bfloat16)
     calls = []
-
-    class Counting:
-        def __getattr__(self, attr):
-            kernel = getattr(KERNELS, attr)
-            if attr != "bf16_gemv":
-                return kernel
-            return lambda x, *rest: calls.append(x.shape[0]) or kernel(x, *rest)
-    model = decoder.DecoderModel(hf, "bfloat16", torch.bfloat16, Counting(), gemv=gemv)
+    model = decoder.DecoderModel(hf, "bfloat16", torch.bfloat16, _Counting("bf16_gemv", calls), gemv=gemv)
     h = torch.randn(1, hf.config.hidden_size).bfloat16()
     model.layers[0].qkv(h)
     model.lm_head(h)
