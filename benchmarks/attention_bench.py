@@ -2,6 +2,7 @@
 
   .venv/bin/python benchmarks/attention_bench.py [--threads 1] [--model DIR] [--rss-batch 64 --rss-context 2048]
   .venv/bin/python benchmarks/attention_bench.py --chunks      (only 3.)
+  .venv/bin/python benchmarks/attention_bench.py --prefills    (only 4.)
 
 1. Per-layer decode attention time of each backend (SmolLM2-135M's shape: 9 query heads, 3 KV
    heads, head size 64, 30 layers, block size 16), at batch x context from 1 x 64 to 64 x 2048,
@@ -13,8 +14,13 @@
    allocated: attention costs the same whatever the values), so no prefill of 64 x 2k tokens.
 3. `--chunks`: a prompt chunk of n tokens after a past (a prefix-cache tail, a later chunk of a
    long prompt), per layer: its context gathered + sdpa with the offset-causal mask (what the
-   engine runs above model_runner.KERNEL_CHUNK_ROWS tokens) against the paged kernel with one row
-   per token over its own causal context (what it runs at or below).
+   engine runs above model_runner.KERNEL_CHUNK_ROWS tokens in fp32), the paged decode kernel with
+   one row per token over its own causal context (what it runs at or below), and in bf16 the
+   prefill kernel (`paged_prefill_attention`, what a bf16 engine runs above); then fresh prompts
+   of n tokens (past 0): sdpa on the chunk's own K/V with `is_causal` (fp32) against the prefill
+   kernel (bf16).
+4. `--prefills`: whole prefills of the real model in bf16 (one prompt, `max_tokens=1`) of 128-2048
+   tokens, one engine with its prefill kernel off (sdpa) and on, alternated three times.
 """
 
 from __future__ import annotations
@@ -104,13 +110,15 @@ def chunks(threads: int) -> None:
         print("the CPU kernel could not be built; nothing to compare")
         return
     layers, bs, n_kv, heads, dim, layer = 30, 16, 3, 9, 64, 7
+    prefill = kernels.prefill_attention_supported(dim)
     print(f"### A prompt chunk after a past, per layer, microseconds ({threads} thread(s); median of 15 calls; "
-          f"the engine uses the kernel up to {KERNEL_CHUNK_ROWS} tokens)\n")
-    print("| dtype | past | chunk tokens | gather + sdpa | kernel rows | kernel speed-up |")
-    print("|---|---:|---:|---:|---:|---:|")
+          f"the engine uses the decode kernel's rows up to {KERNEL_CHUNK_ROWS} tokens, then in bf16 the prefill "
+          f"kernel{'' if prefill else ' (not built here)'}, in fp32 gather + sdpa)\n")
+    print("| dtype | past | chunk tokens | gather + sdpa | kernel rows | prefill kernel | rows speed-up | prefill speed-up |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in (torch.bfloat16, torch.float32):
-        for past in (32, 256, 2048):
-            for n in (2, 3, 4, 6, 8, 16, 64, 256):
+        for past in (0, 32, 256, 2048):
+            for n in ((16, 128, 512, 2048) if past == 0 else (2, 3, 4, 6, 8, 16, 64, 256)):
                 ctx, nb = past + n, -(-(past + n) // bs)
                 pool = torch.randn(nb + 8, layers, 2, bs, n_kv, dim).to(dtype)
                 table = torch.randperm(nb + 8)[:nb]
@@ -120,7 +128,13 @@ def chunks(threads: int) -> None:
                 mask = (torch.arange(ctx)[None, :] <= torch.arange(past, ctx)[:, None])[None, None]
                 lens = torch.arange(past + 1, ctx + 1)
 
+                k_new, v_new = flat[slots[past:]], flat[slots[past:] + bs]     # a fresh prompt's own K/V
+
                 def gather():
+                    if past == 0:           # no past: the engine's sdpa runs on the chunk's K/V, is_causal
+                        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_new.transpose(0, 1)[None],
+                                                              v_new.transpose(0, 1)[None], is_causal=True,
+                                                              scale=dim ** -0.5, enable_gqa=True)
                     k, v = flat[slots], flat[slots + bs]
                     return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                           v.transpose(0, 1)[None], attn_mask=mask,
@@ -129,16 +143,59 @@ def chunks(threads: int) -> None:
                 def rows():
                     return kernels.paged_decode_attention(q, pool, table[None].expand(n, -1).contiguous(), lens,
                                                           layer, dim ** -0.5)
+
+                def prefill_kernel():
+                    return kernels.paged_prefill_attention(q, pool, table, past, layer, dim ** -0.5)
                 t = {}
-                for name, fn in (("gather", gather), ("rows", rows)):
+                contenders = [("gather", gather)] + ([("rows", rows)] if past or n <= 16 else [])
+                if prefill and dtype == torch.bfloat16:
+                    contenders.append(("prefill", prefill_kernel))
+                for name, fn in contenders:
                     ts = []
-                    for _ in range(17):
+                    for _ in range(17 if n < 1024 else 7):
                         t0 = time.perf_counter()
                         fn()
                         ts.append(time.perf_counter() - t0)
                     t[name] = statistics.median(ts[2:]) * 1e6
-                print(f"| {str(dtype).split('.')[1]} | {past} | {n} | {t['gather']:.0f} | {t['rows']:.0f} | "
-                      f"{t['gather'] / t['rows']:.2f}x |")
+                cell = lambda name: f"{t[name]:.0f}" if name in t else "—"                    # noqa: E731
+                speed = lambda name: f"{t['gather'] / t[name]:.2f}x" if name in t else "—"    # noqa: E731
+                print(f"| {str(dtype).split('.')[1]} | {past} | {n} | {t['gather']:.0f} | {cell('rows')} | "
+                      f"{cell('prefill')} | {speed('rows')} | {speed('prefill')} |")
+    print()
+
+
+def prefills(args) -> None:
+    import random
+
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    eng = LLMEngine(EngineConfig(model=args.model, num_threads=args.threads, dtype="bfloat16",
+                                 enable_prefix_caching=False, max_num_batched_tokens=2048))
+    if not eng.runner.prefill_kernel:
+        print("the prefill kernel does not run here (it needs the CPU kernels with AVX512-BF16); nothing to compare")
+        return
+    rng, sizes, times = random.Random(0), (128, 256, 512, 1024, 2048), {}
+    params = SamplingParams(max_tokens=1, temperature=0)
+    for _ in range(3):
+        for n in sizes:
+            for on in (False, True):
+                eng.runner.prefill_kernel = on
+                best = float("inf")
+                for _ in range(4 if n < 1024 else 2):
+                    prompt = [rng.randrange(100, 30000) for _ in range(n)]   # fresh: no prefix-cache hit
+                    t0 = time.perf_counter()
+                    eng.generate([prompt], params)
+                    best = min(best, time.perf_counter() - t0)
+                times.setdefault((n, on), []).append(best)
+    print(f"### Whole prefills, bf16, {torch.get_num_threads()} thread(s): the prefill kernel off (sdpa) and on, "
+          "medians of 3 alternations (each the best of 2-4)\n")
+    print("| prompt tokens | sdpa | prefill kernel | speed-up |\n|---:|---:|---:|---:|")
+    for n in sizes:
+        off, on = statistics.median(times[(n, False)]), statistics.median(times[(n, True)])
+        print(f"| {n} | {1e3 * off:.0f} ms | {1e3 * on:.0f} ms | {off / on:.2f}x |")
     print()
 
 
@@ -213,6 +270,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--skip-micro", action="store_true")
     ap.add_argument("--chunks", action="store_true", help="only the prompt-chunk comparison (3.)")
+    ap.add_argument("--prefills", action="store_true", help="only the whole-prefill comparison (4.)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="auto", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -220,8 +278,8 @@ def main() -> None:
         rss_child(args)
         return
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}\n")
-    if args.chunks:
-        chunks(args.threads)
+    if args.chunks or args.prefills:
+        (chunks if args.chunks else lambda threads: prefills(args))(args.threads)
         print(f"(1-minute load average at end {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")
         return
     if not args.skip_micro:

@@ -11,9 +11,10 @@ sequences) into one row of tokens and builds an `AttentionMetadata`; the decoder
          over its own causal context;
        backend "torch": K/V gathered a whole block at a time into a [batch, max_context] copy
          per layer, then one sdpa call with the padding masked out (any device and dtype),
-  3. attends every other prompt chunk over its past blocks plus itself (sdpa on the chunk's
-     context gathered once; explicit offset-causal mask: sdpa's `is_causal` is aligned
-     top-left, wrong once the chunk has a past).
+  3. attends every other prompt chunk over its past blocks plus itself: with the CPU paged
+     backend in bf16, the engine's prefill kernel reads them from the pool in place by block
+     table (`PrefillSpan.table`); otherwise sdpa on the chunk's context gathered once (explicit
+     offset-causal mask: sdpa's `is_causal` is aligned top-left, wrong once the chunk has a past).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import torch.nn.functional as F
 class PrefillSpan:
     q_start: int                       # first query row in the flat batch
     q_end: int
-    context_slots: torch.Tensor | None  # layer-0 K slots of all keys (past + chunk); None when no past
-    mask: torch.Tensor | None          # [1, 1, q, ctx] bool; None when no past (plain causal)
+    context_slots: torch.Tensor | None  # sdpa: layer-0 K slots of all keys (past + chunk); None when no past
+    mask: torch.Tensor | None          # sdpa: [1, 1, q, ctx] bool; None when no past (plain causal)
+    table: torch.Tensor | None = None  # prefill kernel: the sequence's block table (int64), covering past + chunk
+    past: int = 0                      # prefill kernel: tokens before the chunk
 
 
 @dataclass
@@ -111,6 +114,10 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
         out[dec.rows] = o
     # 3. prompt chunks, one at a time
     for span in meta.prefills:
+        if span.table is not None:
+            out[span.q_start:span.q_end] = meta.kernels.paged_prefill_attention(
+                query[span.q_start:span.q_end], pool, span.table, span.past, layer, scale)
+            continue
         q = query[span.q_start:span.q_end].transpose(0, 1)[None]             # [1, H, n, D]
         if span.context_slots is None:
             k = key[span.q_start:span.q_end]

@@ -49,11 +49,23 @@ def _cuda_snapshot(device: torch.device) -> tuple[int, int, int]:
     return torch.cuda.mem_get_info(device)[0], torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
 
-# Prompt chunks after a past of at most this many tokens join the paged kernel's call, a row per
-# token; longer ones gather their context and run sdpa. Measured per layer (SmolLM2 shapes, one
-# thread, past 32-2048): the kernel is 1.1-4x faster at 2-4 rows, sdpa's GEMMs win from 6-8 rows
-# (3-9x at 16-256); `benchmarks/attention_bench.py --chunks`.
+# Prompt chunks after a past of at most this many tokens join the paged decode kernel's call, a row
+# per token; longer ones run the prefill kernel (bf16, `prefill_kernel_applies`) or gather their
+# context and run sdpa. Measured per layer (SmolLM2 shapes, one thread, past 32-2048,
+# `benchmarks/attention_bench.py --chunks`): in bf16 the rows take 0.6-1x the prefill kernel's time
+# at 2-4 tokens and lose from 6-8 on (1.7-3.3x at 16-256); both beat gather + sdpa 1.2-6x. (In fp32 the
+# rows now beat sdpa up to 16 tokens, 1.3-4.8x; the threshold stays one for both.)
 KERNEL_CHUNK_ROWS = 4
+
+
+def prefill_kernel_applies(kernels, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether prompt chunks (those not run as rows of the decode kernel) go through
+    `paged_prefill_attention` (engine/kernels/prefill_attention_cpu.cpp: bf16, head size 64 or
+    128, AVX512-BF16; 4-6x sdpa's CPU flash attention from 128 to 2048 tokens, measured by
+    benchmarks/attention_bench.py) instead of sdpa: with the CPU paged backend in bf16 where it
+    is built. fp32 keeps sdpa, whose sums the exact mode's equality with Hugging Face relies on."""
+    return (kernels is not None and device.type == "cpu" and dtype == torch.bfloat16
+            and kernels.prefill_attention_supported(head_dim))
 
 
 def attention_kernels(spec: str, device: torch.device, dtype: torch.dtype):
@@ -170,6 +182,8 @@ class ModelRunner:
         self.hf_config = hf_config = hf_model.config
         del hf_model
         self.kv_shape = kv_shape_of(hf_config, config.block_size, self.dtype)
+        # bf16 on CPU with the paged backend: prompt chunks through the in-place prefill kernel
+        self.prefill_kernel = prefill_kernel_applies(self.kernels, self.device, self.dtype, self.kv_shape.head_dim)
         self.num_blocks = self._num_blocks(at_start)
         s = self.kv_shape
         # Block-major: one block is contiguous across layers (see attention.token_slots).
@@ -329,7 +343,9 @@ class ModelRunner:
                 ctx_slots = token_slots(table, bs, self.kv_shape.num_layers)[:end]
                 pos.extend(range(start, end))
                 slots.extend(ctx_slots[start:end].tolist())
-                if start == 0:
+                if self.prefill_kernel:
+                    prefills.append(PrefillSpan(row, row + n, None, None, table.to(dev), start))
+                elif start == 0:
                     prefills.append(PrefillSpan(row, row + n, None, None))
                 else:
                     q_pos = torch.arange(start, end)[:, None]

@@ -13,13 +13,15 @@ from serving.models import CHATML_TEMPLATE, ModelError
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 
 
-def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
-    """Write a tiny random-weight causal LM (hidden 64, 2 layers, 4 heads, 2 KV heads) into ``path``; return it.
+def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir: Path | None = None,
+                   head_dim: int = 16) -> Path:
+    """Write a tiny random-weight causal LM (hidden 64, 2 layers, 4 heads of ``head_dim``, 2 KV heads) into
+    ``path``; return it.
 
     ``arch`` is one of TINY_ARCHS (llama and qwen2 tie embeddings, mistral does not). The tokenizer is copied
     from ``tokenizer_dir`` (e.g. the default model's directory, so prompts tokenize as for the real model);
     without one, a small byte-level tokenizer with ChatML special tokens and a ChatML template is built.
-    The weights depend only on (arch, seed, vocab size); the global torch RNG is left as it was. ~1 s.
+    The weights depend only on (arch, seed, vocab size, head_dim); the global torch RNG is left as it was. ~1 s.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -32,7 +34,7 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     else:
         tokenizer = _builtin_tokenizer()
-    config = _tiny_config(arch, tokenizer)
+    config = _tiny_config(arch, tokenizer, head_dim)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -44,12 +46,12 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     return path
 
 
-def _tiny_config(arch: str, tokenizer):
+def _tiny_config(arch: str, tokenizer, head_dim: int = 16):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
     return cls(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
                tie_word_embeddings=arch != "mistral", bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
