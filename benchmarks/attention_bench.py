@@ -20,7 +20,9 @@
    of n tokens (past 0): sdpa on the chunk's own K/V with `is_causal` (fp32) against the prefill
    kernel (bf16).
 4. `--prefills`: whole prefills of the real model in bf16 (one prompt, `max_tokens=1`) of 128-2048
-   tokens, one engine with its prefill kernel off (sdpa) and on, alternated three times.
+   tokens, one engine with its prefill kernel off (sdpa; RoPE and the K/V store as torch ops) and on
+   (the kernel; RoPE and the store in one kernel, as the attention then all reads the pool in
+   place), alternated three times.
 """
 
 from __future__ import annotations

@@ -374,7 +374,7 @@ def profile_decode(eng, tok, batch: int, steps: int = 8) -> dict:
     timers = _Timers()
     runner, model = eng.runner, eng.runner.model
     saved = dict(prepare=runner._prepare, body=model.forward, head=model.lm_head, attn=dec.paged_attention,
-                 fused=dec.fused_decode_attention, sample=le.sample, schedule=eng.scheduler.schedule,
+                 fused=dec.fused_attention, sample=le.sample, schedule=eng.scheduler.schedule,
                  detok=IncrementalDetokenizer.add)
     runner._prepare = timers.wrap("ModelRunner._prepare", saved["prepare"])
     model.forward = timers.wrap("decoder body (engine.decoder)", saved["body"])
@@ -393,7 +393,7 @@ def profile_decode(eng, tok, batch: int, steps: int = 8) -> dict:
             return saved["fused"](*a, **kw)
     # either is the step's attention: bf16 CPU decode steps call the fused one (RoPE + store included)
     dec.paged_attention = timers.wrap(f"  paged attention ({n_layers} layers)", attn)
-    dec.fused_decode_attention = timers.wrap(f"  paged attention ({n_layers} layers)", fused)
+    dec.fused_attention = timers.wrap(f"  paged attention ({n_layers} layers)", fused)
 
     prompts = decode_prompts(tok, batch)
     params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 12, ignore_eos=True)
@@ -433,7 +433,7 @@ def profile_decode(eng, tok, batch: int, steps: int = 8) -> dict:
         for rid in rids:
             eng.abort(rid)
         dec.paged_attention = saved["attn"]
-        dec.fused_decode_attention = saved["fused"]
+        dec.fused_attention = saved["fused"]
         le.sample = saved["sample"]
         IncrementalDetokenizer.add = saved["detok"]
         model.lm_head = saved["head"]

@@ -57,6 +57,12 @@ class AttentionMetadata:
     all_decode: bool = False           # every row is a decode token, in order (rows = arange)
     kernels: object | None = None      # backend paged: has paged_decode_attention; torch: None
 
+    @property
+    def in_place(self) -> bool:
+        """Every attention of the step reads K/V from the pool (no sdpa span): the decode rows
+        and, with the prefill kernel, every prompt chunk."""
+        return self.kernels is not None and all(span.table is not None for span in self.prefills)
+
 
 def token_slots(block_table: torch.Tensor, block_size: int, num_layers: int) -> torch.Tensor:
     """Layer-0 K slots [len(table) * block_size] of a block table, in token order.
@@ -70,17 +76,17 @@ def token_slots(block_table: torch.Tensor, block_size: int, num_layers: int) -> 
     return (block_table[:, None] * (num_layers * 2 * block_size) + offsets).flatten()
 
 
-def fused_decode_attention(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                           meta: AttentionMetadata, scale: float, rope_store) -> torch.Tensor:
-    """`paged_attention` for an all-decode step of the bf16 CPU decoder with the paged kernel,
-    RoPE included: qkv [T, (H + 2 Hkv) * D] un-rotated, cos/sin [T, D] -> [T, H * D]. Two kernel
-    calls: `rope_store` (engine.kernels; RoPE, then the K/V store, 1. above) and the paged decode
-    kernel (2.). The caller checks `meta.all_decode` and `meta.kernels`."""
-    assert meta.all_decode and meta.kernels is not None and meta.decode is not None
+def fused_attention(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                    meta: AttentionMetadata, scale: float, rope_store) -> torch.Tensor:
+    """`paged_attention` for a step of the bf16 CPU decoder whose every attention reads the pool
+    in place (`meta.in_place`: decode rows through the paged decode kernel, prompt chunks through
+    the prefill kernel), RoPE included: qkv [T, (H + 2 Hkv) * D] un-rotated, cos/sin [T, D] ->
+    [T, H * D]. `rope_store` (engine.kernels) rotates q and k and stores k and v (1. below) in one
+    call, then the kernels attend (2., 3.). The caller checks `meta.in_place` and `meta.kernels`."""
+    assert meta.in_place and meta.kernels is not None
     n_kv = meta.kv_pool.shape[4]
     q = rope_store(qkv, cos, sin, meta.kv_pool, meta.slot_mapping, layer, num_heads, n_kv)
-    dec = meta.decode
-    return meta.kernels.paged_decode_attention(q, meta.kv_pool, dec.tables, dec.lens, layer, scale)
+    return _attend(layer, q, None, None, meta, scale)
 
 
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -89,17 +95,28 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     (RoPE applied) -> [T, H * D]. K/V heads are never repeated for GQA: decode queries of one
     KV head attend as a group (the group is sdpa's query axis), prompt chunks use sdpa's
     `enable_gqa`."""
+    head_dim = query.shape[2]
+    pool = meta.kv_pool
+    block_size, n_kv = pool.shape[3], pool.shape[4]
+    flat = pool.view(-1, n_kv, head_dim)              # token rows, see token_slots
+    k_shift = 2 * layer * block_size                  # layer-0 K slot -> this layer's K slot
+    # 1. store the new K/V
+    flat.index_copy_(0, meta.slot_mapping + k_shift, key)
+    flat.index_copy_(0, meta.slot_mapping + k_shift + block_size, value)
+    return _attend(layer, query, key, value, meta, scale)
+
+
+def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """2. and 3. of the module docstring, the new K/V already in the pool; `key`/`value` (the
+    step's own, RoPE applied) are read only by sdpa spans without a past."""
     n_tokens, n_heads, head_dim = query.shape
     pool = meta.kv_pool
     block_size, n_kv = pool.shape[3], pool.shape[4]
     group = n_heads // n_kv
-    flat = pool.view(-1, n_kv, head_dim)              # token rows, see token_slots
-    k_shift = 2 * layer * block_size                  # layer-0 K slot -> this layer's K slot
+    flat = pool.view(-1, n_kv, head_dim)
+    k_shift = 2 * layer * block_size
     v_shift = k_shift + block_size
-    # 1. store the new K/V
-    flat.index_copy_(0, meta.slot_mapping + k_shift, key)
-    flat.index_copy_(0, meta.slot_mapping + v_shift, value)
-
     out = None if meta.all_decode else query.new_empty(n_tokens, n_heads * head_dim)
     # 2. decode tokens, batched
     dec = meta.decode

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, fused_decode_attention, paged_attention
+from engine.attention import AttentionMetadata, fused_attention, paged_attention
 from engine.linear import make_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -44,8 +44,8 @@ class DecoderModel:
         self.eps = cfg.rms_norm_eps
         # `kernels` (engine.kernels, CPU): the GEMV kernels for the linears (engine.linear) in every
         # dtype unless `gemv` is off (EngineConfig.cpu_gemv); in bf16 also the one-pass RMSNorm (and
-        # residual add + RMSNorm) and RoPE + K/V store kernels, while fp32 keeps transformers' norm
-        # ops (the exact mode)
+        # residual add + RMSNorm), SiLU-and-multiply and RoPE + K/V store kernels, while fp32 keeps
+        # transformers' ops (the exact mode)
         self._linear_kernels = kernels if gemv else None
         self._kernels = kernels if dtype == torch.bfloat16 else None
         body = hf_model.model
@@ -84,6 +84,13 @@ class DecoderModel:
         # transformers' normalize-round-scale)
         return F.rms_norm(x, (x.shape[-1],), weight, eps=self.eps)
 
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused projection's two halves (bf16 on CPU: one kernel)."""
+        if self._kernels is not None:
+            return self._kernels.silu_mul(gate_up)
+        g, u = gate_up.chunk(2, dim=-1)
+        return F.silu(g) * u
+
     def _add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
         """(x + delta, rms_norm(x + delta)): the residual add and the next norm."""
         if self._kernels is not None:
@@ -98,23 +105,22 @@ class DecoderModel:
         cos, sin = cos[0, :, None], sin[0, :, None]                  # broadcast over heads
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = x.shape[0]
-        # bf16 decode steps with the paged kernel: RoPE and the K/V store in one op per layer
-        fused = self._kernels is not None and meta.all_decode and meta.kernels is not None
+        # bf16 steps whose attention all reads the pool in place (decode rows, and prompt chunks
+        # through the prefill kernel): RoPE and the K/V store in one op per layer
+        fused = self._kernels is not None and meta.in_place
         cos2, sin2 = cos[:, 0], sin[:, 0]                            # [T, head_dim]
         h = self._rms_norm(x, self.layers[0].in_norm)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
             if fused:
-                a = fused_decode_attention(layer.index, qkv, cos2, sin2, nh, meta, self.scale,
-                                           self._kernels.rope_store)
+                a = fused_attention(layer.index, qkv, cos2, sin2, nh, meta, self.scale, self._kernels.rope_store)
             else:
                 qk = _rope(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)   # q and k heads at once
                 v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
                 a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale)
             x, h = self._add_rms_norm(x, layer.o(a), layer.post_norm)
-            g, u = layer.gate_up(h).chunk(2, dim=-1)
             next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
-            x, h = self._add_rms_norm(x, layer.down(F.silu(g) * u), next_norm)
+            x, h = self._add_rms_norm(x, layer.down(self._silu_mul(layer.gate_up(h))), next_norm)
         return h
 
 

@@ -1,7 +1,8 @@
 """The engine's CPU kernels (engine/kernels) against the torch ops they replace.
 
 - RMSNorm and residual add + RMSNorm (the bf16 decoder's norms) equal F.rms_norm on bf16 rows up
-  to one bf16 rounding step in rare elements, and the residual sum exactly.
+  to one bf16 rounding step in rare elements, and the residual sum exactly; SiLU-and-multiply
+  equals F.silu(gate) * up the same way.
 
 - On random pools, shuffled block tables and ragged context lengths, the in-place kernel gives
   the torch backend's output (gather + sdpa) within float rounding, for fp32 and bf16, head
@@ -77,23 +78,41 @@ def _both_backends(pool, tables, lens, query, layer, scale):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 7, 300])
-def test_norm_kernels_match_torch(rows):
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 576), (300, 576), (5, 100)])   # 100: a partial vector
+def test_norm_kernels_match_torch(rows, hidden):
     g = torch.Generator().manual_seed(rows)
-    x = (torch.randn(rows, 576, generator=g) * 3).bfloat16()
-    d = torch.randn(rows, 576, generator=g).bfloat16()
-    w = (torch.rand(576, generator=g) + 0.5).bfloat16()
-    ref = F.rms_norm(x, (576,), w, eps=1e-5)
+    x = (torch.randn(rows, hidden, generator=g) * 3).bfloat16()
+    d = torch.randn(rows, hidden, generator=g).bfloat16()
+    w = (torch.rand(hidden, generator=g) + 0.5).bfloat16()
+    ref = F.rms_norm(x, (hidden,), w, eps=1e-5)
     out = KERNELS.rms_norm(x, w, 1e-5)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     assert (out.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7   # one bf16 step
     assert (out != ref).float().mean() < 0.01
     s, h = KERNELS.add_rms_norm(x, d, w, 1e-5)
     assert torch.equal(s, x + d)
-    ref_h = F.rms_norm(x + d, (576,), w, eps=1e-5)
+    ref_h = F.rms_norm(x + d, (hidden,), w, eps=1e-5)
     assert (h.float() - ref_h.float()).abs().max() <= ref_h.float().abs().max() * 2**-7
+    assert (h != ref_h).float().mean() < 0.01
     x32, w32 = x.float(), w.float()
-    assert torch.allclose(KERNELS.rms_norm(x32, w32, 1e-5), F.rms_norm(x32, (576,), w32, eps=1e-5), atol=1e-5)
+    assert torch.allclose(KERNELS.rms_norm(x32, w32, 1e-5), F.rms_norm(x32, (hidden,), w32, eps=1e-5), atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (9, 1536), (130, 100)])    # 100: not a multiple of 64
+def test_silu_mul_matches_torch(rows, inter):
+    gate_up = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)) * 4).bfloat16()
+    g, u = gate_up.chunk(2, dim=-1)
+    ref = F.silu(g) * u
+    out = KERNELS.silu_mul(gate_up)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, inter)
+    # the same two roundings; another fp32 exp can tip silu(g) over a bf16 rounding boundary (one
+    # step of it), which the product's rounding carries into at most two steps of the result, rarely
+    two_steps = torch.maximum(ref.float().abs(), out.float().abs()) * 2**-6
+    assert ((out.float() - ref.float()).abs() <= two_steps).all()
+    assert (out != ref).float().mean() < 0.01
+    with pytest.raises(RuntimeError, match="even width"):
+        KERNELS.silu_mul(gate_up[:, 1:])
 
 
 @needs_kernel
@@ -508,6 +527,8 @@ def test_bf16_engine_runs_prompt_chunks_through_the_prefill_kernel(tmp_path):
                 calls.append((query.shape[0], past))
                 return real(query, pool, table, past, layer, scale)
         eng.runner.kernels = Spy()
+        roped = []                      # rows of each rope_store call: RoPE + K/V store fused
+        eng.runner.model._kernels = _Counting("rope_store", roped)
         done = eng.generate(prompts, params)
         logprobs[kernel] = torch.tensor([lp.logprob for c in done for lp in c.prompt_logprobs])
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
@@ -515,8 +536,10 @@ def test_bf16_engine_runs_prompt_chunks_through_the_prefill_kernel(tmp_path):
         if kernel:    # 9 tokens in one chunk; 40 under a budget of 16 (shared with the first): past > 0
             assert (9, 0) in calls and any(past > 0 for _, past in calls)
             assert len(calls) % layers == 0 and all(n > KERNEL_CHUNK_ROWS for n, _ in calls)
+            assert max(roped) >= 16           # prompt steps take the fused RoPE + store too
         else:
-            assert calls == []
+            # only all-decode steps fuse: two decode rows and at most a short chunk's kernel rows
+            assert calls == [] and max(roped) <= 2 + KERNEL_CHUNK_ROWS
     assert logprobs[True].shape == (47,)
     assert (logprobs[True] - logprobs[False]).abs().max() < 0.05
     fp32 = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="8MiB"))

@@ -6,7 +6,7 @@ place: decode attention without the `[batch, context]` copy per layer that gathe
 `int8_gemv` / `int4_gemv` (int8_gemv_cpu.cpp, int4_gemv_cpu.cpp; gemv_cpu.h) the quantized
 linears' few-row kernels, `fp32_gemv` / `bf16_gemv` (dense_gemv_cpu.cpp) the dense ones
 (engine.linear), `rope_store` (rope_store_cpu.cpp) a bf16 decode step's RoPE and K/V store
-in one op (engine.attention.fused_decode_attention), and `paged_prefill_attention`
+in one op (engine.attention.fused_attention), and `paged_prefill_attention`
 (prefill_attention_cpu.cpp) a bf16 prompt chunk's causal attention over its blocks in place.
 They are C++ compiled at run time with
 `torch.utils.cpp_extension` (g++ and ninja, both standard on Linux build images) into torch's
@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("paged_attention_cpu.cpp", "norm_cpu.cpp", "int8_gemv_cpu.cpp", "int4_gemv_cpu.cpp",
-              "dense_gemv_cpu.cpp", "rope_store_cpu.cpp", "prefill_attention_cpu.cpp")]
+              "dense_gemv_cpu.cpp", "rope_store_cpu.cpp", "prefill_attention_cpu.cpp",
+              "silu_mul_cpu.cpp")]
 # -march=native: the build is keyed by this CPU's flags (below), so the cache never runs code
 # built for another CPU. AMX stays off: some kernels/VMs advertise it without enabling it.
 # -fopenmp: at::parallel_for is an inline template that runs on torch's OpenMP threads only when

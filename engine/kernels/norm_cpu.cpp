@@ -6,6 +6,8 @@
 //   add_rms_norm(x [T, H], d [T, H], w, eps)  -> (x + d, rms_norm(x + d, w, eps))
 // Math as F.rms_norm(x, (H,), w, eps) on bf16: accumulate in fp32, scale by the weight in fp32,
 // round once; the residual sum is rounded to the input dtype first, as torch's `x + d` is.
+// bf16 with AVX512-BF16: 16 elements at a time (bf16 -> fp32 exactly, round-to-nearest-even back,
+// as the scalar cast); a prompt chunk's 128 x 576 add + norm measured ~100 us scalar here.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -13,12 +15,59 @@
 
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PDSERVE_NORM_AVX512 1
+#endif
 
 namespace {
 
+#ifdef PDSERVE_NORM_AVX512
+using bf16 = c10::BFloat16;
+
+inline __m512 load16(const bf16* p, __mmask16 m) {     // 16 bf16 -> fp32 (exact); masked lanes 0
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+// one row: sum_out = bf16(x + delta) when delta is given; out = bf16(v * inv * w)
+void norm_row_avx(const bf16* x, const bf16* delta, bf16* sum_out, const bf16* w, bf16* out, int64_t hidden,
+                  float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < hidden; i += 16) {
+    const __mmask16 m = hidden - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (hidden - i)) - 1);
+    __m512 v = load16(x + i, m);
+    if (delta != nullptr) {
+      const __m256i rounded = round16(_mm512_add_ps(v, load16(delta + i, m)));
+      _mm256_mask_storeu_epi16(sum_out + i, m, rounded);
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    }
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(hidden) + eps);
+  const bf16* v_src = delta != nullptr ? sum_out : x;      // the (rounded) row again, from L1
+  for (int64_t i = 0; i < hidden; i += 16) {
+    const __mmask16 m = hidden - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (hidden - i)) - 1);
+    const __m512 o = _mm512_mul_ps(_mm512_mul_ps(load16(v_src + i, m), _mm512_set1_ps(inv)), load16(w + i, m));
+    _mm256_mask_storeu_epi16(out + i, m, round16(o));
+  }
+}
+#endif
+
 template <typename T>
 void norm_rows(const T* x, const T* delta, T* sum_out, const T* w, T* out, int64_t rows, int64_t hidden, float eps) {
+#ifdef PDSERVE_NORM_AVX512
+  if constexpr (std::is_same_v<T, bf16>) {
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        norm_row_avx(x + r * hidden, delta ? delta + r * hidden : nullptr, sum_out ? sum_out + r * hidden : nullptr,
+                     w, out + r * hidden, hidden, eps);
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(hidden);
     for (int64_t r = begin; r < end; ++r) {

@@ -1,5 +1,6 @@
-// RoPE and the K/V store of a decode step in one pass (torch.ops.pdserve.rope_store), for the
-// bf16 decoder on CPU; engine.attention.fused_decode_attention calls it.
+// RoPE and the K/V store of a step in one pass (torch.ops.pdserve.rope_store), for the
+// bf16 decoder on CPU; engine.attention.fused_attention calls it (steps whose attention all reads
+// the pool in place: decode rows, and prompt chunks through the prefill kernel).
 //
 //   rope_store(qkv [T, (H + 2 Hkv) * D] bf16, cos [T, D], sin [T, D], pool, slots [T] int64,
 //              layer, H, Hkv) -> q [T, H, D] bf16
