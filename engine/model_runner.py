@@ -54,7 +54,7 @@ def _cuda_snapshot(device: torch.device) -> tuple[int, int, int]:
 # context and run sdpa. Measured per layer (SmolLM2 shapes, one thread, past 32-2048,
 # `benchmarks/attention_bench.py --chunks`): in bf16 the rows take 0.6-1x the prefill kernel's time
 # at 2-4 tokens and lose from 6-8 on (1.7-3.3x at 16-256); both beat gather + sdpa 1.2-6x. (In fp32 the
-# rows now beat sdpa up to 16 tokens, 1.3-4.8x; the threshold stays one for both.)
+# rows now beat sdpa up to 16 tokens, 1.1-4.8x; the threshold stays one for both.)
 KERNEL_CHUNK_ROWS = 4
 
 
