@@ -10,13 +10,16 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             Where the engine's kernels build vectorized (AVX512-BF16), steps
                             of at most `dense_small_rows(dtype)` rows run its GEMVs instead
                             (engine/kernels/dense_gemv_cpu.cpp), which stream the weight once per
-                            8 rows near the memory bound: `kernels.fp32_gemv` on the row-major
+                            call near the memory bound (more than 8 rows: further passes re-read
+                            each chunk of it from L2): `kernels.fp32_gemv` on the row-major
                             fp32 weight itself, `kernels.bf16_gemv` on a bf16 copy in blocks of
                             16 output channels (int8's layout). oneDNN's bf16 and MKL's fp32
                             small-row paths run at about 0.75x and 0.3-0.45x of their speed on
                             this project's CPU (benchmarks/linear_bench.py). Thresholds,
-                            measured there: bf16 up to 8 rows (above, oneDNN's packed weight
-                            wins); fp32 up to 64 rows, the largest decode batch (MKL's fp32 GEMM
+                            measured there: bf16 up to 64 rows, the largest decode batch (1.1-1.4x
+                            oneDNN's packed weight at 8-64 rows on 1 thread, 1.2-1.5x on 2; prompt
+                            chunks above keep oneDNN, near the bf16 matmul peak at 128+ rows);
+                            fp32 up to 64 rows (MKL's fp32 GEMM
                             stayed 2x slower even at 256 rows on this AMD CPU; on CPUs where MKL
                             is strong it would win for prompt chunks, which keep `F.linear`).
                             Memory: fp32 shares its one weight; bf16 holds the blocked copy
@@ -35,9 +38,10 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             copy makes quantization pay at every batch size, at the cost of memory:
                             a quantized model holds both (documented in the README). The row
                             thresholds are measured (`benchmarks/linear_bench.py`, the model's
-                            linears at 1 and 2 threads): the engine's kernels beat the bf16 copy
-                            up to 8 rows for int8 and beyond for int4, where above 8 rows (their
-                            one-pass limit) they read the weights twice, so both stop at 8
+                            linears at 1 and 2 threads): the engine's kernels, whose passes of 8
+                            rows (their one-pass limit) re-read each chunk of weights from L2,
+                            beat the bf16 copy up to 32 rows (int8 1.1-1.6x, int4 1.05-1.3x;
+                            at 64 int4 loses, int8 is even), so both stop at 32
                             (KERNEL_SMALL_ROWS); aten's lose to it above 4 (SMALL_ROWS).
 
 Exactness: fp32 (the exact mode) computes in fp32 throughout: `F.linear` or the fp32 GEMV, whose
@@ -57,9 +61,9 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 INT4_GROUP = 32
 # at most this many rows: the quantized GEMV kernel; more: the bf16 copy (measured; see above)
 SMALL_ROWS = 4            # aten's kernels
-KERNEL_SMALL_ROWS = 8     # the engine's kernels (their one-pass row count, kMaxRows)
+KERNEL_SMALL_ROWS = 32    # the engine's kernels (4 passes of their one-pass row count, kMaxRows)
 # at most this many rows: the engine's dense GEMV (measured; see above)
-DENSE_SMALL_ROWS = {torch.bfloat16: 8, torch.float32: 64}
+DENSE_SMALL_ROWS = {torch.bfloat16: 64, torch.float32: 64}
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 

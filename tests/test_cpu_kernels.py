@@ -212,6 +212,30 @@ def test_dense_gemv_matches_a_double_precision_product(dtype, out_f, in_f, with_
             assert torch.equal(_dense_gemv(w, bias, x[-1:]), y[-1:]), rows
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+def test_gemv_passes_over_l2_chunks_give_what_single_passes_give(fmt):
+    """More than 8 rows take passes of 8 over chunks of a thread's weights (gemv_cpu.h
+    `passes_in_chunks`); a weight of many chunks (4000 x 576: several per thread for every format)
+    gives, for 19 rows (passes of 8, 8, 3), exactly what the three row slices give alone (one pass
+    over the whole share each, the same per-pass kernels), so every channel and row is computed
+    once and in place."""
+    if fmt in ("fp32", "bf16") and not KERNELS.gemv_vectorized():
+        pytest.skip("the dense GEMVs are used only where they build with AVX512-BF16")
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(4000, 576, generator=g) * 0.05
+    x = torch.randn(19, 576, generator=g)
+    if fmt in ("fp32", "bf16"):
+        dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+        w, x = w.to(dtype), x.to(dtype)
+        layer = lambda rows: _dense_gemv(w, None, rows)                      # noqa: E731
+    else:
+        layer, _ = (linear._int8 if fmt == "int8" else linear._int4)(w, None, KERNELS)
+        x = x.bfloat16()
+    whole = layer(x)
+    assert torch.equal(whole, torch.cat([layer(x[:8]), layer(x[8:16]), layer(x[16:])]))
+
+
 @needs_vector_gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_layers_use_the_gemv_at_few_rows_only(dtype):

@@ -5,7 +5,8 @@
 //
 // At batch 1 a decode step reads every weight once, so these kernels stream the weight bytes
 // once per call for up to kMaxRows rows (every row is computed against each weight as it is
-// read; more rows take one pass per kMaxRows) and keep all arithmetic in registers. Products
+// read; more rows take one pass per kMaxRows, over L2-sized chunks: `passes_in_chunks`) and keep
+// all arithmetic in registers. Products
 // and sums in fp32; the output is rounded to bf16 once, bias included. Threads split the
 // output channels (at::parallel_for, torch's thread count). Both take the weight in blocks of
 // 16 output channels (N: n rounded up to 16, padded with zeros), so a thread reads contiguous
@@ -134,6 +135,25 @@ void over_blocks(int64_t b0, int64_t b1, Avx&& avx, Scalar&& scalar) {
   for (int64_t b = b0; b < b1; ++b) scalar(b);
 #endif
 }
+// A thread's share of the weight [u0, u1) (u: a block of 16 channels, or one channel for fp32;
+// `unit_bytes` of weight each) for `rows` rows: `pass(r0, c0, c1)` computes rows [r0, r0 +
+// kMaxRows) on units [c0, c1). Up to kMaxRows rows that is one pass over the share. More rows take
+// one pass per kMaxRows, and the share is walked in chunks of about kChunkBytes so that the passes
+// after the first read a chunk from L2, not memory: measured on this project's CPU (bf16, SmolLM2's
+// linears, 1 thread) 12-64 rows took 0.78-0.90x the time of passes over the whole share, and
+// 0.80-0.89x oneDNN's packed bf16 GEMM (2 threads: 0.85-0.87x); 512 KiB chunks beat 128-256 and
+// 1024 (the core's L2 is 1 MiB).
+constexpr int64_t kChunkBytes = 512 * 1024;
+
+template <typename Pass>
+void passes_in_chunks(int64_t rows, int64_t u0, int64_t u1, int64_t unit_bytes, int64_t min_units, Pass&& pass) {
+  const int64_t step = rows <= kMaxRows ? u1 - u0 : std::max<int64_t>(min_units, kChunkBytes / unit_bytes);
+  for (int64_t c0 = u0; c0 < u1; c0 += step) {
+    const int64_t c1 = std::min(u1, c0 + step);
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) pass(r0, c0, c1);
+  }
+}
+
 template <template <int> class Kernel, typename... Args>
 void with_rows(int64_t rows, Args... args) {
   switch (rows) {

@@ -70,11 +70,12 @@ at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   const float* sp = scale.data_ptr<float>();
   bf16* yp = y.data_ptr<bf16>();
   // chunks of at least 4 blocks (64 channels x K bytes): a thread's share outweighs its start-up.
-  // Rows past kMaxRows take another pass over the weights (measured faster than re-reading each
-  // block from L1 for them)
+  // Rows past kMaxRows take more passes over the weights, chunk by chunk (gemv_cpu.h; measured
+  // faster than re-reading each block from L1 for them)
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows)
-      with_rows<Int8Range>(std::min(kMaxRows, rows - r0), xp + r0 * K, K, qp, sp, b, yp + r0 * n, n, b0, b1);
+    passes_in_chunks(rows, b0, b1, K * 16, 2, [&](int64_t r0, int64_t c0, int64_t c1) {
+      with_rows<Int8Range>(std::min(kMaxRows, rows - r0), xp + r0 * K, K, qp, sp, b, yp + r0 * n, n, c0, c1);
+    });
   });
   return y;
 }
