@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -134,12 +135,13 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
   constexpr int kPairs = kDim / 2, kValueRows = kDim == 64 ? 4 : 2;
   const int64_t group = heads / kv_heads, len = past + n, tiles = (len + 15) / 16;
   // 1. K as [head][tile][pair j][16 keys], V as [head][key pair][dim] (2 keys' bf16 each)
-  std::vector<int32_t> kp(kv_heads * tiles * kPairs * 16), vp(kv_heads * tiles * 8 * kDim);
+  // (uninitialized: every element is written below, keys past the context as zeros)
+  std::unique_ptr<int32_t[]> kp(new int32_t[kv_heads * tiles * kPairs * 16]), vp(new int32_t[kv_heads * tiles * 8 * kDim]);
   at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / tiles, t = item % tiles;
-      int32_t* kd = kp.data() + item * kPairs * 16;
-      uint16_t* vd = reinterpret_cast<uint16_t*>(vp.data() + (h * tiles + t) * 8 * kDim);
+      int32_t* kd = kp.get() + item * kPairs * 16;
+      uint16_t* vd = reinterpret_cast<uint16_t*>(vp.get() + (h * tiles + t) * 8 * kDim);
       for (int i = 0; i < 16; ++i) {
         const int64_t pos = t * 16 + i;
         if (pos >= len) {
@@ -171,8 +173,8 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
       s.resize(rows * width);
       probs.resize(rows * width / 2);
       inv_sum.resize(rows);
-      const int32_t* kph = kp.data() + h * tiles * kPairs * 16;
-      const int32_t* vph = vp.data() + h * tiles * 8 * kDim;
+      const int32_t* kph = kp.get() + h * tiles * kPairs * 16;
+      const int32_t* vph = vp.get() + h * tiles * 8 * kDim;
       // rows are position-major: row r is position i0 + r / group, query head h * group + r % group
       auto q_of = [&](int64_t r) {
         return reinterpret_cast<const int32_t*>(query + (i0 + r / group) * q_stride + (h * group + r % group) * kDim);
