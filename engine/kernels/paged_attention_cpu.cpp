@@ -20,7 +20,7 @@
 // (about 3 instructions per key instead of 10 for a reduction each); the scale is applied to the
 // scores. The output sums p * v in fp32 with up to 24 accumulators in registers (query heads of
 // the group in chunks). Keys and values are prefetched 16-32 tokens ahead (the pool's blocks
-// lie anywhere in memory). Measured against the generic loop below on SmolLM2's shapes (9
+// lie anywhere in memory), and the next two items' first 64 tokens while an item computes. Measured against the generic loop below on SmolLM2's shapes (9
 // heads, 3 KV heads, 64 dims, bf16, 2 threads; benchmarks/attention_bench.py): per layer
 // 1.2x at 1 x 64 tokens, 2.2-2.9x from 8 x 256 to 64 x 2048 (the real model's decode step at
 // 64 x 2048: 419 -> 180 ms); fp32, 1 thread: 1.4x at 1 x 64, 2.5-2.9x from 1 x 1024 to 64 x 2048.
@@ -130,6 +130,24 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
         }
       }
       scores.resize(group * padded);
+      // the next two items' first 64 keys and values, from memory, while this one computes: a
+      // step's pool rows are cold (the weights streamed through the caches since the last
+      // layer), and an item alone prefetches only within itself. At 32 x 48 tokens a cold
+      // layer took 128-149 -> 72-74 us, 64 x 48 247-261 -> 140, 32 x 256 503-533 -> 464-477
+      // (one thread, weights streamed between calls, alternated twice; /tmp script). Whole bf16
+      // decode steps, rebuilt and alternated twice: batch 64 57.7, 62.0 -> 54.1, 52.9 ms, batch
+      // 8 and 32 within the noise (the last block of each sequence is warm from the K/V store)
+      for (int64_t next = item + 1; next < std::min(end, item + 3); ++next) {
+        const int64_t nb = next / kv_heads, nh = next % kv_heads;
+        const int64_t* nt = tables + nb * max_blocks;
+        for (int64_t t = 0; t < std::min<int64_t>(lens[nb], 64); ++t) {
+          const T* row = pool + nt[t / block_size] * block_stride + (t % block_size) * token_stride + nh * kDim;
+          for (int j = 0; j < kRowBytes; j += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(row + k_offset) + j, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(row + v_offset) + j, _MM_HINT_T0);
+          }
+        }
+      }
       const T* q0 = query + (b * heads + h * group) * kDim;
       // 1. scores[g, t] = scale * q_g . k_t, 16 keys at a time
       for (int64_t g = 0; g < group; ++g) {
