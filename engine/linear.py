@@ -16,7 +16,7 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             16 output channels (int8's layout). oneDNN's bf16 and MKL's fp32
                             small-row paths run at about 0.75x and 0.3-0.45x of their speed on
                             this project's CPU (benchmarks/linear_bench.py). Thresholds,
-                            measured there: bf16 up to 64 rows, the largest decode batch (1.1-1.4x
+                            measured there: bf16 up to 64 rows, the largest decode batch (1.08-1.4x
                             oneDNN's packed weight at 8-64 rows on 1 thread, 1.2-1.5x on 2; prompt
                             chunks above keep oneDNN, near the bf16 matmul peak at 128+ rows);
                             fp32 up to 64 rows (MKL's fp32 GEMM
@@ -40,8 +40,8 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             thresholds are measured (`benchmarks/linear_bench.py`, the model's
                             linears at 1 and 2 threads): the engine's kernels, whose passes of 8
                             rows (their one-pass limit) re-read each chunk of weights from L2,
-                            beat the bf16 copy up to 32 rows (int8 1.1-1.6x, int4 1.05-1.3x;
-                            at 64 int4 loses, int8 is even), so both stop at 32
+                            beat the bf16 copy up to 32 rows (at 12-32 rows int8 1.1-1.5x, int4
+                            1.06-1.36x; at 64 int4 loses, int8 is even), so both stop at 32
                             (KERNEL_SMALL_ROWS); aten's lose to it above 4 (SMALL_ROWS).
 
 Exactness: fp32 (the exact mode) computes in fp32 throughout: `F.linear` or the fp32 GEMV, whose

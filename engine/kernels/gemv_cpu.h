@@ -140,9 +140,9 @@ void over_blocks(int64_t b0, int64_t b1, Avx&& avx, Scalar&& scalar) {
 // kMaxRows) on units [c0, c1). Up to kMaxRows rows that is one pass over the share. More rows take
 // one pass per kMaxRows, and the share is walked in chunks of about kChunkBytes so that the passes
 // after the first read a chunk from L2, not memory: measured on this project's CPU (bf16, SmolLM2's
-// linears, 1 thread) 12-64 rows took 0.78-0.90x the time of passes over the whole share, and
-// 0.80-0.89x oneDNN's packed bf16 GEMM (2 threads: 0.85-0.87x); 512 KiB chunks beat 128-256 and
-// 1024 (the core's L2 is 1 MiB).
+// linears, 1 thread) 12-32 rows took 0.76-0.81x the time of passes over the whole share, and
+// 12-64 rows 0.80-0.90x oneDNN's packed bf16 GEMM (2 threads, 16-64: 0.85-0.87x); 512 KiB chunks
+// beat 128-256 and 1024 (the core's L2 is 1 MiB).
 constexpr int64_t kChunkBytes = 512 * 1024;
 
 template <typename Pass>
