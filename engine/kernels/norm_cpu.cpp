@@ -17,7 +17,7 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define PDSERVE_NORM_AVX512 1
 #endif

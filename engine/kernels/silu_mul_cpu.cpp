@@ -3,9 +3,10 @@
 //   silu_mul(gate_up [T, 2I] bf16) -> [T, I] bf16 = silu(gate) * up, gate and up the two halves
 //
 // What `g, u = gate_up.chunk(2, -1); F.silu(g) * u` computes, rounding for rounding: silu in fp32
-// rounded to bf16, then the product in fp32 rounded to bf16. Those are three ops and two
-// [T, I] temporaries (a prompt chunk of 128 tokens: ~4 ms of a 80 ms prefill here); this reads
-// gate_up once and writes the result once.
+// rounded to bf16, then the product in fp32 rounded to bf16 (the fp32 exp is glibc's vector one,
+// not torch's: it tips about 0.1 % of elements over a bf16 rounding boundary). Those are three ops
+// and two [T, I] temporaries; this reads gate_up once and writes the result once: SmolLM2's MLP
+// at 1 / 8 / 128 rows 4.4 / 9.3 / 89 -> 1.9 / 5.7 / 70 us (one thread).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
