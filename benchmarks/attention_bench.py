@@ -281,7 +281,10 @@ def main() -> None:
         return
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}\n")
     if args.chunks or args.prefills:
-        (chunks if args.chunks else lambda threads: prefills(args))(args.threads)
+        if args.chunks:
+            chunks(args.threads)
+        else:
+            prefills(args)
         print(f"(1-minute load average at end {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")
         return
     if not args.skip_micro:
