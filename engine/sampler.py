@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from engine.kernels import cpu_kernels
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -124,6 +125,13 @@ def prompt_logprobs(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     return out
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)`; on CPU through the engine's kernel where it builds (the same
+    indices, ties and NaN included; aten's took 0.9 ms of a batch-32 step on one thread here)."""
+    kernels = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    return logits.argmax(dim=-1) if kernels is None else kernels.argmax_rows(logits)
+
+
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Pick one token per row of `logits` ([len(rows), vocab], float32; modified in place).
@@ -135,7 +143,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     for i, row in enumerate(rows):
         if row.banned:
             logits[i, row.banned] = float("-inf")
-    out = logits.argmax(dim=-1).tolist()
+    out = _argmax(logits).tolist()
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         dev = logits.device

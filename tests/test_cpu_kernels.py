@@ -20,6 +20,7 @@
   groups, every row count of one pass and some that take more; an fp32 row's output does not
   depend on the rows beside it; engine.linear's dense layers switch to them at few rows and back
   above their thresholds; they refuse what is not their dtype or layout.
+- Greedy sampling's row argmax gives torch's indices (first of ties, NaN as the maximum, infinities).
 - The prefill kernel (a bf16 prompt chunk's causal attention over its blocks in place) gives an
   fp32 attention's output within bf16 rounding, fresh and after a past, for GQA groups of 1-8, head
   sizes 64 and 128 and odd block sizes; it takes the decoder's strided queries, reads nothing
@@ -210,6 +211,30 @@ def test_dense_gemv_matches_a_double_precision_product(dtype, out_f, in_f, with_
             # batch-invariant: row r alone, or beside other rows, gives the same numbers
             assert torch.equal(y, full[:rows]), rows
             assert torch.equal(_dense_gemv(w, bias, x[-1:]), y[-1:]), rows
+
+
+@needs_kernel
+def test_argmax_rows_gives_torchs_indices_ties_nan_and_infinities_included():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        rows, width = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 200, (1,), generator=g))
+        x = torch.randn(rows, width, generator=g)
+        if trial % 3 == 0:
+            x = x.round()                          # ties: the first index wins
+        if trial % 5 == 0:
+            x[:, ::3] = float("-inf")
+        if trial % 7 == 0:
+            x[0, width // 2] = float("nan")        # a NaN is the maximum (its first index)
+        if trial % 11 == 0:
+            x[:] = float("-inf")
+        if trial % 13 == 0:
+            x[-1, -1] = float("inf")
+        assert torch.equal(KERNELS.argmax_rows(x), x.argmax(dim=-1)), (trial, rows, width)
+    big = torch.randn(3, 49152, generator=g)
+    assert torch.equal(KERNELS.argmax_rows(big), big.argmax(dim=-1))
+    assert torch.equal(KERNELS.argmax_rows(big[:, ::2]), big[:, ::2].argmax(dim=-1))     # not contiguous
+    with pytest.raises(RuntimeError, match="fp32"):
+        KERNELS.argmax_rows(big.bfloat16())
 
 
 @needs_kernel

@@ -7,12 +7,14 @@ place: decode attention without the `[batch, context]` copy per layer that gathe
 linears' few-row kernels, `fp32_gemv` / `bf16_gemv` (dense_gemv_cpu.cpp) the dense ones
 (engine.linear), `rope_store` (rope_store_cpu.cpp) a bf16 decode step's RoPE and K/V store
 in one op (engine.attention.fused_attention), and `paged_prefill_attention`
-(prefill_attention_cpu.cpp) a bf16 prompt chunk's causal attention over its blocks in place.
+(prefill_attention_cpu.cpp) a bf16 prompt chunk's causal attention over its blocks in place;
+`silu_mul` (silu_mul_cpu.cpp) the bf16 MLP's activation, `argmax_rows` (argmax_cpu.cpp) greedy
+sampling's argmax.
 They are C++ compiled at run time with
 `torch.utils.cpp_extension` (g++ and ninja, both standard on Linux build images) into torch's
 extension cache (`~/.cache/torch_extensions`, or `TORCH_EXTENSIONS_DIR`), keyed by the sources
 (ninja also rebuilds on a changed header), the flags and this CPU's instruction set, so a
-later start loads it in well under a second; a first build took 31 s here (7 sources), and torch's lock
+later start loads it in well under a second; a first build took 31-46 s here (9 sources), and torch's lock
 makes concurrent replicas wait for one build. `make install` builds it ahead
 (`python -m engine.kernels.build`).
 
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("paged_attention_cpu.cpp", "norm_cpu.cpp", "int8_gemv_cpu.cpp", "int4_gemv_cpu.cpp",
               "dense_gemv_cpu.cpp", "rope_store_cpu.cpp", "prefill_attention_cpu.cpp",
-              "silu_mul_cpu.cpp")]
+              "silu_mul_cpu.cpp", "argmax_cpu.cpp")]
 # -march=native: the build is keyed by this CPU's flags (below), so the cache never runs code
 # built for another CPU. AMX stays off: some kernels/VMs advertise it without enabling it.
 # -fopenmp: at::parallel_for is an inline template that runs on torch's OpenMP threads only when
