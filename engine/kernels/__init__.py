@@ -5,12 +5,11 @@ place: decode attention without the `[batch, context]` copy per layer that gathe
 `rms_norm` / `add_rms_norm` (norm_cpu.cpp) are the bf16 decoder's one-pass norms, and
 `int8_gemv` / `int4_gemv` (int8_gemv_cpu.cpp, int4_gemv_cpu.cpp; gemv_cpu.h) the quantized
 linears' few-row kernels, `fp32_gemv` / `bf16_gemv` (dense_gemv_cpu.cpp) the dense ones
-(engine.linear), `rope_store` (rope_store_cpu.cpp) a bf16 decode step's RoPE and K/V store
-in one op (engine.attention.fused_attention), and `paged_prefill_attention`
+(engine.linear), `rope_store` (rope_store_cpu.cpp) a bf16 step's RoPE and K/V store in one op
+(engine.attention.fused_attention), and `paged_prefill_attention`
 (prefill_attention_cpu.cpp) a bf16 prompt chunk's causal attention over its blocks in place;
 `silu_mul` (silu_mul_cpu.cpp) the bf16 MLP's activation, `argmax_rows` (argmax_cpu.cpp) greedy
-sampling's argmax.
-They are C++ compiled at run time with
+sampling's argmax. They are C++ compiled at run time with
 `torch.utils.cpp_extension` (g++ and ninja, both standard on Linux build images) into torch's
 extension cache (`~/.cache/torch_extensions`, or `TORCH_EXTENSIONS_DIR`), keyed by the sources
 (ninja also rebuilds on a changed header), the flags and this CPU's instruction set, so a
