@@ -339,15 +339,17 @@ class ModelRunner:
                     dec_tables.append(table)
                     dec_lens.append(p + 1)
             else:
+                layers = self.kv_shape.num_layers
                 table = torch.tensor(seq.block_table[:-(-end // bs)], dtype=torch.long)
-                ctx_slots = token_slots(table, bs, self.kv_shape.num_layers)[:end]
                 pos.extend(range(start, end))
-                slots.extend(ctx_slots[start:end].tolist())
+                # the chunk's own slots, from the blocks it lands in: O(n), whatever its past
+                slots.extend(token_slots(table[start // bs:], bs, layers)[start % bs:start % bs + n].tolist())
                 if self.prefill_kernel:
                     prefills.append(PrefillSpan(row, row + n, None, None, table.to(dev), start))
                 elif start == 0:
                     prefills.append(PrefillSpan(row, row + n, None, None))
                 else:
+                    ctx_slots = token_slots(table, bs, layers)[:end]
                     q_pos = torch.arange(start, end)[:, None]
                     mask = (torch.arange(end)[None, :] <= q_pos)[None, None]
                     prefills.append(PrefillSpan(row, row + n, ctx_slots.to(dev), mask.to(dev)))
