@@ -26,15 +26,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define PDSERVE_AVX512 1
-#endif
-#define PDSERVE_UNROLL _Pragma("GCC unroll 16")
+#include "kernel_common.h"
 
 namespace pdserve_gemv {
 
-using bf16 = c10::BFloat16;
+using namespace pdserve_cpu;
 constexpr int64_t kMaxRows = 8;
 
 inline float bias_at(const bf16* bias, int64_t n) { return bias ? static_cast<float>(bias[n]) : 0.f; }
@@ -43,15 +39,8 @@ inline float bias_at(const bf16* bias, int64_t n) { return bias ? static_cast<fl
 // y[n .. n + 16) = v + bias, rounded to bf16; only the channels below N are written
 inline void store16(bf16* y, const bf16* bias, int64_t N, int64_t n, __m512 v) {
   const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
-  if (bias)
-    v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, bias + n)), 16)));
-  _mm256_mask_storeu_epi16(y + n, valid, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-inline __m512 bf16x16(const bf16* p) {      // 16 bf16 -> fp32 (exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  if (bias) v = _mm512_add_ps(v, load16(bias + n, valid));
+  _mm256_mask_storeu_epi16(y + n, valid, round16(v));
 }
 #endif
 
@@ -151,20 +140,6 @@ void passes_in_chunks(int64_t rows, int64_t u0, int64_t u1, int64_t unit_bytes, 
   for (int64_t c0 = u0; c0 < u1; c0 += step) {
     const int64_t c1 = std::min(u1, c0 + step);
     for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) pass(r0, c0, c1);
-  }
-}
-
-template <template <int> class Kernel, typename... Args>
-void with_rows(int64_t rows, Args... args) {
-  switch (rows) {
-    case 1: Kernel<1>::run(args...); break;
-    case 2: Kernel<2>::run(args...); break;
-    case 3: Kernel<3>::run(args...); break;
-    case 4: Kernel<4>::run(args...); break;
-    case 5: Kernel<5>::run(args...); break;
-    case 6: Kernel<6>::run(args...); break;
-    case 7: Kernel<7>::run(args...); break;
-    default: Kernel<8>::run(args...); break;
   }
 }
 

@@ -55,7 +55,7 @@ void int4_avx(const bf16* x, const float* xsum, int64_t K, const uint8_t* packed
     PDSERVE_UNROLL
     for (int j = 0; j < NB; ++j) {
       const bf16* s16 = sz + (blocks[j] * groups + g) * 32;
-      const __m512 s = bf16x16(s16), m = _mm512_fmadd_ps(_mm512_set1_ps(-136.f), s, bf16x16(s16 + 16));
+      const __m512 s = load16(s16), m = _mm512_fmadd_ps(_mm512_set1_ps(-136.f), s, load16(s16 + 16));
       PDSERVE_UNROLL
       for (int r = 0; r < R; ++r) {
         __m512 dot = _mm512_add_ps(lo[j][0][r], hi[j][0][r]);

@@ -17,21 +17,14 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define PDSERVE_NORM_AVX512 1
-#endif
+
+#include "kernel_common.h"
 
 namespace {
 
-#ifdef PDSERVE_NORM_AVX512
-using bf16 = c10::BFloat16;
+using namespace pdserve_cpu;
 
-inline __m512 load16(const bf16* p, __mmask16 m) {     // 16 bf16 -> fp32 (exact); masked lanes 0
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-
+#ifdef PDSERVE_AVX512
 // one row: sum_out = bf16(x + delta) when delta is given; out = bf16(v * inv * w)
 void norm_row_avx(const bf16* x, const bf16* delta, bf16* sum_out, const bf16* w, bf16* out, int64_t hidden,
                   float eps) {
@@ -42,7 +35,7 @@ void norm_row_avx(const bf16* x, const bf16* delta, bf16* sum_out, const bf16* w
     if (delta != nullptr) {
       const __m256i rounded = round16(_mm512_add_ps(v, load16(delta + i, m)));
       _mm256_mask_storeu_epi16(sum_out + i, m, rounded);
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+      v = widen16(rounded);
     }
     ss = _mm512_fmadd_ps(v, v, ss);
   }
@@ -58,7 +51,7 @@ void norm_row_avx(const bf16* x, const bf16* delta, bf16* sum_out, const bf16* w
 
 template <typename T>
 void norm_rows(const T* x, const T* delta, T* sum_out, const T* w, T* out, int64_t rows, int64_t hidden, float eps) {
-#ifdef PDSERVE_NORM_AVX512
+#ifdef PDSERVE_AVX512
   if constexpr (std::is_same_v<T, bf16>) {
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)

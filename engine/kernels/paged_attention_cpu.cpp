@@ -31,14 +31,15 @@
 
 #include <algorithm>
 #include <cmath>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "kernel_common.h"
+
 namespace {
+
+using namespace pdserve_cpu;
 
 // s[0 .. len) <- softmax(s), in fp32: the max, then exp and sum, then the scaling
 inline void softmax_in_place(float* s, int64_t len) {
@@ -50,10 +51,7 @@ inline void softmax_in_place(float* s, int64_t len) {
   for (int64_t j = 0; j < len; ++j) s[j] *= inv;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
-#define PDSERVE_ATTN_AVX512 1
-using bf16 = c10::BFloat16;
-
+#ifdef PDSERVE_AVX512
 // out[i] = sum of the 16 lanes of v[i], for 16 vectors: three halving steps across and within
 // 128-bit lanes, after which lane 4r + c holds the sum of v[r + 4c]; one permute restores order
 inline __m512 reduce16(__m512 v[16]) {
@@ -72,11 +70,6 @@ inline __m512 reduce16(__m512 v[16]) {
   return _mm512_permutexvar_ps(order, sums);
 }
 
-inline __m512 bf16x16_ps(const bf16* p) {    // 16 bf16 -> fp32 (exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // Per element type: a query head held in registers (bf16: pairs for `vdpbf16ps`), one key's dot
 // product with it added to 16 lanes of partial sums, a value row as fp32, an output row stored
 template <typename T, int64_t kDim> struct Elems;
@@ -88,9 +81,9 @@ template <int64_t kDim> struct Elems<bf16, kDim> {
     for (int j = 0; j < kQ; ++j) acc = _mm512_dpbf16_ps(acc, q[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
     return acc;
   }
-  static __m512 row16(const bf16* p) { return bf16x16_ps(p); }
+  static __m512 row16(const bf16* p) { return load16(p); }
   static void store16(bf16* o, __m512 v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), round16(v));
   }
 };
 template <int64_t kDim> struct Elems<float, kDim> {
@@ -273,7 +266,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
                     out.data_ptr<T>(), batch, heads, kv_heads, dim, tables.size(1), block_size, block_stride,
                     k_offset, v_offset, token_stride, static_cast<float>(scale));
   };
-#ifdef PDSERVE_ATTN_AVX512
+#ifdef PDSERVE_AVX512
   if (dim == 64 || dim == 128) {
     auto fast = [&](auto tag) {
       using T = decltype(tag);

@@ -40,16 +40,14 @@
 #include <limits>
 #include <memory>
 #include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define PDSERVE_PREFILL_AVX512 1
-#endif
+
+#include "kernel_common.h"
 
 namespace {
 
-#ifdef PDSERVE_PREFILL_AVX512
-using bf16 = c10::BFloat16;
+using namespace pdserve_cpu;
 
+#ifdef PDSERVE_AVX512
 struct Context {              // where one KV head's keys live, and the call's shapes
   const bf16* pool;
   const int64_t* table;
@@ -105,28 +103,18 @@ void value_rows(const int32_t* const* p, const int32_t* vp, int64_t pairs, const
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kVecs; ++c)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + 16 * c),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv_sum[r]))));
+                          round16(_mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv_sum[r]))));
 }
 
-template <template <int, int> class F, int kConst, int kMax, typename... A>
-void with_r(int r, A... a) {      // F<kConst, r>::run(a...) for 1 <= r <= kMax
-  static_assert(kMax == 8 || kMax == 4 || kMax == 2);
-  switch (r) {
-    case 1: F<kConst, 1>::run(a...); break;
-    case 2: F<kConst, 2>::run(a...); break;
-    case 3: if constexpr (kMax >= 4) F<kConst, 3>::run(a...); break;
-    case 4: if constexpr (kMax >= 4) F<kConst, 4>::run(a...); break;
-    case 5: if constexpr (kMax >= 8) F<kConst, 5>::run(a...); break;
-    case 6: if constexpr (kMax >= 8) F<kConst, 6>::run(a...); break;
-    case 7: if constexpr (kMax >= 8) F<kConst, 7>::run(a...); break;
-    default: if constexpr (kMax >= 8) F<kConst, 8>::run(a...); break;
-  }
-}
-template <int kPairs, int R> struct ScoreRows {
-  template <typename... A> static void run(A... a) { score_rows<kPairs, R>(a...); }
+template <int kPairs> struct ScoreRows {
+  template <int R> struct Rows {
+    template <typename... A> static void run(A... a) { score_rows<kPairs, R>(a...); }
+  };
 };
-template <int kDim, int R> struct ValueRows {
-  template <typename... A> static void run(A... a) { value_rows<kDim, R>(a...); }
+template <int kDim> struct ValueRows {
+  template <int R> struct Rows {
+    template <typename... A> static void run(A... a) { value_rows<kDim, R>(a...); }
+  };
 };
 
 template <int kDim>
@@ -185,7 +173,8 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
         const int rr = static_cast<int>(std::min<int64_t>(8, rows - r0));
         const int32_t* q[8];
         for (int r = 0; r < rr; ++r) q[r] = q_of(r0 + r);
-        with_r<ScoreRows, kPairs, 8>(rr, q, kph, (keys_of(r0 + rr - 1) + 15) / 16, s.data() + r0 * width, width);
+        with_rows<ScoreRows<kPairs>::template Rows>(rr, q, kph, (keys_of(r0 + rr - 1) + 15) / 16, s.data() + r0 * width,
+                                                    width);
       }
       // b. softmax per row: exp(scale (s - max)) over its keys, zeros after, as bf16 pairs
       for (int64_t r = 0; r < rows; ++r) {
@@ -205,7 +194,7 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
         for (; k + 32 <= width; k += 32)
           _mm512_storeu_si512(pr + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + k + 16), _mm512_loadu_ps(sr + k)));
         if (k < width)                  // width is a multiple of 16
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sr + k)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + k), round16(_mm512_loadu_ps(sr + k)));
       }
       // c. out = P V / sum, kValueRows rows at a time over the key pairs their last row sees
       for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
@@ -216,7 +205,8 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
           p[r] = probs.data() + (r0 + r) * width / 2;
           o[r] = out + ((i0 + (r0 + r) / group) * heads + h * group + (r0 + r) % group) * kDim;
         }
-        with_r<ValueRows, kDim, kValueRows>(rr, p, vph, (keys_of(r0 + rr - 1) + 1) / 2, inv_sum.data() + r0, o);
+        with_rows<ValueRows<kDim>::template Rows, kValueRows>(rr, p, vph, (keys_of(r0 + rr - 1) + 1) / 2,
+                                                            inv_sum.data() + r0, o);
       }
     }
   });
@@ -224,7 +214,7 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
 #endif
 
 bool prefill_attention_supported(int64_t head_dim) {
-#ifdef PDSERVE_PREFILL_AVX512
+#ifdef PDSERVE_AVX512
   return head_dim == 64 || head_dim == 128;
 #else
   (void)head_dim;
@@ -253,7 +243,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
     TORCH_CHECK(0 <= tp[i] && tp[i] < nblocks, "block ", tp[i], " is not in the pool");
   at::Tensor q = query.stride(2) == 1 && query.stride(1) == dim ? query : query.contiguous();
   at::Tensor out = at::empty({n, heads * dim}, query.options());
-#ifdef PDSERVE_PREFILL_AVX512
+#ifdef PDSERVE_AVX512
   const int64_t token_stride = kv_heads * dim, half = block_size * token_stride;
   const Context ctx{reinterpret_cast<const bf16*>(pool.data_ptr<at::BFloat16>()), tp, block_size,
                     layers * 2 * half, layer * 2 * half, layer * 2 * half + half, token_stride};
