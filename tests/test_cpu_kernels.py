@@ -196,7 +196,7 @@ def test_dense_gemv_matches_a_double_precision_product(dtype, out_f, in_f, with_
     bias = (torch.randn(out_f, generator=g) * 0.1).to(dtype) if with_bias else None
     xs = torch.randn(19, in_f, generator=g).to(dtype)
     full = _dense_gemv(w, bias, xs)
-    for rows in [*range(1, 9), 9, 19]:                                    # 9 and 19: more than one pass
+    for rows in [*range(1, 9), 9, 16, 17, 19]:     # 9-16: one pass in bf16, two in fp32; 17, 19: more
         x = xs[:rows]
         ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
         y = _dense_gemv(w, bias, x)
@@ -240,16 +240,16 @@ def test_argmax_rows_gives_torchs_indices_ties_nan_and_infinities_included():
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
 def test_gemv_passes_over_l2_chunks_give_what_single_passes_give(fmt):
-    """More than 8 rows take passes of 8 over chunks of a thread's weights (gemv_cpu.h
-    `passes_in_chunks`); a weight of many chunks (4000 x 576: several per thread for every format)
-    gives, for 19 rows (passes of 8, 8, 3), exactly what the three row slices give alone (one pass
-    over the whole share each, the same per-pass kernels), so every channel and row is computed
-    once and in place."""
+    """More rows than one pass takes (bf16: 16, the others 8) take a first pass and then passes of
+    8 over chunks of a thread's weights (gemv_cpu.h `passes_in_chunks`); a weight of many chunks
+    (4000 x 576: several per thread for every format) gives, for 19 and 43 rows, exactly what the
+    row slices of those passes give alone (one pass over the whole share each, the same per-pass
+    kernels), so every channel and row is computed once and in place."""
     if fmt in ("fp32", "bf16") and not KERNELS.gemv_vectorized():
         pytest.skip("the dense GEMVs are used only where they build with AVX512-BF16")
     g = torch.Generator().manual_seed(11)
     w = torch.randn(4000, 576, generator=g) * 0.05
-    x = torch.randn(19, 576, generator=g)
+    x = torch.randn(43, 576, generator=g)
     if fmt in ("fp32", "bf16"):
         dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
         w, x = w.to(dtype), x.to(dtype)
@@ -257,8 +257,11 @@ def test_gemv_passes_over_l2_chunks_give_what_single_passes_give(fmt):
     else:
         layer, _ = (linear._int8 if fmt == "int8" else linear._int4)(w, None, KERNELS)
         x = x.bfloat16()
-    whole = layer(x)
-    assert torch.equal(whole, torch.cat([layer(x[:8]), layer(x[8:16]), layer(x[16:])]))
+    first = 16 if fmt == "bf16" else 8
+    for rows in (19, 43):
+        starts = [0, *range(first, rows, 8), rows]
+        passes = [layer(x[a:b]) for a, b in zip(starts, starts[1:])]
+        assert torch.equal(layer(x[:rows]), torch.cat(passes)), rows
 
 
 @needs_vector_gemv

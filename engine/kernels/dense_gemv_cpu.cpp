@@ -25,7 +25,8 @@
 // other rows or on the thread split (batch-invariant).
 // bf16: gemv_cpu.h's pair kernel, as int8_gemv without the conversion: the blocked layout reads
 // one contiguous stream per thread half, 1.25x faster than row-major dot products measured at
-// 1-4 rows. Products and sums in fp32, rounded to bf16 once, bias included.
+// 1-4 rows; 9-16 rows (and the first 16 of more) take one pass of one stream that fetches ahead
+// (gemv_cpu.h `kWideFirst`). Products and sums in fp32, rounded to bf16 once, bias included.
 #include "gemv_cpu.h"
 
 namespace {
@@ -109,8 +110,8 @@ at::Tensor fp32_gemv(const at::Tensor& x_in, const at::Tensor& w, const std::opt
   // shares of at least 64 channels (a thread's share outweighs its start-up); rows past kMaxRows
   // take more passes, chunk by chunk (gemv_cpu.h)
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    passes_in_chunks(rows, n0, n1, K * 4, 16, [&](int64_t r0, int64_t c0, int64_t c1) {
-      with_rows<Fp32Range>(std::min(kMaxRows, rows - r0), xp + r0 * K, K, wp, bp, yp + r0 * N, N, c0, c1);
+    passes_in_chunks(rows, n0, n1, K * 4, 16, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
+      with_rows<Fp32Range>(r, xp + r0 * K, K, wp, bp, yp + r0 * N, N, c0, c1);
     });
   });
   return y;
@@ -125,7 +126,11 @@ void bf16_range(const bf16* x, int64_t K, const bf16* w, const bf16* bias, bf16*
       [&](auto nb, const int64_t* blocks) {
 #ifdef PDSERVE_AVX512
         pair_dots<R, decltype(nb)::value>(x, K,
-            [&](int j, int64_t k) { return (__m512bh)_mm512_loadu_si512(w + blocks[j] * K * 16 + k * 16); },
+            [&](int j, int64_t k) {
+              const bf16* p = w + blocks[j] * K * 16 + k * 16;
+              if constexpr (R > kMaxRows) _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead, _MM_HINT_T0);
+              return (__m512bh)_mm512_loadu_si512(p);
+            },
             [&](int j, int r, __m512 sum) { store16(y + r * N, bias, N, blocks[j] * 16, sum); });
 #endif
       },
@@ -155,8 +160,8 @@ at::Tensor bf16_gemv(const at::Tensor& x_in, const at::Tensor& w, const std::opt
   const bf16* wp = w.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {     // as int8_gemv
-    passes_in_chunks(rows, b0, b1, K * 32, 2, [&](int64_t r0, int64_t c0, int64_t c1) {
-      with_rows<Bf16Range>(std::min(kMaxRows, rows - r0), xp + r0 * K, K, wp, b, yp + r0 * n, n, c0, c1);
+    passes_in_chunks<kWideFirst>(rows, b0, b1, K * 32, 2, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
+      with_rows<Bf16Range, kWideFirst>(r, xp + r0 * K, K, wp, b, yp + r0 * n, n, c0, c1);
     });
   });
   return y;

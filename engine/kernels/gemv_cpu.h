@@ -4,8 +4,8 @@
 // bf16_gemv; engine/linear.py packs the weights and calls them for steps of few rows.
 //
 // At batch 1 a decode step reads every weight once, so these kernels stream the weight bytes
-// once per call for up to kMaxRows rows (every row is computed against each weight as it is
-// read; more rows take one pass per kMaxRows, over L2-sized chunks: `passes_in_chunks`) and keep
+// once per call for up to kMaxRows rows (bf16: 16; every row is computed against each weight as
+// it is read; more rows take more passes, over L2-sized chunks: `passes_in_chunks`) and keep
 // all arithmetic in registers. Products
 // and sums in fp32; the output is rounded to bf16 once, bias included. Threads split the
 // output channels (at::parallel_for, torch's thread count). Both take the weight in blocks of
@@ -125,23 +125,37 @@ void over_blocks(int64_t b0, int64_t b1, Avx&& avx, Scalar&& scalar) {
 #endif
 }
 // A thread's share of the weight [u0, u1) (u: a block of 16 channels, or one channel for fp32;
-// `unit_bytes` of weight each) for `rows` rows: `pass(r0, c0, c1)` computes rows [r0, r0 +
-// kMaxRows) on units [c0, c1). Up to kMaxRows rows that is one pass over the share. More rows take
-// one pass per kMaxRows, and the share is walked in chunks of about kChunkBytes so that the passes
-// after the first read a chunk from L2, not memory: measured on this project's CPU (bf16, SmolLM2's
-// linears, 1 thread) 12-32 rows took 0.76-0.81x the time of passes over the whole share, and
-// 12-64 rows 0.80-0.90x oneDNN's packed bf16 GEMM (2 threads, 16-64: 0.85-0.87x); 512 KiB chunks
-// beat 128-256 and 1024 (the core's L2 is 1 MiB).
+// `unit_bytes` of weight each) for `rows` rows: `pass(r0, r, c0, c1)` computes rows [r0, r0 + r)
+// on units [c0, c1). The first pass takes up to kFirst rows (kMaxRows, or a kernel's wider
+// first pass: `kAhead`), each later one up to kMaxRows. One pass covers the whole share; more
+// walk it in chunks of about kChunkBytes so that the passes after the first read a chunk from
+// L2, not memory: measured on this project's CPU (bf16, SmolLM2's linears, 1 thread) 12-32 rows
+// took 0.76-0.81x the time of passes over the whole share, and 12-64 rows 0.80-0.90x oneDNN's
+// packed bf16 GEMM (2 threads, 16-64: 0.85-0.87x); 512 KiB chunks beat 128-256 and 1024 (the
+// core's L2 is 1 MiB).
 constexpr int64_t kChunkBytes = 512 * 1024;
 
-template <typename Pass>
+template <int64_t kFirst = kMaxRows, typename Pass>
 void passes_in_chunks(int64_t rows, int64_t u0, int64_t u1, int64_t unit_bytes, int64_t min_units, Pass&& pass) {
-  const int64_t step = rows <= kMaxRows ? u1 - u0 : std::max<int64_t>(min_units, kChunkBytes / unit_bytes);
+  const int64_t first = std::min(rows, kFirst);
+  const int64_t step = rows == first ? u1 - u0 : std::max<int64_t>(min_units, kChunkBytes / unit_bytes);
   for (int64_t c0 = u0; c0 < u1; c0 += step) {
     const int64_t c1 = std::min(u1, c0 + step);
-    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) pass(r0, c0, c1);
+    pass(0, first, c0, c1);
+    for (int64_t r0 = first; r0 < rows; r0 += kMaxRows) pass(r0, std::min(kMaxRows, rows - r0), c0, c1);
   }
 }
+
+// A first pass wider than kMaxRows (bf16: up to 16 rows, one weight stream, R accumulators)
+// does twice the arithmetic per weight byte streamed from memory, which at 8 rows leaves the
+// vector units idle most of the time; but then the hardware prefetcher alone no longer keeps
+// enough of the stream in flight, so such a pass fetches its weights kAhead bytes ahead.
+// Measured (benchmarks/linear_bench.py's whole step, bf16, against 8-row passes, builds
+// alternated): 1 thread 12 rows 0.78x, 16 0.84x, 24 0.92x, 32 0.91x, 64 0.97x; 2 threads 0.80x,
+// 0.86x, 0.92x, 0.94x, 0.97x. 4-8 KiB ahead beat 0.5-2 KiB; without fetching ahead the 16-row
+// pass took 1.6x the two 8-row passes.
+constexpr int64_t kWideFirst = 16;
+constexpr int64_t kAhead = 6144;
 
 inline void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,

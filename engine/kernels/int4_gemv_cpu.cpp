@@ -132,8 +132,8 @@ at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed, const at:
   const bf16* szp = sz.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {     // as int8_gemv
-    passes_in_chunks(rows, b0, b1, K * 8 + groups * 64, 2, [&](int64_t r0, int64_t c0, int64_t c1) {
-      with_rows<Int4Range>(std::min(kMaxRows, rows - r0), xp + r0 * K, xs + r0 * groups, K, pp, szp, b,
+    passes_in_chunks(rows, b0, b1, K * 8 + groups * 64, 2, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
+      with_rows<Int4Range>(r, xp + r0 * K, xs + r0 * groups, K, pp, szp, b,
                            yp + r0 * n, n, c0, c1);
     });
   });

@@ -73,8 +73,8 @@ at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   // Rows past kMaxRows take more passes over the weights, chunk by chunk (gemv_cpu.h; measured
   // faster than re-reading each block from L1 for them)
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    passes_in_chunks(rows, b0, b1, K * 16, 2, [&](int64_t r0, int64_t c0, int64_t c1) {
-      with_rows<Int8Range>(std::min(kMaxRows, rows - r0), xp + r0 * K, K, qp, sp, b, yp + r0 * n, n, c0, c1);
+    passes_in_chunks(rows, b0, b1, K * 16, 2, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
+      with_rows<Int8Range>(r, xp + r0 * K, K, qp, sp, b, yp + r0 * n, n, c0, c1);
     });
   });
   return y;

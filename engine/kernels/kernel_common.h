@@ -28,20 +28,15 @@ inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }   //
 
 // Kernel<rows>::run(args...) for 1 <= rows <= kMax (a row count above kMax runs Kernel<kMax>);
 // only Kernel<1 .. kMax> are instantiated
-template <template <int> class Kernel, int kMax = 8, typename... Args>
+template <template <int> class Kernel, int kMax = 8, int R = 1, typename... Args>
 void with_rows(int64_t rows, Args... args) {
-  static_assert(1 <= kMax && kMax <= 8);
-  switch (rows) {
-    case 1: return Kernel<1>::run(args...);
-    case 2: if constexpr (kMax > 2) return Kernel<2>::run(args...); break;
-    case 3: if constexpr (kMax > 3) return Kernel<3>::run(args...); break;
-    case 4: if constexpr (kMax > 4) return Kernel<4>::run(args...); break;
-    case 5: if constexpr (kMax > 5) return Kernel<5>::run(args...); break;
-    case 6: if constexpr (kMax > 6) return Kernel<6>::run(args...); break;
-    case 7: if constexpr (kMax > 7) return Kernel<7>::run(args...); break;
-    default: break;
+  static_assert(1 <= R && R <= kMax && kMax <= 16);
+  if constexpr (R == kMax) {
+    Kernel<kMax>::run(args...);
+  } else {
+    if (rows == R) return Kernel<R>::run(args...);
+    with_rows<Kernel, kMax, R + 1>(rows, args...);
   }
-  Kernel<kMax>::run(args...);
 }
 
 }  // namespace pdserve_cpu
