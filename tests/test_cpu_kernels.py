@@ -240,7 +240,7 @@ def test_argmax_rows_gives_torchs_indices_ties_nan_and_infinities_included():
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
 def test_gemv_passes_over_l2_chunks_give_what_single_passes_give(fmt):
-    """More rows than one pass takes (bf16: 16, the others 8) take a first pass and then passes of
+    """More rows than one pass takes (bf16 and int8: 16, the others 8) take a first pass and then passes of
     8 over chunks of a thread's weights (gemv_cpu.h `passes_in_chunks`); a weight of many chunks
     (4000 x 576: several per thread for every format) gives, for 19 and 43 rows, exactly what the
     row slices of those passes give alone (one pass over the whole share each, the same per-pass
@@ -257,7 +257,7 @@ def test_gemv_passes_over_l2_chunks_give_what_single_passes_give(fmt):
     else:
         layer, _ = (linear._int8 if fmt == "int8" else linear._int4)(w, None, KERNELS)
         x = x.bfloat16()
-    first = 16 if fmt == "bf16" else 8
+    first = 16 if fmt in ("bf16", "int8") else 8
     for rows in (19, 43):
         starts = [0, *range(first, rows, 8), rows]
         passes = [layer(x[a:b]) for a, b in zip(starts, starts[1:])]

@@ -4,7 +4,7 @@
 // bf16_gemv; engine/linear.py packs the weights and calls them for steps of few rows.
 //
 // At batch 1 a decode step reads every weight once, so these kernels stream the weight bytes
-// once per call for up to kMaxRows rows (bf16: 16; every row is computed against each weight as
+// once per call for up to kMaxRows rows (bf16 and int8: 16; every row is computed against each weight as
 // it is read; more rows take more passes, over L2-sized chunks: `passes_in_chunks`) and keep
 // all arithmetic in registers. Products
 // and sums in fp32; the output is rounded to bf16 once, bias included. Threads split the
@@ -146,14 +146,16 @@ void passes_in_chunks(int64_t rows, int64_t u0, int64_t u1, int64_t unit_bytes, 
   }
 }
 
-// A first pass wider than kMaxRows (bf16: up to 16 rows, one weight stream, R accumulators)
-// does twice the arithmetic per weight byte streamed from memory, which at 8 rows leaves the
-// vector units idle most of the time; but then the hardware prefetcher alone no longer keeps
-// enough of the stream in flight, so such a pass fetches its weights kAhead bytes ahead.
-// Measured (benchmarks/linear_bench.py's whole step, bf16, against 8-row passes, builds
-// alternated): 1 thread 12 rows 0.78x, 16 0.84x, 24 0.92x, 32 0.91x, 64 0.97x; 2 threads 0.80x,
-// 0.86x, 0.92x, 0.94x, 0.97x. 4-8 KiB ahead beat 0.5-2 KiB; without fetching ahead the 16-row
-// pass took 1.6x the two 8-row passes.
+// A first pass wider than kMaxRows (bf16 and int8: up to 16 rows, one weight stream, R
+// accumulators) does twice the arithmetic per weight byte streamed from memory, which at 8 rows
+// leaves the vector units idle most of the time; but then the hardware prefetcher alone no longer
+// keeps enough of the stream in flight, so such a pass fetches its weights kAhead bytes ahead.
+// Measured (benchmarks/linear_bench.py's whole step, against 8-row passes, builds alternated),
+// at 12 / 16 / 24 / 32 / 64 rows: bf16 1 thread 0.78x / 0.84x / 0.92x / 0.91x / 0.97x, 2 threads
+// 0.80x / 0.86x / 0.92x / 0.94x / 0.97x; int8 1 thread 0.65x / 0.75x / 0.84x / 0.87x / 0.92x,
+// 2 threads (to 32) 0.68-0.76x / 0.76-0.77x / 0.85x / 0.87-0.89x. 4-8 KiB ahead beat 0.5-2 KiB
+// (int8: 3 and 6 KiB alike); without fetching ahead the 16-row bf16 pass took 1.6x the two
+// 8-row passes. int4 keeps 8 rows: its kernel's 3 x R accumulators would not fit the registers.
 constexpr int64_t kWideFirst = 16;
 constexpr int64_t kAhead = 6144;
 

@@ -5,6 +5,8 @@
 //       -> [R, n] bf16      y[r, n] = scale[n] * sum_k x[r, k] * q[n, k] + bias[n]
 //     Byte 2c + e of q[b, j] is channel 16b + c's q at input 2j + e (odd K: a zero column added).
 // AVX512: q goes through fp32 to bf16 (exact: |q| <= 127 fits bf16's 8 significant bits).
+// 9-16 rows (and the first 16 of more) take one pass of one stream that fetches ahead
+// (gemv_cpu.h `kWideFirst`).
 #include "gemv_cpu.h"
 
 namespace {
@@ -18,6 +20,7 @@ void int8_avx(const bf16* x, int64_t K, const int8_t* q, const float* scale, con
   pair_dots<R, NB>(x, K,
       [&](int j, int64_t k) {                              // inputs k, k + 1 of block j's 16 channels
         const __m128i* w = reinterpret_cast<const __m128i*>(q + blocks[j] * K * 16 + k * 16);
+        if constexpr (R > kMaxRows) _mm_prefetch(reinterpret_cast<const char*>(w) + kAhead, _MM_HINT_T0);
         const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(w)));       // channels 0-7
         const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(w + 1)));   // channels 8-15
         return _mm512_cvtne2ps_pbh(w1, w0);                // exact: |q| <= 127 fits bf16's 8 bits
@@ -73,8 +76,8 @@ at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   // Rows past kMaxRows take more passes over the weights, chunk by chunk (gemv_cpu.h; measured
   // faster than re-reading each block from L1 for them)
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    passes_in_chunks(rows, b0, b1, K * 16, 2, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
-      with_rows<Int8Range>(r, xp + r0 * K, K, qp, sp, b, yp + r0 * n, n, c0, c1);
+    passes_in_chunks<kWideFirst>(rows, b0, b1, K * 16, 2, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
+      with_rows<Int8Range, kWideFirst>(r, xp + r0 * K, K, qp, sp, b, yp + r0 * n, n, c0, c1);
     });
   });
   return y;
