@@ -3,6 +3,7 @@
   .venv/bin/python benchmarks/attention_bench.py [--threads 1] [--model DIR] [--rss-batch 64 --rss-context 2048]
   .venv/bin/python benchmarks/attention_bench.py --chunks      (only 3.)
   .venv/bin/python benchmarks/attention_bench.py --prefills    (only 4.)
+  .venv/bin/python benchmarks/attention_bench.py --layers [--dtype fp32]   (only 5.)
 
 1. Per-layer decode attention time of each backend (SmolLM2-135M's shape: 9 query heads, 3 KV
    heads, head size 64, 30 layers, block size 16), at batch x context from 1 x 64 to 64 x 2048,
@@ -23,6 +24,10 @@
    tokens, one engine with its prefill kernel off (sdpa; RoPE and the K/V store as torch ops) and on
    (the kernel; RoPE and the store in one kernel, as the attention then all reads the pool in
    place), alternated three times.
+5. `--layers`: the in-place kernel alone per layer, cold and warm: a pool of 30 layers called
+   layer after layer (what a decode step does: a layer's K/V were last read 30 calls ago, so at
+   these sizes they come from memory), then the same layer again (from cache where it fits);
+   1 x 1024 to 64 x 2048, bf16 (or `--dtype fp32`), with the K/V bytes read per second.
 """
 
 from __future__ import annotations
@@ -263,6 +268,43 @@ def rss(args) -> None:
     print()
 
 
+def layers(threads: int, dtype_name: str) -> None:
+    import torch
+
+    from engine.kernels import cpu_kernels
+    torch.set_num_threads(threads)
+    kernels = cpu_kernels()
+    if kernels is None:
+        print("the CPU kernel could not be built; nothing to measure")
+        return
+    dtype = getattr(torch, dtype_name)
+    n_layers, bs, n_kv, heads, dim = 30, 16, 3, 9, 64
+    print(f"### The in-place decode kernel per layer, {dtype_name}, {threads} thread(s): microseconds "
+          f"(GB/s of K/V), medians of 30 calls layer after layer (cold) and 10 of one layer (warm)\n")
+    print("| batch x context | K/V MB | cold | warm |")
+    print("|---|---:|---:|---:|")
+    for batch, ctx in ((1, 1024), (8, 256), (32, 256), (32, 512), (64, 2048)):
+        nb = -(-ctx // bs)
+        pool = torch.zeros(batch * nb + 1, n_layers, 2, bs, n_kv, dim, dtype=dtype).normal_()
+        tables = torch.randperm(batch * nb + 1)[:batch * nb].view(batch, nb).contiguous()
+        lens = torch.full((batch,), ctx)
+        q = torch.randn(batch, heads, dim, dtype=dtype)
+
+        def timed(layer_of, n):
+            ts = []
+            for i in range(n):
+                t0 = time.perf_counter()
+                kernels.paged_decode_attention(q, pool, tables, lens, layer_of(i), dim ** -0.5)
+                ts.append(time.perf_counter() - t0)
+            return statistics.median(ts[2:]) * 1e6
+
+        cold, warm = timed(lambda i: i % n_layers, 32), timed(lambda i: 5, 12)
+        mb = batch * ctx * n_kv * dim * 2 * pool.element_size() / 1e6
+        print(f"| {batch} x {ctx} | {mb:.1f} | {cold:.0f} ({mb / cold * 1e3:.1f}) | {warm:.0f} ({mb / warm * 1e3:.1f}) |")
+        del pool
+    print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(ROOT / ".cache/models/SmolLM2-135M-Instruct"))
@@ -273,6 +315,8 @@ def main() -> None:
     ap.add_argument("--skip-micro", action="store_true")
     ap.add_argument("--chunks", action="store_true", help="only the prompt-chunk comparison (3.)")
     ap.add_argument("--prefills", action="store_true", help="only the whole-prefill comparison (4.)")
+    ap.add_argument("--layers", action="store_true", help="only the kernel per layer, cold and warm (5.)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for --layers")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="auto", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -280,9 +324,11 @@ def main() -> None:
         rss_child(args)
         return
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}\n")
-    if args.chunks or args.prefills:
+    if args.chunks or args.prefills or args.layers:
         if args.chunks:
             chunks(args.threads)
+        elif args.layers:
+            layers(args.threads, args.dtype)
         else:
             prefills(args)
         print(f"(1-minute load average at end {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")

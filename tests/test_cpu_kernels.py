@@ -331,6 +331,21 @@ def test_kernel_matches_torch_backend(dtype, tol, heads, kv_heads, dim, block_si
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_softmax_survives_scores_far_below_zero(dtype):
+    # every key alike and each query pointing away from it: all scores about -290, whose exp
+    # underflows to 0 unless the softmax subtracts their true maximum (the padding past a
+    # sequence's length must not count as a score of 0); the output is then the values' mean
+    pool, tables, lens, query = _decode_case(dtype, batch=5, max_ctx=70, heads=9, kv_heads=3, dim=64,
+                                             block_size=16)
+    pool[:, :, 0] = 3.0                                     # every K row of every layer
+    query = torch.full_like(query, -12.0)
+    out, ref = _both_backends(pool, tables, lens, query, 1, 0.125)
+    assert torch.isfinite(out.float()).all()
+    assert (out.float() - ref.float()).abs().max().item() <= (2e-6 if dtype == torch.float32 else 1.6e-2)
+
+
+@needs_kernel
 def test_rope_store_matches_the_unfused_ops():
     # RoPE then the K/V store, fused, against decoder._rope + the store of paged_attention: the same
     # q and pool rows up to one bf16 rounding, and no other pool row touched

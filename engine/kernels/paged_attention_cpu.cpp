@@ -18,12 +18,17 @@
 // keys at a time: each key's dot product with a query head (bf16: `vdpbf16ps`, exact products;
 // fp32: FMA; sums in fp32) left in a vector of 16 partial sums, and the 16 vectors reduced together by a transpose
 // (about 3 instructions per key instead of 10 for a reduction each); the scale is applied to the
-// scores. The output sums p * v in fp32 with up to 24 accumulators in registers (query heads of
-// the group in chunks). Keys and values are prefetched 16-32 tokens ahead (the pool's blocks
-// lie anywhere in memory), and the next two items' first 64 tokens while an item computes. Measured against the generic loop below on SmolLM2's shapes (9
+// scores, and each head's maximum taken as they are stored. The output sums p * v with up to 24
+// accumulators in registers (query heads of the group in chunks of a compile-time size): in fp32
+// one FMA per token and 16 dims; in bf16 two tokens per `vdpbf16ps` against p rounded to bf16
+// (`ValuesBf16`). Keys are prefetched 32-48 tokens ahead, values 64 (the pool's blocks lie
+// anywhere in memory), and the next two items' first 64 tokens while an item computes. Measured against the generic loop below on SmolLM2's shapes (9
 // heads, 3 KV heads, 64 dims, bf16, 2 threads; benchmarks/attention_bench.py): per layer
 // 1.2x at 1 x 64 tokens, 2.2-2.9x from 8 x 256 to 64 x 2048 (the real model's decode step at
 // 64 x 2048: 419 -> 180 ms); fp32, 1 thread: 1.4x at 1 x 64, 2.5-2.9x from 1 x 1024 to 64 x 2048.
+// Session 10 (bf16 pairs in step 3, its accumulators out of the stack, the max with the scores,
+// values 64 tokens ahead; the README's attention section has the table): bf16 per cold layer
+// (`attention_bench.py --layers`) 0.70-0.82x on 1 thread, 0.78-0.95x on 2, from 1 x 1024 to 64 x 2048.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,6 +36,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -41,6 +47,10 @@ namespace {
 
 using namespace pdserve_cpu;
 
+// How far ahead (tokens) the value rows are fetched during step 3, and the keys during step 1:
+// values 16 -> 64 measured 0.90-0.97x per cold layer (8 x 256 to 64 x 2048, 1 thread; 32: between)
+constexpr int64_t kValuesAhead = 64, kKeysAhead = 32;
+
 // s[0 .. len) <- softmax(s), in fp32: the max, then exp and sum, then the scaling
 inline void softmax_in_place(float* s, int64_t len) {
   float m = std::numeric_limits<float>::lowest();
@@ -49,6 +59,13 @@ inline void softmax_in_place(float* s, int64_t len) {
   for (int64_t j = 0; j < len; ++j) { s[j] = std::exp(s[j] - m); sum += s[j]; }
   const float inv = 1.f / sum;
   for (int64_t j = 0; j < len; ++j) s[j] *= inv;
+}
+
+// s[0 .. len) <- exp(s - max), in fp32; returns their sum (softmax_in_place's middle pass)
+inline float exp_and_sum(float* s, int64_t len, float max) {
+  float sum = 0.f;
+  for (int64_t j = 0; j < len; ++j) { s[j] = std::exp(s[j] - max); sum += s[j]; }
+  return sum;
 }
 
 #ifdef PDSERVE_AVX512
@@ -98,6 +115,120 @@ template <int64_t kDim> struct Elems<float, kDim> {
   static void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
 };
 
+// Step 3 in fp32 (fp32 pools): out_g = sum_t p[g, t] v_t with one FMA per value vector, in token
+// order. H (the query heads of this chunk) is a compile-time count so that the H x kDim / 16
+// accumulators stay in registers (with a runtime count the compiler kept them on the stack).
+template <int64_t kDim>
+struct ValuesFp32 {
+  template <int H>
+  struct Heads {
+    static void run(const float* probs, const float* const* values, int64_t len, int64_t padded, float* out) {
+      constexpr int kVecs = kDim / 16, kRowBytes = kDim * 4;
+      __m512 acc[H][kVecs];
+      PDSERVE_UNROLL
+      for (int g = 0; g < H; ++g) for (int j = 0; j < kVecs; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < len; ++t) {
+        if (t + kValuesAhead < len)
+          for (int j = 0; j < kRowBytes; j += 64) _mm_prefetch(reinterpret_cast<const char*>(values[t + kValuesAhead]) + j, _MM_HINT_T0);
+        __m512 v[kVecs];
+        PDSERVE_UNROLL
+        for (int j = 0; j < kVecs; ++j) v[j] = _mm512_loadu_ps(values[t] + 16 * j);
+        PDSERVE_UNROLL
+        for (int g = 0; g < H; ++g) {
+          const __m512 p = _mm512_set1_ps(probs[g * padded + t]);
+          PDSERVE_UNROLL
+          for (int j = 0; j < kVecs; ++j) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
+        }
+      }
+      PDSERVE_UNROLL
+      for (int g = 0; g < H; ++g)
+        for (int j = 0; j < kVecs; ++j) _mm512_storeu_ps(out + g * kDim + 16 * j, acc[g][j]);
+    }
+  };
+};
+
+template <int64_t kDim, int kHeadChunk>
+void values_fp32(const float* probs, const float* const* values, int64_t len, int64_t padded, int64_t group,
+                 float* out) {
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadChunk)
+    with_rows<ValuesFp32<kDim>::template Heads, kHeadChunk>(std::min<int64_t>(kHeadChunk, group - g0),
+        probs + g0 * padded, values, len, padded, out + g0 * kDim);
+}
+
+// Step 3 in bf16: the probabilities rounded to bf16 (`probs`, as the prefill kernel's P) and two
+// tokens at a time in `vdpbf16ps`: their value rows interleaved (unpacklo/hi by 16 bits: the pairs
+// of dims 8l .. 8l + 3, then 8l + 4 .. 8l + 7, of each 128-bit lane) meet a broadcast pair of
+// probabilities, so a token pair costs one instruction per 16 outputs instead of two FMAs and the
+// bf16 -> fp32 widening of both rows; the lane order is undone once at the end. H (the query heads
+// of this chunk) is a compile-time count so that the H x kDim / 16 accumulators stay in registers.
+template <int64_t kDim>
+struct ValuesBf16 {
+  template <int H>
+  struct Heads {
+    static void run(const bf16* probs, const bf16* const* values, int64_t len, int64_t padded, bf16* out) {
+      constexpr int kHalves = kDim / 32, kRowBytes = kDim * 2;   // 512-bit vectors per value row
+      const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+      const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+      __m512 acc[H][2 * kHalves];
+      PDSERVE_UNROLL
+      for (int g = 0; g < H; ++g) for (int j = 0; j < 2 * kHalves; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < len; t += 2) {
+        if (t + kValuesAhead + 1 < len)
+          for (int j = 0; j < kRowBytes; j += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(values[t + kValuesAhead]) + j, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(values[t + kValuesAhead + 1]) + j, _MM_HINT_T0);
+          }
+        const bf16* va = values[t];
+        const bf16* vb = t + 1 < len ? values[t + 1] : va;   // its probability is 0
+        __m512bh lo[kHalves], hi[kHalves];
+        PDSERVE_UNROLL
+        for (int j = 0; j < kHalves; ++j) {
+          const __m512i a = _mm512_loadu_si512(va + 32 * j), b = _mm512_loadu_si512(vb + 32 * j);
+          lo[j] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+          hi[j] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        }
+        PDSERVE_UNROLL
+        for (int g = 0; g < H; ++g) {
+          int32_t two;
+          std::memcpy(&two, probs + g * padded + t, 4);
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(two);
+          PDSERVE_UNROLL
+          for (int j = 0; j < kHalves; ++j) {
+            acc[g][2 * j] = _mm512_dpbf16_ps(acc[g][2 * j], p, lo[j]);
+            acc[g][2 * j + 1] = _mm512_dpbf16_ps(acc[g][2 * j + 1], p, hi[j]);
+          }
+        }
+      }
+      PDSERVE_UNROLL
+      for (int g = 0; g < H; ++g)
+        for (int j = 0; j < kHalves; ++j) {
+          bf16* o = out + g * kDim + 32 * j;
+          const __m512 l = acc[g][2 * j], h = acc[g][2 * j + 1];
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), round16(_mm512_permutex2var_ps(l, first, h)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), round16(_mm512_permutex2var_ps(l, second, h)));
+        }
+    }
+  };
+};
+
+// (exp(s - max) of each query head's scores, their sums' inverses `inv`)
+template <int64_t kDim, int kHeadChunk>
+void values_bf16(const float* scores, const float* inv, std::vector<bf16>& probs, const bf16* const* values,
+                 int64_t len, int64_t padded, int64_t group, bf16* out) {
+  probs.resize(group * padded);
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512 scale = _mm512_set1_ps(inv[g]);
+    for (int64_t t = 0; t < padded; t += 16) {             // past len: 0, so pairs end in 0
+      const __mmask16 valid = len - t >= 16 ? __mmask16(0xFFFF) : __mmask16(len > t ? (1u << (len - t)) - 1 : 0);
+      const __m512 p = _mm512_maskz_mul_ps(valid, _mm512_loadu_ps(scores + g * padded + t), scale);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + g * padded + t), round16(p));
+    }
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadChunk)
+    with_rows<ValuesBf16<kDim>::template Heads, kHeadChunk>(std::min<int64_t>(kHeadChunk, group - g0),
+        static_cast<const bf16*>(probs.data() + g0 * padded), values, len, padded, out + g0 * kDim);
+}
+
 template <typename T, int64_t kDim>
 void attend_avx(const T* query, const T* pool, const int64_t* tables, const int64_t* lens, T* out,
                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
@@ -107,7 +238,8 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
   constexpr int kHeadChunk = 24 / kVecs;      // query heads whose outputs fit 24 registers
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, maxes(group), inv(group);
+    std::vector<bf16> probs;
     std::vector<const T*> keys, values;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];
@@ -133,12 +265,14 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
       for (int64_t next = item + 1; next < std::min(end, item + 3); ++next) {
         const int64_t nb = next / kv_heads, nh = next % kv_heads;
         const int64_t* nt = tables + nb * max_blocks;
-        for (int64_t t = 0; t < std::min<int64_t>(lens[nb], 64); ++t) {
-          const T* row = pool + nt[t / block_size] * block_stride + (t % block_size) * token_stride + nh * kDim;
-          for (int j = 0; j < kRowBytes; j += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(row + k_offset) + j, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(row + v_offset) + j, _MM_HINT_T0);
-          }
+        const int64_t ahead = std::min<int64_t>(lens[nb], 64);
+        for (int64_t start = 0, i = 0; start < ahead; start += block_size, ++i) {   // block by block: no division
+          const T* row = pool + nt[i] * block_stride + nh * kDim;
+          for (int64_t t = start; t < std::min(ahead, start + block_size); ++t, row += token_stride)
+            for (int j = 0; j < kRowBytes; j += 64) {
+              _mm_prefetch(reinterpret_cast<const char*>(row + k_offset) + j, _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(row + v_offset) + j, _MM_HINT_T0);
+            }
         }
       }
       const T* q0 = query + (b * heads + h * group) * kDim;
@@ -146,41 +280,37 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
       for (int64_t g = 0; g < group; ++g) {
         typename E::Q q[E::kQ];
         for (int i = 0; i < E::kQ; ++i) q[i] = E::load_q(q0 + g * kDim, i);
+        __m512 most = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
           __m512 part[16];
           if (g == 0)                  // keys 16-32 ahead, from memory, while these 16 are summed
-            for (int64_t t = t0 == 0 ? 16 : t0 + 32; t < std::min(len, t0 + 48); ++t)
+            for (int64_t t = t0 == 0 ? 16 : t0 + kKeysAhead; t < std::min(len, t0 + kKeysAhead + 16); ++t)
               for (int j = 0; j < kRowBytes; j += 64) _mm_prefetch(reinterpret_cast<const char*>(keys[t]) + j, _MM_HINT_T0);
           for (int i = 0; i < 16; ++i) {
             part[i] = _mm512_setzero_ps();
             if (t0 + i < len) part[i] = E::dot(part[i], q, keys[t0 + i]);
           }
-          _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale)));
+          const __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));
+          _mm512_storeu_ps(scores.data() + g * padded + t0, sc);     // 0 past len
+          const __mmask16 valid = len - t0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - t0)) - 1);
+          most = _mm512_mask_max_ps(most, valid, most, sc);
         }
+        maxes[g] = _mm512_reduce_max_ps(most);
       }
-      // 2. softmax per query head over the len scores
-      for (int64_t g = 0; g < group; ++g) softmax_in_place(scores.data() + g * padded, len);
+      // 2. softmax per query head over the len scores: exp(s - max) and its sum here (the max came
+      // with the scores), the division where step 3 reads them (bf16) or in place (fp32)
+      for (int64_t g = 0; g < group; ++g) {
+        inv[g] = 1.f / exp_and_sum(scores.data() + g * padded, len, maxes[g]);
+        if constexpr (!std::is_same_v<T, bf16>)
+          for (int64_t t = 0; t < len; ++t) scores[g * padded + t] *= inv[g];
+      }
       // 3. out_g = sum_t p[g, t] v_t, kHeadChunk query heads at a time
-      for (int64_t g0 = 0; g0 < group; g0 += kHeadChunk) {
-        const int64_t heads_here = std::min<int64_t>(kHeadChunk, group - g0);
-        __m512 acc[kHeadChunk][kVecs];
-        for (int g = 0; g < kHeadChunk; ++g) for (int j = 0; j < kVecs; ++j) acc[g][j] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; ++t) {
-          if (g0 == 0 && t + 16 < len)
-            for (int j = 0; j < kRowBytes; j += 64) _mm_prefetch(reinterpret_cast<const char*>(values[t + 16]) + j, _MM_HINT_T0);
-          __m512 v[kVecs];
-          for (int j = 0; j < kVecs; ++j) v[j] = E::row16(values[t] + 16 * j);
-          for (int g = 0; g < kHeadChunk; ++g) {
-            if (g >= heads_here) break;
-            const __m512 p = _mm512_set1_ps(scores[(g0 + g) * padded + t]);
-            for (int j = 0; j < kVecs; ++j) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
-          }
-        }
-        for (int g = 0; g < heads_here; ++g) {
-          T* o = out + (b * heads + h * group + g0 + g) * kDim;
-          for (int j = 0; j < kVecs; ++j) E::store16(o + 16 * j, acc[g][j]);
-        }
-      }
+      if constexpr (std::is_same_v<T, bf16>)
+        values_bf16<kDim, kHeadChunk>(scores.data(), inv.data(), probs, values.data(), len, padded, group,
+                                      out + (b * heads + h * group) * kDim);
+      else
+        values_fp32<kDim, kHeadChunk>(scores.data(), values.data(), len, padded, group,
+                                         out + (b * heads + h * group) * kDim);
     }
   });
 }
