@@ -24,6 +24,33 @@ inline __m512 widen16(__m256i h) {          // 16 bf16 -> fp32 (exact)
 inline __m512 load16(const bf16* p) { return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const bf16* p, __mmask16 m) { return widen16(_mm256_maskz_loadu_epi16(m, p)); }   // off lanes 0
 inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }   // fp32 -> bf16, nearest even
+
+// e^x for 16 lanes, inline: a call into glibc's vector expf makes the compiler save and restore
+// every vector register live around it (the attention kernels' softmax loops). x = n ln 2 + r with
+// n = round(x / ln 2) and r in [-ln 2 / 2, ln 2 / 2] (ln 2 in two parts, so r is exact to fp32),
+// e^r by its Taylor polynomial to r^7 (truncation below 1e-8 relative), times 2^n by `vscalefps`
+// (which underflows to 0 and overflows to inf). Within 2 ulp of e^x in fp32 for x in [-87, 88]
+// (checked against double on a grid in the session that added it); x is clamped to [-104, 89]
+// first (e^-104 is 0 in fp32, e^89 inf); NaN stays NaN.
+inline __m512 exp16(__m512 x_in) {
+  // NaN found by its bits: the kernels build with -ffast-math, under which compares may assume none
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(
+      _mm512_and_si512(_mm512_castps_si512(x_in), _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  const __m512 x = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x_in));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);          // ln 2, high part
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);          // ln 2, the rest
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_mask_mov_ps(_mm512_scalef_ps(p, n), nan, x_in);
+}
 #endif
 
 // Kernel<rows>::run(args...) for 1 <= rows <= kMax (a row count above kMax runs Kernel<kMax>);

@@ -11,7 +11,7 @@
 //                                              ceil(len / bs) entries of a row are read)
 //   lens    [B] int64                         (context length of each sequence, new token included)
 //   -> out  [B, H * D]                        (same dtype as query)
-// Softmax in fp32, two passes over the scores (max, then exp-sum), as sdpa's math.
+// Softmax in fp32: the max as the scores are stored, then exp (kernel_common.h exp16) and sum.
 //
 // Head size 64 or 128 on AVX512-BF16 (`attend_avx`, bf16 and fp32): one work item per
 // (sequence, KV head), so a single sequence's heads spread over the threads. Scores come 16
@@ -61,14 +61,20 @@ inline void softmax_in_place(float* s, int64_t len) {
   for (int64_t j = 0; j < len; ++j) s[j] *= inv;
 }
 
-// s[0 .. len) <- exp(s - max), in fp32; returns their sum (softmax_in_place's middle pass)
+#ifdef PDSERVE_AVX512
+// s[0 .. len) <- exp(s - max), in fp32 (kernel_common.h's exp16, inline); returns their sum
 inline float exp_and_sum(float* s, int64_t len, float max) {
-  float sum = 0.f;
-  for (int64_t j = 0; j < len; ++j) { s[j] = std::exp(s[j] - max); sum += s[j]; }
-  return sum;
+  const __m512 m = _mm512_set1_ps(max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; j += 16) {
+    const __mmask16 valid = len - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - j)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, s + j), m));
+    _mm512_mask_storeu_ps(s + j, valid, e);
+    sum = _mm512_mask_add_ps(sum, valid, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
 }
 
-#ifdef PDSERVE_AVX512
 // out[i] = sum of the 16 lanes of v[i], for 16 vectors: three halving steps across and within
 // 128-bit lanes, after which lane 4r + c holds the sum of v[r + 4c]; one permute restores order
 inline __m512 reduce16(__m512 v[16]) {

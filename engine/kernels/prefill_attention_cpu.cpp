@@ -22,7 +22,8 @@
 //      short items (causal: later positions see more keys) so that threads get equal work:
 //      a. scores S = Q K^T for the item's rows (the group's query heads x 16 positions) in
 //         register tiles of up to 8 rows x 32 keys: a broadcast query pair times 16 keys' pairs;
-//      b. softmax per row in fp32 over its causal keys (the scale applied inside the exp),
+//      b. softmax per row in fp32 over its causal keys (the scale applied inside the exp, the
+//         inline exp16 of kernel_common.h),
 //         the probabilities rounded to bf16 (as GPU flash attention's P), their sum in fp32;
 //      c. O = P V in register tiles of up to 4 rows (D = 64; 2 for 128) x D, over pairs of keys,
 //         divided by the row's sum, rounded to bf16 once.
@@ -182,12 +183,15 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
         const int64_t keys = keys_of(r);
         float m = std::numeric_limits<float>::lowest();
         for (int64_t k = 0; k < keys; ++k) m = std::max(m, sr[k]);
-        float sum = 0.f;
-        for (int64_t k = 0; k < keys; ++k) {
-          sr[k] = std::exp((sr[k] - m) * scale);
-          sum += sr[k];
+        const __m512 mv = _mm512_set1_ps(m), sv = _mm512_set1_ps(scale);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t k = 0; k < keys; k += 16) {                  // exp16: inline (kernel_common.h)
+          const __mmask16 valid = keys - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (keys - k)) - 1);
+          const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sr + k), mv), sv));
+          _mm512_mask_storeu_ps(sr + k, valid, e);
+          sum = _mm512_mask_add_ps(sum, valid, sum, e);
         }
-        inv_sum[r] = 1.f / sum;
+        inv_sum[r] = 1.f / _mm512_reduce_add_ps(sum);
         for (int64_t k = keys; k < width; ++k) sr[k] = 0.f;      // later rows of a tile read these
         uint16_t* pr = reinterpret_cast<uint16_t*>(probs.data() + r * width / 2);
         int64_t k = 0;
