@@ -262,6 +262,7 @@ def test_gemv_passes_over_l2_chunks_give_what_single_passes_give(fmt):
         starts = [0, *range(first, rows, 8), rows]
         passes = [layer(x[a:b]) for a, b in zip(starts, starts[1:])]
         assert torch.equal(layer(x[:rows]), torch.cat(passes)), rows
+    assert layer(x[:0]).shape == (0, 4000)                              # no rows: no pass at all
 
 
 @needs_vector_gemv

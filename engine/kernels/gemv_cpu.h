@@ -4,9 +4,9 @@
 // bf16_gemv; engine/linear.py packs the weights and calls them for steps of few rows.
 //
 // At batch 1 a decode step reads every weight once, so these kernels stream the weight bytes
-// once per call for up to kMaxRows rows (bf16 and int8: 16; every row is computed against each weight as
-// it is read; more rows take more passes, over L2-sized chunks: `passes_in_chunks`) and keep
-// all arithmetic in registers. Products
+// once per call for up to kMaxRows rows (bf16 and int8: kWideFirst; every row is computed against
+// each weight as it is read; more rows take more passes, over L2-sized chunks:
+// `passes_in_chunks`) and keep all arithmetic in registers. Products
 // and sums in fp32; the output is rounded to bf16 once, bias included. Threads split the
 // output channels (at::parallel_for, torch's thread count). Both take the weight in blocks of
 // 16 output channels (N: n rounded up to 16, padded with zeros), so a thread reads contiguous
@@ -126,17 +126,18 @@ void over_blocks(int64_t b0, int64_t b1, Avx&& avx, Scalar&& scalar) {
 }
 // A thread's share of the weight [u0, u1) (u: a block of 16 channels, or one channel for fp32;
 // `unit_bytes` of weight each) for `rows` rows: `pass(r0, r, c0, c1)` computes rows [r0, r0 + r)
-// on units [c0, c1). The first pass takes up to kFirst rows (kMaxRows, or a kernel's wider
-// first pass: `kAhead`), each later one up to kMaxRows. One pass covers the whole share; more
-// walk it in chunks of about kChunkBytes so that the passes after the first read a chunk from
-// L2, not memory: measured on this project's CPU (bf16, SmolLM2's linears, 1 thread) 12-32 rows
-// took 0.76-0.81x the time of passes over the whole share, and 12-64 rows 0.80-0.90x oneDNN's
-// packed bf16 GEMM (2 threads, 16-64: 0.85-0.87x); 512 KiB chunks beat 128-256 and 1024 (the
-// core's L2 is 1 MiB).
+// on units [c0, c1). The first pass takes up to kFirst rows (kMaxRows, or `kWideFirst` for a
+// kernel with a wider first pass), each later one up to kMaxRows; no rows, no pass. One pass
+// covers the whole share; more walk it in chunks of about kChunkBytes so that the passes after
+// the first read a chunk from L2, not memory: measured on this project's CPU (bf16, SmolLM2's
+// linears, 1 thread) 12-32 rows took 0.76-0.81x the time of passes over the whole share, and
+// 12-64 rows 0.80-0.90x oneDNN's packed bf16 GEMM (2 threads, 16-64: 0.85-0.87x); 512 KiB
+// chunks beat 128-256 and 1024 (the core's L2 is 1 MiB).
 constexpr int64_t kChunkBytes = 512 * 1024;
 
 template <int64_t kFirst = kMaxRows, typename Pass>
 void passes_in_chunks(int64_t rows, int64_t u0, int64_t u1, int64_t unit_bytes, int64_t min_units, Pass&& pass) {
+  if (rows <= 0) return;
   const int64_t first = std::min(rows, kFirst);
   const int64_t step = rows == first ? u1 - u0 : std::max<int64_t>(min_units, kChunkBytes / unit_bytes);
   for (int64_t c0 = u0; c0 < u1; c0 += step) {
