@@ -240,11 +240,11 @@ def test_argmax_rows_gives_torchs_indices_ties_nan_and_infinities_included():
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
 def test_gemv_passes_over_l2_chunks_give_what_single_passes_give(fmt):
-    """More rows than one pass takes (bf16 and int8: 16, the others 8) take a first pass and then passes of
-    8 over chunks of a thread's weights (gemv_cpu.h `passes_in_chunks`); a weight of many chunks
-    (4000 x 576: several per thread for every format) gives, for 19 and 43 rows, exactly what the
-    row slices of those passes give alone (one pass over the whole share each, the same per-pass
-    kernels), so every channel and row is computed once and in place."""
+    """More rows than one pass takes (bf16 and int8: 16, the others 8) take a first pass and then
+    passes of 8 over chunks of a thread's weights (gemv_cpu.h `passes_in_chunks`); a weight of many
+    chunks (4000 x 576: several per thread for every format) gives, for 19 and 43 rows, exactly
+    what the row slices of those passes give alone (one pass over the whole share each, the same
+    per-pass kernels), so every channel and row is computed once and in place; no rows, no pass."""
     if fmt in ("fp32", "bf16") and not KERNELS.gemv_vectorized():
         pytest.skip("the dense GEMVs are used only where they build with AVX512-BF16")
     g = torch.Generator().manual_seed(11)

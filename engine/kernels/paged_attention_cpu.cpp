@@ -49,7 +49,7 @@ using namespace pdserve_cpu;
 
 // How far ahead (tokens) the value rows are fetched during step 3, and the keys during step 1:
 // values 16 -> 64 measured 0.90-0.97x per cold layer (8 x 256 to 64 x 2048, 1 thread; 32: between)
-constexpr int64_t kValuesAhead = 64, kKeysAhead = 32;
+constexpr int64_t kValuesAhead = 64, kKeysAhead = 32;   // step 1 starts with keys 16-47 (kKeysAhead 32)
 
 // s[0 .. len) <- softmax(s), in fp32: the max, then exp and sum, then the scaling
 inline void softmax_in_place(float* s, int64_t len) {
@@ -217,7 +217,8 @@ struct ValuesBf16 {
   };
 };
 
-// (exp(s - max) of each query head's scores, their sums' inverses `inv`)
+// `scores`: step 2's exp(s - max) per query head (0 past len), `inv`: 1 / their sums. p = exp * inv
+// rounded to bf16 into `probs`, then the query heads in chunks of kHeadChunk.
 template <int64_t kDim, int kHeadChunk>
 void values_bf16(const float* scores, const float* inv, std::vector<bf16>& probs, const bf16* const* values,
                  int64_t len, int64_t padded, int64_t group, bf16* out) {
@@ -289,7 +290,7 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
         __m512 most = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
           __m512 part[16];
-          if (g == 0)                  // keys 16-32 ahead, from memory, while these 16 are summed
+          if (g == 0)                  // keys 32-48 ahead, from memory, while these 16 are summed
             for (int64_t t = t0 == 0 ? 16 : t0 + kKeysAhead; t < std::min(len, t0 + kKeysAhead + 16); ++t)
               for (int j = 0; j < kRowBytes; j += 64) _mm_prefetch(reinterpret_cast<const char*>(keys[t]) + j, _MM_HINT_T0);
           for (int i = 0; i < 16; ++i) {
@@ -316,7 +317,7 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
                                       out + (b * heads + h * group) * kDim);
       else
         values_fp32<kDim, kHeadChunk>(scores.data(), values.data(), len, padded, group,
-                                         out + (b * heads + h * group) * kDim);
+                                      out + (b * heads + h * group) * kDim);
     }
   });
 }
