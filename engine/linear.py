@@ -61,7 +61,7 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 INT4_GROUP = 32
 # at most this many rows: the quantized GEMV kernel; more: the bf16 copy (measured; see above)
 SMALL_ROWS = 4            # aten's kernels
-KERNEL_SMALL_ROWS = 32    # the engine's kernels (4 passes of their one-pass row count, kMaxRows)
+KERNEL_SMALL_ROWS = 32    # the engine's kernels (at 32 rows int8: a 16-row pass and two of 8; int4: four of 8)
 # at most this many rows: the engine's dense GEMV (measured; see above)
 DENSE_SMALL_ROWS = {torch.bfloat16: 64, torch.float32: 64}
 
