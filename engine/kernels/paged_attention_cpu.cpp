@@ -28,7 +28,7 @@
 // 64 x 2048: 419 -> 180 ms); fp32, 1 thread: 1.4x at 1 x 64, 2.5-2.9x from 1 x 1024 to 64 x 2048.
 // Session 10 (bf16 pairs in step 3, its accumulators out of the stack, the max with the scores,
 // values 64 tokens ahead; the README's attention section has the table): bf16 per cold layer
-// (`attention_bench.py --layers`) 0.70-0.82x on 1 thread, 0.78-0.95x on 2, from 1 x 1024 to 64 x 2048.
+// (`attention_bench.py --layers`) 0.70-0.87x on 1 thread, 0.78-0.98x on 2, from 1 x 1024 to 64 x 2048.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
