@@ -46,7 +46,7 @@ void fp32_channels(const float* x, int64_t K, const float* w, const float* bias,
   for (int c = 0; c < C; ++c) for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
   const float* wn = w + n * K;
   for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+    const __mmask16 m = lanes16(K - k);
     __m512 xv[R];
     PDSERVE_UNROLL
     for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_ps(m, x + r * K + k);

@@ -38,7 +38,7 @@ inline float bias_at(const bf16* bias, int64_t n) { return bias ? static_cast<fl
 #ifdef PDSERVE_AVX512
 // y[n .. n + 16) = v + bias, rounded to bf16; only the channels below N are written
 inline void store16(bf16* y, const bf16* bias, int64_t N, int64_t n, __m512 v) {
-  const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
+  const __mmask16 valid = lanes16(N - n);
   if (bias) v = _mm512_add_ps(v, load16(bias + n, valid));
   _mm256_mask_storeu_epi16(y + n, valid, round16(v));
 }

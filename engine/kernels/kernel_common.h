@@ -24,6 +24,10 @@ inline __m512 widen16(__m256i h) {          // 16 bf16 -> fp32 (exact)
 inline __m512 load16(const bf16* p) { return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const bf16* p, __mmask16 m) { return widen16(_mm256_maskz_loadu_epi16(m, p)); }   // off lanes 0
 inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }   // fp32 -> bf16, nearest even
+// the first n of 16 lanes (a row's tail: n <= 0 none, n >= 16 all)
+inline __mmask16 lanes16(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
 
 // e^x for 16 lanes, inline: a call into glibc's vector expf makes the compiler save and restore
 // every vector register live around it (the attention kernels' softmax loops). x = n ln 2 + r with

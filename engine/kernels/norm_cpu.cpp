@@ -30,7 +30,7 @@ void norm_row_avx(const bf16* x, const bf16* delta, bf16* sum_out, const bf16* w
                   float eps) {
   __m512 ss = _mm512_setzero_ps();
   for (int64_t i = 0; i < hidden; i += 16) {
-    const __mmask16 m = hidden - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (hidden - i)) - 1);
+    const __mmask16 m = lanes16(hidden - i);
     __m512 v = load16(x + i, m);
     if (delta != nullptr) {
       const __m256i rounded = round16(_mm512_add_ps(v, load16(delta + i, m)));
@@ -42,7 +42,7 @@ void norm_row_avx(const bf16* x, const bf16* delta, bf16* sum_out, const bf16* w
   const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(hidden) + eps);
   const bf16* v_src = delta != nullptr ? sum_out : x;      // the (rounded) row again, from L1
   for (int64_t i = 0; i < hidden; i += 16) {
-    const __mmask16 m = hidden - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (hidden - i)) - 1);
+    const __mmask16 m = lanes16(hidden - i);
     const __m512 o = _mm512_mul_ps(_mm512_mul_ps(load16(v_src + i, m), _mm512_set1_ps(inv)), load16(w + i, m));
     _mm256_mask_storeu_epi16(out + i, m, round16(o));
   }

@@ -67,7 +67,7 @@ inline float exp_and_sum(float* s, int64_t len, float max) {
   const __m512 m = _mm512_set1_ps(max);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 valid = len - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - j)) - 1);
+    const __mmask16 valid = lanes16(len - j);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, s + j), m));
     _mm512_mask_storeu_ps(s + j, valid, e);
     sum = _mm512_mask_add_ps(sum, valid, sum, e);
@@ -226,7 +226,7 @@ void values_bf16(const float* scores, const float* inv, std::vector<bf16>& probs
   for (int64_t g = 0; g < group; ++g) {
     const __m512 scale = _mm512_set1_ps(inv[g]);
     for (int64_t t = 0; t < padded; t += 16) {             // past len: 0, so pairs end in 0
-      const __mmask16 valid = len - t >= 16 ? __mmask16(0xFFFF) : __mmask16(len > t ? (1u << (len - t)) - 1 : 0);
+      const __mmask16 valid = lanes16(len - t);
       const __m512 p = _mm512_maskz_mul_ps(valid, _mm512_loadu_ps(scores + g * padded + t), scale);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + g * padded + t), round16(p));
     }
@@ -299,7 +299,7 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
           }
           const __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));
           _mm512_storeu_ps(scores.data() + g * padded + t0, sc);     // 0 past len
-          const __mmask16 valid = len - t0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - t0)) - 1);
+          const __mmask16 valid = lanes16(len - t0);
           most = _mm512_mask_max_ps(most, valid, most, sc);
         }
         maxes[g] = _mm512_reduce_max_ps(most);

@@ -186,7 +186,7 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
         const __m512 mv = _mm512_set1_ps(m), sv = _mm512_set1_ps(scale);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t k = 0; k < keys; k += 16) {                  // exp16: inline (kernel_common.h)
-          const __mmask16 valid = keys - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (keys - k)) - 1);
+          const __mmask16 valid = lanes16(keys - k);
           const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sr + k), mv), sv));
           _mm512_mask_storeu_ps(sr + k, valid, e);
           sum = _mm512_mask_add_ps(sum, valid, sum, e);
