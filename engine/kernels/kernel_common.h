@@ -55,6 +55,20 @@ inline __m512 exp16(__m512 x_in) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_mask_mov_ps(_mm512_scalef_ps(p, n), nan, x_in);
 }
+
+// A softmax's middle pass over s[0 .. n): s <- exp((s - max) * scale) (exp16, inline), returns their
+// sum (the decode kernel: scale 1, it scaled the scores; the prefill kernel: its softmax scale)
+inline float exp_and_sum(float* s, int64_t n, float max, float scale) {
+  const __m512 m = _mm512_set1_ps(max), sc = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 valid = lanes16(n - j);
+    const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, s + j), m), sc));
+    _mm512_mask_storeu_ps(s + j, valid, e);
+    sum = _mm512_mask_add_ps(sum, valid, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
 #endif
 
 // Kernel<rows>::run(args...) for 1 <= rows <= kMax (a row count above kMax runs Kernel<kMax>);

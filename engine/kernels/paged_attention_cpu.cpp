@@ -62,19 +62,6 @@ inline void softmax_in_place(float* s, int64_t len) {
 }
 
 #ifdef PDSERVE_AVX512
-// s[0 .. len) <- exp(s - max), in fp32 (kernel_common.h's exp16, inline); returns their sum
-inline float exp_and_sum(float* s, int64_t len, float max) {
-  const __m512 m = _mm512_set1_ps(max);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 valid = lanes16(len - j);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, s + j), m));
-    _mm512_mask_storeu_ps(s + j, valid, e);
-    sum = _mm512_mask_add_ps(sum, valid, sum, e);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
 // out[i] = sum of the 16 lanes of v[i], for 16 vectors: three halving steps across and within
 // 128-bit lanes, after which lane 4r + c holds the sum of v[r + 4c]; one permute restores order
 inline __m512 reduce16(__m512 v[16]) {
@@ -307,7 +294,7 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
       // 2. softmax per query head over the len scores: exp(s - max) and its sum here (the max came
       // with the scores), the division where step 3 reads them (bf16) or in place (fp32)
       for (int64_t g = 0; g < group; ++g) {
-        inv[g] = 1.f / exp_and_sum(scores.data() + g * padded, len, maxes[g]);
+        inv[g] = 1.f / exp_and_sum(scores.data() + g * padded, len, maxes[g], 1.f);
         if constexpr (!std::is_same_v<T, bf16>)
           for (int64_t t = 0; t < len; ++t) scores[g * padded + t] *= inv[g];
       }

@@ -183,15 +183,7 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
         const int64_t keys = keys_of(r);
         float m = std::numeric_limits<float>::lowest();
         for (int64_t k = 0; k < keys; ++k) m = std::max(m, sr[k]);
-        const __m512 mv = _mm512_set1_ps(m), sv = _mm512_set1_ps(scale);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t k = 0; k < keys; k += 16) {                  // exp16: inline (kernel_common.h)
-          const __mmask16 valid = lanes16(keys - k);
-          const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sr + k), mv), sv));
-          _mm512_mask_storeu_ps(sr + k, valid, e);
-          sum = _mm512_mask_add_ps(sum, valid, sum, e);
-        }
-        inv_sum[r] = 1.f / _mm512_reduce_add_ps(sum);
+        inv_sum[r] = 1.f / exp_and_sum(sr, keys, m, scale);      // kernel_common.h (exp16, inline)
         for (int64_t k = keys; k < width; ++k) sr[k] = 0.f;      // later rows of a tile read these
         uint16_t* pr = reinterpret_cast<uint16_t*>(probs.data() + r * width / 2);
         int64_t k = 0;
