@@ -10,9 +10,9 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             Where the engine's kernels build vectorized (AVX512-BF16), steps
                             of at most `dense_small_rows(dtype)` rows run its GEMVs instead
                             (engine/kernels/dense_gemv_cpu.cpp), which stream the weight once per
-                            call near the memory bound (more than 8 rows: further passes re-read
-                            each chunk of it from L2): `kernels.fp32_gemv` on the row-major
-                            fp32 weight itself, `kernels.bf16_gemv` on a bf16 copy in blocks of
+                            call near the memory bound (rows past the first pass's 8, bf16's 16:
+                            further passes re-read each chunk of it from L2): `kernels.fp32_gemv`
+                            on the row-major fp32 weight itself, `kernels.bf16_gemv` on a bf16 copy in blocks of
                             16 output channels (int8's layout). oneDNN's bf16 and MKL's fp32
                             small-row paths run at about 0.75x and 0.3-0.45x of their speed on
                             this project's CPU (benchmarks/linear_bench.py). Thresholds,
@@ -38,10 +38,11 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             copy makes quantization pay at every batch size, at the cost of memory:
                             a quantized model holds both (documented in the README). The row
                             thresholds are measured (`benchmarks/linear_bench.py`, the model's
-                            linears at 1 and 2 threads): the engine's kernels, whose passes of 8
-                            rows (their one-pass limit) re-read each chunk of weights from L2,
-                            beat the bf16 copy up to 32 rows (at 12-32 rows int8 1.1-1.5x, int4
-                            1.06-1.36x; at 64 int4 loses, int8 is even), so both stop at 32
+                            linears at 1 and 2 threads): the engine's kernels, whose passes after
+                            the first (16 rows for int8, 8 for int4) re-read each chunk of weights
+                            from L2 8 rows at a time, beat the bf16 copy up to 32 rows (at 12-32
+                            rows int8 1.1-1.5x before its 16-row first pass, int4 1.06-1.36x; at
+                            64 int4 loses, int8 is even), so both stop at 32
                             (KERNEL_SMALL_ROWS); aten's lose to it above 4 (SMALL_ROWS).
 
 Exactness: fp32 (the exact mode) computes in fp32 throughout: `F.linear` or the fp32 GEMV, whose
