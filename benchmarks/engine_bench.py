@@ -17,8 +17,9 @@ One run, one machine, one torch thread setting for every contender:
    weight format (`--formats`, default fp32, bf16, int8, int4): B requests with 32-token
    prompts, stepped until all of them decode, then `eng.step()` timed one step at a time;
    beside each, the roofline bound of that step on this CPU (pdserve.plan: bytes read over
-   measured read bandwidth, FLOPs over measured matmul peak in the format's compute dtype) and the
-   efficiency bound / measured.
+   measured read bandwidth, FLOPs over measured matmul peak in the format's compute dtype: int8
+   products for int8 with the engine's kernels, `torch._int_mm`'s peak) and the efficiency
+   bound / measured.
 
 `--profile` adds a breakdown of decode steps (default batch 1 and 32, in `--profile-format`):
 wall time per component (scheduler, `ModelRunner._prepare`, decoder body, paged attention, LM
@@ -63,8 +64,8 @@ TARGET_B32_VS_B1 = 2.0    # decode batch 32 at most 2 x batch 1
 FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
            "int4": ("bfloat16", "int4")}
 # weight bytes per parameter a decode step reads: the quantized formats read their int weights
-# up to engine.linear.quantized_small_rows() rows, a dequantized bf16 copy above (int4: + scale
-# and zero per 32)
+# up to engine.linear.quantized_small_rows() rows (int8 with the engine's kernels: always), a
+# dequantized bf16 copy above (int4: + scale and zero per 32)
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
 ENGINE_KW = dict(dtype="float32", device="cpu", max_num_batched_tokens=512, max_num_seqs=64,
                  kv_cache_memory="1GiB")
@@ -221,6 +222,14 @@ def roofline(model_dir: str, threads: int):
         for _ in range(10):
             a @ b
         peaks[dtype] = 10 * 2 * 1024**3 / (time.perf_counter() - t0)
+    # int8 x int8 -> int32 (oneDNN, VNNI where the CPU has it): the peak of the engine's int8
+    # kernel, which quantizes the activations too
+    a, b = (torch.randint(-127, 128, (1024, 1024), dtype=torch.int8) for _ in range(2))
+    torch._int_mm(a, b)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        torch._int_mm(a, b)
+    peaks[torch.int8] = 10 * 2 * 1024**3 / (time.perf_counter() - t0)
     return resolve_spec(model_dir, dtype="fp32"), hw, peaks
 
 
@@ -229,7 +238,10 @@ def step_bound_ms(spec, bw: float, peaks: dict, fmt: str, batch: int, context: i
     from engine.kernels import cpu_kernels
     from engine.linear import quantized_small_rows
     dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
-    small = batch <= quantized_small_rows(cpu_kernels())
+    few = quantized_small_rows(fmt, cpu_kernels())
+    small = few is None or batch <= few
+    if fmt == "int8" and small and cpu_kernels() is not None:
+        dtype = torch.int8                   # the engine's int8 kernel: int8 products
     per_param = WEIGHT_BYTES[fmt] if small or fmt in ("fp32", "bf16") else WEIGHT_BYTES["bf16"]
     kv_bytes = spec.kv_bytes_per_token / spec.dtype_bytes * (4 if fmt == "fp32" else 2) * context * batch
     return 1e3 * max(2 * spec.params * batch / peaks[dtype], (spec.params * per_param + kv_bytes) / bw)
@@ -561,7 +573,8 @@ def main() -> int:
     bw = hw.mem_bw
     log(f"this CPU, {args.threads} thread(s): read bandwidth {bw / 1e9:.1f} GB/s (the bound's; copy "
         f"{hw.link_bw / 1e9:.1f} GB/s), matmul peak "
-        f"{peaks[torch.float32] / 1e9:.0f} GFLOP/s fp32, {peaks[torch.bfloat16] / 1e9:.0f} GFLOP/s bf16")
+        f"{peaks[torch.float32] / 1e9:.0f} GFLOP/s fp32, {peaks[torch.bfloat16] / 1e9:.0f} GFLOP/s bf16, "
+        f"{peaks[torch.int8] / 1e9:.0f} GOP/s int8")
     decode: dict[str, list] = {}
     profiles = []
     for fmt in formats:

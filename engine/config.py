@@ -40,9 +40,10 @@ class EngineConfig:
     dtype: float32 | bfloat16 | float16 | auto (bf16 on CUDA, fp16 on GPUs without bf16; on CPU
         bf16 where the CPU has native bf16 (AVX512-BF16/AMX), else fp32). float32 is the exact
         mode: greedy output token-identical to Hugging Face `generate` in fp32.
-    quantization: None | int8 | int4: weight-only quantization of every linear and the LM head
-        (CPU, bf16 activations; int8 per output channel, int4 in groups of 32). Faster
-        small-batch decode; see engine.linear for how larger batches run.
+    quantization: None | int8 | int4: quantization of every linear and the LM head (CPU): int8
+        weights per output channel, with the engine's kernels int8 activations too (each row in
+        groups of 32, llama.cpp's Q8_0 scheme; without them bf16 activations); int4 weight-only
+        in groups of 32 (bf16 activations). Faster decode; see engine.linear for how each runs.
     device: auto | cpu | cuda | cuda:N (auto picks CUDA when available).
     attention_backend: how decode attention reads the KV pool: paged (the engine's kernel reads
         K/V in place by block table: C++ on CPU in float32/bfloat16, Triton on CUDA), torch
@@ -54,7 +55,7 @@ class EngineConfig:
         the faster small-batch decode (measured here: bf16 batch 1 1.3x, fp32 2x), at the cost of
         a second, blocked copy of every bf16 weight (2x the weight memory; fp32 and int8/int4
         use their one packed weight). False: oneDNN / MKL for the dense formats and aten's
-        kernels for int8/int4, and one bf16 copy.
+        kernels for int8/int4 (int8 then weight-only, with a bf16 copy), and one bf16 copy.
     kv_cache_memory: KV pool budget (see engine.memory): on CUDA a fraction is the share of the
         device's total memory for the whole replica (auto: 0.9), the pool getting what the
         weights and the profiled peak activations leave; on CPU a fraction of available RAM

@@ -24,26 +24,38 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             is strong it would win for prompt chunks, which keep `F.linear`).
                             Memory: fp32 shares its one weight; bf16 holds the blocked copy
                             beside oneDNN's packed one (2x its weight bytes).
-  int8 / int4 (CPU)         weight-only quantization with bf16 activations: int8 per output
-                            channel, int4 in groups of 32 input columns with a scale and zero
-                            point each (the gpt-fast/torchao scheme). Steps of at most
-                            `small_rows` rows run a GEMV kernel that streams the int weights once
-                            per call: the engine's own (`kernels.int8_gemv` / `int4_gemv`,
-                            engine/kernels/int8_gemv_cpu.cpp, int4_gemv_cpu.cpp; weights in blocks of 16
-                            output channels) where it builds, else aten's `_weight_int8pack_mm` /
-                            `_weight_int4pack_mm_for_cpu`. Both read 2-4x fewer bytes than bf16 but
-                            do not use the matrix unit, so their time grows with the rows; steps
-                            with more rows run a prepacked bf16 copy of the *dequantized* weight
-                            instead (the same quantized model, computed on the matrix unit). That
-                            copy makes quantization pay at every batch size, at the cost of memory:
-                            a quantized model holds both (documented in the README). The row
-                            thresholds are measured (`benchmarks/linear_bench.py`, the model's
-                            linears at 1 and 2 threads): the engine's kernels, whose passes after
-                            the first (16 rows for int8, 8 for int4) re-read each chunk of weights
-                            from L2 8 rows at a time, beat the bf16 copy up to 32 rows (at 12-32
-                            rows int8 1.1-1.5x before its 16-row first pass, int4 1.06-1.36x; at
-                            64 int4 loses, int8 is even), so both stop at 32
-                            (KERNEL_SMALL_ROWS); aten's lose to it above 4 (SMALL_ROWS).
+  int8 (CPU)                int8 weights, symmetric per output channel. Where the engine's
+                            kernels build, `kernels.int8_gemv` (engine/kernels/int8_gemv_cpu.cpp)
+                            runs every row count: it quantizes the activations too, per row in
+                            groups of 32 inputs (llama.cpp's Q8_0 scheme), and sums the int8
+                            products in int32 with AVX512-VNNI (twice the multiply-adds of a bf16
+                            instruction, and no widening of the weights), so it needs no bf16
+                            copy: an int8 model holds 1 byte a weight. Measured
+                            (`benchmarks/linear_bench.py`, the step's linears, 1 thread): 1 row as
+                            the weight-only kernel before it (memory-bound), 8 / 16 / 32 rows
+                            0.53 / 0.65 / 0.64x its time; 64 rows 0.64x oneDNN on the bf16 copy,
+                            128-512 rows even with it. Quality: the fixed text's log-likelihood
+                            as the weight-only scheme's (one activation scale a row instead of
+                            a group cost as much as int4; see the kernel's header). Without the
+                            kernels: weight-only, aten's `_weight_int8pack_mm` (bf16 activations)
+                            up to SMALL_ROWS rows and a prepacked bf16 copy of the dequantized
+                            weight above.
+  int4 (CPU)                weight-only quantization with bf16 activations: int4 in groups of 32
+                            input columns with a scale and zero point each (the gpt-fast/torchao
+                            scheme). Steps of at most KERNEL_SMALL_ROWS rows run the engine's GEMV
+                            (`kernels.int4_gemv`, engine/kernels/int4_gemv_cpu.cpp; weights in
+                            blocks of 16 output channels) where it builds, else aten's
+                            `_weight_int4pack_mm_for_cpu` (up to SMALL_ROWS). Both read 4x fewer
+                            bytes than bf16 but do not use the matrix unit, so their time grows
+                            with the rows; steps with more rows run a prepacked bf16 copy of the
+                            *dequantized* weight instead (the same quantized model, computed on
+                            the matrix unit), at the cost of memory: an int4 model holds both
+                            (documented in the README). The row thresholds are measured
+                            (`benchmarks/linear_bench.py`, the model's linears at 1 and 2
+                            threads): the engine's kernel, whose passes re-read each chunk of
+                            weights from L2 8 rows at a time, beat the bf16 copy up to 32 rows
+                            (1.06-1.36x at 12-32 rows; at 64 it loses), so it stops at 32
+                            (KERNEL_SMALL_ROWS); aten's loses to it above 4 (SMALL_ROWS).
 
 Exactness: fp32 (the exact mode) computes in fp32 throughout: `F.linear` or the fp32 GEMV, whose
 sums run in another order than MKL's (as MKL's own GEMV and GEMM differ), so logits match
@@ -62,7 +74,7 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 INT4_GROUP = 32
 # at most this many rows: the quantized GEMV kernel; more: the bf16 copy (measured; see above)
 SMALL_ROWS = 4            # aten's kernels
-KERNEL_SMALL_ROWS = 32    # the engine's kernels (at 32 rows int8: a 16-row pass and two of 8; int4: four of 8)
+KERNEL_SMALL_ROWS = 32    # the engine's int4 kernel (four passes of 8 at 32 rows); its int8 one takes every row count
 # at most this many rows: the engine's dense GEMV (measured; see above)
 DENSE_SMALL_ROWS = {torch.bfloat16: 64, torch.float32: 64}
 
@@ -74,9 +86,12 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def quantized_small_rows(kernels) -> int:
-    """Rows up to which a quantized layer runs its GEMV kernel (more: the bf16 copy)."""
-    return SMALL_ROWS if kernels is None else KERNEL_SMALL_ROWS
+def quantized_small_rows(fmt: str, kernels) -> int | None:
+    """Rows up to which a quantized layer runs its int kernel (more: the bf16 copy); None: every row
+    count, without a bf16 copy (the engine's int8 kernel where it builds with AVX512-VNNI)."""
+    if kernels is None:
+        return SMALL_ROWS
+    return None if fmt == "int8" and kernels.int8_vectorized() else KERNEL_SMALL_ROWS
 
 
 def dense_small_rows(dtype: torch.dtype, kernels) -> int:
@@ -87,24 +102,26 @@ def dense_small_rows(dtype: torch.dtype, kernels) -> int:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype,
-                small_rows: int | None = None, kernels=None) -> Linear:
+                kernels=None) -> Linear:
     """A linear layer for `weight` [out, in] (+ `bias`) in format `fmt` computing in `dtype`
     (the activations' dtype). `kernels`: the engine's CPU kernels (`engine.kernels.cpu_kernels()`)
-    for the quantized formats' steps of at most `small_rows` rows (default
-    `quantized_small_rows(kernels)`) and the dense formats' steps of at most
-    `dense_small_rows(dtype, kernels)` rows, or None for aten's. Called once per layer at model load;
-    the layer keeps what it needs (the packed weight, and for int8/int4 the dequantized bf16 copy).
+    for the quantized formats' steps of at most `quantized_small_rows(fmt, kernels)` rows and the
+    dense formats' steps of at most `dense_small_rows(dtype, kernels)` rows, or None for aten's.
+    Called once per layer at model load; the layer keeps what it needs (the packed weight, and where
+    the int kernel stops at some row count the dequantized bf16 copy).
     Raises ValueError for a shape the format cannot take."""
     assert fmt in WEIGHT_FORMATS, fmt
-    small_rows = quantized_small_rows(kernels) if small_rows is None else small_rows
     bias = None if bias is None else bias.to(dtype).contiguous()
     if fmt in ("int8", "int4"):
         assert weight.device.type == "cpu" and dtype == torch.bfloat16, "weight-only quantization is CPU + bf16"
         quant, dequantized = (_int8 if fmt == "int8" else _int4)(weight, bias, kernels)
         if quant is None:                    # a shape only the bf16 copy takes
             return _dense(dequantized.to(torch.bfloat16), bias, kernels)
+        few = quantized_small_rows(fmt, kernels)
+        if few is None:                      # the int kernel at every row count, no copy
+            return quant
         dense = _dense(dequantized.to(torch.bfloat16), bias)
-        return lambda x: quant(x) if x.shape[0] <= small_rows else dense(x)
+        return lambda x: quant(x) if x.shape[0] <= few else dense(x)
     return _dense(weight.to(dtype), bias, kernels)
 
 
@@ -133,7 +150,7 @@ def _int8(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Lin
     scale = scale.to(torch.bfloat16)
     dequantized = q.float() * scale.float()[:, None]
     if kernels is not None:
-        blocks, scale32 = _blocks_of_16(q), F.pad(scale.float(), (0, -len(scale) % 16))
+        blocks, scale32 = _int8_quads(q), F.pad(scale.float(), (0, -len(scale) % 16))
         out_f = weight.shape[0]
         return lambda x: kernels.int8_gemv(x, blocks, scale32, bias, out_f), dequantized
 
@@ -179,6 +196,15 @@ def _blocks_of_16(q: torch.Tensor) -> torch.Tensor:
     q[16b + c, 2j + e]; zeros pad out to a multiple of 16, in to even."""
     q = F.pad(q, (0, q.shape[1] % 2, 0, -q.shape[0] % 16))
     return q.view(-1, 16, q.shape[1] // 2, 2).transpose(1, 2).reshape(-1, q.shape[1] // 2, 32).contiguous()
+
+
+def _int8_quads(q: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] in int8_gemv's layout (engine/kernels/int8_gemv_cpu.cpp): uint8 q + 128 as
+    [out/16, in/4, 64], byte 4c + e of [b, j] = q[16b + c, 4j + e] + 128; zero weights pad out to a
+    multiple of 16 and in to a multiple of 32 (the kernel's activation groups)."""
+    q = F.pad(q.to(torch.int16), (0, -q.shape[1] % 32, 0, -q.shape[0] % 16)) + 128
+    q = q.to(torch.uint8)
+    return q.view(-1, 16, q.shape[1] // 4, 4).transpose(1, 2).reshape(-1, q.shape[1] // 4, 64).contiguous()
 
 
 def _int4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,8 +25,10 @@ class EngineOptions(_Model):
                             "CPUs with native bf16 (AVX512-BF16/AMX), else fp32. float32 is the exact mode "
                             "(greedy output token-identical to Hugging Face generate).")
     quantization: Literal["int8", "int4"] | None = Field(
-        None, description="Weight-only quantization of every linear and the LM head (CPU, bf16 activations): "
-                          "faster small-batch decode; may differ between pools (the KV stays bf16).")
+        None, description="Quantization of every linear and the LM head (CPU): int8 (int8 weights per channel; the "
+                          "engine's kernel rounds the activations to int8 too, in groups of 32, as llama.cpp's "
+                          "Q8_0) or int4 (weight-only, groups of 32): faster decode, some quality cost; may "
+                          "differ between pools (the KV stays bf16).")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N.")
     attention_backend: Literal["auto", "paged", "torch"] = Field(
         "auto", description="Decode attention: paged (the engine's kernel reads K/V from the pool in place: C++ "

@@ -10,10 +10,12 @@
 - A whole engine in the exact mode (fp32) gives the same greedy tokens with either backend,
   through prompt chunks and decode, and frees its blocks.
 - Asking for the kernel where it cannot run is a clear error.
-- The int8 and int4 GEMV kernels (the quantized linears' few-row path) give x @ dequant(w).T
-  (+ bias) within one bf16 rounding, for shapes that are not multiples of their blocks, every
-  row count of one pass and some that take two, with and without bias; they refuse a weight that
-  is not in their layout.
+- The int4 GEMV kernel (the int4 linears' few-row path) gives x @ dequant(w).T (+ bias) within
+  one bf16 rounding; the int8 kernel gives its documented sums (the activations rounded to int8
+  in groups of 32, the products summed exactly) within one bf16 rounding, and x @ dequant(w).T
+  within the activations' rounding; both for shapes that are not multiples of their blocks or
+  groups, every row count of one pass and some that take more, with and without bias; they
+  refuse a weight that is not in their layout.
 - RoPE + K/V store fused (the bf16 decode step's) gives the unfused ops' q and pool rows.
 - The dense GEMVs (fp32 and bf16 steps of few rows) give x @ w.T (+ bias) within fp32 summation
   error (and one bf16 rounding), for sizes that are not multiples of their vectors or channel
@@ -116,21 +118,62 @@ def test_silu_mul_matches_torch(rows, inter):
         KERNELS.silu_mul(gate_up[:, 1:])
 
 
-@needs_kernel
-@pytest.mark.parametrize("fmt,out_f,in_f", [
-    ("int8", 37, 77),        # channels not a multiple of 16, odd inputs
-    ("int8", 960, 576),      # SmolLM2's fused QKV
-    ("int8", 5, 2),
-    ("int4", 37, 96),
-    ("int4", 48, 32),
-    ("int4", 576, 1536),     # SmolLM2's down projection
-])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_quant_gemv_matches_the_dequantized_weight(fmt, out_f, in_f, with_bias):
+def _quantized_layer(quantize, out_f: int, in_f: int, with_bias: bool):
+    """(generator, w, bias, layer, dequantized w) of engine.linear's `_int8` / `_int4` on a random
+    weight, with the engine's kernels."""
     g = torch.Generator().manual_seed(out_f * in_f)
     w = torch.randn(out_f, in_f, generator=g) * 0.05
     bias = (torch.randn(out_f, generator=g) * 0.1).bfloat16() if with_bias else None
-    layer, dequantized = (linear._int8 if fmt == "int8" else linear._int4)(w, bias, KERNELS)
+    layer, dequantized = quantize(w, bias, KERNELS)
+    return g, w, bias, layer, dequantized
+
+
+def _int8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """int8_gemv's sums as its header writes them, in float64: engine.linear's weight quantization,
+    each row's groups of 32 inputs (zeros past the end) rounded to int8 by 127 / their max, the
+    integer products summed exactly, times the group's and the channel's scales."""
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-8)
+    q = (w / scale[:, None]).round().clamp(-127, 127).double()
+    rows, k = x.shape
+    kp = -(-k // 32) * 32
+    xg = F.pad(x.float(), (0, kp - k)).view(rows, kp // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    # 127 / max as a division (torch's `127.0 / amax` multiplies by a reciprocal: another rounding)
+    xq = (xg * torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), 0)).round().double()
+    dots = torch.einsum("rgk,ngk->rng", xq, F.pad(q, (0, kp - k)).view(-1, kp // 32, 32))
+    y = (dots * (amax / 127).double().view(rows, 1, -1)).sum(-1) * scale.bfloat16().double()
+    return y if bias is None else y + bias.double()
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_f,in_f", [(37, 77), (960, 576), (5, 2), (576, 1536), (40, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_gemv_gives_its_documented_sums(out_f, in_f, with_bias):
+    # (37, 77): channels not a multiple of 16, inputs not of 32; SmolLM2's fused QKV and down
+    g, w, bias, layer, dequantized = _quantized_layer(linear._int8, out_f, in_f, with_bias)
+    for rows in [*range(1, 34), 40, 67]:             # passes: 16, then 8s (17-33, 40, 67: more than one)
+        x = torch.randn(rows, in_f, generator=g).bfloat16()
+        x[0, :min(in_f, 32)] = 0                     # a group of zeros: scale 0, no division by it
+        y = layer(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
+        ref = _int8_reference(x, w, bias)
+        err = (y.double() - ref).abs()
+        assert (err <= ref.abs() * 2**-8 + ref.abs().max() * 1e-5).all(), (rows, err.max().item())
+        # and x @ dequant(w).T within the activations' rounding (about 0.5 % in norm)
+        exact = x.double() @ dequantized.double().t() + (0 if bias is None else bias.double())
+        assert (y.double() - exact).norm() <= 0.015 * exact.norm()
+    assert layer(x[:0]).shape == (0, out_f)
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_f,in_f", [
+    (37, 96),
+    (48, 32),
+    (576, 1536),     # SmolLM2's down projection
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int4_gemv_matches_the_dequantized_weight(out_f, in_f, with_bias):
+    g, _, bias, layer, dequantized = _quantized_layer(linear._int4, out_f, in_f, with_bias)
     for rows in [*range(1, linear.KERNEL_SMALL_ROWS + 1), 9, 19]:       # 9 and 19: more than one pass
         x = torch.randn(rows, in_f, generator=g).bfloat16()
         ref = x.float() @ dequantized.t() + (0 if bias is None else bias.float())
@@ -145,10 +188,12 @@ def test_quant_gemv_refuses_what_is_not_its_layout():
     w = torch.randn(32, 64)
     x = torch.randn(2, 64).bfloat16()
     q = w.to(torch.int8)
-    with pytest.raises(RuntimeError, match="int8"):
+    with pytest.raises(RuntimeError, match="uint8"):
         KERNELS.int8_gemv(x, q, torch.ones(32), None, 32)                 # [out, in], not blocks of 16
+    with pytest.raises(RuntimeError, match="uint8"):
+        KERNELS.int8_gemv(x, linear._blocks_of_16(q), torch.ones(32), None, 32)   # pairs, not quads
     with pytest.raises(RuntimeError, match="bf16"):
-        KERNELS.int8_gemv(x.float(), linear._blocks_of_16(q), torch.ones(32), None, 32)
+        KERNELS.int8_gemv(x.float(), linear._int8_quads(q), torch.ones(32), None, 32)
     packed, sz = linear._int4_blocks(torch.zeros(32, 64, dtype=torch.int32), torch.ones(32, 2).bfloat16(),
                                      torch.zeros(32, 2).bfloat16())
     with pytest.raises(RuntimeError, match="multiple of 32"):

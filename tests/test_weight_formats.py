@@ -4,7 +4,9 @@
   untied head) in fp32 gives Hugging Face `generate`'s greedy tokens.
 - Each format's linear stays within its rounding of the fp32 product; a quantized layer gives
   the same model whether a step has few rows (int kernel: the engine's where it builds, aten's
-  otherwise) or many (dequantized bf16 copy), and both int kernels give the same numbers.
+  otherwise) or many (dequantized bf16 copy; the engine's int8 kernel takes every row count,
+  each row alone), and both int kernels give the same numbers (int8: within the rounding of the
+  activations, which the engine's kernel quantizes and aten's does not).
 - On the real model, bf16, int8 and int4 move the mean log-likelihood of a fixed text by at most
   their measured tolerances (a perplexity-style check), and every format frees its KV blocks.
 - Configurations that cannot run are refused with a clear error.
@@ -93,10 +95,13 @@ def test_quantized_layer_is_one_model_at_any_row_count(fmt, kernels):
     torch.manual_seed(1)
     w = torch.randn(64, 96) * 0.05
     layer = make_linear(w, None, fmt, torch.bfloat16, kernels=kernels)
-    rows = quantized_small_rows(kernels) + 1
+    few = quantized_small_rows(fmt, kernels)
+    rows = 40 if few is None else few + 1     # the engine's int8 kernel: no copy, so every row count
     x = torch.randn(rows, 96).bfloat16()
     one_by_one = torch.cat([layer(x[i:i + 1]) for i in range(rows)]).float()   # int kernel
-    batched = layer(x).float()                                                  # dequantized bf16 copy
+    batched = layer(x).float()                                   # dequantized bf16 copy, or the int8 kernel
+    if few is None:          # one kernel, whose rows (and their activation scales) are independent
+        assert torch.equal(one_by_one, batched)
     # the two paths differ by bf16 rounding only, far below the quantization error itself
     assert ((one_by_one - batched).norm() / batched.norm()).item() < 0.01
     exact = torch.nn.functional.linear(x.float(), w)
@@ -124,10 +129,12 @@ def test_engine_and_aten_int_kernels_agree(fmt):
     torch.manual_seed(2)
     w, b = torch.randn(64, 96) * 0.05, torch.randn(64) * 0.1
     ours, aten = (make_linear(w, b, fmt, torch.bfloat16, kernels=k) for k in (KERNELS, None))
+    # aten adds the bias after rounding, the engine's kernel before: a bf16 step apart at most; the
+    # engine's int8 kernel also rounds the activations to int8 (groups of 32; about 0.5 % here)
+    tolerance = 0.02 if fmt == "int8" else 0.005
     for rows in range(1, 5):
         x = torch.randn(rows, 96).bfloat16()
-        # aten adds the bias after rounding, the engine's kernel before: a bf16 step apart at most
-        assert ((ours(x).float() - aten(x).float()).norm() / aten(x).float().norm()).item() < 0.005
+        assert ((ours(x).float() - aten(x).float()).norm() / aten(x).float().norm()).item() < tolerance
 
 
 def _mean_loglik(model_dir, ids, dtype, quantization):
@@ -153,9 +160,11 @@ def fp32_loglik(default_model_dir, text_ids):
     return _mean_loglik(default_model_dir, text_ids, "float32", None)
 
 
-# measured on this project's CPU (benchmarks/format_quality.py): bf16 -0.006, int8 +0.006, int4 -0.084
+# measured on this project's CPU on this text: bf16 -0.006, int4 -0.084, int8 -0.036 with the engine's
+# kernel, whose activations are int8 too (-0.045 through its scalar loop; weight-only it was +0.006;
+# on benchmarks/format_quality.py's longer text +0.008, weight-only +0.003)
 @pytest.mark.slow
-@pytest.mark.parametrize("quant,tolerance", [(None, 0.03), ("int8", 0.03), ("int4", 0.2)])
+@pytest.mark.parametrize("quant,tolerance", [(None, 0.03), ("int8", 0.06), ("int4", 0.2)])
 def test_formats_keep_the_real_models_log_likelihood(default_model_dir, text_ids, fp32_loglik, quant, tolerance):
     got = _mean_loglik(default_model_dir, text_ids, "bfloat16", quant)
     assert -5 < fp32_loglik < -1               # a real language model on English text

@@ -19,7 +19,7 @@ makes concurrent replicas wait for one build. `make install` builds it ahead
 
 Where they cannot be built (no compiler), `cpu_kernels()` logs why once and returns None;
 the engine then uses its pure-torch attention (see engine.attention), aten's norms and aten's
-weight-only int8/int4 kernels (see engine.linear).
+weight-only int8/int4 kernels (see engine.linear; int8 then keeps bf16 activations).
 """
 
 from __future__ import annotations

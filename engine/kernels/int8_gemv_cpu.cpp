@@ -1,91 +1,214 @@
-// Weight-only int8 GEMV (torch.ops.pdserve.int8_gemv): symmetric int8 per output channel, the
-// engine.linear `_int8` quantization. See gemv_cpu.h for what the GEMV kernels share.
+// int8 GEMV with int8 activations (torch.ops.pdserve.int8_gemv): weights symmetric int8 per output
+// channel (the engine.linear `_int8` quantization), the rows of x quantized on the fly to int8 in
+// groups of 32 inputs, each with its own scale (what llama.cpp's Q8_0 dot products do), and the
+// products summed in int32 by AVX512-VNNI's `vpdpbusd` (64 multiply-adds an instruction, twice
+// `vdpbf16ps`'s 32, and no int8 -> bf16 widening of the weights on the way).
 //
-//   int8_gemv(x [R, K] bf16, q [N/16, ceil(K/2), 32] int8, scale [N] fp32, bias [n] bf16?, n)
-//       -> [R, n] bf16      y[r, n] = scale[n] * sum_k x[r, k] * q[n, k] + bias[n]
-//     Byte 2c + e of q[b, j] is channel 16b + c's q at input 2j + e (odd K: a zero column added).
-// AVX512: q goes through fp32 to bf16 (exact: |q| <= 127 fits bf16's 8 significant bits).
-// 9-16 rows (and the first 16 of more) take one pass of one stream that fetches ahead
-// (gemv_cpu.h `kWideFirst`).
+//   int8_gemv(x [R, K] bf16, q [N/16, Kp/4, 64] uint8, scale [N] fp32, bias [n] bf16?, n) -> [R, n] bf16
+//     Kp: K rounded up to 32. Byte 4c + e of q[b, j] is channel 16b + c's weight at input 4j + e,
+//     plus 128 (so 1..255; padding, past n or K, is 128: a zero weight).
+//     Per row r and group g of 32 inputs (zeros past K): s = max |x| / 127, xq = round(x * 127 /
+//     max) (to nearest even; a group of zeros: s = 0, xq = 0). Then
+//     y[r, n] = scale[n] * sum_g s[r, g] * sum_{k in g} q[n, k] xq[r, k] + bias[n]
+//     each group's sum exact in int32 (`vpdpbusd` multiplies the unsigned q + 128 by the signed xq:
+//     the sum starts at -128 * sum_{k in g} xq[r, k] instead of 0), the rest in fp32, rounded to
+//     bf16 once.
+//   int8_vectorized() -> bool: built with AVX512-VNNI (and gemv_cpu.h's AVX512 set). Elsewhere a
+//     scalar loop computes the same sums, slower than oneDNN's bf16 GEMM above a few rows, so
+//     engine.linear then keeps a bf16 copy for steps of more rows (`quantized_small_rows`).
+// Why: the weight-only kernel before it (bf16 activations, the weights widened to bf16 for
+// `vdpbf16ps`) was compute-bound from a few rows on: at 32 rows it was slower than bf16's own
+// kernel. This one, the step's linears (benchmarks/linear_bench.py, 1 thread, builds alternated
+// twice): 1 row 4.6-4.7 -> 4.6-5.7 ms (memory-bound either way), 8 / 16 / 32 rows 9.6-9.9 /
+// 12.2-12.9 / 22.6-23.2 -> 5.1-5.4 / 8.1-8.2 / 14.7-14.9; 64 rows 27.9 against oneDNN's bf16 GEMM
+// 43.9, 128-512 rows even with it. Quality (benchmarks/format_quality.py's text, activations
+// rounded in torch before the weight-only kernel, prompt in 16-token chunks): mean log-likelihood
+// -3.1511 weight-only; groups of 32 -3.1478, of 64 -3.1598, one scale a row -3.2344 (int4's cost).
+//
+// Rows: a first pass of up to 16 (gemv_cpu.h `kWideFirst`), later ones of 8, over L2-sized chunks
+// (`passes_in_chunks`); one weight stream fetched kAhead bytes ahead. Within a group the int32
+// sums of up to 8 rows are live at once (16 rows: the group's 512 weight bytes are read again from
+// L1 for rows 8-15); with fewer than 4 rows they are split over independent chains.
 #include "gemv_cpu.h"
+
+#include <cmath>
 
 namespace {
 
 using namespace pdserve_gemv;
 
+constexpr int64_t kGroup = 32;
+
+// x [R, K] bf16 -> xq [R, Kp] int8, and per group s [R, Kp / 32] fp32, z = -128 * sum(xq) [R, Kp / 32].
+// Built without -ffast-math: xq must be round(x * (127 / max)) exactly as written (a reassociated
+// (x * 127) / max rounds 1 in about 3000 elements of bf16 inputs the other way).
+__attribute__((optimize("no-fast-math")))
+void quantize_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp, int8_t* xq, float* s, int32_t* z) {
+  const int64_t groups = Kp / kGroup;
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const bf16* row = x + r * K;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * kGroup;
+        int32_t sum = 0;
+        float amax = 0.f;
 #ifdef PDSERVE_AVX512
-template <int R, int NB>
-void int8_avx(const bf16* x, int64_t K, const int8_t* q, const float* scale, const bf16* bias, bf16* y,
-              int64_t N, const int64_t* blocks) {
-  pair_dots<R, NB>(x, K,
-      [&](int j, int64_t k) {                              // inputs k, k + 1 of block j's 16 channels
-        const __m128i* w = reinterpret_cast<const __m128i*>(q + blocks[j] * K * 16 + k * 16);
-        if constexpr (R > kMaxRows) _mm_prefetch(reinterpret_cast<const char*>(w) + kAhead, _MM_HINT_T0);
-        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(w)));       // channels 0-7
-        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(w + 1)));   // channels 8-15
-        return _mm512_cvtne2ps_pbh(w1, w0);                // exact: |q| <= 127 fits bf16's 8 bits
-      },
-      [&](int j, int r, __m512 sum) {
-        store16(y + r * N, bias, N, blocks[j] * 16, _mm512_mul_ps(sum, _mm512_loadu_ps(scale + blocks[j] * 16)));
-      });
+        const __m512 v0 = load16(row + k0, lanes16(K - k0)), v1 = load16(row + k0 + 16, lanes16(K - k0 - 16));
+        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));    // to nearest even
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * Kp + k0), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * Kp + k0 + 16), _mm512_cvtepi32_epi8(q1));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+        float v[kGroup];
+        for (int64_t i = 0; i < kGroup; ++i) {
+          v[i] = k0 + i < K ? static_cast<float>(row[k0 + i]) : 0.f;
+          amax = std::max(amax, std::fabs(v[i]));
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int64_t i = 0; i < kGroup; ++i) {
+          const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+          xq[r * Kp + k0 + i] = static_cast<int8_t>(q);
+          sum += q;
+        }
+#endif
+        s[r * groups + g] = amax / 127.f;
+        z[r * groups + g] = -128 * sum;
+      }
+    }
+  });
+}
+
+#if defined(PDSERVE_AVX512) && defined(__AVX512VNNI__)
+#define PDSERVE_VNNI 1
+// Block b's 16 channels for R rows: sums in fp32 over the groups, the group's int32 sums of up to
+// 8 rows at a time (A chains each where rows are few)
+template <int R>
+void int8_vnni(const int8_t* xq, const float* s, const int32_t* z, int64_t Kp, const uint8_t* q, const float* scale,
+               const bf16* bias, bf16* y, int64_t N, int64_t b) {
+  constexpr int kSub = R < 8 ? R : 8;
+  constexpr int A = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
+  constexpr int kQuads = kGroup / 4;                       // 64-byte weight vectors a group
+  const int64_t groups = Kp / kGroup;
+  const uint8_t* w = q + b * Kp * 16;
+  __m512 acc[R];
+  PDSERVE_UNROLL
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, w += kGroup * 16) {
+    PDSERVE_UNROLL
+    for (int j = 0; j < kQuads; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j) + kAhead, _MM_HINT_T0);
+    PDSERVE_UNROLL
+    for (int r0 = 0; r0 < R; r0 += kSub) {
+      __m512i sum[A][kSub];
+      PDSERVE_UNROLL
+      for (int a = 0; a < A; ++a)
+        for (int r = 0; r < kSub; ++r) sum[a][r] = a ? _mm512_setzero_si512() : _mm512_set1_epi32(z[(r0 + r) * groups + g]);
+      PDSERVE_UNROLL
+      for (int j = 0; j < kQuads; ++j) {
+        const __m512i wv = _mm512_loadu_si512(w + 64 * j);
+        PDSERVE_UNROLL
+        for (int r = 0; r < kSub; ++r) {
+          int32_t four;
+          std::memcpy(&four, xq + (r0 + r) * Kp + g * kGroup + 4 * j, 4);
+          sum[j % A][r] = _mm512_dpbusd_epi32(sum[j % A][r], wv, _mm512_set1_epi32(four));
+        }
+      }
+      PDSERVE_UNROLL
+      for (int r = 0; r < kSub; ++r) {
+        __m512i total = sum[0][r];
+        PDSERVE_UNROLL
+        for (int a = 1; a < A; ++a) total = _mm512_add_epi32(total, sum[a][r]);
+        acc[r0 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(s[(r0 + r) * groups + g]), acc[r0 + r]);
+      }
+    }
+  }
+  const __m512 sc = _mm512_loadu_ps(scale + b * 16);
+  PDSERVE_UNROLL
+  for (int r = 0; r < R; ++r)
+    store16(y + r * N, bias, N, b * 16, _mm512_mul_ps(sc, acc[r]));
 }
 #endif
 
+// the same sums, one channel at a time (CPUs without AVX512-VNNI)
 template <int R>
-void int8_block(const bf16* x, int64_t K, const int8_t* q, const float* scale, const bf16* bias, bf16* y,
-                int64_t N, int64_t b) {
-  const int8_t* p = q + b * K * 16;
-  for (int64_t c = 0; c < 16 && b * 16 + c < N; ++c)
-    for (int r = 0; r < R; ++r)
-      y[r * N + b * 16 + c] = static_cast<bf16>(pair_dot_scalar(x + r * K, K, p, c) * scale[b * 16 + c] +
-                                                bias_at(bias, b * 16 + c));
-}
-template <int R>
-void int8_range(const bf16* x, int64_t K, const int8_t* q, const float* scale, const bf16* bias, bf16* y,
-                int64_t N, int64_t b0, int64_t b1) {
-  over_blocks<R, 8>(b0, b1,
-      [&](auto nb, const int64_t* blocks) {
-#ifdef PDSERVE_AVX512
-        int8_avx<R, decltype(nb)::value>(x, K, q, scale, bias, y, N, blocks);
-#endif
-      },
-      [&](int64_t b) { int8_block<R>(x, K, q, scale, bias, y, N, b); });
+void int8_scalar(const int8_t* xq, const float* s, const int32_t* z, int64_t Kp, const uint8_t* q, const float* scale,
+                 const bf16* bias, bf16* y, int64_t N, int64_t b) {
+  const int64_t groups = Kp / kGroup;
+  const uint8_t* w = q + b * Kp * 16;
+  for (int64_t ch = 0; ch < 16 && b * 16 + ch < N; ++ch)
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t sum = z[r * groups + g];
+        for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
+          sum += static_cast<int32_t>(w[(k / 4) * 64 + 4 * ch + k % 4]) * xq[r * Kp + k];
+        acc += static_cast<float>(sum) * s[r * groups + g];
+      }
+      y[r * N + b * 16 + ch] = static_cast<bf16>(scale[b * 16 + ch] * acc + bias_at(bias, b * 16 + ch));
+    }
 }
 
 template <int R> struct Int8Range {
-  template <typename... A> static void run(A... a) { int8_range<R>(a...); }
+  static void run(const int8_t* xq, const float* s, const int32_t* z, int64_t Kp, const uint8_t* q, const float* scale,
+                  const bf16* bias, bf16* y, int64_t N, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+#ifdef PDSERVE_VNNI
+      int8_vnni<R>(xq, s, z, Kp, q, scale, bias, y, N, b);
+#else
+      int8_scalar<R>(xq, s, z, Kp, q, scale, bias, y, N, b);
+#endif
+    }
+  }
 };
 
 at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
                      const std::optional<at::Tensor>& bias, int64_t n) {
   check_x(x_in);
-  const int64_t rows = x_in.size(0), K = x_in.size(1) + x_in.size(1) % 2, blocks = (n + 15) / 16;
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() &&
-              q.sizes() == at::IntArrayRef({blocks, K / 2, 32}), "q: [ceil(out/16), ceil(in/2), 32] int8");
+  const int64_t rows = x_in.size(0), K = x_in.size(1), Kp = (K + kGroup - 1) / kGroup * kGroup;
+  const int64_t blocks = (n + 15) / 16;
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() &&
+              q.sizes() == at::IntArrayRef({blocks, Kp / 4, 64}),
+              "q: [ceil(out/16), ceil(in/32) * 8, 64] uint8 (int8 weights + 128)");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == blocks * 16 && scale.is_contiguous(),
               "scale: [ceil(out/16) * 16] fp32");
   const bf16* b = bias_ptr(bias, n);
-  // an odd input size meets the weight's zero column with a zero input
-  at::Tensor x = K == x_in.size(1) ? x_in.contiguous() : at::constant_pad_nd(x_in, {0, 1});
+  at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({rows, n}, x_in.options());
-  const bf16* xp = x.data_ptr<bf16>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
+  at::Tensor xq = at::empty({rows, Kp}, x_in.options().dtype(at::kChar));
+  at::Tensor sc = at::empty({rows, Kp / kGroup}, x_in.options().dtype(at::kFloat));
+  at::Tensor zs = at::empty({rows, Kp / kGroup}, x_in.options().dtype(at::kInt));
+  int8_t* xqp = xq.data_ptr<int8_t>();
+  float* sp = sc.data_ptr<float>();
+  int32_t* zp = zs.data_ptr<int32_t>();
+  quantize_rows(x.data_ptr<bf16>(), rows, K, Kp, xqp, sp, zp);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* wsp = scale.data_ptr<float>();
   bf16* yp = y.data_ptr<bf16>();
-  // chunks of at least 4 blocks (64 channels x K bytes): a thread's share outweighs its start-up.
-  // Rows past kMaxRows take more passes over the weights, chunk by chunk (gemv_cpu.h; measured
-  // faster than re-reading each block from L1 for them)
+  const int64_t groups = Kp / kGroup;
+  // chunks of at least 4 blocks (64 channels x Kp bytes): a thread's share outweighs its start-up
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    passes_in_chunks<kWideFirst>(rows, b0, b1, K * 16, 2, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
-      with_rows<Int8Range, kWideFirst>(r, xp + r0 * K, K, qp, sp, b, yp + r0 * n, n, c0, c1);
+    passes_in_chunks<kWideFirst>(rows, b0, b1, Kp * 16, 4, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
+      with_rows<Int8Range, kWideFirst>(r, xqp + r0 * Kp, sp + r0 * groups, zp + r0 * groups, Kp, qp, wsp, b, yp + r0 * n, n,
+                                       c0, c1);
     });
   });
   return y;
+}
+
+bool int8_vectorized() {
+#ifdef PDSERVE_VNNI
+  return true;
+#else
+  return false;
+#endif
 }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("int8_gemv(Tensor x, Tensor q, Tensor scale, Tensor? bias, int n) -> Tensor");
+  m.def("int8_vectorized() -> bool", &int8_vectorized);
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
