@@ -18,8 +18,8 @@ One run, one machine, one torch thread setting for every contender:
    prompts, stepped until all of them decode, then `eng.step()` timed one step at a time;
    beside each, the roofline bound of that step on this CPU (pdserve.plan: bytes read over
    measured read bandwidth, FLOPs over measured matmul peak in the format's compute dtype: int8
-   products for int8 with the engine's kernels, `torch._int_mm`'s peak) and the efficiency
-   bound / measured.
+   products for int8 and int4 with the engine's VNNI kernels, `torch._int_mm`'s peak) and the
+   efficiency bound / measured.
 
 `--profile` adds a breakdown of decode steps (default batch 1 and 32, in `--profile-format`):
 wall time per component (scheduler, `ModelRunner._prepare`, decoder body, paged attention, LM
@@ -222,8 +222,8 @@ def roofline(model_dir: str, threads: int):
         for _ in range(10):
             a @ b
         peaks[dtype] = 10 * 2 * 1024**3 / (time.perf_counter() - t0)
-    # int8 x int8 -> int32 (oneDNN, VNNI where the CPU has it): the peak of the engine's int8
-    # kernel, which quantizes the activations too
+    # int8 x int8 -> int32 (oneDNN, VNNI where the CPU has it): the peak of the engine's int8 and
+    # int4 kernels, which round the activations to int8
     a, b = (torch.randint(-127, 128, (1024, 1024), dtype=torch.int8) for _ in range(2))
     torch._int_mm(a, b)
     t0 = time.perf_counter()
@@ -238,10 +238,11 @@ def step_bound_ms(spec, bw: float, peaks: dict, fmt: str, batch: int, context: i
     from engine.kernels import cpu_kernels
     from engine.linear import quantized_small_rows
     dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
-    few = quantized_small_rows(fmt, cpu_kernels())
+    kernels = cpu_kernels()
+    few = quantized_small_rows(fmt, kernels)
     small = few is None or batch <= few
-    if fmt == "int8" and small and cpu_kernels() is not None:
-        dtype = torch.int8                   # the engine's int8 kernel: int8 products
+    if fmt in ("int8", "int4") and small and kernels is not None and kernels.vnni():
+        dtype = torch.int8                   # the engine's int8 / int4 kernels: int8 products
     per_param = WEIGHT_BYTES[fmt] if small or fmt in ("fp32", "bf16") else WEIGHT_BYTES["bf16"]
     kv_bytes = spec.kv_bytes_per_token / spec.dtype_bytes * (4 if fmt == "fp32" else 2) * context * batch
     return 1e3 * max(2 * spec.params * batch / peaks[dtype], (spec.params * per_param + kv_bytes) / bw)

@@ -9,14 +9,14 @@ come from memory and not from a cache that one repeated call would keep warm. Pr
 microseconds per call and the weight bytes each call reads per second (GB/s) for:
 
   bf16-onednn the prepacked oneDNN bf16 weight (engine.linear's dense path above its GEMV
-              threshold; also the quantized formats' copy above `small_rows`)
+              threshold; also the quantized formats' copy above `quantized_small_rows`)
   fp32-mkl    F.linear on the fp32 weight (MKL)
   bf16, fp32  the engine's dense GEMVs (engine.kernels.bf16_gemv on the blocked weight,
               fp32_gemv on the row-major one), where they build vectorized, at every row count
               (engine.linear switches away above its thresholds)
   int8-aten   torch.ops.aten._weight_int8pack_mm
   int4-aten   torch.ops.aten._weight_int4pack_mm_for_cpu
-  int8, int4  engine.linear's quantized layers with the engine's CPU kernels (engine.kernels),
+  int8, int4  engine.linear's quantized kernels (engine.kernels.int8_gemv, int4_gemv),
               where they build, at every row count (no switch to the bf16 copy)
 
 and, per format and row count, the whole step's linears (sum over shapes x layers).
@@ -58,8 +58,8 @@ def _factories(kernels) -> dict:
             linear._blocks_of_16(w.to(bf16)), w.shape[0])
         out["fp32"] = lambda w: (lambda wf: lambda x: kernels.fp32_gemv(x, wf, None))(w.contiguous())
     if kernels is not None:
-        out["int8"] = lambda w: linear.make_linear(w, None, "int8", bf16, small_rows=64, kernels=kernels)
-        out["int4"] = lambda w: linear.make_linear(w, None, "int4", bf16, small_rows=64, kernels=kernels)
+        out["int8"] = lambda w: linear._int8(w, None, kernels)[0]       # the kernel at every row count
+        out["int4"] = lambda w: linear._int4(w, None, kernels)[0]
     return out
 
 

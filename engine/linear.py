@@ -24,38 +24,31 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             is strong it would win for prompt chunks, which keep `F.linear`).
                             Memory: fp32 shares its one weight; bf16 holds the blocked copy
                             beside oneDNN's packed one (2x its weight bytes).
-  int8 (CPU)                int8 weights, symmetric per output channel. Where the engine's
-                            kernels build, `kernels.int8_gemv` (engine/kernels/int8_gemv_cpu.cpp)
-                            runs every row count: it quantizes the activations too, per row in
-                            groups of 32 inputs (llama.cpp's Q8_0 scheme), and sums the int8
-                            products in int32 with AVX512-VNNI (twice the multiply-adds of a bf16
-                            instruction, and no widening of the weights), so it needs no bf16
-                            copy: an int8 model holds 1 byte a weight. Measured
-                            (`benchmarks/linear_bench.py`, the step's linears, 1 thread): 1 row as
-                            the weight-only kernel before it (memory-bound), 8 / 16 / 32 rows
-                            0.53 / 0.65 / 0.64x its time; 64 rows 0.64x oneDNN on the bf16 copy,
-                            128-512 rows even with it. Quality: the fixed text's log-likelihood
-                            as the weight-only scheme's (one activation scale a row instead of
-                            a group cost as much as int4; see the kernel's header). Without the
-                            kernels: weight-only, aten's `_weight_int8pack_mm` (bf16 activations)
-                            up to SMALL_ROWS rows and a prepacked bf16 copy of the dequantized
-                            weight above.
-  int4 (CPU)                weight-only quantization with bf16 activations: int4 in groups of 32
-                            input columns with a scale and zero point each (the gpt-fast/torchao
-                            scheme). Steps of at most KERNEL_SMALL_ROWS rows run the engine's GEMV
-                            (`kernels.int4_gemv`, engine/kernels/int4_gemv_cpu.cpp; weights in
-                            blocks of 16 output channels) where it builds, else aten's
-                            `_weight_int4pack_mm_for_cpu` (up to SMALL_ROWS). Both read 4x fewer
-                            bytes than bf16 but do not use the matrix unit, so their time grows
-                            with the rows; steps with more rows run a prepacked bf16 copy of the
-                            *dequantized* weight instead (the same quantized model, computed on
-                            the matrix unit), at the cost of memory: an int4 model holds both
-                            (documented in the README). The row thresholds are measured
-                            (`benchmarks/linear_bench.py`, the model's linears at 1 and 2
-                            threads): the engine's kernel, whose passes re-read each chunk of
-                            weights from L2 8 rows at a time, beat the bf16 copy up to 32 rows
-                            (1.06-1.36x at 12-32 rows; at 64 it loses), so it stops at 32
-                            (KERNEL_SMALL_ROWS); aten's loses to it above 4 (SMALL_ROWS).
+  int8 / int4 (CPU)         int8 weights symmetric per output channel; int4 weights asymmetric in
+                            groups of 32 inputs with a bf16 scale and zero point each (the
+                            gpt-fast/torchao scheme). Where the engine's kernels build with
+                            AVX512-VNNI, `kernels.int8_gemv` / `int4_gemv`
+                            (engine/kernels/int8_gemv_cpu.cpp, int4_gemv_cpu.cpp; weights in
+                            blocks of 16 output channels) run every row count: they round the
+                            activations to int8 too, per row in groups of 32 inputs (llama.cpp's
+                            Q8_0 scheme, which its Q4/Q8 dot products use), and sum the integer
+                            products in int32 with `vpdpbusd` (twice the multiply-adds of a bf16
+                            instruction, and no widening of the weights), so they need no bf16
+                            copy: 1 byte a weight (int4: 0.625). Measured
+                            (`benchmarks/linear_bench.py`, the step's linears, builds alternated):
+                            int8 1 row as the weight-only kernel before it (memory-bound), 8 / 16 /
+                            32 rows 0.53 / 0.65 / 0.64x its time on 1 thread; int4 1-64 rows
+                            0.45-0.65x the weight-only one (which was bound by turning nibbles
+                            into bf16 numbers); against oneDNN on a bf16 copy, 1 and 2 threads,
+                            both: 0.6-0.8x at 64 rows, 0.8-1.0x at 128, 1.0-1.1x at 512 (prompt
+                            chunks pay up to 10 % for the memory). Quality: the activations' rounding moves the
+                            fixed text's log-likelihood by about as much as bf16 does (one scale a
+                            row instead of a group cost as much as int4; see the int8 kernel's
+                            header). Without VNNI the same kernels run as scalar loops up to
+                            KERNEL_SMALL_ROWS rows and a prepacked bf16 copy of the dequantized
+                            weight above; without the engine's kernels, weight-only through
+                            aten's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` (bf16
+                            activations) up to SMALL_ROWS rows and the bf16 copy above.
 
 Exactness: fp32 (the exact mode) computes in fp32 throughout: `F.linear` or the fp32 GEMV, whose
 sums run in another order than MKL's (as MKL's own GEMV and GEMM differ), so logits match
@@ -72,9 +65,9 @@ import torch.nn.functional as F
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 INT4_GROUP = 32
-# at most this many rows: the quantized GEMV kernel; more: the bf16 copy (measured; see above)
-SMALL_ROWS = 4            # aten's kernels
-KERNEL_SMALL_ROWS = 32    # the engine's int4 kernel (four passes of 8 at 32 rows); its int8 one takes every row count
+# at most this many rows: the quantized GEMV kernel; more: the bf16 copy (see above)
+SMALL_ROWS = 4            # aten's kernels (measured)
+KERNEL_SMALL_ROWS = 32    # the engine's kernels without VNNI (scalar); with it they take every row count
 # at most this many rows: the engine's dense GEMV (measured; see above)
 DENSE_SMALL_ROWS = {torch.bfloat16: 64, torch.float32: 64}
 
@@ -88,10 +81,11 @@ def cpu_has_native_bf16() -> bool:
 
 def quantized_small_rows(fmt: str, kernels) -> int | None:
     """Rows up to which a quantized layer runs its int kernel (more: the bf16 copy); None: every row
-    count, without a bf16 copy (the engine's int8 kernel where it builds with AVX512-VNNI)."""
+    count, without a bf16 copy (the engine's int8 and int4 kernels where they build with
+    AVX512-VNNI)."""
     if kernels is None:
         return SMALL_ROWS
-    return None if fmt == "int8" and kernels.int8_vectorized() else KERNEL_SMALL_ROWS
+    return None if kernels.vnni() else KERNEL_SMALL_ROWS
 
 
 def dense_small_rows(dtype: torch.dtype, kernels) -> int:
@@ -113,7 +107,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype
     assert fmt in WEIGHT_FORMATS, fmt
     bias = None if bias is None else bias.to(dtype).contiguous()
     if fmt in ("int8", "int4"):
-        assert weight.device.type == "cpu" and dtype == torch.bfloat16, "weight-only quantization is CPU + bf16"
+        assert weight.device.type == "cpu" and dtype == torch.bfloat16, "int8/int4 quantization is CPU + bf16"
         quant, dequantized = (_int8 if fmt == "int8" else _int4)(weight, bias, kernels)
         if quant is None:                    # a shape only the bf16 copy takes
             return _dense(dequantized.to(torch.bfloat16), bias, kernels)
@@ -215,8 +209,8 @@ def _int4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tu
     pad = -out_f % 16
     q = F.pad(q, (0, 0, 0, pad)).to(torch.uint8)
     blocks, groups = (out_f + pad) // 16, in_f // INT4_GROUP
-    q = q.view(blocks, 16, groups, 8, 4)                              # [block, channel, group, step, 4 inputs]
-    byte = q[..., :2] | (q[..., 2:] << 4)                             # inputs 4t + e and 4t + 2 + e
+    q = q.view(blocks, 16, groups, 4, 8)                              # [block, channel, group, vector, 8 inputs]
+    byte = q[..., :4] | (q[..., 4:] << 4)                             # inputs 8v + e and 8v + 4 + e
     packed = byte.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256).contiguous()
     sz = torch.stack([F.pad(t, (0, 0, 0, pad)).view(blocks, 16, groups).transpose(1, 2) for t in (scale, zero)], 2)
     return packed, sz.contiguous()                                    # [block, group, 2, 16]

@@ -1,18 +1,19 @@
-// Shared by the bf16-activation GEMV kernels (int8_gemv_cpu.cpp, int4_gemv_cpu.cpp, and bf16_gemv in
-// dense_gemv_cpu.cpp): y = x @ w.T (+ bias) for a few rows x of bf16 activations, w dequantized
-// from int8 / int4 or bf16 itself, registered as torch.ops.pdserve.int8_gemv, int4_gemv and
-// bf16_gemv; engine/linear.py packs the weights and calls them for steps of few rows.
+// Shared by the GEMV kernels on blocks of 16 output channels (bf16_gemv in dense_gemv_cpu.cpp,
+// int8_gemv_cpu.cpp, int4_gemv_cpu.cpp): y = x @ w.T (+ bias) for a few rows x of bf16
+// activations, registered as torch.ops.pdserve.bf16_gemv, int8_gemv and int4_gemv; engine/linear.py
+// packs the weights and calls them.
 //
 // At batch 1 a decode step reads every weight once, so these kernels stream the weight bytes
 // once per call for up to kMaxRows rows (bf16 and int8: kWideFirst; every row is computed against
 // each weight as it is read; more rows take more passes, over L2-sized chunks:
-// `passes_in_chunks`) and keep all arithmetic in registers. Products
-// and sums in fp32; the output is rounded to bf16 once, bias included. Threads split the
-// output channels (at::parallel_for, torch's thread count). Both take the weight in blocks of
-// 16 output channels (N: n rounded up to 16, padded with zeros), so a thread reads contiguous
-// memory. With AVX512 (F, BW, VL, BF16) the weights become bf16 numbers, exactly, and meet
-// broadcast pairs of inputs in `vdpbf16ps` across 16 channels; elsewhere a scalar loop computes
-// the same sums from the same layouts.
+// `passes_in_chunks`) and keep all arithmetic in registers. The output is rounded to bf16 once,
+// bias included. Threads split the output channels (at::parallel_for, torch's thread count). All
+// take the weight in blocks of 16 output channels (N: n rounded up to 16, padded with zeros), so a
+// thread reads contiguous memory. bf16: with AVX512 (F, BW, VL, BF16) the weights meet broadcast
+// pairs of inputs in `vdpbf16ps` across 16 channels (`pair_dots`), products and sums in fp32.
+// int8 and int4: the activations rounded to int8 first (`quantize_rows`), then with AVX512-VNNI
+// broadcast quads of them meet the weights in `vpdpbusd`, each group's sum exact in int32. Elsewhere
+// scalar loops compute the same sums from the same layouts.
 #pragma once
 
 #include <torch/library.h>
@@ -21,6 +22,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -98,12 +100,12 @@ inline float pair_dot_scalar(const bf16* x, int64_t K, const W* block, int64_t c
   return acc;
 }
 
-// Each kernel computes the R rows of NB blocks of 16 channels, whose weights it reads side by
-// side. int8 and bf16 read two stretches of a thread's blocks at once: two memory streams
-// measured 15-18 % faster than one for int8 up to 4 rows on this project's CPU
+// The bf16 kernel computes the R rows of NB blocks of 16 channels, whose weights it reads side by
+// side: two stretches of a thread's blocks at once. Two memory streams measured 15-18 % faster
+// than one for the (then weight-only) int8 kernel up to 4 rows on this project's CPU
 // (benchmarks/linear_bench.py's shapes), and at 5-8 rows, where one broadcast input pair then
-// serves two blocks, 1.2-1.5x (bf16 at 8 rows, 1 thread: 13.4 -> 8.9 ms a step's linears; int8
-// 10.4 -> 8.8); int4 (more work per byte) measured no gain, so one stream.
+// serves two blocks, 1.2-1.5x (bf16 at 8 rows, 1 thread: 13.4 -> 8.9 ms a step's linears). The
+// int8 and int4 kernels (VNNI) read one stream fetched kAhead bytes ahead.
 
 // Blocks [b0, b1) of R rows: with AVX512, as two streams (the first and second half of the
 // range side by side) for R <= kTwoUpTo, else one; elsewhere the scalar loop, block by block.
@@ -156,9 +158,57 @@ void passes_in_chunks(int64_t rows, int64_t u0, int64_t u1, int64_t unit_bytes, 
 // 0.80x / 0.86x / 0.92x / 0.94x / 0.97x; int8 1 thread 0.65x / 0.75x / 0.84x / 0.87x / 0.92x,
 // 2 threads (to 32) 0.68-0.76x / 0.76-0.77x / 0.85x / 0.87-0.89x. 4-8 KiB ahead beat 0.5-2 KiB
 // (int8: 3 and 6 KiB alike); without fetching ahead the 16-row bf16 pass took 1.6x the two
-// 8-row passes. int4 keeps 8 rows: its kernel's 3 x R accumulators would not fit the registers.
+// 8-row passes. (The int8 numbers are the weight-only kernel's, before its VNNI one.) int4 keeps
+// 8 rows: its group's unpacked nibbles, scales, sums and outputs fill the registers at 8.
 constexpr int64_t kWideFirst = 16;
 constexpr int64_t kAhead = 6144;
+
+// The int8 activations of the int8 and int4 kernels: each row's groups of kQGroup inputs rounded to
+// int8 by 127 / their max (llama.cpp's Q8_0 scheme).
+constexpr int64_t kQGroup = 32;
+
+// x [R, K] bf16 -> xq [R, Kp] int8 (Kp: K rounded up to kQGroup, zeros past K), and per group its
+// scale s = max / 127 [R, Kp / kQGroup] fp32 and sum(xq) [R, Kp / kQGroup] int32.
+// Built without -ffast-math: xq must be round(x * (127 / max)) exactly as written (a reassociated
+// (x * 127) / max rounds 1 in about 3000 elements of bf16 inputs the other way).
+__attribute__((optimize("no-fast-math")))
+inline void quantize_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp, int8_t* xq, float* s, int32_t* sums) {
+  const int64_t groups = Kp / kQGroup;
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const bf16* row = x + r * K;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * kQGroup;
+        int32_t sum = 0;
+        float amax = 0.f;
+#ifdef PDSERVE_AVX512
+        const __m512 v0 = load16(row + k0, lanes16(K - k0)), v1 = load16(row + k0 + 16, lanes16(K - k0 - 16));
+        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));    // to nearest even
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * Kp + k0), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * Kp + k0 + 16), _mm512_cvtepi32_epi8(q1));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+        float v[kQGroup];
+        for (int64_t i = 0; i < kQGroup; ++i) {
+          v[i] = k0 + i < K ? static_cast<float>(row[k0 + i]) : 0.f;
+          amax = std::max(amax, std::fabs(v[i]));
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int64_t i = 0; i < kQGroup; ++i) {
+          const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+          xq[r * Kp + k0 + i] = static_cast<int8_t>(q);
+          sum += q;
+        }
+#endif
+        s[r * groups + g] = amax / 127.f;
+        sums[r * groups + g] = sum;
+      }
+    }
+  });
+}
 
 inline void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,

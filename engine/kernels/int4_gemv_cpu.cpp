@@ -1,115 +1,119 @@
-// Weight-only int4 GEMV (torch.ops.pdserve.int4_gemv): asymmetric int4 in groups of 32 inputs,
-// a bf16 scale s and zero z each, the engine.linear `_int4` quantization (gpt-fast/torchao's
-// scheme). See gemv_cpu.h for what the GEMV kernels share.
+// int4 GEMV with int8 activations (torch.ops.pdserve.int4_gemv): asymmetric int4 weights in groups
+// of 32 inputs, a bf16 scale s and zero z each (the engine.linear `_int4` quantization,
+// gpt-fast/torchao's scheme); the rows of x rounded to int8 in the same groups of 32 (gemv_cpu.h
+// `quantize_rows`, as int8_gemv does; llama.cpp's Q4 dot products do the same), and the nibbles
+// multiplied by them in int32 by AVX512-VNNI's `vpdpbusd`.
 //
 //   int4_gemv(x [R, K] bf16, packed [N/16, K/32, 256] uint8, sz [N/16, K/32, 2, 16] bf16,
 //             bias [n] bf16?, n) -> [R, n] bf16                                       (K % 32 == 0)
-//       y[r, n] = sum_g sum_{k in g} x[r, k] * ((q[n, k] - 8) * s[n, g] + z[n, g]) + bias[n]
-//     A block of 16 output channels and one group of 32 inputs is 8 steps of 32 bytes; in step t,
-//     byte 2c + e holds channel c's q at input 4t + e (low nibble) and 4t + 2 + e (high nibble).
+//     A block of 16 output channels and one group of 32 inputs is 4 vectors of 64 bytes; in
+//     vector v, byte 4c + e holds channel c's q at input 8v + e (low nibble) and 8v + 4 + e (high).
 //     sz[b, g, 0, c] and sz[b, g, 1, c] are channel 16b + c's scale s and zero z of group g.
-// AVX512: a nibble q becomes the bf16 number 128 + q by OR-ing in 128's exponent, so per group
-//   y += s * dot(x, 128 + q) + (z - 136 s) * sum(x).
+//     With xs[r, g] the scale of row r's group g and xq its int8 values (quantize_rows):
+//     y[r, n] = sum_g xs[r, g] * (s[n, g] * sum_{k in g} q[n, k] xq[r, k]
+//                                 + (z[n, g] - 8 s[n, g]) * sum_{k in g} xq[r, k]) + bias[n]
+//     = sum_k ((q - 8) s + z)[n, k] * xs xq[r, k]: the dequantized weight times the rounded x;
+//     each group's integer sums exact in int32, the rest in fp32, rounded to bf16 once.
+// Why: the weight-only kernel before it turned every nibble into a bf16 number for `vdpbf16ps` and
+// was bound by that conversion (about 25-33 GB/s of int4 weights, 2-2.3x its memory bound at one
+// row, and slower than the bf16 copy from 64 rows on).
+//
+// Rows: passes of up to 8 (gemv_cpu.h `passes_in_chunks`): the group's 8 unpacked nibble vectors,
+// its scales and the rows' sums and outputs fill the registers; with fewer than 4 rows the sums are
+// split over independent chains. One weight stream fetched kAhead bytes ahead.
 #include "gemv_cpu.h"
 
 namespace {
 
 using namespace pdserve_gemv;
-constexpr int64_t kGroup = 32;
+constexpr int64_t kGroup = kQGroup;          // the weights' groups are the activations' groups
 
-// x [R][K] stays bf16; xsum [R][groups] in fp32
-#ifdef PDSERVE_AVX512
-template <int R, int NB>
-void int4_avx(const bf16* x, const float* xsum, int64_t K, const uint8_t* packed, const bf16* sz,
-              const bf16* bias, bf16* y, int64_t N, const int64_t* blocks) {
+#ifdef PDSERVE_VNNI
+template <int R>
+void int4_vnni(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, const uint8_t* packed,
+               const bf16* sz, const bf16* bias, bf16* y, int64_t N, int64_t b) {
+  constexpr int A = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
   const int64_t groups = K / kGroup;
-  constexpr int A = R * NB == 1 ? 4 : (R * NB == 2 ? 2 : 1);   // independent dot-product chains per row and half
-  const __m512i nibble = _mm512_set1_epi16(0x000F), magic = _mm512_set1_epi16(0x4300);   // bf16 128.0
-  __m512 acc[NB][R];
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
   PDSERVE_UNROLL
-  for (int j = 0; j < NB; ++j) for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 lo[NB][A][R], hi[NB][A][R];
+    const uint8_t* p = packed + (b * groups + g) * 256;
+    __m512i w[8];                                     // w[j]: inputs 4j .. 4j + 3 of the group
     PDSERVE_UNROLL
-    for (int j = 0; j < NB; ++j)
-      for (int a = 0; a < A; ++a) for (int r = 0; r < R; ++r) lo[j][a][r] = hi[j][a][r] = _mm512_setzero_ps();
+    for (int v = 0; v < 4; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + 64 * v) + kAhead, _MM_HINT_T0);
+      const __m512i raw = _mm512_loadu_si512(p + 64 * v);
+      w[2 * v] = _mm512_and_si512(raw, nibble);
+      w[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+    }
+    const bf16* s16 = sz + (b * groups + g) * 32;
+    const __m512 s = load16(s16), m = _mm512_fmadd_ps(_mm512_set1_ps(-8.f), s, load16(s16 + 16));   // z - 8 s
+    __m512i sum[A][R];
     PDSERVE_UNROLL
-    for (int t = 0; t < 8; ++t) {
-      const int64_t k = g * kGroup + 4 * t;
+    for (int a = 0; a < A; ++a) for (int r = 0; r < R; ++r) sum[a][r] = _mm512_setzero_si512();
+    PDSERVE_UNROLL
+    for (int j = 0; j < 8; ++j) {
       PDSERVE_UNROLL
-      for (int j = 0; j < NB; ++j) {
-        const uint8_t* p = packed + (blocks[j] * groups + g) * 256 + 32 * t;
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-        const __m512bh wl = (__m512bh)_mm512_ternarylogic_epi32(w, nibble, magic, 0xEA);   // (w & 15) | magic
-        const __m512bh wh = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), magic);
-        PDSERVE_UNROLL
-        for (int r = 0; r < R; ++r) {
-          int32_t pair_lo, pair_hi;                      // inputs (k, k + 1) and (k + 2, k + 3)
-          std::memcpy(&pair_lo, x + r * K + k, 4);
-          std::memcpy(&pair_hi, x + r * K + k + 2, 4);
-          lo[j][t % A][r] = _mm512_dpbf16_ps(lo[j][t % A][r], (__m512bh)_mm512_set1_epi32(pair_lo), wl);
-          hi[j][t % A][r] = _mm512_dpbf16_ps(hi[j][t % A][r], (__m512bh)_mm512_set1_epi32(pair_hi), wh);
-        }
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * K + g * kGroup + 4 * j, 4);
+        sum[j % A][r] = _mm512_dpbusd_epi32(sum[j % A][r], w[j], _mm512_set1_epi32(four));
       }
     }
     PDSERVE_UNROLL
-    for (int j = 0; j < NB; ++j) {
-      const bf16* s16 = sz + (blocks[j] * groups + g) * 32;
-      const __m512 s = load16(s16), m = _mm512_fmadd_ps(_mm512_set1_ps(-136.f), s, load16(s16 + 16));
+    for (int r = 0; r < R; ++r) {
+      __m512i total = sum[0][r];
       PDSERVE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        __m512 dot = _mm512_add_ps(lo[j][0][r], hi[j][0][r]);
-        PDSERVE_UNROLL
-        for (int a = 1; a < A; ++a) dot = _mm512_add_ps(dot, _mm512_add_ps(lo[j][a][r], hi[j][a][r]));
-        acc[j][r] = _mm512_fmadd_ps(s, dot, acc[j][r]);
-        acc[j][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), acc[j][r]);
-      }
+      for (int a = 1; a < A; ++a) total = _mm512_add_epi32(total, sum[a][r]);
+      const float scale = xs[r * groups + g];
+      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), s,
+                                       _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(xsum[r * groups + g])), m));
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(scale), t, acc[r]);
     }
   }
   PDSERVE_UNROLL
-  for (int j = 0; j < NB; ++j)
-    for (int r = 0; r < R; ++r) store16(y + r * N, bias, N, blocks[j] * 16, acc[j][r]);
+  for (int r = 0; r < R; ++r) store16(y + r * N, bias, N, b * 16, acc[r]);
 }
 #endif
 
+// the same sums, one channel at a time (CPUs without AVX512-VNNI)
 template <int R>
-void int4_block(const bf16* x, const float* xsum, int64_t K, const uint8_t* packed, const bf16* sz,
-                const bf16* bias, bf16* y, int64_t N, int64_t b) {
+void int4_scalar(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, const uint8_t* packed,
+                 const bf16* sz, const bf16* bias, bf16* y, int64_t N, int64_t b) {
   const int64_t groups = K / kGroup;
   for (int c = 0; c < 16 && b * 16 + c < N; ++c)
     for (int r = 0; r < R; ++r) {
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* p = packed + (b * groups + g) * 256;
-        float dot = 0.f;
-        for (int t = 0; t < 8; ++t)
-          for (int e = 0; e < 2; ++e) {
-            const uint8_t byte = p[32 * t + 2 * c + e];
-            const bf16* xk = x + r * K + g * kGroup + 4 * t + e;
-            dot += static_cast<float>(xk[0]) * (byte & 15) + static_cast<float>(xk[2]) * (byte >> 4);
+        int32_t dot = 0;
+        for (int v = 0; v < 4; ++v)
+          for (int e = 0; e < 4; ++e) {
+            const uint8_t byte = p[64 * v + 4 * c + e];
+            const int8_t* xk = xq + r * K + g * kGroup + 8 * v + e;
+            dot += (byte & 15) * xk[0] + (byte >> 4) * xk[4];
           }
         const bf16* s16 = sz + (b * groups + g) * 32;
-        const float s = s16[c], z = s16[16 + c];
-        acc += s * dot + (z - 8 * s) * xsum[r * groups + g];
+        const float s = s16[c], m = static_cast<float>(s16[16 + c]) - 8 * s;
+        acc += xs[r * groups + g] * (s * static_cast<float>(dot) + m * static_cast<float>(xsum[r * groups + g]));
       }
       y[r * N + b * 16 + c] = static_cast<bf16>(acc + bias_at(bias, b * 16 + c));
     }
 }
 
-template <int R>
-void int4_range(const bf16* x, const float* xsum, int64_t K, const uint8_t* packed, const bf16* sz,
-                const bf16* bias, bf16* y, int64_t N, int64_t b0, int64_t b1) {
-  over_blocks<R, 0>(b0, b1,
-      [&](auto nb, const int64_t* blocks) {
-#ifdef PDSERVE_AVX512
-        int4_avx<R, decltype(nb)::value>(x, xsum, K, packed, sz, bias, y, N, blocks);
-#endif
-      },
-      [&](int64_t b) { int4_block<R>(x, xsum, K, packed, sz, bias, y, N, b); });
-}
-
 template <int R> struct Int4Range {
-  template <typename... A> static void run(A... a) { int4_range<R>(a...); }
+  static void run(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, const uint8_t* packed,
+                  const bf16* sz, const bf16* bias, bf16* y, int64_t N, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+#ifdef PDSERVE_VNNI
+      int4_vnni<R>(xq, xs, xsum, K, packed, sz, bias, y, N, b);
+#else
+      int4_scalar<R>(xq, xs, xsum, K, packed, sz, bias, y, N, b);
+#endif
+    }
+  }
 };
 
 at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz,
@@ -124,16 +128,19 @@ at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed, const at:
   const bf16* b = bias_ptr(bias, n);
   at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({rows, n}, x_in.options());
-  const bf16* xp = x.data_ptr<bf16>();
-  std::vector<float> xsum(rows * groups, 0.f);     // each row's sum over each group of inputs
-  for (int64_t i = 0; i < rows * K; ++i) xsum[i / kGroup] += static_cast<float>(xp[i]);
-  const float* xs = xsum.data();
+  at::Tensor xq = at::empty({rows, K}, x_in.options().dtype(at::kChar));
+  at::Tensor xs = at::empty({rows, groups}, x_in.options().dtype(at::kFloat));
+  at::Tensor sums = at::empty({rows, groups}, x_in.options().dtype(at::kInt));
+  int8_t* xqp = xq.data_ptr<int8_t>();
+  float* xsp = xs.data_ptr<float>();
+  int32_t* xsum = sums.data_ptr<int32_t>();
+  quantize_rows(x.data_ptr<bf16>(), rows, K, K, xqp, xsp, xsum);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const bf16* szp = sz.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {     // as int8_gemv
     passes_in_chunks(rows, b0, b1, K * 8 + groups * 64, 2, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
-      with_rows<Int4Range>(r, xp + r0 * K, xs + r0 * groups, K, pp, szp, b,
+      with_rows<Int4Range>(r, xqp + r0 * K, xsp + r0 * groups, xsum + r0 * groups, K, pp, szp, b,
                            yp + r0 * n, n, c0, c1);
     });
   });

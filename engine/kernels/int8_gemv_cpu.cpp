@@ -13,9 +13,9 @@
 //     each group's sum exact in int32 (`vpdpbusd` multiplies the unsigned q + 128 by the signed xq:
 //     the sum starts at -128 * sum_{k in g} xq[r, k] instead of 0), the rest in fp32, rounded to
 //     bf16 once.
-//   int8_vectorized() -> bool: built with AVX512-VNNI (and gemv_cpu.h's AVX512 set). Elsewhere a
-//     scalar loop computes the same sums, slower than oneDNN's bf16 GEMM above a few rows, so
-//     engine.linear then keeps a bf16 copy for steps of more rows (`quantized_small_rows`).
+//   vnni() -> bool: this and int4_gemv built with AVX512-VNNI (kernel_common.h PDSERVE_VNNI).
+//     Elsewhere a scalar loop computes the same sums, slower than oneDNN's bf16 GEMM above a few
+//     rows, so engine.linear then keeps a bf16 copy for steps of more rows (`quantized_small_rows`).
 // Why: the weight-only kernel before it (bf16 activations, the weights widened to bf16 for
 // `vdpbf16ps`) was compute-bound from a few rows on: at 32 rows it was slower than bf16's own
 // kernel. This one, the step's linears (benchmarks/linear_bench.py, 1 thread, builds alternated
@@ -31,72 +31,25 @@
 // L1 for rows 8-15); with fewer than 4 rows they are split over independent chains.
 #include "gemv_cpu.h"
 
-#include <cmath>
-
 namespace {
 
 using namespace pdserve_gemv;
 
-constexpr int64_t kGroup = 32;
-
-// x [R, K] bf16 -> xq [R, Kp] int8, and per group s [R, Kp / 32] fp32, z = -128 * sum(xq) [R, Kp / 32].
-// Built without -ffast-math: xq must be round(x * (127 / max)) exactly as written (a reassociated
-// (x * 127) / max rounds 1 in about 3000 elements of bf16 inputs the other way).
-__attribute__((optimize("no-fast-math")))
-void quantize_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp, int8_t* xq, float* s, int32_t* z) {
-  const int64_t groups = Kp / kGroup;
-  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const bf16* row = x + r * K;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t k0 = g * kGroup;
-        int32_t sum = 0;
-        float amax = 0.f;
-#ifdef PDSERVE_AVX512
-        const __m512 v0 = load16(row + k0, lanes16(K - k0)), v1 = load16(row + k0 + 16, lanes16(K - k0 - 16));
-        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));    // to nearest even
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * Kp + k0), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * Kp + k0 + 16), _mm512_cvtepi32_epi8(q1));
-        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-#else
-        float v[kGroup];
-        for (int64_t i = 0; i < kGroup; ++i) {
-          v[i] = k0 + i < K ? static_cast<float>(row[k0 + i]) : 0.f;
-          amax = std::max(amax, std::fabs(v[i]));
-        }
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * inv));
-          xq[r * Kp + k0 + i] = static_cast<int8_t>(q);
-          sum += q;
-        }
-#endif
-        s[r * groups + g] = amax / 127.f;
-        z[r * groups + g] = -128 * sum;
-      }
-    }
-  });
-}
-
-#if defined(PDSERVE_AVX512) && defined(__AVX512VNNI__)
-#define PDSERVE_VNNI 1
+#ifdef PDSERVE_VNNI
 // Block b's 16 channels for R rows: sums in fp32 over the groups, the group's int32 sums of up to
 // 8 rows at a time (A chains each where rows are few)
 template <int R>
-void int8_vnni(const int8_t* xq, const float* s, const int32_t* z, int64_t Kp, const uint8_t* q, const float* scale,
+void int8_vnni(const int8_t* xq, const float* s, const int32_t* xsum, int64_t Kp, const uint8_t* q, const float* scale,
                const bf16* bias, bf16* y, int64_t N, int64_t b) {
   constexpr int kSub = R < 8 ? R : 8;
   constexpr int A = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
-  constexpr int kQuads = kGroup / 4;                       // 64-byte weight vectors a group
-  const int64_t groups = Kp / kGroup;
+  constexpr int kQuads = kQGroup / 4;                       // 64-byte weight vectors a group
+  const int64_t groups = Kp / kQGroup;
   const uint8_t* w = q + b * Kp * 16;
   __m512 acc[R];
   PDSERVE_UNROLL
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g, w += kGroup * 16) {
+  for (int64_t g = 0; g < groups; ++g, w += kQGroup * 16) {
     PDSERVE_UNROLL
     for (int j = 0; j < kQuads; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j) + kAhead, _MM_HINT_T0);
     PDSERVE_UNROLL
@@ -104,14 +57,14 @@ void int8_vnni(const int8_t* xq, const float* s, const int32_t* z, int64_t Kp, c
       __m512i sum[A][kSub];
       PDSERVE_UNROLL
       for (int a = 0; a < A; ++a)
-        for (int r = 0; r < kSub; ++r) sum[a][r] = a ? _mm512_setzero_si512() : _mm512_set1_epi32(z[(r0 + r) * groups + g]);
+        for (int r = 0; r < kSub; ++r) sum[a][r] = a ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * xsum[(r0 + r) * groups + g]);
       PDSERVE_UNROLL
       for (int j = 0; j < kQuads; ++j) {
         const __m512i wv = _mm512_loadu_si512(w + 64 * j);
         PDSERVE_UNROLL
         for (int r = 0; r < kSub; ++r) {
           int32_t four;
-          std::memcpy(&four, xq + (r0 + r) * Kp + g * kGroup + 4 * j, 4);
+          std::memcpy(&four, xq + (r0 + r) * Kp + g * kQGroup + 4 * j, 4);
           sum[j % A][r] = _mm512_dpbusd_epi32(sum[j % A][r], wv, _mm512_set1_epi32(four));
         }
       }
@@ -133,16 +86,16 @@ void int8_vnni(const int8_t* xq, const float* s, const int32_t* z, int64_t Kp, c
 
 // the same sums, one channel at a time (CPUs without AVX512-VNNI)
 template <int R>
-void int8_scalar(const int8_t* xq, const float* s, const int32_t* z, int64_t Kp, const uint8_t* q, const float* scale,
+void int8_scalar(const int8_t* xq, const float* s, const int32_t* xsum, int64_t Kp, const uint8_t* q, const float* scale,
                  const bf16* bias, bf16* y, int64_t N, int64_t b) {
-  const int64_t groups = Kp / kGroup;
+  const int64_t groups = Kp / kQGroup;
   const uint8_t* w = q + b * Kp * 16;
   for (int64_t ch = 0; ch < 16 && b * 16 + ch < N; ++ch)
     for (int r = 0; r < R; ++r) {
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
-        int32_t sum = z[r * groups + g];
-        for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
+        int32_t sum = -128 * xsum[r * groups + g];
+        for (int64_t k = g * kQGroup; k < (g + 1) * kQGroup; ++k)
           sum += static_cast<int32_t>(w[(k / 4) * 64 + 4 * ch + k % 4]) * xq[r * Kp + k];
         acc += static_cast<float>(sum) * s[r * groups + g];
       }
@@ -151,13 +104,13 @@ void int8_scalar(const int8_t* xq, const float* s, const int32_t* z, int64_t Kp,
 }
 
 template <int R> struct Int8Range {
-  static void run(const int8_t* xq, const float* s, const int32_t* z, int64_t Kp, const uint8_t* q, const float* scale,
+  static void run(const int8_t* xq, const float* s, const int32_t* xsum, int64_t Kp, const uint8_t* q, const float* scale,
                   const bf16* bias, bf16* y, int64_t N, int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
 #ifdef PDSERVE_VNNI
-      int8_vnni<R>(xq, s, z, Kp, q, scale, bias, y, N, b);
+      int8_vnni<R>(xq, s, xsum, Kp, q, scale, bias, y, N, b);
 #else
-      int8_scalar<R>(xq, s, z, Kp, q, scale, bias, y, N, b);
+      int8_scalar<R>(xq, s, xsum, Kp, q, scale, bias, y, N, b);
 #endif
     }
   }
@@ -166,7 +119,7 @@ template <int R> struct Int8Range {
 at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
                      const std::optional<at::Tensor>& bias, int64_t n) {
   check_x(x_in);
-  const int64_t rows = x_in.size(0), K = x_in.size(1), Kp = (K + kGroup - 1) / kGroup * kGroup;
+  const int64_t rows = x_in.size(0), K = x_in.size(1), Kp = (K + kQGroup - 1) / kQGroup * kQGroup;
   const int64_t blocks = (n + 15) / 16;
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() &&
               q.sizes() == at::IntArrayRef({blocks, Kp / 4, 64}),
@@ -177,27 +130,27 @@ at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({rows, n}, x_in.options());
   at::Tensor xq = at::empty({rows, Kp}, x_in.options().dtype(at::kChar));
-  at::Tensor sc = at::empty({rows, Kp / kGroup}, x_in.options().dtype(at::kFloat));
-  at::Tensor zs = at::empty({rows, Kp / kGroup}, x_in.options().dtype(at::kInt));
+  at::Tensor sc = at::empty({rows, Kp / kQGroup}, x_in.options().dtype(at::kFloat));
+  at::Tensor sums = at::empty({rows, Kp / kQGroup}, x_in.options().dtype(at::kInt));
   int8_t* xqp = xq.data_ptr<int8_t>();
   float* sp = sc.data_ptr<float>();
-  int32_t* zp = zs.data_ptr<int32_t>();
-  quantize_rows(x.data_ptr<bf16>(), rows, K, Kp, xqp, sp, zp);
+  int32_t* xsum = sums.data_ptr<int32_t>();
+  quantize_rows(x.data_ptr<bf16>(), rows, K, Kp, xqp, sp, xsum);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* wsp = scale.data_ptr<float>();
   bf16* yp = y.data_ptr<bf16>();
-  const int64_t groups = Kp / kGroup;
+  const int64_t groups = Kp / kQGroup;
   // chunks of at least 4 blocks (64 channels x Kp bytes): a thread's share outweighs its start-up
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     passes_in_chunks<kWideFirst>(rows, b0, b1, Kp * 16, 4, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
-      with_rows<Int8Range, kWideFirst>(r, xqp + r0 * Kp, sp + r0 * groups, zp + r0 * groups, Kp, qp, wsp, b, yp + r0 * n, n,
+      with_rows<Int8Range, kWideFirst>(r, xqp + r0 * Kp, sp + r0 * groups, xsum + r0 * groups, Kp, qp, wsp, b, yp + r0 * n, n,
                                        c0, c1);
     });
   });
   return y;
 }
 
-bool int8_vectorized() {
+bool vnni() {
 #ifdef PDSERVE_VNNI
   return true;
 #else
@@ -208,7 +161,7 @@ bool int8_vectorized() {
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("int8_gemv(Tensor x, Tensor q, Tensor scale, Tensor? bias, int n) -> Tensor");
-  m.def("int8_vectorized() -> bool", &int8_vectorized);
+  m.def("vnni() -> bool", &vnni);
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {

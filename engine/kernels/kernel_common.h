@@ -11,6 +11,10 @@
 #include <immintrin.h>
 #define PDSERVE_AVX512 1
 #endif
+// and AVX512-VNNI's `vpdpbusd` (u8 x s8 products summed in int32): the int8 and int4 kernels
+#if defined(PDSERVE_AVX512) && defined(__AVX512VNNI__)
+#define PDSERVE_VNNI 1
+#endif
 #define PDSERVE_UNROLL _Pragma("GCC unroll 16")
 
 namespace pdserve_cpu {
