@@ -64,7 +64,7 @@ TARGET_B32_VS_B1 = 2.0    # decode batch 32 at most 2 x batch 1
 FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
            "int4": ("bfloat16", "int4")}
 # weight bytes per parameter a decode step reads: the quantized formats read their int weights
-# up to engine.linear.quantized_small_rows() rows (int8 with the engine's kernels: always), a
+# up to engine.linear.quantized_small_rows() rows (with the engine's VNNI kernels: always), a
 # dequantized bf16 copy above (int4: + scale and zero per 32)
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
 ENGINE_KW = dict(dtype="float32", device="cpu", max_num_batched_tokens=512, max_num_seqs=64,
@@ -239,7 +239,7 @@ def step_bound_ms(spec, bw: float, peaks: dict, fmt: str, batch: int, context: i
     from engine.linear import quantized_small_rows
     dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
     kernels = cpu_kernels()
-    few = quantized_small_rows(fmt, kernels)
+    few = quantized_small_rows(kernels)
     small = few is None or batch <= few
     if fmt in ("int8", "int4") and small and kernels is not None and kernels.vnni():
         dtype = torch.int8                   # the engine's int8 / int4 kernels: int8 products

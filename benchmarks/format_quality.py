@@ -5,8 +5,8 @@ Hugging Face `generate` and against fp32.
 For each format it prints
   - greedy agreement: for each prompt, how many tokens the engine's greedy output shares
     with Hugging Face `generate` in the same compute dtype (fp32 for fp32; bf16 for bf16 and
-    the quantized int8/int4 formats, whose activations between the linears are bf16; int8's
-    kernel rounds them to int8 inside each linear) before the first difference, out of
+    the quantized int8/int4 formats, whose activations between the linears are bf16; their
+    VNNI kernels round them to int8 inside each linear) before the first difference, out of
     --new-tokens;
   - mean log-likelihood per token of a fixed English text (the engine's prompt logprobs),
     beside fp32's: a perplexity-style check of how much the format moves the model.

@@ -41,9 +41,10 @@ class EngineConfig:
         bf16 where the CPU has native bf16 (AVX512-BF16/AMX), else fp32). float32 is the exact
         mode: greedy output token-identical to Hugging Face `generate` in fp32.
     quantization: None | int8 | int4: quantization of every linear and the LM head (CPU): int8
-        weights per output channel, with the engine's kernels int8 activations too (each row in
-        groups of 32, llama.cpp's Q8_0 scheme; without them bf16 activations); int4 weight-only
-        in groups of 32 (bf16 activations). Faster decode; see engine.linear for how each runs.
+        weights per output channel, int4 in groups of 32 with a scale and zero each; with the
+        engine's VNNI kernels the activations are rounded to int8 inside each linear too (each
+        row in groups of 32, llama.cpp's Q8_0 scheme), without them they stay bf16 (weight-only).
+        Faster decode; see engine.linear for how each runs.
     device: auto | cpu | cuda | cuda:N (auto picks CUDA when available).
     attention_backend: how decode attention reads the KV pool: paged (the engine's kernel reads
         K/V in place by block table: C++ on CPU in float32/bfloat16, Triton on CUDA), torch

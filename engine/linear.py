@@ -41,10 +41,11 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             0.45-0.65x the weight-only one (which was bound by turning nibbles
                             into bf16 numbers); against oneDNN on a bf16 copy, 1 and 2 threads,
                             both: 0.6-0.8x at 64 rows, 0.8-1.0x at 128, 1.0-1.1x at 512 (prompt
-                            chunks pay up to 10 % for the memory). Quality: the activations' rounding moves the
-                            fixed text's log-likelihood by about as much as bf16 does (one scale a
-                            row instead of a group cost as much as int4; see the int8 kernel's
-                            header). Without VNNI the same kernels run as scalar loops up to
+                            chunks pay up to 10 % for the memory). Quality (benchmarks/
+                            format_quality.py's text, log-likelihood against fp32): int8 +0.008
+                            (weight-only +0.003, bf16 +0.002), int4 -0.077 (weight-only -0.085);
+                            one activation scale a row instead of a group of 32 cost as much as
+                            int4 (see the int8 kernel's header). Without VNNI the same kernels run as scalar loops up to
                             KERNEL_SMALL_ROWS rows and a prepacked bf16 copy of the dequantized
                             weight above; without the engine's kernels, weight-only through
                             aten's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` (bf16
@@ -79,7 +80,7 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def quantized_small_rows(fmt: str, kernels) -> int | None:
+def quantized_small_rows(kernels) -> int | None:
     """Rows up to which a quantized layer runs its int kernel (more: the bf16 copy); None: every row
     count, without a bf16 copy (the engine's int8 and int4 kernels where they build with
     AVX512-VNNI)."""
@@ -99,7 +100,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype
                 kernels=None) -> Linear:
     """A linear layer for `weight` [out, in] (+ `bias`) in format `fmt` computing in `dtype`
     (the activations' dtype). `kernels`: the engine's CPU kernels (`engine.kernels.cpu_kernels()`)
-    for the quantized formats' steps of at most `quantized_small_rows(fmt, kernels)` rows and the
+    for the quantized formats' steps of at most `quantized_small_rows(kernels)` rows and the
     dense formats' steps of at most `dense_small_rows(dtype, kernels)` rows, or None for aten's.
     Called once per layer at model load; the layer keeps what it needs (the packed weight, and where
     the int kernel stops at some row count the dequantized bf16 copy).
@@ -111,7 +112,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype
         quant, dequantized = (_int8 if fmt == "int8" else _int4)(weight, bias, kernels)
         if quant is None:                    # a shape only the bf16 copy takes
             return _dense(dequantized.to(torch.bfloat16), bias, kernels)
-        few = quantized_small_rows(fmt, kernels)
+        few = quantized_small_rows(kernels)
         if few is None:                      # the int kernel at every row count, no copy
             return quant
         dense = _dense(dequantized.to(torch.bfloat16), bias)

@@ -27,7 +27,7 @@ class EngineOptions(_Model):
     quantization: Literal["int8", "int4"] | None = Field(
         None, description="Quantization of every linear and the LM head (CPU): int8 (int8 weights per channel; the "
                           "engine's kernel rounds the activations to int8 too, in groups of 32, as llama.cpp's "
-                          "Q8_0) or int4 (weight-only, groups of 32): faster decode, some quality cost; may "
+                          "Q8_0) or int4 (groups of 32, activations the same): faster decode, some quality cost; may "
                           "differ between pools (the KV stays bf16).")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N.")
     attention_backend: Literal["auto", "paged", "torch"] = Field(

@@ -95,8 +95,8 @@ def test_quantized_layer_is_one_model_at_any_row_count(fmt, kernels):
     torch.manual_seed(1)
     w = torch.randn(64, 96) * 0.05
     layer = make_linear(w, None, fmt, torch.bfloat16, kernels=kernels)
-    few = quantized_small_rows(fmt, kernels)
-    rows = 40 if few is None else few + 1     # the engine's int8 kernel: no copy, so every row count
+    few = quantized_small_rows(kernels)
+    rows = 40 if few is None else few + 1     # the engine's VNNI kernels: no copy, so every row count
     x = torch.randn(rows, 96).bfloat16()
     one_by_one = torch.cat([layer(x[i:i + 1]) for i in range(rows)]).float()   # int kernel
     batched = layer(x).float()                                   # dequantized bf16 copy, or the int8 kernel
@@ -159,9 +159,9 @@ def fp32_loglik(default_model_dir, text_ids):
     return _mean_loglik(default_model_dir, text_ids, "float32", None)
 
 
-# measured on this project's CPU on this text: bf16 -0.006, int4 -0.084, int8 -0.036 with the engine's
-# kernel, whose activations are int8 too (-0.045 through its scalar loop; weight-only it was +0.006;
-# on benchmarks/format_quality.py's longer text +0.008, weight-only +0.003)
+# measured on this project's CPU on this text (session 11): bf16 +0.004, int8 -0.036, int4 -0.078 with the
+# engine's VNNI kernels, whose activations are int8 too (int8 -0.045 through its scalar loop; weight-only
+# int8 +0.006, int4 -0.084; on benchmarks/format_quality.py's longer text int8 +0.008, int4 -0.077)
 @pytest.mark.slow
 @pytest.mark.parametrize("quant,tolerance", [(None, 0.03), ("int8", 0.06), ("int4", 0.2)])
 def test_formats_keep_the_real_models_log_likelihood(default_model_dir, text_ids, fp32_loglik, quant, tolerance):

@@ -21,7 +21,7 @@
 // kernel. This one, the step's linears (benchmarks/linear_bench.py, 1 thread, builds alternated
 // twice): 1 row 4.6-4.7 -> 4.6-5.7 ms (memory-bound either way), 8 / 16 / 32 rows 9.6-9.9 /
 // 12.2-12.9 / 22.6-23.2 -> 5.1-5.4 / 8.1-8.2 / 14.7-14.9; 64 rows 27.9 against oneDNN's bf16 GEMM
-// 43.9, 128-512 rows even with it. Quality (benchmarks/format_quality.py's text, activations
+// 43.9; 128-512 rows 0.8-1.1x oneDNN's time (two runs, 1 and 2 threads). Quality (benchmarks/format_quality.py's text, activations
 // rounded in torch before the weight-only kernel, prompt in 16-token chunks): mean log-likelihood
 // -3.1511 weight-only; groups of 32 -3.1478, of 64 -3.1598, one scale a row -3.2344 (int4's cost).
 //
