@@ -210,6 +210,24 @@ inline void quantize_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp, int8_
   });
 }
 
+// The calling thread's buffers for quantize_rows' outputs, grown as needed and kept (the pool's
+// workers only read them): a decode step makes about 120 int8/int4 calls, and three tensor
+// allocations a call cost time: a 16 x 32 call took 2.8 us with them, 2.0-2.1 with these
+// (1 thread, builds alternated twice).
+struct RoundedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> scale;
+  std::vector<int32_t> sums;
+};
+inline RoundedRows& rounded_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp) {
+  thread_local RoundedRows rows;
+  rows.xq.resize(R * Kp);
+  rows.scale.resize(R * (Kp / kQGroup));
+  rows.sums.resize(R * (Kp / kQGroup));
+  quantize_rows(x, R, K, Kp, rows.xq.data(), rows.scale.data(), rows.sums.data());
+  return rows;
+}
+
 inline void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
               "x: a [rows, in] bf16 CPU tensor");

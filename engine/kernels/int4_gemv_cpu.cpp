@@ -128,13 +128,10 @@ at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed, const at:
   const bf16* b = bias_ptr(bias, n);
   at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({rows, n}, x_in.options());
-  at::Tensor xq = at::empty({rows, K}, x_in.options().dtype(at::kChar));
-  at::Tensor xs = at::empty({rows, groups}, x_in.options().dtype(at::kFloat));
-  at::Tensor sums = at::empty({rows, groups}, x_in.options().dtype(at::kInt));
-  int8_t* xqp = xq.data_ptr<int8_t>();
-  float* xsp = xs.data_ptr<float>();
-  int32_t* xsum = sums.data_ptr<int32_t>();
-  quantize_rows(x.data_ptr<bf16>(), rows, K, K, xqp, xsp, xsum);
+  RoundedRows& rounded = rounded_rows(x.data_ptr<bf16>(), rows, K, K);
+  const int8_t* xqp = rounded.xq.data();
+  const float* xsp = rounded.scale.data();
+  const int32_t* xsum = rounded.sums.data();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const bf16* szp = sz.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();

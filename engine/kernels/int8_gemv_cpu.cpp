@@ -129,13 +129,10 @@ at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   const bf16* b = bias_ptr(bias, n);
   at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({rows, n}, x_in.options());
-  at::Tensor xq = at::empty({rows, Kp}, x_in.options().dtype(at::kChar));
-  at::Tensor sc = at::empty({rows, Kp / kQGroup}, x_in.options().dtype(at::kFloat));
-  at::Tensor sums = at::empty({rows, Kp / kQGroup}, x_in.options().dtype(at::kInt));
-  int8_t* xqp = xq.data_ptr<int8_t>();
-  float* sp = sc.data_ptr<float>();
-  int32_t* xsum = sums.data_ptr<int32_t>();
-  quantize_rows(x.data_ptr<bf16>(), rows, K, Kp, xqp, sp, xsum);
+  RoundedRows& rounded = rounded_rows(x.data_ptr<bf16>(), rows, K, Kp);
+  const int8_t* xqp = rounded.xq.data();
+  const float* sp = rounded.scale.data();
+  const int32_t* xsum = rounded.sums.data();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* wsp = scale.data_ptr<float>();
   bf16* yp = y.data_ptr<bf16>();
