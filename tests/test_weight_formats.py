@@ -4,8 +4,8 @@
   untied head) in fp32 gives Hugging Face `generate`'s greedy tokens.
 - Each format's linear stays within its rounding of the fp32 product; a quantized layer gives
   the same model whether a step has few rows (int kernel: the engine's where it builds, aten's
-  otherwise) or many (dequantized bf16 copy; the engine's int8 kernel takes every row count,
-  each row alone), and both int kernels give the same numbers (within the rounding of the
+  otherwise) or many (dequantized bf16 copy; the engine's int8 and int4 kernels take every row
+  count with AVX512-VNNI, each row alone), and both int kernels give the same numbers (within the rounding of the
   activations, which the engine's kernels quantize and aten's do not).
 - On the real model, bf16, int8 and int4 move the mean log-likelihood of a fixed text by at most
   their measured tolerances (a perplexity-style check), and every format frees its KV blocks.
@@ -99,7 +99,7 @@ def test_quantized_layer_is_one_model_at_any_row_count(fmt, kernels):
     rows = 40 if few is None else few + 1     # the engine's VNNI kernels: no copy, so every row count
     x = torch.randn(rows, 96).bfloat16()
     one_by_one = torch.cat([layer(x[i:i + 1]) for i in range(rows)]).float()   # int kernel
-    batched = layer(x).float()                                   # dequantized bf16 copy, or the int8 kernel
+    batched = layer(x).float()                                   # dequantized bf16 copy, or the int kernel
     if few is None:          # one kernel, whose rows (and their activation scales) are independent
         assert torch.equal(one_by_one, batched)
     # the two paths differ by bf16 rounding only, far below the quantization error itself
@@ -160,8 +160,9 @@ def fp32_loglik(default_model_dir, text_ids):
 
 
 # measured on this project's CPU on this text (session 11): bf16 +0.004, int8 -0.036, int4 -0.078 with the
-# engine's VNNI kernels, whose activations are int8 too (int8 -0.045 through its scalar loop; weight-only
-# int8 +0.006, int4 -0.084; on benchmarks/format_quality.py's longer text int8 +0.008, int4 -0.077)
+# engine's VNNI kernels, whose activations are int8 too (int8 -0.045 through its scalar loop at every
+# row count; weight-only int8 +0.006, int4 -0.084; on benchmarks/format_quality.py's longer text
+# int8 +0.008, int4 -0.077)
 @pytest.mark.slow
 @pytest.mark.parametrize("quant,tolerance", [(None, 0.03), ("int8", 0.06), ("int4", 0.2)])
 def test_formats_keep_the_real_models_log_likelihood(default_model_dir, text_ids, fp32_loglik, quant, tolerance):
