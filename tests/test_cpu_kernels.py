@@ -14,8 +14,8 @@
   gives its documented sums (the products summed exactly), the int4 one the dequantized weight
   times the rounded activations, both within one bf16 rounding, and x @ dequant(w).T within the
   activations' rounding; both for shapes that are not multiples of their blocks or
-  groups, every row count of one pass and some that take more, with and without bias; they
-  refuse a weight that is not in their layout.
+  groups, every row count of one pass and some that take more, with and without bias; a NaN
+  activation makes its row's outputs NaN; they refuse a weight that is not in their layout.
 - RoPE + K/V store fused (the bf16 decode step's) gives the unfused ops' q and pool rows.
 - The dense GEMVs (fp32 and bf16 steps of few rows) give x @ w.T (+ bias) within fp32 summation
   error (and one bf16 rounding), for sizes that are not multiples of their vectors or channel
@@ -195,6 +195,18 @@ def test_int4_gemv_gives_the_dequantized_weight_times_the_rounded_activations(ou
         # and x @ dequant(w).T within the activations' rounding (about 0.5 % in norm)
         exact = x.double() @ dequantized.double().t() + (0 if bias is None else bias.double())
         assert (y.double() - exact).norm() <= 0.015 * exact.norm()
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantize", [linear._int8, linear._int4])
+def test_int_gemvs_carry_a_nan_activation_into_its_rows_outputs(quantize):
+    # rounding x to int8 must not turn a NaN into a 0 (the vector max drops NaNs; a NaN rounds to
+    # the integer 0): the row's outputs are NaN, as a bf16 product's are, and the other rows finite
+    _, _, _, layer, _ = _quantized_layer(quantize, 48, 96, False)
+    x = torch.randn(3, 96).bfloat16()
+    x[1, 37] = float("nan")
+    y = layer(x).float()
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
 
 
 @needs_kernel

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -170,7 +171,9 @@ constexpr int64_t kQGroup = 32;
 // x [R, K] bf16 -> xq [R, Kp] int8 (Kp: K rounded up to kQGroup, zeros past K), and per group its
 // scale s = max / 127 [R, Kp / kQGroup] fp32 and sum(xq) [R, Kp / kQGroup] int32.
 // Built without -ffast-math: xq must be round(x * (127 / max)) exactly as written (a reassociated
-// (x * 127) / max rounds 1 in about 3000 elements of bf16 inputs the other way).
+// (x * 127) / max rounds 1 in about 3000 elements of bf16 inputs the other way). A group holding a
+// NaN gets a NaN scale, so the outputs it feeds are NaN, as a bf16 product's would be (the vector
+// max drops NaNs, and a NaN would round to the integer 0).
 __attribute__((optimize("no-fast-math")))
 inline void quantize_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp, int8_t* xq, float* s, int32_t* sums) {
   const int64_t groups = Kp / kQGroup;
@@ -184,6 +187,9 @@ inline void quantize_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp, int8_
 #ifdef PDSERVE_AVX512
         const __m512 v0 = load16(row + k0, lanes16(K - k0)), v1 = load16(row + k0 + 16, lanes16(K - k0 - 16));
         amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512i inf = _mm512_set1_epi32(0x7F800000);      // a NaN's magnitude bits are above it
+        const bool nan = _mm512_cmpgt_epi32_mask(_mm512_castps_si512(_mm512_abs_ps(v0)), inf) |
+                         _mm512_cmpgt_epi32_mask(_mm512_castps_si512(_mm512_abs_ps(v1)), inf);
         const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));    // to nearest even
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
@@ -192,9 +198,11 @@ inline void quantize_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp, int8_
         sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 #else
         float v[kQGroup];
+        bool nan = false;
         for (int64_t i = 0; i < kQGroup; ++i) {
           v[i] = k0 + i < K ? static_cast<float>(row[k0 + i]) : 0.f;
           amax = std::max(amax, std::fabs(v[i]));
+          nan = nan || std::isnan(v[i]);
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         for (int64_t i = 0; i < kQGroup; ++i) {
@@ -203,7 +211,7 @@ inline void quantize_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp, int8_
           sum += q;
         }
 #endif
-        s[r * groups + g] = amax / 127.f;
+        s[r * groups + g] = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
         sums[r * groups + g] = sum;
       }
     }
