@@ -187,9 +187,7 @@ inline void quantize_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp, int8_
 #ifdef PDSERVE_AVX512
         const __m512 v0 = load16(row + k0, lanes16(K - k0)), v1 = load16(row + k0 + 16, lanes16(K - k0 - 16));
         amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const __m512i inf = _mm512_set1_epi32(0x7F800000);      // a NaN's magnitude bits are above it
-        const bool nan = _mm512_cmpgt_epi32_mask(_mm512_castps_si512(_mm512_abs_ps(v0)), inf) |
-                         _mm512_cmpgt_epi32_mask(_mm512_castps_si512(_mm512_abs_ps(v1)), inf);
+        const bool nan = nan16(v0) | nan16(v1);
         const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));    // to nearest even
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));

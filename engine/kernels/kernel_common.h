@@ -33,6 +33,13 @@ inline __mmask16 lanes16(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
 
+// The NaN lanes of v, found by their bits: the kernels build with -ffast-math, under which compares
+// may assume there are none (a NaN's magnitude bits are above infinity's)
+inline __mmask16 nan16(__m512 v) {
+  return _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF)),
+                                 _mm512_set1_epi32(0x7F800000));
+}
+
 // e^x for 16 lanes, inline: a call into glibc's vector expf makes the compiler save and restore
 // every vector register live around it (the attention kernels' softmax loops). x = n ln 2 + r with
 // n = round(x / ln 2) and r in [-ln 2 / 2, ln 2 / 2] (ln 2 in two parts, so r is exact to fp32),
@@ -41,9 +48,7 @@ inline __mmask16 lanes16(int64_t n) {
 // (checked against double on a grid in the session that added it); x is clamped to [-104, 89]
 // first (e^-104 is 0 in fp32, e^89 inf); NaN stays NaN.
 inline __m512 exp16(__m512 x_in) {
-  // NaN found by its bits: the kernels build with -ffast-math, under which compares may assume none
-  const __mmask16 nan = _mm512_cmpgt_epi32_mask(
-      _mm512_and_si512(_mm512_castps_si512(x_in), _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  const __mmask16 nan = nan16(x_in);
   const __m512 x = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x_in));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
