@@ -200,7 +200,9 @@ inline void quantize_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp, int8_
         for (int64_t i = 0; i < kQGroup; ++i) {
           v[i] = k0 + i < K ? static_cast<float>(row[k0 + i]) : 0.f;
           amax = std::max(amax, std::fabs(v[i]));
-          nan = nan || std::isnan(v[i]);
+          uint32_t bits;            // NaN by its bits: std::isnan is inlined from the -ffast-math build
+          std::memcpy(&bits, &v[i], 4);
+          nan = nan || (bits & 0x7FFFFFFFu) > 0x7F800000u;
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         for (int64_t i = 0; i < kQGroup; ++i) {
