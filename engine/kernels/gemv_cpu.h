@@ -168,54 +168,110 @@ constexpr int64_t kAhead = 6144;
 // int8 by 127 / their max (llama.cpp's Q8_0 scheme).
 constexpr int64_t kQGroup = 32;
 
-// x [R, K] bf16 -> xq [R, Kp] int8 (Kp: K rounded up to kQGroup, zeros past K), and per group its
-// scale s = max / 127 [R, Kp / kQGroup] fp32 and sum(xq) [R, Kp / kQGroup] int32.
-// Built without -ffast-math: xq must be round(x * (127 / max)) exactly as written (a reassociated
-// (x * 127) / max rounds 1 in about 3000 elements of bf16 inputs the other way). A group holding a
-// NaN gets a NaN scale, so the outputs it feeds are NaN, as a bf16 product's would be (the vector
-// max drops NaNs, and a NaN would round to the integer 0).
+// The rounded rows as the kernels read them: rows in blocks of 8 (a pass's rows: every pass starts
+// at a multiple of 8; fewer rows, one block of them all), and within a block the rows' quads (4
+// inputs) side by side, so that row r's quad sits at a fixed offset 4 (r % 8) from its block's first
+// row's (an immediate in the kernels' broadcasts, not a pointer register a row) and a pass reads
+// its rows' quads as one contiguous stream; the groups' scales and sums row by row within a group.
+//   quad(r, g, i): row r's inputs 32g + 4i .. 32g + 4i + 3 (int8)
+//     at xq[((r / 8) * quads + 8g + i) * 4 * block + 4 (r % 8)]   (quads = Kp / 4, block = min(rows, 8))
+//   scale(r, g), sum(r, g): max / 127 and sum(xq) of row r's group g at [g * rows + r]
+// `at(r0)` is the view of rows r0.. (a later pass's rows; r0 a multiple of 8).
+constexpr int64_t kRowBlock = 8;
+struct RoundedView {
+  const int8_t* xq;
+  const float* scales;
+  const int32_t* sums;
+  int64_t rows;            // of the whole x: the stride between groups' scales and sums
+  int64_t quads;           // Kp / 4: the quads of a row
+  int64_t block;           // rows in a block: min(rows, kRowBlock)
+  int64_t offset(int64_t r, int64_t g, int64_t i) const {
+    return ((r / kRowBlock) * quads + g * (kQGroup / 4) + i) * 4 * block + 4 * (r % kRowBlock);
+  }
+  const int8_t* quad(int64_t r, int64_t g, int64_t i) const { return xq + offset(r, g, i); }
+  float scale(int64_t r, int64_t g) const { return scales[g * rows + r]; }
+  int32_t sum(int64_t r, int64_t g) const { return sums[g * rows + r]; }
+  RoundedView at(int64_t r0) const { return {xq + offset(r0, 0, 0), scales + r0, sums + r0, rows, quads, block}; }
+};
+
+// One row's group of kQGroup inputs from k0 (zeros past K) rounded: its 8 quads into `four` (32 int8),
+// its scale max / 127 and sum(xq). Built without -ffast-math: xq must be round(x * (127 / max))
+// exactly as written (a reassociated (x * 127) / max rounds 1 in about 3000 elements of bf16 inputs
+// the other way). A group holding a NaN gets a NaN scale, so the outputs it feeds are NaN, as a bf16
+// product's would be (the vector max drops NaNs, and a NaN would round to the integer 0).
 __attribute__((optimize("no-fast-math")))
-inline void quantize_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp, int8_t* xq, float* s, int32_t* sums) {
-  const int64_t groups = Kp / kQGroup;
-  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const bf16* row = x + r * K;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t k0 = g * kQGroup;
-        int32_t sum = 0;
-        float amax = 0.f;
+inline void round_group(const bf16* row, int64_t K, int64_t k0, int32_t* four, float& scale, int32_t& sum) {
+  float amax = 0.f;
+  bool nan = false;
 #ifdef PDSERVE_AVX512
-        const __m512 v0 = load16(row + k0, lanes16(K - k0)), v1 = load16(row + k0 + 16, lanes16(K - k0 - 16));
-        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const bool nan = nan16(v0) | nan16(v1);
-        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));    // to nearest even
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * Kp + k0), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * Kp + k0 + 16), _mm512_cvtepi32_epi8(q1));
-        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  const __m512 v0 = load16(row + k0, lanes16(K - k0)), v1 = load16(row + k0 + 16, lanes16(K - k0 - 16));
+  amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  nan = nan16(v0) | nan16(v1);
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));    // to nearest even
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(four), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(four + 4), _mm512_cvtepi32_epi8(q1));
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 #else
-        float v[kQGroup];
-        bool nan = false;
-        for (int64_t i = 0; i < kQGroup; ++i) {
-          v[i] = k0 + i < K ? static_cast<float>(row[k0 + i]) : 0.f;
-          amax = std::max(amax, std::fabs(v[i]));
-          uint32_t bits;            // NaN by its bits: std::isnan is inlined from the -ffast-math build
-          std::memcpy(&bits, &v[i], 4);
-          nan = nan || (bits & 0x7FFFFFFFu) > 0x7F800000u;
-        }
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int64_t i = 0; i < kQGroup; ++i) {
-          const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * inv));
-          xq[r * Kp + k0 + i] = static_cast<int8_t>(q);
-          sum += q;
-        }
+  float v[kQGroup];
+  for (int64_t i = 0; i < kQGroup; ++i) {
+    v[i] = k0 + i < K ? static_cast<float>(row[k0 + i]) : 0.f;
+    amax = std::max(amax, std::fabs(v[i]));
+    uint32_t bits;                  // NaN by its bits: std::isnan is inlined from the -ffast-math build
+    std::memcpy(&bits, &v[i], 4);
+    nan = nan || (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int8_t q[kQGroup];
+  sum = 0;
+  for (int64_t i = 0; i < kQGroup; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+    sum += q[i];
+  }
+  std::memcpy(four, q, kQGroup);
 #endif
-        s[r * groups + g] = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
-        sums[r * groups + g] = sum;
+  scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+}
+
+// x [R, K] bf16 -> xq [ceil(R / 8), Kp / 4, min(R, 8), 4] int8 (Kp: K rounded up to kQGroup), and per
+// group its scale [Kp / kQGroup, R] fp32 and sum(xq) [Kp / kQGroup, R] int32: the layout RoundedView
+// reads, which it returns.
+inline RoundedView quantize_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp, int8_t* xq, float* s, int32_t* sums) {
+  constexpr int kQuads = kQGroup / 4;
+  const RoundedView view{xq, s, sums, R, Kp / 4, std::min(R, kRowBlock)};
+  // threads split the groups, whose quads lie apart in every block of rows (split by rows, two
+  // threads would write parts of the same cache lines)
+  at::parallel_for(0, Kp / kQGroup, 64 / std::max<int64_t>(R, 1) + 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t r = 0;
+#ifdef PDSERVE_AVX512
+      for (; r + 4 <= R; r += 4) {            // 4 rows at once: their quad i is 16 contiguous bytes
+        alignas(32) int32_t four[4][kQuads];
+        for (int j = 0; j < 4; ++j) round_group(x + (r + j) * K, K, g * kQGroup, four[j], s[g * R + r + j], sums[g * R + r + j]);
+        const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(four[0]));
+        const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(four[1]));
+        const __m256i c = _mm256_load_si256(reinterpret_cast<const __m256i*>(four[2]));
+        const __m256i d = _mm256_load_si256(reinterpret_cast<const __m256i*>(four[3]));
+        const __m256i ab0 = _mm256_unpacklo_epi32(a, b), ab1 = _mm256_unpackhi_epi32(a, b);   // a0 b0 a1 b1 | a4 b4 a5 b5
+        const __m256i cd0 = _mm256_unpacklo_epi32(c, d), cd1 = _mm256_unpackhi_epi32(c, d);
+        const __m256i t[4] = {_mm256_unpacklo_epi64(ab0, cd0), _mm256_unpackhi_epi64(ab0, cd0),   // a0 b0 c0 d0 | a4 ..
+                              _mm256_unpacklo_epi64(ab1, cd1), _mm256_unpackhi_epi64(ab1, cd1)};
+        for (int i = 0; i < 4; ++i) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + view.offset(r, g, i)), _mm256_castsi256_si128(t[i]));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + view.offset(r, g, i + 4)), _mm256_extracti128_si256(t[i], 1));
+        }
+      }
+#endif
+      for (; r < R; ++r) {
+        int32_t four[kQuads];
+        round_group(x + r * K, K, g * kQGroup, four, s[g * R + r], sums[g * R + r]);
+        int8_t* quads = xq + view.offset(r, g, 0);            // quad i at quads + 4 * block * i
+        for (int i = 0; i < kQuads; ++i) std::memcpy(quads + 4 * view.block * i, four + i, 4);
       }
     }
   });
+  return view;
 }
 
 // The calling thread's buffers for quantize_rows' outputs, grown as needed and kept (the pool's
@@ -227,13 +283,12 @@ struct RoundedRows {
   std::vector<float> scale;
   std::vector<int32_t> sums;
 };
-inline RoundedRows& rounded_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp) {
+inline RoundedView rounded_rows(const bf16* x, int64_t R, int64_t K, int64_t Kp) {
   thread_local RoundedRows rows;
-  rows.xq.resize(R * Kp);
+  rows.xq.resize((R + kRowBlock - 1) / kRowBlock * std::min(R, kRowBlock) * Kp);
   rows.scale.resize(R * (Kp / kQGroup));
   rows.sums.resize(R * (Kp / kQGroup));
-  quantize_rows(x, R, K, Kp, rows.xq.data(), rows.scale.data(), rows.sums.data());
-  return rows;
+  return quantize_rows(x, R, K, Kp, rows.xq.data(), rows.scale.data(), rows.sums.data());
 }
 
 inline void check_x(const at::Tensor& x) {

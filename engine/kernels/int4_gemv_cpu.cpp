@@ -30,8 +30,8 @@ constexpr int64_t kGroup = kQGroup;          // the weights' groups are the acti
 
 #ifdef PDSERVE_VNNI
 template <int R>
-void int4_vnni(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, const uint8_t* packed,
-               const bf16* sz, const bf16* bias, bf16* y, int64_t N, int64_t b) {
+void int4_vnni(RoundedView x, int64_t K, const uint8_t* packed, const bf16* sz, const bf16* bias, bf16* y, int64_t N,
+               int64_t b) {
   constexpr int A = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
   const int64_t groups = K / kGroup;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -55,10 +55,11 @@ void int4_vnni(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K
     for (int a = 0; a < A; ++a) for (int r = 0; r < R; ++r) sum[a][r] = _mm512_setzero_si512();
     PDSERVE_UNROLL
     for (int j = 0; j < 8; ++j) {
+      const int8_t* quads = x.quad(0, g, j);
       PDSERVE_UNROLL
       for (int r = 0; r < R; ++r) {
         int32_t four;
-        std::memcpy(&four, xq + r * K + g * kGroup + 4 * j, 4);
+        std::memcpy(&four, quads + 4 * r, 4);
         sum[j % A][r] = _mm512_dpbusd_epi32(sum[j % A][r], w[j], _mm512_set1_epi32(four));
       }
     }
@@ -67,9 +68,9 @@ void int4_vnni(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K
       __m512i total = sum[0][r];
       PDSERVE_UNROLL
       for (int a = 1; a < A; ++a) total = _mm512_add_epi32(total, sum[a][r]);
-      const float scale = xs[r * groups + g];
+      const float scale = x.scale(r, g);
       const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), s,
-                                       _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(xsum[r * groups + g])), m));
+                                       _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(x.sum(r, g))), m));
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(scale), t, acc[r]);
     }
   }
@@ -80,8 +81,8 @@ void int4_vnni(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K
 
 // the same sums, one channel at a time (CPUs without AVX512-VNNI)
 template <int R>
-void int4_scalar(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, const uint8_t* packed,
-                 const bf16* sz, const bf16* bias, bf16* y, int64_t N, int64_t b) {
+void int4_scalar(RoundedView x, int64_t K, const uint8_t* packed, const bf16* sz, const bf16* bias, bf16* y, int64_t N,
+                 int64_t b) {
   const int64_t groups = K / kGroup;
   for (int c = 0; c < 16 && b * 16 + c < N; ++c)
     for (int r = 0; r < R; ++r) {
@@ -92,25 +93,24 @@ void int4_scalar(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t
         for (int v = 0; v < 4; ++v)
           for (int e = 0; e < 4; ++e) {
             const uint8_t byte = p[64 * v + 4 * c + e];
-            const int8_t* xk = xq + r * K + g * kGroup + 8 * v + e;
-            dot += (byte & 15) * xk[0] + (byte >> 4) * xk[4];
+            dot += (byte & 15) * x.quad(r, g, 2 * v)[e] + (byte >> 4) * x.quad(r, g, 2 * v + 1)[e];
           }
         const bf16* s16 = sz + (b * groups + g) * 32;
         const float s = s16[c], m = static_cast<float>(s16[16 + c]) - 8 * s;
-        acc += xs[r * groups + g] * (s * static_cast<float>(dot) + m * static_cast<float>(xsum[r * groups + g]));
+        acc += x.scale(r, g) * (s * static_cast<float>(dot) + m * static_cast<float>(x.sum(r, g)));
       }
       y[r * N + b * 16 + c] = static_cast<bf16>(acc + bias_at(bias, b * 16 + c));
     }
 }
 
 template <int R> struct Int4Range {
-  static void run(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, const uint8_t* packed,
-                  const bf16* sz, const bf16* bias, bf16* y, int64_t N, int64_t b0, int64_t b1) {
+  static void run(RoundedView x, int64_t K, const uint8_t* packed, const bf16* sz, const bf16* bias, bf16* y, int64_t N,
+                  int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
 #ifdef PDSERVE_VNNI
-      int4_vnni<R>(xq, xs, xsum, K, packed, sz, bias, y, N, b);
+      int4_vnni<R>(x, K, packed, sz, bias, y, N, b);
 #else
-      int4_scalar<R>(xq, xs, xsum, K, packed, sz, bias, y, N, b);
+      int4_scalar<R>(x, K, packed, sz, bias, y, N, b);
 #endif
     }
   }
@@ -128,17 +128,13 @@ at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed, const at:
   const bf16* b = bias_ptr(bias, n);
   at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({rows, n}, x_in.options());
-  RoundedRows& rounded = rounded_rows(x.data_ptr<bf16>(), rows, K, K);
-  const int8_t* xqp = rounded.xq.data();
-  const float* xsp = rounded.scale.data();
-  const int32_t* xsum = rounded.sums.data();
+  const RoundedView rounded = rounded_rows(x.data_ptr<bf16>(), rows, K, K);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const bf16* szp = sz.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {     // as int8_gemv
     passes_in_chunks(rows, b0, b1, K * 8 + groups * 64, 2, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
-      with_rows<Int4Range>(r, xqp + r0 * K, xsp + r0 * groups, xsum + r0 * groups, K, pp, szp, b,
-                           yp + r0 * n, n, c0, c1);
+      with_rows<Int4Range>(r, rounded.at(r0), K, pp, szp, b, yp + r0 * n, n, c0, c1);
     });
   });
   return y;

@@ -36,11 +36,11 @@ namespace {
 using namespace pdserve_gemv;
 
 #ifdef PDSERVE_VNNI
-// Block b's 16 channels for R rows: sums in fp32 over the groups, the group's int32 sums of up to
-// 8 rows at a time (A chains each where rows are few)
+// Block b's 16 channels for R rows of x: sums in fp32 over the groups, the group's int32 sums of up
+// to 8 rows at a time (A chains each where rows are few)
 template <int R>
-void int8_vnni(const int8_t* xq, const float* s, const int32_t* xsum, int64_t Kp, const uint8_t* q, const float* scale,
-               const bf16* bias, bf16* y, int64_t N, int64_t b) {
+void int8_vnni(RoundedView x, int64_t Kp, const uint8_t* q, const float* scale, const bf16* bias, bf16* y, int64_t N,
+               int64_t b) {
   constexpr int kSub = R < 8 ? R : 8;
   constexpr int A = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
   constexpr int kQuads = kQGroup / 4;                       // 64-byte weight vectors a group
@@ -51,21 +51,22 @@ void int8_vnni(const int8_t* xq, const float* s, const int32_t* xsum, int64_t Kp
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, w += kQGroup * 16) {
     PDSERVE_UNROLL
-    for (int j = 0; j < kQuads; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j) + kAhead, _MM_HINT_T0);
+    for (int i = 0; i < kQuads; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + 64 * i) + kAhead, _MM_HINT_T0);
     PDSERVE_UNROLL
     for (int r0 = 0; r0 < R; r0 += kSub) {
       __m512i sum[A][kSub];
       PDSERVE_UNROLL
       for (int a = 0; a < A; ++a)
-        for (int r = 0; r < kSub; ++r) sum[a][r] = a ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * xsum[(r0 + r) * groups + g]);
+        for (int r = 0; r < kSub; ++r) sum[a][r] = a ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * x.sum(r0 + r, g));
       PDSERVE_UNROLL
-      for (int j = 0; j < kQuads; ++j) {
-        const __m512i wv = _mm512_loadu_si512(w + 64 * j);
+      for (int i = 0; i < kQuads; ++i) {
+        const __m512i wv = _mm512_loadu_si512(w + 64 * i);
+        const int8_t* quads = x.quad(r0, g, i);
         PDSERVE_UNROLL
         for (int r = 0; r < kSub; ++r) {
           int32_t four;
-          std::memcpy(&four, xq + (r0 + r) * Kp + g * kQGroup + 4 * j, 4);
-          sum[j % A][r] = _mm512_dpbusd_epi32(sum[j % A][r], wv, _mm512_set1_epi32(four));
+          std::memcpy(&four, quads + 4 * r, 4);
+          sum[i % A][r] = _mm512_dpbusd_epi32(sum[i % A][r], wv, _mm512_set1_epi32(four));
         }
       }
       PDSERVE_UNROLL
@@ -73,7 +74,7 @@ void int8_vnni(const int8_t* xq, const float* s, const int32_t* xsum, int64_t Kp
         __m512i total = sum[0][r];
         PDSERVE_UNROLL
         for (int a = 1; a < A; ++a) total = _mm512_add_epi32(total, sum[a][r]);
-        acc[r0 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(s[(r0 + r) * groups + g]), acc[r0 + r]);
+        acc[r0 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(x.scale(r0 + r, g)), acc[r0 + r]);
       }
     }
   }
@@ -86,31 +87,31 @@ void int8_vnni(const int8_t* xq, const float* s, const int32_t* xsum, int64_t Kp
 
 // the same sums, one channel at a time (CPUs without AVX512-VNNI)
 template <int R>
-void int8_scalar(const int8_t* xq, const float* s, const int32_t* xsum, int64_t Kp, const uint8_t* q, const float* scale,
-                 const bf16* bias, bf16* y, int64_t N, int64_t b) {
+void int8_scalar(RoundedView x, int64_t Kp, const uint8_t* q, const float* scale, const bf16* bias, bf16* y, int64_t N,
+                 int64_t b) {
   const int64_t groups = Kp / kQGroup;
   const uint8_t* w = q + b * Kp * 16;
   for (int64_t ch = 0; ch < 16 && b * 16 + ch < N; ++ch)
     for (int r = 0; r < R; ++r) {
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
-        int32_t sum = -128 * xsum[r * groups + g];
+        int32_t sum = -128 * x.sum(r, g);
         for (int64_t k = g * kQGroup; k < (g + 1) * kQGroup; ++k)
-          sum += static_cast<int32_t>(w[(k / 4) * 64 + 4 * ch + k % 4]) * xq[r * Kp + k];
-        acc += static_cast<float>(sum) * s[r * groups + g];
+          sum += static_cast<int32_t>(w[(k / 4) * 64 + 4 * ch + k % 4]) * x.quad(r, g, (k % kQGroup) / 4)[k % 4];
+        acc += static_cast<float>(sum) * x.scale(r, g);
       }
       y[r * N + b * 16 + ch] = static_cast<bf16>(scale[b * 16 + ch] * acc + bias_at(bias, b * 16 + ch));
     }
 }
 
 template <int R> struct Int8Range {
-  static void run(const int8_t* xq, const float* s, const int32_t* xsum, int64_t Kp, const uint8_t* q, const float* scale,
-                  const bf16* bias, bf16* y, int64_t N, int64_t b0, int64_t b1) {
+  static void run(RoundedView x, int64_t Kp, const uint8_t* q, const float* scale, const bf16* bias, bf16* y, int64_t N,
+                  int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
 #ifdef PDSERVE_VNNI
-      int8_vnni<R>(xq, s, xsum, Kp, q, scale, bias, y, N, b);
+      int8_vnni<R>(x, Kp, q, scale, bias, y, N, b);
 #else
-      int8_scalar<R>(xq, s, xsum, Kp, q, scale, bias, y, N, b);
+      int8_scalar<R>(x, Kp, q, scale, bias, y, N, b);
 #endif
     }
   }
@@ -129,19 +130,14 @@ at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   const bf16* b = bias_ptr(bias, n);
   at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({rows, n}, x_in.options());
-  RoundedRows& rounded = rounded_rows(x.data_ptr<bf16>(), rows, K, Kp);
-  const int8_t* xqp = rounded.xq.data();
-  const float* sp = rounded.scale.data();
-  const int32_t* xsum = rounded.sums.data();
+  const RoundedView rounded = rounded_rows(x.data_ptr<bf16>(), rows, K, Kp);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* wsp = scale.data_ptr<float>();
   bf16* yp = y.data_ptr<bf16>();
-  const int64_t groups = Kp / kQGroup;
   // chunks of at least 4 blocks (64 channels x Kp bytes): a thread's share outweighs its start-up
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     passes_in_chunks<kWideFirst>(rows, b0, b1, Kp * 16, 4, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
-      with_rows<Int8Range, kWideFirst>(r, xqp + r0 * Kp, sp + r0 * groups, xsum + r0 * groups, Kp, qp, wsp, b, yp + r0 * n, n,
-                                       c0, c1);
+      with_rows<Int8Range, kWideFirst>(r, rounded.at(r0), Kp, qp, wsp, b, yp + r0 * n, n, c0, c1);
     });
   });
   return y;
