@@ -191,7 +191,10 @@ struct RoundedView {
   const int8_t* quad(int64_t r, int64_t g, int64_t i) const { return xq + offset(r, g, i); }
   float scale(int64_t r, int64_t g) const { return scales[g * rows + r]; }
   int32_t sum(int64_t r, int64_t g) const { return sums[g * rows + r]; }
-  RoundedView at(int64_t r0) const { return {xq + offset(r0, 0, 0), scales + r0, sums + r0, rows, quads, block}; }
+  RoundedView at(int64_t r0) const {
+    TORCH_INTERNAL_ASSERT(r0 % kRowBlock == 0, "a pass starts at a block of rows");
+    return {xq + offset(r0, 0, 0), scales + r0, sums + r0, rows, quads, block};
+  }
 };
 
 // One row's group of kQGroup inputs from k0 (zeros past K) rounded: its 8 quads into `four` (32 int8),
