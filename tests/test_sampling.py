@@ -6,7 +6,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from engine.llm_engine import LLMEngine
 from engine.sampler import PenaltyState, SampleRow, _apply_penalties, _filter_top_k_top_p, sample
 from engine.sampling_params import SamplingParams
@@ -92,6 +92,31 @@ def test_detokenizer_is_utf8_safe_and_holds_back_stop_prefixes(default_model_dir
         shown += d.take(final=False)
         assert "caf" not in shown or d.stopped
     assert d.stopped and shown + d.take(final=True) == "Voilà: 🙂 naïve "
+
+
+def test_fast_decoder_gives_what_the_tokenizers_decode_gives(default_model_dir):
+    # the default model's tokenizer takes the Rust decode directly; every window of a text with
+    # special tokens, multi-byte characters split across tokens and spaces decodes the same
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    fast = fast_decoder(tok)
+    assert fast is not None
+    text = tok.apply_chat_template([{"role": "user", "content": "Voilà:  🙂 naïve café — 東京 ,  x ."}], tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert set(ids) & set(tok.all_special_ids)
+    for a in range(len(ids)):
+        for b in range(a, min(len(ids), a + 7) + 1):
+            assert fast(ids[a:b]) == tok.decode(ids[a:b], skip_special_tokens=True,
+                                                clean_up_tokenization_spaces=False), (a, b)
+
+    class Custom(type(tok)):                 # a tokenizer that adds to decode keeps its own
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).upper()
+    custom = Custom.from_pretrained(default_model_dir)
+    assert fast_decoder(custom) is None
+    d = IncrementalDetokenizer(custom, [])
+    for i in tok.encode("abc def"):
+        d.add(i)
+    assert d.take(final=True) == "ABC DEF"
 
 
 def _row(params, token_ids, num_prompt, banned=()):
