@@ -11,26 +11,21 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
+
+#include "kernel_common.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-// NaN by its bits: the kernels build with -ffast-math, under which std::isnan and an unordered
-// compare may be assumed false
-inline bool is_nan(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  return (bits & 0x7FFFFFFFu) > 0x7F800000u;
-}
+using pdserve_cpu::nan1;      // NaN by its bits (kernel_common.h): -ffast-math folds std::isnan
 
 int64_t argmax_scalar(const float* x, int64_t n) {
   int64_t best = 0;
   for (int64_t i = 0; i < n; ++i) {
-    if (is_nan(x[i])) return i;
+    if (nan1(x[i])) return i;
     if (x[i] > x[best]) best = i;
   }
   return best;
@@ -62,7 +57,7 @@ int64_t argmax_row(const float* x, int64_t n) {
     int64_t result = _mm512_mask_reduce_min_epi32(at_top, best_idx);
     float result_value = top;
     for (; i < n; ++i) {                       // the tail, in order (later: only strictly greater wins)
-      if (is_nan(x[i])) return argmax_scalar(x, n);
+      if (nan1(x[i])) return argmax_scalar(x, n);
       if (x[i] > result_value) { result_value = x[i]; result = i; }
     }
     return result;

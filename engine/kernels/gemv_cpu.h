@@ -221,9 +221,7 @@ inline void round_group(const bf16* row, int64_t K, int64_t k0, int32_t* four, f
   for (int64_t i = 0; i < kQGroup; ++i) {
     v[i] = k0 + i < K ? static_cast<float>(row[k0 + i]) : 0.f;
     amax = std::max(amax, std::fabs(v[i]));
-    uint32_t bits;                  // NaN by its bits: std::isnan is inlined from the -ffast-math build
-    std::memcpy(&bits, &v[i], 4);
-    nan = nan || (bits & 0x7FFFFFFFu) > 0x7F800000u;
+    nan = nan || nan1(v[i]);
   }
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   int8_t q[kQGroup];

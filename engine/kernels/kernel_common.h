@@ -6,6 +6,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -20,6 +21,14 @@
 namespace pdserve_cpu {
 
 using bf16 = c10::BFloat16;
+
+// A NaN by its bits (any CPU): the kernels build with -ffast-math, under which std::isnan and an
+// unordered compare may be folded to false (nan16 below: the same test on 16 lanes)
+inline bool nan1(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u;
+}
 
 #ifdef PDSERVE_AVX512
 inline __m512 widen16(__m256i h) {          // 16 bf16 -> fp32 (exact)
