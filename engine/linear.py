@@ -7,23 +7,27 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
   dense (fp32, bf16, fp16)  `F.linear`; on a CPU with native bf16 (AVX512-BF16 / AMX) a bf16
                             weight is prepacked once into oneDNN's blocked layout
                             (`mkldnn._linear_pointwise`): 2-4x faster than plain bf16 `mm`.
-                            Where the engine's kernels build vectorized (AVX512-BF16), steps
-                            of at most `dense_small_rows(dtype)` rows run its GEMVs instead
-                            (engine/kernels/dense_gemv_cpu.cpp), which stream the weight once per
-                            call near the memory bound (rows past the first pass's 8, bf16's 16:
-                            further passes re-read each chunk of it from L2): `kernels.fp32_gemv`
-                            on the row-major fp32 weight itself, `kernels.bf16_gemv` on a bf16 copy in blocks of
-                            16 output channels (int8's layout). oneDNN's bf16 and MKL's fp32
-                            small-row paths run at about 0.75x and 0.3-0.45x of their speed on
-                            this project's CPU (benchmarks/linear_bench.py). Thresholds,
-                            measured there: bf16 up to 64 rows, the largest decode batch (1.08-1.4x
-                            oneDNN's packed weight at 8-64 rows on 1 thread, 1.2-1.5x on 2; prompt
-                            chunks above keep oneDNN, near the bf16 matmul peak at 128+ rows);
-                            fp32 up to 64 rows (MKL's fp32 GEMM
-                            stayed 2x slower even at 256 rows on this AMD CPU; on CPUs where MKL
-                            is strong it would win for prompt chunks, which keep `F.linear`).
-                            Memory: fp32 shares its one weight; bf16 holds the blocked copy
-                            beside oneDNN's packed one (2x its weight bytes).
+                            Where the engine's kernels build vectorized (AVX512-BF16) they run
+                            its GEMVs instead (engine/kernels/dense_gemv_cpu.cpp), which stream
+                            the weight once per call near the memory bound (rows past the first
+                            pass's 8, bf16's 16: further passes re-read each chunk of it from L2):
+                            `kernels.bf16_gemv` at every row count on a bf16 copy in blocks of 16
+                            output channels (int8's layout), the layer's only copy;
+                            `kernels.fp32_gemv` on the row-major fp32 weight itself up to
+                            `dense_small_rows` rows, `F.linear` above. Measured on this project's
+                            CPU (benchmarks/linear_bench.py, the step's linears): oneDNN's bf16
+                            and MKL's fp32 small-row paths run at about 0.75x and 0.3-0.45x the
+                            GEMVs' speed; the bf16 GEMV ran 1.08-1.4x oneDNN's packed weight's
+                            speed at 8-64 rows on 1 thread, 1.2-1.5x on 2, and took 0.89-0.97x its
+                            time at the prompt chunks' 128-512 rows
+                            (2 threads, twice: 39.2-39.5 / 161.2-161.7 ms against 43.8-44.6 /
+                            169.7-172.2 at 128 / 512; 1 thread 74.5-75.0 / 313.3-314.0 against
+                            76.8-79.4 / 316.6-328.1), so bf16 keeps no packed copy (until then it
+                            held both: 2x its weight bytes). fp32 up to 64 rows, the largest
+                            decode batch (MKL's fp32 GEMM stayed 2x slower even at 256 rows on this
+                            AMD CPU; on CPUs where MKL is strong it would win for prompt chunks,
+                            which keep `F.linear`, the exact mode's reference path); fp32 shares its
+                            one weight between the two.
   int8 / int4 (CPU)         int8 weights symmetric per output channel; int4 weights asymmetric in
                             groups of 32 inputs with a bf16 scale and zero point each (the
                             gpt-fast/torchao scheme). Where the engine's kernels build with
@@ -69,8 +73,9 @@ INT4_GROUP = 32
 # at most this many rows: the quantized GEMV kernel; more: the bf16 copy (see above)
 SMALL_ROWS = 4            # aten's kernels (measured)
 KERNEL_SMALL_ROWS = 32    # the engine's kernels without VNNI (scalar); with it they take every row count
-# at most this many rows: the engine's dense GEMV (measured; see above)
-DENSE_SMALL_ROWS = {torch.bfloat16: 64, torch.float32: 64}
+# at most this many rows: the engine's dense GEMV (measured; see above); None: every row count, no
+# other copy of the weight
+DENSE_SMALL_ROWS: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float32: 64}
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -89,8 +94,9 @@ def quantized_small_rows(kernels) -> int | None:
     return None if kernels.vnni() else KERNEL_SMALL_ROWS
 
 
-def dense_small_rows(dtype: torch.dtype, kernels) -> int:
-    """Rows up to which a dense layer of `dtype` runs the engine's GEMV (0: never)."""
+def dense_small_rows(dtype: torch.dtype, kernels) -> int | None:
+    """Rows up to which a dense layer of `dtype` runs the engine's GEMV (0: never; None: every row
+    count, and the layer keeps no other copy of its weight)."""
     if kernels is None or dtype not in DENSE_SMALL_ROWS or not kernels.gemv_vectorized():
         return 0                             # vectorized: built for this CPU's AVX512-BF16
     return DENSE_SMALL_ROWS[dtype]
@@ -123,12 +129,15 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype
 def _dense(w: torch.Tensor, bias: torch.Tensor | None, kernels=None) -> Linear:
     """`kernels`: the engine's CPU kernels for the GEMVs at few rows, or None."""
     w = w.contiguous()
+    few = dense_small_rows(w.dtype, kernels) if w.device.type == "cpu" else 0
+    if few is None:                          # the GEMV at every row count (bf16): no packed copy
+        blocks, out_f = _blocks_of_16(w), w.shape[0]
+        return lambda x: kernels.bf16_gemv(x, blocks, bias, out_f)
     if w.device.type == "cpu" and w.dtype == torch.bfloat16 and cpu_has_native_bf16():
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
         many = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # noqa: E731
     else:
         many = lambda x: F.linear(x, w, bias)  # noqa: E731
-    few = dense_small_rows(w.dtype, kernels) if w.device.type == "cpu" else 0
     if not few:
         return many
     if w.dtype == torch.bfloat16:

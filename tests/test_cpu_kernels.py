@@ -338,21 +338,26 @@ def test_gemv_passes_over_l2_chunks_give_what_single_passes_give(fmt):
 
 @needs_vector_gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_layers_use_the_gemv_at_few_rows_only(dtype):
+def test_dense_layers_use_the_gemv_where_it_is_faster(dtype, monkeypatch):
+    # fp32: the GEMV up to DENSE_SMALL_ROWS rows, MKL above (on the same weight); bf16: the GEMV at
+    # every row count (a prompt chunk's 300 rows too), so no oneDNN packed copy is ever made
     g = torch.Generator().manual_seed(3)
     w, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
     few = linear.dense_small_rows(dtype, KERNELS)
     assert few == linear.DENSE_SMALL_ROWS[dtype] and linear.dense_small_rows(dtype, None) == 0
+    assert (few is None) == (dtype == torch.bfloat16)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", None)   # a packed copy: TypeError
     calls = []
     counting = _Counting("fp32_gemv" if dtype == torch.float32 else "bf16_gemv", calls)
     layer = linear.make_linear(w, bias, "float32" if dtype == torch.float32 else "bfloat16", dtype,
                                kernels=counting)
-    for rows in (1, few, few + 1):
+    row_counts = (1, 64, 65, 300) if few is None else (1, few, few + 1)
+    for rows in row_counts:
         x = torch.randn(rows, 64, generator=g).to(dtype)
         y = layer(x)
         ref = F.linear(x.double(), w.to(dtype).double(), bias.to(dtype).double())
         assert torch.allclose(y.double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
-    assert calls == [1, few]
+    assert calls == (list(row_counts) if few is None else [1, few])
 
 
 @needs_vector_gemv
