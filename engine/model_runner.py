@@ -20,7 +20,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.decoder import DecoderModel
 from engine.kernels import cpu_kernels
 from engine.linear import cpu_has_native_bf16
-from engine.memory import CudaUsage, cpu_kv_budget, cuda_kv_budget
+from engine.memory import CudaUsage, cpu_kv_budget, cuda_kv_budget, return_freed_heap
 from engine.sequence import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,7 @@ class ModelRunner:
         self.generation_config = hf_model.generation_config
         self.hf_config = hf_config = hf_model.config
         del hf_model
+        return_freed_heap()
         self.kv_shape = kv_shape_of(hf_config, config.block_size, self.dtype)
         # bf16 on CPU with the paged backend: prompt chunks through the in-place prefill kernel
         self.prefill_kernel = prefill_kernel_applies(self.kernels, self.device, self.dtype, self.kv_shape.head_dim)
