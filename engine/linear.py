@@ -115,13 +115,13 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype
     bias = None if bias is None else bias.to(dtype).contiguous()
     if fmt in ("int8", "int4"):
         assert weight.device.type == "cpu" and dtype == torch.bfloat16, "int8/int4 quantization is CPU + bf16"
-        quant, dequantized = (_int8 if fmt == "int8" else _int4)(weight, bias, kernels)
+        quant, dequantize = (_int8 if fmt == "int8" else _int4)(weight, bias, kernels)
         if quant is None:                    # a shape only the bf16 copy takes
-            return _dense(dequantized.to(torch.bfloat16), bias, kernels)
+            return _dense(dequantize().to(torch.bfloat16), bias, kernels)
         few = quantized_small_rows(kernels)
         if few is None:                      # the int kernel at every row count, no copy
             return quant
-        dense = _dense(dequantized.to(torch.bfloat16), bias)
+        dense = _dense(dequantize().to(torch.bfloat16), bias)
         return lambda x: quant(x) if x.shape[0] <= few else dense(x)
     return _dense(weight.to(dtype), bias, kernels)
 
@@ -146,28 +146,31 @@ def _dense(w: torch.Tensor, bias: torch.Tensor | None, kernels=None) -> Linear:
     return lambda x: kernels.fp32_gemv(x, w, bias) if x.shape[0] <= few else many(x)
 
 
-def _int8(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Linear, torch.Tensor]:
-    """Symmetric int8 per output channel; returns the layer and the dequantized weight."""
+def _int8(weight: torch.Tensor, bias: torch.Tensor | None,
+          kernels) -> tuple[Linear, Callable[[], torch.Tensor]]:
+    """Symmetric int8 per output channel; returns the layer and a function giving the dequantized
+    weight (fp32), which only a layer that also keeps a bf16 copy calls."""
     w = weight.float()
     scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
-    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+    q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8).contiguous()
     scale = scale.to(torch.bfloat16)
-    dequantized = q.float() * scale.float()[:, None]
+    dequantize = lambda: q.float() * scale.float()[:, None]  # noqa: E731
     if kernels is not None:
         blocks, scale32 = _int8_quads(q), F.pad(scale.float(), (0, -len(scale) % 16))
         out_f = weight.shape[0]
-        return lambda x: kernels.int8_gemv(x, blocks, scale32, bias, out_f), dequantized
+        return lambda x: kernels.int8_gemv(x, blocks, scale32, bias, out_f), dequantize
 
     def linear(x):
         y = torch.ops.aten._weight_int8pack_mm(x, q, scale)
         return y if bias is None else y + bias
-    return linear, dequantized
+    return linear, dequantize
 
 
-def _int4(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Linear | None, torch.Tensor]:
+def _int4(weight: torch.Tensor, bias: torch.Tensor | None,
+          kernels) -> tuple[Linear | None, Callable[[], torch.Tensor]]:
     """Asymmetric int4 in groups of INT4_GROUP inputs; returns the layer (None where only the bf16
-    copy can run it: aten's kernel and a number of outputs not a multiple of 16) and the dequantized
-    weight."""
+    copy can run it: aten's kernel and a number of outputs not a multiple of 16) and a function
+    giving the dequantized weight (fp32)."""
     out_f, in_f = weight.shape
     if in_f % INT4_GROUP:
         raise ValueError(f"int4 quantizes groups of {INT4_GROUP} inputs; this model has a linear with "
@@ -175,23 +178,24 @@ def _int4(weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> tuple[Lin
     w = weight.float().reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     scale = ((hi - lo) / 15).clamp(min=1e-8)
-    q = ((w - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+    q = ((w - lo) / scale).round_().clamp_(0, 15).to(torch.uint8).reshape(out_f, in_f)
     # a weight is (q - 8) * scale + zero, so zero = lo + 8 * scale; both rounded to bf16
     scale, zero = scale.reshape(out_f, -1).to(torch.bfloat16), (lo + 8 * scale).reshape(out_f, -1).to(torch.bfloat16)
-    dequantized = (q.reshape(out_f, -1, INT4_GROUP) - 8) * scale.float()[..., None] + zero.float()[..., None]
-    dequantized = dequantized.reshape(out_f, in_f)
+    def dequantize() -> torch.Tensor:
+        grouped = q.reshape(out_f, -1, INT4_GROUP).float() - 8
+        return (grouped * scale.float()[..., None] + zero.float()[..., None]).reshape(out_f, in_f)
     if kernels is not None:
         packed, sz = _int4_blocks(q, scale, zero)
-        return lambda x: kernels.int4_gemv(x, packed, sz, bias, out_f), dequantized
+        return lambda x: kernels.int4_gemv(x, packed, sz, bias, out_f), dequantize
     if out_f % 16:                           # aten's int4 packing takes multiples of 16 outputs only
-        return None, dequantized
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        return None, dequantize
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()      # [groups, out, 2]
 
     def linear(x):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_zeros)
         return y if bias is None else y + bias
-    return linear, dequantized
+    return linear, dequantize
 
 
 def _blocks_of_16(q: torch.Tensor) -> torch.Tensor:
@@ -206,8 +210,7 @@ def _int8_quads(q: torch.Tensor) -> torch.Tensor:
     """int8 [out, in] in int8_gemv's layout (engine/kernels/int8_gemv_cpu.cpp): uint8 q + 128 as
     [out/16, in/4, 64], byte 4c + e of [b, j] = q[16b + c, 4j + e] + 128; zero weights pad out to a
     multiple of 16 and in to a multiple of 32 (the kernel's activation groups)."""
-    q = F.pad(q.to(torch.int16), (0, -q.shape[1] % 32, 0, -q.shape[0] % 16)) + 128
-    q = q.to(torch.uint8)
+    q = F.pad(q.view(torch.uint8) ^ 0x80, (0, -q.shape[1] % 32, 0, -q.shape[0] % 16), value=128)  # q + 128
     return q.view(-1, 16, q.shape[1] // 4, 4).transpose(1, 2).reshape(-1, q.shape[1] // 4, 64).contiguous()
 
 

@@ -124,8 +124,8 @@ def _quantized_layer(quantize, out_f: int, in_f: int, with_bias: bool):
     g = torch.Generator().manual_seed(out_f * in_f)
     w = torch.randn(out_f, in_f, generator=g) * 0.05
     bias = (torch.randn(out_f, generator=g) * 0.1).bfloat16() if with_bias else None
-    layer, dequantized = quantize(w, bias, KERNELS)
-    return g, w, bias, layer, dequantized
+    layer, dequantize = quantize(w, bias, KERNELS)
+    return g, w, bias, layer, dequantize()
 
 
 def _int8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
