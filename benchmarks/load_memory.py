@@ -1,0 +1,63 @@
+"""What a loaded engine holds: resident memory after `LLMEngine(...)` and the peak while it loads,
+per weight format, each in a fresh process (the peak is the process's high-water mark).
+
+  .venv/bin/python benchmarks/load_memory.py [--model DIR] [--formats fp32,bf16,int8,int4] [--kv 64MiB]
+
+A decode or prefill replica holds this plus its share of Ray's and Serve's own memory. The KV pool
+is a fixed size (`--kv`, zero-filled, so all of it resident) to keep the weights' part comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ".cache/models/SmolLM2-135M-Instruct"
+FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
+           "int4": ("bfloat16", "int4")}
+
+_CHILD = """
+import json, resource, sys, time
+sys.path.insert(0, {root!r})
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+def rss():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
+base = rss()
+t0 = time.perf_counter()
+engine = LLMEngine(EngineConfig(model={model!r}, device="cpu", dtype={dtype!r}, quantization={quant!r},
+                                kv_cache_memory={kv!r}))
+print(json.dumps(dict(seconds=time.perf_counter() - t0, before=base, rss=rss(),
+                      peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)))
+"""
+
+
+def measure(model: str, fmt: str, kv: str) -> dict:
+    dtype, quant = FORMATS[fmt]
+    code = _CHILD.format(root=str(ROOT), model=model, dtype=dtype, quant=quant, kv=kv)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        raise SystemExit(f"{fmt}: the engine did not load:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--formats", default="fp32,bf16,int8,int4")
+    ap.add_argument("--kv", default="64MiB", help="KV pool size (engine.kv_cache_memory)")
+    args = ap.parse_args()
+    print(f"model {args.model}, KV pool {args.kv}; MiB, each format in a fresh process")
+    print("| format | before loading (imports) | after loading | peak while loading | load s |")
+    print("|---|---:|---:|---:|---:|")
+    for fmt in args.formats.split(","):
+        r = measure(args.model, fmt, args.kv)
+        print(f"| {fmt} | {r['before']} | {r['rss']} | {r['peak']} | {r['seconds']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
