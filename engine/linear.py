@@ -7,8 +7,8 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
   dense (fp32, bf16, fp16)  `F.linear`; on a CPU with native bf16 (AVX512-BF16 / AMX) a bf16
                             weight is prepacked once into oneDNN's blocked layout
                             (`mkldnn._linear_pointwise`): 2-4x faster than plain bf16 `mm`.
-                            Where the engine's kernels build vectorized (AVX512-BF16) they run
-                            its GEMVs instead (engine/kernels/dense_gemv_cpu.cpp), which stream
+                            Where the engine's kernels build vectorized (AVX512-BF16), its GEMVs
+                            run instead (engine/kernels/dense_gemv_cpu.cpp), which stream
                             the weight once per call near the memory bound (rows past the first
                             pass's 8, bf16's 16: further passes re-read each chunk of it from L2):
                             `kernels.bf16_gemv` at every row count on a bf16 copy in blocks of 16
@@ -184,6 +184,7 @@ def _int4(weight: torch.Tensor, bias: torch.Tensor | None,
     q = ((w - lo) / scale).round_().clamp_(0, 15).to(torch.uint8).reshape(out_f, in_f)
     # a weight is (q - 8) * scale + zero, so zero = lo + 8 * scale; both rounded to bf16
     scale, zero = scale.reshape(out_f, -1).to(torch.bfloat16), (lo + 8 * scale).reshape(out_f, -1).to(torch.bfloat16)
+
     def dequantize() -> torch.Tensor:
         grouped = q.reshape(out_f, -1, INT4_GROUP).float() - 8
         return (grouped * scale.float()[..., None] + zero.float()[..., None]).reshape(out_f, in_f)
