@@ -27,12 +27,14 @@
 5. `--layers`: the in-place kernel alone per layer, cold and warm: a pool of 30 layers called
    layer after layer (what a decode step does: a layer's K/V were last read 30 calls ago, so at
    these sizes they come from memory), then the same layer again (from cache where it fits);
-   1 x 1024 to 64 x 2048, bf16 (or `--dtype fp32`), with the K/V bytes read per second.
+   1 x 1024 to 64 x 2048, bf16 (or `--dtype fp32`), with the K/V bytes read per second;
+   `--block-sizes 16,32,64`: each shape with each KV block size (the engine's `block_size`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -268,7 +270,7 @@ def rss(args) -> None:
     print()
 
 
-def layers(threads: int, dtype_name: str) -> None:
+def layers(threads: int, dtype_name: str, block_sizes: list[int]) -> None:
     import torch
 
     from engine.kernels import cpu_kernels
@@ -278,12 +280,12 @@ def layers(threads: int, dtype_name: str) -> None:
         print("the CPU kernel could not be built; nothing to measure")
         return
     dtype = getattr(torch, dtype_name)
-    n_layers, bs, n_kv, heads, dim = 30, 16, 3, 9, 64
+    n_layers, n_kv, heads, dim = 30, 3, 9, 64
     print(f"### The in-place decode kernel per layer, {dtype_name}, {threads} thread(s): microseconds "
           f"(GB/s of K/V), medians of 30 calls layer after layer (cold) and 10 of one layer (warm)\n")
-    print("| batch x context | K/V MB | cold | warm |")
-    print("|---|---:|---:|---:|")
-    for batch, ctx in ((1, 1024), (8, 256), (32, 256), (32, 512), (64, 2048)):
+    print("| batch x context | block size | K/V MB | cold | warm |")
+    print("|---|---:|---:|---:|---:|")
+    for (batch, ctx), bs in itertools.product(((1, 1024), (8, 256), (32, 256), (32, 512), (64, 2048)), block_sizes):
         nb = -(-ctx // bs)
         pool = torch.zeros(batch * nb + 1, n_layers, 2, bs, n_kv, dim, dtype=dtype).normal_()
         tables = torch.randperm(batch * nb + 1)[:batch * nb].view(batch, nb).contiguous()
@@ -300,7 +302,7 @@ def layers(threads: int, dtype_name: str) -> None:
 
         cold, warm = timed(lambda i: i % n_layers, 32), timed(lambda i: 5, 12)
         mb = batch * ctx * n_kv * dim * 2 * pool.element_size() / 1e6
-        print(f"| {batch} x {ctx} | {mb:.1f} | {cold:.0f} ({mb / cold * 1e3:.1f}) | {warm:.0f} ({mb / warm * 1e3:.1f}) |")
+        print(f"| {batch} x {ctx} | {bs} | {mb:.1f} | {cold:.0f} ({mb / cold * 1e3:.1f}) | {warm:.0f} ({mb / warm * 1e3:.1f}) |")
         del pool
     print()
 
@@ -317,6 +319,8 @@ def main() -> None:
     ap.add_argument("--prefills", action="store_true", help="only the whole-prefill comparison (4.)")
     ap.add_argument("--layers", action="store_true", help="only the kernel per layer, cold and warm (5.)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for --layers")
+    ap.add_argument("--block-sizes", default="16", help="for --layers: KV block sizes, comma-separated "
+                    "(the engine's default is 16)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="auto", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -328,7 +332,7 @@ def main() -> None:
         if args.chunks:
             chunks(args.threads)
         elif args.layers:
-            layers(args.threads, args.dtype)
+            layers(args.threads, args.dtype, [int(b) for b in args.block_sizes.split(",")])
         else:
             prefills(args)
         print(f"(1-minute load average at end {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")

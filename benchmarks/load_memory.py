@@ -15,10 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine_bench import DEFAULT_MODEL, FORMATS
+
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = ".cache/models/SmolLM2-135M-Instruct"
-FORMATS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
-           "int4": ("bfloat16", "int4")}
 
 _CHILD = """
 import json, resource, sys, time

@@ -24,8 +24,8 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             169.7-172.2 at 128 / 512; 1 thread 74.5-75.0 / 313.3-314.0 against
                             76.8-79.4 / 316.6-328.1) and 1.04-1.08x at 1024-2048 (the prefill
                             pool's 2048-token chunks; 1 and 2 threads), where a whole 2000-token
-                            prefill on 1 thread stayed within the noise (1517-1586 -> 1549-1597
-                            ms), so bf16 keeps no packed copy (until then it held both: 2x its
+                            prefill on 1 thread stayed within the noise (benchmarks/
+                            prefill_bench.py: 1563, 1578 -> 1623, 1462 ms), so bf16 keeps no packed copy (until then it held both: 2x its
                             weight bytes). fp32 up to 64 rows, the largest
                             decode batch (MKL's fp32 GEMM stayed 2x slower even at 256 rows on this
                             AMD CPU; on CPUs where MKL is strong it would win for prompt chunks,
