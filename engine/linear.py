@@ -25,12 +25,12 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             76.8-79.4 / 316.6-328.1) and 1.04-1.08x at 1024-2048 (the prefill
                             pool's 2048-token chunks; 1 and 2 threads), where a whole 2000-token
                             prefill on 1 thread stayed within the noise (benchmarks/
-                            prefill_bench.py: 1563, 1578 -> 1623, 1462 ms), so bf16 keeps no packed copy (until then it held both: 2x its
-                            weight bytes). fp32 up to 64 rows, the largest
-                            decode batch (MKL's fp32 GEMM stayed 2x slower even at 256 rows on this
-                            AMD CPU; on CPUs where MKL is strong it would win for prompt chunks,
-                            which keep `F.linear`, the exact mode's reference path); fp32 shares its
-                            one weight between the two.
+                            prefill_bench.py: 1563, 1578 -> 1623, 1462 ms), so bf16 keeps no
+                            packed copy (until then it held both: 2x its weight bytes). fp32 up
+                            to 64 rows, the largest decode batch (MKL's fp32 GEMM stayed 2x
+                            slower even at 256 rows on this AMD CPU; on CPUs where MKL is strong
+                            it would win for prompt chunks, which keep `F.linear`, the exact
+                            mode's reference path); fp32 shares its one weight between the two.
   int8 / int4 (CPU)         int8 weights symmetric per output channel; int4 weights asymmetric in
                             groups of 32 inputs with a bf16 scale and zero point each (the
                             gpt-fast/torchao scheme). Where the engine's kernels build with
