@@ -7,9 +7,12 @@
   interpreter: it equals the torch backend on random pools, and an engine whose decode runs it
   through the static-buffer path gives the torch backend's greedy tokens. Skipped where Triton is
   not installed (CUDA builds of torch bring it; `make install` adds it for this check).
+- `benchmarks/gpu_check.sh` runs on a bare GPU image (torch, transformers, msgpack, pytest: no Ray,
+  no pydantic, no gguf): tests/test_cuda.py and the GPU benchmarks import with those blocked.
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -107,3 +110,29 @@ def test_triton_kernel_under_the_interpreter(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+# what a bare GPU image lacks (the device machine's package list: torch, transformers, triton, msgpack,
+# pytest, but none of these); test_cuda.py is collected and the GPU benchmarks import without them
+_BARE_GPU_IMAGE = """
+import importlib, importlib.abc, runpy, sys
+MISSING = {"ray", "pydantic", "fastapi", "starlette", "uvicorn", "gguf"}
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in MISSING:
+            raise ImportError(f"not on a bare GPU image: {name}")
+sys.meta_path.insert(0, Missing())
+sys.path[:0] = ["tests", "benchmarks"]
+for script in ("benchmarks/gpu_decode_check.py", "benchmarks/kv_transfer_bench.py", "benchmarks/gpu_roofline_check.py"):
+    runpy.run_path(script, run_name="imported")          # module level only: main() is not called
+import pytest
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-o", "filterwarnings=ignore::DeprecationWarning",
+                      "--co", "tests/test_cuda.py"]))
+"""
+
+
+def test_the_gpu_check_needs_no_ray_pydantic_or_gguf():
+    out = subprocess.run([sys.executable, "-c", _BARE_GPU_IMAGE], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert re.search(r"\b\d+ tests? collected", out.stdout), out.stdout[-1000:]
