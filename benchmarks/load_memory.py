@@ -20,18 +20,17 @@ from engine_bench import DEFAULT_MODEL, FORMATS
 ROOT = Path(__file__).resolve().parents[1]
 
 _CHILD = """
-import json, resource, sys, time
-sys.path.insert(0, {root!r})
+import json, sys, time
+sys.path[:0] = [{root!r}, {root!r} + "/benchmarks"]
+from attention_bench import _status_mib       # VmRSS now, VmHWM: the peak since the process started
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-def rss():
-    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
-base = rss()
+base = _status_mib("VmRSS")
 t0 = time.perf_counter()
 engine = LLMEngine(EngineConfig(model={model!r}, device="cpu", dtype={dtype!r}, quantization={quant!r},
                                 kv_cache_memory={kv!r}))
-print(json.dumps(dict(seconds=time.perf_counter() - t0, before=base, rss=rss(),
-                      peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)))
+print(json.dumps(dict(seconds=time.perf_counter() - t0, before=base, rss=_status_mib("VmRSS"),
+                      peak=_status_mib("VmHWM"))))
 """
 
 
@@ -55,7 +54,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for fmt in args.formats.split(","):
         r = measure(args.model, fmt, args.kv)
-        print(f"| {fmt} | {r['before']} | {r['rss']} | {r['peak']} | {r['seconds']:.1f} |")
+        print(f"| {fmt} | {r['before']:.0f} | {r['rss']:.0f} | {r['peak']:.0f} | {r['seconds']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ building the model freed goes back to the OS (`return_freed_heap`), so "availabl
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 from dataclasses import dataclass
 
@@ -71,12 +70,9 @@ def return_freed_heap() -> bool:
     it no longer used (bf16, int8). `malloc_trim(0)` returns those pages. A C library without it (musl,
     macOS): nothing happens."""
     gc.collect()
-    name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
+        trim = ctypes.CDLL(None).malloc_trim      # the C library this process already has loaded
     except (OSError, AttributeError):
-        trim = None
-    if trim is None:
         return False
     trim(0)
     return True
