@@ -21,7 +21,9 @@ from serving.replica_util import engine_event, error_event
 @serve.deployment
 class ColocatedServer(EngineReplica):
     def __init__(self, config: dict, registry=None):
-        self.host = EngineHost(AppConfig.model_validate(config), "colocated", registry)
+        cfg = AppConfig.model_validate(config)
+        self.host = EngineHost(cfg, "colocated", registry)
+        self.stream_interval_s = cfg.stream_interval_ms / 1000
 
     async def generate(self, data: bytes):
         self.host.start_stats_pusher()
@@ -32,7 +34,8 @@ class ColocatedServer(EngineReplica):
             return
         rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
         try:
-            async for out in self.host.aengine.stream(rid, lambda e: e.add_request(rid, ids, params)):
+            async for out in self.host.aengine.stream(rid, lambda e: e.add_request(rid, ids, params),
+                                                      self.stream_interval_s):
                 yield engine_event(out)
         except EngineDeadError as exc:
             yield error_event(rid, str(exc), 500)

@@ -43,6 +43,7 @@ class DecodeServer(EngineReplica):
     def __init__(self, config: dict, registry=None):
         cfg = AppConfig.model_validate(config)
         self.host = EngineHost(cfg, "decode", registry)
+        self.stream_interval_s = cfg.stream_interval_ms / 1000
         kv = self.host.engine.runner.kv_pool
         self.receiver = KVReceiver(kv, fingerprint_for(kv, cfg.model_name), cfg.transfer.transfer_config(),
                                    host=kv_bind_host(cfg.transfer.host))
@@ -104,7 +105,7 @@ class DecodeServer(EngineReplica):
             return out
 
         try:
-            async for out in self.host.aengine.stream(rid, admit):
+            async for out in self.host.aengine.stream(rid, admit, self.stream_interval_s):
                 yield engine_event(out)
         except EngineDeadError as exc:
             yield error_event(rid, str(exc), 500)

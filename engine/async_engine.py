@@ -9,8 +9,12 @@ Contract
     queue is registered on the engine thread right after `admit`, before any step can produce
     an output; the stream yields the outputs until the request finishes, outputs that are ready
     together (the reader fell behind the engine) merged into one (`RequestOutput.merge`): one
-    message for the replica to send instead of one per step. Leaving the iterator
-    early (client gone, task cancelled) aborts the request, which frees its blocks.
+    message for the replica to send instead of one per step. With `min_interval_s` the stream
+    sends at most one message per interval: outputs that come sooner after the last message wait
+    and go as one with what follows, except the first (TTFT) and a finishing one, which go at
+    once. Every hop after the engine (Ray's stream to the router, the router, Serve's proxy)
+    costs CPU per message, not per token. Leaving the iterator early (client gone, task
+    cancelled) aborts the request, which frees its blocks.
   * If a step raises, every request the step could have touched (queued or running) gets the
     error and is aborted; the loop goes on. Requests held for export (prefill role, finished,
     blocks under a running KV push) are left alone: their blocks stay held until `release`,
@@ -66,9 +70,9 @@ class AsyncEngine:
         return await asyncio.wrap_future(self.submit(fn))
 
     async def stream(self, request_id: str, admit: Callable[[LLMEngine], RequestOutput | Rejected | None],
-                     ) -> AsyncIterator[RequestOutput | Rejected]:
+                     min_interval_s: float = 0.0) -> AsyncIterator[RequestOutput | Rejected]:
         entry = (asyncio.get_running_loop(), asyncio.Queue())
-        q = entry[1]
+        loop, q = entry
 
         def admit_and_register(engine: LLMEngine):
             result = admit(engine)
@@ -83,6 +87,7 @@ class AsyncEngine:
                 engine.abort(request_id)
 
         finished = False
+        getter: asyncio.Future | None = None   # a q.get() a timed wait left pending: kept, not lost
         try:
             # shielded: once submitted, `admit` runs even if we are cancelled, and the abort
             # queued by `finally` runs after it, so nothing it allocated is stranded
@@ -93,22 +98,43 @@ class AsyncEngine:
                 return
             if first is not None:
                 q.put_nowait(first)
+            held: RequestOutput | None = None    # outputs not sent yet, merged
+            send_at = 0.0                        # loop time before which `held` waits for more
             while True:
-                item = await q.get()
+                if held is None and getter is None:
+                    item = await q.get()
+                else:
+                    if getter is None:
+                        getter = asyncio.ensure_future(q.get())
+                    timeout = None if held is None else max(0.0, send_at - loop.time())
+                    await asyncio.wait((getter,), timeout=timeout)
+                    item = getter.result() if getter.done() else None
+                    if getter.done():
+                        getter = None
                 if isinstance(item, BaseException):
+                    if held is not None:                       # what came before the failure
+                        out, held = held, None
+                        yield out
                     finished = True
                     raise item
-                while not item.finished and not q.empty():    # fell behind: what is ready, as one
+                if item is not None:
+                    held = item if held is None else held.merge(item)
+                while not held.finished and not q.empty():    # fell behind: what is ready, as one
                     later = q.get_nowait()
                     if isinstance(later, BaseException):
                         q.put_nowait(later)                    # the queue was empty: it stays last
                         break
-                    item = item.merge(later)
-                finished = item.finished
-                yield item
+                    held = held.merge(later)
+                if not held.finished and loop.time() < send_at:
+                    continue                                   # too soon after the last message
+                out, held, finished = held, None, held.finished
+                yield out
                 if finished:
                     return
+                send_at = loop.time() + min_interval_s
         finally:
+            if getter is not None:
+                getter.cancel()
             if not finished:
                 self.submit(end)
             elif self._streams.get(request_id) is entry:

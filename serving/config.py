@@ -187,6 +187,11 @@ class AppConfig(_Model):
     transfer: TransferOptions = Field(default_factory=TransferOptions, description="KV transfer timeouts.")
     routing: RoutingOptions = Field(default_factory=RoutingOptions, description="How the router picks replicas.")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request end to end.")
+    stream_interval_ms: float = Field(
+        50.0, ge=0, le=1000, description="Least time between two messages of one stream from a decode (or "
+        "colocated) replica: tokens made sooner go together in the next message (one SSE chunk). The first "
+        "token and the last are never held. 0 = a message per engine step. Each message costs CPU in the "
+        "replica, the router and Serve's proxy, whatever its tokens (README: Serving overhead).")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for (400 above).")
     api_key: str = Field("", description="When set, every endpoint but /health needs 'Authorization: Bearer <key>'.")
     max_body_bytes: int = Field(4 * 2**20, gt=0, description="Largest accepted request body (413 above).")

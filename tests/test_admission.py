@@ -3,6 +3,7 @@ back as a `Rejected` value (nothing allocated); `AsyncEngine.stream` makes it on
 trip and never touches another live request that has the same id."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -108,3 +109,37 @@ def test_a_reader_that_falls_behind_gets_the_ready_outputs_merged(engine):
                 [(lp.token_id, round(lp.logprob, 4)) for o in outs for lp in o.logprobs or ()])
     assert joined(slow) == joined(fast) and len(joined(slow)[0]) == 12 == len(joined(slow)[2])
     assert slow[-1].num_output_tokens == 12
+
+
+def test_a_paced_stream_sends_at_most_one_message_per_interval(engine):
+    """`min_interval_s` holds outputs that come sooner than the interval after the last message
+    and sends them as one; the first output and a finishing one are never held. The tokens, text
+    and logprobs are those of the unpaced stream."""
+    aengine = AsyncEngine(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+
+    async def run(rid, interval):
+        outs, times = [], []
+        async for out in aengine.stream(rid, lambda e: e.add_request(rid, [5, 6, 7], params), interval):
+            outs.append(out)
+            times.append(asyncio.get_running_loop().time())
+        return outs, times
+
+    def joined(outs):
+        return ([t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
+                [(lp.token_id, round(lp.logprob, 4)) for o in outs for lp in o.logprobs or ()])
+
+    try:
+        plain, _ = asyncio.run(run("plain", 0.0))
+        paced, times = asyncio.run(run("paced", 0.02))
+        start = time.monotonic()
+        held, _ = asyncio.run(run("held", 60.0))
+        waited = time.monotonic() - start
+    finally:
+        aengine.shutdown()
+    assert joined(paced) == joined(plain) == joined(held) and len(joined(plain)[0]) == 40
+    assert len(paced) < len(plain) and paced[-1].finished and paced[-1].num_output_tokens == 40
+    gaps = [b - a for a, b in zip(times, times[1:-1])]     # the last message may come sooner
+    assert all(g >= 0.02 - 1e-3 for g in gaps), gaps
+    # a 60 s interval: the first token at once, then everything else when it finishes, not 60 s later
+    assert [len(o.new_token_ids) for o in held] == [1, 39] and held[-1].finished and waited < 30
