@@ -105,8 +105,9 @@ class LocalCluster:
         token = tmp_dir / "auth_token"
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
-        env = {**os.environ, **cluster.driver_env(), "RAY_TMPDIR": str(tmp_dir), "RAY_FAKE_CLUSTER": "1",
-               "AUTOSCALER_UPDATE_INTERVAL_S": str(update_interval_s)}
+        from serving import ray_compat
+        env = {**os.environ, **ray_compat.serve_node_env(), **cluster.driver_env(), "RAY_TMPDIR": str(tmp_dir),
+               "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": str(update_interval_s)}
         env.pop("RAY_ADDRESS", None)
         try:
             subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=timeout_s)

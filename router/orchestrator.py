@@ -45,6 +45,7 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException, ReplicaUnavailableError
 
 from serving import messages
+from serving.ray_compat import direct_stream
 from serving.messages import WireSamplingParams
 
 
@@ -85,12 +86,13 @@ class Orchestrator:
         self.retry_delays_s = retry_delays_s
         self.metrics = metrics   # a router.metrics.RequestMetrics, or None
         self._followers: set[asyncio.Task] = set()   # prefill streams read to the push's end
+        # every token crosses these calls: Serve's gRPC transport (ray_compat.direct_stream)
         if mode == "colocated":
-            self.colocated = colocated.options(stream=True).generate
+            self.colocated = direct_stream(colocated.options(stream=True)).generate
         else:
-            self.prefill = prefill.options(stream=True).prefill
-            self.decode = decode.options(stream=True).generate
-            self._decode_handle = decode.options(stream=True)
+            self.prefill = direct_stream(prefill.options(stream=True)).prefill
+            self._decode_handle = direct_stream(decode.options(stream=True))
+            self.decode = self._decode_handle.generate
 
     async def run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:
         events = self._run(rid, prompt, params)

@@ -15,6 +15,17 @@ The local cluster's start (pdserve/local_ray.py) needs two more, private in Ray 
 And a driver joining the local multi-node cluster with its token (pdserve/local_cluster.py):
   * `reload_auth_config`: Ray caches its config, the auth mode included, at first use; after the
     token's environment is set it must read it again (as Ray's own token setup does).
+Serve's gRPC transport (what Ray Serve's throughput-optimized mode, RAY_SERVE_THROUGHPUT_OPTIMIZED,
+turns on for every call), for the calls that carry each streamed token:
+  * `direct_stream`: a handle whose requests and streamed items go to the replica's own gRPC server
+    instead of through Ray actor tasks and the object store (`options(_by_reference=False)`; the
+    router's calls to the prefill, decode and colocated pools);
+  * `SERVE_NODE_ENV`: the environment a node's Serve processes need so Serve's HTTP proxy calls the
+    router the same way (RAY_SERVE_PROXY_USE_GRPC, read once when the proxy imports Serve): set by
+    `serve_node_env()` for the local cluster's start (pdserve/local_ray.py, local_cluster.py) and
+    on the `ray start` lines of cluster.yaml. A value the caller set is kept.
+  Measured (`benchmarks/host_cpu.py`, README "Serving overhead"): CPU per streamed token in the
+  router, the proxy and the decode replica's loop roughly halves.
 Nothing else in pdserve may import `ray.serve._private` or `ray._private`. pyproject.toml pins
 Ray to the range the tests have run on; tests/test_ray_compat.py imports these names and exercises
 the helpers, so an upgrade that moves them fails there, loudly, before anything is deployed.
@@ -30,10 +41,22 @@ from ray._private import ray_constants
 from ray._private.authentication import authentication_utils
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-__all__ = ["FIFOMixin", "PendingRequest", "RequestRouter", "RunningReplica", "SINGLE_NODE_ENV", "back_off_when_full",
-           "in_flight", "reload_auth_config", "single_node_start", "token_auth_enabled"]
+__all__ = ["FIFOMixin", "PendingRequest", "RequestRouter", "RunningReplica", "SERVE_NODE_ENV", "SINGLE_NODE_ENV",
+           "back_off_when_full", "direct_stream", "in_flight", "reload_auth_config", "serve_node_env",
+           "single_node_start", "token_auth_enabled"]
 
 SINGLE_NODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR    # "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+SERVE_NODE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+
+
+def direct_stream(handle):
+    """`handle` over Serve's gRPC transport (see the module's docstring)."""
+    return handle.options(_by_reference=False)
+
+
+def serve_node_env() -> dict[str, str]:
+    """SERVE_NODE_ENV, each value the caller's own where this process's environment sets it."""
+    return {key: os.environ.get(key, value) for key, value in SERVE_NODE_ENV.items()}
 
 
 def in_flight(router: RequestRouter, replica: RunningReplica) -> int:

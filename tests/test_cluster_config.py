@@ -18,6 +18,17 @@ def test_cluster_yaml_is_valid_for_ray():
     assert {"prefill_gpu", "decode_gpu"} <= set(types)
 
 
+def test_every_ray_start_sets_the_serve_node_environment():
+    """Serve's proxy calls the router over gRPC on every node (serving/ray_compat.SERVE_NODE_ENV)."""
+    from serving.ray_compat import SERVE_NODE_ENV
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in config[key]
+              if "ray start" in c]
+    assert len(starts) == 2, starts
+    for command in starts:
+        assert all(f"{key}={value} " in command for key, value in SERVE_NODE_ENV.items()), command
+
+
 def test_cluster_serve_config_targets_node_types_of_cluster_yaml():
     types = yaml.safe_load((ROOT / "cluster.yaml").read_text())["available_node_types"]
     offered = {name: set(t.get("resources", {})) for name, t in types.items()}

@@ -37,3 +37,31 @@ def test_local_start_refuses_to_turn_off_token_auth(monkeypatch):
     with pytest.raises(local_ray.LocalRayError, match="token authentication"):
         local_ray.init()
 
+
+
+def test_token_streams_use_serves_grpc_transport(disagg):
+    """The calls every streamed token crosses go over the Serve replicas' own gRPC servers
+    (serving/ray_compat.py: `direct_stream`, `SERVE_NODE_ENV`): after a request, the proxy holds a
+    connection to the router's gRPC port, and the router to the prefill's and a decode replica's.
+    Over Ray actor calls instead, they would talk to the core workers' (loopback) ports only."""
+    import psutil
+
+    from service_util import http
+    status, _ = http(disagg, "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2})
+    assert status == 200
+    socks = listening(os.getpid(), include_root=False)
+    grpc = {s.name.rsplit(":", 1)[1]: set() for s in socks if s.name.startswith("ray::ServeReplica:pd:")}
+    for s in socks:
+        if s.name.startswith("ray::ServeReplica:pd:") and not s.loopback:
+            grpc[s.name.rsplit(":", 1)[1]].add(s.port)
+
+    def peers(name: str) -> set[int]:
+        procs = [p for p in psutil.Process().children(recursive=True) if p.name() == name]
+        assert procs, name
+        return {c.raddr.port for p in procs for c in p.net_connections(kind="tcp")
+                if c.status == psutil.CONN_ESTABLISHED and c.raddr}
+
+    assert peers("ray::ProxyActor") & grpc["Router"], report(socks)
+    router = peers("ray::ServeReplica:pd:Router")
+    assert router & grpc["PrefillServer"] and router & grpc["DecodeServer"], report(socks)
+    assert "RAY_SERVE_PROXY_USE_GRPC" not in os.environ      # set for the cluster's start only

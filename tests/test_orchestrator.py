@@ -63,7 +63,8 @@ class FakeDecode:
         self.responses: list[FakeResponse] = []
         self.log = log if log is not None else []
 
-    def options(self, stream):
+    def options(self, **options):
+        self.options_asked = {**getattr(self, "options_asked", {}), **options}
         return self
 
     @contextlib.asynccontextmanager
@@ -94,7 +95,8 @@ class FakePrefill:
         self.log = log if log is not None else []
         self.prefill = self
 
-    def options(self, stream):
+    def options(self, **options):
+        self.options_asked = {**getattr(self, "options_asked", {}), **options}
         return self
 
     def remote(self, data):
@@ -134,6 +136,8 @@ def test_reservation_first_then_the_first_token_before_decode_answers():
         assert first.text + "".join(ev.text for ev in rest) == "Hello!"
         assert rest[-1].finished and rest[-1].num_output_tokens == 3
         assert not decode.responses[0].cancelled and not prefill.responses[0].cancelled
+        # both streams over Serve's gRPC transport (serving/ray_compat.direct_stream)
+        assert decode.options_asked == prefill.options_asked == {"stream": True, "_by_reference": False}
     asyncio.run(main())
 
 
