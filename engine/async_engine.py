@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 
 MAX_STEP_FAILURES = 3   # failed steps in a row (no successful one between) that make it unhealthy
+_SEND = object()        # a paced stream's timer: its held outputs are due
 
 
 class EngineDeadError(RuntimeError):
@@ -87,7 +88,7 @@ class AsyncEngine:
                 engine.abort(request_id)
 
         finished = False
-        getter: asyncio.Future | None = None   # a q.get() a timed wait left pending: kept, not lost
+        timer: asyncio.TimerHandle | None = None   # puts _SEND in `q` when held outputs are due
         try:
             # shielded: once submitted, `admit` runs even if we are cancelled, and the abort
             # queued by `finally` runs after it, so nothing it allocated is stranded
@@ -101,40 +102,44 @@ class AsyncEngine:
             held: RequestOutput | None = None    # outputs not sent yet, merged
             send_at = 0.0                        # loop time before which `held` waits for more
             while True:
-                if held is None and getter is None:
-                    item = await q.get()
-                else:
-                    if getter is None:
-                        getter = asyncio.ensure_future(q.get())
-                    timeout = None if held is None else max(0.0, send_at - loop.time())
-                    await asyncio.wait((getter,), timeout=timeout)
-                    item = getter.result() if getter.done() else None
-                    if getter.done():
-                        getter = None
+                item = await q.get()
                 if isinstance(item, BaseException):
                     if held is not None:                       # what came before the failure
                         out, held = held, None
                         yield out
                     finished = True
                     raise item
-                if item is not None:
+                due = item is _SEND
+                if due:
+                    timer = None
+                    if held is None:                           # sent already (a cancel came late)
+                        continue
+                else:
                     held = item if held is None else held.merge(item)
                 while not held.finished and not q.empty():    # fell behind: what is ready, as one
                     later = q.get_nowait()
-                    if isinstance(later, BaseException):
-                        q.put_nowait(later)                    # the queue was empty: it stays last
+                    if later is _SEND:
+                        timer, due = None, True
+                    elif isinstance(later, BaseException):
+                        q.put_nowait(later)                    # the engine's last word: it stays last
                         break
-                    held = held.merge(later)
-                if not held.finished and loop.time() < send_at:
-                    continue                                   # too soon after the last message
+                    else:
+                        held = held.merge(later)
+                if not (due or held.finished or loop.time() >= send_at):
+                    if timer is None:                          # too soon after the last message
+                        timer = loop.call_at(send_at, q.put_nowait, _SEND)
+                    continue
+                if timer is not None:
+                    timer.cancel()
+                    timer = None
                 out, held, finished = held, None, held.finished
                 yield out
                 if finished:
                     return
                 send_at = loop.time() + min_interval_s
         finally:
-            if getter is not None:
-                getter.cancel()
+            if timer is not None:
+                timer.cancel()
             if not finished:
                 self.submit(end)
             elif self._streams.get(request_id) is entry:
@@ -170,8 +175,7 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._step_failures = 0
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver([(out.request_id, out) for out in outputs])
 
     def _run_calls(self, block: bool) -> None:
         try:
@@ -190,13 +194,24 @@ class AsyncEngine:
             except queue.Empty:
                 item = None
 
-    def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        """Each item to its request's stream: one wake-up per event loop, not one per item."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def _fail_all(self, exc: Exception) -> None:
+        failed = []
         for request_id in self.engine.unfinished_request_ids():   # not those held for export
             self.engine.abort(request_id)
-            self._deliver(request_id, EngineDeadError(f"engine step failed: {exc}"))
+            failed.append((request_id, EngineDeadError(f"engine step failed: {exc}")))
+        self._deliver(failed)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in puts:
+        q.put_nowait(item)
