@@ -61,3 +61,11 @@ def test_single_node_start_is_confined_to_its_block(monkeypatch):
         assert services.get_node_ip_address() == "127.0.0.1"
     assert ray_compat.SINGLE_NODE_ENV not in os.environ and ray_constants.ENABLE_RAY_CLUSTER == before
     assert isinstance(ray_compat.token_auth_enabled(), bool)
+
+
+def test_serve_node_env_keeps_a_value_the_caller_set(monkeypatch):
+    monkeypatch.delenv("RAY_SERVE_PROXY_USE_GRPC", raising=False)
+    assert ray_compat.serve_node_env() == ray_compat.SERVE_NODE_ENV == {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+    monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")
+    assert ray_compat.serve_node_env() == {"RAY_SERVE_PROXY_USE_GRPC": "0"}
+
