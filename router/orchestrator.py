@@ -87,11 +87,12 @@ class Orchestrator:
         self.metrics = metrics   # a router.metrics.RequestMetrics, or None
         self._followers: set[asyncio.Task] = set()   # prefill streams read to the push's end
         # every token crosses these calls: Serve's gRPC transport (ray_compat.direct_stream)
+        largest = messages.MAX_MESSAGE_BYTES
         if mode == "colocated":
-            self.colocated = direct_stream(colocated.options(stream=True)).generate
+            self.colocated = direct_stream(colocated.options(stream=True), largest).generate
         else:
-            self.prefill = direct_stream(prefill.options(stream=True)).prefill
-            self._decode_handle = direct_stream(decode.options(stream=True))
+            self.prefill = direct_stream(prefill.options(stream=True), largest).prefill
+            self._decode_handle = direct_stream(decode.options(stream=True), largest)
             self.decode = self._decode_handle.generate
 
     async def run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:

@@ -21,9 +21,12 @@ turns on for every call), for the calls that carry each streamed token:
     instead of through Ray actor tasks and the object store (`options(_by_reference=False)`; the
     router's calls to the prefill, decode and colocated pools);
   * `SERVE_NODE_ENV`: the environment a node's Serve processes need so Serve's HTTP proxy calls the
-    router the same way (RAY_SERVE_PROXY_USE_GRPC, read once when the proxy imports Serve): set by
-    `serve_node_env()` for the local cluster's start (pdserve/local_ray.py, local_cluster.py) and
-    on the `ray start` lines of cluster.yaml. A value the caller set is kept.
+    router the same way (RAY_SERVE_PROXY_USE_GRPC) and so gRPC takes messages beyond its 4 MiB
+    default (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH; a larger response failed with a bare 500),
+    both read once when a process imports Serve: set by `serve_node_env()` for the local cluster's
+    start (pdserve/local_ray.py, local_cluster.py) and on the `ray start` lines of cluster.yaml. A
+    value the caller set is kept. Without it (`--address` to a cluster started otherwise) the
+    router's calls stay by reference (`direct_stream` checks the limit its process read).
   Measured (`benchmarks/host_cpu.py`, README "Serving overhead"): CPU per streamed token in the
   router, the proxy and the decode replica's loop roughly halves.
 Nothing else in pdserve may import `ray.serve._private` or `ray._private`. pyproject.toml pins
@@ -39,6 +42,7 @@ from collections.abc import Iterator
 
 from ray._private import ray_constants
 from ray._private.authentication import authentication_utils
+from ray.serve._private import constants as serve_constants
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 __all__ = ["FIFOMixin", "PendingRequest", "RequestRouter", "RunningReplica", "SERVE_NODE_ENV", "SINGLE_NODE_ENV",
@@ -46,11 +50,18 @@ __all__ = ["FIFOMixin", "PendingRequest", "RequestRouter", "RunningReplica", "SE
            "single_node_start", "token_auth_enabled"]
 
 SINGLE_NODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR    # "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-SERVE_NODE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+SERVE_NODE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1",
+                  # gRPC's 4 MiB default would fail a larger message (a non-streaming response with
+                  # logprobs, a prefill's prompt logprobs); Ray's own limit for its other servers
+                  "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1)}
 
 
-def direct_stream(handle):
-    """`handle` over Serve's gRPC transport (see the module's docstring)."""
+def direct_stream(handle, largest_message: int):
+    """`handle` over Serve's gRPC transport (see the module's docstring) where this process's
+    Serve takes messages of `largest_message` bytes over it (SERVE_NODE_ENV); else `handle`
+    as it is (by reference, no size limit): a cluster started without that environment."""
+    if serve_constants.RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH < largest_message:
+        return handle
     return handle.options(_by_reference=False)
 
 

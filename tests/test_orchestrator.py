@@ -116,7 +116,10 @@ class FakePrefill:
             yield messages.encode(messages.HandoffDone(req.request_id, True))
 
 
-def test_reservation_first_then_the_first_token_before_decode_answers():
+def test_reservation_first_then_the_first_token_before_decode_answers(monkeypatch):
+    from serving import ray_compat
+    monkeypatch.setattr(ray_compat.serve_constants, "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", 2**31 - 1)
+
     async def main():
         log = []
         result = messages.PrefillResult("r", first_token=7, first_text="Hel", prefill_seconds=0.1)
@@ -136,7 +139,8 @@ def test_reservation_first_then_the_first_token_before_decode_answers():
         assert first.text + "".join(ev.text for ev in rest) == "Hello!"
         assert rest[-1].finished and rest[-1].num_output_tokens == 3
         assert not decode.responses[0].cancelled and not prefill.responses[0].cancelled
-        # both streams over Serve's gRPC transport (serving/ray_compat.direct_stream)
+        # both streams over Serve's gRPC transport (serving/ray_compat.direct_stream) where it takes
+        # the largest message (the environment pdserve starts nodes with)
         assert decode.options_asked == prefill.options_asked == {"stream": True, "_by_reference": False}
     asyncio.run(main())
 

@@ -64,8 +64,23 @@ def test_single_node_start_is_confined_to_its_block(monkeypatch):
 
 
 def test_serve_node_env_keeps_a_value_the_caller_set(monkeypatch):
-    monkeypatch.delenv("RAY_SERVE_PROXY_USE_GRPC", raising=False)
-    assert ray_compat.serve_node_env() == ray_compat.SERVE_NODE_ENV == {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+    for key in ray_compat.SERVE_NODE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert ray_compat.serve_node_env() == ray_compat.SERVE_NODE_ENV == {
+        "RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1)}
     monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")
-    assert ray_compat.serve_node_env() == {"RAY_SERVE_PROXY_USE_GRPC": "0"}
+    assert ray_compat.serve_node_env()["RAY_SERVE_PROXY_USE_GRPC"] == "0"
+
+
+def test_direct_stream_only_where_grpc_takes_the_largest_message(monkeypatch):
+    """Serve's gRPC transport where this process's Serve read a message limit that fits (the
+    environment pdserve starts nodes with); by reference where it kept gRPC's 4 MiB."""
+    class Handle:
+        def options(self, **options):
+            return options
+    monkeypatch.setattr(ray_compat.serve_constants, "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", 4 * 2**20)
+    handle = Handle()
+    assert ray_compat.direct_stream(handle, 64 * 2**20) is handle
+    monkeypatch.setattr(ray_compat.serve_constants, "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", 2**31 - 1)
+    assert ray_compat.direct_stream(handle, 64 * 2**20) == {"_by_reference": False}
 
