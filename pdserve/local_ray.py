@@ -31,30 +31,12 @@ duration of `ray.init` only, like the single-node switch).
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 
 from serving import ray_compat
 
 LOOPBACK = "127.0.0.1"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """`values` in os.environ within the block (the processes `ray.init` starts inherit them), as
-    before after it."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class LocalRayError(RuntimeError):
@@ -75,7 +57,7 @@ def init(num_cpus: int | None = None, logging_level: str = "WARNING", log_to_dri
     if mode is not None and mode.lower() != "token":
         raise LocalRayError(f"{AUTH_MODE_ENV}={mode}: pdserve's local cluster keeps Ray's token authentication "
                             f"on (one Ray Serve listener per replica is not on loopback); unset it")
-    with ray_compat.single_node_start(), _environ(ray_compat.serve_node_env()):
+    with ray_compat.single_node_start(), ray_compat.scoped_environ(ray_compat.serve_node_env()):
         ray.init(address="local", _node_ip_address=LOOPBACK, num_cpus=num_cpus, include_dashboard=False,
                  logging_level=logging_level, log_to_driver=log_to_driver)
     problem = ""

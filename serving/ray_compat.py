@@ -11,7 +11,8 @@ things the routers need have no public form at all:
 The local cluster's start (pdserve/local_ray.py) needs two more, private in Ray 2.60:
   * `single_node_start`: Ray's single-node switch for the duration of `ray.init`, which keeps the
     node on 127.0.0.1 (nothing public does; see local_ray.py);
-  * `token_auth_enabled`: whether this process runs Ray with token authentication.
+  * `token_auth_enabled`: whether this process runs Ray with token authentication;
+  (`scoped_environ`, which both switches use: an environment for the processes a block starts).
 And a driver joining the local multi-node cluster with its token (pdserve/local_cluster.py):
   * `reload_auth_config`: Ray caches its config, the auth mode included, at first use; after the
     token's environment is set it must read it again (as Ray's own token setup does).
@@ -46,8 +47,8 @@ from ray.serve._private import constants as serve_constants
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 __all__ = ["FIFOMixin", "PendingRequest", "RequestRouter", "RunningReplica", "SERVE_NODE_ENV", "SINGLE_NODE_ENV",
-           "back_off_when_full", "direct_stream", "in_flight", "reload_auth_config", "serve_node_env",
-           "single_node_start", "token_auth_enabled"]
+           "back_off_when_full", "direct_stream", "in_flight", "reload_auth_config", "scoped_environ",
+           "serve_node_env", "single_node_start", "token_auth_enabled"]
 
 SINGLE_NODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR    # "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 SERVE_NODE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1",
@@ -85,21 +86,33 @@ def back_off_when_full(pending_request: PendingRequest) -> None:
 
 
 @contextlib.contextmanager
+def scoped_environ(values: dict[str, str]) -> Iterator[None]:
+    """`values` in this process's environment within the block (processes started in it inherit
+    them), the previous values (or their absence) back on exit."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
 def single_node_start() -> Iterator[None]:
     """Within the block, Ray treats this machine as single-node: SINGLE_NODE_ENV=0 in this process's
     environment (processes started in the block inherit it) and in the constant Ray read from it
     at import. Both are restored on exit."""
-    saved_env, saved_const = os.environ.get(SINGLE_NODE_ENV), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[SINGLE_NODE_ENV] = "0"
+    saved_const = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        yield
+        with scoped_environ({SINGLE_NODE_ENV: "0"}):
+            yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_const
-        if saved_env is None:
-            os.environ.pop(SINGLE_NODE_ENV, None)
-        else:
-            os.environ[SINGLE_NODE_ENV] = saved_env
 
 
 def reload_auth_config() -> None:

@@ -71,15 +71,3 @@ def test_token_streams_use_serves_grpc_transport(disagg):
     assert peers("ray::ProxyActor") & grpc["Router"], report(socks)
     router = peers("ray::ServeReplica:pd:Router")
     assert router & grpc["PrefillServer"] and router & grpc["DecodeServer"], report(socks)
-
-
-def test_the_serve_environment_is_set_for_the_start_only(monkeypatch):
-    """`local_ray.init` sets ray_compat.SERVE_NODE_ENV for `ray.init` (whose processes inherit it) and
-    leaves the caller's environment as it was."""
-    monkeypatch.delenv("RAY_SERVE_PROXY_USE_GRPC", raising=False)
-    monkeypatch.setenv("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", "7")
-    with local_ray._environ({"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "9"}):
-        assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "1"
-        assert os.environ["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == "9"
-    assert "RAY_SERVE_PROXY_USE_GRPC" not in os.environ
-    assert os.environ["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == "7"

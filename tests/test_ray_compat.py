@@ -84,3 +84,14 @@ def test_direct_stream_only_where_grpc_takes_the_largest_message(monkeypatch):
     monkeypatch.setattr(ray_compat.serve_constants, "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", 2**31 - 1)
     assert ray_compat.direct_stream(handle, 64 * 2**20) == {"_by_reference": False}
 
+
+def test_the_serve_environment_is_set_for_the_start_only(monkeypatch):
+    """`local_ray.init` sets ray_compat.SERVE_NODE_ENV for `ray.init` (whose processes inherit it,
+    `scoped_environ`) and leaves the caller's environment as it was."""
+    monkeypatch.delenv("RAY_SERVE_PROXY_USE_GRPC", raising=False)
+    monkeypatch.setenv("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", "7")
+    with ray_compat.scoped_environ({"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "9"}):
+        assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "1"
+        assert os.environ["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == "9"
+    assert "RAY_SERVE_PROXY_USE_GRPC" not in os.environ
+    assert os.environ["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == "7"
