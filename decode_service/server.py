@@ -11,8 +11,9 @@ Life cycle of a request here (`generate`, a streaming call the router makes befo
   4. admit    `add_prefilled` with that first token, one engine call that checks the request
               first (a bad one releases the reservation -> 400 event); from here the engine owns
               the blocks, even when the first token already ends the request
-  5. stream   TokenEvents until the request finishes; leaving early (client gone, router
-              cancelled) aborts the request in the engine, which frees its blocks
+  5. stream   TokenEvents until the request finishes, at most one per `stream_interval_ms` (the
+              first, which repeats the prefill's token, waits like the rest); leaving early
+              (client gone, router cancelled) aborts the request in the engine, which frees its blocks
 Block ownership: steps 1-3 belong to this method, which frees the reservation on every path
 that does not reach step 4: an error, lease expiry, or the router leaving (client gone, the
 first token ended the request, the prefill failed): the reservation is cancelled at once (a
@@ -105,7 +106,9 @@ class DecodeServer(EngineReplica):
             return out
 
         try:
-            async for out in self.host.aengine.stream(rid, admit, self.stream_interval_s):
+            # the first output repeats the prefill's first token (the router drops it): it is
+            # held like the rest, so a request costs one message less
+            async for out in self.host.aengine.stream(rid, admit, self.stream_interval_s, hold_first=True):
                 yield engine_event(out)
         except EngineDeadError as exc:
             yield error_event(rid, str(exc), 500)

@@ -12,7 +12,8 @@ Contract
     message for the replica to send instead of one per step. With `min_interval_s` the stream
     sends at most one message per interval: outputs that come sooner after the last message wait
     and go as one with what follows, except the first (TTFT) and a finishing one, which go at
-    once. Every hop after the engine (Ray's stream to the router, the router, Serve's proxy)
+    once; with `hold_first` the first waits like the others (a decode replica's first output only
+    repeats the token the prefill replica already sent). Every hop after the engine (Ray's stream to the router, the router, Serve's proxy)
     costs CPU per message, not per token. Leaving the iterator early (client gone, task
     cancelled) aborts the request, which frees its blocks.
   * If a step raises, every request the step could have touched (queued or running) gets the
@@ -71,7 +72,8 @@ class AsyncEngine:
         return await asyncio.wrap_future(self.submit(fn))
 
     async def stream(self, request_id: str, admit: Callable[[LLMEngine], RequestOutput | Rejected | None],
-                     min_interval_s: float = 0.0) -> AsyncIterator[RequestOutput | Rejected]:
+                     min_interval_s: float = 0.0, hold_first: bool = False
+                     ) -> AsyncIterator[RequestOutput | Rejected]:
         entry = (asyncio.get_running_loop(), asyncio.Queue())
         loop, q = entry
 
@@ -100,7 +102,8 @@ class AsyncEngine:
             if first is not None:
                 q.put_nowait(first)
             held: RequestOutput | None = None    # outputs not sent yet, merged
-            send_at = 0.0                        # loop time before which `held` waits for more
+            # loop time before which `held` waits for more
+            send_at = loop.time() + min_interval_s if hold_first else 0.0
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):

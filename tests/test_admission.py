@@ -113,14 +113,15 @@ def test_a_reader_that_falls_behind_gets_the_ready_outputs_merged(engine):
 
 def test_a_paced_stream_sends_at_most_one_message_per_interval(engine):
     """`min_interval_s` holds outputs that come sooner than the interval after the last message
-    and sends them as one; the first output and a finishing one are never held. The tokens, text
-    and logprobs are those of the unpaced stream."""
+    and sends them as one; the first output (unless `hold_first`) and a finishing one are never
+    held. The tokens, text and logprobs are those of the unpaced stream."""
     aengine = AsyncEngine(engine)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
 
-    async def run(rid, interval):
+    async def run(rid, interval, hold_first=False):
         outs, times = [], []
-        async for out in aengine.stream(rid, lambda e: e.add_request(rid, [5, 6, 7], params), interval):
+        async for out in aengine.stream(rid, lambda e: e.add_request(rid, [5, 6, 7], params), interval,
+                                        hold_first):
             outs.append(out)
             times.append(asyncio.get_running_loop().time())
         return outs, times
@@ -135,11 +136,14 @@ def test_a_paced_stream_sends_at_most_one_message_per_interval(engine):
         start = time.monotonic()
         held, _ = asyncio.run(run("held", 60.0))
         waited = time.monotonic() - start
+        held_first, _ = asyncio.run(run("held_first", 60.0, hold_first=True))
     finally:
         aengine.shutdown()
-    assert joined(paced) == joined(plain) == joined(held) and len(joined(plain)[0]) == 40
+    assert joined(paced) == joined(plain) == joined(held) == joined(held_first) and len(joined(plain)[0]) == 40
     assert len(paced) < len(plain) and paced[-1].finished and paced[-1].num_output_tokens == 40
     gaps = [b - a for a, b in zip(times, times[1:-1])]     # the last message may come sooner
     assert all(g >= 0.02 - 1e-3 for g in gaps), gaps
     # a 60 s interval: the first token at once, then everything else when it finishes, not 60 s later
     assert [len(o.new_token_ids) for o in held] == [1, 39] and held[-1].finished and waited < 30
+    # `hold_first` (a decode replica's stream): the first output waits too, here for the finish
+    assert [len(o.new_token_ids) for o in held_first] == [40] and held_first[0].finished
