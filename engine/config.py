@@ -64,7 +64,8 @@ class EngineConfig:
     block_size: tokens per KV block.
     max_num_batched_tokens: token budget of one step; also the prefill chunk size.
     max_num_seqs: sequences running at once.
-    max_model_len: longest prompt + output; None = the model's limit, capped by the pool.
+    max_model_len: longest prompt + output; None = the model's limit (`context_limit`: its positions,
+        or its sliding window if shorter), capped by the pool.
     enable_prefix_caching: reuse full KV blocks of identical prefixes.
     num_threads: torch intra-op threads (None leaves torch's default; 1 is fastest for
         several small CPU processes).
@@ -112,3 +113,21 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be positive")
+
+
+def sliding_window(hf_config) -> int | None:
+    """N when some layer of the model attends only to its last N tokens (Mistral v0.1's 4096,
+    Qwen2/Qwen3 with `use_sliding_window`), else None. The engine's attention is full; up to N
+    tokens the two are the same, so the engine serves sequences of at most N tokens."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+def context_limit(hf_config) -> int:
+    """The longest sequence a model's transformers config allows the engine: its
+    `max_position_embeddings` (2048 if absent), or its sliding window if shorter."""
+    positions = int(getattr(hf_config, "max_position_embeddings", 2048))
+    return min(positions, sliding_window(hf_config) or positions)

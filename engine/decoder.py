@@ -1,4 +1,4 @@
-"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2): the engine's model code.
+"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3): the engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -7,7 +7,8 @@ one ragged row of tokens, fused Q/K/V and gate/up projections in the engine's we
 where transformers' modules spend several times that in Python, which at small batch is most
 of a step on a CPU. The math is the transformers one, op for op where rounding matters
 (RMSNorm in fp32, RoPE from the model's own rotary module, residuals in the model's dtype), so
-the fp32 mode stays token-identical to Hugging Face `generate`.
+the fp32 mode stays token-identical to Hugging Face `generate`. Qwen3 differs from Llama only by
+an RMSNorm over each query and key head (its `q_norm`/`k_norm`) before RoPE.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, fused_attention, paged_attention
 from engine.linear import make_linear
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class _Layer:
-    __slots__ = ("index", "in_norm", "post_norm", "qkv", "o", "gate_up", "down")
+    # q_norm/k_norm: per-head RMSNorm weights [head_dim] of Qwen3, None elsewhere
+    __slots__ = ("index", "in_norm", "post_norm", "qkv", "o", "gate_up", "down", "q_norm", "k_norm")
 
 
 class DecoderModel:
@@ -69,6 +71,10 @@ class DecoderModel:
         projs = (mlp.gate_proj, mlp.up_proj)
         layer.gate_up = self._linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt)
         layer.down = self._linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        assert (q_norm is None) == (k_norm is None)
+        layer.q_norm = None if q_norm is None else q_norm.weight.detach().to(self.dtype)
+        layer.k_norm = None if k_norm is None else k_norm.weight.detach().to(self.dtype)
         return layer
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
@@ -91,6 +97,13 @@ class DecoderModel:
         g, u = gate_up.chunk(2, dim=-1)
         return F.silu(g) * u
 
+    def _qk_norm(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """qkv [T, (H + 2 Hkv) * D] with each query and key head RMS-normalized (Qwen3), v as is."""
+        t, nh, nkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = self._rms_norm(qkv[:, :nh * d].reshape(t * nh, d), layer.q_norm)
+        k = self._rms_norm(qkv[:, nh * d:(nh + nkv) * d].reshape(t * nkv, d), layer.k_norm)
+        return torch.cat([q.view(t, nh * d), k.view(t, nkv * d), qkv[:, (nh + nkv) * d:]], dim=1)
+
     def _add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
         """(x + delta, rms_norm(x + delta)): the residual add and the next norm."""
         if self._kernels is not None:
@@ -112,6 +125,8 @@ class DecoderModel:
         h = self._rms_norm(x, self.layers[0].in_norm)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
+            if layer.q_norm is not None:
+                qkv = self._qk_norm(qkv, layer)
             if fused:
                 a = fused_attention(layer.index, qkv, cos2, sin2, nh, meta, self.scale, self._kernels.rope_store)
             else:

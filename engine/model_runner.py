@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan, gathered_decode, token_slots
-from engine.config import EngineConfig, parse_kv_memory
+from engine.config import EngineConfig, context_limit, parse_kv_memory, sliding_window
 from engine.cuda_graphs import DecodeGraphs
 from engine.decoder import DecoderModel
 from engine.kernels import cpu_kernels
@@ -183,6 +183,11 @@ class ModelRunner:
         del hf_model
         return_freed_heap()
         self.kv_shape = kv_shape_of(hf_config, config.block_size, self.dtype)
+        window = sliding_window(hf_config)
+        if window is not None and window < self.max_position_embeddings:
+            log.warning("the model's layers attend within a sliding window of %d tokens, which the engine does "
+                        "not implement: sequences are limited to %d tokens (where full attention is the same)",
+                        window, window)
         # bf16 on CPU with the paged backend: prompt chunks through the in-place prefill kernel
         self.prefill_kernel = prefill_kernel_applies(self.kernels, self.device, self.dtype, self.kv_shape.head_dim)
         self.num_blocks = self._num_blocks(at_start)
@@ -288,8 +293,9 @@ class ModelRunner:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence this runner serves: the configured or the model's limit, capped by the pool."""
-        limit = self.max_position_embeddings
+        """Longest sequence this runner serves: the configured or the model's limit (its sliding
+        window if it has one), capped by the pool."""
+        limit = context_limit(self.hf_config)
         return min(self.config.max_model_len or limit, limit, self.num_blocks * self.config.block_size)
 
     # ---- the forward -----------------------------------------------------------------------

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
+from engine.config import context_limit
 from router.choices import Choices
 from router.contract import Served, openapi_document
 from router.guards import Guards, GuardSettings
@@ -121,8 +122,7 @@ class Router:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.token_strings = TokenStrings(self.tokenizer)
         hf = AutoConfig.from_pretrained(model_dir)
-        self.max_model_len = min(self.config.engine.max_model_len or 10**9,
-                                 getattr(hf, "max_position_embeddings", 2048))
+        self.max_model_len = min(self.config.engine.max_model_len or 10**9, context_limit(hf))
         self.model_name = self.config.model_name
         self.served = Served((self.model_name,), self.config.max_tokens_limit, len(self.tokenizer),
                              self.max_model_len, api_key=bool(self.config.api_key))

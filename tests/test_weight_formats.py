@@ -1,7 +1,8 @@
 """The engine's own decoder and its weight formats (engine.decoder, engine.linear).
 
 - Every supported architecture (tiny llama, qwen2 with random q/k/v biases, mistral with an
-  untied head) in fp32 gives Hugging Face `generate`'s greedy tokens.
+  untied head, qwen3 with random per-head q/k norms) in fp32 gives Hugging Face `generate`'s greedy
+  tokens; qwen3's log-probabilities are Hugging Face's within fp32's and bf16's rounding.
 - Each format's linear stays within its rounding of the fp32 product; a quantized layer gives
   the same model whether a step has few rows (int kernel: the engine's where it builds, aten's
   otherwise) or many (dequantized bf16 copy; the engine's int8 and int4 kernels take every row
@@ -9,16 +10,18 @@
   activations, which the engine's kernels quantize and aten's do not).
 - On the real model, bf16, int8 and int4 move the mean log-likelihood of a fixed text by at most
   their measured tolerances (a perplexity-style check), and every format frees its KV blocks.
-- Configurations that cannot run are refused with a clear error.
+- Configurations that cannot run are refused with a clear error; a model with sliding-window layers
+  serves at most its window (the engine's attention is full, the same up to the window).
 """
 
+import json
 import statistics
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, context_limit
 from engine.kernels import cpu_kernels
 from engine.linear import cpu_has_native_bf16, make_linear, quantized_small_rows
 from engine.llm_engine import LLMEngine
@@ -30,13 +33,18 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [50, 60, 70, 80, 90, 100, 110, 120, 
                                               200, 210, 220, 230, 240, 250]]
 
 
-def _with_random_biases(path):
+def _with_random_extras(path):
+    """The checkpoint with random biases (qwen2's q/k/v) and per-head norm weights (qwen3's q/k
+    norms), which a fresh model initializes to zeros and ones: a forward that skipped them would
+    still agree."""
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1, 0.5)
     model.save_pretrained(path)
     return path
 
@@ -44,11 +52,13 @@ def _with_random_biases(path):
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_every_arch_in_fp32_matches_hf_generate(tmp_path, arch):
     path = tiny_model_dir(tmp_path / arch, arch, seed=5)
-    if arch == "qwen2":
-        path = _with_random_biases(path)
+    if arch in ("qwen2", "qwen3"):
+        path = _with_random_extras(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if arch == "qwen2":
         assert hf.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
+    if arch == "qwen3":
+        assert (hf.model.layers[0].self_attn.k_norm.weight - 1).abs().sum() > 0
     hf.generation_config.eos_token_id = None
     expected = []
     for p in PROMPTS:
@@ -60,6 +70,30 @@ def test_every_arch_in_fp32_matches_hf_generate(tmp_path, arch):
                                  block_size=4))
     got = eng.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert [c.token_ids for c in got] == expected
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.02)])
+def test_qwen3_logprobs_are_the_hf_models(tmp_path, dtype, tolerance):
+    """qwen3's per-head q/k norms are applied on every path (in bf16 on a CPU with native bf16: the
+    fused RoPE + K/V store, the prefill and decode kernels): the log-probabilities of the prompt and
+    of the greedy tokens are Hugging Face's fp32 forward's within the dtype's rounding (measured:
+    5e-7 fp32, 0.004 bf16; 0.2 when the norms are skipped, whose greedy tokens still agree)."""
+    path = _with_random_extras(tiny_model_dir(tmp_path / "q3", "qwen3", seed=5, head_dim=64))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eng = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB",
+                                 block_size=4, max_num_batched_tokens=16))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    for prompt, done in zip(PROMPTS, eng.generate(PROMPTS, params)):
+        ids = torch.tensor([prompt + done.token_ids])
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
+        targets = ids[0, 1:]
+        expected = ref[torch.arange(len(targets)), targets]
+        # prompt tokens 2..n, then every generated token: one per target
+        got = torch.tensor([lp.logprob for lp in [*done.prompt_logprobs, *done.logprobs]])
+        assert got.shape == expected.shape
+        assert (got - expected).abs().max() < tolerance, (got - expected).abs().max()
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
@@ -175,6 +209,45 @@ def test_auto_dtype_on_cpu_follows_native_bf16():
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert resolve_dtype("auto", torch.device("cpu")) == expected
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+
+
+def test_a_sliding_window_caps_the_context():
+    assert context_limit(LlamaConfig(max_position_embeddings=8192)) == 8192
+    assert context_limit(MistralConfig(max_position_embeddings=32768, sliding_window=4096)) == 4096
+    assert context_limit(MistralConfig(max_position_embeddings=32768, sliding_window=None)) == 32768
+    # Qwen2/Qwen3 carry a window that applies only with use_sliding_window (to the layers from
+    # max_window_layers on)
+    assert context_limit(Qwen2Config(max_position_embeddings=32768, sliding_window=4096)) == 32768
+    assert context_limit(Qwen3Config(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=True,
+                                     max_window_layers=1, num_hidden_layers=2)) == 4096
+
+
+def test_a_sliding_window_model_serves_at_most_its_window(tmp_path):
+    """Qwen2 whose second layer attends within 24 tokens: up to 24 tokens the engine's full
+    attention is the model's (greedy output equals HF `generate`, which applies the window); a
+    request that could grow past 24 is refused, and a shorter max_model_len is kept."""
+    path = tiny_model_dir(tmp_path / "sw", "qwen2", seed=5)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=24, max_window_layers=1)
+    cfg.pop("layer_types", None)     # saved by transformers; recomputed from the keys above at load
+    (path / "config.json").write_text(json.dumps(cfg))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                                 block_size=4))
+    assert eng.max_model_len == 24
+    prompt = list(range(5, 21))
+    x = torch.tensor([prompt])
+    expected = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=8,
+                           min_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert [c.token_ids for c in eng.generate([prompt], params)] == [expected]
+    refused = eng.add_request("long", prompt + [21], params)
+    assert refused is not None and "maximum context length is 24 tokens" in refused.reason
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    shorter = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                                     block_size=4, max_model_len=16))
+    assert shorter.max_model_len == 16
 
 
 def test_impossible_configurations_are_refused():
