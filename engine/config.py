@@ -128,6 +128,16 @@ def sliding_window(hf_config) -> int | None:
 
 def context_limit(hf_config) -> int:
     """The longest sequence a model's transformers config allows the engine: its
-    `max_position_embeddings` (2048 if absent), or its sliding window if shorter."""
+    `max_position_embeddings` (2048 if absent), its sliding window if shorter, and for RoPE whose
+    frequencies change with the length (`longrope`: Phi-3.5/Phi-4-mini's long contexts; `dynamic`
+    NTK) the original length. Transformers switches those frequencies by the longest position in
+    a forward, which in a batch of sequences would let one sequence change another's: up to the
+    original length every sequence gets the same RoPE, Hugging Face's own for that length."""
     positions = int(getattr(hf_config, "max_position_embeddings", 2048))
-    return min(positions, sliding_window(hf_config) or positions)
+    limit = min(positions, sliding_window(hf_config) or positions)
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type") in ("longrope", "dynamic"):
+        original = rope.get("original_max_position_embeddings") or \
+            getattr(hf_config, "original_max_position_embeddings", None)
+        limit = min(limit, int(original or positions))
+    return limit

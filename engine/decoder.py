@@ -1,4 +1,4 @@
-"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3): the engine's model code.
+"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3): the engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -8,7 +8,9 @@ where transformers' modules spend several times that in Python, which at small b
 of a step on a CPU. The math is the transformers one, op for op where rounding matters
 (RMSNorm in fp32, RoPE from the model's own rotary module, residuals in the model's dtype), so
 the fp32 mode stays token-identical to Hugging Face `generate`. Qwen3 differs from Llama only by
-an RMSNorm over each query and key head (its `q_norm`/`k_norm`) before RoPE.
+an RMSNorm over each query and key head (its `q_norm`/`k_norm`) before RoPE; Phi-3 by checkpoints
+with Q/K/V and gate/up already fused (`qkv_proj`, `gate_up_proj`) and, in Phi-4-mini, RoPE on a
+part of each head (`partial_rotary_factor`: the first `rotary_dim` dimensions).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, fused_attention, paged_attention
 from engine.linear import make_linear
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 class _Layer:
@@ -53,6 +55,10 @@ class DecoderModel:
         body = hf_model.model
         self.embed = body.embed_tokens.weight.detach().to(dtype)
         self.rotary = body.rotary_emb
+        # dimensions of each head that RoPE rotates (< head_dim with a partial rotary factor)
+        probe = torch.zeros(1, 1, dtype=dtype, device=self.embed.device)
+        self.rotary_dim = self.rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=probe.device))[0].shape[-1]
+        assert self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
         self.norm = body.norm.weight.detach().to(dtype)
         self.layers = [self._layer(i, layer, weight_format) for i, layer in enumerate(body.layers)]
         head = hf_model.lm_head
@@ -65,17 +71,23 @@ class DecoderModel:
         layer.index = i
         layer.in_norm = hf_layer.input_layernorm.weight.detach().to(self.dtype)
         layer.post_norm = hf_layer.post_attention_layernorm.weight.detach().to(self.dtype)
-        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        layer.qkv = self._linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt)
+        layer.qkv = self._fused(getattr(attn, "qkv_proj", None), (attn, "q_proj", "k_proj", "v_proj"), fmt)
         layer.o = self._linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt)
-        projs = (mlp.gate_proj, mlp.up_proj)
-        layer.gate_up = self._linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt)
+        layer.gate_up = self._fused(getattr(mlp, "gate_up_proj", None), (mlp, "gate_proj", "up_proj"), fmt)
         layer.down = self._linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         assert (q_norm is None) == (k_norm is None)
         layer.q_norm = None if q_norm is None else q_norm.weight.detach().to(self.dtype)
         layer.k_norm = None if k_norm is None else k_norm.weight.detach().to(self.dtype)
         return layer
+
+    def _fused(self, fused, parts: tuple, fmt: str):
+        """One linear of the checkpoint's fused projection (Phi-3), or of its parts concatenated in
+        order (parts = (module, names...): [q; k; v], [gate; up])."""
+        if fused is not None:
+            return self._linear(fused.weight.detach(), _bias(fused), fmt)
+        projs = [getattr(parts[0], name) for name in parts[1:]]
+        return self._linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt)
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
         return make_linear(weight, bias, fmt, self.dtype, kernels=self._linear_kernels)
@@ -120,7 +132,7 @@ class DecoderModel:
         t = x.shape[0]
         # bf16 steps whose attention all reads the pool in place (decode rows, and prompt chunks
         # through the prefill kernel): RoPE and the K/V store in one op per layer
-        fused = self._kernels is not None and meta.in_place
+        fused = self._kernels is not None and meta.in_place and self.rotary_dim == d
         cos2, sin2 = cos[:, 0], sin[:, 0]                            # [T, head_dim]
         h = self._rms_norm(x, self.layers[0].in_norm)
         for i, layer in enumerate(self.layers):
@@ -140,7 +152,10 @@ class DecoderModel:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:          # partial: RoPE on the first `rotary` dimensions, the rest as is
+        return torch.cat((_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    half = rotary // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 

@@ -183,11 +183,13 @@ class ModelRunner:
         del hf_model
         return_freed_heap()
         self.kv_shape = kv_shape_of(hf_config, config.block_size, self.dtype)
-        window = sliding_window(hf_config)
-        if window is not None and window < self.max_position_embeddings:
-            log.warning("the model's layers attend within a sliding window of %d tokens, which the engine does "
-                        "not implement: sequences are limited to %d tokens (where full attention is the same)",
-                        window, window)
+        if context_limit(hf_config) < self.max_position_embeddings:
+            log.warning("sequences are limited to %d of the model's %d positions: %s", context_limit(hf_config),
+                        self.max_position_embeddings,
+                        "its layers attend within a sliding window, which the engine does not implement (full "
+                        "attention is the same up to it)" if sliding_window(hf_config) else
+                        "its RoPE changes frequencies with the length (longrope/dynamic), which in a batch would "
+                        "make one sequence's RoPE depend on another's")
         # bf16 on CPU with the paged backend: prompt chunks through the in-place prefill kernel
         self.prefill_kernel = prefill_kernel_applies(self.kernels, self.device, self.dtype, self.kv_shape.head_dim)
         self.num_blocks = self._num_blocks(at_start)

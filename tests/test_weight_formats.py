@@ -2,7 +2,8 @@
 
 - Every supported architecture (tiny llama, qwen2 with random q/k/v biases, mistral with an
   untied head, qwen3 with random per-head q/k norms) in fp32 gives Hugging Face `generate`'s greedy
-  tokens; qwen3's log-probabilities are Hugging Face's within fp32's and bf16's rounding.
+  tokens, phi3 from its fused projections; qwen3's and a partial-rotary phi3's log-probabilities are
+  Hugging Face's within fp32's and bf16's rounding.
 - Each format's linear stays within its rounding of the fp32 product; a quantized layer gives
   the same model whether a step has few rows (int kernel: the engine's where it builds, aten's
   otherwise) or many (dequantized bf16 copy; the engine's int8 and int4 kernels take every row
@@ -19,7 +20,7 @@ import statistics
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from engine.config import EngineConfig, context_limit
 from engine.kernels import cpu_kernels
@@ -59,6 +60,8 @@ def test_every_arch_in_fp32_matches_hf_generate(tmp_path, arch):
         assert hf.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
     if arch == "qwen3":
         assert (hf.model.layers[0].self_attn.k_norm.weight - 1).abs().sum() > 0
+    if arch == "phi3":
+        assert hasattr(hf.model.layers[0].self_attn, "qkv_proj") and hasattr(hf.model.layers[0].mlp, "gate_up_proj")
     hf.generation_config.eos_token_id = None
     expected = []
     for p in PROMPTS:
@@ -73,16 +76,46 @@ def test_every_arch_in_fp32_matches_hf_generate(tmp_path, arch):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+def _with_sharp_attention(path, gain=10.0):
+    """The checkpoint with its query and key projections scaled up: a tiny random model's attention
+    is otherwise nearly uniform, and RoPE (which only moves the scores) would barely show."""
+    model = AutoModelForCausalLM.from_pretrained(path)
+    cfg = model.config
+    qk_rows = (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if hasattr(attn, "qkv_proj"):
+                attn.qkv_proj.weight[:qk_rows] *= gain
+            else:
+                attn.q_proj.weight.mul_(gain)
+                attn.k_proj.weight.mul_(gain)
+    model.save_pretrained(path)
+    return path
+
+
+def _with_partial_rotary(path, factor):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"]["partial_rotary_factor"] = factor
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.02)])
-def test_qwen3_logprobs_are_the_hf_models(tmp_path, dtype, tolerance):
-    """qwen3's per-head q/k norms are applied on every path (in bf16 on a CPU with native bf16: the
-    fused RoPE + K/V store, the prefill and decode kernels): the log-probabilities of the prompt and
-    of the greedy tokens are Hugging Face's fp32 forward's within the dtype's rounding (measured:
-    5e-7 fp32, 0.004 bf16; 0.2 when the norms are skipped, whose greedy tokens still agree)."""
-    path = _with_random_extras(tiny_model_dir(tmp_path / "q3", "qwen3", seed=5, head_dim=64))
+@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial"])
+def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, tolerance):
+    """qwen3's per-head q/k norms, and phi3 with RoPE on half of each head (Phi-4-mini's
+    `partial_rotary_factor`), on every path (bf16 on a CPU with native bf16: the prefill and decode
+    kernels, and for qwen3 the fused RoPE + K/V store): the log-probabilities of the prompt and of
+    the greedy tokens are Hugging Face's fp32 forward's within the dtype's rounding (measured for
+    qwen3: 5e-7 fp32, 0.004 bf16; 0.2 with its norms skipped, whose greedy tokens still agree)."""
+    path = _with_random_extras(tiny_model_dir(tmp_path / arch, arch.split("-")[0], seed=5, head_dim=64))
+    if arch == "phi3-partial":
+        path = _with_partial_rotary(_with_sharp_attention(path), 0.5)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eng = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB",
                                  block_size=4, max_num_batched_tokens=16))
+    assert eng.runner.model.rotary_dim == (32 if arch == "phi3-partial" else 64)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     for prompt, done in zip(PROMPTS, eng.generate(PROMPTS, params)):
         ids = torch.tensor([prompt + done.token_ids])
@@ -211,7 +244,7 @@ def test_auto_dtype_on_cpu_follows_native_bf16():
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
 
 
-def test_a_sliding_window_caps_the_context():
+def test_a_sliding_window_or_a_length_dependent_rope_caps_the_context():
     assert context_limit(LlamaConfig(max_position_embeddings=8192)) == 8192
     assert context_limit(MistralConfig(max_position_embeddings=32768, sliding_window=4096)) == 4096
     assert context_limit(MistralConfig(max_position_embeddings=32768, sliding_window=None)) == 32768
@@ -220,6 +253,15 @@ def test_a_sliding_window_caps_the_context():
     assert context_limit(Qwen2Config(max_position_embeddings=32768, sliding_window=4096)) == 32768
     assert context_limit(Qwen3Config(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=True,
                                      max_window_layers=1, num_hidden_layers=2)) == 4096
+    # RoPE whose frequencies change with the length: the original length
+    longrope = {"rope_type": "longrope", "long_factor": [2.0] * 8, "short_factor": [1.0] * 8}
+    assert context_limit(Phi3Config(max_position_embeddings=131072, original_max_position_embeddings=4096,
+                                    hidden_size=64, num_attention_heads=4, rope_scaling=longrope)) == 4096
+    assert context_limit(LlamaConfig(max_position_embeddings=8192, rope_scaling={
+        "rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4096})) == 4096
+    assert context_limit(LlamaConfig(max_position_embeddings=131072, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})) == 131072       # static: the whole length
 
 
 def test_a_sliding_window_model_serves_at_most_its_window(tmp_path):
