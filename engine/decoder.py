@@ -1,4 +1,5 @@
-"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3): the engine's model code.
+"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3): the engine's
+model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -10,7 +11,8 @@ of a step on a CPU. The math is the transformers one, op for op where rounding m
 the fp32 mode stays token-identical to Hugging Face `generate`. Qwen3 differs from Llama only by
 an RMSNorm over each query and key head (its `q_norm`/`k_norm`) before RoPE; Phi-3 by checkpoints
 with Q/K/V and gate/up already fused (`qkv_proj`, `gate_up_proj`) and, in Phi-4-mini, RoPE on a
-part of each head (`partial_rotary_factor`: the first `rotary_dim` dimensions).
+part of each head (`partial_rotary_factor`: the first `rotary_dim` dimensions); SmolLM3 by layers
+without RoPE (`no_rope_layers`), which the fused RoPE + K/V store kernel runs with cos 1, sin 0.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, fused_attention, paged_attention
 from engine.linear import make_linear
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 
 
 class _Layer:
-    # q_norm/k_norm: per-head RMSNorm weights [head_dim] of Qwen3, None elsewhere
-    __slots__ = ("index", "in_norm", "post_norm", "qkv", "o", "gate_up", "down", "q_norm", "k_norm")
+    # q_norm/k_norm: per-head RMSNorm weights [head_dim] of Qwen3, None elsewhere; rope: False for
+    # SmolLM3's layers without positions
+    __slots__ = ("index", "in_norm", "post_norm", "qkv", "o", "gate_up", "down", "q_norm", "k_norm", "rope")
 
 
 class DecoderModel:
@@ -79,6 +82,7 @@ class DecoderModel:
         assert (q_norm is None) == (k_norm is None)
         layer.q_norm = None if q_norm is None else q_norm.weight.detach().to(self.dtype)
         layer.k_norm = None if k_norm is None else k_norm.weight.detach().to(self.dtype)
+        layer.rope = bool(getattr(attn, "use_rope", True))
         return layer
 
     def _fused(self, fused, parts: tuple, fmt: str):
@@ -134,15 +138,20 @@ class DecoderModel:
         # through the prefill kernel): RoPE and the K/V store in one op per layer
         fused = self._kernels is not None and meta.in_place and self.rotary_dim == d
         cos2, sin2 = cos[:, 0], sin[:, 0]                            # [T, head_dim]
+        if fused and not all(layer.rope for layer in self.layers):
+            no_rope = torch.ones_like(cos2), torch.zeros_like(sin2)  # the kernel's RoPE as the identity
         h = self._rms_norm(x, self.layers[0].in_norm)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
             if layer.q_norm is not None:
                 qkv = self._qk_norm(qkv, layer)
             if fused:
-                a = fused_attention(layer.index, qkv, cos2, sin2, nh, meta, self.scale, self._kernels.rope_store)
+                c, s = (cos2, sin2) if layer.rope else no_rope
+                a = fused_attention(layer.index, qkv, c, s, nh, meta, self.scale, self._kernels.rope_store)
             else:
-                qk = _rope(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)   # q and k heads at once
+                qk = qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d)
+                if layer.rope:
+                    qk = _rope(qk, cos, sin)                                   # q and k heads at once
                 v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
                 a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale)
             x, h = self._add_rms_norm(x, layer.o(a), layer.post_norm)

@@ -2,8 +2,8 @@
 
 - Every supported architecture (tiny llama, qwen2 with random q/k/v biases, mistral with an
   untied head, qwen3 with random per-head q/k norms) in fp32 gives Hugging Face `generate`'s greedy
-  tokens, phi3 from its fused projections; qwen3's and a partial-rotary phi3's log-probabilities are
-  Hugging Face's within fp32's and bf16's rounding.
+  tokens, phi3 from its fused projections; qwen3's, a partial-rotary phi3's and smollm3's (a layer
+  without RoPE) log-probabilities are Hugging Face's within fp32's and bf16's rounding.
 - Each format's linear stays within its rounding of the fp32 product; a quantized layer gives
   the same model whether a step has few rows (int kernel: the engine's where it builds, aten's
   otherwise) or many (dequantized bf16 copy; the engine's int8 and int4 kernels take every row
@@ -102,20 +102,24 @@ def _with_partial_rotary(path, factor):
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.02)])
-@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3"])
 def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, tolerance):
-    """qwen3's per-head q/k norms, and phi3 with RoPE on half of each head (Phi-4-mini's
-    `partial_rotary_factor`), on every path (bf16 on a CPU with native bf16: the prefill and decode
-    kernels, and for qwen3 the fused RoPE + K/V store): the log-probabilities of the prompt and of
+    """qwen3's per-head q/k norms, phi3 with RoPE on half of each head (Phi-4-mini's
+    `partial_rotary_factor`) and smollm3's layer without RoPE, on every path (bf16 on a CPU with
+    native bf16: the prefill and decode kernels, and for qwen3 and smollm3 the fused RoPE + K/V
+    store): the log-probabilities of the prompt and of
     the greedy tokens are Hugging Face's fp32 forward's within the dtype's rounding (measured for
     qwen3: 5e-7 fp32, 0.004 bf16; 0.2 with its norms skipped, whose greedy tokens still agree)."""
     path = _with_random_extras(tiny_model_dir(tmp_path / arch, arch.split("-")[0], seed=5, head_dim=64))
     if arch == "phi3-partial":
         path = _with_partial_rotary(_with_sharp_attention(path), 0.5)
+    if arch == "smollm3":
+        path = _with_sharp_attention(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eng = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB",
                                  block_size=4, max_num_batched_tokens=16))
     assert eng.runner.model.rotary_dim == (32 if arch == "phi3-partial" else 64)
+    assert [layer.rope for layer in eng.runner.model.layers] == [True, arch != "smollm3"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     for prompt, done in zip(PROMPTS, eng.generate(PROMPTS, params)):
         ids = torch.tensor([prompt + done.token_ids])
@@ -290,6 +294,15 @@ def test_a_sliding_window_model_serves_at_most_its_window(tmp_path):
     shorter = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
                                      block_size=4, max_model_len=16))
     assert shorter.max_model_len == 16
+
+
+def test_an_unsupported_architecture_is_refused_at_load(tmp_path):
+    from transformers import GemmaConfig
+    config = GemmaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma")
+    with pytest.raises(ValueError, match="model type 'gemma' is not supported; pdserve runs llama, .*qwen3"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "gemma"), device="cpu", kv_cache_memory="8MiB"))
 
 
 def test_impossible_configurations_are_refused():

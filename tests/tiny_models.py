@@ -1,6 +1,7 @@
 """Tiny random-weight models for tests (test-only: the runtime never builds models).
 
-`tiny_model_dir` writes a small Hugging Face model directory (llama, qwen2, qwen3, phi3 or mistral shape) that
+`tiny_model_dir` writes a small Hugging Face model directory (llama, qwen2, qwen3, phi3, smollm3 or
+mistral shape) that
 loads like a real one, in about a second.
 """
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from serving.models import CHATML_TEMPLATE, ModelError
 
-TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3")
+TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3")
 
 
 def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir: Path | None = None,
@@ -18,7 +19,8 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     """Write a tiny random-weight causal LM (hidden 64, 2 layers, 4 heads of ``head_dim``, 2 KV heads) into
     ``path``; return it.
 
-    ``arch`` is one of TINY_ARCHS (all but mistral tie embeddings; phi3 has fused qkv_proj and gate_up_proj). The tokenizer is copied
+    ``arch`` is one of TINY_ARCHS (all but mistral tie embeddings; phi3 has fused qkv_proj and gate_up_proj;
+    smollm3's second layer has no RoPE). The tokenizer is copied
     from ``tokenizer_dir`` (e.g. the default model's directory, so prompts tokenize as for the real model);
     without one, a small byte-level tokenizer with ChatML special tokens and a ChatML template is built.
     The weights depend only on (arch, seed, vocab size, head_dim); the global torch RNG is left as it was. ~1 s.
@@ -47,11 +49,12 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
 
 
 def _tiny_config(arch: str, tokenizer, head_dim: int = 16):
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
-           "phi3": Phi3Config}[arch]
-    return cls(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+           "phi3": Phi3Config, "smollm3": SmolLM3Config}[arch]
+    extra = {"no_rope_layers": [1, 0]} if arch == "smollm3" else {}
+    return cls(**extra, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
                tie_word_embeddings=arch != "mistral", bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
