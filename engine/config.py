@@ -65,7 +65,7 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one step; also the prefill chunk size.
     max_num_seqs: sequences running at once.
     max_model_len: longest prompt + output; None = the model's limit (`context_limit`: its positions,
-        or its sliding window if shorter), capped by the pool.
+        or less with a sliding window or length-dependent RoPE), capped by the pool.
     enable_prefix_caching: reuse full KV blocks of identical prefixes.
     num_threads: torch intra-op threads (None leaves torch's default; 1 is fastest for
         several small CPU processes).

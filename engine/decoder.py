@@ -74,9 +74,9 @@ class DecoderModel:
         layer.index = i
         layer.in_norm = hf_layer.input_layernorm.weight.detach().to(self.dtype)
         layer.post_norm = hf_layer.post_attention_layernorm.weight.detach().to(self.dtype)
-        layer.qkv = self._fused(getattr(attn, "qkv_proj", None), (attn, "q_proj", "k_proj", "v_proj"), fmt)
+        layer.qkv = self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), fmt)
         layer.o = self._linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt)
-        layer.gate_up = self._fused(getattr(mlp, "gate_up_proj", None), (mlp, "gate_proj", "up_proj"), fmt)
+        layer.gate_up = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), fmt)
         layer.down = self._linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         assert (q_norm is None) == (k_norm is None)
@@ -85,12 +85,13 @@ class DecoderModel:
         layer.rope = bool(getattr(attn, "use_rope", True))
         return layer
 
-    def _fused(self, fused, parts: tuple, fmt: str):
-        """One linear of the checkpoint's fused projection (Phi-3), or of its parts concatenated in
-        order (parts = (module, names...): [q; k; v], [gate; up])."""
+    def _fused(self, module, fused_name: str, part_names: tuple[str, ...], fmt: str):
+        """One linear: `module`'s fused projection where the checkpoint has one (Phi-3), else its
+        parts concatenated in order ([q; k; v], [gate; up])."""
+        fused = getattr(module, fused_name, None)
         if fused is not None:
             return self._linear(fused.weight.detach(), _bias(fused), fmt)
-        projs = [getattr(parts[0], name) for name in parts[1:]]
+        projs = [getattr(module, name) for name in part_names]
         return self._linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt)
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):

@@ -295,8 +295,8 @@ class ModelRunner:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence this runner serves: the configured or the model's limit (its sliding
-        window if it has one), capped by the pool."""
+        """Longest sequence this runner serves: the configured or the model's limit
+        (`context_limit`), capped by the pool."""
         limit = context_limit(self.hf_config)
         return min(self.config.max_model_len or limit, limit, self.num_blocks * self.config.block_size)
 
