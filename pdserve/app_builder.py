@@ -62,19 +62,24 @@ def slo_bounds_config(b: PoolBounds, a: SloAutoscalingOptions) -> dict:
             "look_back_period_s": a.look_back_period_s, "metrics_interval_s": a.metrics_interval_s}
 
 
+_PLAN_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}   # engine.dtype -> the planner's
+
+
 def slo_policy(cfg: AppConfig) -> dict:
     """The application-level `autoscaling_policy` for `autoscaling: {policy: slo}`: SloPolicy with the
-    per-replica model of the decode pool's engine from the planner (the served model's HF config; the
-    hardware preset, or this CPU measured now; efficiencies from `calibrate` or given). Side effects:
-    prepares the model directory; `hardware: cpu` runs a 1-second CPU measurement."""
+    per-replica model of the decode pool's engine from the planner (the served model's HF config in
+    the decode engine's dtype; the hardware preset, or this CPU measured now in that dtype;
+    efficiencies from `calibrate` or given). Side effects: prepares the model directory;
+    `hardware: cpu` runs a 1-second CPU measurement."""
     a = cfg.autoscaling
-    spec = resolve_spec(str(resolve_model(cfg.model, cfg.model_cache, progress=False)))
-    hw = roofline.measure_cpu() if a.hardware == "cpu" else roofline.HARDWARE[a.hardware]
+    engine = cfg.engine_for("decode")
+    dtype = _PLAN_DTYPES.get(engine.dtype) or roofline.served_dtype(a.hardware)     # auto: as the engine
+    spec = resolve_spec(str(resolve_model(cfg.model, cfg.model_cache, progress=False)), dtype)
+    hw = roofline.measure_cpu(dtype) if a.hardware == "cpu" else roofline.HARDWARE[a.hardware]
     pe = de = 1.0
     if a.calibrate:
         cal = plan_calibrate.calibrate(plan_calibrate.load_report(a.calibrate), spec, hw)
         pe, de = cal.prefill_eff, cal.decode_eff
-    engine = cfg.engine_for("decode")
     kv_tokens = int(2**30 // spec.kv_bytes_per_token) if a.hardware == "cpu" else None   # CPU auto pool: 1 GiB
     m = step_model(spec, hw, a.prefill_eff or pe, a.decode_eff or de, kv_tokens, engine.max_num_seqs,
                    cfg.engine_for("prefill").max_num_batched_tokens)

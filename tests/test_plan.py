@@ -28,3 +28,22 @@ def test_plan_scales_with_rate_and_respects_slos():
     assert low.prefill_replicas >= 1 and low.decode_replicas >= 1 and low.tpot <= 0.05
     assert high.prefill_replicas > low.prefill_replicas and high.decode_replicas > low.decode_replicas
     assert plan(QWEN, HARDWARE["l40s"], 1024, 256, 10, ttft_slo=0.001, tpot_slo=0.05).decode_replicas == 0
+
+
+def test_this_cpu_is_planned_in_the_dtype_pdserve_serves_in(capsys):
+    """`--hardware cpu` without `--dtype`: the model's bytes and the measured matmul are those of the
+    dtype the engine's `auto` picks here (bf16 with native bf16), whatever the checkpoint's."""
+    import argparse
+
+    from engine.linear import cpu_has_native_bf16
+    from pdserve.plan import cli, roofline
+
+    served = "bf16" if cpu_has_native_bf16() else "fp32"
+    assert roofline.served_dtype("cpu") == served and roofline.served_dtype("h200") == "bf16"
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    for flags, dtype in (([], served), (["--dtype", "fp32"], "fp32")):
+        assert cli.run(parser.parse_args(["--model", "smollm2-135m", "--hardware", "cpu", *flags])) == 0
+        out = capsys.readouterr().out
+        assert f"this CPU (measured, {dtype} matmul)" in out
+        assert f"{2 if dtype == 'bf16' else 4} B/param" in out

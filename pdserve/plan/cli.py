@@ -26,8 +26,8 @@ def add_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("--model", default="qwen2.5-7b",
                     help="preset (qwen2.5-7b, smollm2-135m) or a path to an HF model directory or config.json")
     pl.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
-                    help="bytes per parameter and KV element (default: the config's torch_dtype, else bf16; "
-                         "presets keep their own)")
+                    help="bytes per parameter and KV element, and on --hardware cpu the matmul measured "
+                         "(default: what pdserve serves in: bf16 on GPUs and on CPUs with native bf16, else fp32)")
     pl.add_argument("--params", type=float, help="override the parameter count (e.g. 7.6e9)")
     pl.add_argument("--hardware", default="h200", choices=HARDWARE_CHOICES)
     pl.add_argument("--input-len", type=int, default=1024)
@@ -48,14 +48,15 @@ def _print_plan(label: str, p) -> None:
 
 def run(args) -> int:
     try:
-        model = resolve_spec(args.model, args.dtype, args.params)
+        dtype = args.dtype or planner.served_dtype(args.hardware)
+        model = resolve_spec(args.model, dtype, args.params)
         report = None
         if args.calibrate:
             report = plan_calibrate.load_report(args.calibrate)
     except ValueError as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
-    hw = planner.measure_cpu() if args.hardware == "cpu" else planner.HARDWARE[args.hardware]
+    hw = planner.measure_cpu(dtype) if args.hardware == "cpu" else planner.HARDWARE[args.hardware]
     print(planner.report(model, hw))
     slos = (args.input_len, args.output_len, args.rate, args.ttft_slo, args.tpot_slo)
     print(f"\nworkload: {args.rate} req/s, {args.input_len} in / {args.output_len} out tokens, "

@@ -145,8 +145,23 @@ def plan(m: ModelSpec, hw: Hardware, input_len: int, output_len: int, rate: floa
                 f"decode batch {batch} limited by {'TPOT SLO' if batch < max_batch_mem else 'KV memory'}")
 
 
-def measure_cpu() -> Hardware:
-    """This machine's CPU, measured now with torch's thread count: fp32 matmul FLOP/s, read
+def served_dtype(hardware: str) -> str:
+    """The dtype pdserve serves a model in on `hardware` with `engine.dtype: auto`, as the planner
+    names it: bf16 on the GPU presets, and on `cpu` (this machine) bf16 where the CPU has native
+    bf16 (AVX512-BF16, AMX), else fp32. A model's config `torch_dtype` does not matter: the engine
+    converts the weights."""
+    if hardware != "cpu":
+        return "bf16"
+    from engine.linear import cpu_has_native_bf16
+    return "bf16" if cpu_has_native_bf16() else "fp32"
+
+
+_MATMUL_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def measure_cpu(dtype: str = "fp32") -> Hardware:
+    """This machine's CPU, measured now with torch's thread count: matmul FLOP/s in `dtype` (the
+    served one: bf16 runs twice fp32's rate on a CPU with AVX512-BF16), read
     bandwidth (`mem_bw`: a step streams weights and KV and writes next to nothing) and copy
     bandwidth (`link_bw`: a KV hand-off on one host is a copy). On this project's 2-vCPU host the
     two differ by 1.5-2x (read 40 / 50 GB/s at 1 / 2 threads, copy 61 / 108: a copy's reads and
@@ -155,7 +170,8 @@ def measure_cpu() -> Hardware:
 
     import psutil
     import torch
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a = torch.randn(1024, 1024, dtype=getattr(torch, _MATMUL_DTYPES[dtype]))
+    b = torch.randn_like(a)
     a @ b
     t0 = time.perf_counter()
     for _ in range(10):
@@ -176,7 +192,7 @@ def measure_cpu() -> Hardware:
     src = torch.empty(64 * 2**20, dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy_bw = 2 * src.numel() / best_seconds(lambda: dst.copy_(src), 8)   # read + write
-    return Hardware("this CPU (measured)", flops, read_bw, psutil.virtual_memory().total, copy_bw)
+    return Hardware(f"this CPU (measured, {dtype} matmul)", flops, read_bw, psutil.virtual_memory().total, copy_bw)
 
 
 def report(m: ModelSpec, hw: Hardware, lengths=(128, 512, 1024, 4096), batches=(1, 8, 64)) -> str:

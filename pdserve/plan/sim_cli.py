@@ -35,7 +35,7 @@ from pdserve.plan.simulator import Fleet, Simulator
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen2.5-7b", help="preset or HF model directory / config.json (as plan)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="as plan's (default: what pdserve serves in)")
     p.add_argument("--params", type=float)
     p.add_argument("--hardware", default="h100", choices=["h100", "h200", "a100", "l40s", "cpu"])
     p.add_argument("--calibrate", metavar="BENCH_JSON", help="efficiencies from a pdserve bench report")
@@ -75,8 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _model(args):
-    spec = resolve_spec(args.model, args.dtype, args.params)
-    hw = roofline.measure_cpu() if args.hardware == "cpu" else roofline.HARDWARE[args.hardware]
+    dtype = args.dtype or roofline.served_dtype(args.hardware)
+    spec = resolve_spec(args.model, dtype, args.params)
+    hw = roofline.measure_cpu(dtype) if args.hardware == "cpu" else roofline.HARDWARE[args.hardware]
     pe, de = 1.0, 1.0
     if args.calibrate or args.validate:
         cal = plan_calibrate.calibrate(plan_calibrate.load_report(args.calibrate or args.validate), spec, hw,
