@@ -62,26 +62,31 @@ class HostCpu:
 
     @classmethod
     def from_measurement(cls, path: str | Path) -> "HostCpu":
-        """From a `benchmarks/host_cpu.py --json` report with two or more rates: a line through its two
-        lowest-rate runs, cores used against tokens/s, per role. Its slope is the CPU per streamed token
+        """From a `benchmarks/host_cpu.py --json` report with two or more rates: a least-squares line
+        through its runs, cores used against tokens/s, per role. Its slope is the CPU per streamed token
         (the serving roles: replicas' rest, router, proxy, client; the decode replica's rest alone for
-        the GIL term); its intercept plus Ray's processes is the background. ValueError for a file that
-        is not such a report."""
+        the GIL term); its intercept plus Ray's processes is the background. (A line through the two
+        lowest rates alone, as before session 15, read mostly idle background there: 0.6 ms a token
+        against 1.5 through all five rates of the README's sweep.) ValueError for a file that is not
+        such a report."""
         try:
             rep = json.loads(Path(path).read_text())
-            lo, hi = sorted(rep["runs"], key=lambda r: r["rate"])[:2]
-            rate = [r["tokens"] / r["wall_s"] for r in (lo, hi)]
-            if not rate[1] > rate[0]:
-                raise ValueError("the two lowest-rate runs streamed tokens at the same rate")
+            runs = rep["runs"]
+            rate = [r["tokens"] / r["wall_s"] for r in runs]
+            mean_rate = sum(rate) / len(rate)
+            spread = sum((x - mean_rate) ** 2 for x in rate)
+            if len(runs) < 2 or not spread > 0:
+                raise ValueError("it needs runs that streamed tokens at two or more rates")
 
             def fit(roles):        # (slope s/token, intercept cores) of the roles' cores against tokens/s
-                used = [sum(r["cores"][k] for k in roles) for r in (lo, hi)]
-                slope = (used[1] - used[0]) / (rate[1] - rate[0])
-                return max(0.0, slope), max(0.0, used[0] - slope * rate[0])
+                used = [sum(r["cores"][k] for k in roles) for r in runs]
+                mean_used = sum(used) / len(used)
+                slope = sum((x - mean_rate) * (y - mean_used) for x, y in zip(rate, used)) / spread
+                return max(0.0, slope), max(0.0, mean_used - slope * mean_rate)
             serving, base = fit(SERVING_ROLES)
             loop, _ = fit(["decode rest"])
             return cls(cores=float(rep["cpus"]), token_cpu=serving, loop_token_cpu=min(loop, serving),
-                       base_cores=base + (lo["cores"]["ray"] + hi["cores"]["ray"]) / 2)
+                       base_cores=base + sum(r["cores"]["ray"] for r in runs) / len(runs))
         except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
             raise ValueError(f"{path} is not a benchmarks/host_cpu.py report with two rates: "
                              f"{type(exc).__name__}: {exc}") from exc
