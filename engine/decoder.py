@@ -1,5 +1,5 @@
-"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3): the engine's
-model code.
+"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite): the
+engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -12,7 +12,9 @@ the fp32 mode stays token-identical to Hugging Face `generate`. Qwen3 differs fr
 an RMSNorm over each query and key head (its `q_norm`/`k_norm`) before RoPE; Phi-3 by checkpoints
 with Q/K/V and gate/up already fused (`qkv_proj`, `gate_up_proj`) and, in Phi-4-mini, RoPE on a
 part of each head (`partial_rotary_factor`: the first `rotary_dim` dimensions); SmolLM3 by layers
-without RoPE (`no_rope_layers`), which the fused RoPE + K/V store kernel runs with cos 1, sin 0.
+without RoPE (`no_rope_layers`), which the fused RoPE + K/V store kernel runs with cos 1, sin 0;
+Granite by four constants: the embeddings, each block's output (before its residual add) and the
+logits scaled, and `attention_multiplier` as the attention's scale.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, fused_attention, paged_attention
 from engine.linear import make_linear
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 
 
 class _Layer:
@@ -47,7 +49,11 @@ class DecoderModel:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.scale = self.head_dim ** -0.5
+        # Granite's constants (1 and head_dim ** -0.5 elsewhere)
+        self.scale = float(getattr(cfg, "attention_multiplier", None) or self.head_dim ** -0.5)
+        self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0))
+        self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0))
+        self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0))
         self.eps = cfg.rms_norm_eps
         # `kernels` (engine.kernels, CPU): the GEMV kernels for the linears (engine.linear) in every
         # dtype unless `gemv` is off (EngineConfig.cpu_gemv); in bf16 also the one-pass RMSNorm (and
@@ -66,7 +72,7 @@ class DecoderModel:
         self.layers = [self._layer(i, layer, weight_format) for i, layer in enumerate(body.layers)]
         head = hf_model.lm_head
         self.vocab_size = head.out_features
-        self.lm_head = self._linear(head.weight.detach(), _bias(head), weight_format)
+        self._head = self._linear(head.weight.detach(), _bias(head), weight_format)
 
     def _layer(self, i: int, hf_layer, fmt: str) -> _Layer:
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
@@ -84,6 +90,11 @@ class DecoderModel:
         layer.k_norm = None if k_norm is None else k_norm.weight.detach().to(self.dtype)
         layer.rope = bool(getattr(attn, "use_rope", True))
         return layer
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] in the model's dtype of final hidden states [n, hidden]."""
+        logits = self._head(hidden)
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def _fused(self, module, fused_name: str, part_names: tuple[str, ...], fmt: str):
         """One linear: `module`'s fused projection where the checkpoint has one (Phi-3), else its
@@ -131,6 +142,9 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        rm = self.residual_multiplier
         cos, sin = self.rotary(x[None], positions[None])             # [1, T, head_dim]
         cos, sin = cos[0, :, None], sin[0, :, None]                  # broadcast over heads
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -155,9 +169,11 @@ class DecoderModel:
                     qk = _rope(qk, cos, sin)                                   # q and k heads at once
                 v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
                 a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale)
-            x, h = self._add_rms_norm(x, layer.o(a), layer.post_norm)
+            out = layer.o(a)
+            x, h = self._add_rms_norm(x, out if rm == 1.0 else out * rm, layer.post_norm)
             next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
-            x, h = self._add_rms_norm(x, layer.down(self._silu_mul(layer.gate_up(h))), next_norm)
+            out = layer.down(self._silu_mul(layer.gate_up(h)))
+            x, h = self._add_rms_norm(x, out if rm == 1.0 else out * rm, next_norm)
         return h
 
 

@@ -2,8 +2,9 @@
 
 - Every supported architecture (tiny llama, qwen2 with random q/k/v biases, mistral with an
   untied head, qwen3 with random per-head q/k norms) in fp32 gives Hugging Face `generate`'s greedy
-  tokens, phi3 from its fused projections; qwen3's, a partial-rotary phi3's and smollm3's (a layer
-  without RoPE) log-probabilities are Hugging Face's within fp32's and bf16's rounding.
+  tokens, phi3 from its fused projections; qwen3's, a partial-rotary phi3's, smollm3's (a layer
+  without RoPE) and granite's (multipliers) log-probabilities are Hugging Face's within fp32's and
+  bf16's rounding.
 - Each format's linear stays within its rounding of the fp32 product; a quantized layer gives
   the same model whether a step has few rows (int kernel: the engine's where it builds, aten's
   otherwise) or many (dequantized bf16 copy; the engine's int8 and int4 kernels take every row
@@ -102,10 +103,10 @@ def _with_partial_rotary(path, factor):
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.02)])
-@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3", "granite"])
 def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, tolerance):
     """qwen3's per-head q/k norms, phi3 with RoPE on half of each head (Phi-4-mini's
-    `partial_rotary_factor`) and smollm3's layer without RoPE, on every path (bf16 on a CPU with
+    `partial_rotary_factor`), smollm3's layer without RoPE and granite's multipliers, on every path (bf16 on a CPU with
     native bf16: the prefill and decode kernels, and for qwen3 and smollm3 the fused RoPE + K/V
     store): the log-probabilities of the prompt and of
     the greedy tokens are Hugging Face's fp32 forward's within the dtype's rounding (measured for
@@ -113,7 +114,7 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
     path = _with_random_extras(tiny_model_dir(tmp_path / arch, arch.split("-")[0], seed=5, head_dim=64))
     if arch == "phi3-partial":
         path = _with_partial_rotary(_with_sharp_attention(path), 0.5)
-    if arch == "smollm3":
+    if arch in ("smollm3", "granite"):
         path = _with_sharp_attention(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eng = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB",
