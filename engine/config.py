@@ -115,6 +115,20 @@ class EngineConfig:
             raise ValueError("num_threads must be positive")
 
 
+# model types the engine's own forward runs (engine/decoder.py), all with a SiLU-gated MLP
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
+
+
+def unsupported_model(model_type: str | None, hidden_act: str | None) -> str | None:
+    """Why the engine cannot run a model of this config.json `model_type` and `hidden_act`, or None.
+    Torch-free: `pdserve serve` checks a model directory with it before it starts anything."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} is not supported; pdserve runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+    if (hidden_act or "silu") != "silu":
+        return f"activation {hidden_act!r} is not supported (silu only)"
+    return None
+
+
 def sliding_window(hf_config) -> int | None:
     """N when some layer of the model attends only to its last N tokens (Mistral v0.1's 4096,
     Qwen2/Qwen3 with `use_sliding_window`), else None. The engine's attention is full; up to N

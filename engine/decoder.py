@@ -23,10 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, fused_attention, paged_attention
+from engine.config import unsupported_model
 from engine.linear import make_linear
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
-
 
 class _Layer:
     # q_norm/k_norm: per-head RMSNorm weights [head_dim] of Qwen3, None elsewhere; rope: False for
@@ -40,11 +38,9 @@ class DecoderModel:
 
     def __init__(self, hf_model, weight_format: str, dtype: torch.dtype, kernels=None, gemv: bool = True):
         cfg = hf_model.config
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model type {cfg.model_type!r} is not supported; pdserve runs "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu only)")
+        problem = unsupported_model(cfg.model_type, getattr(cfg, "hidden_act", None))
+        if problem:
+            raise ValueError(problem)
         self.dtype = dtype
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads

