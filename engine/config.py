@@ -116,7 +116,7 @@ class EngineConfig:
 
 
 # model types the engine's own forward runs (engine/decoder.py), all with a SiLU-gated MLP
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2")
 
 
 def unsupported_model(model_type: str | None, hidden_act: str | None) -> str | None:

@@ -1,5 +1,5 @@
-"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite): the
-engine's model code.
+"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite,
+OLMo 2): the engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -14,7 +14,8 @@ with Q/K/V and gate/up already fused (`qkv_proj`, `gate_up_proj`) and, in Phi-4-
 part of each head (`partial_rotary_factor`: the first `rotary_dim` dimensions); SmolLM3 by layers
 without RoPE (`no_rope_layers`), which the fused RoPE + K/V store kernel runs with cos 1, sin 0;
 Granite by four constants: the embeddings, each block's output (before its residual add) and the
-logits scaled, and `attention_multiplier` as the attention's scale.
+logits scaled, and `attention_multiplier` as the attention's scale; OLMo 2 by norms after each block
+instead of before (`x + norm(attn(x))`, `x + norm(mlp(x))`) and q/k norms over all heads at once.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ from engine.config import unsupported_model
 from engine.linear import make_linear
 
 class _Layer:
-    # q_norm/k_norm: per-head RMSNorm weights [head_dim] of Qwen3, None elsewhere; rope: False for
-    # SmolLM3's layers without positions
-    __slots__ = ("index", "in_norm", "post_norm", "qkv", "o", "gate_up", "down", "q_norm", "k_norm", "rope")
+    # in_norm/post_norm: the norms before attention and before the MLP; OLMo 2 (post-norm) has none
+    # before attention (in_norm None), and post_norm/ff_norm after attention and after the MLP.
+    # q_norm/k_norm: RMSNorm weights of each query and key head [head_dim] (Qwen3) or of all of them
+    # at once [heads * head_dim] (OLMo 2), None elsewhere; rope: False for SmolLM3's layers without
+    # positions
+    __slots__ = ("index", "in_norm", "post_norm", "ff_norm", "qkv", "o", "gate_up", "down", "q_norm", "k_norm",
+                 "rope")
 
 
 class DecoderModel:
@@ -66,6 +71,8 @@ class DecoderModel:
         assert self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
         self.norm = body.norm.weight.detach().to(dtype)
         self.layers = [self._layer(i, layer, weight_format) for i, layer in enumerate(body.layers)]
+        self.post_norms = self.layers[0].in_norm is None          # OLMo 2
+        assert all((layer.in_norm is None) == self.post_norms for layer in self.layers)
         head = hf_model.lm_head
         self.vocab_size = head.out_features
         self._head = self._linear(head.weight.detach(), _bias(head), weight_format)
@@ -74,8 +81,11 @@ class DecoderModel:
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         layer = _Layer()
         layer.index = i
-        layer.in_norm = hf_layer.input_layernorm.weight.detach().to(self.dtype)
+        norm = getattr(hf_layer, "input_layernorm", None)
+        layer.in_norm = None if norm is None else norm.weight.detach().to(self.dtype)
         layer.post_norm = hf_layer.post_attention_layernorm.weight.detach().to(self.dtype)
+        norm = getattr(hf_layer, "post_feedforward_layernorm", None)
+        layer.ff_norm = None if norm is None else norm.weight.detach().to(self.dtype)
         layer.qkv = self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), fmt)
         layer.o = self._linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt)
         layer.gate_up = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), fmt)
@@ -122,10 +132,13 @@ class DecoderModel:
         return F.silu(g) * u
 
     def _qk_norm(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        """qkv [T, (H + 2 Hkv) * D] with each query and key head RMS-normalized (Qwen3), v as is."""
+        """qkv [T, (H + 2 Hkv) * D] with the queries and keys RMS-normalized, each head (Qwen3) or
+        all heads as one vector (OLMo 2); v as is."""
         t, nh, nkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        q = self._rms_norm(qkv[:, :nh * d].reshape(t * nh, d), layer.q_norm)
-        k = self._rms_norm(qkv[:, nh * d:(nh + nkv) * d].reshape(t * nkv, d), layer.k_norm)
+        per_head = layer.q_norm.shape[0] == d
+        q = qkv[:, :nh * d].reshape(t * nh if per_head else t, -1).contiguous()       # [rows, norm width]
+        k = qkv[:, nh * d:(nh + nkv) * d].reshape(t * nkv if per_head else t, -1).contiguous()
+        q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
         return torch.cat([q.view(t, nh * d), k.view(t, nkv * d), qkv[:, (nh + nkv) * d:]], dim=1)
 
     def _add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
@@ -142,7 +155,8 @@ class DecoderModel:
             x = x * self.embedding_multiplier
         rm = self.residual_multiplier
         cos, sin = self.rotary(x[None], positions[None])             # [1, T, head_dim]
-        cos, sin = cos[0, :, None], sin[0, :, None]                  # broadcast over heads
+        # broadcast over heads; in the model's dtype (OLMo 2's rotary module returns float32)
+        cos, sin = cos[0, :, None].to(x.dtype), sin[0, :, None].to(x.dtype)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = x.shape[0]
         # bf16 steps whose attention all reads the pool in place (decode rows, and prompt chunks
@@ -151,7 +165,7 @@ class DecoderModel:
         cos2, sin2 = cos[:, 0], sin[:, 0]                            # [T, head_dim]
         if fused and not all(layer.rope for layer in self.layers):
             no_rope = torch.ones_like(cos2), torch.zeros_like(sin2)  # the kernel's RoPE as the identity
-        h = self._rms_norm(x, self.layers[0].in_norm)
+        h = x if self.post_norms else self._rms_norm(x, self.layers[0].in_norm)    # the attention's input
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
             if layer.q_norm is not None:
@@ -166,11 +180,15 @@ class DecoderModel:
                 v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
                 a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale)
             out = layer.o(a)
+            if self.post_norms:      # OLMo 2: x + norm(attention(x)), then x + norm(mlp(x))
+                x = x + self._rms_norm(out, layer.post_norm)
+                x = h = x + self._rms_norm(layer.down(self._silu_mul(layer.gate_up(x))), layer.ff_norm)
+                continue
             x, h = self._add_rms_norm(x, out if rm == 1.0 else out * rm, layer.post_norm)
             next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
             out = layer.down(self._silu_mul(layer.gate_up(h)))
             x, h = self._add_rms_norm(x, out if rm == 1.0 else out * rm, next_norm)
-        return h
+        return self._rms_norm(x, self.norm) if self.post_norms else h
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
 - Every supported architecture (tiny llama, qwen2 with random q/k/v biases, mistral with an
   untied head, qwen3 with random per-head q/k norms) in fp32 gives Hugging Face `generate`'s greedy
   tokens, phi3 from its fused projections; qwen3's, a partial-rotary phi3's, smollm3's (a layer
-  without RoPE) and granite's (multipliers) log-probabilities are Hugging Face's within fp32's and
-  bf16's rounding.
+  without RoPE), granite's (multipliers) and olmo2's (post-norms) log-probabilities are Hugging Face's
+  within fp32's and bf16's rounding.
 - Each format's linear stays within its rounding of the fp32 product; a quantized layer gives
   the same model whether a step has few rows (int kernel: the engine's where it builds, aten's
   otherwise) or many (dequantized bf16 copy; the engine's int8 and int4 kernels take every row
@@ -95,6 +95,18 @@ def _with_sharp_attention(path, gain=10.0):
     return path
 
 
+def _with_random_norms(path):
+    """The checkpoint with every RMSNorm weight random around 1 (a fresh model's are all ones)."""
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
 def _with_partial_rotary(path, factor):
     cfg = json.loads((path / "config.json").read_text())
     cfg["rope_parameters"]["partial_rotary_factor"] = factor
@@ -103,10 +115,11 @@ def _with_partial_rotary(path, factor):
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.02)])
-@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3", "granite"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3", "granite", "olmo2"])
 def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, tolerance):
     """qwen3's per-head q/k norms, phi3 with RoPE on half of each head (Phi-4-mini's
-    `partial_rotary_factor`), smollm3's layer without RoPE and granite's multipliers, on every path (bf16 on a CPU with
+    `partial_rotary_factor`), smollm3's layer without RoPE, granite's multipliers and olmo2's norms
+    after each block and over all q/k heads at once, on every path (bf16 on a CPU with
     native bf16: the prefill and decode kernels, and for qwen3 and smollm3 the fused RoPE + K/V
     store): the log-probabilities of the prompt and of
     the greedy tokens are Hugging Face's fp32 forward's within the dtype's rounding (measured for
@@ -116,6 +129,8 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
         path = _with_partial_rotary(_with_sharp_attention(path), 0.5)
     if arch in ("smollm3", "granite"):
         path = _with_sharp_attention(path)
+    if arch == "olmo2":
+        path = _with_random_norms(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eng = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB",
                                  block_size=4, max_num_batched_tokens=16))
