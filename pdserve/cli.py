@@ -56,7 +56,6 @@ def _local_cluster(args) -> int:
 
 def _app_config(args, local: bool):
     from serving.config import AppConfig
-    from serving.models import ModelError, resolve_model
 
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     updates = {k: v for k, v in {"model": args.model, "mode": getattr(args, "mode", None),
@@ -72,12 +71,19 @@ def _app_config(args, local: bool):
         data["transfer"]["host"] = "127.0.0.1" if data["transfer"]["host"] == "auto" else data["transfer"]["host"]
     cfg = AppConfig.model_validate(data)
     print(f"preparing model {cfg.model} ...", flush=True)
+    _model_dir(cfg.model, cfg.model_cache)          # before Ray starts
+    return cfg
+
+
+def _model_dir(spec: str, cache: str | None):
+    """`serving.models.resolve_model`, or one line on stderr and exit 2 (an unknown spec, a directory
+    without weights, an architecture the engine cannot run, a failed preparation)."""
+    from serving.models import ModelError, resolve_model
     try:
-        resolve_model(cfg.model, cfg.model_cache)
-    except ModelError as exc:          # before Ray starts: one line, exit 2
+        return resolve_model(spec, cache)
+    except ModelError as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    return cfg
 
 
 def _serve_until_stopped(cfg, host: str, port: int, proxy_location: str | None = None) -> int:
@@ -130,9 +136,8 @@ def _generate(args) -> int:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from serving.models import resolve_model
 
-    model_dir = resolve_model(args.model, args.model_cache)
+    model_dir = _model_dir(args.model, args.model_cache)
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_threads=args.threads))
     tok = engine.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,

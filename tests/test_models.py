@@ -145,19 +145,20 @@ def test_local_dir_is_checked(tmp_path):
                                          ({"model_type": "llama", "hidden_act": "gelu"}, "'gelu' is not supported"),
                                          ({}, "None is not supported")])
 def test_an_architecture_the_engine_cannot_run_is_refused_before_anything_starts(tmp_path, capsys, config, why):
-    """`pdserve serve --model DIR` checks config.json's architecture with the engine's own list and
-    exits 2 with one line, before Ray or any replica starts."""
+    """`pdserve serve --model DIR` (and `generate`) checks config.json's architecture with the
+    engine's own list and exits 2 with one line, before Ray, a replica or an engine starts."""
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelError, match=why):
         resolve_model(str(tmp_path))
     from pdserve import cli
-    with pytest.raises(SystemExit) as exited:
-        cli.main(["serve", "--model", str(tmp_path), "--port", "1"])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("pdserve: ") and why in err and "Traceback" not in err
-    assert ("pdserve runs llama, mistral, qwen2" in err) == ("gelu'" not in why)     # the list of what runs
+    for command in (["serve", "--model", str(tmp_path), "--port", "1"], ["generate", "hi", "--model", str(tmp_path)]):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(command)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("pdserve: ") and why in err and "Traceback" not in err
+        assert ("pdserve runs llama, mistral, qwen2" in err) == ("gelu'" not in why)     # the list of what runs
 
 
 def test_cli_error_exits_2(capsys):
