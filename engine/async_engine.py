@@ -13,9 +13,9 @@ Contract
     sends at most one message per interval: outputs that come sooner after the last message wait
     and go as one with what follows, except the first (TTFT) and a finishing one, which go at
     once; with `hold_first` the first waits like the others (a decode replica's first output only
-    repeats the token the prefill replica already sent). Every hop after the engine (Ray's stream to the router, the router, Serve's proxy)
-    costs CPU per message, not per token. Leaving the iterator early (client gone, task
-    cancelled) aborts the request, which frees its blocks.
+    repeats the token the prefill replica already sent). Every hop after the engine (Ray's stream
+    to the router, the router, Serve's proxy) costs CPU per message, not per token. Leaving the
+    iterator early (client gone, task cancelled) aborts the request, which frees its blocks.
   * If a step raises, every request the step could have touched (queued or running) gets the
     error and is aborted; the loop goes on. Requests held for export (prefill role, finished,
     blocks under a running KV push) are left alone: their blocks stay held until `release`,

@@ -84,6 +84,8 @@ def check_model_dir(path: Path) -> Path:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ModelError(f"{path}/config.json is unreadable: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{path}/config.json is not a JSON object")
     problem = unsupported_model(config.get("model_type"), config.get("hidden_act"))
     if problem:
         raise ModelError(f"{path}: {problem}")
