@@ -150,6 +150,24 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_every_arch_runs_quantized_and_frees_its_blocks(tmp_path, fmt):
+    """The quantized formats share the bf16 path's kernels (norms, fused RoPE + store, paged
+    attention) with every architecture's specifics: prompts chunked under a 16-token budget and
+    decoded run to their length, and every block comes back. (Their quality is checked on the
+    real model below.)"""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("weight-only kernels need a oneDNN build")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for arch in TINY_ARCHS:
+        path = tiny_model_dir(tmp_path / arch, arch, seed=1, head_dim=64)
+        eng = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", quantization=fmt, device="cpu",
+                                     kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=16))
+        done = eng.generate([[5, 6, 7, 8], list(range(10, 50))], params)
+        assert [len(c.token_ids) for c in done] == [6, 6], arch
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks, arch
+
+
 KERNELS = cpu_kernels()
 # the quantized formats' few-row kernels: aten's (the fallback) and, where they build, the engine's
 INT_KERNELS = [pytest.param(None, id="aten"),
