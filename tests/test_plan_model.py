@@ -52,3 +52,15 @@ def test_presets_overrides_and_errors(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read"):
         resolve_spec(str(tmp_path))
+
+
+def test_every_tiny_arch_is_counted_exactly(tmp_path):
+    """count_params against the real parameter count of each architecture the engine runs (tiny
+    random models: q/k norms of qwen3 and olmo2, phi3's fused projections, granite, smollm3)."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import TINY_ARCHS, tiny_model_dir
+    for arch in TINY_ARCHS:
+        path = tiny_model_dir(tmp_path / arch, arch, seed=0, head_dim=32)
+        model = AutoModelForCausalLM.from_pretrained(path)
+        assert resolve_spec(str(path)).params == sum(p.numel() for p in model.parameters()), arch
