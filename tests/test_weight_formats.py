@@ -1,10 +1,10 @@
 """The engine's own decoder and its weight formats (engine.decoder, engine.linear).
 
 - Every supported architecture (tiny llama, qwen2 with random q/k/v biases, mistral with an
-  untied head, qwen3 with random per-head q/k norms) in fp32 gives Hugging Face `generate`'s greedy
-  tokens, phi3 from its fused projections; qwen3's, a partial-rotary phi3's, smollm3's (a layer
-  without RoPE), granite's (multipliers) and olmo2's (post-norms) log-probabilities are Hugging Face's
-  within fp32's and bf16's rounding.
+  untied head, qwen3 with random per-head q/k norms, phi3 with fused projections, smollm3, granite,
+  olmo2) in fp32 gives Hugging Face `generate`'s greedy tokens; the log-probabilities of qwen3, a
+  partial-RoPE phi3, smollm3 (a layer without RoPE), granite (multipliers) and olmo2 (post-norms)
+  are Hugging Face's within fp32's and bf16's rounding; every architecture runs in int8 and int4.
 - Each format's linear stays within its rounding of the fp32 product; a quantized layer gives
   the same model whether a step has few rows (int kernel: the engine's where it builds, aten's
   otherwise) or many (dequantized bf16 copy; the engine's int8 and int4 kernels take every row
@@ -119,11 +119,11 @@ def _with_partial_rotary(path, factor):
 def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, tolerance):
     """qwen3's per-head q/k norms, phi3 with RoPE on half of each head (Phi-4-mini's
     `partial_rotary_factor`), smollm3's layer without RoPE, granite's multipliers and olmo2's norms
-    after each block and over all q/k heads at once, on every path (bf16 on a CPU with
-    native bf16: the prefill and decode kernels, and for qwen3 and smollm3 the fused RoPE + K/V
-    store): the log-probabilities of the prompt and of
-    the greedy tokens are Hugging Face's fp32 forward's within the dtype's rounding (measured for
-    qwen3: 5e-7 fp32, 0.004 bf16; 0.2 with its norms skipped, whose greedy tokens still agree)."""
+    after each block and over all q/k heads at once, on every path (bf16 on a CPU with native bf16:
+    the prefill and decode kernels and, for all but the partial-RoPE phi3, the fused RoPE + K/V
+    store): the log-probabilities of the prompt and of the greedy tokens are Hugging Face's fp32
+    forward's within the dtype's rounding (measured for qwen3: 5e-7 fp32, 0.004 bf16; 0.2 with its
+    norms skipped, whose greedy tokens still agree)."""
     path = _with_random_extras(tiny_model_dir(tmp_path / arch, arch.split("-")[0], seed=5, head_dim=64))
     if arch == "phi3-partial":
         path = _with_partial_rotary(_with_sharp_attention(path), 0.5)
