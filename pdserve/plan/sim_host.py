@@ -66,8 +66,8 @@ class HostCpu:
         through its runs, cores used against tokens/s, per role. Its slope is the CPU per streamed token
         (the serving roles: replicas' rest, router, proxy, client; the decode replica's rest alone for
         the GIL term); its intercept plus Ray's processes is the background. (A line through the two
-        lowest rates alone, as before session 15, read mostly idle background there: 0.6 ms a token
-        against 1.5 through all five rates of the README's sweep.) ValueError for a file that is not
+        lowest rates alone, as before session 15, read mostly idle background there: 0.60 ms a token
+        against 1.81 through all five rates of the README's sweep.) ValueError for a file that is not
         such a report."""
         try:
             rep = json.loads(Path(path).read_text())
