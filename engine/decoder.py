@@ -72,6 +72,7 @@ class DecoderModel:
         self.norm = body.norm.weight.detach().to(dtype)
         self.layers = [self._layer(i, layer, weight_format) for i, layer in enumerate(body.layers)]
         self.post_norms = self.layers[0].in_norm is None          # OLMo 2
+        self.rope_everywhere = all(layer.rope for layer in self.layers)   # False for SmolLM3
         assert all((layer.in_norm is None) == self.post_norms for layer in self.layers)
         head = hf_model.lm_head
         self.vocab_size = head.out_features
@@ -163,7 +164,7 @@ class DecoderModel:
         # through the prefill kernel): RoPE and the K/V store in one op per layer
         fused = self._kernels is not None and meta.in_place and self.rotary_dim == d
         cos2, sin2 = cos[:, 0], sin[:, 0]                            # [T, head_dim]
-        if fused and not all(layer.rope for layer in self.layers):
+        if fused and not self.rope_everywhere:
             no_rope = torch.ones_like(cos2), torch.zeros_like(sin2)  # the kernel's RoPE as the identity
         h = x if self.post_norms else self._rms_norm(x, self.layers[0].in_norm)    # the attention's input
         for i, layer in enumerate(self.layers):

@@ -183,8 +183,9 @@ class ModelRunner:
         del hf_model
         return_freed_heap()
         self.kv_shape = kv_shape_of(hf_config, config.block_size, self.dtype)
-        if context_limit(hf_config) < self.max_position_embeddings:
-            log.warning("sequences are limited to %d of the model's %d positions: %s", context_limit(hf_config),
+        self.context_limit = context_limit(hf_config)
+        if self.context_limit < self.max_position_embeddings:
+            log.warning("sequences are limited to %d of the model's %d positions: %s", self.context_limit,
                         self.max_position_embeddings,
                         "its layers attend within a sliding window, which the engine does not implement (full "
                         "attention is the same up to it)" if sliding_window(hf_config) else
@@ -297,7 +298,7 @@ class ModelRunner:
     def max_model_len(self) -> int:
         """Longest sequence this runner serves: the configured or the model's limit
         (`context_limit`), capped by the pool."""
-        limit = context_limit(self.hf_config)
+        limit = self.context_limit
         return min(self.config.max_model_len or limit, limit, self.num_blocks * self.config.block_size)
 
     # ---- the forward -----------------------------------------------------------------------

@@ -147,13 +147,16 @@ def plan(m: ModelSpec, hw: Hardware, input_len: int, output_len: int, rate: floa
 
 def served_dtype(hardware: str) -> str:
     """The dtype pdserve serves a model in on `hardware` with `engine.dtype: auto`, as the planner
-    names it: bf16 on the GPU presets, and on `cpu` (this machine) bf16 where the CPU has native
-    bf16 (AVX512-BF16, AMX), else fp32. A model's config `torch_dtype` does not matter: the engine
-    converts the weights."""
+    names it: bf16 on the GPU presets (all have bf16), and on `cpu` (this machine) the engine's own
+    choice (`engine.model_runner.resolve_dtype`: bf16 where the CPU has native bf16, else fp32). A
+    model's config `torch_dtype` does not matter: the engine converts the weights."""
     if hardware != "cpu":
         return "bf16"
-    from engine.linear import cpu_has_native_bf16
-    return "bf16" if cpu_has_native_bf16() else "fp32"
+    import torch
+
+    from engine.model_runner import resolve_dtype
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[
+        resolve_dtype("auto", torch.device("cpu"))]
 
 
 _MATMUL_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
