@@ -15,6 +15,11 @@ sequences) into one row of tokens and builds an `AttentionMetadata`; the decoder
      backend in bf16, the engine's prefill kernel reads them from the pool in place by block
      table (`PrefillSpan.table`); otherwise sdpa on the chunk's context gathered once (explicit
      offset-causal mask: sdpa's `is_causal` is aligned top-left, wrong once the chunk has a past).
+A sliding-window layer (`window` W > 0: Mistral v0.1, Qwen2/3 with `use_sliding_window`, Gemma 3's
+local layers) attends each query's last W keys, itself included (transformers' `kv_idx > q_idx - W`):
+the kernels take W and start at the window's first key; the torch paths use the step's masks for W
+(`DecodeBatch.window_masks`, `PrefillSpan.window_masks`, built by the runner). Every block stays in
+the pool (KV transfer and the prefix cache see whole sequences); the window only bounds what is read.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class PrefillSpan:
     mask: torch.Tensor | None          # sdpa: [1, 1, q, ctx] bool; None when no past (plain causal)
     table: torch.Tensor | None = None  # prefill kernel: the sequence's block table (int64), covering past + chunk
     past: int = 0                      # prefill kernel: tokens before the chunk
+    window_masks: dict | None = None   # sdpa: {W: [1, 1, q, ctx] bool} of the model's sliding windows
 
 
 @dataclass
@@ -46,6 +52,7 @@ class DecodeBatch:
                                         # block tables (padded with block 0) in the pool viewed
                                         # as [blocks * layers * 2, block]; see paged_attention
     mask: torch.Tensor | None = None   # torch: [B, 1, 1, max_blocks * block_size] bool, True = attend
+    window_masks: dict | None = None   # torch: {W: mask as above, only each row's last W keys}
 
 
 @dataclass
@@ -76,8 +83,15 @@ def token_slots(block_table: torch.Tensor, block_size: int, num_layers: int) -> 
     return (block_table[:, None] * (num_layers * 2 * block_size) + offsets).flatten()
 
 
+def window_mask(q_pos: torch.Tensor, context: int, window: int) -> torch.Tensor:
+    """[1, 1, q, context] bool, True = attend: queries at positions `q_pos` [q] over keys 0 ..
+    context - 1, causal and within a sliding window of `window` keys (k > q - window)."""
+    k = torch.arange(context, device=q_pos.device)[None, :]
+    return ((k <= q_pos[:, None]) & (k > q_pos[:, None] - window))[None, None]
+
+
 def fused_attention(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                    meta: AttentionMetadata, scale: float, rope_store) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, rope_store, window: int = 0) -> torch.Tensor:
     """`paged_attention` for a step of the bf16 CPU decoder whose every attention reads the pool
     in place (`meta.in_place`: decode rows through the paged decode kernel, prompt chunks through
     the prefill kernel), RoPE included: qkv [T, (H + 2 Hkv) * D] un-rotated, cos/sin [T, D] ->
@@ -86,13 +100,13 @@ def fused_attention(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch
     assert meta.in_place and meta.kernels is not None
     n_kv = meta.kv_pool.shape[4]
     q = rope_store(qkv, cos, sin, meta.kv_pool, meta.slot_mapping, layer, num_heads, n_kv)
-    return _attend(layer, q, None, None, meta, scale)
+    return _attend(layer, q, None, None, meta, scale, window)
 
 
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """Attention of layer `layer` for a ragged step: query [T, H, D], key/value [T, Hkv, D]
-    (RoPE applied) -> [T, H * D]. K/V heads are never repeated for GQA: decode queries of one
+    (RoPE applied) -> [T, H * D]; `window` 0, or W for a sliding-window layer. K/V heads are never repeated for GQA: decode queries of one
     KV head attend as a group (the group is sdpa's query axis), prompt chunks use sdpa's
     `enable_gqa`."""
     head_dim = query.shape[2]
@@ -103,11 +117,11 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     # 1. store the new K/V
     flat.index_copy_(0, meta.slot_mapping + k_shift, key)
     flat.index_copy_(0, meta.slot_mapping + k_shift + block_size, value)
-    return _attend(layer, query, key, value, meta, scale)
+    return _attend(layer, query, key, value, meta, scale, window)
 
 
 def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+            meta: AttentionMetadata, scale: float, window: int) -> torch.Tensor:
     """2. and 3. of the module docstring, the new K/V already in the pool; `key`/`value` (the
     step's own, RoPE applied) are read only by sdpa spans without a past."""
     n_tokens, n_heads, head_dim = query.shape
@@ -123,9 +137,9 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: to
     if dec is not None:
         q = query if meta.all_decode else query[dec.rows]
         if meta.kernels is not None:
-            o = meta.kernels.paged_decode_attention(q, pool, dec.tables, dec.lens, layer, scale)
+            o = meta.kernels.paged_decode_attention(q, pool, dec.tables, dec.lens, layer, scale, window)
         else:
-            o = gathered_decode(layer, q, pool, dec, scale)
+            o = gathered_decode(layer, q, pool, dec, scale, dec.window_masks[window] if window else dec.mask)
         if meta.all_decode:
             return o
         out[dec.rows] = o
@@ -133,7 +147,7 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: to
     for span in meta.prefills:
         if span.table is not None:
             out[span.q_start:span.q_end] = meta.kernels.paged_prefill_attention(
-                query[span.q_start:span.q_end], pool, span.table, span.past, layer, scale)
+                query[span.q_start:span.q_end], pool, span.table, span.past, layer, scale, window)
             continue
         q = query[span.q_start:span.q_end].transpose(0, 1)[None]             # [1, H, n, D]
         if span.context_slots is None:
@@ -142,15 +156,18 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: to
         else:
             k = flat[span.context_slots + k_shift]
             v = flat[span.context_slots + v_shift]
+        mask = span.window_masks[window] if window else span.mask
         o = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=span.mask, is_causal=span.mask is None,
+                                           attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=group > 1)
         out[span.q_start:span.q_end] = o[0].transpose(0, 1).reshape(-1, n_heads * head_dim)
     return out
 
 
-def gathered_decode(layer: int, q: torch.Tensor, pool: torch.Tensor, dec: DecodeBatch, scale: float):
-    """The torch backend: keys gathered a whole block at a time, then one masked sdpa call.
+def gathered_decode(layer: int, q: torch.Tensor, pool: torch.Tensor, dec: DecodeBatch, scale: float,
+                    mask: torch.Tensor):
+    """The torch backend: keys gathered a whole block at a time, then one sdpa call under `mask`
+    (`dec.mask`, or a sliding window's).
     The query heads of one KV head attend as a group (sdpa's query axis), so K/V heads are
     never repeated for GQA."""
     b, n_heads, head_dim = q.shape
@@ -159,5 +176,5 @@ def gathered_decode(layer: int, q: torch.Tensor, pool: torch.Tensor, dec: Decode
     block_rows = pool.view(-1, block_size * n_kv * head_dim)
     kv = block_rows.index_select(0, dec.blocks + 2 * layer).view(2, b, -1, n_kv, head_dim)
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)                     # [B, Hkv, L, D]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=dec.mask, scale=scale)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return o.reshape(b, n_heads * head_dim)

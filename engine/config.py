@@ -65,7 +65,7 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one step; also the prefill chunk size.
     max_num_seqs: sequences running at once.
     max_model_len: longest prompt + output; None = the model's limit (`context_limit`: its positions,
-        or less with a sliding window or length-dependent RoPE), capped by the pool.
+        or less with a length-dependent RoPE), capped by the pool.
     enable_prefix_caching: reuse full KV blocks of identical prefixes.
     num_threads: torch intra-op threads (None leaves torch's default; 1 is fastest for
         several small CPU processes).
@@ -129,26 +129,28 @@ def unsupported_model(model_type: str | None, hidden_act: str | None) -> str | N
     return None
 
 
-def sliding_window(hf_config) -> int | None:
-    """N when some layer of the model attends only to its last N tokens (Mistral v0.1's 4096,
-    Qwen2/Qwen3 with `use_sliding_window`), else None. The engine's attention is full; up to N
-    tokens the two are the same, so the engine serves sequences of at most N tokens."""
-    window = getattr(hf_config, "sliding_window", None)
+def layer_windows(hf_config) -> list[int]:
+    """Per layer, 0 (full attention) or the number of last keys it attends, itself included: the
+    layers `layer_types` calls "sliding_attention" (Qwen2/Qwen3 with `use_sliding_window`, Gemma 3's
+    local layers), or every layer where a config has a `sliding_window` but no layer types (Mistral
+    v0.1's 4096, Phi-3-mini-4k's 2047). Transformers' mask: key k is seen by query q if k > q - W."""
+    window = int(getattr(hf_config, "sliding_window", None) or 0)
     layer_types = getattr(hf_config, "layer_types", None)
-    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
-        return None
-    return int(window)
+    if layer_types is None:
+        return [window] * hf_config.num_hidden_layers
+    return [window if kind == "sliding_attention" else 0 for kind in layer_types]
 
 
 def context_limit(hf_config) -> int:
     """The longest sequence a model's transformers config allows the engine: its
-    `max_position_embeddings` (2048 if absent), its sliding window if shorter, and for RoPE whose
-    frequencies change with the length (`longrope`: Phi-3.5/Phi-4-mini's long contexts; `dynamic`
-    NTK) the original length. Transformers switches those frequencies by the longest position in
-    a forward, which in a batch of sequences would let one sequence change another's: up to the
-    original length every sequence gets the same RoPE, Hugging Face's own for that length."""
+    `max_position_embeddings` (2048 if absent), and for RoPE whose frequencies change with the
+    length (`longrope`: Phi-3.5/Phi-4-mini's long contexts; `dynamic` NTK) the original length.
+    Transformers switches those frequencies by the longest position in a forward, which in a batch
+    of sequences would let one sequence change another's: up to the original length every sequence
+    gets the same RoPE, Hugging Face's own for that length. (Sliding windows do not limit it: the
+    engine's attention implements them, see engine.attention.)"""
     positions = int(getattr(hf_config, "max_position_embeddings", 2048))
-    limit = min(positions, sliding_window(hf_config) or positions)
+    limit = positions
     rope = getattr(hf_config, "rope_parameters", None) or {}
     if rope.get("rope_type") in ("longrope", "dynamic"):
         original = rope.get("original_max_position_embeddings") or \

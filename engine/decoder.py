@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, fused_attention, paged_attention
-from engine.config import unsupported_model
+from engine.config import layer_windows, unsupported_model
 from engine.linear import make_linear
 
 class _Layer:
@@ -34,7 +34,7 @@ class _Layer:
     # at once [heads * head_dim] (OLMo 2), None elsewhere; rope: False for SmolLM3's layers without
     # positions
     __slots__ = ("index", "in_norm", "post_norm", "ff_norm", "qkv", "o", "gate_up", "down", "q_norm", "k_norm",
-                 "rope")
+                 "rope", "window")
 
 
 class DecoderModel:
@@ -70,6 +70,7 @@ class DecoderModel:
         self.rotary_dim = self.rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=probe.device))[0].shape[-1]
         assert self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
         self.norm = body.norm.weight.detach().to(dtype)
+        self.windows = layer_windows(cfg)          # per layer: 0, or its sliding window (keys)
         self.layers = [self._layer(i, layer, weight_format) for i, layer in enumerate(body.layers)]
         self.post_norms = self.layers[0].in_norm is None          # OLMo 2
         self.rope_everywhere = all(layer.rope for layer in self.layers)   # False for SmolLM3
@@ -96,6 +97,7 @@ class DecoderModel:
         layer.q_norm = None if q_norm is None else q_norm.weight.detach().to(self.dtype)
         layer.k_norm = None if k_norm is None else k_norm.weight.detach().to(self.dtype)
         layer.rope = bool(getattr(attn, "use_rope", True))
+        layer.window = self.windows[i]
         return layer
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -173,13 +175,14 @@ class DecoderModel:
                 qkv = self._qk_norm(qkv, layer)
             if fused:
                 c, s = (cos2, sin2) if layer.rope else no_rope
-                a = fused_attention(layer.index, qkv, c, s, nh, meta, self.scale, self._kernels.rope_store)
+                a = fused_attention(layer.index, qkv, c, s, nh, meta, self.scale, self._kernels.rope_store,
+                                    layer.window)
             else:
                 qk = qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d)
                 if layer.rope:
                     qk = _rope(qk, cos, sin)                                   # q and k heads at once
                 v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
-                a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale)
+                a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale, layer.window)
             out = layer.o(a)
             if self.post_norms:      # OLMo 2: x + norm(attention(x)), then x + norm(mlp(x))
                 x = x + self._rms_norm(out, layer.post_norm)

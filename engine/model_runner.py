@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan, gathered_decode, token_slots
-from engine.config import EngineConfig, context_limit, parse_kv_memory, sliding_window
+from engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan, gathered_decode, token_slots, window_mask
+from engine.config import EngineConfig, context_limit, parse_kv_memory
 from engine.cuda_graphs import DecodeGraphs
 from engine.decoder import DecoderModel
 from engine.kernels import cpu_kernels
@@ -107,11 +107,13 @@ def paged_kernel_problem(kernels, num_heads: int, shape: KVShape, device: torch.
         lens = torch.tensor([2 * bs + 1, 3 if bs > 3 else 1], device=device)
         q = torch.randn(2, num_heads, shape.head_dim, generator=g).to(device, dtype)
         scale = shape.head_dim ** -0.5
-        out = kernels.paged_decode_attention(q, pool, tables, lens, 1, scale).float()
+        # full attention, and a sliding window of bs + 2 keys (past the first block of the longer row)
+        out = torch.cat([kernels.paged_decode_attention(q, pool, tables, lens, 1, scale, w).float() for w in (0, bs + 2)])
         k_rows = tables * (2 * layers)
         mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
         dec = DecodeBatch(torch.arange(2, device=device), blocks=torch.stack((k_rows, k_rows + 1)).view(-1), mask=mask)
-        ref = gathered_decode(1, q, pool, dec, scale).float()
+        windowed = mask & window_mask(lens - 1, width * bs, bs + 2)[0, 0][:, None, None, :]
+        ref = torch.cat([gathered_decode(1, q, pool, dec, scale, m).float() for m in (mask, windowed)])
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return f"{type(exc).__name__}: {exc}"
     err = (out - ref).abs().max().item()
@@ -185,12 +187,12 @@ class ModelRunner:
         self.kv_shape = kv_shape_of(hf_config, config.block_size, self.dtype)
         self.context_limit = context_limit(hf_config)
         if self.context_limit < self.max_position_embeddings:
-            log.warning("sequences are limited to %d of the model's %d positions: %s", self.context_limit,
-                        self.max_position_embeddings,
-                        "its layers attend within a sliding window, which the engine does not implement (full "
-                        "attention is the same up to it)" if sliding_window(hf_config) else
-                        "its RoPE changes frequencies with the length (longrope/dynamic), which in a batch would "
-                        "make one sequence's RoPE depend on another's")
+            log.warning("sequences are limited to %d of the model's %d positions: its RoPE changes frequencies "
+                        "with the length (longrope/dynamic), which in a batch would make one sequence's RoPE "
+                        "depend on another's", self.context_limit, self.max_position_embeddings)
+        # the sliding windows of the model's layers (engine.config.layer_windows), for the torch
+        # paths' masks; the kernels take a layer's window as an argument
+        self.windows = sorted({w for w in self.model.windows if w})
         # bf16 on CPU with the paged backend: prompt chunks through the in-place prefill kernel
         self.prefill_kernel = prefill_kernel_applies(self.kernels, self.device, self.dtype, self.kv_shape.head_dim)
         self.num_blocks = self._num_blocks(at_start)
@@ -272,7 +274,7 @@ class ModelRunner:
         pool = torch.zeros(n_blocks, s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim,
                            dtype=self.dtype, device=dev)
         slots = token_slots(torch.arange(n_blocks), s.block_size, s.num_layers)[:tokens].to(dev)
-        meta = AttentionMetadata(pool, slots, None, [PrefillSpan(0, tokens, None, None)], False)
+        meta = AttentionMetadata(pool, slots, None, [self._sdpa_span(0, 0, tokens)], False)
         states = self.model.forward(torch.zeros(tokens, dtype=torch.long, device=dev),
                                     torch.arange(tokens, device=dev), meta)
         rows = min(tokens, max(self.config.max_num_seqs, 256))
@@ -356,13 +358,8 @@ class ModelRunner:
                 slots.extend(token_slots(table[start // bs:], bs, layers)[start % bs:start % bs + n].tolist())
                 if self.prefill_kernel:
                     prefills.append(PrefillSpan(row, row + n, None, None, table.to(dev), start))
-                elif start == 0:
-                    prefills.append(PrefillSpan(row, row + n, None, None))
                 else:
-                    ctx_slots = token_slots(table, bs, layers)[:end]
-                    q_pos = torch.arange(start, end)[:, None]
-                    mask = (torch.arange(end)[None, :] <= q_pos)[None, None]
-                    prefills.append(PrefillSpan(row, row + n, ctx_slots.to(dev), mask.to(dev)))
+                    prefills.append(self._sdpa_span(row, start, n, table))
             row += n
             if ch.sample:
                 sample_rows.append(row - 1)
@@ -376,6 +373,19 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, sample_rows, meta
 
+    def _sdpa_span(self, row: int, start: int, n: int, table: torch.Tensor | None = None) -> PrefillSpan:
+        """A prompt chunk of n tokens from position `start` for sdpa: after a past, its context's
+        slots (from `table`) and offset-causal mask; with sliding windows, a mask for each."""
+        dev, end = self.device, start + n
+        q_pos = torch.arange(start, end)
+        span = PrefillSpan(row, row + n, None, None)
+        if start > 0:
+            span.context_slots = token_slots(table, self.config.block_size, self.kv_shape.num_layers)[:end].to(dev)
+            span.mask = (torch.arange(end)[None, :] <= q_pos[:, None])[None, None].to(dev)
+        if self.windows:
+            span.window_masks = {w: window_mask(q_pos, end, w).to(dev) for w in self.windows}
+        return span
+
     def _decode_batch(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> DecodeBatch:
         """Block tables padded to the longest (with block 0), in the form the backend reads."""
         dev, bs = self.device, self.config.block_size
@@ -387,7 +397,10 @@ class ModelRunner:
             return batch
         k_rows = padded * (2 * self.kv_shape.num_layers)
         batch.blocks = torch.stack((k_rows, k_rows + 1)).view(-1).to(dev)   # see DecodeBatch.blocks
-        batch.mask = (torch.arange(nb * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(dev)
+        last = torch.tensor(lens) - 1
+        batch.mask = (torch.arange(nb * bs)[None, :] <= last[:, None])[:, None, None, :].to(dev)
+        if self.windows:
+            batch.window_masks = {w: window_mask(last, nb * bs, w)[0, 0][:, None, None, :].to(dev) for w in self.windows}
         return batch
 
     # ---- KV export / import ----------------------------------------------------------------

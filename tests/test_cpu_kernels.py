@@ -59,9 +59,10 @@ def _decode_case(dtype, batch, max_ctx, heads, kv_heads, dim, block_size, layers
     return pool, tables, lens, query
 
 
-def _both_backends(pool, tables, lens, query, layer, scale):
-    """(kernel output, torch output) for one decode step of `layer`; the new token's K/V is the
-    one already in the pool at the last position, so the store step changes nothing."""
+def _both_backends(pool, tables, lens, query, layer, scale, window=0):
+    """(kernel output, torch output) for one decode step of `layer` (a sliding-window layer of
+    `window` keys unless 0); the new token's K/V is the one already in the pool at the last
+    position, so the store step changes nothing."""
     batch = query.shape[0]
     n_layers, block_size = pool.shape[1], pool.shape[3]
     last = lens - 1
@@ -71,12 +72,16 @@ def _both_backends(pool, tables, lens, query, layer, scale):
     value = flat[slots + (2 * layer + 1) * block_size].clone()
     rows = torch.arange(batch)
     k_rows = tables * (2 * n_layers)
-    mask = (torch.arange(tables.shape[1] * block_size)[None, :] < lens[:, None])[:, None, None, :]
-    gathered = DecodeBatch(rows, blocks=torch.stack((k_rows, k_rows + 1)).view(-1), mask=mask)
+    keys = torch.arange(tables.shape[1] * block_size)[None, :]
+    mask = (keys < lens[:, None])[:, None, None, :]
+    # the last `window` keys of each row, written out here rather than by the engine's window_mask
+    in_window = ((keys < lens[:, None]) & (keys >= lens[:, None] - window))[:, None, None, :]
+    gathered = DecodeBatch(rows, blocks=torch.stack((k_rows, k_rows + 1)).view(-1), mask=mask,
+                           window_masks={window: in_window})
     in_place = DecodeBatch(rows, tables=tables.contiguous(), lens=lens.contiguous())
-    ref = paged_attention(layer, query, key, value, AttentionMetadata(pool, slots, gathered, [], True), scale)
+    ref = paged_attention(layer, query, key, value, AttentionMetadata(pool, slots, gathered, [], True), scale, window)
     out = paged_attention(layer, query, key, value,
-                          AttentionMetadata(pool, slots, in_place, [], True, KERNELS), scale)
+                          AttentionMetadata(pool, slots, in_place, [], True, KERNELS), scale, window)
     return out, ref
 
 
@@ -401,10 +406,13 @@ def test_dense_gemv_refuses_what_is_not_its_layout():
 def test_kernel_matches_torch_backend(dtype, tol, heads, kv_heads, dim, block_size, max_ctx):
     pool, tables, lens, query = _decode_case(dtype, batch=5, max_ctx=max_ctx, heads=heads, kv_heads=kv_heads,
                                              dim=dim, block_size=block_size)
-    for layer in (0, 2):
-        out, ref = _both_backends(pool, tables, lens, query, layer, dim ** -0.5)
+    # full attention, then sliding windows: within a block, across blocks, longer than some rows
+    for layer, window in ((0, 0), (2, 0), (2, 1), (1, 7), (0, 37)):
+        out, ref = _both_backends(pool, tables, lens, query, layer, dim ** -0.5, window)
         assert out.shape == ref.shape == (5, heads * dim) and out.dtype == dtype
         assert (out.float() - ref.float()).abs().max().item() <= tol
+    full, _ = _both_backends(pool, tables, lens, query, 0, dim ** -0.5)
+    assert (full.float() - out.float()).abs().max() > 10 * tol      # the window changed what rows saw
 
 
 @needs_kernel
@@ -550,7 +558,7 @@ def test_the_start_up_check_of_a_paged_kernel():
 
     class Wrong:
         @staticmethod
-        def paged_decode_attention(q, pool, tables, lens, layer, scale):
+        def paged_decode_attention(q, pool, tables, lens, layer, scale, window=0):
             return torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
 
     class Broken:
@@ -579,15 +587,17 @@ def _prefill_case(n, past, heads, kv_heads, dim, block_size, layers=2, seed=0):
     return pool, table, query
 
 
-def _prefill_reference(pool, table, query, past, layer, scale):
-    """The chunk's causal attention in fp32 over its context gathered from the pool."""
+def _prefill_reference(pool, table, query, past, layer, scale, window=0):
+    """The chunk's causal attention in fp32 over its context gathered from the pool (each query's
+    last `window` keys only, unless 0)."""
     n, heads, dim = query.shape
     block_size = pool.shape[3]
     pos = torch.arange(past + n)
     k = pool[table[pos // block_size], layer, 0, pos % block_size].float().transpose(0, 1)[None]
     v = pool[table[pos // block_size], layer, 1, pos % block_size].float().transpose(0, 1)[None]
-    mask = (pos[None, :] <= past + torch.arange(n)[:, None])[None, None]
-    o = F.scaled_dot_product_attention(query.float().transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale,
+    q_pos = past + torch.arange(n)[:, None]
+    mask = (pos[None, :] <= q_pos) & ((pos[None, :] > q_pos - window) if window else True)
+    o = F.scaled_dot_product_attention(query.float().transpose(0, 1)[None], k, v, attn_mask=mask[None, None], scale=scale,
                                        enable_gqa=True)
     return o[0].transpose(0, 1).reshape(n, heads * dim)
 
@@ -609,6 +619,25 @@ def test_prefill_kernel_matches_attention_in_fp32(n, past, heads, kv_heads, dim,
     assert out.dtype == torch.bfloat16 and out.shape == (n, heads * dim)
     # bf16 probabilities and output: about two bf16 roundings of the largest value (measured 0.3 %)
     assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("n,past,window", [
+    (37, 0, 5),       # windows inside one 16-key tile ...
+    (45, 20, 16),     # ... of a tile's width, after a past
+    (200, 300, 40),   # the rows' first tiles move; no row sees the first tiles of the context
+    (50, 0, 64),      # longer than the chunk: as full attention
+])
+def test_prefill_kernel_attends_within_a_sliding_window(n, past, window):
+    pool, table, query = _prefill_case(n, past, 9, 3, 64, 16)
+    out = KERNELS.paged_prefill_attention(query, pool, table, past, 1, 0.125, window)
+    ref = _prefill_reference(pool, table, query, past, 1, 0.125, window)
+    assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    full = _prefill_reference(pool, table, query, past, 1, 0.125)
+    if past + n > window:
+        assert (full - ref).abs().max() > 0.1 * ref.abs().max()
+    else:
+        assert torch.equal(out, KERNELS.paged_prefill_attention(query, pool, table, past, 1, 0.125))
 
 
 @needs_prefill_kernel
@@ -667,9 +696,9 @@ def test_bf16_engine_runs_prompt_chunks_through_the_prefill_kernel(tmp_path):
                 return getattr(KERNELS, attr)
 
             @staticmethod
-            def paged_prefill_attention(query, pool, table, past, layer, scale):
+            def paged_prefill_attention(query, pool, table, past, layer, scale, window=0):
                 calls.append((query.shape[0], past))
-                return real(query, pool, table, past, layer, scale)
+                return real(query, pool, table, past, layer, scale, window)
         eng.runner.kernels = Spy()
         roped = []                      # rows of each rope_store call: RoPE + K/V store fused
         eng.runner.model._kernels = _Counting("rope_store", roped)

@@ -10,7 +10,7 @@
      pool from the measured weights + peak activations and, after serving, has held no more than
      that share; two such engines fit side by side on one GPU (fractional GPUs);
   5. decode attention on CUDA: the Triton paged kernel (the default there) equals the torch
-     backend, and greedy output is the same with either, captured in CUDA graphs or not.
+     backend, with and without a sliding window, and greedy output is the same with either, captured in CUDA graphs or not.
 
     .venv/bin/pytest -q tests/test_cuda.py
 
@@ -175,12 +175,17 @@ def test_triton_paged_attention_equals_the_torch_backend_on_cuda():
             flat = pool.view(-1, kv_heads, dim)
             k, v = flat[slots + 2 * bs].clone(), flat[slots + 3 * bs].clone()
             k_rows = tables * (2 * layers)
-            mask = (torch.arange(nb * bs, device="cuda")[None, :] < lens[:, None])[:, None, None, :]
-            gathered = DecodeBatch(torch.arange(batch, device="cuda"), blocks=torch.stack((k_rows, k_rows + 1)).view(-1),
-                                   mask=mask)
-            ref = paged_attention(1, q, k, v, AttentionMetadata(pool, slots, gathered, [], True), dim ** -0.5)
-            out = TritonKernels.paged_decode_attention(q, pool, tables.contiguous(), lens, 1, dim ** -0.5)
-            assert (out.float() - ref.float()).abs().max().item() < tol, (dtype, heads, kv_heads, dim)
+            keys = torch.arange(nb * bs, device="cuda")[None, :]
+            mask = (keys < lens[:, None])[:, None, None, :]
+            for window in (0, 40):           # full attention, and a sliding window of the last 40 keys
+                in_window = mask & (keys >= lens[:, None] - window)[:, None, None, :]
+                gathered = DecodeBatch(torch.arange(batch, device="cuda"),
+                                       blocks=torch.stack((k_rows, k_rows + 1)).view(-1), mask=mask,
+                                       window_masks={window: in_window})
+                ref = paged_attention(1, q, k, v, AttentionMetadata(pool, slots, gathered, [], True), dim ** -0.5,
+                                      window)
+                out = TritonKernels.paged_decode_attention(q, pool, tables.contiguous(), lens, 1, dim ** -0.5, window)
+                assert (out.float() - ref.float()).abs().max().item() < tol, (dtype, heads, kv_heads, dim, window)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -89,18 +89,22 @@ def test_triton_kernel_under_the_interpreter(tmp_path):
             tables = torch.randperm(n, generator=g)[:B * nb].view(B, nb)
             lens = torch.tensor([ctx, 5, 20])
             q = torch.randn(B, heads, dim, generator=g)
-            out = TritonKernels.paged_decode_attention(q, pool, tables, lens, 1, dim ** -0.5)
-            k_rows = tables * (2 * L)
-            mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :]
-            dec = DecodeBatch(torch.arange(B), blocks=torch.stack((k_rows, k_rows + 1)).view(-1), mask=mask)
-            # the store writes the K/V already at each last position: a no-op
-            last = lens - 1
-            slots = tables[torch.arange(B), last // bs] * (L * 2 * bs) + last % bs
-            flat = pool.view(-1, kv_heads, dim)
-            k, v = flat[slots + 2 * bs].clone(), flat[slots + 3 * bs].clone()
-            ref = paged_attention(1, q, k, v, AttentionMetadata(pool, slots, dec, [], True), dim ** -0.5)
-            err = (out - ref).abs().max().item()
-            assert err < 1e-5, (heads, kv_heads, dim, bs, err)
+            for window in (0, 6, 19):          # full, and sliding windows (the last 6 / 19 keys)
+                out = TritonKernels.paged_decode_attention(q, pool, tables, lens, 1, dim ** -0.5, window)
+                k_rows = tables * (2 * L)
+                keys = torch.arange(nb * bs)[None, :]
+                mask = (keys < lens[:, None])[:, None, None, :]
+                in_window = mask & (keys >= lens[:, None] - window)[:, None, None, :]
+                dec = DecodeBatch(torch.arange(B), blocks=torch.stack((k_rows, k_rows + 1)).view(-1), mask=mask,
+                                  window_masks={{window: in_window}})
+                # the store writes the K/V already at each last position: a no-op
+                last = lens - 1
+                slots = tables[torch.arange(B), last // bs] * (L * 2 * bs) + last % bs
+                flat = pool.view(-1, kv_heads, dim)
+                k, v = flat[slots + 2 * bs].clone(), flat[slots + 3 * bs].clone()
+                ref = paged_attention(1, q, k, v, AttentionMetadata(pool, slots, dec, [], True), dim ** -0.5, window)
+                err = (out - ref).abs().max().item()
+                assert err < 1e-5, (heads, kv_heads, dim, bs, window, err)
         prompts = [[5, 6, 7], list(range(10, 27)), list(range(30, 41))]
         path = {str(path)!r}
         assert _generate(path, prompts, static=True, kernels=TritonKernels()) == \\

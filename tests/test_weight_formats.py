@@ -12,8 +12,9 @@
   activations, which the engine's kernels quantize and aten's do not).
 - On the real model, bf16, int8 and int4 move the mean log-likelihood of a fixed text by at most
   their measured tolerances (a perplexity-style check), and every format frees its KV blocks.
-- Configurations that cannot run are refused with a clear error; a model with sliding-window layers
-  serves at most its window (the engine's attention is full, the same up to the window).
+- Configurations that cannot run are refused with a clear error. A model with sliding-window layers
+  (qwen2's, mistral's) gives Hugging Face's log-probabilities and greedy tokens past its window, on
+  every attention path, and serves its whole length; a length-dependent RoPE caps the context.
 """
 
 import json
@@ -23,7 +24,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-from engine.config import EngineConfig, context_limit
+from engine.config import EngineConfig, context_limit, layer_windows
 from engine.kernels import cpu_kernels
 from engine.linear import cpu_has_native_bf16, make_linear, quantized_small_rows
 from engine.llm_engine import LLMEngine
@@ -282,15 +283,19 @@ def test_auto_dtype_on_cpu_follows_native_bf16():
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
 
 
-def test_a_sliding_window_or_a_length_dependent_rope_caps_the_context():
+def test_a_length_dependent_rope_caps_the_context_and_a_sliding_window_does_not():
     assert context_limit(LlamaConfig(max_position_embeddings=8192)) == 8192
-    assert context_limit(MistralConfig(max_position_embeddings=32768, sliding_window=4096)) == 4096
-    assert context_limit(MistralConfig(max_position_embeddings=32768, sliding_window=None)) == 32768
+    # sliding windows are attention the engine implements: the whole length, the window per layer
+    mistral = MistralConfig(max_position_embeddings=32768, sliding_window=4096, num_hidden_layers=3)
+    assert context_limit(mistral) == 32768 and layer_windows(mistral) == [4096] * 3
+    assert layer_windows(MistralConfig(sliding_window=None, num_hidden_layers=2)) == [0, 0]
+    assert layer_windows(LlamaConfig(num_hidden_layers=2)) == [0, 0]
     # Qwen2/Qwen3 carry a window that applies only with use_sliding_window (to the layers from
     # max_window_layers on)
-    assert context_limit(Qwen2Config(max_position_embeddings=32768, sliding_window=4096)) == 32768
-    assert context_limit(Qwen3Config(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=True,
-                                     max_window_layers=1, num_hidden_layers=2)) == 4096
+    assert layer_windows(Qwen2Config(sliding_window=4096, num_hidden_layers=2)) == [0, 0]
+    qwen3 = Qwen3Config(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=True,
+                        max_window_layers=1, num_hidden_layers=2)
+    assert context_limit(qwen3) == 32768 and layer_windows(qwen3) == [0, 4096]
     # RoPE whose frequencies change with the length: the original length
     longrope = {"rope_type": "longrope", "long_factor": [2.0] * 8, "short_factor": [1.0] * 8}
     assert context_limit(Phi3Config(max_position_embeddings=131072, original_max_position_embeddings=4096,
@@ -302,32 +307,57 @@ def test_a_sliding_window_or_a_length_dependent_rope_caps_the_context():
         "original_max_position_embeddings": 8192})) == 131072       # static: the whole length
 
 
-def test_a_sliding_window_model_serves_at_most_its_window(tmp_path):
-    """Qwen2 whose second layer attends within 24 tokens: up to 24 tokens the engine's full
-    attention is the model's (greedy output equals HF `generate`, which applies the window); a
-    request that could grow past 24 is refused, and a shorter max_model_len is kept."""
-    path = tiny_model_dir(tmp_path / "sw", "qwen2", seed=5)
+def _with_window(path, arch: str, window: int | None):
+    """The checkpoint's config with a sliding window: qwen2's second layer (`use_sliding_window`
+    from `max_window_layers` 1), mistral's every layer; None removes it."""
     cfg = json.loads((path / "config.json").read_text())
-    cfg.update(use_sliding_window=True, sliding_window=24, max_window_layers=1)
-    cfg.pop("layer_types", None)     # saved by transformers; recomputed from the keys above at load
+    cfg["sliding_window"] = window
+    if arch == "qwen2":
+        cfg.update(use_sliding_window=window is not None, max_window_layers=1)
+        cfg.pop("layer_types", None)     # saved by transformers; recomputed from the keys above at load
     (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("dtype,backend,tolerance", [("float32", "auto", 1e-4), ("float32", "torch", 1e-4),
+                                                     ("bfloat16", "auto", 0.02)])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_a_sliding_window_model_matches_hf_past_its_window(tmp_path, arch, dtype, backend, tolerance):
+    """A window of 6 keys (qwen2: its second layer; mistral: both) over prompts of 10 and 21
+    tokens and 12 generated: prompt chunks under a 16-token budget (fresh and after a past), then
+    decode, on every path (fp32: sdpa's windowed masks and the paged decode kernel, or the torch
+    backend's gathered decode; bf16 on a CPU with native bf16: the prefill and decode kernels with
+    the fused RoPE + K/V store). The log-probabilities of the prompt and of the greedy tokens are
+    Hugging Face's fp32 forward's, whose greedy tokens (`generate`, fp32) they are; without the
+    window they would be off by more than 0.1 (checked)."""
+    path = _with_window(_with_sharp_attention(tiny_model_dir(tmp_path / arch, arch, seed=5, head_dim=64), 4.0),
+                        arch, 6)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
-    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
-                                 block_size=4))
-    assert eng.max_model_len == 24
-    prompt = list(range(5, 21))
-    x = torch.tensor([prompt])
-    expected = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=8,
-                           min_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    assert [c.token_ids for c in eng.generate([prompt], params)] == [expected]
-    refused = eng.add_request("long", prompt + [21], params)
-    assert refused is not None and "maximum context length is 24 tokens" in refused.reason
+    eng = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB", block_size=4,
+                                 max_num_batched_tokens=16, attention_backend=backend))
+    assert eng.runner.model.windows == ([0, 6] if arch == "qwen2" else [6, 6])
+    assert eng.max_model_len == 2048
+    if backend == "torch" and arch == "qwen2":        # a shorter configured length is kept
+        assert LLMEngine(EngineConfig(model=str(path), device="cpu", kv_cache_memory="8MiB",
+                                      max_model_len=16)).max_model_len == 16
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    done = eng.generate(PROMPTS, params)
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-    shorter = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
-                                     block_size=4, max_model_len=16))
-    assert shorter.max_model_len == 16
+    full = AutoModelForCausalLM.from_pretrained(_with_window(path, arch, None), dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, done):
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            ref, without = (torch.log_softmax(m(ids).logits[0].float(), dim=-1) for m in (hf, full))
+        targets = ids[0, 1:]
+        expected = ref[torch.arange(len(targets)), targets]
+        got = torch.tensor([lp.logprob for lp in [*out.prompt_logprobs, *out.logprobs]])
+        assert (got - expected).abs().max() < tolerance, (got - expected).abs().max()
+        assert (without[torch.arange(len(targets)), targets] - expected).abs().max() > 0.1
+        if dtype == "float32":
+            x = torch.tensor([prompt])
+            greedy = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
+                                 min_new_tokens=12, pad_token_id=0, eos_token_id=None)
+            assert out.token_ids == greedy[0, len(prompt):].tolist()
 
 
 def test_an_unsupported_architecture_is_refused_at_load(tmp_path):

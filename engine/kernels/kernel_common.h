@@ -30,6 +30,10 @@ inline bool nan1(float v) {
   return (bits & 0x7FFFFFFFu) > 0x7F800000u;
 }
 
+// The first key a query at position len - 1 attends: 0, or with a sliding window of W keys
+// (transformers' `kv_idx > q_idx - W`) the W-th last
+inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
 #ifdef PDSERVE_AVX512
 inline __m512 widen16(__m256i h) {          // 16 bf16 -> fp32 (exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

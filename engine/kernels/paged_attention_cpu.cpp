@@ -10,6 +10,8 @@
 //   tables  [B, max_blocks] int64             (block tables, padded; only the first
 //                                              ceil(len / bs) entries of a row are read)
 //   lens    [B] int64                         (context length of each sequence, new token included)
+//   window  int                               (0: every key; W > 0: a sliding-window layer, each
+//                                              query attends its last W keys, itself included)
 //   -> out  [B, H * D]                        (same dtype as query)
 // Softmax in fp32: the max as the scores are stored, then exp (kernel_common.h exp16) and sum.
 //
@@ -226,7 +228,8 @@ void values_bf16(const float* scores, const float* inv, std::vector<bf16>& probs
 template <typename T, int64_t kDim>
 void attend_avx(const T* query, const T* pool, const int64_t* tables, const int64_t* lens, T* out,
                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
-                int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t token_stride, float scale) {
+                int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t token_stride, float scale,
+                int64_t window) {
   using E = Elems<T, kDim>;
   constexpr int kVecs = kDim / 16, kRowBytes = kDim * sizeof(T);
   constexpr int kHeadChunk = 24 / kVecs;      // query heads whose outputs fit 24 registers
@@ -236,14 +239,17 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
     std::vector<bf16> probs;
     std::vector<const T*> keys, values;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];
-      const int64_t padded = (len + 15) / 16 * 16;
+      // the item's keys are positions first .. lens[b] - 1 (all of them without a window); below,
+      // key t is position first + t and `len` their count
+      const int64_t b = item / kv_heads, h = item % kv_heads, first = first_key(lens[b], window);
+      const int64_t len = lens[b] - first, padded = (len + 15) / 16 * 16;
       const int64_t* table = tables + b * max_blocks;
       keys.resize(len);
       values.resize(len);
-      for (int64_t start = 0, i = 0; start < len; start += block_size, ++i) {
-        const T* row = pool + table[i] * block_stride + h * kDim;
-        for (int64_t t = start; t < std::min(len, start + block_size); ++t, row += token_stride) {
+      for (int64_t pos = first, t = 0; pos < lens[b]; ) {
+        const T* row = pool + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + h * kDim;
+        for (const int64_t stop = std::min(lens[b], (pos / block_size + 1) * block_size); pos < stop;
+             ++pos, ++t, row += token_stride) {
           keys[t] = row + k_offset;
           values[t] = row + v_offset;
         }
@@ -259,10 +265,11 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
       for (int64_t next = item + 1; next < std::min(end, item + 3); ++next) {
         const int64_t nb = next / kv_heads, nh = next % kv_heads;
         const int64_t* nt = tables + nb * max_blocks;
-        const int64_t ahead = std::min<int64_t>(lens[nb], 64);
-        for (int64_t start = 0, i = 0; start < ahead; start += block_size, ++i) {   // block by block: no division
-          const T* row = pool + nt[i] * block_stride + nh * kDim;
-          for (int64_t t = start; t < std::min(ahead, start + block_size); ++t, row += token_stride)
+        const int64_t from = first_key(lens[nb], window), ahead = std::min<int64_t>(lens[nb], from + 64);
+        for (int64_t pos = from; pos < ahead; ) {                  // block by block
+          const T* row = pool + nt[pos / block_size] * block_stride + (pos % block_size) * token_stride + nh * kDim;
+          for (const int64_t stop = std::min(ahead, (pos / block_size + 1) * block_size); pos < stop;
+               ++pos, row += token_stride)
             for (int j = 0; j < kRowBytes; j += 64) {
               _mm_prefetch(reinterpret_cast<const char*>(row + k_offset) + j, _MM_HINT_T0);
               _mm_prefetch(reinterpret_cast<const char*>(row + v_offset) + j, _MM_HINT_T0);
@@ -314,7 +321,7 @@ template <typename T, int64_t kDim>
 void attend(const T* query, const T* pool, const int64_t* tables, const int64_t* lens, T* out,
             int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
             int64_t block_size, int64_t block_stride, int64_t k_offset, int64_t v_offset,
-            int64_t token_stride, float scale) {
+            int64_t token_stride, float scale, int64_t window) {
   const int64_t group = heads / kv_heads;
   if (kDim > 0) dim = kDim;   // a compile-time head size lets the compiler unroll and vectorize
   // One sequence per work item; each token's K (then V) row of all KV heads is read once, in
@@ -322,14 +329,15 @@ void attend(const T* query, const T* pool, const int64_t* tables, const int64_t*
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(heads * dim), acc(heads * dim), row(dim), scores;
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = lens[b];
+      // keys: positions first .. lens[b] - 1; score j is position first + j
+      const int64_t first = first_key(lens[b], window), len = lens[b] - first;
       const int64_t* table = tables + b * max_blocks;
       for (int64_t i = 0; i < heads * dim; ++i) q[i] = static_cast<float>(query[b * heads * dim + i]) * scale;
       scores.assign(heads * len, 0.f);
       // 1. scores[head, j] = q_head . k_j, a block at a time
-      for (int64_t start = 0; start < len; start += block_size) {
-        const T* k = pool + table[start / block_size] * block_stride + k_offset;
-        const int64_t n = std::min(block_size, len - start);
+      for (int64_t start = 0; start < len; ) {
+        const int64_t pos = first + start, n = std::min(block_size - pos % block_size, len - start);
+        const T* k = pool + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + k_offset;
         for (int64_t t = 0; t < n; ++t, k += token_stride) {
           for (int64_t h = 0; h < kv_heads; ++h) {
             for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(k[h * dim + d]);
@@ -341,14 +349,15 @@ void attend(const T* query, const T* pool, const int64_t* tables, const int64_t*
             }
           }
         }
+        start += n;
       }
       // 2. softmax per query head
       for (int64_t head = 0; head < heads; ++head) softmax_in_place(scores.data() + head * len, len);
       // 3. out_head = sum_j p[head, j] v_j
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const T* v = pool + table[start / block_size] * block_stride + v_offset;
-        const int64_t n = std::min(block_size, len - start);
+      for (int64_t start = 0; start < len; ) {
+        const int64_t pos = first + start, n = std::min(block_size - pos % block_size, len - start);
+        const T* v = pool + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + v_offset;
         for (int64_t t = 0; t < n; ++t, v += token_stride) {
           for (int64_t h = 0; h < kv_heads; ++h) {
             for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(v[h * dim + d]);
@@ -359,6 +368,7 @@ void attend(const T* query, const T* pool, const int64_t* tables, const int64_t*
             }
           }
         }
+        start += n;
       }
       for (int64_t i = 0; i < heads * dim; ++i) out[b * heads * dim + i] = static_cast<T>(acc[i]);
     }
@@ -366,8 +376,9 @@ void attend(const T* query, const T* pool, const int64_t* tables, const int64_t*
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& pool, const at::Tensor& tables,
-                                  const at::Tensor& lens, int64_t layer, double scale) {
+                                  const at::Tensor& lens, int64_t layer, double scale, int64_t window) {
   TORCH_CHECK(query.device().is_cpu() && pool.device().is_cpu(), "paged_decode_attention runs on CPU");
+  TORCH_CHECK(window >= 0, "window: 0 (every key) or the number of keys each query attends");
   TORCH_CHECK(query.dim() == 3 && pool.dim() == 6, "query [B, H, D], pool [blocks, layers, 2, bs, Hkv, D]");
   TORCH_CHECK(query.scalar_type() == pool.scalar_type(), "query and pool dtypes differ");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "tables and lens are int64");
@@ -388,7 +399,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
     constexpr int64_t kDim = decltype(dim_tag)::value;
     attend<T, kDim>(q.data_ptr<T>(), pool.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                     out.data_ptr<T>(), batch, heads, kv_heads, dim, tables.size(1), block_size, block_stride,
-                    k_offset, v_offset, token_stride, static_cast<float>(scale));
+                    k_offset, v_offset, token_stride, static_cast<float>(scale), window);
   };
 #ifdef PDSERVE_AVX512
   if (dim == 64 || dim == 128) {
@@ -397,7 +408,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
       auto kernel = dim == 64 ? attend_avx<T, 64> : attend_avx<T, 128>;
       kernel(q.data_ptr<T>(), pool.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
              out.data_ptr<T>(), batch, heads, kv_heads, tables.size(1), block_size, block_stride, k_offset,
-             v_offset, token_stride, static_cast<float>(scale));
+             v_offset, token_stride, static_cast<float>(scale), window);
     };
     if (query.scalar_type() == at::kBFloat16) { fast(bf16{}); return out; }
     if (query.scalar_type() == at::kFloat) { fast(float{}); return out; }
@@ -421,7 +432,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
 }  // namespace
 
 TORCH_LIBRARY(pdserve, m) {
-  m.def("paged_decode_attention(Tensor query, Tensor pool, Tensor tables, Tensor lens, int layer, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor query, Tensor pool, Tensor tables, Tensor lens, int layer, float scale, "
+        "int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {

@@ -8,7 +8,9 @@
 //   pool   [blocks, layers, 2, bs, Hkv, D] bf16, the chunk's own K/V already stored
 //   table  [>= ceil((past + n) / bs)] int64, the sequence's block table
 //   past   tokens before the chunk (0: a fresh prompt)
-//   -> out [n, H * D] bf16     query i attends keys 0 .. past + i (causal), GQA without repeats
+//   window 0, or W > 0 for a sliding-window layer: query i attends only its last W keys
+//   -> out [n, H * D] bf16     query i attends keys 0 .. past + i (causal; with a window from
+//                              past + i - W + 1 on), GQA without repeats
 //
 // Why: sdpa's CPU flash attention ran 31-62 GFLOP/s on one thread here in bf16 (128-1024 tokens;
 // 41 at 512, where it was 43 % of a prefill), far from the 470 of the bf16 matmul; and a chunk
@@ -27,6 +29,9 @@
 //         the probabilities rounded to bf16 (as GPU flash attention's P), their sum in fp32;
 //      c. O = P V in register tiles of up to 4 rows (D = 64; 2 for 128) x D, over pairs of keys,
 //         divided by the row's sum, rounded to bf16 once.
+// With a window, an item starts at the key tile of its first row's first key (steps a and c skip
+// the tiles before it, step 1 those no row of the call sees) and step b zeroes a row's keys
+// before its window.
 // Head size 64 or 128; elsewhere (another size, no AVX512-BF16) the op refuses and the engine
 // keeps sdpa (engine.model_runner checks `prefill_attention_supported` first).
 #include <torch/library.h>
@@ -79,8 +84,8 @@ inline void score_tiles(const int32_t* const* q, const int32_t* kp, int64_t t0, 
 }
 
 template <int kPairs, int R>
-void score_rows(const int32_t* const* q, const int32_t* kp, int64_t tiles, float* s, int64_t width) {
-  int64_t t = 0;
+void score_rows(const int32_t* const* q, const int32_t* kp, int64_t t_begin, int64_t tiles, float* s, int64_t width) {
+  int64_t t = t_begin;
   for (; t + 2 <= tiles; t += 2) score_tiles<kPairs, R, 2>(q, kp, t, s, width);
   if (t < tiles) score_tiles<kPairs, R, 1>(q, kp, t, s, width);
 }
@@ -120,15 +125,17 @@ template <int kDim> struct ValueRows {
 
 template <int kDim>
 void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_t n, int64_t past, int64_t heads,
-                 int64_t kv_heads, float scale, bf16* out) {
+                 int64_t kv_heads, float scale, int64_t window, bf16* out) {
   constexpr int kPairs = kDim / 2, kValueRows = kDim == 64 ? 4 : 2;
   const int64_t group = heads / kv_heads, len = past + n, tiles = (len + 15) / 16;
+  const int64_t seen_tile = first_key(past + 1, window) / 16;        // no row sees a key before it
   // 1. K as [head][tile][pair j][16 keys], V as [head][key pair][dim] (2 keys' bf16 each)
-  // (uninitialized: every element is written below, keys past the context as zeros)
+  // (uninitialized: every element of the tiles from seen_tile is written below, keys past the context as zeros)
   std::unique_ptr<int32_t[]> kp(new int32_t[kv_heads * tiles * kPairs * 16]), vp(new int32_t[kv_heads * tiles * 8 * kDim]);
   at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / tiles, t = item % tiles;
+      if (t < seen_tile) continue;
       int32_t* kd = kp.get() + item * kPairs * 16;
       uint16_t* vd = reinterpret_cast<uint16_t*>(vp.get() + (h * tiles + t) * 8 * kDim);
       for (int i = 0; i < 16; ++i) {
@@ -159,6 +166,7 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
       const int64_t qt = z % 2 == 0 ? z / 2 : qtiles - 1 - z / 2;     // 0, last, 1, last - 1, ...
       const int64_t i0 = qt * 16, i1 = std::min(n, i0 + 16), rows = (i1 - i0) * group;
       const int64_t width = (past + i1 + 15) / 16 * 16;               // keys of the item's last row
+      const int64_t ft = first_key(past + i0 + 1, window) / 16;        // the tile of its first row's first key
       s.resize(rows * width);
       probs.resize(rows * width / 2);
       inv_sum.resize(rows);
@@ -174,19 +182,21 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
         const int rr = static_cast<int>(std::min<int64_t>(8, rows - r0));
         const int32_t* q[8];
         for (int r = 0; r < rr; ++r) q[r] = q_of(r0 + r);
-        with_rows<ScoreRows<kPairs>::template Rows>(rr, q, kph, (keys_of(r0 + rr - 1) + 15) / 16, s.data() + r0 * width,
-                                                    width);
+        with_rows<ScoreRows<kPairs>::template Rows>(rr, q, kph, ft, (keys_of(r0 + rr - 1) + 15) / 16,
+                                                    s.data() + r0 * width, width);
       }
-      // b. softmax per row: exp(scale (s - max)) over its keys, zeros after, as bf16 pairs
+      // b. softmax per row: exp(scale (s - max)) over its keys lo .. keys - 1, zeros around them
+      // (from the item's first tile), as bf16 pairs
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = s.data() + r * width;
-        const int64_t keys = keys_of(r);
+        const int64_t keys = keys_of(r), lo = first_key(keys, window);
         float m = std::numeric_limits<float>::lowest();
-        for (int64_t k = 0; k < keys; ++k) m = std::max(m, sr[k]);
-        inv_sum[r] = 1.f / exp_and_sum(sr, keys, m, scale);      // kernel_common.h (exp16, inline)
+        for (int64_t k = lo; k < keys; ++k) m = std::max(m, sr[k]);
+        inv_sum[r] = 1.f / exp_and_sum(sr + lo, keys - lo, m, scale);   // kernel_common.h (exp16, inline)
+        for (int64_t k = ft * 16; k < lo; ++k) sr[k] = 0.f;      // before the window
         for (int64_t k = keys; k < width; ++k) sr[k] = 0.f;      // later rows of a tile read these
         uint16_t* pr = reinterpret_cast<uint16_t*>(probs.data() + r * width / 2);
-        int64_t k = 0;
+        int64_t k = ft * 16;
         for (; k + 32 <= width; k += 32)
           _mm512_storeu_si512(pr + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + k + 16), _mm512_loadu_ps(sr + k)));
         if (k < width)                  // width is a multiple of 16
@@ -198,10 +208,11 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
         const int32_t* p[kValueRows];
         bf16* o[kValueRows];
         for (int r = 0; r < rr; ++r) {
-          p[r] = probs.data() + (r0 + r) * width / 2;
+          p[r] = probs.data() + (r0 + r) * width / 2 + ft * 8;
           o[r] = out + ((i0 + (r0 + r) / group) * heads + h * group + (r0 + r) % group) * kDim;
         }
-        with_rows<ValueRows<kDim>::template Rows, kValueRows>(rr, p, vph, (keys_of(r0 + rr - 1) + 1) / 2,
+        with_rows<ValueRows<kDim>::template Rows, kValueRows>(rr, p, vph + ft * 8 * kDim,
+                                                            (keys_of(r0 + rr - 1) + 1) / 2 - ft * 8,
                                                             inv_sum.data() + r0, o);
       }
     }
@@ -219,13 +230,14 @@ bool prefill_attention_supported(int64_t head_dim) {
 }
 
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& pool, const at::Tensor& table,
-                                   int64_t past, int64_t layer, double scale) {
+                                   int64_t past, int64_t layer, double scale, int64_t window) {
   TORCH_CHECK(query.device().is_cpu() && pool.device().is_cpu(), "paged_prefill_attention runs on CPU");
   TORCH_CHECK(query.dim() == 3 && pool.dim() == 6, "query [n, H, D], pool [blocks, layers, 2, bs, Hkv, D]");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && pool.scalar_type() == at::kBFloat16,
               "paged_prefill_attention takes a bfloat16 query and pool");
   TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1 && table.is_contiguous(), "table: [blocks] int64");
   TORCH_CHECK(pool.is_contiguous(), "a contiguous pool");
+  TORCH_CHECK(window >= 0, "window: 0 (every key) or the number of keys each query attends");
   const int64_t n = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t layers = pool.size(1), block_size = pool.size(3), kv_heads = pool.size(4);
   TORCH_CHECK(prefill_attention_supported(dim), "paged_prefill_attention: head size ", dim,
@@ -246,7 +258,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
   const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
   auto kernel = dim == 64 ? prefill_avx<64> : prefill_avx<128>;
-  kernel(qp, q.stride(0), ctx, n, past, heads, kv_heads, static_cast<float>(scale), op);
+  kernel(qp, q.stride(0), ctx, n, past, heads, kv_heads, static_cast<float>(scale), window, op);
 #endif
   return out;
 }
@@ -254,7 +266,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
-  m.def("paged_prefill_attention(Tensor query, Tensor pool, Tensor table, int past, int layer, float scale) -> Tensor");
+  m.def("paged_prefill_attention(Tensor query, Tensor pool, Tensor table, int past, int layer, float scale, "
+        "int window=0) -> Tensor");
   m.def("prefill_attention_supported(int head_dim) -> bool", &prefill_attention_supported);
 }
 

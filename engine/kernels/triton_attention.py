@@ -3,10 +3,11 @@
 One program per (sequence, KV head) walks the sequence's block table, reads each block's K/V
 rows straight from the block-major pool and keeps an online softmax for the query heads of
 that KV head's group (GQA without repeating heads, no `[batch, context]` copy). The loop bound
-is read from `lens` on the device, so a launch's shape depends only on the batch: CUDA graphs
+is read from `lens` on the device (with a sliding window of W keys, the loop starts at the block
+of key `len - W`, and keys before it are masked), so a launch's shape depends only on the batch: CUDA graphs
 capture it once per batch bucket (engine.cuda_graphs).
 
-`TritonKernels().paged_decode_attention(query, pool, tables, lens, layer, scale)` has the
+`TritonKernels().paged_decode_attention(query, pool, tables, lens, layer, scale, window)` has the
 signature of `torch.ops.pdserve.paged_decode_attention`. Triton ships with CUDA builds of torch;
 on CPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the
 tests check it without a GPU.
@@ -21,7 +22,7 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode(Q, POOL, TABLES, LENS, OUT, scale, table_stride, block_stride, k_offset, v_offset,
-                  token_stride, HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                  token_stride, WINDOW: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                   DIM: tl.constexpr, DIM_P: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -32,12 +33,15 @@ def _paged_decode(Q, POOL, TABLES, LENS, OUT, scale, table_stride, block_stride,
     q_rows = (b * HEADS + h * GROUP + g)[:, None] * DIM + d[None, :]
     q = tl.load(Q + q_rows, mask=q_mask, other=0.0).to(tl.float32) * scale          # [G, D]
     length = tl.load(LENS + b)
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(length - WINDOW, 0)
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
-    for j in range(0, tl.cdiv(length, BLOCK)):
+    for j in range(first // BLOCK, tl.cdiv(length, BLOCK)):
         block = tl.load(TABLES + b * table_stride + j).to(tl.int64)
-        valid = j * BLOCK + t < length
+        valid = (j * BLOCK + t < length) & (j * BLOCK + t >= first)
         rows = POOL + block * block_stride + t[:, None] * token_stride + h * DIM + d[None, :]
         kv_mask = valid[:, None] & (d < DIM)[None, :]
         k = tl.load(rows + k_offset, mask=kv_mask, other=0.0).to(tl.float32)        # [BLOCK, D]
@@ -59,7 +63,7 @@ class TritonKernels:
 
     @staticmethod
     def paged_decode_attention(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                               layer: int, scale: float) -> torch.Tensor:
+                               layer: int, scale: float, window: int = 0) -> torch.Tensor:
         batch, heads, dim = query.shape
         layers, block_size, kv_heads = pool.shape[1], pool.shape[3], pool.shape[4]
         assert pool.is_contiguous() and tables.is_contiguous() and lens.is_contiguous()
@@ -71,6 +75,6 @@ class TritonKernels:
         group = heads // kv_heads
         _paged_decode[(batch, kv_heads)](
             q, pool, tables, lens, out, scale, tables.stride(0), layers * 2 * half, layer * 2 * half,
-            layer * 2 * half + half, token_stride, HEADS=heads, GROUP=group,
+            layer * 2 * half + half, token_stride, WINDOW=window, HEADS=heads, GROUP=group,
             GROUP_P=triton.next_power_of_2(group), DIM=dim, DIM_P=triton.next_power_of_2(dim), BLOCK=block_size)
         return out
