@@ -106,9 +106,9 @@ def fused_attention(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """Attention of layer `layer` for a ragged step: query [T, H, D], key/value [T, Hkv, D]
-    (RoPE applied) -> [T, H * D]; `window` 0, or W for a sliding-window layer. K/V heads are never repeated for GQA: decode queries of one
-    KV head attend as a group (the group is sdpa's query axis), prompt chunks use sdpa's
-    `enable_gqa`."""
+    (RoPE applied) -> [T, H * D]; `window` 0, or W for a sliding-window layer. K/V heads are never
+    repeated for GQA: decode queries of one KV head attend as a group (the group is sdpa's query
+    axis), prompt chunks use sdpa's `enable_gqa`."""
     head_dim = query.shape[2]
     pool = meta.kv_pool
     block_size, n_kv = pool.shape[3], pool.shape[4]

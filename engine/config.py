@@ -115,17 +115,31 @@ class EngineConfig:
             raise ValueError("num_threads must be positive")
 
 
-# model types the engine's own forward runs (engine/decoder.py), all with a SiLU-gated MLP
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2")
+# model types the engine's own forward runs (engine/decoder.py); Gemma 3's text models (270M, 1B:
+# `gemma3_text`) differ most: RMSNorm scaling by 1 + weight, a scaled embedding, norms before and
+# after attention and MLP, GELU-tanh, RoPE and a sliding window per layer type
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "gemma3_text")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")          # of the gated MLP
 
 
-def unsupported_model(model_type: str | None, hidden_act: str | None) -> str | None:
-    """Why the engine cannot run a model of this config.json `model_type` and `hidden_act`, or None.
-    Torch-free: `pdserve serve` checks a model directory with it before it starts anything."""
+def unsupported_model(config: dict) -> str | None:
+    """Why the engine cannot run a model of this config.json (a dict, or a transformers config's
+    `to_dict()`), or None. Torch-free: `pdserve serve` checks a model directory with it before it
+    starts anything."""
+    model_type = config.get("model_type")
+    if model_type == "gemma3" or isinstance(config.get("text_config"), dict):
+        return (f"model type {model_type!r} is a multimodal checkpoint (text_config); pdserve runs text-only "
+                "decoders (for Gemma 3: the gemma3_text checkpoints, 270M and 1B)")
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {model_type!r} is not supported; pdserve runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-    if (hidden_act or "silu") != "silu":
-        return f"activation {hidden_act!r} is not supported (silu only)"
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if activation not in ACTIVATIONS:
+        return f"activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})"
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key):
+            return f"{key} (soft-capped scores, as Gemma 2's) is not supported"
+    if config.get("use_bidirectional_attention"):
+        return "bidirectional attention (an embedding model) is not supported"
     return None
 
 

@@ -1,5 +1,5 @@
 """A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite,
-OLMo 2): the engine's model code.
+OLMo 2, Gemma 3 text): the engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -15,7 +15,12 @@ part of each head (`partial_rotary_factor`: the first `rotary_dim` dimensions); 
 without RoPE (`no_rope_layers`), which the fused RoPE + K/V store kernel runs with cos 1, sin 0;
 Granite by four constants: the embeddings, each block's output (before its residual add) and the
 logits scaled, and `attention_multiplier` as the attention's scale; OLMo 2 by norms after each block
-instead of before (`x + norm(attn(x))`, `x + norm(mlp(x))`) and q/k norms over all heads at once.
+instead of before (`x + norm(attn(x))`, `x + norm(mlp(x))`) and q/k norms over all heads at once;
+Gemma 3 (`gemma3_text`) by norms both before and after attention and MLP (`x + norm(attn(norm(x)))`),
+RMSNorm scaling by 1 + weight (folded into the weights at load), an embedding scaled by
+sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated MLP,
+`query_pre_attn_scalar` as the attention's scale, and per layer type ("sliding_attention" /
+"full_attention") its own RoPE frequencies and a sliding window (see engine.attention).
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ from engine.linear import make_linear
 
 class _Layer:
     # in_norm/post_norm: the norms before attention and before the MLP; OLMo 2 (post-norm) has none
-    # before attention (in_norm None), and post_norm/ff_norm after attention and after the MLP.
+    # before attention (in_norm None), and post_norm/ff_norm after attention and after the MLP;
+    # Gemma 3 has all four: in_norm, attn_norm (after attention), post_norm (before the MLP), ff_norm.
     # q_norm/k_norm: RMSNorm weights of each query and key head [head_dim] (Qwen3) or of all of them
     # at once [heads * head_dim] (OLMo 2), None elsewhere; rope: False for SmolLM3's layers without
-    # positions
-    __slots__ = ("index", "in_norm", "post_norm", "ff_norm", "qkv", "o", "gate_up", "down", "q_norm", "k_norm",
-                 "rope", "window")
+    # positions; rope_kind: the layer type whose RoPE it takes (Gemma 3), else None; window: 0 or
+    # its sliding window
+    __slots__ = ("index", "in_norm", "attn_norm", "post_norm", "ff_norm", "qkv", "o", "gate_up", "down", "q_norm",
+                 "k_norm", "rope", "rope_kind", "window")
 
 
 class DecoderModel:
@@ -43,15 +50,19 @@ class DecoderModel:
 
     def __init__(self, hf_model, weight_format: str, dtype: torch.dtype, kernels=None, gemv: bool = True):
         cfg = hf_model.config
-        problem = unsupported_model(cfg.model_type, getattr(cfg, "hidden_act", None))
+        problem = unsupported_model(cfg.to_dict())
         if problem:
             raise ValueError(problem)
         self.dtype = dtype
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        # Granite's constants (1 and head_dim ** -0.5 elsewhere)
-        self.scale = float(getattr(cfg, "attention_multiplier", None) or self.head_dim ** -0.5)
+        # Granite's attention_multiplier, Gemma's query_pre_attn_scalar ** -0.5, else head_dim ** -0.5
+        pre_attn = getattr(cfg, "query_pre_attn_scalar", None)
+        self.scale = float(getattr(cfg, "attention_multiplier", None) or (pre_attn or self.head_dim) ** -0.5)
+        self.activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
+        # Gemma's RMSNorm scales by 1 + weight: the 1 is added to the weights here
+        self.norm_offset = 1.0 if cfg.model_type == "gemma3_text" else 0.0
         self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0))
         self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0))
         self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0))
@@ -64,17 +75,25 @@ class DecoderModel:
         self._kernels = kernels if dtype == torch.bfloat16 else None
         body = hf_model.model
         self.embed = body.embed_tokens.weight.detach().to(dtype)
+        # Gemma's embedding scale (sqrt(hidden), rounded to the model's dtype as transformers does)
+        scale = getattr(body.embed_tokens, "embed_scale", None)
+        self.embed_scale = None if scale is None else scale.detach().to(self.embed.device, dtype)
         self.rotary = body.rotary_emb
+        # RoPE per layer type (Gemma 3: its own frequencies for sliding and full layers), else one
+        self.rope_kinds = getattr(self.rotary, "layer_types", None) or [None]
         # dimensions of each head that RoPE rotates (< head_dim with a partial rotary factor)
         probe = torch.zeros(1, 1, dtype=dtype, device=self.embed.device)
-        self.rotary_dim = self.rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=probe.device))[0].shape[-1]
+        self.rotary_dim = self._rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=probe.device),
+                                       self.rope_kinds[0])[0].shape[-1]
         assert self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
-        self.norm = body.norm.weight.detach().to(dtype)
+        self.norm = self._norm_weight(body.norm)
         self.windows = layer_windows(cfg)          # per layer: 0, or its sliding window (keys)
         self.layers = [self._layer(i, layer, weight_format) for i, layer in enumerate(body.layers)]
         self.post_norms = self.layers[0].in_norm is None          # OLMo 2
+        self.sandwich = self.layers[0].attn_norm is not None      # Gemma 3
         self.rope_everywhere = all(layer.rope for layer in self.layers)   # False for SmolLM3
         assert all((layer.in_norm is None) == self.post_norms for layer in self.layers)
+        assert all((layer.attn_norm is not None) == self.sandwich for layer in self.layers)
         head = hf_model.lm_head
         self.vocab_size = head.out_features
         self._head = self._linear(head.weight.detach(), _bias(head), weight_format)
@@ -84,21 +103,40 @@ class DecoderModel:
         layer = _Layer()
         layer.index = i
         norm = getattr(hf_layer, "input_layernorm", None)
-        layer.in_norm = None if norm is None else norm.weight.detach().to(self.dtype)
-        layer.post_norm = hf_layer.post_attention_layernorm.weight.detach().to(self.dtype)
+        layer.in_norm = None if norm is None else self._norm_weight(norm)
+        pre_mlp = getattr(hf_layer, "pre_feedforward_layernorm", None)
+        if pre_mlp is None:
+            layer.attn_norm, layer.post_norm = None, self._norm_weight(hf_layer.post_attention_layernorm)
+        else:                # Gemma 3: post_attention_layernorm normalizes the attention's output
+            layer.attn_norm = self._norm_weight(hf_layer.post_attention_layernorm)
+            layer.post_norm = self._norm_weight(pre_mlp)
         norm = getattr(hf_layer, "post_feedforward_layernorm", None)
-        layer.ff_norm = None if norm is None else norm.weight.detach().to(self.dtype)
+        layer.ff_norm = None if norm is None else self._norm_weight(norm)
         layer.qkv = self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), fmt)
         layer.o = self._linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt)
         layer.gate_up = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), fmt)
         layer.down = self._linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         assert (q_norm is None) == (k_norm is None)
-        layer.q_norm = None if q_norm is None else q_norm.weight.detach().to(self.dtype)
-        layer.k_norm = None if k_norm is None else k_norm.weight.detach().to(self.dtype)
+        layer.q_norm = None if q_norm is None else self._norm_weight(q_norm)
+        layer.k_norm = None if k_norm is None else self._norm_weight(k_norm)
         layer.rope = bool(getattr(attn, "use_rope", True))
+        layer.rope_kind = getattr(attn, "layer_type", None) if self.rope_kinds != [None] else None
+        assert layer.rope_kind in self.rope_kinds
         layer.window = self.windows[i]
         return layer
+
+    def _norm_weight(self, norm) -> torch.Tensor:
+        """An RMSNorm's scale: its weight in the model's dtype, or Gemma's 1 + weight, added in fp32
+        and kept in fp32 for the bf16 kernels (as transformers scales by it: bf16 would round 1.01
+        to 1.0078)."""
+        if not self.norm_offset:
+            return norm.weight.detach().to(self.dtype)
+        scale = norm.weight.detach().float() + self.norm_offset
+        return scale if self._kernels is not None else scale.to(self.dtype)
+
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor, kind: str | None):
+        return self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] in the model's dtype of final hidden states [n, hidden]."""
@@ -127,12 +165,13 @@ class DecoderModel:
         # transformers' normalize-round-scale)
         return F.rms_norm(x, (x.shape[-1],), weight, eps=self.eps)
 
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the fused projection's two halves (bf16 on CPU: one kernel)."""
-        if self._kernels is not None:
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of the fused projection's two halves: SiLU (bf16 on CPU: one kernel), or
+        Gemma's GELU with the tanh approximation (transformers' `gelu_pytorch_tanh`)."""
+        if self.activation == "silu" and self._kernels is not None:
             return self._kernels.silu_mul(gate_up)
         g, u = gate_up.chunk(2, dim=-1)
-        return F.silu(g) * u
+        return (F.silu(g) if self.activation == "silu" else F.gelu(g, approximate="tanh")) * u
 
     def _qk_norm(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """qkv [T, (H + 2 Hkv) * D] with the queries and keys RMS-normalized, each head (Qwen3) or
@@ -156,23 +195,30 @@ class DecoderModel:
         x = F.embedding(input_ids, self.embed)
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         rm = self.residual_multiplier
-        cos, sin = self.rotary(x[None], positions[None])             # [1, T, head_dim]
-        # broadcast over heads; in the model's dtype (OLMo 2's rotary module returns float32)
-        cos, sin = cos[0, :, None].to(x.dtype), sin[0, :, None].to(x.dtype)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = x.shape[0]
         # bf16 steps whose attention all reads the pool in place (decode rows, and prompt chunks
         # through the prefill kernel): RoPE and the K/V store in one op per layer
         fused = self._kernels is not None and meta.in_place and self.rotary_dim == d
-        cos2, sin2 = cos[:, 0], sin[:, 0]                            # [T, head_dim]
+        # per RoPE kind: cos/sin [T, 1, rotary_dim], broadcast over heads, in the model's dtype (OLMo
+        # 2's rotary module returns float32), and as [T, rotary_dim] for the fused kernel
+        ropes = {}
+        for kind in self.rope_kinds:
+            cos, sin = self._rotary(x[None], positions[None], kind)   # [1, T, rotary_dim]
+            cos, sin = cos[0, :, None].to(x.dtype), sin[0, :, None].to(x.dtype)
+            ropes[kind] = cos, sin, cos[:, 0], sin[:, 0]
         if fused and not self.rope_everywhere:
-            no_rope = torch.ones_like(cos2), torch.zeros_like(sin2)  # the kernel's RoPE as the identity
+            cos2 = ropes[self.rope_kinds[0]][2]
+            no_rope = torch.ones_like(cos2), torch.zeros_like(cos2)   # the kernel's RoPE as the identity
         h = x if self.post_norms else self._rms_norm(x, self.layers[0].in_norm)    # the attention's input
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
             if layer.q_norm is not None:
                 qkv = self._qk_norm(qkv, layer)
+            cos, sin, cos2, sin2 = ropes[layer.rope_kind]
             if fused:
                 c, s = (cos2, sin2) if layer.rope else no_rope
                 a = fused_attention(layer.index, qkv, c, s, nh, meta, self.scale, self._kernels.rope_store,
@@ -186,11 +232,15 @@ class DecoderModel:
             out = layer.o(a)
             if self.post_norms:      # OLMo 2: x + norm(attention(x)), then x + norm(mlp(x))
                 x = x + self._rms_norm(out, layer.post_norm)
-                x = h = x + self._rms_norm(layer.down(self._silu_mul(layer.gate_up(x))), layer.ff_norm)
+                x = h = x + self._rms_norm(layer.down(self._act_mul(layer.gate_up(x))), layer.ff_norm)
                 continue
+            if self.sandwich:        # Gemma 3: the attention's and the MLP's outputs normalized too
+                out = self._rms_norm(out, layer.attn_norm)
             x, h = self._add_rms_norm(x, out if rm == 1.0 else out * rm, layer.post_norm)
             next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
-            out = layer.down(self._silu_mul(layer.gate_up(h)))
+            out = layer.down(self._act_mul(layer.gate_up(h)))
+            if self.sandwich:
+                out = self._rms_norm(out, layer.ff_norm)
             x, h = self._add_rms_norm(x, out if rm == 1.0 else out * rm, next_norm)
         return self._rms_norm(x, self.norm) if self.post_norms else h
 

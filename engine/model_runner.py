@@ -60,8 +60,8 @@ KERNEL_CHUNK_ROWS = 4
 
 def prefill_kernel_applies(kernels, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether prompt chunks (those not run as rows of the decode kernel) go through
-    `paged_prefill_attention` (engine/kernels/prefill_attention_cpu.cpp: bf16, head size 64 or
-    128, AVX512-BF16; 4-6x sdpa's CPU flash attention from 128 to 2048 tokens, measured by
+    `paged_prefill_attention` (engine/kernels/prefill_attention_cpu.cpp: bf16, head size 64, 128 or
+    256, AVX512-BF16; 4-6x sdpa's CPU flash attention from 128 to 2048 tokens, measured by
     benchmarks/attention_bench.py) instead of sdpa: with the CPU paged backend in bf16 where it
     is built. fp32 keeps sdpa, whose sums the exact mode's equality with Hugging Face relies on."""
     return (kernels is not None and device.type == "cpu" and dtype == torch.bfloat16
@@ -108,7 +108,8 @@ def paged_kernel_problem(kernels, num_heads: int, shape: KVShape, device: torch.
         q = torch.randn(2, num_heads, shape.head_dim, generator=g).to(device, dtype)
         scale = shape.head_dim ** -0.5
         # full attention, and a sliding window of bs + 2 keys (past the first block of the longer row)
-        out = torch.cat([kernels.paged_decode_attention(q, pool, tables, lens, 1, scale, w).float() for w in (0, bs + 2)])
+        out = torch.cat([kernels.paged_decode_attention(q, pool, tables, lens, 1, scale, w).float()
+                         for w in (0, bs + 2)])
         k_rows = tables * (2 * layers)
         mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
         dec = DecodeBatch(torch.arange(2, device=device), blocks=torch.stack((k_rows, k_rows + 1)).view(-1), mask=mask)
@@ -400,7 +401,8 @@ class ModelRunner:
         last = torch.tensor(lens) - 1
         batch.mask = (torch.arange(nb * bs)[None, :] <= last[:, None])[:, None, None, :].to(dev)
         if self.windows:
-            batch.window_masks = {w: window_mask(last, nb * bs, w)[0, 0][:, None, None, :].to(dev) for w in self.windows}
+            batch.window_masks = {w: window_mask(last, nb * bs, w)[0, 0][:, None, None, :].to(dev)
+                                  for w in self.windows}
         return batch
 
     # ---- KV export / import ----------------------------------------------------------------

@@ -86,7 +86,7 @@ def check_model_dir(path: Path) -> Path:
         raise ModelError(f"{path}/config.json is unreadable: {exc}") from None
     if not isinstance(config, dict):
         raise ModelError(f"{path}/config.json is not a JSON object")
-    problem = unsupported_model(config.get("model_type"), config.get("hidden_act"))
+    problem = unsupported_model(config)
     if problem:
         raise ModelError(f"{path}: {problem}")
     return path

@@ -104,6 +104,13 @@ def test_norm_kernels_match_torch(rows, hidden):
     assert (h != ref_h).float().mean() < 0.01
     x32, w32 = x.float(), w.float()
     assert torch.allclose(KERNELS.rms_norm(x32, w32, 1e-5), F.rms_norm(x32, (hidden,), w32, eps=1e-5), atol=1e-5)
+    # bf16 rows scaled by an fp32 weight (Gemma's 1 + weight): fp32 math, one rounding at the end
+    w_fine = 1 + torch.rand(hidden, generator=g) * 0.01               # bf16 would round most to 1
+    for out, rows in ((KERNELS.rms_norm(x, w_fine, 1e-5), x), (KERNELS.add_rms_norm(x, d, w_fine, 1e-5)[1], x + d)):
+        want = F.rms_norm(rows.float(), (hidden,), w_fine, eps=1e-5)
+        assert out.dtype == torch.bfloat16
+        assert (out.float() - want).abs().max() <= want.abs().max() * 2**-8      # its one rounding
+    assert (KERNELS.rms_norm(x, w_fine, 1e-5) != KERNELS.rms_norm(x, w_fine.bfloat16(), 1e-5)).any()
 
 
 @needs_kernel
@@ -399,6 +406,7 @@ def test_dense_gemv_refuses_what_is_not_its_layout():
     (9, 3, 64, 16, 70),     # SmolLM2's attention
     (9, 3, 64, 16, 300),    # ... over longer contexts (vectorized path: many 16-key steps, prefetched ahead)
     (8, 2, 128, 8, 70),     # the other specialized head size (vectorized path: a group of 4 in two chunks)
+    (4, 1, 256, 16, 300),   # Gemma 3's head size (vectorized path: one head a chunk)
     (14, 2, 64, 1, 70),     # a group of 7 (vectorized path: two chunks), block size 1
     (4, 4, 32, 4, 70),      # no GQA, a head size without specialization
     (6, 2, 16, 1, 70),      # block size 1
@@ -597,8 +605,8 @@ def _prefill_reference(pool, table, query, past, layer, scale, window=0):
     v = pool[table[pos // block_size], layer, 1, pos % block_size].float().transpose(0, 1)[None]
     q_pos = past + torch.arange(n)[:, None]
     mask = (pos[None, :] <= q_pos) & ((pos[None, :] > q_pos - window) if window else True)
-    o = F.scaled_dot_product_attention(query.float().transpose(0, 1)[None], k, v, attn_mask=mask[None, None], scale=scale,
-                                       enable_gqa=True)
+    o = F.scaled_dot_product_attention(query.float().transpose(0, 1)[None], k, v, attn_mask=mask[None, None],
+                                       scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1).reshape(n, heads * dim)
 
 
@@ -611,6 +619,7 @@ def _prefill_reference(pool, table, query, past, layer, scale, window=0):
     (33, 100, 4, 4, 128, 5),     # no GQA, head size 128, a block size that is not a power of 2
     (70, 3, 8, 1, 64, 7),        # one KV head for 8 query heads
     (200, 300, 9, 3, 64, 16),    # many tiles, on threads
+    (40, 17, 4, 1, 256, 16),     # Gemma 3's head size
 ])
 def test_prefill_kernel_matches_attention_in_fp32(n, past, heads, kv_heads, dim, block_size):
     pool, table, query = _prefill_case(n, past, heads, kv_heads, dim, block_size)
@@ -672,7 +681,7 @@ def test_prefill_kernel_refuses_what_it_cannot_read():
         KERNELS.paged_prefill_attention(query, pool, table + 100, 4, 0, 0.125)
     with pytest.raises(RuntimeError, match="layer out of range"):
         KERNELS.paged_prefill_attention(query, pool, table, 4, 2, 0.125)
-    assert not KERNELS.prefill_attention_supported(80)
+    assert not KERNELS.prefill_attention_supported(80) and KERNELS.prefill_attention_supported(256)
 
 
 @needs_prefill_kernel

@@ -10,7 +10,8 @@
      pool from the measured weights + peak activations and, after serving, has held no more than
      that share; two such engines fit side by side on one GPU (fractional GPUs);
   5. decode attention on CUDA: the Triton paged kernel (the default there) equals the torch
-     backend, with and without a sliding window, and greedy output is the same with either, captured in CUDA graphs or not.
+     backend, with and without a sliding window, and greedy output is the same with either,
+     captured in CUDA graphs or not.
 
     .venv/bin/pytest -q tests/test_cuda.py
 

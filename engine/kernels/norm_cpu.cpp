@@ -5,7 +5,8 @@
 //   rms_norm(x [T, H], w [H], eps)            -> x * rsqrt(mean(x^2) + eps) * w
 //   add_rms_norm(x [T, H], d [T, H], w, eps)  -> (x + d, rms_norm(x + d, w, eps))
 // Math as F.rms_norm(x, (H,), w, eps) on bf16: accumulate in fp32, scale by the weight in fp32,
-// round once; the residual sum is rounded to the input dtype first, as torch's `x + d` is.
+// round once; the residual sum is rounded to the input dtype first, as torch's `x + d` is. The
+// weight is in x's dtype or, for bf16 x, float32 (Gemma's 1 + weight, which bf16 would round).
 // bf16 with AVX512-BF16: 16 elements at a time (bf16 -> fp32 exactly, round-to-nearest-even back,
 // as the scalar cast); a prompt chunk's 128 x 576 add + norm measured ~100 us scalar here.
 #include <torch/library.h>
@@ -25,8 +26,12 @@ namespace {
 using namespace pdserve_cpu;
 
 #ifdef PDSERVE_AVX512
+inline __m512 load_weight16(const bf16* w, __mmask16 m) { return load16(w, m); }
+inline __m512 load_weight16(const float* w, __mmask16 m) { return _mm512_maskz_loadu_ps(m, w); }
+
 // one row: sum_out = bf16(x + delta) when delta is given; out = bf16(v * inv * w)
-void norm_row_avx(const bf16* x, const bf16* delta, bf16* sum_out, const bf16* w, bf16* out, int64_t hidden,
+template <typename W>
+void norm_row_avx(const bf16* x, const bf16* delta, bf16* sum_out, const W* w, bf16* out, int64_t hidden,
                   float eps) {
   __m512 ss = _mm512_setzero_ps();
   for (int64_t i = 0; i < hidden; i += 16) {
@@ -43,14 +48,14 @@ void norm_row_avx(const bf16* x, const bf16* delta, bf16* sum_out, const bf16* w
   const bf16* v_src = delta != nullptr ? sum_out : x;      // the (rounded) row again, from L1
   for (int64_t i = 0; i < hidden; i += 16) {
     const __mmask16 m = lanes16(hidden - i);
-    const __m512 o = _mm512_mul_ps(_mm512_mul_ps(load16(v_src + i, m), _mm512_set1_ps(inv)), load16(w + i, m));
+    const __m512 o = _mm512_mul_ps(_mm512_mul_ps(load16(v_src + i, m), _mm512_set1_ps(inv)), load_weight16(w + i, m));
     _mm256_mask_storeu_epi16(out + i, m, round16(o));
   }
 }
 #endif
 
-template <typename T>
-void norm_rows(const T* x, const T* delta, T* sum_out, const T* w, T* out, int64_t rows, int64_t hidden, float eps) {
+template <typename T, typename W>
+void norm_rows(const T* x, const T* delta, T* sum_out, const W* w, T* out, int64_t rows, int64_t hidden, float eps) {
 #ifdef PDSERVE_AVX512
   if constexpr (std::is_same_v<T, bf16>) {
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -85,23 +90,28 @@ void norm_rows(const T* x, const T* delta, T* sum_out, const T* w, T* out, int64
 
 void check(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x: a contiguous [rows, hidden] CPU tensor");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type() && w.is_contiguous(),
-              "w: [hidden] in x's dtype");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() &&
+              (w.scalar_type() == x.scalar_type() || w.scalar_type() == at::kFloat),
+              "w: [hidden] in x's dtype or float32");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "float32 or bfloat16");
 }
 
+// f(x's element, w's element) for the (x, w) dtypes `check` lets through
 template <typename F>
-void dispatch(const at::Tensor& x, F&& f) {
-  if (x.scalar_type() == at::kFloat) f(float{}); else f(c10::BFloat16{});
+void dispatch(const at::Tensor& x, const at::Tensor& w, F&& f) {
+  if (x.scalar_type() == at::kFloat) f(float{}, float{});
+  else if (w.scalar_type() == at::kFloat) f(c10::BFloat16{}, float{});
+  else f(c10::BFloat16{}, c10::BFloat16{});
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check(x, w);
   at::Tensor out = at::empty_like(x);
-  dispatch(x, [&](auto tag) {
+  dispatch(x, w, [&](auto tag, auto w_tag) {
     using T = decltype(tag);
-    norm_rows<T>(x.data_ptr<T>(), nullptr, nullptr, w.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1),
-                 static_cast<float>(eps));
+    using W = decltype(w_tag);
+    norm_rows<T, W>(x.data_ptr<T>(), nullptr, nullptr, w.data_ptr<W>(), out.data_ptr<T>(), x.size(0), x.size(1),
+                    static_cast<float>(eps));
   });
   return out;
 }
@@ -112,10 +122,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(), "delta: x's shape and dtype");
   at::Tensor d = delta.contiguous();
   at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
-  dispatch(x, [&](auto tag) {
+  dispatch(x, w, [&](auto tag, auto w_tag) {
     using T = decltype(tag);
-    norm_rows<T>(x.data_ptr<T>(), d.data_ptr<T>(), sum.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(),
-                 x.size(0), x.size(1), static_cast<float>(eps));
+    using W = decltype(w_tag);
+    norm_rows<T, W>(x.data_ptr<T>(), d.data_ptr<T>(), sum.data_ptr<T>(), w.data_ptr<W>(), out.data_ptr<T>(),
+                    x.size(0), x.size(1), static_cast<float>(eps));
   });
   return {sum, out};
 }

@@ -15,7 +15,7 @@
 //   -> out  [B, H * D]                        (same dtype as query)
 // Softmax in fp32: the max as the scores are stored, then exp (kernel_common.h exp16) and sum.
 //
-// Head size 64 or 128 on AVX512-BF16 (`attend_avx`, bf16 and fp32): one work item per
+// Head size 64, 128 or 256 (Gemma 3) on AVX512-BF16 (`attend_avx`, bf16 and fp32): one work item per
 // (sequence, KV head), so a single sequence's heads spread over the threads. Scores come 16
 // keys at a time: each key's dot product with a query head (bf16: `vdpbf16ps`, exact products;
 // fp32: FMA; sums in fp32) left in a vector of 16 partial sums, and the 16 vectors reduced together by a transpose
@@ -402,10 +402,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
                     k_offset, v_offset, token_stride, static_cast<float>(scale), window);
   };
 #ifdef PDSERVE_AVX512
-  if (dim == 64 || dim == 128) {
+  if (dim == 64 || dim == 128 || dim == 256) {
     auto fast = [&](auto tag) {
       using T = decltype(tag);
-      auto kernel = dim == 64 ? attend_avx<T, 64> : attend_avx<T, 128>;
+      auto kernel = dim == 64 ? attend_avx<T, 64> : dim == 128 ? attend_avx<T, 128> : attend_avx<T, 256>;
       kernel(q.data_ptr<T>(), pool.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
              out.data_ptr<T>(), batch, heads, kv_heads, tables.size(1), block_size, block_stride, k_offset,
              v_offset, token_stride, static_cast<float>(scale), window);

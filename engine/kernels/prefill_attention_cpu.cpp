@@ -27,12 +27,12 @@
 //      b. softmax per row in fp32 over its causal keys (the scale applied inside the exp, the
 //         inline exp16 of kernel_common.h),
 //         the probabilities rounded to bf16 (as GPU flash attention's P), their sum in fp32;
-//      c. O = P V in register tiles of up to 4 rows (D = 64; 2 for 128) x D, over pairs of keys,
+//      c. O = P V in register tiles of up to 4 rows (D = 64; 2 for 128, 1 for 256) x D, over pairs of keys,
 //         divided by the row's sum, rounded to bf16 once.
 // With a window, an item starts at the key tile of its first row's first key (steps a and c skip
 // the tiles before it, step 1 those no row of the call sees) and step b zeroes a row's keys
 // before its window.
-// Head size 64 or 128; elsewhere (another size, no AVX512-BF16) the op refuses and the engine
+// Head size 64, 128 or 256 (Gemma 3); elsewhere (another size, no AVX512-BF16) the op refuses and the engine
 // keeps sdpa (engine.model_runner checks `prefill_attention_supported` first).
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -126,7 +126,7 @@ template <int kDim> struct ValueRows {
 template <int kDim>
 void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_t n, int64_t past, int64_t heads,
                  int64_t kv_heads, float scale, int64_t window, bf16* out) {
-  constexpr int kPairs = kDim / 2, kValueRows = kDim == 64 ? 4 : 2;
+  constexpr int kPairs = kDim / 2, kValueRows = kDim == 64 ? 4 : kDim == 128 ? 2 : 1;
   const int64_t group = heads / kv_heads, len = past + n, tiles = (len + 15) / 16;
   const int64_t seen_tile = first_key(past + 1, window) / 16;        // no row sees a key before it
   // 1. K as [head][tile][pair j][16 keys], V as [head][key pair][dim] (2 keys' bf16 each)
@@ -222,7 +222,7 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
 
 bool prefill_attention_supported(int64_t head_dim) {
 #ifdef PDSERVE_AVX512
-  return head_dim == 64 || head_dim == 128;
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
 #else
   (void)head_dim;
   return false;
@@ -241,7 +241,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
   const int64_t n = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t layers = pool.size(1), block_size = pool.size(3), kv_heads = pool.size(4);
   TORCH_CHECK(prefill_attention_supported(dim), "paged_prefill_attention: head size ", dim,
-              " is not built here (64 or 128 with AVX512-BF16)");
+              " is not built here (64, 128 or 256 with AVX512-BF16)");
   TORCH_CHECK(pool.size(5) == dim && heads % kv_heads == 0, "head shapes do not match the pool");
   TORCH_CHECK(0 <= layer && layer < layers, "layer out of range");
   TORCH_CHECK(past >= 0 && n > 0 && table.numel() * block_size >= past + n, "the table does not cover the context");
@@ -257,7 +257,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
                     layers * 2 * half, layer * 2 * half, layer * 2 * half + half, token_stride};
   const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
-  auto kernel = dim == 64 ? prefill_avx<64> : prefill_avx<128>;
+  auto kernel = dim == 64 ? prefill_avx<64> : dim == 128 ? prefill_avx<128> : prefill_avx<256>;
   kernel(qp, q.stride(0), ctx, n, past, heads, kv_heads, static_cast<float>(scale), window, op);
 #endif
   return out;
