@@ -2,7 +2,9 @@
 
 Text is emitted only when the decoded tail no longer ends in a replacement character (a
 multi-byte character split across tokens) and never includes a possible beginning of a stop
-string; when a stop string appears, the text is cut before it.
+string; when a stop string appears, the text is cut before it. At the end the held-back tail is
+flushed, a character the last tokens left unfinished included (as the tokenizer's `decode` of the
+whole output shows it: a replacement character).
 """
 
 from __future__ import annotations
@@ -55,9 +57,14 @@ class IncrementalDetokenizer:
         if self.stopped:
             return
         self.ids.append(token_id)
+        self._advance(final=False)
+
+    def _advance(self, final: bool) -> None:
+        """Move the decoded text over the tokens since `read_offset` unless they end inside a
+        character (unless `final`); cut it at a stop string."""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             old_len = len(self.text)
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -68,7 +75,9 @@ class IncrementalDetokenizer:
                 self.stopped = True
 
     def take(self, final: bool) -> str:
-        """New text safe to show; `final` flushes the held-back tail."""
+        """New text safe to show; `final` flushes the held-back tail (and an unfinished character)."""
+        if final and not self.stopped and self.read_offset < len(self.ids):
+            self._advance(final=True)
         end = len(self.text) if (final or self.stopped) else max(len(self.text) - self.holdback, self.emitted)
         delta = self.text[self.emitted:end]
         self.emitted = end

@@ -92,6 +92,15 @@ def test_detokenizer_is_utf8_safe_and_holds_back_stop_prefixes(default_model_dir
         shown += d.take(final=False)
         assert "caf" not in shown or d.stopped
     assert d.stopped and shown + d.take(final=True) == "Voilà: 🙂 naïve "
+    # output cut inside a character (max_tokens): the end shows what the whole output decodes to
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    d = IncrementalDetokenizer(tok, [], stop=())
+    shown = ""
+    for i in ids[:cut]:
+        d.add(i)
+        shown += d.take(final=False)
+    assert "\ufffd" not in shown
+    assert shown + d.take(final=True) == tok.decode(ids[:cut]) and d.take(final=True) == ""
 
 
 def test_fast_decoder_gives_what_the_tokenizers_decode_gives(default_model_dir):
