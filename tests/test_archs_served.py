@@ -1,4 +1,4 @@
-"""An architecture beyond Llama through the whole disaggregated path: router -> prefill replica ->
+"""Architectures beyond Llama through the whole disaggregated path: router -> prefill replica ->
 KV over gloo -> decode replica.
 
 A tiny random Qwen3 with a head size (64) unlike hidden / heads (16), as Qwen3's real checkpoints
@@ -6,6 +6,8 @@ have (head_dim 128 beside hidden 1024 / 16 heads): the KV pool, its transfer and
 take the head size from the config. Its per-head q/k norm weights are random around 3, which makes
 its attention sharp enough that the greedy tokens depend on it (with all norm weights 1 instead,
 all 24 tokens of the two prompts change; around 1 they do not): K/V that arrived wrong would show.
+And a tiny Gemma 3 (head size 256, as its real checkpoints; a first layer with a sliding window of 8
+tokens, shorter than the second prompt, and its own RoPE), q/k norms likewise sharpened.
 Greedy HTTP output, streamed and not, is Hugging Face `generate`'s, with its log-probabilities, and
 every block is free after.
 """
@@ -23,9 +25,10 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], list(range(40, 81))]
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    path = tiny_model_dir(tmp_path_factory.mktemp("qwen3"), "qwen3", seed=4, head_dim=64)
+@pytest.fixture(scope="module", params=[("qwen3", 64), ("gemma3_text", 256)], ids=["qwen3", "gemma3_text"])
+def model_dir(request, tmp_path_factory):
+    arch, head_dim = request.param
+    path = tiny_model_dir(tmp_path_factory.mktemp(arch), arch, seed=4, head_dim=head_dim)
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(3)
@@ -36,10 +39,10 @@ def qwen3_dir(tmp_path_factory):
     return path
 
 
-def test_qwen3_served_disaggregated_matches_hf_generate(ray_serve, qwen3_dir):
-    hf = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+def test_served_disaggregated_matches_hf_generate(ray_serve, model_dir):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert hf.config.head_dim * hf.config.num_attention_heads != hf.config.hidden_size
-    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     expected = []                      # (text, log-probability of each greedy token) per prompt
     for p in PROMPTS:
         x = torch.tensor([p])
@@ -50,7 +53,7 @@ def test_qwen3_served_disaggregated_matches_hf_generate(ray_serve, qwen3_dir):
         new = out[0, len(p):]
         expected.append((tokenizer.decode(new, skip_special_tokens=True),
                          logp[torch.arange(len(new)), new].tolist()))
-    with tiny_app(ray_serve, qwen3_dir, "q3") as base:
+    with tiny_app(ray_serve, model_dir, hf.config.model_type[:2]) as base:
         for prompt, (text, logprobs) in zip(PROMPTS, expected):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
                     "logprobs": 0}
