@@ -127,13 +127,11 @@ class DecoderModel:
         return layer
 
     def _norm_weight(self, norm) -> torch.Tensor:
-        """An RMSNorm's scale: its weight in the model's dtype, or Gemma's 1 + weight, added in fp32
-        and kept in fp32 for the bf16 kernels (as transformers scales by it: bf16 would round 1.01
-        to 1.0078)."""
+        """An RMSNorm's scale: its weight in the model's dtype, or Gemma's 1 + weight, added and
+        kept in fp32 as transformers scales by it (bf16 would round 1.01 to 1.0078)."""
         if not self.norm_offset:
             return norm.weight.detach().to(self.dtype)
-        scale = norm.weight.detach().float() + self.norm_offset
-        return scale if self._kernels is not None else scale.to(self.dtype)
+        return norm.weight.detach().float() + self.norm_offset
 
     def _rotary(self, x: torch.Tensor, positions: torch.Tensor, kind: str | None):
         return self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
@@ -157,7 +155,10 @@ class DecoderModel:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:
-            return self._kernels.rms_norm(x, weight, self.eps)
+            return self._kernels.rms_norm(x, weight, self.eps)        # bf16 rows, a bf16 or fp32 weight
+        if weight.dtype != x.dtype:
+            # Gemma's fp32 scale on bf16 rows (CUDA): transformers' math, one rounding at the end
+            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * weight).to(x.dtype)
         if self.dtype == torch.float32:
             # transformers' LlamaRMSNorm op for op (the exact mode): normalize, then scale
             return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)

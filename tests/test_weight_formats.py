@@ -117,7 +117,7 @@ def _with_partial_rotary(path, factor):
 
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.02)])
 @pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3", "granite", "olmo2", "gemma3_text",
-                                  "gemma3_text-256"])
+                                  "gemma3_text-256", "gemma3_text-torch"])
 def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, tolerance):
     """qwen3's per-head q/k norms, phi3 with RoPE on half of each head (Phi-4-mini's
     `partial_rotary_factor`), smollm3's layer without RoPE, granite's multipliers, olmo2's norms
@@ -125,7 +125,8 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
     block scaling by 1 + weight, random here; the embedding scale; GELU; a sliding first layer with
     its own RoPE; also with Gemma 3's head size, 256), on every path (bf16 on a CPU with native bf16:
     the prefill and decode kernels and, for all but the partial-RoPE phi3, the fused RoPE + K/V
-    store): the log-probabilities of the prompt and of the greedy tokens are Hugging Face's fp32
+    store; gemma3_text-torch: bf16 without any kernel, as on CUDA, its fp32 norm scales through
+    torch's ops): the log-probabilities of the prompt and of the greedy tokens are Hugging Face's fp32
     forward's within the dtype's rounding (measured for qwen3: 5e-7 fp32, 0.004 bf16; 0.2 with its
     norms skipped, whose greedy tokens still agree)."""
     head_dim = 256 if arch.endswith("-256") else 64
@@ -137,8 +138,12 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
     if arch.startswith(("olmo2", "gemma3_text")):
         path = _with_random_norms(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    torch_only = arch.endswith("-torch")
     eng = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB",
-                                 block_size=4, max_num_batched_tokens=16))
+                                 block_size=4, max_num_batched_tokens=16, cpu_gemv=not torch_only,
+                                 attention_backend="torch" if torch_only else "auto"))
+    if torch_only:
+        eng.runner.model._kernels = None            # norms, activation and RoPE through torch's ops
     assert eng.runner.model.rotary_dim == (32 if arch == "phi3-partial" else head_dim)
     assert [layer.rope for layer in eng.runner.model.layers] == [True, arch != "smollm3"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
