@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one run (about 6 minutes on one H200), for a session that is lent a GPU:
 #   1. tests/test_cuda.py: the CUDA engine (fp32 == HF on the GPU, bf16 default, the KV pool sized
-#      by profiling within a share of the device, two engines on one GPU) and kv_transfer
+#      by profiling within a share of the device, two engines on one GPU; the Triton kernel with a
+#      sliding window; a tiny Gemma 3 against HF on the GPU) and kv_transfer
 #      with CUDA-resident pools (one GPU: gloo through pinned host staging), bit-exact;
 #   2. benchmarks/gpu_decode_check.py: decode step ms, eager torch attention vs the Triton paged
 #      kernel vs the paged kernel replayed from CUDA graphs;

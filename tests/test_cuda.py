@@ -11,7 +11,8 @@
      that share; two such engines fit side by side on one GPU (fractional GPUs);
   5. decode attention on CUDA: the Triton paged kernel (the default there) equals the torch
      backend, with and without a sliding window, and greedy output is the same with either,
-     captured in CUDA graphs or not.
+     captured in CUDA graphs or not; a tiny Gemma 3 (head size 256, a sliding layer) gives HF's
+     tokens and log-probabilities on the GPU.
 
     .venv/bin/pytest -q tests/test_cuda.py
 
@@ -79,6 +80,48 @@ def test_engine_fp32_on_cuda_matches_hf_on_cuda(model_dir, prompts):
                                attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda"))
                 [0, len(p):].tolist() for p in prompts]
     assert ours == refs
+
+
+def test_gemma3_on_cuda_gives_hf_tokens_and_logprobs(tmp_path):
+    """A tiny Gemma 3 (head size 256, an 8-token sliding first layer with its own RoPE, random norm
+    weights) on the GPU path: Triton decode with the window, decode captured in CUDA graphs, fp32
+    norm scales on bf16 rows. fp32 greedy tokens are HF `generate`'s on the GPU; bf16's
+    log-probabilities are within 0.02 of HF's fp32 forward (the CPU test's bound)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = tiny_model_dir(tmp_path / "g3", "gemma3_text", seed=2, head_dim=256)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1, 0.5)
+    model.save_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 21, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    for dtype in ("float32", "bfloat16"):
+        engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cuda", kv_cache_memory="64MiB",
+                                        block_size=4, max_num_batched_tokens=16))
+        assert engine.runner.attention_backend == "triton_paged" and engine.runner.graphs is not None
+        assert engine.runner.model.windows == [8, 0]
+        for prompt, done in zip(prompts, engine.generate(prompts, params)):
+            ids = torch.tensor([prompt + done.token_ids], device="cuda")
+            with torch.inference_mode():
+                ref = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
+            targets = ids[0, 1:]
+            expected = ref[torch.arange(len(targets), device="cuda"), targets].cpu()
+            got = torch.tensor([lp.logprob for lp in [*done.prompt_logprobs, *done.logprobs]])
+            assert (got - expected).abs().max() < (1e-3 if dtype == "float32" else 0.02), dtype
+            if dtype == "float32":
+                x = torch.tensor([prompt], device="cuda")
+                with torch.inference_mode():
+                    greedy = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
+                                         min_new_tokens=12, pad_token_id=0, eos_token_id=None)
+                assert done.token_ids == greedy[0, len(prompt):].tolist()
+        assert engine.block_manager.all_free()
 
 
 def test_engine_bf16_is_the_cuda_default_and_frees_everything(model_dir, prompts):
