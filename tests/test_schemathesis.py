@@ -8,7 +8,8 @@ the document (status, content type, body, each SSE event). Negative mode: reques
 document; every one is a 4xx with OpenAI's error object. Both end with every KV block free. Each
 prints its own summary: per operation, generated / accepted (2xx) / rejected (4xx) / 5xx / failures.
 (schemathesis' strategies are driven by hypothesis directly: its pytest plugin does not load under
-pytest 9.)
+pytest 9. Derandomized: the same cases every run; random ones once gave 100 completions none of
+which asked to stream, failing the SSE check by chance.)
 """
 
 import collections
@@ -53,7 +54,7 @@ def fuzz(base: str, mode: GenerationMode, extra_checks=()) -> tuple[dict, list[s
 
         @given(case=operation.as_strategy(generation_mode=mode))
         @settings(max_examples=EXAMPLES[mode], deadline=None, suppress_health_check=list(HealthCheck),
-                  database=None, phases=[Phase.generate])
+                  database=None, phases=[Phase.generate], derandomize=True)
         def run(case):
             response = case.call(base_url=base, timeout=120)
             status = response.status_code
