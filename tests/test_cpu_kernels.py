@@ -1,12 +1,14 @@
 """The engine's CPU kernels (engine/kernels) against the torch ops they replace.
 
 - RMSNorm and residual add + RMSNorm (the bf16 decoder's norms) equal F.rms_norm on bf16 rows up
-  to one bf16 rounding step in rare elements, and the residual sum exactly; SiLU-and-multiply
-  equals F.silu(gate) * up the same way.
+  to one bf16 rounding step in rare elements, and the residual sum exactly; with an fp32 weight
+  (Gemma's 1 + weight) the fp32 result rounded once; SiLU-and-multiply equals F.silu(gate) * up
+  the same way.
 
 - On random pools, shuffled block tables and ragged context lengths, the in-place kernel gives
   the torch backend's output (gather + sdpa) within float rounding, for fp32 and bf16, head
-  sizes with and without a compiled-in specialization, GQA groups of 1-4 and several block sizes.
+  sizes with and without a compiled-in specialization (64, 128, 256), GQA groups of 1-4 and
+  several block sizes, with full attention and within sliding windows.
 - A whole engine in the exact mode (fp32) gives the same greedy tokens with either backend,
   through prompt chunks and decode, and frees its blocks.
 - Asking for the kernel where it cannot run is a clear error.
@@ -25,7 +27,7 @@
 - Greedy sampling's row argmax gives torch's indices (first of ties, NaN as the maximum, infinities).
 - The prefill kernel (a bf16 prompt chunk's causal attention over its blocks in place) gives an
   fp32 attention's output within bf16 rounding, fresh and after a past, for GQA groups of 1-8, head
-  sizes 64 and 128 and odd block sizes; it takes the decoder's strided queries, reads nothing
+  sizes 64, 128 and 256 and odd block sizes, and within sliding windows; it takes the decoder's strided queries, reads nothing
   outside the context, and refuses what it cannot read. A bf16 engine runs every longer prompt
   chunk through it (its prompt log-probabilities within 0.05 of sdpa's), fp32 never.
 """

@@ -4,7 +4,8 @@
   (engine.cuda_graphs with capture off): padded up to a bucket by repeating row 0, it gives the
   same greedy tokens as the plain step, for batches that need padding and ones that do not.
 - The Triton paged-attention kernel (engine.kernels.triton_attention) under Triton's CPU
-  interpreter: it equals the torch backend on random pools, and an engine whose decode runs it
+  interpreter: it equals the torch backend on random pools (full and sliding-window attention),
+  and an engine whose decode runs it
   through the static-buffer path gives the torch backend's greedy tokens. Skipped where Triton is
   not installed (CUDA builds of torch bring it; `make install` adds it for this check).
 - `benchmarks/gpu_check.sh` runs on a bare GPU image (torch, transformers, msgpack, pytest: no Ray,
