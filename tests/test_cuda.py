@@ -32,7 +32,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer import (KVReceiver, KVSender, LoopbackReceiver, LoopbackSender, TransferConfig,
                          choose_backend, fingerprint_for)
 from kv_transfer.layout import device_info
-from tiny_models import tiny_model_dir
+from tiny_models import tiny_model_dir, with_random_norms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -91,14 +91,7 @@ def test_gemma3_on_cuda_gives_hf_tokens_and_logprobs(tmp_path):
     from transformers import AutoModelForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    path = tiny_model_dir(tmp_path / "g3", "gemma3_text", seed=2, head_dim=256)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(11)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1, 0.5)
-    model.save_pretrained(path)
+    path = with_random_norms(tiny_model_dir(tmp_path / "g3", "gemma3_text", seed=2, head_dim=256))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 21, 40)]

@@ -30,7 +30,7 @@ from engine.linear import cpu_has_native_bf16, make_linear, quantized_small_rows
 from engine.llm_engine import LLMEngine
 from engine.model_runner import resolve_dtype, weight_format
 from engine.sampling_params import SamplingParams
-from tiny_models import TINY_ARCHS, tiny_model_dir
+from tiny_models import TINY_ARCHS, tiny_model_dir, with_random_norms
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180, 190,
                                               200, 210, 220, 230, 240, 250]]
@@ -96,18 +96,6 @@ def _with_sharp_attention(path, gain=10.0):
     return path
 
 
-def _with_random_norms(path):
-    """The checkpoint with every RMSNorm weight random around 1 (a fresh model's are all ones)."""
-    model = AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(11)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1, 0.5)
-    model.save_pretrained(path)
-    return path
-
-
 def _with_partial_rotary(path, factor):
     cfg = json.loads((path / "config.json").read_text())
     cfg["rope_parameters"]["partial_rotary_factor"] = factor
@@ -136,7 +124,7 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
     if arch in ("smollm3", "granite"):
         path = _with_sharp_attention(path)
     if arch.startswith(("olmo2", "gemma3_text")):
-        path = _with_random_norms(path)
+        path = with_random_norms(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     torch_only = arch.endswith("-torch")
     eng = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB",

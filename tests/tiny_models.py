@@ -50,6 +50,22 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     return path
 
 
+def with_random_norms(path: Path) -> Path:
+    """The checkpoint at ``path`` with every RMSNorm weight random around 1 (a fresh model's are all
+    ones; Gemma's all zeros, scaling by 1 + weight), saved in place; returns ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
 def _tiny_config(arch: str, tokenizer, head_dim: int = 16):
     from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config,
                               Qwen2Config, Qwen3Config, SmolLM3Config)
