@@ -18,8 +18,9 @@ One run, one machine, one torch thread setting for every contender:
    prompts, stepped until all of them decode, then `eng.step()` timed one step at a time;
    beside each, the roofline bound of that step on this CPU (pdserve.plan: bytes read over
    measured read bandwidth, FLOPs over measured matmul peak in the format's compute dtype: int8
-   products for int8 and int4 with the engine's VNNI kernels, `torch._int_mm`'s peak) and the
-   efficiency bound / measured.
+   products for int8 and int4 with the engine's VNNI kernels, `torch._int_mm`'s peak; bf16 on a
+   CPU without native bf16, such as an AVX2-only one, fp32's: the engine's kernels widen bf16 and
+   multiply in fp32 there) and the efficiency bound / measured.
 
 `--profile` adds a breakdown of decode steps (default batch 1 and 32, in `--profile-format`):
 wall time per component (scheduler, `ModelRunner._prepare`, decoder body, paged attention, LM
@@ -230,6 +231,11 @@ def roofline(model_dir: str, threads: int):
     for _ in range(10):
         torch._int_mm(a, b)
     peaks[torch.int8] = 10 * 2 * 1024**3 / (time.perf_counter() - t0)
+    from engine.linear import cpu_has_native_bf16
+    if not cpu_has_native_bf16():
+        # torch's bf16 matmul is emulated there (1 GFLOP/s on an AVX2 host); the engine's bf16
+        # GEMVs widen the weights and multiply in fp32 FMAs, so fp32's peak is theirs
+        peaks[torch.bfloat16] = peaks[torch.float32]
     return resolve_spec(model_dir, dtype="fp32"), hw, peaks
 
 

@@ -7,7 +7,8 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
   dense (fp32, bf16, fp16)  `F.linear`; on a CPU with native bf16 (AVX512-BF16 / AMX) a bf16
                             weight is prepacked once into oneDNN's blocked layout
                             (`mkldnn._linear_pointwise`): 2-4x faster than plain bf16 `mm`.
-                            Where the engine's kernels build vectorized (AVX512-BF16), its GEMVs
+                            Where the engine's kernels build vectorized (AVX512-BF16, or
+                            AVX2 + FMA, where bf16 is widened to fp32 in registers), its GEMVs
                             run instead (engine/kernels/dense_gemv_cpu.cpp), which stream
                             the weight once per call near the memory bound (rows past the first
                             pass's 8, bf16's 16: further passes re-read each chunk of it from L2):
@@ -52,7 +53,10 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             format_quality.py's text, log-likelihood against fp32): int8 +0.008
                             (weight-only +0.003, bf16 +0.002), int4 -0.077 (weight-only -0.085);
                             one activation scale a row instead of a group of 32 cost as much as
-                            int4 (see the int8 kernel's header). Without VNNI the same kernels run as scalar loops up to
+                            int4 (see the int8 kernel's header). On AVX2 without AVX512 the same
+                            kernels run at every row count with AVX2's byte multiplies
+                            (`vpmaddubsw`, as llama.cpp's AVX2 dot products). Without either
+                            they run as scalar loops up to
                             KERNEL_SMALL_ROWS rows and a prepacked bf16 copy of the dequantized
                             weight above; without the engine's kernels, weight-only through
                             aten's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` (bf16
@@ -75,7 +79,7 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 INT4_GROUP = 32
 # at most this many rows: the quantized GEMV kernel; more: the bf16 copy (see above)
 SMALL_ROWS = 4            # aten's kernels (measured)
-KERNEL_SMALL_ROWS = 32    # the engine's kernels without VNNI (scalar); with it they take every row count
+KERNEL_SMALL_ROWS = 32    # the engine's kernels' scalar loops; with VNNI or AVX2 they take every row count
 # at most this many rows: the engine's dense GEMV (measured; see above); None: every row count, no
 # other copy of the weight
 DENSE_SMALL_ROWS: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float32: 64}
@@ -88,13 +92,27 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def cpu_serves_bf16(gemv: bool = True) -> bool:
+    """True where bf16 is the faster CPU format, `engine.dtype: auto`'s choice: native bf16, or the
+    engine's kernels built with vectorized GEMVs (`gemv`: EngineConfig.cpu_gemv), which on an
+    AVX2-only CPU widen bf16 weights to fp32 in registers: half fp32's bytes at the same FMAs.
+    Measured on an AVX2 AMD EPYC (Zen 3, 2 threads, `benchmarks/engine_bench.py`): decode steps
+    bf16 23.0 / 47.1 / 137.7 ms at batch 1 / 8 / 32 against fp32's 53.8 / 67.2 / 190.9; a
+    2 x 512-token prefill 3.5 s against 3.0 (`benchmarks/prefill_bench.py`)."""
+    if cpu_has_native_bf16():
+        return True
+    from engine.kernels import cpu_kernels
+    kernels = cpu_kernels() if gemv else None
+    return kernels is not None and bool(kernels.gemv_vectorized())
+
+
 def quantized_small_rows(kernels) -> int | None:
     """Rows up to which a quantized layer runs its int kernel (more: the bf16 copy); None: every row
     count, without a bf16 copy (the engine's int8 and int4 kernels where they build with
-    AVX512-VNNI)."""
+    AVX512-VNNI or AVX2)."""
     if kernels is None:
         return SMALL_ROWS
-    return None if kernels.vnni() else KERNEL_SMALL_ROWS
+    return None if kernels.int_gemv_vectorized() else KERNEL_SMALL_ROWS
 
 
 def dense_small_rows(dtype: torch.dtype, kernels) -> int | None:

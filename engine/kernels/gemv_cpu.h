@@ -47,6 +47,23 @@ inline void store16(bf16* y, const bf16* bias, int64_t N, int64_t n, __m512 v) {
 }
 #endif
 
+#ifdef PDSERVE_AVX2
+// y[n .. n + 8) = v + bias, rounded to bf16 (nearest even); only the channels below N are written
+inline void store8(bf16* y, const bf16* bias, int64_t N, int64_t n, __m256 v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  for (int c = 0; c < 8 && n + c < N; ++c) y[n + c] = static_cast<bf16>(t[c] + bias_at(bias, n + c));
+}
+// The AVX2 kernels take a block's rows in groups of up to 4 (their accumulators fit 16 registers;
+// the block's weights come again from L1/L2 for each group): f(integral_constant<int, S>, r0)
+template <int R, typename F>
+inline void in_fours(F&& f) {
+  int r0 = 0;
+  for (; r0 + 4 <= R; r0 += 4) f(std::integral_constant<int, 4>{}, r0);
+  if constexpr (R % 4 != 0) f(std::integral_constant<int, R % 4>{}, r0);
+}
+#endif
+
 #ifdef PDSERVE_AVX512
 // The kernels on weights in pairs of inputs (int8, bf16): R rows x NB blocks of 16 output
 // channels over K inputs (K even). `pair(j, k)` gives block j's weights at inputs k and k + 1 as

@@ -79,7 +79,57 @@ void int4_vnni(RoundedView x, int64_t K, const uint8_t* packed, const bf16* sz, 
 }
 #endif
 
-// the same sums, one channel at a time (CPUs without AVX512-VNNI)
+#ifdef PDSERVE_AVX2
+// The same sums on AVX2: the nibbles (0..15, unsigned) meet the int8 inputs in `vpmaddubsw`, which
+// adds pairs in int16; a group's 16 pairs of a lane add up in int16 (at most 16 * 15 * 127 = 30480:
+// no overflow), then `vpmaddwd` by ones into int32. Rows r0 .. r0 + S - 1 (S <= 4, r0 a multiple of
+// 4), channels 8h .. 8h + 7 of block b (half h of each 64-byte vector).
+template <int S>
+void int4_avx2_rows(RoundedView x, int r0, int64_t K, const uint8_t* packed, const bf16* sz, const bf16* bias,
+                    bf16* y, int64_t N, int64_t b) {
+  const int64_t groups = K / kGroup, stride = 4 * x.block;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  PDSERVE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[S];
+    PDSERVE_UNROLL
+    for (int r = 0; r < S; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = packed + (b * groups + g) * 256 + 32 * h;
+      const int8_t* quads = x.quad(r0, g, 0);
+      __m256i pairs[S];
+      PDSERVE_UNROLL
+      for (int r = 0; r < S; ++r) pairs[r] = _mm256_setzero_si256();
+      _Pragma("GCC unroll 2")
+      for (int v = 0; v < 4; ++v, quads += 2 * stride) {
+        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * v) + kAhead, _MM_HINT_T0);
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * v));
+        const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        PDSERVE_UNROLL
+        for (int r = 0; r < S; ++r) {
+          int32_t first, second;
+          std::memcpy(&first, quads + 4 * r, 4);
+          std::memcpy(&second, quads + stride + 4 * r, 4);
+          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(first)));
+          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(second)));
+        }
+      }
+      const bf16* s16 = sz + (b * groups + g) * 32 + 8 * h;
+      const __m256 s = load8(s16), m = _mm256_fmadd_ps(_mm256_set1_ps(-8.f), s, load8(s16 + 16));   // z - 8 s
+      PDSERVE_UNROLL
+      for (int r = 0; r < S; ++r) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r], ones));
+        const __m256 t = _mm256_fmadd_ps(dot, s, _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(x.sum(r0 + r, g))), m));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.scale(r0 + r, g)), t, acc[r]);
+      }
+    }
+    PDSERVE_UNROLL
+    for (int r = 0; r < S; ++r) store8(y + (r0 + r) * N, bias, N, b * 16 + 8 * h, acc[r]);
+  }
+}
+#endif
+
+// the same sums, one channel at a time (CPUs without AVX512-VNNI or AVX2)
 template <int R>
 void int4_scalar(RoundedView x, int64_t K, const uint8_t* packed, const bf16* sz, const bf16* bias, bf16* y, int64_t N,
                  int64_t b) {
@@ -109,6 +159,8 @@ template <int R> struct Int4Range {
     for (int64_t b = b0; b < b1; ++b) {
 #ifdef PDSERVE_VNNI
       int4_vnni<R>(x, K, packed, sz, bias, y, N, b);
+#elif defined(PDSERVE_AVX2)
+      in_fours<R>([&](auto s, int r0) { int4_avx2_rows<decltype(s)::value>(x, r0, K, packed, sz, bias, y, N, b); });
 #else
       int4_scalar<R>(x, K, packed, sz, bias, y, N, b);
 #endif

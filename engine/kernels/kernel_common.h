@@ -1,6 +1,7 @@
 // What the CPU kernels share: one test for the vector path (PDSERVE_AVX512: AVX512 F, BW, VL and
-// BF16, which every kernel's vectorized code needs; -march=native decides), bf16 <-> fp32 for 16
-// lanes, and the dispatch of a runtime row count to kernels compiled per row count.
+// BF16, which every kernel's vectorized code needs; -march=native decides; else PDSERVE_AVX2 for
+// the GEMVs' 8-lane paths), bf16 <-> fp32 for 16 lanes, and the dispatch of a runtime row count to
+// kernels compiled per row count.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -15,6 +16,12 @@
 // and AVX512-VNNI's `vpdpbusd` (u8 x s8 products summed in int32): the int8 and int4 kernels
 #if defined(PDSERVE_AVX512) && defined(__AVX512VNNI__)
 #define PDSERVE_VNNI 1
+#endif
+// Elsewhere on x86-64 with AVX2 and FMA (AMD Zen 1-3, Intel before Ice Lake's servers, most
+// clients): 8-lane paths of the GEMVs (PDSERVE_AVX2); the other kernels keep their scalar loops there
+#if !defined(PDSERVE_AVX512) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PDSERVE_AVX2 1
 #endif
 #define PDSERVE_UNROLL _Pragma("GCC unroll 16")
 
@@ -90,6 +97,23 @@ inline float exp_and_sum(float* s, int64_t n, float max, float scale) {
     sum = _mm512_mask_add_ps(sum, valid, sum, e);
   }
   return _mm512_reduce_add_ps(sum);
+}
+#endif
+
+#ifdef PDSERVE_AVX2
+// The sum of 8 fp32 lanes, one fixed tree (batch-invariant)
+inline float sum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+inline __m256 load8(const bf16* p) {        // 8 bf16 -> fp32 (exact)
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+// The first n of 8 lanes as a maskload mask (n <= 0 none, n >= 8 all)
+inline __m256i lanes8(int64_t n) {
+  const int64_t k = n < 0 ? 0 : (n > 8 ? 8 : n);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 #endif
 
