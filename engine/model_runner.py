@@ -19,7 +19,7 @@ from engine.config import EngineConfig, context_limit, parse_kv_memory
 from engine.cuda_graphs import DecodeGraphs
 from engine.decoder import DecoderModel
 from engine.kernels import cpu_kernels
-from engine.linear import cpu_has_native_bf16
+from engine.linear import cpu_serves_bf16
 from engine.memory import CudaUsage, cpu_kv_budget, cuda_kv_budget, return_freed_heap
 from engine.sequence import ScheduledChunk
 
@@ -34,12 +34,13 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """'auto': bf16 on a GPU that supports it (fp16 on older ones); on CPU bf16 where the CPU
-    computes it natively (AVX512-BF16 / AMX), else fp32."""
+def resolve_dtype(spec: str, device: torch.device, gemv: bool = True) -> torch.dtype:
+    """'auto': bf16 on a GPU that supports it (fp16 on older ones); on CPU bf16 where it is the
+    faster format (`engine.linear.cpu_serves_bf16`: native bf16, or the engine's GEMVs built for
+    AVX2 unless `gemv` (EngineConfig.cpu_gemv) is off), else fp32."""
     if spec == "auto":
         if device.type != "cuda":
-            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+            return torch.bfloat16 if cpu_serves_bf16(gemv) else torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return _TORCH_DTYPES[spec]
 
@@ -171,7 +172,7 @@ class ModelRunner:
         # on CUDA, what was in use before this runner (another engine in this process counts as
         # someone else's; see _profile_cuda)
         at_start = _cuda_snapshot(self.device) if self.device.type == "cuda" else None
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.cpu_gemv)
         self.weight_format = weight_format(config, self.device, self.dtype)
         self.kernels, self.attention_backend = attention_kernels(config.attention_backend, self.device, self.dtype)
         # quantized formats start from fp32 weights; the others load in their own dtype

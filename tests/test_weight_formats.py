@@ -274,9 +274,15 @@ def test_formats_keep_the_real_models_log_likelihood(default_model_dir, text_ids
     assert abs(got - fp32_loglik) < tolerance, (got, fp32_loglik)
 
 
-def test_auto_dtype_on_cpu_follows_native_bf16():
-    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+def test_auto_dtype_on_cpu_is_bf16_where_it_is_the_faster_format():
+    from engine.kernels import cpu_kernels
+    kernels = cpu_kernels()
+    vectorized = kernels is not None and kernels.gemv_vectorized()
+    expected = torch.bfloat16 if cpu_has_native_bf16() or vectorized else torch.float32
     assert resolve_dtype("auto", torch.device("cpu")) == expected
+    # without the engine's GEMVs only native bf16 makes bf16 the faster format
+    assert resolve_dtype("auto", torch.device("cpu"), gemv=False) == (
+        torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
 
 

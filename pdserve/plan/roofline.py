@@ -148,7 +148,8 @@ def plan(m: ModelSpec, hw: Hardware, input_len: int, output_len: int, rate: floa
 def served_dtype(hardware: str) -> str:
     """The dtype pdserve serves a model in on `hardware` with `engine.dtype: auto`, as the planner
     names it: bf16 on the GPU presets (all have bf16), and on `cpu` (this machine) the engine's own
-    choice (`engine.model_runner.resolve_dtype`: bf16 where the CPU has native bf16, else fp32). A
+    choice (`engine.model_runner.resolve_dtype`: bf16 where the CPU has native bf16 or the
+    engine's GEMVs build for AVX2, else fp32). A
     model's config `torch_dtype` does not matter: the engine converts the weights."""
     if hardware != "cpu":
         return "bf16"
@@ -173,7 +174,12 @@ def measure_cpu(dtype: str = "fp32") -> Hardware:
 
     import psutil
     import torch
-    a = torch.randn(1024, 1024, dtype=getattr(torch, _MATMUL_DTYPES[dtype]))
+
+    from engine.linear import cpu_has_native_bf16
+    # without native bf16 (an AVX2-only CPU) torch's bf16 matmul is emulated (about 1 GFLOP/s)
+    # while the engine's bf16 kernels widen to fp32 and run fp32's FMAs: their peak is fp32's
+    matmul = "fp32" if dtype == "bf16" and not cpu_has_native_bf16() else dtype
+    a = torch.randn(1024, 1024, dtype=getattr(torch, _MATMUL_DTYPES[matmul]))
     b = torch.randn_like(a)
     a @ b
     t0 = time.perf_counter()
@@ -195,7 +201,8 @@ def measure_cpu(dtype: str = "fp32") -> Hardware:
     src = torch.empty(64 * 2**20, dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy_bw = 2 * src.numel() / best_seconds(lambda: dst.copy_(src), 8)   # read + write
-    return Hardware(f"this CPU (measured, {dtype} matmul)", flops, read_bw, psutil.virtual_memory().total, copy_bw)
+    how = f"{dtype} matmul" if matmul == dtype else f"{dtype} served, {matmul} matmul"
+    return Hardware(f"this CPU (measured, {how})", flops, read_bw, psutil.virtual_memory().total, copy_bw)
 
 
 def report(m: ModelSpec, hw: Hardware, lengths=(128, 512, 1024, 4096), batches=(1, 8, 64)) -> str:
