@@ -38,8 +38,9 @@ class EngineConfig:
 
     model: a local Hugging Face model directory (see `serving.models.resolve_model`).
     dtype: float32 | bfloat16 | float16 | auto (bf16 on CUDA, fp16 on GPUs without bf16; on CPU
-        bf16 where the CPU has native bf16 (AVX512-BF16/AMX), else fp32). float32 is the exact
-        mode: greedy output token-identical to Hugging Face `generate` in fp32.
+        bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or the engine's GEMVs build for AVX2,
+        else fp32). float32 is the exact mode: greedy output token-identical to Hugging Face
+        `generate` in fp32.
     quantization: None | int8 | int4: quantization of every linear and the LM head (CPU): int8
         weights per output channel, int4 in groups of 32 with a scale and zero each; with the
         engine's VNNI kernels the activations are rounded to int8 inside each linear too (each

@@ -96,9 +96,10 @@ def cpu_serves_bf16(gemv: bool = True) -> bool:
     """True where bf16 is the faster CPU format, `engine.dtype: auto`'s choice: native bf16, or the
     engine's kernels built with vectorized GEMVs (`gemv`: EngineConfig.cpu_gemv), which on an
     AVX2-only CPU widen bf16 weights to fp32 in registers: half fp32's bytes at the same FMAs.
-    Measured on an AVX2 AMD EPYC (Zen 3, 2 threads, `benchmarks/engine_bench.py`): decode steps
-    bf16 23.0 / 47.1 / 137.7 ms at batch 1 / 8 / 32 against fp32's 53.8 / 67.2 / 190.9; a
-    2 x 512-token prefill 3.5 s against 3.0 (`benchmarks/prefill_bench.py`)."""
+    Measured on an AVX2 AMD EPYC (Zen 3, 2 threads, `benchmarks/engine_bench.py`, two runs):
+    decode steps bf16 23.0-24.1 / 47.1-49.4 / 137.7-146.9 ms at batch 1 / 8 / 32 against fp32's
+    44.6-53.8 / 62.7-67.2 / 172.2-190.9; a 2 x 512-token prefill 3.5 s against 3.0
+    (`benchmarks/prefill_bench.py`)."""
     if cpu_has_native_bf16():
         return True
     from engine.kernels import cpu_kernels
@@ -119,7 +120,7 @@ def dense_small_rows(dtype: torch.dtype, kernels) -> int | None:
     """Rows up to which a dense layer of `dtype` runs the engine's GEMV (0: never; None: every row
     count, and the layer keeps no other copy of its weight)."""
     if kernels is None or dtype not in DENSE_SMALL_ROWS or not kernels.gemv_vectorized():
-        return 0                             # vectorized: built for this CPU's AVX512-BF16
+        return 0                             # vectorized: built for this CPU's AVX512-BF16 or AVX2
     return DENSE_SMALL_ROWS[dtype]
 
 

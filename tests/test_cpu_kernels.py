@@ -243,7 +243,7 @@ def test_quant_gemv_refuses_what_is_not_its_layout():
 
 
 needs_vector_gemv = pytest.mark.skipif(KERNELS is None or not KERNELS.gemv_vectorized(),
-                                       reason="the dense GEMVs are used only where they build with AVX512-BF16")
+                                       reason="the dense GEMVs are used only where they build with AVX512-BF16 or AVX2")
 
 
 class _Counting:
@@ -331,7 +331,7 @@ def test_gemv_passes_over_l2_chunks_give_what_single_passes_give(fmt):
     what the row slices of those passes give alone (one pass over the whole share each, the same
     per-pass kernels), so every channel and row is computed once and in place; no rows, no pass."""
     if fmt in ("fp32", "bf16") and not KERNELS.gemv_vectorized():
-        pytest.skip("the dense GEMVs are used only where they build with AVX512-BF16")
+        pytest.skip("the dense GEMVs are used only where they build with AVX512-BF16 or AVX2")
     g = torch.Generator().manual_seed(11)
     w = torch.randn(4000, 576, generator=g) * 0.05
     x = torch.randn(43, 576, generator=g)

@@ -32,7 +32,7 @@ def test_plan_scales_with_rate_and_respects_slos():
 
 def test_this_cpu_is_planned_in_the_dtype_pdserve_serves_in(capsys):
     """`--hardware cpu` without `--dtype`: the model's bytes and the measured matmul are those of the
-    dtype the engine's `auto` picks here (bf16 with native bf16), whatever the checkpoint's."""
+    dtype the engine's `auto` picks here (bf16 with native bf16 or the AVX2 GEMVs), whatever the checkpoint's."""
     import argparse
 
     from engine.linear import cpu_has_native_bf16, cpu_serves_bf16

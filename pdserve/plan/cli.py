@@ -27,7 +27,7 @@ def add_arguments(pl: argparse.ArgumentParser) -> None:
                     help="preset (qwen2.5-7b, smollm2-135m) or a path to an HF model directory or config.json")
     pl.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
                     help="bytes per parameter and KV element, and on --hardware cpu the matmul measured "
-                         "(default: what pdserve serves in: bf16 on GPUs and on CPUs with native bf16, else fp32)")
+                         "(default: what pdserve serves in: bf16 on GPUs and on CPUs with native bf16 or the engine's AVX2 GEMVs, else fp32)")
     pl.add_argument("--params", type=float, help="override the parameter count (e.g. 7.6e9)")
     pl.add_argument("--hardware", default="h200", choices=HARDWARE_CHOICES)
     pl.add_argument("--input-len", type=int, default=1024)
