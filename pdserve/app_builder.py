@@ -135,8 +135,14 @@ def build_app(config: AppConfig | dict):
     cfg = config if isinstance(config, AppConfig) else AppConfig.model_validate(config)
     data = cfg.model_dump()
     registry = StatsRegistry.bind()
+    pools = (cfg.colocated,) if cfg.mode == "colocated" else (cfg.prefill, cfg.decode)
     router_opts = {"num_replicas": 1, "max_ongoing_requests": 4096,
-                   "ray_actor_options": head_actor_options()}      # on the head node, never on a pool's
+                   "ray_actor_options": head_actor_options(),      # on the head node, never on a pool's
+                   # a router replica being replaced (any redeploy of the application) relays its
+                   # streams as long as the pools behind it finish theirs (Serve's default: 20 s,
+                   # which cut streams the pools would have finished, and the client got Serve's
+                   # plain-text 500)
+                   "graceful_shutdown_timeout_s": max(p.graceful_shutdown_timeout_s for p in pools)}
     if cfg.autoscaling is not None:      # pinned at 1: autoscaled only so that Serve collects its SLO window
         router_opts.pop("num_replicas")
         router_opts["autoscaling_config"] = slo_bounds_config(PoolBounds(max_replicas=1), cfg.autoscaling)

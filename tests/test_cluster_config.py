@@ -121,3 +121,13 @@ def test_router_and_registry_ask_for_the_head_node():
     router = app._bound_deployment
     assert router.ray_actor_options["resources"] == {"node:__internal_head__": 0.001}
     assert StatsRegistry.ray_actor_options["resources"] == {"node:__internal_head__": 0.001}
+
+
+def test_the_router_drains_as_long_as_the_pools_behind_it():
+    """A router replica being replaced (a redeploy) keeps relaying its streams as long as the pools
+    finish theirs; Serve's default (20 s) cut them, and a client got a plain-text 500."""
+    from pdserve.app_builder import build_app
+    app = build_app(AppConfig(prefill={"graceful_shutdown_timeout_s": 30}, decode={"graceful_shutdown_timeout_s": 45}))
+    assert app._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 45
+    colocated = build_app(AppConfig(mode="colocated", colocated={"graceful_shutdown_timeout_s": 90}))
+    assert colocated._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 90
