@@ -50,6 +50,7 @@ inline void store16(bf16* y, const bf16* bias, int64_t N, int64_t n, __m512 v) {
 #ifdef PDSERVE_AVX2
 // y[n .. n + 8) = v + bias, rounded to bf16 (nearest even); only the channels below N are written
 inline void store8(bf16* y, const bf16* bias, int64_t N, int64_t n, __m256 v) {
+  if (n + 8 <= N) return round_store8(y + n, bias ? _mm256_add_ps(v, load8(bias + n)) : v);
   alignas(32) float t[8];
   _mm256_store_ps(t, v);
   for (int c = 0; c < 8 && n + c < N; ++c) y[n + c] = static_cast<bf16>(t[c] + bias_at(bias, n + c));

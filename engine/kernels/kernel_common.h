@@ -1,6 +1,6 @@
 // What the CPU kernels share: one test for the vector path (PDSERVE_AVX512: AVX512 F, BW, VL and
 // BF16, which every kernel's vectorized code needs; -march=native decides; else PDSERVE_AVX2 for
-// the GEMVs' 8-lane paths), bf16 <-> fp32 for 16 lanes, and the dispatch of a runtime row count to
+// 8-lane paths), bf16 <-> fp32 for 16 (8) lanes, and the dispatch of a runtime row count to
 // kernels compiled per row count.
 #pragma once
 
@@ -18,7 +18,8 @@
 #define PDSERVE_VNNI 1
 #endif
 // Elsewhere on x86-64 with AVX2 and FMA (AMD Zen 1-3, Intel before Ice Lake's servers, most
-// clients): 8-lane paths of the GEMVs (PDSERVE_AVX2); the other kernels keep their scalar loops there
+// clients): 8-lane paths of the GEMVs, the norms, RoPE and argmax (PDSERVE_AVX2); the attention
+// kernels keep their scalar (compiler-vectorized) loops there
 #if !defined(PDSERVE_AVX512) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PDSERVE_AVX2 1
@@ -109,6 +110,15 @@ inline float sum8(__m256 v) {
 }
 inline __m256 load8(const bf16* p) {        // 8 bf16 -> fp32 (exact)
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline void round_store8(bf16* p, __m256 v) {   // fp32 -> 8 bf16, nearest even as c10's cast (NaN: 0x7FC0)
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 // The first n of 8 lanes as a maskload mask (n <= 0 none, n >= 8 all)
 inline __m256i lanes8(int64_t n) {
