@@ -32,7 +32,7 @@ using namespace pdserve_cpu;
 
 // One head's rotation: o[i] = a c[i] - b s[i], o[i + half] = b c[i + half] + a s[i + half] for
 // a = in[i], b = in[i + half]. AVX512, half a multiple of 16: 16 pairs at a time from cos and sin
-// already widened (`cw`, `sw`, fp32 [D]); the scalar loop elsewhere.
+// already widened (`cw`, `sw`, fp32 [D]); AVX2 (half a multiple of 8) 8; the scalar loop elsewhere.
 inline void rotate_head(const bf16* in, const float* cw, const float* sw, const bf16* c, const bf16* s, bf16* o,
                         int64_t half) {
 #ifdef PDSERVE_AVX512
@@ -43,6 +43,15 @@ inline void rotate_head(const bf16* in, const float* cw, const float* sw, const 
       const __m512 hi = _mm512_fmadd_ps(b, _mm512_loadu_ps(cw + half + i), _mm512_mul_ps(a, _mm512_loadu_ps(sw + half + i)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), round16(lo));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + half + i), round16(hi));
+    }
+    return;
+  }
+#elif defined(PDSERVE_AVX2)
+  if (half % 8 == 0) {                  // the same, 8 pairs at a time
+    for (int64_t i = 0; i < half; i += 8) {
+      const __m256 a = load8(in + i), b = load8(in + half + i);
+      round_store8(o + i, _mm256_fmsub_ps(a, _mm256_loadu_ps(cw + i), _mm256_mul_ps(b, _mm256_loadu_ps(sw + i))));
+      round_store8(o + half + i, _mm256_fmadd_ps(b, _mm256_loadu_ps(cw + half + i), _mm256_mul_ps(a, _mm256_loadu_ps(sw + half + i))));
     }
     return;
   }
