@@ -6,6 +6,7 @@
 #   LLAMA_SERVER=/path/to/llama-server GGUF=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
 #       bash benchmarks/peer_compare.sh [extra `pdserve serve` flags, e.g. --config FILE]
 #
+# WORKLOADS="W1 W2" runs only those (default: all four).
 # Build llama-server and extract the GGUF as the README's Benchmarks section says. Logs and JSON
 # go to bench_out/peers/. Ports are free ones picked at start; both servers are stopped at exit.
 set -euo pipefail
@@ -36,13 +37,15 @@ bench() { "$PY" -m pdserve.bench --url "http://127.0.0.1:$P1" --compare "http://
 # warm-up (first requests pay one-time costs on both sides)
 bench --requests 4 --concurrency 2 --input-len 64 --output-len 8 --seed 99 > /dev/null
 echo "load average before the workloads: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "== W1: 1 stream, 128 -> 64"
-bench --concurrency 1 --requests 8 --input-len 128 --jitter 0 --output-len 64 --seed 1 --json "$OUT/w1.json"
-echo "== W2: 8 streams, closed loop, 128 -> 64"
-bench --concurrency 8 --requests 32 --input-len 128 --jitter 0 --output-len 64 --seed 2 --json "$OUT/w2.json"
-echo "== W3: 4 streams, closed loop, 1024 -> 32 (TPOT while long prompts prefill)"
-bench --concurrency 4 --requests 16 --input-len 1024 --jitter 0 --output-len 32 --seed 3 --json "$OUT/w3.json"
-echo "== W4: Poisson 0.6 and 1.1 req/s, 256 -> 64, SLO TTFT 1 s / TPOT 100 ms"
+WORKLOADS=${WORKLOADS:-W1 W2 W3 W4}
+want() { [[ " $WORKLOADS " == *" $1 "* ]]; }
+if want W1; then echo "== W1: 1 stream, 128 -> 64"
+bench --concurrency 1 --requests 8 --input-len 128 --jitter 0 --output-len 64 --seed 1 --json "$OUT/w1.json"; fi
+if want W2; then echo "== W2: 8 streams, closed loop, 128 -> 64"
+bench --concurrency 8 --requests 32 --input-len 128 --jitter 0 --output-len 64 --seed 2 --json "$OUT/w2.json"; fi
+if want W3; then echo "== W3: 4 streams, closed loop, 1024 -> 32 (TPOT while long prompts prefill)"
+bench --concurrency 4 --requests 16 --input-len 1024 --jitter 0 --output-len 32 --seed 3 --json "$OUT/w3.json"; fi
+if want W4; then echo "== W4: Poisson 0.6 and 1.1 req/s, 256 -> 64, SLO TTFT 1 s / TPOT 100 ms"
 bench --rates 0.6,1.1 --requests 24 --input-len 256 --jitter 0 --output-len 64 --ttft-slo 1 --tpot-slo 0.1 --seed 4 \
-    --json "$OUT/w4.json"
+    --json "$OUT/w4.json"; fi
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
