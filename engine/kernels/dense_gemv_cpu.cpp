@@ -9,7 +9,8 @@
 //   gemv_vectorized() -> bool: built with AVX512 (F, BW, VL, BF16) or AVX2 + FMA; engine.linear
 //       uses these kernels only then (the scalar fallback is slower than oneDNN / MKL). On AVX2
 //       (no bf16 dot product) bf16 widens 16 weights at a time by shifts and multiplies in fp32
-//       (`bf16_block8`), fp32 runs 8-lane dot products (`fp32_channels8`). Measured on an AVX2 AMD
+//       (`bf16_block8`; from 10 rows widened once a block into a buffer for a GEMM micro-kernel,
+//       `packed_rows`), fp32 runs 8-lane dot products (`fp32_channels8`). Measured on an AVX2 AMD
 //       EPYC (Zen 3, 1 thread, benchmarks/linear_bench.py, the step's linears at 1 / 8 / 32 rows):
 //       bf16 30.8 / 53.6 / 166.8 ms where torch's bf16 F.linear took 45.5 / 292.1 / 1083.1 (no
 //       native bf16: emulated), fp32 52.9 / 69.8 / 235.2 against MKL's 71.8 / 163.6 / 266.8.
@@ -321,7 +322,8 @@ at::Tensor bf16_gemv(const at::Tensor& x_in, const at::Tensor& w, const std::opt
   bf16* yp = y.data_ptr<bf16>();
 #ifdef PDSERVE_AVX2
   if (rows == 0) return y;
-  // x in fp32, in the calling thread's buffer (the pool's threads only read it)
+  // x in fp32, in the calling thread's buffer (the pool's threads only read it; it grows to the
+  // largest call's, a prompt chunk's rows x inputs, and is kept: one allocation, not one a call)
   thread_local std::vector<float> xf;
   xf.resize(rows * K);
   for (int64_t i = 0; i < rows * K; ++i) xf[i] = static_cast<float>(xp[i]);
