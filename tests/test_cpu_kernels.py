@@ -329,7 +329,9 @@ def test_gemv_passes_over_l2_chunks_give_what_single_passes_give(fmt):
     passes of 8 over chunks of a thread's weights (gemv_cpu.h `passes_in_chunks`); a weight of many
     chunks (4000 x 576: several per thread for every format) gives, for 19 and 43 rows, exactly
     what the row slices of those passes give alone (one pass over the whole share each, the same
-    per-pass kernels), so every channel and row is computed once and in place; no rows, no pass."""
+    per-pass kernels), so every channel and row is computed once and in place; no rows, no pass.
+    (On AVX2 bf16 takes 10 rows and more in one packed pass, dense_gemv_cpu.cpp `packed_rows`; the
+    slices still agree because it and the 3-4-row kernel sum each output in input order.)"""
     if fmt in ("fp32", "bf16") and not KERNELS.gemv_vectorized():
         pytest.skip("the dense GEMVs are used only where they build with AVX512-BF16 or AVX2")
     g = torch.Generator().manual_seed(11)
