@@ -33,6 +33,16 @@ int64_t argmax_scalar(const float* x, int64_t n) {
   return best;
 }
 
+// The vector loops' end: x[i .. n) in order after the lanes' maximum `value` at index `result`
+// (only a strictly greater element wins; a NaN sends the row to argmax_scalar)
+int64_t finish_tail(const float* x, int64_t n, int64_t i, int64_t result, float value) {
+  for (; i < n; ++i) {
+    if (nan1(x[i])) return argmax_scalar(x, n);
+    if (x[i] > value) { value = x[i]; result = i; }
+  }
+  return result;
+}
+
 int64_t argmax_row(const float* x, int64_t n) {
 #ifdef PDSERVE_ARGMAX16
   if (n >= 16 && n < (int64_t{1} << 31)) {
@@ -56,13 +66,7 @@ int64_t argmax_row(const float* x, int64_t n) {
     // the smallest index among lanes holding the maximum (unset lanes hold -inf, index 0: only a
     // row of -inf reaches them, and its answer is 0)
     const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-    int64_t result = _mm512_mask_reduce_min_epi32(at_top, best_idx);
-    float result_value = top;
-    for (; i < n; ++i) {                       // the tail, in order (later: only strictly greater wins)
-      if (nan1(x[i])) return argmax_scalar(x, n);
-      if (x[i] > result_value) { result_value = x[i]; result = i; }
-    }
-    return result;
+    return finish_tail(x, n, i, _mm512_mask_reduce_min_epi32(at_top, best_idx), top);
   }
 #elif defined(PDSERVE_AVX2)
   if (n >= 8 && n < (int64_t{1} << 31)) {          // the same on 8 lanes
@@ -92,11 +96,7 @@ int64_t argmax_row(const float* x, int64_t n) {
         result_value = lane[l];
         result = lane_idx[l];
       }
-    for (; i < n; ++i) {
-      if (nan1(x[i])) return argmax_scalar(x, n);
-      if (x[i] > result_value) { result_value = x[i]; result = i; }
-    }
-    return result;
+    return finish_tail(x, n, i, result, result_value);
   }
 #endif
   return argmax_scalar(x, n);

@@ -290,7 +290,7 @@ inline void packed_range(const float* x, int64_t rows, int64_t K, const bf16* w,
   packed.resize(K * 16);
   for (int64_t r0 = 0; r0 < rows; r0 += kPackedPass) {
     const int64_t r = std::min(kPackedPass, rows - r0);
-    const int64_t groups = std::max<int64_t>(1, (r + 5) / 6);
+    const int64_t groups = (r + 5) / 6;                      // r >= 1
     for (int64_t b = b0; b < b1; ++b) {
       widen_block(w + b * K * 16, K, packed.data());
       // the first group fetches the next block into L2 as it goes: the memory stream then goes
