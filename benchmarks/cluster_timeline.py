@@ -23,9 +23,7 @@ Life cycle:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import random
 import shutil
 import sys
@@ -171,10 +169,6 @@ def run(args) -> dict:
 
     tokenizer = resolve_model(DEFAULT_MODEL_ID, cache_dir=ROOT / ".cache" / "models", progress=False)
     model = tiny_model_dir(Path(tempfile.mkdtemp(prefix="tiny-")), "llama", tokenizer_dir=tokenizer)
-    # The replicas' compiled CPU kernels in this checkout's own cache: checkouts of other paths sharing
-    # ~/.cache/torch_extensions rebuild the extension under one lock, which stalls a replica's start.
-    checkout = hashlib.sha1(str(ROOT).encode()).hexdigest()[:8]
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(tempfile.gettempdir()) / f"pdserve-torch-ext-{checkout}"))
     t_start = time.time()
     cluster = LocalCluster.start(ROOT / "cluster.local.yaml")
     report: dict = {"checks": {}, "tmp_dir": str(cluster.tmp_dir)}

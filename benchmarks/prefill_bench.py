@@ -6,7 +6,7 @@
       [--threads 1] [--chunk 2048] [--repeats 3]
 
 For an A/B of two commits, run it in a worktree of each, alternating (the engine and its kernels
-come from the working directory; give each worktree its own TORCH_EXTENSIONS_DIR).
+come from the working directory; each checkout path builds its kernels under a name of its own).
 """
 
 from __future__ import annotations

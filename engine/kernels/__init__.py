@@ -12,7 +12,9 @@ linears' few-row kernels, `fp32_gemv` / `bf16_gemv` (dense_gemv_cpu.cpp) the den
 sampling's argmax. They are C++ compiled at run time with
 `torch.utils.cpp_extension` (g++ and ninja, both standard on Linux build images) into torch's
 extension cache (`~/.cache/torch_extensions`, or `TORCH_EXTENSIONS_DIR`), keyed by the sources
-(ninja also rebuilds on a changed header), the flags and this CPU's instruction set, so a
+(ninja also rebuilds on a changed header), the flags, this CPU's instruction set and the
+checkout's path (two checkouts sharing the cache would otherwise rebuild each other's build
+under one lock: a replica of one waited minutes for the other's compiler), so a
 later start loads it in well under a second; a first build took 31-46 s here (9 sources), and torch's lock
 makes concurrent replicas wait for one build. `make install` builds it ahead
 (`python -m engine.kernels.build`).
@@ -52,6 +54,13 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
+def _extension_name() -> str:
+    """The build's name in the cache: this CPU's flags and where these sources live (ninja's build
+    file names the sources by path, so a checkout elsewhere needs a build of its own)."""
+    checkout = hashlib.sha1(str(Path(__file__).resolve().parent).encode()).hexdigest()[:8]
+    return f"pdserve_cpu_kernels_{_cpu_fingerprint()}_{checkout}"
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_kernels():
     """torch.ops.pdserve with the CPU kernels registered, or None where they cannot be built."""
@@ -59,7 +68,7 @@ def cpu_kernels():
     from torch.utils.cpp_extension import load
 
     try:
-        load(name=f"pdserve_cpu_kernels_{_cpu_fingerprint()}", sources=[str(p) for p in _SOURCES],
+        load(name=_extension_name(), sources=[str(p) for p in _SOURCES],
              extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         log.warning("pdserve's CPU kernels could not be built (%s: %s); using the slower pure-torch "
