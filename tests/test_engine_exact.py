@@ -35,6 +35,15 @@ def engine_maker(default_model_dir):
     return make
 
 
+@pytest.fixture(scope="module")
+def trio(engine_maker):
+    """One engine, and a prefill and a decode engine to split a request across (chunks of 256
+    tokens), shared by the tests that compare the two ways: each test ends with all three pools
+    free, so the next starts from free pools; the earlier prompts' blocks stay in the prefix
+    cache, which must not change an output either. Request ids carry the test's own prefix."""
+    return tuple(engine_maker(max_num_batched_tokens=256) for _ in range(3))
+
+
 def run_all(engine, prompts, late_from=None, steps_before_late=3):
     """Add prompts (those from `late_from` on only after a few steps) and run to the end."""
     results = {}
@@ -146,23 +155,23 @@ def _split_run(prefill, decode, rid, prompt, params) -> Completion:
     return got
 
 
-def test_split_text_equals_single_engine_text_even_with_stop_strings(engine_maker, prompts):
+def test_split_text_equals_single_engine_text_even_with_stop_strings(trio, prompts):
     """The first token's text is shown straight from the prefill engine; with the decode engine
     told how much was shown, the client's text equals one engine's, also when a stop string
     starts in the first token's text (the prefill engine must hold that tail back)."""
-    single, prefill, decode = (engine_maker(max_num_batched_tokens=256) for _ in range(3))
+    single, prefill, decode = trio
     for i, p in enumerate(prompts[:4]):
         plain = SamplingParams(temperature=0.0, max_tokens=12)
-        ref = "".join(o.new_text for o in _run_one(single, f"s{i}", p, plain))
-        assert _split_run(prefill, decode, f"p{i}", p, plain).text == ref
-        first_len = len(_run_one(single, f"f{i}", p, SamplingParams(temperature=0.0, max_tokens=1))[0].new_text)
+        ref = "".join(o.new_text for o in _run_one(single, f"text-s{i}", p, plain))
+        assert _split_run(prefill, decode, f"text-p{i}", p, plain).text == ref
+        first_len = len(_run_one(single, f"text-f{i}", p, SamplingParams(temperature=0.0, max_tokens=1))[0].new_text)
         if first_len == 0 or len(ref) < first_len + 2:
             continue
         stop = ref[first_len - 1:first_len + 1]          # the first token's last character onward
         cut = SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,))
-        ref_cut = "".join(o.new_text for o in _run_one(single, f"c{i}", p, cut))
+        ref_cut = "".join(o.new_text for o in _run_one(single, f"text-c{i}", p, cut))
         assert ref_cut == ref[:ref.index(stop)]
-        assert _split_run(prefill, decode, f"q{i}", p, cut).text == ref_cut
+        assert _split_run(prefill, decode, f"text-q{i}", p, cut).text == ref_cut
     assert all(e.block_manager.all_free() for e in (single, prefill, decode))
 
 
@@ -215,9 +224,16 @@ PENALTIES = [{"repetition_penalty": 1.3},
              {"repetition_penalty": 1.15, "frequency_penalty": -0.4, "presence_penalty": 0.7}]
 
 
+@pytest.fixture(scope="module")
+def hf_plain(hf_model, prompts):
+    """`generate`'s greedy 24 tokens without penalties for the penalties' prompts (computed once)."""
+    return {i: _hf_generate(hf_model, prompts[i], 24)[0] for i in (0, 5, 9)}
+
+
 @pytest.mark.parametrize("penalties", PENALTIES)
-def test_penalties_match_hf_generate_in_one_engine_and_split(engine_maker, hf_model, prompts, penalties):
-    single, prefill, decode = (engine_maker(max_num_batched_tokens=256) for _ in range(3))
+def test_penalties_match_hf_generate_in_one_engine_and_split(trio, hf_model, hf_plain, prompts, penalties):
+    single, prefill, decode = trio
+    tag = f"pen{PENALTIES.index(penalties)}"
     changed = 0
     for i in (0, 5, 9):
         p = prompts[i]
@@ -226,37 +242,36 @@ def test_penalties_match_hf_generate_in_one_engine_and_split(engine_maker, hf_mo
             processors.append(_OpenAIPenalties(len(p), penalties["frequency_penalty"], penalties["presence_penalty"]))
         ref, _ = _hf_generate(hf_model, p, 24, repetition_penalty=penalties.get("repetition_penalty", 1.0),
                               logits_processor=processors)
-        plain, _ = _hf_generate(hf_model, p, 24)
-        changed += ref != plain
+        changed += ref != hf_plain[i]
         params = SamplingParams(temperature=0.0, max_tokens=24, **penalties)
-        assert _completion(_run_one(single, f"s{i}", p, params), f"s{i}", p).token_ids == ref
-        assert _split_run(prefill, decode, f"p{i}", p, params).token_ids == ref
+        assert _completion(_run_one(single, f"{tag}-s{i}", p, params), f"{tag}-s{i}", p).token_ids == ref
+        assert _split_run(prefill, decode, f"{tag}-p{i}", p, params).token_ids == ref
     assert changed, "the penalties changed no output: the test would not see them"
     assert all(e.block_manager.all_free() for e in (single, prefill, decode))
 
 
-def test_seeded_sampling_split_draws_what_one_engine_draws(engine_maker, prompts):
+def test_seeded_sampling_split_draws_what_one_engine_draws(trio, prompts):
     """The decode engine continues the seed's random stream after the prefill engine's draw of
     the first token (instead of drawing token 2 with the numbers token 1 used)."""
-    single, prefill, decode = (engine_maker(max_num_batched_tokens=256) for _ in range(3))
+    single, prefill, decode = trio
     for i in (2, 6):
         p = prompts[i]
         params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=1234 + i, ignore_eos=True)
-        ref = _completion(_run_one(single, f"s{i}", p, params), f"s{i}", p)
-        assert _split_run(prefill, decode, f"p{i}", p, params).token_ids == ref.token_ids
+        ref = _completion(_run_one(single, f"seed-s{i}", p, params), f"seed-s{i}", p)
+        assert _split_run(prefill, decode, f"seed-p{i}", p, params).token_ids == ref.token_ids
         other = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=99, ignore_eos=True)
-        assert _completion(_run_one(single, f"o{i}", p, other), f"o{i}", p).token_ids != ref.token_ids
+        assert _completion(_run_one(single, f"seed-o{i}", p, other), f"seed-o{i}", p).token_ids != ref.token_ids
     assert all(e.block_manager.all_free() for e in (single, prefill, decode))
 
 
-def test_logprobs_are_the_models_own_in_one_engine_and_split(engine_maker, hf_model, prompts):
-    single, prefill, decode = (engine_maker(max_num_batched_tokens=256) for _ in range(3))
+def test_logprobs_are_the_models_own_in_one_engine_and_split(trio, hf_model, prompts):
+    single, prefill, decode = trio
     for i in (1, 7):
         p = prompts[i]
         ref, logits = _hf_generate(hf_model, p, 12)
         params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
-        runs = (_completion(_run_one(single, f"s{i}", p, params), f"s{i}", p),
-                _split_run(prefill, decode, f"p{i}", p, params))
+        runs = (_completion(_run_one(single, f"lp-s{i}", p, params), f"lp-s{i}", p),
+                _split_run(prefill, decode, f"lp-p{i}", p, params))
         for got in runs:
             assert got.token_ids == ref
             assert [lp.token_id for lp in got.logprobs] == ref

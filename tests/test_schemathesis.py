@@ -38,8 +38,9 @@ def app(ray_serve, tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def other_app(ray_serve, tiny_llama_dir):
-    """The same model under another name and limit."""
-    with tiny_app(ray_serve, tiny_llama_dir, "st2", served_model_name="tiny-b", max_tokens_limit=5) as base:
+    """The same model under another name and limit, colocated (one replica fewer to start)."""
+    with tiny_app(ray_serve, tiny_llama_dir, "st2", served_model_name="tiny-b", max_tokens_limit=5,
+                  mode="colocated") as base:
         yield base
 
 
