@@ -62,8 +62,8 @@ KERNEL_CHUNK_ROWS = 4
 def prefill_kernel_applies(kernels, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether prompt chunks (those not run as rows of the decode kernel) go through
     `paged_prefill_attention` (engine/kernels/prefill_attention_cpu.cpp: bf16, head size 64, 128 or
-    256, AVX512-BF16; 4-6x sdpa's CPU flash attention from 128 to 2048 tokens, measured by
-    benchmarks/attention_bench.py) instead of sdpa: with the CPU paged backend in bf16 where it
+    256, AVX512-BF16 or AVX2; 4-6x sdpa's CPU flash attention from 128 to 2048 tokens with
+    AVX512-BF16, 1.4-2.4x on AVX2, measured by benchmarks/attention_bench.py) instead of sdpa: with the CPU paged backend in bf16 where it
     is built. fp32 keeps sdpa, whose sums the exact mode's equality with Hugging Face relies on."""
     return (kernels is not None and device.type == "cpu" and dtype == torch.bfloat16
             and kernels.prefill_attention_supported(head_dim))

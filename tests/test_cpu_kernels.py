@@ -585,7 +585,7 @@ def test_the_start_up_check_of_a_paged_kernel():
 # ---- prompt-chunk attention (paged_prefill_attention) --------------------------------------------
 
 needs_prefill_kernel = pytest.mark.skipif(KERNELS is None or not KERNELS.prefill_attention_supported(64),
-                                          reason="the prefill kernel builds only with AVX512-BF16")
+                                          reason="the prefill kernel builds only with AVX512-BF16 or AVX2")
 
 
 def _prefill_case(n, past, heads, kv_heads, dim, block_size, layers=2, seed=0):

@@ -18,8 +18,8 @@
 #define PDSERVE_VNNI 1
 #endif
 // Elsewhere on x86-64 with AVX2 and FMA (AMD Zen 1-3, Intel before Ice Lake's servers, most
-// clients): 8-lane paths of the GEMVs, the norms, RoPE and argmax (PDSERVE_AVX2); the attention
-// kernels keep their scalar (compiler-vectorized) loops there
+// clients): 8-lane paths of the GEMVs, the norms, RoPE, argmax and prompt-chunk attention
+// (PDSERVE_AVX2); the decode attention kernel keeps its scalar (compiler-vectorized) loops there
 #if !defined(PDSERVE_AVX512) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PDSERVE_AVX2 1
@@ -124,6 +124,53 @@ inline void round_store8(bf16* p, __m256 v) {   // fp32 -> 8 bf16, nearest even 
 inline __m256i lanes8(int64_t n) {
   const int64_t k = n < 0 ? 0 : (n > 8 ? 8 : n);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// e^x for 8 lanes, inline: exp16's reduction and polynomial (above), 2^n built in the exponent bits
+// (AVX2 has no `vscalefps`), so x is clamped to [-87, 88] first: below -87 it gives e^-87 (1.6e-38),
+// not 0 (a softmax's x <= 0 and its sum >= 1 make that invisible), above 88 e^88, not inf; NaN
+// stays NaN
+inline __m256 exp8(__m256 x_in) {
+  const __m256i bits = _mm256_castps_si256(x_in);
+  const __m256 nan = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
+                                                            _mm256_set1_epi32(0x7F800000)));
+  const __m256 x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x_in));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  // n in [-126, 127]: 2^n is the float with biased exponent n + 127
+  const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                                              _mm256_set1_epi32(127)), 23));
+  return _mm256_blendv_ps(_mm256_mul_ps(p, two_n), x_in, nan);
+}
+
+// exp_and_sum on 8 lanes: s <- exp((s - max) * scale) over s[0 .. n), returns their sum
+inline float exp_and_sum8(float* s, int64_t n, float max, float scale) {
+  const __m256 m = _mm256_set1_ps(max), sc = _mm256_set1_ps(scale);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m), sc));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (j < n) {
+    const __m256i valid = lanes8(n - j);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_maskload_ps(s + j, valid), m), sc)),
+                                   _mm256_castsi256_ps(valid));
+    _mm256_maskstore_ps(s + j, valid, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return sum8(sum);
 }
 #endif
 

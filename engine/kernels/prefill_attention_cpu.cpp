@@ -1,4 +1,4 @@
-// Prompt-chunk attention that reads K/V from the paged pool in place (CPU, bf16, AVX512-BF16).
+// Prompt-chunk attention that reads K/V from the paged pool in place (CPU, bf16; AVX512-BF16 or AVX2).
 //
 // Registered as torch.ops.pdserve.paged_prefill_attention; engine/attention.py calls it for the
 // prompt chunks of a bf16 engine on CPU (engine.model_runner decides which: `prefill_kernel`).
@@ -32,8 +32,8 @@
 // With a window, an item starts at the key tile of its first row's first key (steps a and c skip
 // the tiles before it, step 1 those no row of the call sees) and step b zeroes a row's keys
 // before its window.
-// Head size 64, 128 or 256 (Gemma 3); elsewhere (another size, no AVX512-BF16) the op refuses and the engine
-// keeps sdpa (engine.model_runner checks `prefill_attention_supported` first).
+// Head size 64, 128 or 256 (Gemma 3); elsewhere (another size, neither AVX512-BF16 nor AVX2) the op
+// refuses and the engine keeps sdpa (engine.model_runner checks `prefill_attention_supported` first).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,7 +53,7 @@ namespace {
 
 using namespace pdserve_cpu;
 
-#ifdef PDSERVE_AVX512
+#if defined(PDSERVE_AVX512) || defined(PDSERVE_AVX2)
 struct Context {              // where one KV head's keys live, and the call's shapes
   const bf16* pool;
   const int64_t* table;
@@ -62,6 +62,9 @@ struct Context {              // where one KV head's keys live, and the call's s
     return pool + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + h * dim;
   }
 };
+#endif
+
+#ifdef PDSERVE_AVX512
 
 // 2a. S[r, 16 t .. 16 t + 16) = q_r . k for key tiles [t0, t0 + NT) and R rows; `q[r]` the rows'
 // queries as pairs, `kp` the head's key tiles (kPairs vectors of 16 keys each)
@@ -220,8 +223,186 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
 }
 #endif
 
+#ifdef PDSERVE_AVX2
+// The same steps on AVX2 + FMA (no bf16 products): K and V widened to fp32 in step 1 (K per tile
+// of 8 keys as [D][8 keys], V as [key][D]), the item's queries widened once, scores in register
+// tiles of up to 4 rows x 16 keys (a broadcast query element times 8 keys' elements), the
+// probabilities kept in fp32 (not rounded to bf16 as on AVX512), O = P V in tiles of up to 3 rows x
+// 32 dims summed into fp32 rows; the output rounded to bf16 once. Keys and dims in groups of 8
+// instead of 16. Steps a and c run the item's rows over one block of keys at a time (16 KB of K or
+// V in fp32, so it stays in L1 while every row reads it): fp32 K and V of a long context do not fit
+// in L2 (2048 keys of one head: 512 KB each), and without the blocks 2048-token chunks ran at sdpa's
+// speed.
+
+// 2a. S[r, 8 t .. 8 t + 8) = q_r . k for key tiles [t0, t0 + NT) and R rows (fp32 queries)
+template <int kDim, int R, int NT>
+inline void score_tiles8(const float* const* q, const float* kp, int64_t t0, float* s, int64_t width) {
+  __m256 acc[R][NT];
+  PDSERVE_UNROLL for (int r = 0; r < R; ++r) PDSERVE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  const float* k = kp + t0 * kDim * 8;
+#pragma GCC unroll 4
+  for (int d = 0; d < kDim; ++d) {
+    __m256 kv[NT];
+    PDSERVE_UNROLL for (int t = 0; t < NT; ++t) kv[t] = _mm256_loadu_ps(k + (t * kDim + d) * 8);
+    PDSERVE_UNROLL for (int r = 0; r < R; ++r) {
+      const __m256 qb = _mm256_broadcast_ss(q[r] + d);
+      PDSERVE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_fmadd_ps(qb, kv[t], acc[r][t]);
+    }
+  }
+  PDSERVE_UNROLL for (int r = 0; r < R; ++r)
+    PDSERVE_UNROLL for (int t = 0; t < NT; ++t) _mm256_storeu_ps(s + r * width + (t0 + t) * 8, acc[r][t]);
+}
+
+template <int kDim, int R>
+void score_rows8(const float* const* q, const float* kp, int64_t t_begin, int64_t tiles, float* s, int64_t width) {
+  int64_t t = t_begin;
+  for (; t + 2 <= tiles; t += 2) score_tiles8<kDim, R, 2>(q, kp, t, s, width);
+  if (t < tiles) score_tiles8<kDim, R, 1>(q, kp, t, s, width);
+}
+
+// 2c. o[r] += P V for R rows over `keys` keys (o: the rows' fp32 sums, [D] each); `p[r]` the rows'
+// probabilities from the block's first key, `vp` the block's values ([key][D] fp32)
+template <int kDim, int R>
+void value_rows8(const float* const* p, const float* vp, int64_t keys, float* const* o) {
+  for (int c0 = 0; c0 < kDim; c0 += 32) {
+    __m256 acc[R][4];
+    PDSERVE_UNROLL for (int r = 0; r < R; ++r) PDSERVE_UNROLL for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_loadu_ps(o[r] + c0 + 8 * c);
+#pragma GCC unroll 2
+    for (int64_t i = 0; i < keys; ++i) {      // 3 x 4 accumulators, 3 broadcasts and one V vector: 16 registers
+      __m256 pb[R];
+      PDSERVE_UNROLL for (int r = 0; r < R; ++r) pb[r] = _mm256_broadcast_ss(p[r] + i);
+      PDSERVE_UNROLL for (int c = 0; c < 4; ++c) {
+        const __m256 v = _mm256_loadu_ps(vp + i * kDim + c0 + 8 * c);
+        PDSERVE_UNROLL for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(pb[r], v, acc[r][c]);
+      }
+    }
+    PDSERVE_UNROLL for (int r = 0; r < R; ++r) PDSERVE_UNROLL for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o[r] + c0 + 8 * c, acc[r][c]);
+  }
+}
+
+template <int kDim> struct ScoreRows8 {
+  template <int R> struct Rows {
+    template <typename... A> static void run(A... a) { score_rows8<kDim, R>(a...); }
+  };
+};
+template <int kDim> struct ValueRows8 {
+  template <int R> struct Rows {
+    template <typename... A> static void run(A... a) { value_rows8<kDim, R>(a...); }
+  };
+};
+
+template <int kDim>
+void prefill_avx2(const bf16* query, int64_t q_stride, const Context& ctx, int64_t n, int64_t past, int64_t heads,
+                  int64_t kv_heads, float scale, int64_t window, bf16* out) {
+  constexpr int64_t kTileBlock = 512 / kDim;     // key tiles whose K (or V) take 16 KB in fp32
+  const int64_t group = heads / kv_heads, len = past + n, tiles = (len + 7) / 8;
+  const int64_t seen_tile = first_key(past + 1, window) / 8;         // no row sees a key before it
+  // 1. K as [head][tile][dim][8 keys], V as [head][key][dim], fp32 (tiles from seen_tile written
+  // below, keys past the context as zeros)
+  std::unique_ptr<float[]> kp(new float[kv_heads * tiles * 8 * kDim]), vp(new float[kv_heads * tiles * 8 * kDim]);
+  at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / tiles, t = item % tiles;
+      if (t < seen_tile) continue;
+      float* kd = kp.get() + item * 8 * kDim;
+      float* vd = vp.get() + item * 8 * kDim;          // keys t * 8 .. t * 8 + 7 of head h
+      for (int i = 0; i < 8; ++i) {
+        const int64_t pos = t * 8 + i;
+        if (pos >= len) {
+          for (int d = 0; d < kDim; ++d) kd[d * 8 + i] = 0.f;
+          std::memset(vd + i * kDim, 0, kDim * sizeof(float));
+          continue;
+        }
+        const bf16* row = ctx.row(pos, h, kDim);
+        PDSERVE_UNROLL for (int d = 0; d < kDim; d += 8) {
+          alignas(32) float k8[8];
+          _mm256_store_ps(k8, load8(row + ctx.k_offset + d));
+          for (int e = 0; e < 8; ++e) kd[(d + e) * 8 + i] = k8[e];
+          _mm256_storeu_ps(vd + i * kDim + d, load8(row + ctx.v_offset + d));
+        }
+      }
+    }
+  });
+  // 2. items (head, 16 query positions), long and short alternating
+  const int64_t qtiles = (n + 15) / 16;
+  at::parallel_for(0, kv_heads * qtiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s, qf, inv_sum, acc;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item % kv_heads, z = item / kv_heads;
+      const int64_t qt = z % 2 == 0 ? z / 2 : qtiles - 1 - z / 2;     // 0, last, 1, last - 1, ...
+      const int64_t i0 = qt * 16, i1 = std::min(n, i0 + 16), rows = (i1 - i0) * group;
+      const int64_t width = (past + i1 + 7) / 8 * 8;                  // keys of the item's last row
+      const int64_t ft = first_key(past + i0 + 1, window) / 8;         // the tile of its first row's first key
+      s.resize(rows * width);
+      qf.resize(rows * kDim);
+      acc.resize(rows * kDim);
+      inv_sum.resize(rows);
+      const float* kph = kp.get() + h * tiles * 8 * kDim;
+      const float* vph = vp.get() + h * tiles * 8 * kDim;
+      // rows are position-major: row r is position i0 + r / group, query head h * group + r % group
+      for (int64_t r = 0; r < rows; ++r) {
+        const bf16* q = query + (i0 + r / group) * q_stride + (h * group + r % group) * kDim;
+        PDSERVE_UNROLL for (int d = 0; d < kDim; d += 8) _mm256_storeu_ps(qf.data() + r * kDim + d, load8(q + d));
+      }
+      auto keys_of = [&](int64_t r) { return past + i0 + r / group + 1; };   // causal length
+      // a. scores per block of kTileBlock key tiles (their K stays in L1), 4 rows at a time over the
+      // block's tiles their last row sees
+      const int64_t last_tile = (keys_of(rows - 1) + 7) / 8;
+      for (int64_t tb = ft; tb < last_tile; tb += kTileBlock) {
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+          const int rr = static_cast<int>(std::min<int64_t>(4, rows - r0));
+          const int64_t te = std::min(tb + kTileBlock, (keys_of(r0 + rr - 1) + 7) / 8);
+          if (te <= tb) continue;
+          const float* q[4];
+          for (int r = 0; r < rr; ++r) q[r] = qf.data() + (r0 + r) * kDim;
+          with_rows<ScoreRows8<kDim>::template Rows, 4>(rr, q, kph, tb, te, s.data() + r0 * width, width);
+        }
+      }
+      // b. softmax per row over its keys lo .. keys - 1, zeros around them (from the item's first tile)
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = s.data() + r * width;
+        const int64_t keys = keys_of(r), lo = first_key(keys, window);
+        __m256 mv = _mm256_set1_ps(std::numeric_limits<float>::lowest());
+        int64_t k = lo;
+        for (; k + 8 <= keys; k += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sr + k));
+        alignas(32) float m8[8];
+        _mm256_store_ps(m8, mv);
+        float m = *std::max_element(m8, m8 + 8);
+        for (; k < keys; ++k) m = std::max(m, sr[k]);
+        inv_sum[r] = 1.f / exp_and_sum8(sr + lo, keys - lo, m, scale);   // kernel_common.h (exp8, inline)
+        for (int64_t j = ft * 8; j < lo; ++j) sr[j] = 0.f;      // before the window
+        for (int64_t j = keys; j < width; ++j) sr[j] = 0.f;     // later rows of a tile read these
+      }
+      // c. out = P V / sum: per block of kTileBlock x 8 keys (their V stays in L1), 3 rows at a time
+      // over the block's keys their last row sees, summed in fp32 rows; then scaled and rounded once
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t kb = ft * 8; kb < keys_of(rows - 1); kb += kTileBlock * 8) {
+        for (int64_t r0 = 0; r0 < rows; r0 += 3) {
+          const int rr = static_cast<int>(std::min<int64_t>(3, rows - r0));
+          const int64_t ke = std::min(kb + kTileBlock * 8, keys_of(r0 + rr - 1));
+          if (ke <= kb) continue;
+          const float* p[3];
+          float* o[3];
+          for (int r = 0; r < rr; ++r) {
+            p[r] = s.data() + (r0 + r) * width + kb;
+            o[r] = acc.data() + (r0 + r) * kDim;
+          }
+          with_rows<ValueRows8<kDim>::template Rows, 3>(rr, p, vph + kb * kDim, ke - kb, o);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        bf16* o = out + ((i0 + r / group) * heads + h * group + r % group) * kDim;
+        const __m256 inv = _mm256_set1_ps(inv_sum[r]);
+        PDSERVE_UNROLL for (int d = 0; d < kDim; d += 8)
+          round_store8(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + r * kDim + d), inv));
+      }
+    }
+  });
+}
+#endif
+
 bool prefill_attention_supported(int64_t head_dim) {
-#ifdef PDSERVE_AVX512
+#if defined(PDSERVE_AVX512) || defined(PDSERVE_AVX2)
   return head_dim == 64 || head_dim == 128 || head_dim == 256;
 #else
   (void)head_dim;
@@ -241,7 +422,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
   const int64_t n = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t layers = pool.size(1), block_size = pool.size(3), kv_heads = pool.size(4);
   TORCH_CHECK(prefill_attention_supported(dim), "paged_prefill_attention: head size ", dim,
-              " is not built here (64, 128 or 256 with AVX512-BF16)");
+              " is not built here (64, 128 or 256 with AVX512-BF16 or AVX2)");
   TORCH_CHECK(pool.size(5) == dim && heads % kv_heads == 0, "head shapes do not match the pool");
   TORCH_CHECK(0 <= layer && layer < layers, "layer out of range");
   TORCH_CHECK(past >= 0 && n > 0 && table.numel() * block_size >= past + n, "the table does not cover the context");
@@ -258,6 +439,14 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
   const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
   auto kernel = dim == 64 ? prefill_avx<64> : dim == 128 ? prefill_avx<128> : prefill_avx<256>;
+  kernel(qp, q.stride(0), ctx, n, past, heads, kv_heads, static_cast<float>(scale), window, op);
+#elif defined(PDSERVE_AVX2)
+  const int64_t token_stride = kv_heads * dim, half = block_size * token_stride;
+  const Context ctx{reinterpret_cast<const bf16*>(pool.data_ptr<at::BFloat16>()), tp, block_size,
+                    layers * 2 * half, layer * 2 * half, layer * 2 * half + half, token_stride};
+  const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
+  bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
+  auto kernel = dim == 64 ? prefill_avx2<64> : dim == 128 ? prefill_avx2<128> : prefill_avx2<256>;
   kernel(qp, q.stride(0), ctx, n, past, heads, kv_heads, static_cast<float>(scale), window, op);
 #endif
   return out;
