@@ -18,8 +18,8 @@
 #define PDSERVE_VNNI 1
 #endif
 // Elsewhere on x86-64 with AVX2 and FMA (AMD Zen 1-3, Intel before Ice Lake's servers, most
-// clients): 8-lane paths of the GEMVs, the norms, RoPE, argmax and prompt-chunk attention
-// (PDSERVE_AVX2); the decode attention kernel keeps its scalar (compiler-vectorized) loops there
+// clients): 8-lane paths of the GEMVs, the norms, RoPE, argmax and both attention kernels
+// (PDSERVE_AVX2)
 #if !defined(PDSERVE_AVX512) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PDSERVE_AVX2 1

@@ -31,6 +31,14 @@
 // Session 10 (bf16 pairs in step 3, its accumulators out of the stack, the max with the scores,
 // values 64 tokens ahead; the README's attention section has the table): bf16 per cold layer
 // (`attention_bench.py --layers`) 0.70-0.87x on 1 thread, 0.78-0.98x on 2, from 1 x 1024 to 64 x 2048.
+//
+// On AVX2 + FMA without AVX-512 (`attend_avx2`, session 20): the same gathering and prefetching in
+// 8 fp32 lanes (bf16 rows widened exactly as they are loaded), with work items of a sequence and
+// all its KV heads (from 2 sequences a thread; fewer: one KV head, as above) whose key and value
+// tiles are taken for every head before the next, as the pool lies. Against the generic loop
+// (SmolLM2's shapes, per cold layer, 1 x 1024 to 64 x 2048, two alternated runs): bf16 1.2-2.4x on
+// 2 threads and 1.3-1.6x on 1, fp32 (1 thread) 1.0-1.17x; the real model's bf16 decode step at
+// 32 x 512 0.83x on 2 threads, 0.86x on 1 (the README's "An AVX2-only CPU" has the runs).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -62,6 +70,50 @@ inline void softmax_in_place(float* s, int64_t len) {
   const float inv = 1.f / sum;
   for (int64_t j = 0; j < len; ++j) s[j] *= inv;
 }
+
+#if defined(PDSERVE_AVX512) || defined(PDSERVE_AVX2)
+// keys[t], values[t] <- the K and V rows of positions first + t (t < last - first) of one sequence
+// (`table`) and one KV head (`pool` offset to that head's columns), block by block
+template <typename T>
+void gather_rows(const T* pool, const int64_t* table, int64_t first, int64_t last, int64_t block_size,
+                 int64_t block_stride, int64_t token_stride, int64_t k_offset, int64_t v_offset,
+                 std::vector<const T*>& keys, std::vector<const T*>& values) {
+  keys.resize(last - first);
+  values.resize(last - first);
+  for (int64_t pos = first, t = 0; pos < last; ) {
+    const T* row = pool + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+    for (const int64_t stop = std::min(last, (pos / block_size + 1) * block_size); pos < stop;
+         ++pos, ++t, row += token_stride) {
+      keys[t] = row + k_offset;
+      values[t] = row + v_offset;
+    }
+  }
+}
+
+// The first 64 keys and values of a work item (a sequence of `len` tokens and one KV head: `pool`
+// offset to its columns), fetched from memory while the item before it computes: a step's pool
+// rows are cold (the weights streamed through the caches since the last layer), and an item alone
+// prefetches only within itself. At 32 x 48 tokens a cold layer took 128-149 -> 72-74 us, 64 x 48
+// 247-261 -> 140, 32 x 256 503-533 -> 464-477 (AVX512, one thread, weights streamed between calls,
+// alternated twice; /tmp script). Whole bf16 decode steps, rebuilt and alternated twice: batch 64
+// 57.7, 62.0 -> 54.1, 52.9 ms, batch 8 and 32 within the noise (the last block of each sequence is
+// warm from the K/V store)
+template <typename T>
+void prefetch_item_start(const T* pool, const int64_t* table, int64_t len, int64_t window, int64_t block_size,
+                         int64_t block_stride, int64_t token_stride, int64_t k_offset, int64_t v_offset,
+                         int64_t row_bytes) {
+  const int64_t from = first_key(len, window), ahead = std::min<int64_t>(len, from + 64);
+  for (int64_t pos = from; pos < ahead; ) {                  // block by block
+    const T* row = pool + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+    for (const int64_t stop = std::min(ahead, (pos / block_size + 1) * block_size); pos < stop;
+         ++pos, row += token_stride)
+      for (int64_t j = 0; j < row_bytes; j += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + k_offset) + j, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + v_offset) + j, _MM_HINT_T0);
+      }
+  }
+}
+#endif
 
 #ifdef PDSERVE_AVX512
 // out[i] = sum of the 16 lanes of v[i], for 16 vectors: three halving steps across and within
@@ -244,38 +296,14 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
       const int64_t b = item / kv_heads, h = item % kv_heads, first = first_key(lens[b], window);
       const int64_t len = lens[b] - first, padded = (len + 15) / 16 * 16;
       const int64_t* table = tables + b * max_blocks;
-      keys.resize(len);
-      values.resize(len);
-      for (int64_t pos = first, t = 0; pos < lens[b]; ) {
-        const T* row = pool + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + h * kDim;
-        for (const int64_t stop = std::min(lens[b], (pos / block_size + 1) * block_size); pos < stop;
-             ++pos, ++t, row += token_stride) {
-          keys[t] = row + k_offset;
-          values[t] = row + v_offset;
-        }
-      }
+      gather_rows(pool + h * kDim, table, first, lens[b], block_size, block_stride, token_stride, k_offset,
+                  v_offset, keys, values);
       scores.resize(group * padded);
-      // the next two items' first 64 keys and values, from memory, while this one computes: a
-      // step's pool rows are cold (the weights streamed through the caches since the last
-      // layer), and an item alone prefetches only within itself. At 32 x 48 tokens a cold
-      // layer took 128-149 -> 72-74 us, 64 x 48 247-261 -> 140, 32 x 256 503-533 -> 464-477
-      // (one thread, weights streamed between calls, alternated twice; /tmp script). Whole bf16
-      // decode steps, rebuilt and alternated twice: batch 64 57.7, 62.0 -> 54.1, 52.9 ms, batch
-      // 8 and 32 within the noise (the last block of each sequence is warm from the K/V store)
-      for (int64_t next = item + 1; next < std::min(end, item + 3); ++next) {
-        const int64_t nb = next / kv_heads, nh = next % kv_heads;
-        const int64_t* nt = tables + nb * max_blocks;
-        const int64_t from = first_key(lens[nb], window), ahead = std::min<int64_t>(lens[nb], from + 64);
-        for (int64_t pos = from; pos < ahead; ) {                  // block by block
-          const T* row = pool + nt[pos / block_size] * block_stride + (pos % block_size) * token_stride + nh * kDim;
-          for (const int64_t stop = std::min(ahead, (pos / block_size + 1) * block_size); pos < stop;
-               ++pos, row += token_stride)
-            for (int j = 0; j < kRowBytes; j += 64) {
-              _mm_prefetch(reinterpret_cast<const char*>(row + k_offset) + j, _MM_HINT_T0);
-              _mm_prefetch(reinterpret_cast<const char*>(row + v_offset) + j, _MM_HINT_T0);
-            }
-        }
-      }
+      // the next two items' first 64 keys and values, from memory, while this one computes
+      for (int64_t next = item + 1; next < std::min(end, item + 3); ++next)
+        prefetch_item_start(pool + (next % kv_heads) * kDim, tables + next / kv_heads * max_blocks,
+                            lens[next / kv_heads], window, block_size, block_stride, token_stride, k_offset,
+                            v_offset, kRowBytes);
       const T* q0 = query + (b * heads + h * group) * kDim;
       // 1. scores[g, t] = scale * q_g . k_t, 16 keys at a time
       for (int64_t g = 0; g < group; ++g) {
@@ -312,6 +340,226 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
       else
         values_fp32<kDim, kHeadChunk>(scores.data(), values.data(), len, padded, group,
                                       out + (b * heads + h * group) * kDim);
+    }
+  });
+}
+#endif
+
+#ifdef PDSERVE_AVX2
+// AVX2 + FMA: the AVX512 path's gathering and prefetching in 8 fp32 lanes (there is no bf16
+// arithmetic: bf16 rows are widened exactly as they are loaded, every product and sum in fp32). A
+// work item is a sequence and `span` of its KV heads (all of them from 2 sequences a thread, else
+// one: a single sequence's heads spread over the threads), and each tile of keys or values is
+// taken for all of the item's heads before the next: a token's rows of those heads lie side by
+// side, so the pool is read as it lies. One KV head an item at a time over all its keys (a
+// third of each row, strided) was 5-20 % slower per cold bf16 layer from 8 x 256 to 64 x 2048,
+// and key-major tiles took step 1 alone on a cold fp32 pool at 64 x 1024 from 5.0-5.5 to 3.1 ms.
+inline __m256 row8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 row8(const bf16* p) { return load8(p); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16* p, __m256 v) { round_store8(p, v); }
+
+// [sum of v[0]'s 8 lanes, ..., sum of v[7]'s]: two rounds of horizontal adds leave each vector's
+// sums of lanes 0-3 and 4-7 side by side, one add of the two 128-bit halves finishes
+inline __m256 reduce8(const __m256 v[8]) {
+  const __m256 e = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 f = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(e, f, 0x20), _mm256_permute2f128_ps(e, f, 0x31));
+}
+
+inline float max8(__m256 v) {
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+}
+
+// Step 1 for 8 keys (t0 .. t0 + 7; those from len on score 0) and H query heads of each of `span`
+// KV heads (`q`: head h's queries at q + h * q_stride, [H][kDim] fp32; `keys[t] + h * kDim`: its K
+// row): scores[h * s_stride + g * padded + t0 + i] = scale * q . k, and most[h * m_stride + g] the
+// running maximum of the valid scores. Key by key, each KV head in turn: a token's rows of the
+// item's heads lie side by side and are read in order. Each is widened 32 dims at a time into 4
+// registers and meets every query head from L1 (a memory operand of the FMA: H x kDim / 8 query
+// vectors do not fit 16 registers), in two sums a head (half the FMA latency chain); the 8
+// partial-sum vectors of a head (`part`: [span][H][8 keys][8 lanes]) are reduced together (reduce8).
+template <typename T, int64_t kDim>
+struct ScoresAvx2 {
+  template <int H>
+  struct Heads {
+    static void run(const float* q, int64_t q_stride, const T* const* keys, int64_t span, int64_t t0, int64_t len,
+                    int64_t padded, int64_t s_stride, float scale, float* scores, float* most, int64_t m_stride,
+                    float* part) {
+      const T* k[8];                  // past len: the last key again (its scores are masked to 0 below)
+      for (int i = 0; i < 8; ++i) k[i] = keys[std::min(t0 + i, len - 1)];
+      for (int i = 0; i < 8; ++i)
+        for (int64_t h = 0; h < span; ++h) {
+          __m256 acc[H][2];
+          PDSERVE_UNROLL
+          for (int g = 0; g < H; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+          const T* kh = k[i] + h * kDim;
+          const float* qh = q + h * q_stride;
+          for (int d = 0; d < kDim; d += 32) {
+            __m256 kv[4];
+            PDSERVE_UNROLL
+            for (int j = 0; j < 4; ++j) kv[j] = row8(kh + d + 8 * j);
+            PDSERVE_UNROLL
+            for (int g = 0; g < H; ++g)
+              PDSERVE_UNROLL
+              for (int j = 0; j < 4; ++j)
+                acc[g][j & 1] = _mm256_fmadd_ps(kv[j], _mm256_loadu_ps(qh + g * kDim + d + 8 * j), acc[g][j & 1]);
+          }
+          PDSERVE_UNROLL
+          for (int g = 0; g < H; ++g) _mm256_storeu_ps(part + ((h * H + g) * 8 + i) * 8, _mm256_add_ps(acc[g][0], acc[g][1]));
+        }
+      const __m256 valid = _mm256_castsi256_ps(lanes8(len - t0));
+      const __m256 none = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t h = 0; h < span; ++h)
+        PDSERVE_UNROLL
+        for (int g = 0; g < H; ++g) {
+          __m256 sums[8];
+          for (int i = 0; i < 8; ++i) sums[i] = _mm256_loadu_ps(part + ((h * H + g) * 8 + i) * 8);
+          const __m256 sc = _mm256_and_ps(_mm256_mul_ps(reduce8(sums), _mm256_set1_ps(scale)), valid);
+          _mm256_storeu_ps(scores + h * s_stride + g * padded + t0, sc);
+          float& m = most[h * m_stride + g];
+          m = std::max(m, max8(_mm256_blendv_ps(none, sc, valid)));
+        }
+    }
+  };
+};
+
+// Where step 3 reads token t's value row of one KV head: fp32 rows staged in L1 (a fixed stride)
+// or bf16 rows in the pool (one pointer a token, widened as they are loaded)
+struct StagedRows {
+  const float* base;
+  int64_t stride;
+  const float* operator()(int64_t t) const { return base + t * stride; }
+};
+struct PoolRows {
+  const bf16* const* rows;
+  int64_t offset;
+  const bf16* operator()(int64_t t) const { return rows[t] + offset; }
+};
+
+// Step 3 for H query heads of one KV head over tokens [t0, t1): acc[g * kDim + d] += sum_t
+// p[g * padded + t] v_t[d], v_t at rows(t). 24 dims at a time (the last 8 or 16 of a head size of
+// 64, 128 or 256 in a pass of their own): at H = 3, 9 accumulators, 3 value vectors loaded once
+// for the heads and a broadcast probability, 13 of the 16 registers, 2 loads per 3 FMAs.
+template <int64_t kDim>
+struct ValuesAvx2 {
+  template <int W, int H, typename Rows>
+  static void pass(const float* probs, int64_t padded, Rows rows, int64_t d, int64_t t0, int64_t t1, float* acc) {
+    __m256 a[H][W];
+    PDSERVE_UNROLL
+    for (int g = 0; g < H; ++g)
+      PDSERVE_UNROLL
+      for (int j = 0; j < W; ++j) a[g][j] = _mm256_loadu_ps(acc + g * kDim + d + 8 * j);
+    for (int64_t t = t0; t < t1; ++t) {
+      __m256 v[W];
+      PDSERVE_UNROLL
+      for (int j = 0; j < W; ++j) v[j] = row8(rows(t) + d + 8 * j);
+      PDSERVE_UNROLL
+      for (int g = 0; g < H; ++g) {
+        const __m256 p = _mm256_broadcast_ss(probs + g * padded + t);
+        PDSERVE_UNROLL
+        for (int j = 0; j < W; ++j) a[g][j] = _mm256_fmadd_ps(p, v[j], a[g][j]);
+      }
+    }
+    PDSERVE_UNROLL
+    for (int g = 0; g < H; ++g)
+      PDSERVE_UNROLL
+      for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc + g * kDim + d + 8 * j, a[g][j]);
+  }
+  template <int H>
+  struct Heads {
+    template <typename Rows>
+    static void run(const float* probs, int64_t padded, Rows rows, int64_t t0, int64_t t1, float* acc) {
+      constexpr int64_t kWide = kDim / 24 * 24;
+      for (int64_t d = 0; d < kWide; d += 24) pass<3, H>(probs, padded, rows, d, t0, t1, acc);
+      if constexpr (kDim - kWide == 8) pass<1, H>(probs, padded, rows, kWide, t0, t1, acc);
+      if constexpr (kDim - kWide == 16) pass<2, H>(probs, padded, rows, kWide, t0, t1, acc);
+    }
+  };
+};
+
+inline void prefetch_rows(const void* row, int64_t bytes) {
+  for (int64_t j = 0; j < bytes; j += 64) _mm_prefetch(static_cast<const char*>(row) + j, _MM_HINT_T0);
+}
+
+template <typename T, int64_t kDim>
+void attend_avx2(const T* query, const T* pool, const int64_t* tables, const int64_t* lens, T* out,
+                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
+                 int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t token_stride, float scale,
+                 int64_t window) {
+  constexpr int kScoreHeads = 8, kValueHeads = 3;   // query heads a pass of step 1 / step 3 takes
+  const int64_t group = heads / kv_heads;
+  const int64_t threads = at::get_num_threads();
+  const int64_t span = threads > 1 && batch < 2 * threads ? 1 : kv_heads, parts = kv_heads / span;
+  const int64_t row = span * kDim, row_bytes = row * sizeof(T);   // an item's K (or V) of one token
+  // tokens a block of step 3 stages: 16 KB of fp32 rows (32 tokens of SmolLM2's 3 KV heads), 8-64
+  const int64_t block = std::clamp<int64_t>(4096 / row, 8, 64);
+  at::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = span * group;                   // the item's query heads
+    std::vector<float> q(rows * kDim), acc(rows * kDim), scores, maxes(rows);
+    std::vector<const T*> keys, values;
+    std::vector<float> part(span * kScoreHeads * 8 * 8);
+    std::vector<float> staged(block * row);
+    for (int64_t item = begin; item < end; ++item) {
+      // as attend_avx: key t is position first + t, `len` their count; KV heads h0 .. h0 + span - 1
+      const int64_t b = item / parts, h0 = item % parts * span, first = first_key(lens[b], window);
+      const int64_t len = lens[b] - first, padded = (len + 7) / 8 * 8;
+      gather_rows(pool + h0 * kDim, tables + b * max_blocks, first, lens[b], block_size, block_stride, token_stride,
+                  k_offset, v_offset, keys, values);
+      scores.resize(rows * padded);
+      for (int64_t next = item + 1; next < std::min(end, item + 3); ++next)
+        prefetch_item_start(pool + next % parts * span * kDim, tables + next / parts * max_blocks, lens[next / parts],
+                            window, block_size, block_stride, token_stride, k_offset, v_offset, row_bytes);
+      const T* q0 = query + (b * heads + h0 * group) * kDim;
+      for (int64_t i = 0; i < rows * kDim; i += 8) _mm256_storeu_ps(q.data() + i, row8(q0 + i));
+      // 1. scores[r, t] = scale * q_r . k_t and their maxima, 8 keys at a time for every head
+      std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
+      for (int64_t t0 = 0; t0 < len; t0 += 8) {
+        // keys 32-40 ahead (the first tile: 8-40) while these 8 are summed
+        for (int64_t t = t0 == 0 ? 8 : t0 + kKeysAhead; t < std::min(len, t0 + kKeysAhead + 8); ++t)
+          prefetch_rows(keys[t], row_bytes);
+        for (int64_t g0 = 0; g0 < group; g0 += kScoreHeads)
+          with_rows<ScoresAvx2<T, kDim>::template Heads, kScoreHeads>(std::min<int64_t>(kScoreHeads, group - g0),
+              static_cast<const float*>(q.data() + g0 * kDim), group * kDim, static_cast<const T* const*>(keys.data()),
+              span, t0, len, padded, group * padded, scale, scores.data() + g0 * padded, maxes.data() + g0, group,
+              part.data());
+      }
+      // 2. e[r, t] = exp(s - max) in place; 1 / their sum (in maxes) scales step 3's output
+      for (int64_t r = 0; r < rows; ++r)
+        maxes[r] = 1.f / exp_and_sum8(scores.data() + r * padded, len, maxes[r], 1.f);
+      // 3. out_r = (sum_t e[r, t] v_t) / sum, `block` tokens at a time, every query head's passes
+      // over them. fp32 rows are first copied into `staged` in the order they lie: the passes
+      // read a head's 24 dims of every token, an order the cold pool streamed from memory slowly
+      // (values alone 4.4 -> 3.1 ms at 64 x 1024, 2 threads); bf16 rows, half the bytes, are
+      // read in place (staged, the copy cost more than it saved)
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < len; t0 += block) {
+        const int64_t t1 = std::min(len, t0 + block);
+        for (int64_t t = t0; t < t1; ++t) {
+          if (t + kValuesAhead < len) prefetch_rows(values[t + kValuesAhead], row_bytes);
+          if constexpr (std::is_same_v<T, float>) std::memcpy(staged.data() + (t - t0) * row, values[t], row_bytes);
+        }
+        for (int64_t h = 0; h < span; ++h)
+          for (int64_t g0 = 0; g0 < group; g0 += kValueHeads) {
+            const int64_t r = h * group + g0, heads_now = std::min<int64_t>(kValueHeads, group - g0);
+            const float* probs = scores.data() + r * padded;
+            float* sums = acc.data() + r * kDim;
+            if constexpr (std::is_same_v<T, float>)
+              with_rows<ValuesAvx2<kDim>::template Heads, kValueHeads>(heads_now, probs + t0, padded,
+                  StagedRows{staged.data() + h * kDim, row}, int64_t(0), t1 - t0, sums);
+            else
+              with_rows<ValuesAvx2<kDim>::template Heads, kValueHeads>(heads_now, probs, padded,
+                  PoolRows{values.data(), h * kDim}, t0, t1, sums);
+          }
+      }
+      T* o = out + (b * heads + h0 * group) * kDim;
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m256 inv = _mm256_set1_ps(maxes[r]);
+        for (int64_t d = 0; d < kDim; d += 8)
+          store8(o + r * kDim + d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + r * kDim + d), inv));
+      }
     }
   });
 }
@@ -401,11 +649,15 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
                     out.data_ptr<T>(), batch, heads, kv_heads, dim, tables.size(1), block_size, block_stride,
                     k_offset, v_offset, token_stride, static_cast<float>(scale), window);
   };
-#ifdef PDSERVE_AVX512
+#if defined(PDSERVE_AVX512) || defined(PDSERVE_AVX2)
   if (dim == 64 || dim == 128 || dim == 256) {
     auto fast = [&](auto tag) {
       using T = decltype(tag);
+#ifdef PDSERVE_AVX512
       auto kernel = dim == 64 ? attend_avx<T, 64> : dim == 128 ? attend_avx<T, 128> : attend_avx<T, 256>;
+#else
+      auto kernel = dim == 64 ? attend_avx2<T, 64> : dim == 128 ? attend_avx2<T, 128> : attend_avx2<T, 256>;
+#endif
       kernel(q.data_ptr<T>(), pool.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
              out.data_ptr<T>(), batch, heads, kv_heads, tables.size(1), block_size, block_stride, k_offset,
              v_offset, token_stride, static_cast<float>(scale), window);
