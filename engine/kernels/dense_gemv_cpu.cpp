@@ -198,43 +198,30 @@ template <int R> struct Bf16Range {
 // products and sums in fp32 (for up to 2 rows, even and odd inputs in separate accumulators)
 template <int S>
 void bf16_block8(const float* x, int64_t K, const bf16* block, const bf16* bias, bf16* y, int64_t N, int64_t n) {
+  static_assert(1 <= S && S <= 4, "in_fours' groups");
   constexpr int E = S <= 2 ? 2 : 1;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 acc[2][E][S];
   PDSERVE_UNROLL
   for (int h = 0; h < 2; ++h) for (int e = 0; e < E; ++e) for (int r = 0; r < S; ++r) acc[h][e][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
-    if constexpr (S <= 4) {
-      // both halves widened first, then row by row: a row's two broadcasts serve both halves.
-      // (Halves outer, GCC kept all 2S broadcasts live across them, and at S = 4 that spilled two
-      // accumulators to the stack inside the loop: a group of 4 rows cost about 3x one of 3.)
-      __m256 even[2], odd[2];
+    // both halves widened first, then row by row: a row's two broadcasts serve both halves.
+    // (Halves outer, GCC kept all 2S broadcasts live across them, and at S = 4 that spilled two
+    // accumulators to the stack inside the loop: a group of 4 rows cost about 3x one of 3.)
+    __m256 even[2], odd[2];
+    PDSERVE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + k * 16 + 16 * h));
+      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));     // input k of channels 8h..
+      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));     // input k + 1
+    }
+    PDSERVE_UNROLL
+    for (int r = 0; r < S; ++r) {
+      const __m256 xe = _mm256_broadcast_ss(x + r * K + k), xo = _mm256_broadcast_ss(x + r * K + k + 1);
       PDSERVE_UNROLL
       for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + k * 16 + 16 * h));
-        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));     // input k of channels 8h..
-        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));     // input k + 1
-      }
-      PDSERVE_UNROLL
-      for (int r = 0; r < S; ++r) {
-        const __m256 xe = _mm256_broadcast_ss(x + r * K + k), xo = _mm256_broadcast_ss(x + r * K + k + 1);
-        PDSERVE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          acc[h][0][r] = _mm256_fmadd_ps(even[h], xe, acc[h][0][r]);
-          acc[h][E - 1][r] = _mm256_fmadd_ps(odd[h], xo, acc[h][E - 1][r]);
-        }
-      }
-    } else {
-      PDSERVE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + k * 16 + 16 * h));
-        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        PDSERVE_UNROLL
-        for (int r = 0; r < S; ++r) {
-          acc[h][0][r] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(x + r * K + k), acc[h][0][r]);
-          acc[h][E - 1][r] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(x + r * K + k + 1), acc[h][E - 1][r]);
-        }
+        acc[h][0][r] = _mm256_fmadd_ps(even[h], xe, acc[h][0][r]);
+        acc[h][E - 1][r] = _mm256_fmadd_ps(odd[h], xo, acc[h][E - 1][r]);
       }
     }
   }
