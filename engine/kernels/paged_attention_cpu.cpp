@@ -90,8 +90,9 @@ void gather_rows(const T* pool, const int64_t* table, int64_t first, int64_t las
   }
 }
 
-// The first 64 keys and values of a work item (a sequence of `len` tokens and one KV head: `pool`
-// offset to its columns), fetched from memory while the item before it computes: a step's pool
+// The first 64 keys and values of a work item (a sequence of `len` tokens; `pool` offset to the
+// columns of its first KV head, `row_bytes` of each K and V row from there: one head's on AVX512,
+// the item's heads side by side on AVX2), fetched from memory while the item before it computes: a step's pool
 // rows are cold (the weights streamed through the caches since the last layer), and an item alone
 // prefetches only within itself. At 32 x 48 tokens a cold layer took 128-149 -> 72-74 us, 64 x 48
 // 247-261 -> 140, 32 x 256 503-533 -> 464-477 (AVX512, one thread, weights streamed between calls,
