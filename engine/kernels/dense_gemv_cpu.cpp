@@ -193,9 +193,6 @@ template <int R> struct Bf16Range {
 };
 
 #ifdef PDSERVE_AVX2
-// The same sums on AVX2 + FMA (no bf16 dot product there): x in fp32 (converted once a call),
-// each 16 weights of a block (8 channels' pairs) widened by shifts into the two inputs' 8 channels,
-// products and sums in fp32 (for up to 2 rows, even and odd inputs in separate accumulators)
 // bf16_block8 reads its blocks as one stream, a cache line an iteration; fetching the line
 // kAhead8 bytes on in the same iteration streamed a decode step's weights at one row 1.1-1.25x as
 // fast as the hardware prefetcher alone on the AVX2 EPYC (a standalone loop over SmolLM2's
@@ -203,6 +200,9 @@ template <int R> struct Bf16Range {
 // a fetch every other line, measured slower.
 constexpr int64_t kAhead8 = 1024;
 
+// The same sums on AVX2 + FMA (no bf16 dot product there): x in fp32 (converted once a call),
+// each 16 weights of a block (8 channels' pairs) widened by shifts into the two inputs' 8 channels,
+// products and sums in fp32 (for up to 2 rows, even and odd inputs in separate accumulators)
 template <int S>
 void bf16_block8(const float* x, int64_t K, const bf16* block, const bf16* bias, bf16* y, int64_t N, int64_t n) {
   static_assert(1 <= S && S <= 4, "in_fours' groups");
