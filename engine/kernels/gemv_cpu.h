@@ -235,6 +235,42 @@ inline void round_group(const bf16* row, int64_t K, int64_t k0, int32_t* four, f
   _mm_storeu_si128(reinterpret_cast<__m128i*>(four + 4), _mm512_cvtepi32_epi8(q1));
   sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 #else
+#ifdef PDSERVE_AVX2
+  // a whole group: the scalar loop's numbers (the same product, rounded to nearest even by the
+  // conversion), about 6x faster; it ran at ~10 ns an input, 5-15 us of each int8/int4 call at one row
+  if (k0 + kQGroup <= K) {
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    __m256i bad = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = load8(row + k0 + 8 * j);
+      const __m256i bits = _mm256_and_si256(_mm256_castps_si256(v[j]), magnitude);
+      bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(bits, inf));
+      m = _mm256_max_ps(m, _mm256_castsi256_ps(bits));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    nan = !_mm256_testz_si256(bad, bad);
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i q[4];
+    __m256i total = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));    // to nearest even
+      total = _mm256_add_epi32(total, q[j]);
+    }
+    // |q| <= 127: the packs do not saturate; they interleave 4-lane pieces, which the permute undoes
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(four),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+    scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+    return;
+  }
+#endif
   float v[kQGroup];
   for (int64_t i = 0; i < kQGroup; ++i) {
     v[i] = k0 + i < K ? static_cast<float>(row[k0 + i]) : 0.f;
