@@ -127,6 +127,64 @@ void int4_avx2_rows(RoundedView x, int r0, int64_t K, const uint8_t* packed, con
     for (int r = 0; r < S; ++r) store8(y + (r0 + r) * N, bias, N, b * 16 + 8 * h, acc[r]);
   }
 }
+
+// The same sums for S <= 2 rows, both halves of each 64-byte vector at once (int8_avx2_both's
+// reason: one walk over the block from memory instead of two, a row's broadcasts shared by both
+// halves); the same sums in the same order as int4_avx2_rows (batch-invariant across both).
+template <int S>
+void int4_avx2_both(RoundedView x, int r0, int64_t K, const uint8_t* packed, const bf16* sz, const bf16* bias,
+                    bf16* y, int64_t N, int64_t b) {
+  static_assert(S <= 2, "the sums of both halves fill the registers at 2 rows");
+  const int64_t groups = K / kGroup, stride = 4 * x.block;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[2][S];
+  PDSERVE_UNROLL
+  for (int h = 0; h < 2; ++h) for (int r = 0; r < S; ++r) acc[h][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = packed + (b * groups + g) * 256;
+    const int8_t* quads = x.quad(r0, g, 0);
+    __m256i pairs[2][S];
+    PDSERVE_UNROLL
+    for (int h = 0; h < 2; ++h) for (int r = 0; r < S; ++r) pairs[h][r] = _mm256_setzero_si256();
+    _Pragma("GCC unroll 2")
+    for (int v = 0; v < 4; ++v, quads += 2 * stride) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + 64 * v) + kAhead, _MM_HINT_T0);
+      __m256i lo[2], hi[2];
+      PDSERVE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * v + 32 * h));
+        lo[h] = _mm256_and_si256(raw, nibble);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+      }
+      PDSERVE_UNROLL
+      for (int r = 0; r < S; ++r) {
+        int32_t first, second;
+        std::memcpy(&first, quads + 4 * r, 4);
+        std::memcpy(&second, quads + stride + 4 * r, 4);
+        const __m256i xf = _mm256_set1_epi32(first), xs = _mm256_set1_epi32(second);
+        PDSERVE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          pairs[h][r] = _mm256_add_epi16(pairs[h][r], _mm256_maddubs_epi16(lo[h], xf));
+          pairs[h][r] = _mm256_add_epi16(pairs[h][r], _mm256_maddubs_epi16(hi[h], xs));
+        }
+      }
+    }
+    PDSERVE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const bf16* s16 = sz + (b * groups + g) * 32 + 8 * h;
+      const __m256 s = load8(s16), m = _mm256_fmadd_ps(_mm256_set1_ps(-8.f), s, load8(s16 + 16));   // z - 8 s
+      PDSERVE_UNROLL
+      for (int r = 0; r < S; ++r) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[h][r], ones));
+        const __m256 t = _mm256_fmadd_ps(dot, s, _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(x.sum(r0 + r, g))), m));
+        acc[h][r] = _mm256_fmadd_ps(_mm256_set1_ps(x.scale(r0 + r, g)), t, acc[h][r]);
+      }
+    }
+  }
+  PDSERVE_UNROLL
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < S; ++r) store8(y + (r0 + r) * N, bias, N, b * 16 + 8 * h, acc[h][r]);
+}
 #endif
 
 // the same sums, one channel at a time (CPUs without AVX512-VNNI or AVX2)
@@ -160,7 +218,13 @@ template <int R> struct Int4Range {
 #ifdef PDSERVE_VNNI
       int4_vnni<R>(x, K, packed, sz, bias, y, N, b);
 #elif defined(PDSERVE_AVX2)
-      in_fours<R>([&](auto s, int r0) { int4_avx2_rows<decltype(s)::value>(x, r0, K, packed, sz, bias, y, N, b); });
+      in_fours<R>([&](auto s, int r0) {
+        constexpr int S = decltype(s)::value;
+        if constexpr (S <= 2)
+          int4_avx2_both<S>(x, r0, K, packed, sz, bias, y, N, b);
+        else
+          int4_avx2_rows<S>(x, r0, K, packed, sz, bias, y, N, b);
+      });
 #else
       int4_scalar<R>(x, K, packed, sz, bias, y, N, b);
 #endif
