@@ -97,57 +97,16 @@ void int8_vnni(RoundedView x, int64_t Kp, const uint8_t* q, const float* scale, 
 // carrying the weights' signs (`vpsignb`) and adds pairs in int16 (at most 2 * 127 * 127: no
 // saturation), `vpmaddwd` by ones adds those pairs into each channel's int32 sum of 4 inputs.
 // Rows r0 .. r0 + S - 1 of block b (S <= 4, r0 a multiple of 4: one block of rows in the
-// RoundedView), channels 8h .. 8h + 7 (half h of each 64-byte weight vector).
+// RoundedView), both 8-channel halves of each 64-byte weight vector at once: the block streams
+// from memory in one walk, each line as it arrives, and a row's broadcast quad serves both halves.
+// (Until session 22 a walk took one half and the block was walked twice: the first walk stalled on
+// memory while the second, from L1, left memory idle. The step's linears, 1 thread, alternated 3x:
+// 1 / 2 / 3 / 4 rows 0.85x / ~0.85x / 0.75x / 0.78x, 7-8 rows ~0.9x. At 4 rows GCC keeps four of
+// the eight int32 sums on the stack, and it still measured faster.)
 template <int S>
 void int8_avx2_rows(RoundedView x, int r0, int64_t Kp, const uint8_t* w, const float* scale, const bf16* bias, bf16* y,
                     int64_t N, int64_t b) {
-  const int64_t groups = Kp / kQGroup;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
-  PDSERVE_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[S];
-    PDSERVE_UNROLL
-    for (int r = 0; r < S; ++r) acc[r] = _mm256_setzero_ps();
-    const uint8_t* wg = w + 32 * h;
-    for (int64_t g = 0; g < groups; ++g, wg += kQGroup * 16) {
-      __m256i sum[S];
-      PDSERVE_UNROLL
-      for (int r = 0; r < S; ++r) sum[r] = _mm256_setzero_si256();
-      const int8_t* quads = x.quad(r0, g, 0);         // row r0 + r's quad i: 4 r + 4 block i further
-      const int64_t stride = 4 * x.block;
-      // not unrolled further: the compiler then kept every product of the group live and spilled them
-      _Pragma("GCC unroll 2")
-      for (int i = 0; i < kQGroup / 4; ++i, quads += stride) {
-        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(wg + 64 * i) + kAhead, _MM_HINT_T0);
-        const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * i)), flip);
-        const __m256i mag = _mm256_abs_epi8(wv);
-        PDSERVE_UNROLL
-        for (int r = 0; r < S; ++r) {
-          int32_t four;
-          std::memcpy(&four, quads + 4 * r, 4);
-          const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(four), wv));
-          sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pairs, ones));
-        }
-      }
-      PDSERVE_UNROLL
-      for (int r = 0; r < S; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(x.scale(r0 + r, g)), acc[r]);
-    }
-    const __m256 ws = _mm256_loadu_ps(scale + b * 16 + 8 * h);
-    PDSERVE_UNROLL
-    for (int r = 0; r < S; ++r) store8(y + (r0 + r) * N, bias, N, b * 16 + 8 * h, _mm256_mul_ps(ws, acc[r]));
-  }
-}
-
-// The same sums for S <= 2 rows, both halves of each weight vector at once: the block streams from
-// memory once, each line as it arrives, and a row's broadcast quad serves both halves.
-// (int8_avx2_rows walks the block twice, a half each time: the first walk stalls on memory while
-// the second, from L1, leaves memory idle; at one row that ran at 0.5x the weights' read speed.)
-// The sums and their order per (row, channel) are int8_avx2_rows's: batch-invariant across both.
-template <int S>
-void int8_avx2_both(RoundedView x, int r0, int64_t Kp, const uint8_t* w, const float* scale, const bf16* bias, bf16* y,
-                    int64_t N, int64_t b) {
-  static_assert(S <= 2, "the accumulators of both halves fill the registers at 2 rows");
+  static_assert(1 <= S && S <= 4, "in_fours' groups");
   const int64_t groups = Kp / kQGroup, stride = 4 * x.block;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   __m256 acc[2][S];
@@ -199,11 +158,7 @@ template <int R>
 void int8_avx2(RoundedView x, int64_t Kp, const uint8_t* q, const float* scale, const bf16* bias, bf16* y, int64_t N,
                int64_t b) {
   in_fours<R>([&](auto s, int r0) {
-    constexpr int S = decltype(s)::value;
-    if constexpr (S <= 2)
-      int8_avx2_both<S>(x, r0, Kp, q + b * Kp * 16, scale, bias, y, N, b);
-    else
-      int8_avx2_rows<S>(x, r0, Kp, q + b * Kp * 16, scale, bias, y, N, b);
+    int8_avx2_rows<decltype(s)::value>(x, r0, Kp, q + b * Kp * 16, scale, bias, y, N, b);
   });
 }
 #endif
