@@ -128,9 +128,11 @@ void int4_avx2_rows(RoundedView x, int r0, int64_t K, const uint8_t* packed, con
   }
 }
 
-// The same sums for S <= 2 rows, both halves of each 64-byte vector at once (int8_avx2_both's
-// reason: one walk over the block from memory instead of two, a row's broadcasts shared by both
-// halves); the same sums in the same order as int4_avx2_rows (batch-invariant across both).
+// The same sums for S <= 2 rows, both halves of each 64-byte vector at once (as int8_gemv_cpu.cpp's
+// int8_avx2_rows: one walk over the block from memory instead of two, a row's broadcasts shared by
+// both halves); the same sums in the same order as int4_avx2_rows (batch-invariant across both).
+// At 3-4 rows (their sums and accumulators would not fit the registers) it measured mixed against
+// int4_avx2_rows, which keeps those.
 template <int S>
 void int4_avx2_both(RoundedView x, int r0, int64_t K, const uint8_t* packed, const bf16* sz, const bf16* bias,
                     bf16* y, int64_t N, int64_t b) {
