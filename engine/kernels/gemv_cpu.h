@@ -237,7 +237,8 @@ inline void round_group(const bf16* row, int64_t K, int64_t k0, int32_t* four, f
 #else
 #ifdef PDSERVE_AVX2
   // a whole group: the scalar loop's numbers (the same product, rounded to nearest even by the
-  // conversion), about 6x faster; it ran at ~10 ns an input, 5-15 us of each int8/int4 call at one row
+  // conversion). The loop ran at ~10 ns an input: an int8 call at one row, 576 / 1536 inputs, took
+  // 9.3 / 19.2 us against bf16_gemv's 3.8 / 4.6; with this 4.0 / 5.2 (session 22, 1 thread, hot)
   if (k0 + kQGroup <= K) {
     const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
     __m256 v[4];
