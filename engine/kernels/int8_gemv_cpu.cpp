@@ -118,7 +118,8 @@ void int8_avx2_rows(RoundedView x, int r0, int64_t Kp, const uint8_t* w, const f
     PDSERVE_UNROLL
     for (int h = 0; h < 2; ++h) for (int r = 0; r < S; ++r) sum[h][r] = _mm256_setzero_si256();
     const int8_t* quads = x.quad(r0, g, 0);           // row r0 + r's quad i: 4 r + 4 block i further
-    // not unrolled further: the compiler then kept every product of the group live and spilled them
+    // unrolled 2 (the two-walk kernel before it, unrolled further, kept every product of the group
+    // live and spilled them; not tried again here)
     _Pragma("GCC unroll 2")
     for (int i = 0; i < kQGroup / 4; ++i, quads += stride) {
       _mm_prefetch(reinterpret_cast<const char*>(wg + 64 * i) + kAhead, _MM_HINT_T0);
