@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, fused_attention, paged_attention
 from engine.config import layer_windows, unsupported_model
+from engine import weight_arena
 from engine.linear import make_linear
 
 class _Layer:
@@ -88,6 +89,9 @@ class DecoderModel:
         assert self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
         self.norm = self._norm_weight(body.norm)
         self.windows = layer_windows(cfg)          # per layer: 0, or its sliding window (keys)
+        # the CPU tensors the linears read each call, in the order the forward calls them; moved
+        # into one arena (huge pages where Linux gives them) once the LM head is built
+        self._arena_list: list[torch.Tensor] = []
         self.layers = [self._layer(i, layer, weight_format) for i, layer in enumerate(body.layers)]
         self.post_norms = self.layers[0].in_norm is None          # OLMo 2
         self.sandwich = self.layers[0].attn_norm is not None      # Gemma 3
@@ -97,6 +101,8 @@ class DecoderModel:
         head = hf_model.lm_head
         self.vocab_size = head.out_features
         self._head = self._linear(head.weight.detach(), _bias(head), weight_format)
+        self._weights = weight_arena.pack(self._arena_list)      # the arena (its tensors hold it too)
+        del self._arena_list
 
     def _layer(self, i: int, hf_layer, fmt: str) -> _Layer:
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
@@ -151,7 +157,7 @@ class DecoderModel:
         return self._linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt)
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
-        return make_linear(weight, bias, fmt, self.dtype, kernels=self._linear_kernels)
+        return make_linear(weight, bias, fmt, self.dtype, kernels=self._linear_kernels, keep=self._arena_list)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:

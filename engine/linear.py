@@ -126,35 +126,38 @@ def dense_small_rows(dtype: torch.dtype, kernels) -> int | None:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype,
-                kernels=None) -> Linear:
+                kernels=None, keep: list[torch.Tensor] | None = None) -> Linear:
     """A linear layer for `weight` [out, in] (+ `bias`) in format `fmt` computing in `dtype`
     (the activations' dtype). `kernels`: the engine's CPU kernels (`engine.kernels.cpu_kernels()`)
     for the quantized formats' steps of at most `quantized_small_rows(kernels)` rows and the
     dense formats' steps of at most `dense_small_rows(dtype, kernels)` rows, or None for aten's.
     Called once per layer at model load; the layer keeps what it needs (the packed weight, and where
-    the int kernel stops at some row count the dequantized bf16 copy).
+    the int kernel stops at some row count the dequantized bf16 copy). `keep`: a list to which the
+    layer appends the CPU tensors it made and reads on every call to the engine's kernels (its
+    packed weight; not the caller's own tensors), for engine.weight_arena to move.
     Raises ValueError for a shape the format cannot take."""
     assert fmt in WEIGHT_FORMATS, fmt
     bias = None if bias is None else bias.to(dtype).contiguous()
     if fmt in ("int8", "int4"):
         assert weight.device.type == "cpu" and dtype == torch.bfloat16, "int8/int4 quantization is CPU + bf16"
-        quant, dequantize = (_int8 if fmt == "int8" else _int4)(weight, bias, kernels)
+        quant, dequantize = (_int8 if fmt == "int8" else _int4)(weight, bias, kernels, keep)
         if quant is None:                    # a shape only the bf16 copy takes
-            return _dense(dequantize().to(torch.bfloat16), bias, kernels)
+            return _dense(dequantize().to(torch.bfloat16), bias, kernels, keep)
         few = quantized_small_rows(kernels)
         if few is None:                      # the int kernel at every row count, no copy
             return quant
         dense = _dense(dequantize().to(torch.bfloat16), bias)
         return lambda x: quant(x) if x.shape[0] <= few else dense(x)
-    return _dense(weight.to(dtype), bias, kernels)
+    return _dense(weight.to(dtype), bias, kernels, keep)
 
 
-def _dense(w: torch.Tensor, bias: torch.Tensor | None, kernels=None) -> Linear:
+def _dense(w: torch.Tensor, bias: torch.Tensor | None, kernels=None, keep: list | None = None) -> Linear:
     """`kernels`: the engine's CPU kernels for the GEMVs at few rows, or None."""
     w = w.contiguous()
     few = dense_small_rows(w.dtype, kernels) if w.device.type == "cpu" else 0
     if few is None:                          # the GEMV at every row count (bf16): no packed copy
         blocks, out_f = _blocks_of_16(w), w.shape[0]
+        _keep(keep, blocks)
         return lambda x: kernels.bf16_gemv(x, blocks, bias, out_f)
     if w.device.type == "cpu" and w.dtype == torch.bfloat16 and cpu_has_native_bf16():
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
@@ -165,12 +168,20 @@ def _dense(w: torch.Tensor, bias: torch.Tensor | None, kernels=None) -> Linear:
         return many
     if w.dtype == torch.bfloat16:
         blocks, out_f = _blocks_of_16(w), w.shape[0]
+        _keep(keep, blocks)
         return lambda x: kernels.bf16_gemv(x, blocks, bias, out_f) if x.shape[0] <= few else many(x)
+    # fp32 reads the caller's weight itself (often the checkpoint's own tensor, which the embedding
+    # may share): not moved
     return lambda x: kernels.fp32_gemv(x, w, bias) if x.shape[0] <= few else many(x)
 
 
+def _keep(keep: list | None, *tensors: torch.Tensor) -> None:
+    if keep is not None:
+        keep.extend(t for t in tensors if t.device.type == "cpu")
+
+
 def _int8(weight: torch.Tensor, bias: torch.Tensor | None,
-          kernels) -> tuple[Linear, Callable[[], torch.Tensor]]:
+          kernels, keep: list | None = None) -> tuple[Linear, Callable[[], torch.Tensor]]:
     """Symmetric int8 per output channel; returns the layer and a function giving the dequantized
     weight (fp32), which only a layer that also keeps a bf16 copy calls."""
     w = weight.float()
@@ -181,6 +192,7 @@ def _int8(weight: torch.Tensor, bias: torch.Tensor | None,
     if kernels is not None:
         blocks, scale32 = _int8_quads(q), F.pad(scale.float(), (0, -len(scale) % 16))
         out_f = weight.shape[0]
+        _keep(keep, blocks)
         return lambda x: kernels.int8_gemv(x, blocks, scale32, bias, out_f), dequantize
 
     def linear(x):
@@ -190,7 +202,7 @@ def _int8(weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _int4(weight: torch.Tensor, bias: torch.Tensor | None,
-          kernels) -> tuple[Linear | None, Callable[[], torch.Tensor]]:
+          kernels, keep: list | None = None) -> tuple[Linear | None, Callable[[], torch.Tensor]]:
     """Asymmetric int4 in groups of INT4_GROUP inputs; returns the layer (None where only the bf16
     copy can run it: aten's kernel and a number of outputs not a multiple of 16) and a function
     giving the dequantized weight (fp32)."""
@@ -210,6 +222,7 @@ def _int4(weight: torch.Tensor, bias: torch.Tensor | None,
         return (grouped * scale.float()[..., None] + zero.float()[..., None]).reshape(out_f, in_f)
     if kernels is not None:
         packed, sz = _int4_blocks(q, scale, zero)
+        _keep(keep, packed, sz)
         return lambda x: kernels.int4_gemv(x, packed, sz, bias, out_f), dequantize
     if out_f % 16:                           # aten's int4 packing takes multiples of 16 outputs only
         return None, dequantize
