@@ -6,8 +6,10 @@ Life cycle of a request here (`generate`, a streaming call the router makes befo
   2. expect   hand the reservation to the KV receiver, then yield `Reserved` (its identity: the
               request id at this replica's KV address), which the router hands to the prefill
   3. await    the push, bounded by the lease (which also covers the prefill's queue and the
-              prefill); it lands in the reserved blocks with the first token (a KVHandoff); a
-              failure frees the reservation -> error event
+              prefill); it lands in the reserved blocks with the first token (a KVHandoff) and
+              this yields `Landed` (from here the prefill replica's fate does not matter: a
+              router whose prefill replica died before it drops the reservation at once instead
+              of waiting out the lease); a failure frees the reservation -> error event
   4. admit    `add_prefilled` with that first token, one engine call that checks the request
               first (a bad one releases the reservation -> 400 event); from here the engine owns
               the blocks, even when the first token already ends the request
@@ -93,6 +95,11 @@ class DecodeServer(EngineReplica):
             return
         self.host.count("kv_transfers_landed")
         self.host.count("kv_bytes_received", result.nbytes)
+        try:
+            yield messages.encode(messages.Landed(rid))
+        except BaseException:        # the router left (GeneratorExit, cancelled): the blocks are still ours
+            self._release(blocks)
+            raise
         # 4. admit, 5. stream
         params = req.params.to_params()
 

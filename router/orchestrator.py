@@ -9,8 +9,12 @@ Disaggregated, four steps (the order is the block ownership):
      (which already exist: no push waits); the rest of that stream (the push's end) is read in
      the background;
   3. yield the first token (and its text, detokenized by the prefill replica) at once;
-  4. stream the decode stream's tokens after the first: the decode replica admits the request
-     as soon as the K/V lands.
+  4. stream the decode stream's tokens after the first: the decode replica answers `Landed` when
+     the K/V is in its blocks, then admits the request. A prefill replica that dies after the
+     first token but before `Landed` (its stream ends in a replica error instead of the push's
+     end) has lost the push: after HANDOFF_GRACE_S for a `Landed` already on its way the request
+     fails with a 503 and the reservation is dropped at once (before, it waited out the lease:
+     two minutes by default).
 If the first token already ends the request, step 3 is one final event and the decode stream is
 cancelled (the reservation is dropped). TTFT is the reservation's round trip plus the prefill's
 latency, not prefill + KV transfer + decode admission.
@@ -50,6 +54,7 @@ from serving.messages import WireSamplingParams
 
 
 RETRY_DELAYS_S = (0.0, 0.25, 0.5, 1.0) + (2.0,) * 6   # before each attempt (see the module docstring)
+HANDOFF_GRACE_S = 2.0   # after the prefill replica died mid-push: how long a `Landed` may still be on its way
 _GONE = (RayError, ReplicaUnavailableError)   # a replica died, or was removed before the dispatch
 
 
@@ -166,7 +171,7 @@ class Orchestrator:
                 if result.error is not None:
                     kind = "invalid_request_error" if result.error_code == 400 else "server_error"
                     raise RequestFailed(result.error_code, result.error, kind)
-                self._follow(prefill)
+                follower = self._follow(prefill)
                 if self.metrics is not None:
                     self.metrics.observe_prefill(waited + result.queue_seconds, result.prefill_seconds)
                 # 3. the first token, straight from the prefill replica
@@ -178,8 +183,9 @@ class Orchestrator:
                 if done:
                     abandoned = False     # `finally` drops the reservation; the prefill stream ends
                     return
-                # 4. the decode stream; its first token event repeats the first token (and
-                #    carries no logprobs: the prefill replica's came with step 3)
+                # 4. the decode stream: `Landed`, then token events; the first repeats the first
+                #    token (and carries no logprobs: the prefill replica's came with step 3)
+                await self._landing(decode, follower)
                 first = True
                 async for data in decode:
                     event = _check(messages.decode(data))
@@ -196,15 +202,41 @@ class Orchestrator:
                 if abandoned and prefill is not None:   # client gone, deadline or failure
                     _cancel(prefill)
 
-    def _follow(self, prefill) -> None:
+    def _follow(self, prefill) -> asyncio.Task:
         """Read the rest of a prefill stream (the push's end) in the background: the call ends
-        when its push does, so Serve never cuts a push when it drains the replica."""
-        async def drain():
+        when its push does, so Serve never cuts a push when it drains the replica. The task's
+        result: True when the stream ended because its replica died (the push may be lost)."""
+        async def drain() -> bool:
             try:
                 async for _ in prefill:
                     pass
-            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - cancelled, or the replica died:
+            except _GONE:
+                return True
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - cancelled, or a failed push:
                 pass                                     # the decode side reports the failed transfer
+            return False
         task = asyncio.ensure_future(drain())
         self._followers.add(task)
         task.add_done_callback(self._followers.discard)
+        return task
+
+    async def _landing(self, decode, follower: asyncio.Task) -> None:
+        """Wait for the decode stream's `Landed` (step 4). If the prefill replica dies first
+        (`follower` says so), give a `Landed` already on its way HANDOFF_GRACE_S, then fail: the
+        push is lost, and the caller's `finally` drops the reservation."""
+        nxt = asyncio.ensure_future(decode.__anext__())
+        try:
+            await asyncio.wait({nxt, follower}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done() and not follower.cancelled() and follower.result():
+                await asyncio.wait({nxt}, timeout=HANDOFF_GRACE_S)
+                if not nxt.done():
+                    raise RequestFailed(503, "the prefill replica failed during the KV hand-off; retry the "
+                                             "request", "server_error")
+            try:
+                event = _check(messages.decode(await nxt))
+            except StopAsyncIteration:
+                raise RequestFailed(502, "the decode replica ended the request before its K/V landed") from None
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+        assert isinstance(event, messages.Landed), event

@@ -97,7 +97,7 @@ class PrefillResult:
 class DecodeRequest:
     """Router -> decode replica (a streaming call, made before the prefill): reserve blocks for
     the prompt's K/V and answer `Reserved` (or an `ErrorEvent` at once), receive the K/V with a
-    `KVHandoff`, then stream `TokenEvent`s from its first token."""
+    `KVHandoff` and answer `Landed`, then stream `TokenEvent`s from its first token."""
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: WireSamplingParams
@@ -111,6 +111,15 @@ class Reserved:
     request_id: str
     kv_address: str
     num_blocks: int
+
+
+@dataclass(frozen=True)
+class Landed:
+    """Decode replica -> router, the second event of a decode stream: the K/V pushed for
+    `request_id` is in the reserved blocks (the prefill replica is no longer needed). A router
+    whose prefill replica died after the first token but before this event knows the push is
+    lost and drops the reservation at once instead of waiting for its lease."""
+    request_id: str
 
 
 @dataclass(frozen=True)
@@ -175,7 +184,7 @@ class ReplicaStats:
 
 
 MESSAGES = {cls.__name__: cls for cls in (GenerateRequest, PrefillRequest, PrefillResult, DecodeRequest,
-                                           Reserved, KVHandoff, HandoffDone, TokenEvent, ErrorEvent,
+                                           Reserved, Landed, KVHandoff, HandoffDone, TokenEvent, ErrorEvent,
                                            ReplicaStats)}
 
 

@@ -25,6 +25,7 @@ EXAMPLES = [
                     prompt_logprobs=(TokenLogprobs(3, -2.0), LP)),
     m.DecodeRequest("d", (1,), P),
     m.Reserved("d", "10.0.0.2:4321", 3),
+    m.Landed("d"),
     m.KVHandoff(5, 2),
     m.HandoffDone("d", True),
     m.HandoffDone("d", False, "receiver: unknown or expired request 'd'"),

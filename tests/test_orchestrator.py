@@ -10,8 +10,9 @@ Serve handles (the real handles and replicas are exercised end to end in test_se
   * a first token that ends the request is one final event and the reservation is cancelled;
   * a consumer that leaves early (client gone) cancels both replica calls (the reservation and
     the push), one that leaves during the prefill too; a prefill replica that dies before its
-    first token is retried with a fresh id and reservation, and a pool without a live replica
-    for a few seconds (a redeploy) is waited for, not failed.
+    first token is retried with a fresh id and reservation, one that dies during its push before
+    the decode replica's `Landed` fails the request at once (the reservation dropped), and a
+    pool without a live replica for a few seconds (a redeploy) is waited for, not failed.
 """
 
 import asyncio
@@ -55,7 +56,8 @@ class FakeResponse:
 
 class FakeDecode:
     """`options(stream=True)`, its `.generate.choose_replica()` and `.dispatch()`, as the router
-    uses them. The stream answers Reserved at once, then `events` once `release` is set."""
+    uses them. The stream answers Reserved at once, then Landed and `events` once `release` is set
+    (the KV has landed)."""
 
     def __init__(self, events, log: list | None = None):
         self.events, self.requests, self.release = events, [], asyncio.Event()
@@ -81,16 +83,18 @@ class FakeDecode:
         self.log.append("decode")
         yield messages.encode(messages.Reserved(req.request_id, ADDRESS, 1))
         await self.release.wait()                 # the test decides when the KV lands
+        yield messages.encode(messages.Landed(req.request_id))
         for event in self.events:
             yield messages.encode(event)
 
 
 class FakePrefill:
     """`options(stream=True).prefill.remote(data)`: a stream of the PrefillResult (after `delay`)
-    then, unless it ends the request, a HandoffDone. `die` calls fail before their first token."""
+    then, unless it ends the request, a HandoffDone. `die` calls fail before their first token;
+    with `die_pushing` a call fails after it, before its push's end."""
 
-    def __init__(self, result, delay: float = 0.0, log: list | None = None, die: int = 0):
-        self.result, self.delay, self.die = result, delay, die
+    def __init__(self, result, delay: float = 0.0, log: list | None = None, die: int = 0, die_pushing: bool = False):
+        self.result, self.delay, self.die, self.die_pushing = result, delay, die, die_pushing
         self.requests, self.responses = [], []
         self.log = log if log is not None else []
         self.prefill = self
@@ -112,6 +116,8 @@ class FakePrefill:
             self.die -= 1
             raise ActorDiedError()
         yield messages.encode(self.result)
+        if self.die_pushing:                      # the replica dies during its push
+            raise ActorDiedError()
         if self.result.finish_reason is None:
             yield messages.encode(messages.HandoffDone(req.request_id, True))
 
@@ -213,6 +219,42 @@ def test_a_prefill_replica_dying_before_its_first_token_is_retried_with_a_fresh_
         assert events[-1].finished and [r.request_id for r in decode.requests] == ["r", "r-retry1"]
         assert [r.request_id for r in prefill.requests] == ["r", "r-retry1"]
         assert decode.responses[0].cancelled    # the first reservation is dropped at once
+    asyncio.run(main())
+
+
+def test_a_prefill_replica_dying_during_its_push_fails_the_request_at_once_and_drops_the_reservation(monkeypatch):
+    """The first token has reached the client, and the push will never land: the request fails
+    (a 503 after the grace for a `Landed` on its way), not after the decode reservation's lease."""
+    from router import orchestrator
+    monkeypatch.setattr(orchestrator, "HANDOFF_GRACE_S", 0.2)
+
+    async def main():
+        result = messages.PrefillResult("r", first_token=7, first_text="Hi")
+        decode = FakeDecode([messages.TokenEvent("r", (7,), "", False, None, 2, 1)])   # never released
+        prefill = FakePrefill(result, die_pushing=True)
+        events = Orchestrator("disaggregated", prefill, decode).run("r", [1, 2], SamplingParams(max_tokens=5))
+        first = await asyncio.wait_for(events.__anext__(), 5)
+        assert first.token_ids == (7,)
+        with pytest.raises(RequestFailed) as failed:
+            await asyncio.wait_for(events.__anext__(), 5)
+        assert failed.value.code == 503 and "hand-off" in failed.value.message
+        assert decode.responses[0].cancelled    # the reservation is dropped now
+        assert len(prefill.requests) == 1       # not retried: the client already has the first token
+    asyncio.run(main())
+
+
+def test_a_prefill_replica_dying_after_its_push_landed_does_not_fail_the_request():
+    """The push landed (the decode stream's `Landed` may even arrive after the prefill stream's
+    error): the request goes on from the decode replica."""
+    async def main():
+        result = messages.PrefillResult("r", first_token=7, first_text="Hi")
+        decode = FakeDecode([messages.TokenEvent("r", (7, 8), "!", True, "length", 2, 2)])
+        decode.release.set()
+        prefill = FakePrefill(result, die_pushing=True)
+        events = [ev async for ev in Orchestrator("disaggregated", prefill, decode).run(
+            "r", [1, 2], SamplingParams(max_tokens=2))]
+        assert [ev.token_ids for ev in events] == [(7,), (8,)] and events[-1].finished
+        assert not decode.responses[0].cancelled
     asyncio.run(main())
 
 
