@@ -4,6 +4,7 @@ Serve replaces the replica."""
 
 import http.client as httpclient
 import json
+import os
 import threading
 
 import pytest
@@ -22,12 +23,26 @@ def app(ray_serve, tiny_llama_dir):
 
 
 def kill_replica(deployment: str, replica_id: str | None = None) -> str:
+    """Kill a replica's process and return once it is gone (`ray.kill` only asks for it: a request
+    sent right after it could otherwise still reach the replica and die with it mid-way)."""
     for actor in ray.util.list_named_actors(all_namespaces=True):
         name = actor["name"]
         if name.startswith("SERVE_REPLICA::ft#" + deployment + "#") and (replica_id is None or name.endswith(replica_id)):
-            ray.kill(ray.get_actor(name, namespace=actor["namespace"]), no_restart=True)
+            handle = ray.get_actor(name, namespace=actor["namespace"])
+            pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
+            ray.kill(handle, no_restart=True)
+            assert wait_until(lambda: not _running(pid), 30), f"{name} (pid {pid}) still runs after ray.kill"
             return name
     raise LookupError(f"no live replica of {deployment} {replica_id or ''}")
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux: /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def ok(base, n=1):
