@@ -10,11 +10,13 @@ Disaggregated, four steps (the order is the block ownership):
      the background;
   3. yield the first token (and its text, detokenized by the prefill replica) at once;
   4. stream the decode stream's tokens after the first: the decode replica answers `Landed` when
-     the K/V is in its blocks, then admits the request. A prefill replica that dies after the
-     first token but before `Landed` (its stream ends in a replica error instead of the push's
-     end) has lost the push: after HANDOFF_GRACE_S for a `Landed` already on its way the request
-     fails with a 503 and the reservation is dropped at once (before, it waited out the lease:
-     two minutes by default).
+     the K/V is in its blocks, then admits the request. A push lost before `Landed` (the prefill
+     replica died after the first token: its stream ends in a replica error instead of
+     `HandoffDone`; or it reports the push failed, e.g. no pair to the decode replica within the
+     connect timeout, which the decode side never hears of) fails the request after
+     HANDOFF_GRACE_S for a `Landed` (or the decode side's own error) already on its way: a 503
+     for a dead replica, a 502 for a failed push, and the reservation is dropped at once
+     (before, the request waited out the reservation's lease: two minutes by default).
 If the first token already ends the request, step 3 is one final event and the decode stream is
 cancelled (the reservation is dropped). TTFT is the reservation's round trip plus the prefill's
 latency, not prefill + KV transfer + decode admission.
@@ -54,7 +56,7 @@ from serving.messages import WireSamplingParams
 
 
 RETRY_DELAYS_S = (0.0, 0.25, 0.5, 1.0) + (2.0,) * 6   # before each attempt (see the module docstring)
-HANDOFF_GRACE_S = 2.0   # after the prefill replica died mid-push: how long a `Landed` may still be on its way
+HANDOFF_GRACE_S = 2.0   # after a push was lost (see step 4): how long a `Landed` may still be on its way
 _GONE = (RayError, ReplicaUnavailableError)   # a replica died, or was removed before the dispatch
 
 
@@ -205,33 +207,38 @@ class Orchestrator:
     def _follow(self, prefill) -> asyncio.Task:
         """Read the rest of a prefill stream (the push's end) in the background: the call ends
         when its push does, so Serve never cuts a push when it drains the replica. The task's
-        result: True when the stream ended because its replica died (the push may be lost)."""
-        async def drain() -> bool:
+        result: a RequestFailed when the push is lost (the replica died, or its HandoffDone says
+        the push failed), else None."""
+        async def drain() -> RequestFailed | None:
+            lost = None
             try:
-                async for _ in prefill:
-                    pass
+                async for data in prefill:
+                    end = messages.decode(data)
+                    if isinstance(end, messages.HandoffDone) and not end.ok:
+                        lost = RequestFailed(502, f"KV transfer failed: {end.error}")
             except _GONE:
-                return True
-            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - cancelled, or a failed push:
-                pass                                     # the decode side reports the failed transfer
-            return False
+                return RequestFailed(503, "the prefill replica failed during the KV hand-off; retry the request")
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - cancelled (the request ended), or a
+                pass                                     # malformed message: the decode side decides
+            return lost
         task = asyncio.ensure_future(drain())
         self._followers.add(task)
         task.add_done_callback(self._followers.discard)
         return task
 
     async def _landing(self, decode, follower: asyncio.Task) -> None:
-        """Wait for the decode stream's `Landed` (step 4). If the prefill replica dies first
-        (`follower` says so), give a `Landed` already on its way HANDOFF_GRACE_S, then fail: the
-        push is lost, and the caller's `finally` drops the reservation."""
+        """Wait for the decode stream's `Landed` (step 4). If the prefill side loses the push
+        first (`follower`'s result), give a `Landed`, or the decode side's own error, already on
+        its way HANDOFF_GRACE_S, then fail with the follower's error; the caller's `finally`
+        drops the reservation."""
         nxt = asyncio.ensure_future(decode.__anext__())
         try:
             await asyncio.wait({nxt, follower}, return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done() and not follower.cancelled() and follower.result():
+            lost = None if nxt.done() or follower.cancelled() else follower.result()
+            if lost is not None:
                 await asyncio.wait({nxt}, timeout=HANDOFF_GRACE_S)
                 if not nxt.done():
-                    raise RequestFailed(503, "the prefill replica failed during the KV hand-off; retry the "
-                                             "request", "server_error")
+                    raise lost
             try:
                 event = _check(messages.decode(await nxt))
             except StopAsyncIteration:

@@ -10,8 +10,9 @@ Serve handles (the real handles and replicas are exercised end to end in test_se
   * a first token that ends the request is one final event and the reservation is cancelled;
   * a consumer that leaves early (client gone) cancels both replica calls (the reservation and
     the push), one that leaves during the prefill too; a prefill replica that dies before its
-    first token is retried with a fresh id and reservation, one that dies during its push before
-    the decode replica's `Landed` fails the request at once (the reservation dropped), and a
+    first token is retried with a fresh id and reservation, a push lost before the decode replica's
+    `Landed` (its replica died, or it reports a failure) fails the request at once (the
+    reservation dropped), and a
     pool without a live replica for a few seconds (a redeploy) is waited for, not failed.
 """
 
@@ -91,10 +92,13 @@ class FakeDecode:
 class FakePrefill:
     """`options(stream=True).prefill.remote(data)`: a stream of the PrefillResult (after `delay`)
     then, unless it ends the request, a HandoffDone. `die` calls fail before their first token;
-    with `die_pushing` a call fails after it, before its push's end."""
+    with `die_pushing` a call fails after it, before its push's end; `push_error` makes its
+    HandoffDone report a failed push."""
 
-    def __init__(self, result, delay: float = 0.0, log: list | None = None, die: int = 0, die_pushing: bool = False):
+    def __init__(self, result, delay: float = 0.0, log: list | None = None, die: int = 0, die_pushing: bool = False,
+                 push_error: str = ""):
         self.result, self.delay, self.die, self.die_pushing = result, delay, die, die_pushing
+        self.push_error = push_error
         self.requests, self.responses = [], []
         self.log = log if log is not None else []
         self.prefill = self
@@ -119,7 +123,7 @@ class FakePrefill:
         if self.die_pushing:                      # the replica dies during its push
             raise ActorDiedError()
         if self.result.finish_reason is None:
-            yield messages.encode(messages.HandoffDone(req.request_id, True))
+            yield messages.encode(messages.HandoffDone(req.request_id, not self.push_error, self.push_error))
 
 
 def test_reservation_first_then_the_first_token_before_decode_answers(monkeypatch):
@@ -222,22 +226,29 @@ def test_a_prefill_replica_dying_before_its_first_token_is_retried_with_a_fresh_
     asyncio.run(main())
 
 
-def test_a_prefill_replica_dying_during_its_push_fails_the_request_at_once_and_drops_the_reservation(monkeypatch):
-    """The first token has reached the client, and the push will never land: the request fails
-    (a 503 after the grace for a `Landed` on its way), not after the decode reservation's lease."""
+@pytest.mark.parametrize("loss", ["replica died", "push failed"])
+def test_a_push_lost_before_it_landed_fails_the_request_at_once_and_drops_the_reservation(monkeypatch, loss):
+    """The first token has reached the client, and the push will never land (the prefill replica
+    died during it, or reports it failed: e.g. no pair within the connect timeout, which the decode
+    side never hears of): the request fails after the grace for a `Landed` on its way, not after
+    the decode reservation's lease."""
     from router import orchestrator
     monkeypatch.setattr(orchestrator, "HANDOFF_GRACE_S", 0.2)
 
     async def main():
         result = messages.PrefillResult("r", first_token=7, first_text="Hi")
         decode = FakeDecode([messages.TokenEvent("r", (7,), "", False, None, 2, 1)])   # never released
-        prefill = FakePrefill(result, die_pushing=True)
+        prefill = (FakePrefill(result, die_pushing=True) if loss == "replica died"
+                   else FakePrefill(result, push_error="connect timeout"))
         events = Orchestrator("disaggregated", prefill, decode).run("r", [1, 2], SamplingParams(max_tokens=5))
         first = await asyncio.wait_for(events.__anext__(), 5)
         assert first.token_ids == (7,)
         with pytest.raises(RequestFailed) as failed:
             await asyncio.wait_for(events.__anext__(), 5)
-        assert failed.value.code == 503 and "hand-off" in failed.value.message
+        if loss == "replica died":
+            assert failed.value.code == 503 and "hand-off" in failed.value.message
+        else:
+            assert failed.value.code == 502 and "connect timeout" in failed.value.message
         assert decode.responses[0].cancelled    # the reservation is dropped now
         assert len(prefill.requests) == 1       # not retried: the client already has the first token
     asyncio.run(main())
