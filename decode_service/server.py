@@ -8,8 +8,9 @@ Life cycle of a request here (`generate`, a streaming call the router makes befo
   3. await    the push, bounded by the lease (which also covers the prefill's queue and the
               prefill); it lands in the reserved blocks with the first token (a KVHandoff) and
               this yields `Landed` (from here the prefill replica's fate does not matter: a
-              router whose prefill replica died before it drops the reservation at once instead
-              of waiting out the lease); a failure frees the reservation -> error event
+              router that learns the push is lost before it, its prefill replica dead or
+              reporting a failed push, drops the reservation at once instead of waiting out the
+              lease); a failure frees the reservation -> error event
   4. admit    `add_prefilled` with that first token, one engine call that checks the request
               first (a bad one releases the reservation -> 400 event); from here the engine owns
               the blocks, even when the first token already ends the request

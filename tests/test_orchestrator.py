@@ -12,8 +12,8 @@ Serve handles (the real handles and replicas are exercised end to end in test_se
     the push), one that leaves during the prefill too; a prefill replica that dies before its
     first token is retried with a fresh id and reservation, a push lost before the decode replica's
     `Landed` (its replica died, or it reports a failure) fails the request at once (the
-    reservation dropped), and a
-    pool without a live replica for a few seconds (a redeploy) is waited for, not failed.
+    reservation dropped), and a pool without a live replica for a few seconds (a redeploy) is
+    waited for, not failed.
 """
 
 import asyncio
