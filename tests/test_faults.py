@@ -7,6 +7,7 @@ import json
 import os
 import threading
 
+import psutil
 import pytest
 import ray
 from ray import serve
@@ -37,11 +38,10 @@ def kill_replica(deployment: str, replica_id: str | None = None) -> str:
 
 
 def _running(pid: int) -> bool:
-    """The process exists and is not a zombie (Linux: /proc)."""
+    """The process exists and is not a zombie."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
