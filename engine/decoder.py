@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import weight_arena
 from engine.attention import AttentionMetadata, fused_attention, paged_attention
 from engine.config import layer_windows, unsupported_model
-from engine import weight_arena
 from engine.linear import make_linear
 
 class _Layer:

@@ -117,8 +117,9 @@ class Reserved:
 class Landed:
     """Decode replica -> router, the second event of a decode stream: the K/V pushed for
     `request_id` is in the reserved blocks (the prefill replica is no longer needed). A router
-    whose prefill replica died after the first token but before this event knows the push is
-    lost and drops the reservation at once instead of waiting for its lease."""
+    that learns the push is lost before this event (its prefill replica died after the first
+    token, or its HandoffDone reports a failed push) drops the reservation at once instead of
+    waiting for its lease."""
     request_id: str
 
 
