@@ -14,6 +14,8 @@ microseconds per call and the weight bytes each call reads per second (GB/s) for
   bf16, fp32  the engine's dense GEMVs (engine.kernels.bf16_gemv on the blocked weight,
               fp32_gemv on the row-major one), where they build vectorized, at every row count
               (engine.linear switches away above its thresholds)
+  bf16-amx    the AMX tile GEMM on the same blocked weight (engine.kernels.bf16_gemm_amx),
+              where this CPU has AMX-BF16, at every row count (bf16_gemv hands it many rows)
   int8-aten   torch.ops.aten._weight_int8pack_mm
   int4-aten   torch.ops.aten._weight_int4pack_mm_for_cpu
   int8, int4  engine.linear's quantized kernels (engine.kernels.int8_gemv, int4_gemv),
@@ -42,7 +44,7 @@ from engine.kernels import cpu_kernels  # noqa: E402
 SHAPES = {"qkv": ((960, 576), 30), "o": ((576, 576), 30), "gate_up": ((3072, 576), 30),
           "down": ((576, 1536), 30), "lm_head": ((49152, 576), 1)}
 # bytes of weight a call reads per parameter (int4: + a bf16 scale and zero per 32)
-BYTES = {"bf16-onednn": 2.0, "fp32-mkl": 4.0, "bf16": 2.0, "fp32": 4.0, "int8-aten": 1.0,
+BYTES = {"bf16-onednn": 2.0, "fp32-mkl": 4.0, "bf16": 2.0, "bf16-amx": 2.0, "fp32": 4.0, "int8-aten": 1.0,
          "int4-aten": 0.5 + 4 / 32, "int8": 1.0, "int4": 0.5 + 4 / 32}
 DTYPE = {"fp32-mkl": torch.float32, "fp32": torch.float32}      # activations; the others bf16
 
@@ -57,6 +59,9 @@ def _factories(kernels) -> dict:
         out["bf16"] = lambda w: (lambda blocks, n: lambda x: kernels.bf16_gemv(x, blocks, None, n))(
             linear._blocks_of_16(w.to(bf16)), w.shape[0])
         out["fp32"] = lambda w: (lambda wf: lambda x: kernels.fp32_gemv(x, wf, None))(w.contiguous())
+    if kernels is not None and kernels.amx_available():
+        out["bf16-amx"] = lambda w: (lambda blocks, n: lambda x: kernels.bf16_gemm_amx(x, blocks, None, n))(
+            linear._blocks_of_16(w.to(torch.bfloat16)), w.shape[0])
     if kernels is not None:
         out["int8"] = lambda w: linear._int8(w, None, kernels)[0]       # the kernel at every row count
         out["int4"] = lambda w: linear._int4(w, None, kernels)[0]

@@ -24,6 +24,10 @@
   groups, every row count of one pass and some that take more; an fp32 row's output does not
   depend on the rows beside it; engine.linear's dense layers switch to them at few rows and back
   above their thresholds; they refuse what is not their dtype or layout.
+- Where the CPU has AMX-BF16, the AMX GEMM on the bf16 GEMV's blocked weight gives the same
+  product within one bf16 rounding for partial and whole tiles and several passes, per row
+  independently of the rows beside it, is what bf16_gemv runs from 2 rows, keeps a NaN in its
+  row, and refuses inputs that are not whole tiles; elsewhere it is refused with a clear error.
 - Greedy sampling's row argmax gives torch's indices (first of ties, NaN as the maximum, infinities).
 - The prefill kernel (a bf16 prompt chunk's causal attention over its blocks in place) gives an
   fp32 attention's output within bf16 rounding, fresh and after a past, for GQA groups of 1-8, head
@@ -316,6 +320,68 @@ def test_dense_gemv_matches_a_double_precision_product(dtype, out_f, in_f, with_
             # batch-invariant: row r alone, or beside other rows, gives the same numbers
             assert torch.equal(y, full[:rows]), rows
             assert torch.equal(_dense_gemv(w, bias, x[-1:]), y[-1:]), rows
+
+
+needs_amx = pytest.mark.skipif(KERNELS is None or not KERNELS.amx_available(),
+                               reason="this CPU (or its OS) offers no AMX-BF16 tiles")
+
+
+@needs_amx
+@pytest.mark.parametrize("out_f,in_f", [
+    (37, 64),          # a partial block of channels, two tiles of inputs
+    (4000, 576),       # many L2 chunks of blocks a thread (passes of 32 rows over each)
+    (48, 1536),        # an odd number of blocks (a 2-block pass and a 1-block one)
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_gemm_matches_a_double_precision_product_and_is_what_bf16_gemv_runs(out_f, in_f, with_bias):
+    """bf16_gemm_amx (AMX tiles on the GEMV's blocked weight): x @ w.T (+ bias) within one bf16
+    rounding of an fp32 sum, for row counts that fill 1 or 2 tiles of x, partly or wholly, and
+    more than one pass of 32 rows; each row's numbers do not depend on the rows beside it; and
+    bf16_gemv hands it its calls from 2 rows (dense_gemv_cpu.cpp kAmxFrom) on such a CPU."""
+    g = torch.Generator().manual_seed(out_f + in_f)
+    w = (torch.randn(out_f, in_f, generator=g) * 0.05).bfloat16()
+    bias = (torch.randn(out_f, generator=g) * 0.1).bfloat16() if with_bias else None
+    blocks = linear._blocks_of_16(w)
+    xs = torch.randn(70, in_f, generator=g).bfloat16()
+    full = KERNELS.bf16_gemm_amx(xs, blocks, bias, out_f)
+    for rows in (1, 15, 16, 17, 32, 33, 70):
+        x = xs[:rows]
+        y = KERNELS.bf16_gemm_amx(x, blocks, bias, out_f)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
+        ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+        bound = (x.double().abs() @ w.double().abs().t()) * in_f * 2**-24 + ref.abs() * 2**-8 + 1e-12
+        assert ((y.double() - ref).abs() <= bound).all(), rows
+        assert torch.equal(y, full[:rows]), rows                   # row r beside others or alone
+        assert torch.equal(KERNELS.bf16_gemm_amx(x[-1:], blocks, bias, out_f), y[-1:]), rows
+        if rows >= 2:
+            assert torch.equal(KERNELS.bf16_gemv(x, blocks, bias, out_f), y), rows
+
+
+@needs_amx
+def test_amx_gemm_carries_a_nan_into_its_rows_outputs_and_refuses_what_it_cannot_take():
+    w = torch.randn(32, 64).bfloat16()
+    blocks = linear._blocks_of_16(w)
+    x = torch.randn(5, 64).bfloat16()
+    x[2, 7] = float("nan")
+    y = KERNELS.bf16_gemm_amx(x, blocks, None, 32).float()
+    assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3, 4]]).all()
+    assert KERNELS.bf16_gemm_amx(x[:0], blocks, None, 32).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="multiple of 32"):            # inputs not whole tiles
+        KERNELS.bf16_gemm_amx(torch.randn(4, 48).bfloat16(), linear._blocks_of_16(torch.randn(32, 48).bfloat16()), None, 32)
+    with pytest.raises(RuntimeError, match="w:"):
+        KERNELS.bf16_gemm_amx(x, blocks[:1], None, 32)
+    with pytest.raises(RuntimeError, match="bias"):
+        KERNELS.bf16_gemm_amx(x, blocks, torch.zeros(31).bfloat16(), 32)
+
+
+def test_amx_availability_is_a_plain_answer_everywhere():
+    # where the kernels build, the op answers (False on CPUs without AMX or where the OS refuses its
+    # tiles) instead of faulting; bf16_gemm_amx is then refused, not run
+    if KERNELS is None:
+        pytest.skip("the CPU kernel could not be built here")
+    if not KERNELS.amx_available():
+        with pytest.raises(RuntimeError, match="AMX"):
+            KERNELS.bf16_gemm_amx(torch.randn(4, 64).bfloat16(), torch.zeros(2, 32, 32).bfloat16(), None, 32)
 
 
 @needs_kernel

@@ -9,13 +9,14 @@ linears' few-row kernels, `fp32_gemv` / `bf16_gemv` (dense_gemv_cpu.cpp) the den
 (engine.attention.fused_attention), and `paged_prefill_attention`
 (prefill_attention_cpu.cpp) a bf16 prompt chunk's causal attention over its blocks in place;
 `silu_mul` (silu_mul_cpu.cpp) the bf16 MLP's activation, `argmax_rows` (argmax_cpu.cpp) greedy
-sampling's argmax. They are C++ compiled at run time with
+sampling's argmax, `bf16_gemm_amx` (amx_bf16_cpu.cpp) the bf16 GEMM on AMX tiles that `bf16_gemv`
+runs from 2 rows where the CPU has AMX-BF16 (`amx_available()`). They are C++ compiled at run time with
 `torch.utils.cpp_extension` (g++ and ninja, both standard on Linux build images) into torch's
 extension cache (`~/.cache/torch_extensions`, or `TORCH_EXTENSIONS_DIR`), keyed by the sources
 (ninja also rebuilds on a changed header), the flags, this CPU's instruction set and the
 checkout's path (two checkouts sharing the cache would otherwise rebuild each other's build
 under one lock: a replica of one waited minutes for the other's compiler), so a
-later start loads it in well under a second; a first build took 31-46 s here (9 sources), and torch's lock
+later start loads it in well under a second; a first build took 31-46 s here (10 sources), and torch's lock
 makes concurrent replicas wait for one build. `make install` builds it ahead
 (`python -m engine.kernels.build`).
 
@@ -37,9 +38,11 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("paged_attention_cpu.cpp", "norm_cpu.cpp", "int8_gemv_cpu.cpp", "int4_gemv_cpu.cpp",
               "dense_gemv_cpu.cpp", "rope_store_cpu.cpp", "prefill_attention_cpu.cpp",
-              "silu_mul_cpu.cpp", "argmax_cpu.cpp")]
+              "silu_mul_cpu.cpp", "argmax_cpu.cpp", "amx_bf16_cpu.cpp")]
 # -march=native: the build is keyed by this CPU's flags (below), so the cache never runs code
-# built for another CPU. AMX stays off: some kernels/VMs advertise it without enabling it.
+# built for another CPU. -mno-amx-*: the compiler emits no AMX instruction of its own accord; the one
+# AMX kernel (amx_bf16_cpu.cpp) enables it for its own functions and runs only after the OS has
+# granted this process the tiles (some kernels/VMs advertise AMX without enabling it).
 # -fopenmp: at::parallel_for is an inline template that runs on torch's OpenMP threads only when
 # the extension itself is compiled with OpenMP (without it, every kernel runs on one thread); the
 # library it links is the libgomp.so.1 torch has already loaded.

@@ -1,0 +1,201 @@
+// bf16 GEMM on Intel AMX tiles (Sapphire Rapids and later Xeons): bf16_gemv's calls of many rows
+// (a decode batch, a prompt chunk) where the CPU has AMX-BF16.
+//
+//   bf16_gemm_amx(x [M, K] bf16, w [N/16, K/2, 32] bf16, bias [n] bf16?, n) -> [M, n] bf16
+//       the AMX path on its own, for tests and benchmarks (an error where it is not available or
+//       K is not a multiple of 32); bf16_gemv takes it by itself from `kAmxFrom` rows
+//   amx_available() -> bool: pdserve_amx::available()
+//
+// Why: `vdpbf16ps` (AVX512-BF16), the GEMV's instruction, does 32 multiply-adds; one AMX
+// `tdpbf16ps` does 16 x 16 x 32. From a few rows on, the GEMV is bound by arithmetic, not by
+// streaming the weight, and on a 2-core AMX Xeon its step's linears took 27 / 43 / 83 ms at
+// 8 / 32 / 64 rows against 9.8 at one (benchmarks/linear_bench.py, 2 threads); this kernel streams
+// the weight once for up to 64 rows, so that a decode batch costs about what one row does.
+//
+// The weight's blocked layout (16 output channels, pairs of inputs, 64 bytes a pair) is AMX's B
+// tile layout as it is: 16 pairs of one block are a 16 x 64-byte tile at stride 64. A pass takes
+// one block against up to four tiles of 16 rows of x (tiles 0-3 accumulate, A tiles 4 and 5 in
+// turn, B tile 6): the block's weight is read once a pass, x's tiles come from L1/L2. More than
+// 64 rows walk the thread's blocks in L2-sized chunks, each chunk once per 64 rows. The last
+// partial tile of x rows comes from a zero-padded copy. Sums in fp32 (AMX's bf16 products are
+// exact in fp32; denormal inputs and results are flushed to zero), rounded to bf16 once with the
+// bias, as the GEMV.
+#include "amx_bf16.h"
+
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(PDSERVE_AVX512) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define PDSERVE_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace pdserve_amx {
+
+using pdserve_cpu::bf16;
+
+#ifdef PDSERVE_AMX
+namespace {
+
+constexpr int64_t kTileRows = 16;       // rows of x a tile holds (32 bf16 inputs each)
+constexpr int kMaxTiles = 2;            // tiles of x a pass: 32 rows
+constexpr int64_t kChunkBytes = 256 * 1024;
+
+// ldtilecfg's 64-byte operand (palette 1): every tile 16 rows of 64 bytes
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+bool request_tiles() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;     // AMX-BF16, AMX-TILE
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;       // asm/prctl.h, the tile data's state
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+}
+
+__attribute__((target("amx-tile"))) void configure() {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  // not _tile_loadconfig: GCC 12's takes the operand as 8 bytes and drops the stores to the rest
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+__attribute__((target("amx-tile"))) void release() { _tile_release(); }
+
+// NB blocks (16 channels each; wb[j]: block j's weights) against MT tiles of x (a[i]: its first
+// row, rows K apart), NB, MT <= 2: tile 2i + j accumulates tile i of x (A tile 4 + i) times
+// block j (B tile 6 + j), four independent chains at 2 x 2. The sums into out[2i + j][16][16].
+template <int MT, int NB>
+__attribute__((target("amx-tile,amx-bf16"))) void block_pass(const bf16* const* a, int64_t K, const bf16* const* wb,
+                                                            float* out) {
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (MT > 1) _tile_zero(2);
+  if constexpr (MT > 1 && NB > 1) _tile_zero(3);
+  const int64_t stride = K * 2;
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(6, wb[0] + k * 16, 64);              // pairs k/2 .. k/2 + 15 of the block
+    _tile_loadd(4, a[0] + k, stride);
+    if constexpr (NB > 1) _tile_loadd(7, wb[1] + k * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (MT > 1) _tile_loadd(5, a[1] + k, stride);
+    if constexpr (NB > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MT > 1 && NB > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, out, 64);
+  if constexpr (NB > 1) _tile_stored(1, out + 256, 64);
+  if constexpr (MT > 1) _tile_stored(2, out + 512, 64);
+  if constexpr (MT > 1 && NB > 1) _tile_stored(3, out + 768, 64);
+}
+
+// rows [m0, m0 + rows) of y's channels [16b, 16b + 16) from out (+ bias), rounded to bf16
+inline void store_block(const float* out, int64_t rows, const bf16* bias, bf16* y, int64_t N, int64_t m0, int64_t b) {
+  const int64_t n = 16 * b;
+  const __mmask16 valid = pdserve_cpu::lanes16(N - n);
+  const __m512 add = bias ? pdserve_cpu::load16(bias + n, valid) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r)
+    _mm256_mask_storeu_epi16(y + (m0 + r) * N + n, valid, pdserve_cpu::round16(_mm512_add_ps(_mm512_loadu_ps(out + r * 16), add)));
+}
+
+}  // namespace
+
+bool available() {
+  static const bool ok = request_tiles();
+  return ok;
+}
+
+void bf16_gemm(const bf16* x, int64_t M, int64_t K, const bf16* w, const bf16* bias, bf16* y, int64_t N) {
+  TORCH_INTERNAL_ASSERT(available() && K % 32 == 0 && M >= 0, "bf16_gemm: AMX and K % 32 == 0");
+  const int64_t blocks = (N + 15) / 16, full = M / kTileRows * kTileRows;
+  std::vector<bf16> pad;                              // x's last partial tile, zeros below its rows
+  if (full < M) {
+    pad.assign(kTileRows * K, bf16(0.f));
+    std::memcpy(pad.data(), x + full * K, (M - full) * K * sizeof(bf16));
+  }
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * 32));
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    configure();
+    alignas(64) float out[4 * 256];
+    for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+      const int64_t c1 = std::min(b1, c0 + chunk);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTiles * kTileRows) {
+        const bf16* a[kMaxTiles];
+        const int tiles = M - m0 > kTileRows ? 2 : 1;
+        for (int i = 0; i < tiles; ++i) {
+          const int64_t row = m0 + i * kTileRows;
+          a[i] = row < full ? x + row * K : pad.data();
+        }
+        const int64_t rows = std::min<int64_t>(M - m0, tiles * kTileRows);
+        for (int64_t b = c0; b < c1; b += 2) {
+          const bf16* wb[2] = {w + b * K * 16, w + (b + 1) * K * 16};
+          const bool two = b + 1 < c1;
+          if (tiles == 2) {
+            if (two) block_pass<2, 2>(a, K, wb, out); else block_pass<2, 1>(a, K, wb, out);
+          } else {
+            if (two) block_pass<1, 2>(a, K, wb, out); else block_pass<1, 1>(a, K, wb, out);
+          }
+          for (int j = 0; j < (two ? 2 : 1); ++j) {
+            store_block(out + 256 * j, std::min<int64_t>(rows, kTileRows), bias, y, N, m0, b + j);
+            if (tiles == 2) store_block(out + 512 + 256 * j, rows - kTileRows, bias, y, N, m0 + kTileRows, b + j);
+          }
+        }
+      }
+    }
+    release();
+  });
+}
+
+#else
+
+bool available() { return false; }
+
+void bf16_gemm(const bf16*, int64_t, int64_t, const bf16*, const bf16*, bf16*, int64_t) {
+  TORCH_CHECK(false, "pdserve's AMX kernel is not built for this CPU");
+}
+
+#endif
+
+}  // namespace pdserve_amx
+
+namespace {
+
+at::Tensor bf16_gemm_amx(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(pdserve_amx::available(), "AMX-BF16 is not available here");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) % 32 == 0,
+              "x: [rows, K] bf16 with K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), blocks = (n + 15) / 16;
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+              w.sizes() == at::IntArrayRef({blocks, K / 2, 32}), "w: [ceil(out/16), in/2, 32] bf16");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n),
+              "bias: [out] bf16");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, n}, x.options());
+  pdserve_amx::bf16_gemm(xc.data_ptr<pdserve_cpu::bf16>(), M, K, w.data_ptr<pdserve_cpu::bf16>(),
+                         bias ? bias->data_ptr<pdserve_cpu::bf16>() : nullptr, y.data_ptr<pdserve_cpu::bf16>(), n);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("bf16_gemm_amx(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+  m.def("amx_available() -> bool", &pdserve_amx::available);
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("bf16_gemm_amx", &bf16_gemm_amx); }
