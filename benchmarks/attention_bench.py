@@ -186,6 +186,8 @@ def prefills(args) -> None:
     if not eng.runner.prefill_kernel:
         print("the prefill kernel does not run here (it needs the CPU kernels with AVX512-BF16); nothing to compare")
         return
+    default_sdpa_from = eng.runner.sdpa_from
+    eng.runner.sdpa_from = None            # "on": the kernel at every length (the engine's own choice below)
     rng, sizes, times = random.Random(0), (128, 256, 512, 1024, 2048), {}
     params = SamplingParams(max_tokens=1, temperature=0)
     for _ in range(3):
@@ -205,6 +207,9 @@ def prefills(args) -> None:
     for n in sizes:
         off, on = statistics.median(times[(n, False)]), statistics.median(times[(n, True)])
         print(f"| {n} | {1e3 * off:.0f} ms | {1e3 * on:.0f} ms | {off / on:.2f}x |")
+    if default_sdpa_from is not None:
+        print(f"\nThe engine runs prompt chunks of {default_sdpa_from} tokens and more through sdpa on this CPU "
+              "(AMX: engine.model_runner.AMX_SDPA_FROM), the kernel below that.")
     print()
 
 

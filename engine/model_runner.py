@@ -69,6 +69,24 @@ def prefill_kernel_applies(kernels, device: torch.device, dtype: torch.dtype, he
             and kernels.prefill_attention_supported(head_dim))
 
 
+# Where the CPU has AMX-BF16, prompt chunks of at least this many tokens run sdpa instead (fresh,
+# or after a past, whose context they gather): torch's CPU flash attention multiplies on AMX tiles
+# (oneDNN's brgemm), the prefill kernel on AVX512-BF16 dot products. Measured on a 2-core AMX Xeon,
+# per layer (`benchmarks/attention_bench.py --chunks`, 1 thread, us): fresh 16 / 128 / 512 / 2048
+# tokens sdpa 32 / 169 / 1781 / 16172 against the kernel's 16 / 262 / 3383 / 51669; after a past of
+# 256, 16 / 64 / 256 tokens 138 / 243 / 1104 against 130 / 495 / 2448; after 2048, 970 / 1677 /
+# 4908 against 1056 / 3483 / 13722. Whole bf16 prefills (`--prefills`, the kernel's time / sdpa's):
+# 1 thread 0.95x / 1.01x / 1.11x / 1.40x / 1.73x at 128 / 256 / 512 / 1024 / 2048 tokens (2 threads
+# 0.90x / 0.99x / 1.08x / 1.37x / 1.74x).
+AMX_SDPA_FROM = 16
+
+
+def chunk_sdpa_from(kernels) -> int | None:
+    """The prompt chunk's length from which it runs sdpa though the prefill kernel applies
+    (AMX_SDPA_FROM where the CPU has AMX-BF16), or None: never."""
+    return AMX_SDPA_FROM if kernels is not None and kernels.amx_available() else None
+
+
 def attention_kernels(spec: str, device: torch.device, dtype: torch.dtype):
     """(kernels, backend name) of decode attention: an object with `paged_decode_attention`
     (the C++ op on CPU, Triton on CUDA) and "cpu_paged"/"triton_paged", or (None, "torch")."""
@@ -197,6 +215,8 @@ class ModelRunner:
         self.windows = sorted({w for w in self.model.windows if w})
         # bf16 on CPU with the paged backend: prompt chunks through the in-place prefill kernel
         self.prefill_kernel = prefill_kernel_applies(self.kernels, self.device, self.dtype, self.kv_shape.head_dim)
+        # ... except chunks from this many tokens on, which run sdpa (None: none do)
+        self.sdpa_from = chunk_sdpa_from(self.kernels) if self.prefill_kernel else None
         self.num_blocks = self._num_blocks(at_start)
         s = self.kv_shape
         # Block-major: one block is contiguous across layers (see attention.token_slots).
@@ -358,7 +378,7 @@ class ModelRunner:
                 pos.extend(range(start, end))
                 # the chunk's own slots, from the blocks it lands in: O(n), whatever its past
                 slots.extend(token_slots(table[start // bs:], bs, layers)[start % bs:start % bs + n].tolist())
-                if self.prefill_kernel:
+                if self.prefill_kernel and (self.sdpa_from is None or n < self.sdpa_from):
                     prefills.append(PrefillSpan(row, row + n, None, None, table.to(dev), start))
                 else:
                     prefills.append(self._sdpa_span(row, start, n, table))

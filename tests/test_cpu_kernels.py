@@ -778,7 +778,8 @@ def test_prefill_kernel_refuses_what_it_cannot_read():
 def test_bf16_engine_runs_prompt_chunks_through_the_prefill_kernel(tmp_path):
     """bf16 on CPU: every prompt chunk of more than KERNEL_CHUNK_ROWS tokens (fresh, and after a
     past when the token budget splits a prompt) is one prefill-kernel call, and the prompt's
-    log-probabilities agree with the sdpa path's; fp32 (the exact mode) keeps sdpa."""
+    log-probabilities agree with the sdpa path's; on an AMX CPU chunks from `sdpa_from` tokens run
+    sdpa (the same numbers within bf16 rounding); fp32 (the exact mode) keeps sdpa."""
     path = tiny_model_dir(tmp_path / "m", "llama", seed=7, head_dim=64)
     prompts = [list(range(5, 5 + n)) for n in (9, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
@@ -787,7 +788,8 @@ def test_bf16_engine_runs_prompt_chunks_through_the_prefill_kernel(tmp_path):
         eng = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", device="cpu", kv_cache_memory="8MiB",
                                      block_size=4, max_num_batched_tokens=16))
         assert eng.runner.prefill_kernel
-        eng.runner.prefill_kernel = kernel
+        assert (eng.runner.sdpa_from is not None) == KERNELS.amx_available()
+        eng.runner.prefill_kernel, eng.runner.sdpa_from = kernel, None     # the kernel at every length
         calls, real = [], KERNELS.paged_prefill_attention
 
         class Spy:
@@ -814,5 +816,26 @@ def test_bf16_engine_runs_prompt_chunks_through_the_prefill_kernel(tmp_path):
             assert calls == [] and max(roped) <= 2 + KERNEL_CHUNK_ROWS
     assert logprobs[True].shape == (47,)
     assert (logprobs[True] - logprobs[False]).abs().max() < 0.05
+    # where the CPU has AMX (engine.model_runner.AMX_SDPA_FROM), chunks from sdpa_from tokens run
+    # sdpa instead, fresh or after a past; shorter ones keep the kernel: the same log-probabilities
+    eng = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", device="cpu", kv_cache_memory="8MiB",
+                                 block_size=4, max_num_batched_tokens=16))
+    eng.runner.sdpa_from = 10
+    calls, real = [], KERNELS.paged_prefill_attention
+
+    class Spy:
+        def __getattr__(self, attr):
+            return getattr(KERNELS, attr)
+
+        @staticmethod
+        def paged_prefill_attention(query, pool, table, past, layer, scale, window=0):
+            calls.append((query.shape[0], past))
+            return real(query, pool, table, past, layer, scale, window)
+    eng.runner.kernels = Spy()
+    done = eng.generate(prompts, params)
+    mixed = torch.tensor([lp.logprob for c in done for lp in c.prompt_logprobs])
+    assert calls and all(n < 10 for n, _ in calls) and (9, 0) in calls     # the 9-token prompt: kernel
+    assert (mixed - logprobs[False]).abs().max() < 0.05
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     fp32 = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="8MiB"))
     assert fp32.runner.attention_backend == "cpu_paged" and not fp32.runner.prefill_kernel
