@@ -8,20 +8,21 @@
 //
 // Why: `vdpbf16ps` (AVX512-BF16), the GEMV's instruction, does 32 multiply-adds; one AMX
 // `tdpbf16ps` does 16 x 16 x 32. From a few rows on, the GEMV is bound by arithmetic, not by
-// streaming the weight, and on a 2-core AMX Xeon its step's linears took 27 / 43 / 83 ms at
-// 8 / 32 / 64 rows against 9.8 at one (benchmarks/linear_bench.py, 2 threads); this kernel streams
-// the weight once for up to 64 rows, so that a decode batch costs about what one row does.
+// streaming the weight: on a 2-core AMX Xeon its step's linears took 26 / 43 / 85 ms at 8 / 32 /
+// 64 rows against 10 at one (benchmarks/linear_bench.py, 2 threads); on tiles 11 / 15 / 19.
 //
 // The weight's blocked layout (16 output channels, pairs of inputs, 64 bytes a pair) is AMX's B
 // tile layout as it is: 16 pairs of one block are a 16 x 64-byte tile at stride 64. A pass takes
-// one block against up to four tiles of 16 rows of x (tiles 0-3 accumulate, A tiles 4 and 5 in
-// turn, B tile 6): the block's weight is read once a pass, x's tiles come from L1/L2. More than
-// 64 rows walk the thread's blocks in L2-sized chunks, each chunk once per 64 rows. The last
-// partial tile of x rows comes from a zero-padded copy. Sums in fp32 (AMX's bf16 products are
-// exact in fp32; denormal inputs and results are flushed to zero), rounded to bf16 once with the
-// bias, as the GEMV.
+// two blocks against up to two tiles of 16 rows of x (accumulator tile 2i + j for x tile i and
+// block j; A tiles 4-5, B tiles 6-7: all eight), the blocks' weight read once a pass, x's tiles
+// from L1/L2, so up to 32 rows stream the weight once; more rows walk the thread's blocks in
+// L2-sized chunks, each chunk once per 32 rows. On that Xeon a 1 KiB tile load took ~15 ns even
+// from L1 and a tile product ~5 ns, so loads set the pace: 2 x 2 (4 loads for 4 products) beat 4
+// tiles of x against one block (two A tiles in turn) by 10-20 %; prefetching the weight ahead
+// changed nothing. The last partial tile of x rows comes from a zero-padded copy. Sums in fp32
+// (AMX's bf16 products are exact in fp32; denormal inputs and results are flushed to zero),
+// rounded to bf16 once with the bias, as the GEMV; each row's sums do not depend on the others.
 #include "amx_bf16.h"
-
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -128,7 +129,7 @@ void bf16_gemm(const bf16* x, int64_t M, int64_t K, const bf16* w, const bf16* b
     pad.assign(kTileRows * K, bf16(0.f));
     std::memcpy(pad.data(), x + full * K, (M - full) * K * sizeof(bf16));
   }
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * 32));
+  const int64_t chunk = std::max<int64_t>(2, kChunkBytes / (K * 32) / 2 * 2);   // whole pairs of blocks
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     configure();
     alignas(64) float out[4 * 256];
@@ -143,8 +144,8 @@ void bf16_gemm(const bf16* x, int64_t M, int64_t K, const bf16* w, const bf16* b
         }
         const int64_t rows = std::min<int64_t>(M - m0, tiles * kTileRows);
         for (int64_t b = c0; b < c1; b += 2) {
-          const bf16* wb[2] = {w + b * K * 16, w + (b + 1) * K * 16};
           const bool two = b + 1 < c1;
+          const bf16* wb[2] = {w + b * K * 16, w + (two ? b + 1 : b) * K * 16};
           if (tiles == 2) {
             if (two) block_pass<2, 2>(a, K, wb, out); else block_pass<2, 1>(a, K, wb, out);
           } else {
