@@ -5,15 +5,35 @@ Order for each HTTP request:
                    `Authorization: Bearer <key>` (401 otherwise)
   2. admit         more than `max_inflight` requests in flight -> 429 with Retry-After
   3. bound the body a declared or streamed body above `max_body_bytes` -> 413
-All refusals are OpenAI-format JSON errors; nothing reaches the pools.
+All refusals are OpenAI-format JSON errors; nothing reaches the pools. Before a refusal goes out,
+the rest of the request's body is read and dropped for up to LINGER_S: a client still sending would
+otherwise meet a closed connection (a broken pipe or a reset) instead of the error, as a 5 MiB body
+did under load (RFC 9112 9.6's lingering close; nginx drops a refused body too). Even a client that
+sent `Expect: 100-continue` sends its body: Serve's proxy answers "100 Continue" before the router
+sees the request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
 OPEN_PATHS = ("/health",)
+LINGER_S = 5.0
+
+
+async def _discard_body(receive, seconds: float = LINGER_S) -> None:
+    """Read and drop the rest of a request's body, for at most `seconds`."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while (left := end - loop.time()) > 0:
+        try:
+            message = await asyncio.wait_for(receive(), left)
+        except asyncio.TimeoutError:
+            return
+        if message.get("type") != "http.request" or not message.get("more_body", False):
+            return
 
 
 async def _send_error(send, status: int, message: str, kind: str, code: str, headers=()) -> None:
@@ -22,6 +42,14 @@ async def _send_error(send, status: int, message: str, kind: str, code: str, hea
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _refuse(receive, send, status: int, message: str, kind: str, code: str, headers=(),
+                  body_pending: bool = True) -> None:
+    """The refusal, after the body still on its way (`body_pending`) has been read and dropped."""
+    if body_pending:
+        await _discard_body(receive)
+    await _send_error(send, status, message, kind, code, headers)
 
 
 class _BodyTooLarge(Exception):
@@ -50,25 +78,26 @@ class Guards:
         path = scope.get("path", "")
         # 1. authenticate
         if self.settings.api_key and not any(path.endswith(p) for p in OPEN_PATHS) and not self._authorized(scope):
-            return await _send_error(send, 401, "missing or invalid API key (use 'Authorization: Bearer <key>')",
-                                     "invalid_request_error", "invalid_api_key")
+            return await _refuse(receive, send, 401, "missing or invalid API key (use 'Authorization: Bearer "
+                                 "<key>')", "invalid_request_error", "invalid_api_key")
         # 2. admit
         if self.inflight >= self.settings.max_inflight:
-            return await _send_error(send, 429, f"server overloaded: {self.inflight} requests in flight; retry later",
-                                     "overloaded", "rate_limit_exceeded", [(b"retry-after", b"1")])
+            return await _refuse(receive, send, 429, f"server overloaded: {self.inflight} requests in flight; "
+                                 "retry later", "overloaded", "rate_limit_exceeded", [(b"retry-after", b"1")])
         # 3. bound the body
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
-            return await _send_error(send, 413, f"request body above {self.settings.max_body_bytes} bytes",
-                                     "invalid_request_error", "body_too_large")
+            return await _refuse(receive, send, 413, f"request body above {self.settings.max_body_bytes} bytes",
+                                 "invalid_request_error", "body_too_large")
         received = 0
-        started = False
+        started = more = False
 
         async def bounded_receive():
-            nonlocal received
+            nonlocal received, more
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                more = message.get("more_body", False)
                 if received > self.settings.max_body_bytes:
                     raise _BodyTooLarge()
             return message
@@ -83,8 +112,8 @@ class Guards:
             await self.app(scope, bounded_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
-                await _send_error(send, 413, f"request body above {self.settings.max_body_bytes} bytes",
-                                  "invalid_request_error", "body_too_large")
+                await _refuse(receive, send, 413, f"request body above {self.settings.max_body_bytes} bytes",
+                              "invalid_request_error", "body_too_large", body_pending=more)
         finally:
             self.inflight -= 1
 
