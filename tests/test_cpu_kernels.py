@@ -500,6 +500,8 @@ def test_dense_gemv_refuses_what_is_not_its_layout():
     (14, 2, 64, 1, 70),     # a group of 7 (vectorized path: two chunks), block size 1
     (4, 4, 32, 4, 70),      # no GQA, a head size without specialization
     (6, 2, 16, 1, 70),      # block size 1
+    (17, 1, 64, 16, 70),    # a group of 17 (vectorized path: chunks of 6 heads and a rest of 5)
+    (32, 2, 128, 16, 300),  # a group of 16 over 128 dims (vectorized path: five chunks of 3, a rest of 1)
 ])
 def test_kernel_matches_torch_backend(dtype, tol, heads, kv_heads, dim, block_size, max_ctx):
     pool, tables, lens, query = _decode_case(dtype, batch=5, max_ctx=max_ctx, heads=heads, kv_heads=kv_heads,
@@ -558,9 +560,10 @@ def test_rope_store_matches_the_unfused_ops():
 
 
 @needs_kernel
-def test_kernel_reads_only_the_context():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_only_the_context(dtype):
     # poisoning every K/V slot past each sequence's length (and the padding blocks) changes nothing
-    pool, tables, lens, query = _decode_case(torch.float32, batch=4, max_ctx=40, heads=4, kv_heads=2,
+    pool, tables, lens, query = _decode_case(dtype, batch=4, max_ctx=40, heads=4, kv_heads=2,
                                              dim=64, block_size=16)
     before = KERNELS.paged_decode_attention(query, pool, tables, lens, 1, 0.125)
     poisoned = pool.clone()
