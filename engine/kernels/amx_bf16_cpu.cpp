@@ -23,10 +23,7 @@
 // (AMX's bf16 products are exact in fp32; denormal inputs and results are flushed to zero),
 // rounded to bf16 once with the bias, as the GEMV; each row's sums do not depend on the others.
 #include "amx_bf16.h"
-
-#include <torch/library.h>
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include "gemv_cpu.h"            // the GEMVs' bias-and-round store and argument checks
 
 #include <algorithm>
 #include <cstring>
@@ -107,11 +104,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void block_pass(const bf16* const* 
 
 // rows [m0, m0 + rows) of y's channels [16b, 16b + 16) from out (+ bias), rounded to bf16
 inline void store_block(const float* out, int64_t rows, const bf16* bias, bf16* y, int64_t N, int64_t m0, int64_t b) {
-  const int64_t n = 16 * b;
-  const __mmask16 valid = pdserve_cpu::lanes16(N - n);
-  const __m512 add = bias ? pdserve_cpu::load16(bias + n, valid) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r)
-    _mm256_mask_storeu_epi16(y + (m0 + r) * N + n, valid, pdserve_cpu::round16(_mm512_add_ps(_mm512_loadu_ps(out + r * 16), add)));
+  for (int64_t r = 0; r < rows; ++r) pdserve_gemv::store16(y + (m0 + r) * N, bias, N, 16 * b, _mm512_loadu_ps(out + r * 16));
 }
 
 }  // namespace
@@ -178,17 +171,16 @@ namespace {
 
 at::Tensor bf16_gemm_amx(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(pdserve_amx::available(), "AMX-BF16 is not available here");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) % 32 == 0,
-              "x: [rows, K] bf16 with K a multiple of 32");
+  pdserve_gemv::check_x(x);
+  TORCH_CHECK(x.size(1) % 32 == 0, "x: inputs a multiple of 32 (whole tiles)");
   const int64_t M = x.size(0), K = x.size(1), blocks = (n + 15) / 16;
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
               w.sizes() == at::IntArrayRef({blocks, K / 2, 32}), "w: [ceil(out/16), in/2, 32] bf16");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n),
-              "bias: [out] bf16");
+  const pdserve_cpu::bf16* b = pdserve_gemv::bias_ptr(bias, n);
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, n}, x.options());
-  pdserve_amx::bf16_gemm(xc.data_ptr<pdserve_cpu::bf16>(), M, K, w.data_ptr<pdserve_cpu::bf16>(),
-                         bias ? bias->data_ptr<pdserve_cpu::bf16>() : nullptr, y.data_ptr<pdserve_cpu::bf16>(), n);
+  pdserve_amx::bf16_gemm(xc.data_ptr<pdserve_cpu::bf16>(), M, K, w.data_ptr<pdserve_cpu::bf16>(), b,
+                         y.data_ptr<pdserve_cpu::bf16>(), n);
   return y;
 }
 
