@@ -777,6 +777,29 @@ def test_prefill_kernel_refuses_what_it_cannot_read():
     assert not KERNELS.prefill_attention_supported(80) and KERNELS.prefill_attention_supported(256)
 
 
+def _bf16_engine(path):
+    """A bf16 engine of the tiny model at `path`: blocks of 4 tokens, 16-token prompt chunks."""
+    return LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", device="cpu", kv_cache_memory="8MiB",
+                                  block_size=4, max_num_batched_tokens=16))
+
+
+def _spy_on_prefill_kernel(eng) -> list:
+    """Route `eng`'s kernels through a spy; the list it returns fills with (tokens, past) of each
+    prefill-kernel call."""
+    calls, real = [], KERNELS.paged_prefill_attention
+
+    class Spy:
+        def __getattr__(self, attr):
+            return getattr(KERNELS, attr)
+
+        @staticmethod
+        def paged_prefill_attention(query, pool, table, past, layer, scale, window=0):
+            calls.append((query.shape[0], past))
+            return real(query, pool, table, past, layer, scale, window)
+    eng.runner.kernels = Spy()
+    return calls
+
+
 @needs_prefill_kernel
 def test_bf16_engine_runs_prompt_chunks_through_the_prefill_kernel(tmp_path):
     """bf16 on CPU: every prompt chunk of more than KERNEL_CHUNK_ROWS tokens (fresh, and after a
@@ -788,22 +811,11 @@ def test_bf16_engine_runs_prompt_chunks_through_the_prefill_kernel(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
     logprobs = {}
     for kernel in (True, False):
-        eng = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", device="cpu", kv_cache_memory="8MiB",
-                                     block_size=4, max_num_batched_tokens=16))
+        eng = _bf16_engine(path)
         assert eng.runner.prefill_kernel
         assert (eng.runner.sdpa_from is not None) == KERNELS.amx_available()
         eng.runner.prefill_kernel, eng.runner.sdpa_from = kernel, None     # the kernel at every length
-        calls, real = [], KERNELS.paged_prefill_attention
-
-        class Spy:
-            def __getattr__(self, attr):
-                return getattr(KERNELS, attr)
-
-            @staticmethod
-            def paged_prefill_attention(query, pool, table, past, layer, scale, window=0):
-                calls.append((query.shape[0], past))
-                return real(query, pool, table, past, layer, scale, window)
-        eng.runner.kernels = Spy()
+        calls = _spy_on_prefill_kernel(eng)
         roped = []                      # rows of each rope_store call: RoPE + K/V store fused
         eng.runner.model._kernels = _Counting("rope_store", roped)
         done = eng.generate(prompts, params)
@@ -821,20 +833,9 @@ def test_bf16_engine_runs_prompt_chunks_through_the_prefill_kernel(tmp_path):
     assert (logprobs[True] - logprobs[False]).abs().max() < 0.05
     # where the CPU has AMX (engine.model_runner.AMX_SDPA_FROM), chunks from sdpa_from tokens run
     # sdpa instead, fresh or after a past; shorter ones keep the kernel: the same log-probabilities
-    eng = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", device="cpu", kv_cache_memory="8MiB",
-                                 block_size=4, max_num_batched_tokens=16))
+    eng = _bf16_engine(path)
     eng.runner.sdpa_from = 10
-    calls, real = [], KERNELS.paged_prefill_attention
-
-    class Spy:
-        def __getattr__(self, attr):
-            return getattr(KERNELS, attr)
-
-        @staticmethod
-        def paged_prefill_attention(query, pool, table, past, layer, scale, window=0):
-            calls.append((query.shape[0], past))
-            return real(query, pool, table, past, layer, scale, window)
-    eng.runner.kernels = Spy()
+    calls = _spy_on_prefill_kernel(eng)
     done = eng.generate(prompts, params)
     mixed = torch.tensor([lp.logprob for c in done for lp in c.prompt_logprobs])
     assert calls and all(n < 10 for n, _ in calls) and (9, 0) in calls     # the 9-token prompt: kernel
