@@ -19,7 +19,10 @@ microseconds per call and the weight bytes each call reads per second (GB/s) for
   int8-aten   torch.ops.aten._weight_int8pack_mm
   int4-aten   torch.ops.aten._weight_int4pack_mm_for_cpu
   int8, int4  engine.linear's quantized kernels (engine.kernels.int8_gemv, int4_gemv),
-              where they build, at every row count (no switch to the bf16 copy)
+              where they build, at every row count (no switch to the bf16 copy; on AMX they
+              hand many rows to the AMX path themselves)
+  int8-amx, int4-amx  their AMX path (engine.kernels.int8_gemm_amx, int4_gemm_amx: the weights
+              widened to bf16 a chunk at a time) at every row count, where the CPU has AMX-BF16
 
 and, per format and row count, the whole step's linears (sum over shapes x layers).
 """
@@ -45,7 +48,7 @@ SHAPES = {"qkv": ((960, 576), 30), "o": ((576, 576), 30), "gate_up": ((3072, 576
           "down": ((576, 1536), 30), "lm_head": ((49152, 576), 1)}
 # bytes of weight a call reads per parameter (int4: + a bf16 scale and zero per 32)
 BYTES = {"bf16-onednn": 2.0, "fp32-mkl": 4.0, "bf16": 2.0, "bf16-amx": 2.0, "fp32": 4.0, "int8-aten": 1.0,
-         "int4-aten": 0.5 + 4 / 32, "int8": 1.0, "int4": 0.5 + 4 / 32}
+         "int4-aten": 0.5 + 4 / 32, "int8": 1.0, "int4": 0.5 + 4 / 32, "int8-amx": 1.0, "int4-amx": 0.5 + 4 / 32}
 DTYPE = {"fp32-mkl": torch.float32, "fp32": torch.float32}      # activations; the others bf16
 
 
@@ -65,7 +68,26 @@ def _factories(kernels) -> dict:
     if kernels is not None:
         out["int8"] = lambda w: linear._int8(w, None, kernels)[0]       # the kernel at every row count
         out["int4"] = lambda w: linear._int4(w, None, kernels)[0]
+    if kernels is not None and kernels.amx_available():
+        out["int8-amx"] = lambda w: _int8_amx(w, kernels)
+        out["int4-amx"] = lambda w: _int4_amx(w, kernels)
     return out
+
+
+def _int8_amx(w: torch.Tensor, kernels):
+    """int8_gemv's layout and scales (random int8 weights: the time does not depend on them), run by
+    the AMX path at every row count (int8_gemv takes it from some rows on by itself)."""
+    q = torch.randint(-127, 128, w.shape, dtype=torch.int8)
+    blocks, scale = linear._int8_quads(q), torch.full((-(-w.shape[0] // 16) * 16,), 0.01)
+    return lambda x: kernels.int8_gemm_amx(x, blocks, scale, None, w.shape[0])
+
+
+def _int4_amx(w: torch.Tensor, kernels):
+    """int4_gemv's layout (random values), run by the AMX path at every row count."""
+    groups = (w.shape[0], w.shape[1] // linear.INT4_GROUP)
+    packed, sz = linear._int4_blocks(torch.randint(0, 16, w.shape), torch.full(groups, 0.01).bfloat16(),
+                                     torch.zeros(groups).bfloat16())
+    return lambda x: kernels.int4_gemm_amx(x, packed, sz, None, w.shape[0])
 
 
 def _step_times(model: dict, xs: dict, reps: int) -> dict:

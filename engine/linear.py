@@ -59,7 +59,11 @@ bandwidth (bytes per weight decide), at large batch by compute (the matrix unit 
                             one activation scale a row instead of a group of 32 cost as much as
                             int4 (see the int8 kernel's header). On AVX2 without AVX512 the same
                             kernels run at every row count with AVX2's byte multiplies
-                            (`vpmaddubsw`, as llama.cpp's AVX2 dot products). Without either
+                            (`vpmaddubsw`, as llama.cpp's AVX2 dot products). On a CPU with
+                            AMX-BF16 they hand calls of many rows (int8 32, int4 24: big decode
+                            batches, prompt chunks) to bf16's AMX GEMM, their weights widened to
+                            bf16 a chunk at a time, the activations not rounded (a 512-row chunk
+                            0.4x the VNNI kernels' time; see their headers). Without either
                             they run as scalar loops up to
                             KERNEL_SMALL_ROWS rows and a prepacked bf16 copy of the dequantized
                             weight above; without the engine's kernels, weight-only through

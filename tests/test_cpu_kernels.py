@@ -28,6 +28,9 @@
   product within one bf16 rounding for partial and whole tiles and several passes, per row
   independently of the rows beside it, is what bf16_gemv runs from 2 rows, keeps a NaN in its
   row, and refuses inputs that are not whole tiles; elsewhere it is refused with a clear error.
+  The int8 and int4 AMX paths (their weights widened to bf16, x unrounded) give x @ widened(w).T
+  the same way for the same shapes and row counts, and are what int8_gemv / int4_gemv run from
+  their `*_amx_from()` rows (below them the int8-rounded activations' sums, as documented).
 - Greedy sampling's row argmax gives torch's indices (first of ties, NaN as the maximum, infinities).
 - The prefill kernel (a bf16 prompt chunk's causal attention over its blocks in place) gives an
   fp32 attention's output within bf16 rounding, fresh and after a past, for GQA groups of 1-8, head
@@ -159,6 +162,20 @@ def _int8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, (amax / 127).double()
 
 
+def _amx_from(fmt: str) -> float:
+    """The row count from which int8_gemv / int4_gemv run on AMX tiles here (inf: never)."""
+    if not KERNELS.amx_available():
+        return float("inf")
+    return getattr(KERNELS, f"{fmt}_gemv_amx_from")()
+
+
+def _assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """y is x @ w.T (+ bias) within an fp32 sum's error and one bf16 rounding (the AMX GEMMs)."""
+    ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    bound = (x.double().abs() @ w.double().abs().t()) * x.shape[1] * 2**-24 + ref.abs() * 2**-8 + 1e-12
+    assert ((y.double() - ref).abs() <= bound).all(), (y.shape, ((y.double() - ref).abs() - bound).max().item())
+
+
 def _int8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """int8_gemv's sums as its header writes them, in float64: engine.linear's weight quantization,
     the rounded activations, the integer products summed exactly, times the group's and the
@@ -183,6 +200,9 @@ def test_int8_gemv_gives_its_documented_sums(out_f, in_f, with_bias):
         x[0, :min(in_f, 32)] = 0                     # a group of zeros: scale 0, no division by it
         y = layer(x)
         assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
+        if rows >= _amx_from("int8") and in_f % 32 == 0:     # on AMX tiles, x not rounded
+            _assert_product(y, x, dequantized, bias)
+            continue
         ref = _int8_reference(x, w, bias)
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2**-8 + ref.abs().max() * 1e-5).all(), (rows, err.max().item())
@@ -201,13 +221,16 @@ def test_int8_gemv_gives_its_documented_sums(out_f, in_f, with_bias):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int4_gemv_gives_the_dequantized_weight_times_the_rounded_activations(out_f, in_f, with_bias):
     g, _, bias, layer, dequantized = _quantized_layer(linear._int4, out_f, in_f, with_bias)
-    for rows in [*range(1, linear.KERNEL_SMALL_ROWS + 1), 40]:          # passes of 8: 9-32 and 40 take more
+    for rows in [*range(1, linear.KERNEL_SMALL_ROWS + 1), 20, 40]:      # passes of 8: 9-32 and 40 take more
         x = torch.randn(rows, in_f, generator=g).bfloat16()
         x[0, :32] = 0                                # a group of zeros: scale 0, no division by it
         xq, xs = _int8_activations(x)
         ref = (xq * xs).view(rows, -1) @ dequantized.double().t() + (0 if bias is None else bias.double())
         y = layer(x)
         assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
+        if rows >= _amx_from("int4"):                # on AMX tiles: x not rounded, w rounded to bf16
+            _assert_product(y, x, dequantized.bfloat16(), bias)
+            continue
         err = (y.double() - ref).abs()
         assert (err <= ref.abs() * 2**-8 + ref.abs().max() * 1e-5).all(), (rows, err.max().item())
         # and x @ dequant(w).T within the activations' rounding (about 0.5 % in norm)
@@ -241,10 +264,11 @@ def test_int_gemvs_carry_a_nan_activation_into_its_rows_outputs(quantize):
     # rounding x to int8 must not turn a NaN into a 0 (the vector max drops NaNs; a NaN rounds to
     # the integer 0): the row's outputs are NaN, as a bf16 product's are, and the other rows finite
     _, _, _, layer, _ = _quantized_layer(quantize, 48, 96, False)
-    x = torch.randn(3, 96).bfloat16()
-    x[1, 37] = float("nan")
-    y = layer(x).float()
-    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+    for rows in (3, 40):                             # 40: on AMX tiles where the CPU has them
+        x = torch.randn(rows, 96).bfloat16()
+        x[1, 37] = float("nan")
+        y = layer(x).float()
+        assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all() and torch.isfinite(y[2:]).all()
 
 
 @needs_kernel
@@ -348,9 +372,7 @@ def test_amx_gemm_matches_a_double_precision_product_and_is_what_bf16_gemv_runs(
         x = xs[:rows]
         y = KERNELS.bf16_gemm_amx(x, blocks, bias, out_f)
         assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
-        ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
-        bound = (x.double().abs() @ w.double().abs().t()) * in_f * 2**-24 + ref.abs() * 2**-8 + 1e-12
-        assert ((y.double() - ref).abs() <= bound).all(), rows
+        _assert_product(y, x, w, bias)
         assert torch.equal(y, full[:rows]), rows                   # row r beside others or alone
         assert torch.equal(KERNELS.bf16_gemm_amx(x[-1:], blocks, bias, out_f), y[-1:]), rows
         if rows >= 2:
@@ -374,6 +396,67 @@ def test_amx_gemm_carries_a_nan_into_its_rows_outputs_and_refuses_what_it_cannot
         KERNELS.bf16_gemm_amx(x, blocks, torch.zeros(31).bfloat16(), 32)
 
 
+def _random_quantized(fmt: str, out_f: int, in_f: int, g: torch.Generator):
+    """(the GEMV's weight arguments, the AMX path's widened weight [out, in]) for random int8 or
+    int4 values, scales (and zeros) in the kernels' layouts."""
+    if fmt == "int8":
+        q = torch.randint(-127, 128, (out_f, in_f), generator=g, dtype=torch.int8)
+        scale = (torch.rand(out_f, generator=g) * 1e-3 + 1e-4).bfloat16().float()
+        return (linear._int8_quads(q), F.pad(scale, (0, -out_f % 16))), q.float() * scale[:, None]
+    q = torch.randint(0, 16, (out_f, in_f), generator=g)
+    groups = (out_f, in_f // 32)
+    scale, zero = (torch.rand(groups, generator=g) * 0.01).bfloat16(), (torch.randn(groups, generator=g) * 0.01).bfloat16()
+    w = (q.view(out_f, -1, 32) - 8) * scale.float()[..., None] + zero.float()[..., None]
+    return linear._int4_blocks(q, scale, zero), w.view(out_f, in_f).bfloat16()
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("out_f,in_f", [(37, 96), (4000, 576), (48, 1536)])    # as the bf16 GEMM's
+def test_amx_quantized_gemms_multiply_the_widened_weight_and_are_what_the_gemvs_run_from_many_rows(fmt, out_f, in_f):
+    """int8_gemm_amx / int4_gemm_amx widen their format's weight to bf16 a chunk of blocks at a
+    time (int8: q - 128 exactly, the channel scale applied to the sums; int4: (q - 8) s + z
+    rounded to bf16) and multiply unrounded x on AMX tiles: x @ w.T (+ bias) within an fp32 sum's
+    error and one bf16 rounding; each row independent of the rows beside it; and int8_gemv /
+    int4_gemv hand them their calls from `*_gemv_amx_from()` rows (below it: x rounded to int8)."""
+    gemm, gemv = {"int8": (KERNELS.int8_gemm_amx, KERNELS.int8_gemv),
+                  "int4": (KERNELS.int4_gemm_amx, KERNELS.int4_gemv)}[fmt]
+    g = torch.Generator().manual_seed(out_f + in_f)
+    args, widened = _random_quantized(fmt, out_f, in_f, g)
+    bias = (torch.randn(out_f, generator=g) * 0.1).bfloat16()
+    xs = torch.randn(70, in_f, generator=g).bfloat16()
+    full = gemm(xs, *args, bias, out_f)
+    amx_from = _amx_from(fmt)
+    for rows in (1, 15, 16, 17, 23, 24, 31, 32, 33, 70):
+        x = xs[:rows]
+        y = gemm(x, *args, bias, out_f)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
+        _assert_product(y, x, widened, bias)
+        assert torch.equal(y, full[:rows]), rows                   # row r beside others or alone
+        assert torch.equal(gemm(x[-1:], *args, bias, out_f), y[-1:]), rows
+        assert torch.equal(gemv(x, *args, bias, out_f), y) == (rows >= amx_from), rows
+    assert gemm(xs[:0], *args, bias, out_f).shape == (0, out_f)
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_amx_quantized_gemms_refuse_what_they_cannot_take(fmt):
+    quantize, gemm = {"int8": (linear._int8, KERNELS.int8_gemm_amx), "int4": (linear._int4, KERNELS.int4_gemm_amx)}[fmt]
+    if fmt == "int8":     # 48 inputs: int8_gemv pads them to its groups of 32; no whole tiles of x
+        q = torch.randint(-127, 128, (32, 48), dtype=torch.int8)
+        with pytest.raises(RuntimeError, match="multiple of 32"):
+            gemm(torch.randn(4, 48).bfloat16(), linear._int8_quads(q), torch.ones(32), None, 32)
+        with pytest.raises(RuntimeError, match="scale"):
+            gemm(torch.randn(4, 64).bfloat16(), linear._int8_quads(q[:, :32].repeat(1, 2)), torch.ones(31), None, 32)
+    else:
+        packed, sz = linear._int4_blocks(torch.zeros(32, 64, dtype=torch.int32), torch.ones(32, 2).bfloat16(),
+                                         torch.zeros(32, 2).bfloat16())
+        with pytest.raises(RuntimeError, match="multiple of 32"):
+            gemm(torch.randn(2, 48).bfloat16(), packed, sz, None, 32)
+        with pytest.raises(RuntimeError, match="bias"):
+            gemm(torch.randn(2, 64).bfloat16(), packed, sz, torch.zeros(31).bfloat16(), 32)
+
+
 def test_amx_availability_is_a_plain_answer_everywhere():
     # where the kernels build, the op answers (False on CPUs without AMX or where the OS refuses its
     # tiles) instead of faulting; bf16_gemm_amx is then refused, not run
@@ -382,6 +465,12 @@ def test_amx_availability_is_a_plain_answer_everywhere():
     if not KERNELS.amx_available():
         with pytest.raises(RuntimeError, match="AMX"):
             KERNELS.bf16_gemm_amx(torch.randn(4, 64).bfloat16(), torch.zeros(2, 32, 32).bfloat16(), None, 32)
+        with pytest.raises(RuntimeError, match="AMX"):
+            KERNELS.int8_gemm_amx(torch.randn(4, 64).bfloat16(), torch.zeros(2, 16, 64, dtype=torch.uint8),
+                                  torch.ones(32), None, 32)
+        with pytest.raises(RuntimeError, match="AMX"):
+            KERNELS.int4_gemm_amx(torch.randn(4, 64).bfloat16(), torch.zeros(2, 2, 256, dtype=torch.uint8),
+                                  torch.ones(2, 2, 2, 16).bfloat16(), None, 32)
 
 
 @needs_kernel
@@ -431,7 +520,10 @@ def test_gemv_passes_over_l2_chunks_give_what_single_passes_give(fmt):
         layer, _ = (linear._int8 if fmt == "int8" else linear._int4)(w, None, KERNELS)
         x = x.bfloat16()
     first = 16 if fmt in ("bf16", "int8") else 8
+    amx_from = _amx_from(fmt) if fmt in ("int8", "int4") else float("inf")
     for rows in (19, 43):
+        if rows >= amx_from:           # AMX tiles, not GEMV passes (test_amx_quantized_gemms_...)
+            continue
         starts = [0, *range(first, rows, 8), rows]
         passes = [layer(x[a:b]) for a, b in zip(starts, starts[1:])]
         assert torch.equal(layer(x[:rows]), torch.cat(passes)), rows

@@ -22,6 +22,10 @@
 // changed nothing. The last partial tile of x rows comes from a zero-padded copy. Sums in fp32
 // (AMX's bf16 products are exact in fp32; denormal inputs and results are flushed to zero),
 // rounded to bf16 once with the bias, as the GEMV; each row's sums do not depend on the others.
+//
+// int8_gemv and int4_gemv hand it their calls of many rows with a `Weights::dequantize` (amx_bf16.h):
+// each thread widens a chunk of its blocks to bf16 into its own buffer (once a call, whatever the
+// rows) and runs the same passes on it; the int8 channel scale is applied to the sums on store.
 #include "amx_bf16.h"
 #include "gemv_cpu.h"            // the GEMVs' bias-and-round store and argument checks
 
@@ -102,9 +106,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void block_pass(const bf16* const* 
   if constexpr (MT > 1 && NB > 1) _tile_stored(3, out + 768, 64);
 }
 
-// rows [m0, m0 + rows) of y's channels [16b, 16b + 16) from out (+ bias), rounded to bf16
-inline void store_block(const float* out, int64_t rows, const bf16* bias, bf16* y, int64_t N, int64_t m0, int64_t b) {
-  for (int64_t r = 0; r < rows; ++r) pdserve_gemv::store16(y + (m0 + r) * N, bias, N, 16 * b, _mm512_loadu_ps(out + r * 16));
+// rows [m0, m0 + rows) of y's channels [16b, 16b + 16) from out (* scale, + bias), rounded to bf16
+inline void store_block(const float* out, int64_t rows, const float* scale, const bf16* bias, bf16* y, int64_t N,
+                        int64_t m0, int64_t b) {
+  const __m512 s = scale ? _mm512_loadu_ps(scale + 16 * b) : _mm512_set1_ps(1.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 v = _mm512_loadu_ps(out + r * 16);
+    pdserve_gemv::store16(y + (m0 + r) * N, bias, N, 16 * b, scale ? _mm512_mul_ps(v, s) : v);
+  }
 }
 
 }  // namespace
@@ -114,8 +123,9 @@ bool available() {
   return ok;
 }
 
-void bf16_gemm(const bf16* x, int64_t M, int64_t K, const bf16* w, const bf16* bias, bf16* y, int64_t N) {
-  TORCH_INTERNAL_ASSERT(available() && K % 32 == 0 && M >= 0, "bf16_gemm: AMX and K % 32 == 0");
+void gemm(const bf16* x, int64_t M, int64_t K, const Weights& w, const bf16* bias, bf16* y, int64_t N) {
+  TORCH_INTERNAL_ASSERT(available() && K % 32 == 0 && M >= 0, "gemm: AMX and K % 32 == 0");
+  TORCH_INTERNAL_ASSERT((w.blocked != nullptr) != (w.dequantize != nullptr), "gemm: one weight source");
   const int64_t blocks = (N + 15) / 16, full = M / kTileRows * kTileRows;
   std::vector<bf16> pad;                              // x's last partial tile, zeros below its rows
   if (full < M) {
@@ -126,8 +136,12 @@ void bf16_gemm(const bf16* x, int64_t M, int64_t K, const bf16* w, const bf16* b
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     configure();
     alignas(64) float out[4 * 256];
+    thread_local std::vector<bf16> widened;           // a chunk of a quantized weight in bf16
+    if (w.dequantize) widened.resize(chunk * K * 16);
     for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
       const int64_t c1 = std::min(b1, c0 + chunk);
+      const bf16* wc = w.blocked ? w.blocked + c0 * K * 16 : widened.data();   // block c0's weights
+      if (w.dequantize) w.dequantize(w.ctx, c0, c1, K, widened.data());
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTiles * kTileRows) {
         const bf16* a[kMaxTiles];
         const int tiles = M - m0 > kTileRows ? 2 : 1;
@@ -138,15 +152,16 @@ void bf16_gemm(const bf16* x, int64_t M, int64_t K, const bf16* w, const bf16* b
         const int64_t rows = std::min<int64_t>(M - m0, tiles * kTileRows);
         for (int64_t b = c0; b < c1; b += 2) {
           const bool two = b + 1 < c1;
-          const bf16* wb[2] = {w + b * K * 16, w + (two ? b + 1 : b) * K * 16};
+          const bf16* wb[2] = {wc + (b - c0) * K * 16, wc + (two ? b + 1 - c0 : b - c0) * K * 16};
           if (tiles == 2) {
             if (two) block_pass<2, 2>(a, K, wb, out); else block_pass<2, 1>(a, K, wb, out);
           } else {
             if (two) block_pass<1, 2>(a, K, wb, out); else block_pass<1, 1>(a, K, wb, out);
           }
           for (int j = 0; j < (two ? 2 : 1); ++j) {
-            store_block(out + 256 * j, std::min<int64_t>(rows, kTileRows), bias, y, N, m0, b + j);
-            if (tiles == 2) store_block(out + 512 + 256 * j, rows - kTileRows, bias, y, N, m0 + kTileRows, b + j);
+            store_block(out + 256 * j, std::min<int64_t>(rows, kTileRows), w.scale, bias, y, N, m0, b + j);
+            if (tiles == 2)
+              store_block(out + 512 + 256 * j, rows - kTileRows, w.scale, bias, y, N, m0 + kTileRows, b + j);
           }
         }
       }
@@ -159,11 +174,17 @@ void bf16_gemm(const bf16* x, int64_t M, int64_t K, const bf16* w, const bf16* b
 
 bool available() { return false; }
 
-void bf16_gemm(const bf16*, int64_t, int64_t, const bf16*, const bf16*, bf16*, int64_t) {
+void gemm(const bf16*, int64_t, int64_t, const Weights&, const bf16*, bf16*, int64_t) {
   TORCH_CHECK(false, "pdserve's AMX kernel is not built for this CPU");
 }
 
 #endif
+
+at::Tensor gemm(const at::Tensor& x, const Weights& w, const bf16* bias, int64_t n) {
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  gemm(x.data_ptr<bf16>(), x.size(0), x.size(1), w, bias, y.data_ptr<bf16>(), n);
+  return y;
+}
 
 }  // namespace pdserve_amx
 
@@ -176,12 +197,7 @@ at::Tensor bf16_gemm_amx(const at::Tensor& x, const at::Tensor& w, const std::op
   const int64_t M = x.size(0), K = x.size(1), blocks = (n + 15) / 16;
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
               w.sizes() == at::IntArrayRef({blocks, K / 2, 32}), "w: [ceil(out/16), in/2, 32] bf16");
-  const pdserve_cpu::bf16* b = pdserve_gemv::bias_ptr(bias, n);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({M, n}, x.options());
-  pdserve_amx::bf16_gemm(xc.data_ptr<pdserve_cpu::bf16>(), M, K, w.data_ptr<pdserve_cpu::bf16>(), b,
-                         y.data_ptr<pdserve_cpu::bf16>(), n);
-  return y;
+  return pdserve_amx::gemm(x.contiguous(), {w.data_ptr<pdserve_cpu::bf16>()}, pdserve_gemv::bias_ptr(bias, n), n);
 }
 
 }  // namespace

@@ -21,12 +21,24 @@
 // Rows: passes of up to 8 (gemv_cpu.h `passes_in_chunks`): the group's 8 unpacked nibble vectors,
 // its scales and the rows' sums and outputs fill the registers; with fewer than 4 rows the sums are
 // split over independent chains. One weight stream fetched kAhead bytes ahead.
+//
+// On AMX (as int8_gemv_cpu.cpp), calls of kAmxFrom rows and more go to the bf16 AMX GEMM: each
+// weight widened to bf16 as (q - 8) s + z (fp32, rounded to bf16 once) a chunk of blocks at a time
+// (`int4_widen`), x NOT rounded to int8, y = x @ w.T + bias in fp32 sums, bf16 once.
+//   int4_gemm_amx(x, packed, sz, bias, n): that path at every row count (tests, benchmarks);
+//   int4_gemv_amx_from() -> int: kAmxFrom.
+// On a 2-core AMX Xeon (linear_bench.py, the step's linears, VNNI -> AMX from 24 rows), 2 threads:
+// 32 rows 19.1 -> 11.6 ms, 64 28.1 -> 16.0, 512 237 -> 99; 1 thread 26.9 -> 20.6, 52.7 -> 28.3,
+// 412 -> 169; at 16 rows VNNI wins (1 thread 14.2 against 16.8), at 24 about even.
+#include "amx_bf16.h"
 #include "gemv_cpu.h"
 
 namespace {
 
 using namespace pdserve_gemv;
 constexpr int64_t kGroup = kQGroup;          // the weights' groups are the activations' groups
+// From this many rows int4_gemv runs on AMX tiles where the CPU has them (amx_bf16_cpu.cpp)
+constexpr int64_t kAmxFrom = 24;
 
 #ifdef PDSERVE_VNNI
 template <int R>
@@ -234,8 +246,59 @@ template <int R> struct Int4Range {
   }
 };
 
-at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz,
-                     const std::optional<at::Tensor>& bias, int64_t n) {
+struct Int4Weights {
+  const uint8_t* packed;
+  const bf16* sz;
+};
+
+#ifdef PDSERVE_AVX512
+// Blocks [c0, c1) in bf16_gemv's bf16 layout (amx_bf16.h `Weights::dequantize`; ctx: Int4Weights):
+// each weight (q - 8) s + z of its group, rounded to bf16. A group's 4 vectors hold its 8 quad rows
+// (vector v: inputs 8v .. 8v + 3 in the low nibbles, 8v + 4 .. 8v + 7 in the high ones); blocks'
+// groups are contiguous.
+void int4_widen(const void* ctx, int64_t c0, int64_t c1, int64_t K, bf16* out) {
+  const Int4Weights& w = *static_cast<const Int4Weights*>(ctx);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t bg = c0 * (K / kGroup); bg < c1 * (K / kGroup); ++bg, out += 16 * kGroup) {
+    const __m512 s = load16(w.sz + bg * 32), z = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, load16(w.sz + bg * 32 + 16));
+    __m512 s4[4], z4[4];                          // element 4c + e: channel 4i + c's s and z - 8 s
+    PDSERVE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const __m512i ch = _mm512_add_epi32(_mm512_set1_epi32(4 * i),
+                                          _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                              12, 13, 14, 15), 2));
+      s4[i] = _mm512_permutexvar_ps(ch, s);
+      z4[i] = _mm512_permutexvar_ps(ch, z);
+    }
+    for (int v = 0; v < 4; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(w.packed + bg * 256 + 64 * v) + kWidenAhead, _MM_HINT_T0);
+      const __m512i bytes = _mm512_loadu_si512(w.packed + bg * 256 + 64 * v);
+      const __m512i halves[2] = {_mm512_and_si512(bytes, nibble), _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble)};
+      for (int h = 0; h < 2; ++h) {
+        __m512 f[4];
+        f[0] = _mm512_fmadd_ps(bytes16(_mm512_extracti32x4_epi32(halves[h], 0)), s4[0], z4[0]);
+        f[1] = _mm512_fmadd_ps(bytes16(_mm512_extracti32x4_epi32(halves[h], 1)), s4[1], z4[1]);
+        f[2] = _mm512_fmadd_ps(bytes16(_mm512_extracti32x4_epi32(halves[h], 2)), s4[2], z4[2]);
+        f[3] = _mm512_fmadd_ps(bytes16(_mm512_extracti32x4_epi32(halves[h], 3)), s4[3], z4[3]);
+        quads_to_pairs(f, out + (2 * v + h) * 64);
+      }
+    }
+  }
+}
+#else
+// not built (no AVX512): never called, AMX's gemm refuses to run first
+constexpr void (*int4_widen)(const void*, int64_t, int64_t, int64_t, bf16*) = nullptr;
+#endif
+
+struct Int4Args {
+  at::Tensor x;                 // contiguous
+  int64_t rows, K;
+  Int4Weights w;
+  const bf16* bias;
+};
+
+Int4Args int4_args(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz,
+                   const std::optional<at::Tensor>& bias, int64_t n) {
   check_x(x_in);
   const int64_t rows = x_in.size(0), K = x_in.size(1), groups = K / kGroup, blocks = (n + 15) / 16;
   TORCH_CHECK(K % kGroup == 0, "int4: the input size must be a multiple of 32");
@@ -243,12 +306,31 @@ at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed, const at:
               packed.sizes() == at::IntArrayRef({blocks, groups, 256}), "packed: [ceil(out/16), in/32, 256] uint8");
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() &&
               sz.sizes() == at::IntArrayRef({blocks, groups, 2, 16}), "sz: [ceil(out/16), in/32, 2, 16] bf16");
-  const bf16* b = bias_ptr(bias, n);
-  at::Tensor x = x_in.contiguous();
+  return {x_in.contiguous(), rows, K, {packed.data_ptr<uint8_t>(), sz.data_ptr<bf16>()}, bias_ptr(bias, n)};
+}
+
+// y = x @ w.T (+ bias) on AMX tiles, w dequantized to bf16, x unrounded: int4_gemv from kAmxFrom rows
+at::Tensor int4_amx(const Int4Args& a, int64_t n) {
+  return pdserve_amx::gemm(a.x, {nullptr, int4_widen, &a.w, nullptr}, a.bias, n);
+}
+
+at::Tensor int4_gemm_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
+                         const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(pdserve_amx::available(), "AMX-BF16 is not available here");
+  return int4_amx(int4_args(x, packed, sz, bias, n), n);
+}
+
+at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz,
+                     const std::optional<at::Tensor>& bias, int64_t n) {
+  const Int4Args a = int4_args(x_in, packed, sz, bias, n);
+  if (a.rows >= kAmxFrom && pdserve_amx::available()) return int4_amx(a, n);
+  const int64_t rows = a.rows, K = a.K, groups = K / kGroup, blocks = (n + 15) / 16;
+  const bf16* b = a.bias;
+  const at::Tensor& x = a.x;
   at::Tensor y = at::empty({rows, n}, x_in.options());
   const RoundedView rounded = rounded_rows(x.data_ptr<bf16>(), rows, K, K);
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const bf16* szp = sz.data_ptr<bf16>();
+  const uint8_t* pp = a.w.packed;
+  const bf16* szp = a.w.sz;
   bf16* yp = y.data_ptr<bf16>();
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {     // as int8_gemv
     passes_in_chunks(rows, b0, b1, K * 8 + groups * 64, 2, [&](int64_t r0, int64_t r, int64_t c0, int64_t c1) {
@@ -261,8 +343,11 @@ at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed, const at:
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor sz, Tensor? bias, int n) -> Tensor");
+  m.def("int4_gemm_amx(Tensor x, Tensor packed, Tensor sz, Tensor? bias, int n) -> Tensor");
+  m.def("int4_gemv_amx_from() -> int", [] { return kAmxFrom; });
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
+  m.impl("int4_gemm_amx", &int4_gemm_amx);
 }
