@@ -50,7 +50,7 @@ def main() -> None:
             eng.step()
             ts.append(time.perf_counter() - t0)
         rows["plain step loop"].append(statistics.median(ts[2:]) * 1e3)
-    ae = AsyncEngine(eng)
+    ae = AsyncEngine(lambda: eng)
 
     async def stream(rid: str, busy: bool) -> float:
         stop = False

@@ -291,6 +291,14 @@ class LLMEngine:
                 results[out.request_id].add(out)
         return list(results.values())
 
+    def num_threads(self) -> int:
+        """The torch threads this engine's steps run on (CPU; call on the engine's thread)."""
+        return self.runner.num_threads()
+
+    def set_num_threads(self, n: int) -> int:
+        """Step on `n` torch threads from now on (CPU; a no-op on CUDA); returns the count."""
+        return self.runner.set_num_threads(n)
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {"kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free_blocks,

@@ -427,6 +427,17 @@ class ModelRunner:
         return batch
 
     # ---- KV export / import ----------------------------------------------------------------
+    def num_threads(self) -> int:
+        return torch.get_num_threads()
+
+    def set_num_threads(self, n: int) -> int:
+        """The calling thread's torch threads (the engine thread's: OpenMP's count is per
+        thread); only on CPU, where they run the step."""
+        assert n >= 1
+        if self.device.type == "cpu" and n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        return torch.get_num_threads()
+
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy [n, layers, 2, block_size, kv_heads, head_dim] of the blocks."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)

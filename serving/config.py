@@ -192,6 +192,11 @@ class AppConfig(_Model):
         "colocated) replica: tokens made sooner go together in the next message (one SSE chunk). The first "
         "token and the last are never held. 0 = a message per engine step. Each message costs CPU in the "
         "replica, the router and Serve's proxy, whatever its tokens (README: Serving overhead).")
+    share_idle_cpus: bool = Field(
+        True, description="CPU replicas on one machine lend their torch threads while their engine is idle: a "
+        "busy engine steps on its own `num_threads` plus its share of the idle replicas' (serving/cpu_share.py). "
+        "On one 2-core machine the decode replica then streams one request on both cores while no prompt is "
+        "being prefilled (README: Configuration).")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for (400 above).")
     api_key: str = Field("", description="When set, every endpoint but /health needs 'Authorization: Bearer <key>'.")
     max_body_bytes: int = Field(4 * 2**20, gt=0, description="Largest accepted request body (413 above).")

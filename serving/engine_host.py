@@ -13,10 +13,13 @@ import contextlib
 import logging
 import os
 
+import ray
+
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from serving import messages
 from serving.config import AppConfig
+from serving.cpu_share import CpuShare
 from serving.histogram import REPLICA_HISTOGRAMS, Histogram
 from serving.models import resolve_model
 from serving.serve_metrics import ReplicaSeries
@@ -39,9 +42,16 @@ class EngineHost:
         self.pool = pool
         self.replica_id = replica_id()
         model_dir = resolve_model(config.model, config.model_cache, progress=False)
-        engine = LLMEngine(config.engine_for(pool).engine_config(str(model_dir)))
-        self.engine = engine
-        self.aengine = AsyncEngine(engine)
+        engine_config = config.engine_for(pool).engine_config(str(model_dir))
+        self.cpu_share = _cpu_share(config, pool)
+        # built on its own thread, where it steps (AsyncEngine: one OpenMP pool a process)
+        try:
+            self.aengine = AsyncEngine(lambda: LLMEngine(engine_config), self.cpu_share)
+        except BaseException:
+            if self.cpu_share is not None:
+                self.cpu_share.close()
+            raise
+        self.engine = engine = self.aengine.engine
         self.model_dir = model_dir
         self._registry = registry
         self._pusher: asyncio.Task | None = None
@@ -96,6 +106,19 @@ class EngineHost:
         if self._pusher is not None:
             self._pusher.cancel()
         self.aengine.shutdown()
+        if self.cpu_share is not None:
+            self.cpu_share.close()
+
+
+def _cpu_share(config: AppConfig, pool: str) -> CpuShare | None:
+    """This replica's slot on its Ray node's CPU board (serving.cpu_share), or None: sharing off,
+    a GPU pool, or not in a Ray worker (nothing to share with)."""
+    opts = config.engine_for(pool)
+    if not config.share_idle_cpus or getattr(config, pool).num_gpus > 0 or opts.device.startswith("cuda"):
+        return None
+    if not ray.is_initialized():
+        return None
+    return CpuShare.open(ray.get_runtime_context().get_node_id(), opts.num_threads or os.cpu_count() or 1)
 
 
 class EngineReplica:

@@ -46,7 +46,7 @@ def test_add_prefilled_rejected_leaves_the_reservation_with_the_caller(engine):
 
 
 def test_stream_checks_and_admits_in_one_engine_call(engine):
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(lambda: engine)
     calls = []
     submit = aengine.submit
     aengine.submit = lambda fn: calls.append(fn) or submit(fn)
@@ -65,7 +65,7 @@ def test_stream_checks_and_admits_in_one_engine_call(engine):
 
 
 def test_a_duplicate_id_is_rejected_without_touching_the_live_request(engine):
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(lambda: engine)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     async def run():
@@ -87,7 +87,7 @@ def test_a_duplicate_id_is_rejected_without_touching_the_live_request(engine):
 def test_a_reader_that_falls_behind_gets_the_ready_outputs_merged(engine):
     """A stream read slowly hands on several steps' tokens per output (one message instead of one
     per step), and the tokens, text and logprobs are the same as read at once."""
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(lambda: engine)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 
     async def run(rid, pause):
@@ -115,7 +115,7 @@ def test_a_paced_stream_sends_at_most_one_message_per_interval(engine):
     """`min_interval_s` holds outputs that come sooner than the interval after the last message
     and sends them as one; the first output (unless `hold_first`) and a finishing one are never
     held. The tokens, text and logprobs are those of the unpaced stream."""
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(lambda: engine)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
 
     async def run(rid, interval, hold_first=False):

@@ -47,7 +47,7 @@ async def first_output(aengine: AsyncEngine, rid: str, prompt, params, hold: boo
 def test_a_failed_step_during_a_push_leaves_the_pushed_blocks_alone(tiny_llama_dir, monkeypatch):
     decode = tiny_engine(tiny_llama_dir)
     expected = decode.generate([PROMPT], GREEDY)[0].token_ids
-    prefill = AsyncEngine(tiny_engine(tiny_llama_dir))
+    prefill = AsyncEngine(lambda: tiny_engine(tiny_llama_dir))
     pool_p, pool_d = prefill.engine.runner.kv_pool, decode.runner.kv_pool
     fp = fingerprint_for(pool_p, "tiny")
     stalled, release = threading.Event(), threading.Event()
@@ -92,7 +92,7 @@ def test_a_failed_step_during_a_push_leaves_the_pushed_blocks_alone(tiny_llama_d
 
 
 def test_repeated_step_failures_make_the_engine_unhealthy_and_a_good_step_heals_it(tiny_llama_dir):
-    aengine = AsyncEngine(tiny_engine(tiny_llama_dir))
+    aengine = AsyncEngine(lambda: tiny_engine(tiny_llama_dir))
     try:
         assert aengine.health() == ""
         fail_steps(aengine.engine, MAX_STEP_FAILURES)
