@@ -11,11 +11,14 @@ from the decode replica's next step on (a step already running keeps its threads
 oversubscription at most).
 
 Contract
-  * `CpuShare.open(own)` registers this process (one slot a replica; a slot whose process is gone
-    is taken back first), `close()` frees it; the engine thread alone calls `busy()` (before each
-    step: the thread count to step with) and `idle()` (when it has no work).
+  * `CpuShare.open(node, own)` registers this process on Ray node `node`'s board (one slot a
+    replica; slots whose process is gone are taken back first), `close()` frees it (the last one
+    out removes the board's file); the engine thread alone calls `busy()` (before each step: the
+    thread count to step with) and `idle()` (when it has no work); after `close()` they give the
+    replica's own threads and do nothing.
   * The board is advisory: no locks on the hot path (a slot is written by its owner only; a
-    reader may see a neighbour's state one step late), a lock file only around registration.
+    reader may see a neighbour's state one step late), the board file's lock only around
+    registering and closing.
   * Nothing here touches torch: the engine sets its threads (`AsyncEngine`).
 """
 
@@ -121,7 +124,9 @@ class CpuShare:
         return out
 
     def busy(self) -> int:
-        """Mark this replica busy; the threads to run its next step with."""
+        """Mark this replica busy; the threads to run its next step with (its own once closed)."""
+        if self._map.closed:
+            return self.own
         if not self._busy:
             self._busy = True
             struct.pack_into("<H", self._map, self.slot * _SLOT.size + 6, 1)
@@ -129,7 +134,7 @@ class CpuShare:
 
     def idle(self) -> None:
         """Mark this replica idle: its threads are lent until its next `busy()`."""
-        if self._busy:
+        if self._busy and not self._map.closed:
             self._busy = False
             struct.pack_into("<H", self._map, self.slot * _SLOT.size + 6, 0)
 

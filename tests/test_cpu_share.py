@@ -65,6 +65,8 @@ def test_slots_on_one_board_see_each_other_and_dead_slots_are_taken_back(tmp_pat
     assert a.busy() == 1                             # alone
     a.close()
     a.close()                                        # twice: no error
+    assert a.busy() == 1                             # closed (an engine thread outliving shutdown): its own
+    a.idle()
     assert not path.exists()                         # the last one out removed the board
 
 
