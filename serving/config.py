@@ -47,9 +47,13 @@ class EngineOptions(_Model):
     max_num_seqs: int = Field(64, description="Most sequences running at once in one replica.")
     max_model_len: int | None = Field(None, description="Longest prompt + output; default: the model's.")
     enable_prefix_caching: bool = Field(True, description="Reuse K/V blocks of identical prompt prefixes.")
-    num_threads: int | None = Field(1, description="torch intra-op threads per replica (CPU).")
+    num_threads: int | Literal["auto"] | None = Field(
+        "auto", description="torch intra-op threads a replica owns (CPU); auto = its pool's num_cpus (at least 1); "
+                            "None = torch's default (every CPU). With share_idle_cpus it also borrows idle replicas'.")
 
     def engine_config(self, model_dir: str) -> EngineConfig:
+        """The engine's configuration (`num_threads` resolved: AppConfig.engine_for)."""
+        assert self.num_threads != "auto", "resolve num_threads through AppConfig.engine_for"
         return EngineConfig(model=model_dir, **self.model_dump())
 
 
@@ -231,7 +235,12 @@ class AppConfig(_Model):
         return self
 
     def engine_for(self, pool: str) -> EngineOptions:
-        return EngineOptions.model_validate({**self.engine.model_dump(), **getattr(self, pool).engine})
+        """Pool `pool`'s engine options: the shared ones, its overrides, `num_threads: auto` resolved
+        to its `num_cpus` (at least 1)."""
+        opts = EngineOptions.model_validate({**self.engine.model_dump(), **getattr(self, pool).engine})
+        if opts.num_threads == "auto":
+            opts = opts.model_copy(update={"num_threads": max(1, int(getattr(self, pool).num_cpus))})
+        return opts
 
     @property
     def goodput_targets(self) -> tuple[float, float]:

@@ -131,3 +131,17 @@ def test_the_router_drains_as_long_as_the_pools_behind_it():
     assert app._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 45
     colocated = build_app(AppConfig(mode="colocated", colocated={"graceful_shutdown_timeout_s": 90}))
     assert colocated._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 90
+
+
+def test_num_threads_auto_is_each_pools_num_cpus():
+    cfg = AppConfig(decode={"num_cpus": 4}, prefill={"num_cpus": 0.5})
+    assert cfg.engine_for("decode").num_threads == 4
+    assert cfg.engine_for("prefill").num_threads == 1                    # at least one
+    assert AppConfig(engine={"num_threads": 3}, decode={"num_cpus": 4}).engine_for("decode").num_threads == 3
+    assert AppConfig(decode={"num_cpus": 4, "engine": {"num_threads": 2}}).engine_for("decode").num_threads == 2
+    assert AppConfig(engine={"num_threads": None}).engine_for("decode").num_threads is None   # torch's default
+    assert AppConfig.from_yaml(ROOT / "serve_config.yaml").engine_for("decode").num_threads == 1
+    with pytest.raises(ValueError):
+        AppConfig(engine={"num_threads": "many"})
+    with pytest.raises(ValueError, match="num_threads"):
+        AppConfig(engine={"num_threads": 0})
