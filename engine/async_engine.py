@@ -68,6 +68,8 @@ class ThreadShare(Protocol):
 
 
 class AsyncEngine:
+    engine: LLMEngine                  # set by the engine thread once built, before the constructor returns
+
     def __init__(self, make_engine: Callable[[], LLMEngine], share: ThreadShare | None = None):
         self._share = share
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -78,7 +80,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, args=(make_engine, built), name="pdserve-engine",
                                         daemon=True)
         self._thread.start()
-        self.engine: LLMEngine = built.result()
+        built.result()                 # the build's error, raised here; `self.engine` is set
 
     # ---- calls ----------------------------------------------------------------------------------
     def submit(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
@@ -194,7 +196,7 @@ class AsyncEngine:
             built.set_exception(exc)
             return
         self.engine = engine
-        built.set_result(engine)
+        built.set_result(None)
         self._loop()
 
     def _loop(self) -> None:

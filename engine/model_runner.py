@@ -426,7 +426,7 @@ class ModelRunner:
                                   for w in self.windows}
         return batch
 
-    # ---- KV export / import ----------------------------------------------------------------
+    # ---- threads ------------------------------------------------------------------------------
     def num_threads(self) -> int:
         return torch.get_num_threads()
 
@@ -438,6 +438,7 @@ class ModelRunner:
             torch.set_num_threads(n)
         return torch.get_num_threads()
 
+    # ---- KV export / import ----------------------------------------------------------------
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy [n, layers, 2, block_size, kv_heads, head_dim] of the blocks."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)

@@ -58,10 +58,15 @@ def board_path(key: str) -> Path:
     return base / f"pdserve-cpu-{key}"
 
 
+def _taken(board) -> list[tuple[int, int, int, bool]]:
+    """(slot, pid, own threads, busy) of every taken slot of a board's bytes."""
+    return [(i, pid, threads, bool(busy)) for i, (pid, threads, busy) in enumerate(_SLOT.iter_unpack(board)) if pid]
+
+
 def read_board(path: Path) -> list[tuple[int, int, bool]]:
     """(pid, own threads, busy) of every taken slot of the board at `path` (diagnostics, tests)."""
     data = path.read_bytes()[:_SIZE] if path.exists() else b""
-    return [(pid, threads, bool(busy)) for pid, threads, busy in _SLOT.iter_unpack(data) if pid]
+    return [(pid, threads, busy) for _, pid, threads, busy in _taken(data)]
 
 
 def _alive(pid: int) -> bool:
@@ -80,13 +85,14 @@ class CpuShare:
         self.own = own
         self.limit = limit or len(os.sched_getaffinity(0))
         self.path = path
+        self.pid = pid or os.getpid()
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_size < _SIZE:
                 os.ftruncate(fd, _SIZE)
             self._map = mmap.mmap(fd, _SIZE)
-            self.slot = self._register(pid or os.getpid())
+            self._register()
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
@@ -102,26 +108,21 @@ class CpuShare:
             log.warning("CPU sharing off for this replica: %s", exc)
             return None
 
-    def _register(self, pid: int) -> int:
-        free = None
-        for i in range(SLOTS):
-            owner, _, _ = _SLOT.unpack_from(self._map, i * _SLOT.size)
-            if owner and not _alive(owner):           # its process is gone: its slot is free
+    def _register(self) -> None:
+        """Take the first free slot, after freeing those whose process is gone (`self.slot`)."""
+        for i, pid, _, _ in _taken(self._map):
+            if not _alive(pid):                        # its process is gone: its slot is free
                 _SLOT.pack_into(self._map, i * _SLOT.size, 0, 0, 0)
-                owner = 0
-            if not owner and free is None:
-                free = i
+        taken = {i for i, *_ in _taken(self._map)}
+        free = next((i for i in range(SLOTS) if i not in taken), None)
         if free is None:
             raise RuntimeError(f"the CPU board {self.path} is full ({SLOTS} replicas)")
-        _SLOT.pack_into(self._map, free * _SLOT.size, pid, self.own, 0)
-        return free
+        self.slot = free
+        self._write(busy=False)
 
-    def _others(self) -> list[tuple[int, bool]]:
-        out = []
-        for i, (pid, threads, busy) in enumerate(_SLOT.iter_unpack(self._map)):
-            if pid and i != self.slot:
-                out.append((threads, bool(busy)))
-        return out
+    def _write(self, busy: bool) -> None:
+        """This replica's slot (written by its owner only)."""
+        _SLOT.pack_into(self._map, self.slot * _SLOT.size, self.pid, self.own, int(busy))
 
     def busy(self) -> int:
         """Mark this replica busy; the threads to run its next step with (its own once closed)."""
@@ -129,14 +130,15 @@ class CpuShare:
             return self.own
         if not self._busy:
             self._busy = True
-            struct.pack_into("<H", self._map, self.slot * _SLOT.size + 6, 1)
-        return threads_for(self.own, self._others(), self.limit)
+            self._write(busy=True)
+        others = [(threads, b) for i, _, threads, b in _taken(self._map) if i != self.slot]
+        return threads_for(self.own, others, self.limit)
 
     def idle(self) -> None:
         """Mark this replica idle: its threads are lent until its next `busy()`."""
         if self._busy and not self._map.closed:
             self._busy = False
-            struct.pack_into("<H", self._map, self.slot * _SLOT.size + 6, 0)
+            self._write(busy=False)
 
     def close(self) -> None:
         """Free this slot; the last replica out removes the board's file."""
@@ -145,6 +147,6 @@ class CpuShare:
         _SLOT.pack_into(self._map, self.slot * _SLOT.size, 0, 0, 0)
         with contextlib.suppress(OSError), open(self.path, "rb") as f:
             fcntl.flock(f, fcntl.LOCK_EX)          # no registration in between
-            if not any(pid for pid, _, _ in _SLOT.iter_unpack(self._map)):
+            if not _taken(self._map):
                 self.path.unlink()
         self._map.close()
