@@ -31,6 +31,13 @@ class Listener:
         return f"{self.ip}:{self.port:<6} {self.name} (pid {self.pid})"
 
 
+def process_name(p: psutil.Process) -> str:
+    """`p`'s name, for a Ray actor without the method it is running: Ray retitles an actor's
+    process while a call runs ("ray::ServeReplica:pd:PrefillServer.record_routing_stats")."""
+    name = p.name()
+    return name.split(".", 1)[0] if name.startswith("ray::") else name
+
+
 def listening(root_pid: int, include_root: bool = True) -> list[Listener]:
     """Every listening TCP socket of `root_pid` and its descendants, by process name then port.
     Processes that end while being read are skipped."""
@@ -39,7 +46,7 @@ def listening(root_pid: int, include_root: bool = True) -> list[Listener]:
     out = []
     for p in procs:
         try:
-            name = p.name()
+            name = process_name(p)
             out += [Listener(c.laddr.ip, c.laddr.port, p.pid, name)
                     for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import local_ray
 
-from socket_util import listening, report
+from socket_util import listening, process_name, report
 
 
 def test_local_deployment_listens_on_loopback_only(disagg):
@@ -59,7 +59,7 @@ def test_token_streams_use_serves_grpc_transport(disagg):
         ports, found = set(), False
         for p in psutil.Process().children(recursive=True):
             try:
-                if p.name() == name:
+                if process_name(p) == name:
                     found = True
                     ports |= {c.raddr.port for c in p.net_connections(kind="tcp")
                               if c.status == psutil.CONN_ESTABLISHED and c.raddr}
