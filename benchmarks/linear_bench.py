@@ -21,8 +21,10 @@ microseconds per call and the weight bytes each call reads per second (GB/s) for
   int8, int4  engine.linear's quantized kernels (engine.kernels.int8_gemv, int4_gemv),
               where they build, at every row count (no switch to the bf16 copy; on AMX they
               hand many rows to the AMX path themselves)
-  int8-amx, int4-amx  their AMX path (engine.kernels.int8_gemm_amx, int4_gemm_amx: the weights
-              widened to bf16 a chunk at a time) at every row count, where the CPU has AMX-BF16
+  int8-amx    int8's AMX path (engine.kernels.int8_gemm_amx: AMX-INT8 tiles on its own weight, x
+              split into two int8 limbs a row) at every row count, where the CPU has AMX-INT8
+  int4-amx    int4's AMX path (engine.kernels.int4_gemm_amx: the weight widened to bf16 a chunk at
+              a time for the bf16 tiles) at every row count, where the CPU has AMX-BF16
 
 and, per format and row count, the whole step's linears (sum over shapes x layers).
 """
@@ -68,8 +70,9 @@ def _factories(kernels) -> dict:
     if kernels is not None:
         out["int8"] = lambda w: linear._int8(w, None, kernels)[0]       # the kernel at every row count
         out["int4"] = lambda w: linear._int4(w, None, kernels)[0]
-    if kernels is not None and kernels.amx_available():
+    if kernels is not None and kernels.amx_int8_available():
         out["int8-amx"] = lambda w: _int8_amx(w, kernels)
+    if kernels is not None and kernels.amx_available():
         out["int4-amx"] = lambda w: _int4_amx(w, kernels)
     return out
 

@@ -28,9 +28,11 @@
   product within one bf16 rounding for partial and whole tiles and several passes, per row
   independently of the rows beside it, is what bf16_gemv runs from 2 rows, keeps a NaN in its
   row, and refuses inputs that are not whole tiles; elsewhere it is refused with a clear error.
-  The int8 and int4 AMX paths (their weights widened to bf16, x unrounded) give x @ widened(w).T
-  the same way for the same shapes and row counts, and are what int8_gemv / int4_gemv run from
-  their `*_amx_from()` rows (below them the int8-rounded activations' sums, as documented).
+  int4's AMX path (its weight widened to bf16, x unrounded) gives x @ widened(w).T the same way
+  for the same shapes and row counts. Where the CPU has AMX-INT8, int8's AMX path gives the
+  documented sums of x split into two int8 limbs a row, within one bf16 rounding, per row
+  independently. Both are what int8_gemv / int4_gemv run from their `*_amx_from()` rows (below
+  them the int8-rounded activations' sums, as documented).
 - Greedy sampling's row argmax gives torch's indices (first of ties, NaN as the maximum, infinities).
 - The prefill kernel (a bf16 prompt chunk's causal attention over its blocks in place) gives an
   fp32 attention's output within bf16 rounding, fresh and after a past, for GQA groups of 1-8, head
@@ -163,10 +165,26 @@ def _int8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _amx_from(fmt: str) -> float:
-    """The row count from which int8_gemv / int4_gemv run on AMX tiles here (inf: never)."""
-    if not KERNELS.amx_available():
+    """The row count from which int8_gemv (AMX-INT8 tiles, for inputs in whole 64-byte tiles) /
+    int4_gemv (bf16 tiles) run on AMX here (inf: never)."""
+    if not (KERNELS.amx_int8_available() if fmt == "int8" else KERNELS.amx_available()):
         return float("inf")
     return getattr(KERNELS, f"{fmt}_gemv_amx_from")()
+
+
+def _assert_int8_limbs_sums(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                            bias: torch.Tensor | None) -> None:
+    """y is int8's AMX path's documented sums (amx_int8_cpu.cpp): each row of x rounded to integers
+    v by 16383 / its max (fp32, to nearest even), y = scale * s * (v @ q.T) + bias with s = max /
+    16383, within fp32 arithmetic on the int32 sums and one bf16 rounding."""
+    xf = x.float()
+    amax = xf.abs().amax(1, keepdim=True)
+    v = (xf * torch.where(amax > 0, torch.full_like(amax, 16383.0).div(amax), 0)).round().double()
+    assert v.abs().max() <= 16383
+    s, q = (amax / 16383).double(), q.double()
+    ref = (v @ q.t()) * s * scale.double() + (0 if bias is None else bias.double())
+    bound = ((v.abs() @ q.abs().t()) * s * scale.double()) * 2**-21 + ref.abs() * 2**-8 + 1e-12
+    assert ((y.double() - ref).abs() <= bound).all(), (y.shape, ((y.double() - ref).abs() - bound).max().item())
 
 
 def _assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -200,8 +218,10 @@ def test_int8_gemv_gives_its_documented_sums(out_f, in_f, with_bias):
         x[0, :min(in_f, 32)] = 0                     # a group of zeros: scale 0, no division by it
         y = layer(x)
         assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
-        if rows >= _amx_from("int8") and in_f % 32 == 0:     # on AMX tiles, x not rounded
-            _assert_product(y, x, dequantized, bias)
+        if rows >= _amx_from("int8") and in_f % 64 == 0:     # AMX-INT8 tiles, x in two int8 limbs
+            scale = (w.abs().amax(1) / 127).clamp(min=1e-8)
+            q = (w / scale[:, None]).round().clamp(-127, 127)
+            _assert_int8_limbs_sums(y, x, q, scale.bfloat16().float(), bias)
             continue
         ref = _int8_reference(x, w, bias)
         err = (y.double() - ref).abs()
@@ -411,16 +431,13 @@ def _random_quantized(fmt: str, out_f: int, in_f: int, g: torch.Generator):
 
 
 @needs_amx
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("out_f,in_f", [(37, 96), (4000, 576), (48, 1536)])    # as the bf16 GEMM's
-def test_amx_quantized_gemms_multiply_the_widened_weight_and_are_what_the_gemvs_run_from_many_rows(fmt, out_f, in_f):
-    """int8_gemm_amx / int4_gemm_amx widen their format's weight to bf16 a chunk of blocks at a
-    time (int8: q - 128 exactly, the channel scale applied to the sums; int4: (q - 8) s + z
-    rounded to bf16) and multiply unrounded x on AMX tiles: x @ w.T (+ bias) within an fp32 sum's
-    error and one bf16 rounding; each row independent of the rows beside it; and int8_gemv /
-    int4_gemv hand them their calls from `*_gemv_amx_from()` rows (below it: x rounded to int8)."""
-    gemm, gemv = {"int8": (KERNELS.int8_gemm_amx, KERNELS.int8_gemv),
-                  "int4": (KERNELS.int4_gemm_amx, KERNELS.int4_gemv)}[fmt]
+def test_amx_int4_gemm_multiplies_the_widened_weight_and_is_what_int4_gemv_runs_from_many_rows(out_f, in_f):
+    """int4_gemm_amx widens int4's weight to bf16 ((q - 8) s + z rounded to bf16) a chunk of blocks
+    at a time and multiplies unrounded x on AMX tiles: x @ w.T (+ bias) within an fp32 sum's error
+    and one bf16 rounding; each row independent of the rows beside it; and int4_gemv hands it its
+    calls from `int4_gemv_amx_from()` rows (below it: x rounded to int8)."""
+    fmt, gemm, gemv = "int4", KERNELS.int4_gemm_amx, KERNELS.int4_gemv
     g = torch.Generator().manual_seed(out_f + in_f)
     args, widened = _random_quantized(fmt, out_f, in_f, g)
     bias = (torch.randn(out_f, generator=g) * 0.1).bfloat16()
@@ -439,22 +456,67 @@ def test_amx_quantized_gemms_multiply_the_widened_weight_and_are_what_the_gemvs_
 
 
 @needs_amx
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_amx_quantized_gemms_refuse_what_they_cannot_take(fmt):
-    quantize, gemm = {"int8": (linear._int8, KERNELS.int8_gemm_amx), "int4": (linear._int4, KERNELS.int4_gemm_amx)}[fmt]
-    if fmt == "int8":     # 48 inputs: int8_gemv pads them to its groups of 32; no whole tiles of x
-        q = torch.randint(-127, 128, (32, 48), dtype=torch.int8)
-        with pytest.raises(RuntimeError, match="multiple of 32"):
-            gemm(torch.randn(4, 48).bfloat16(), linear._int8_quads(q), torch.ones(32), None, 32)
-        with pytest.raises(RuntimeError, match="scale"):
-            gemm(torch.randn(4, 64).bfloat16(), linear._int8_quads(q[:, :32].repeat(1, 2)), torch.ones(31), None, 32)
-    else:
-        packed, sz = linear._int4_blocks(torch.zeros(32, 64, dtype=torch.int32), torch.ones(32, 2).bfloat16(),
-                                         torch.zeros(32, 2).bfloat16())
-        with pytest.raises(RuntimeError, match="multiple of 32"):
-            gemm(torch.randn(2, 48).bfloat16(), packed, sz, None, 32)
-        with pytest.raises(RuntimeError, match="bias"):
-            gemm(torch.randn(2, 64).bfloat16(), packed, sz, torch.zeros(31).bfloat16(), 32)
+def test_amx_int4_gemm_refuses_what_it_cannot_take():
+    gemm = KERNELS.int4_gemm_amx
+    packed, sz = linear._int4_blocks(torch.zeros(32, 64, dtype=torch.int32), torch.ones(32, 2).bfloat16(),
+                                     torch.zeros(32, 2).bfloat16())
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        gemm(torch.randn(2, 48).bfloat16(), packed, sz, None, 32)
+    with pytest.raises(RuntimeError, match="bias"):
+        gemm(torch.randn(2, 64).bfloat16(), packed, sz, torch.zeros(31).bfloat16(), 32)
+
+
+needs_amx_int8 = pytest.mark.skipif(KERNELS is None or not KERNELS.amx_int8_available(),
+                                    reason="this CPU (or its OS) offers no AMX-INT8 tiles")
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("out_f,in_f", [
+    (37, 64),          # a partial block of channels, one tile of inputs
+    (4000, 576),       # many L2 chunks of blocks a thread (each walked again for every 16 rows)
+    (48, 1536),        # an odd number of blocks (a 2-block pass and a 1-block one)
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_int8_gemm_gives_its_limbs_sums_and_is_what_int8_gemv_runs_from_many_rows(out_f, in_f, with_bias):
+    """int8_gemm_amx splits each row of x into two int8 limbs on one scale and sums them against
+    the weight's quads on AMX-INT8 tiles: the documented sums within one bf16 rounding, x @ w.T
+    within bf16 rounding (15 bits a row), each row independent of the rows beside it (a row of
+    zeros too); int8_gemv hands it its calls from `int8_gemv_amx_from()` rows."""
+    g = torch.Generator().manual_seed(out_f * 7 + in_f)
+    q = torch.randint(-127, 128, (out_f, in_f), generator=g, dtype=torch.int8)
+    scale = (torch.rand(out_f, generator=g) * 1e-3 + 1e-4).bfloat16().float()
+    args = (linear._int8_quads(q), F.pad(scale, (0, -out_f % 16)))
+    bias = (torch.randn(out_f, generator=g) * 0.1).bfloat16() if with_bias else None
+    xs = torch.randn(130, in_f, generator=g).bfloat16()
+    xs[3] = 0                                        # a row of zeros: scale 0, no division by it
+    xs[5, 7] = 40.0                                  # an outlier: the rest of its row on a coarser step
+    gemm = KERNELS.int8_gemm_amx
+    full = gemm(xs, *args, bias, out_f)
+    for rows in (1, 15, 16, 17, 31, 32, 33, 70, 130):
+        x = xs[:rows]
+        y = gemm(x, *args, bias, out_f)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
+        _assert_int8_limbs_sums(y, x, q.float(), scale, bias)
+        exact = x.double() @ (q.double() * scale.double()[:, None]).t() + (0 if bias is None else bias.double())
+        assert (y.double() - exact).norm() <= 0.005 * exact.norm(), rows
+        assert torch.equal(y, full[:rows]), rows                   # row r beside others or alone
+        assert torch.equal(gemm(x[-1:], *args, bias, out_f), y[-1:]), rows
+        assert torch.equal(KERNELS.int8_gemv(x, *args, bias, out_f), y) == (rows >= _amx_from("int8")), rows
+    assert gemm(xs[:0], *args, bias, out_f).shape == (0, out_f)
+
+
+@needs_amx_int8
+def test_amx_int8_gemm_refuses_what_it_cannot_take():
+    q = torch.randint(-127, 128, (32, 96), dtype=torch.int8)     # 96 inputs: not whole 64-byte tiles
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        KERNELS.int8_gemm_amx(torch.randn(20, 96).bfloat16(), linear._int8_quads(q), torch.ones(32), None, 32)
+    # int8_gemv runs such inputs on its VNNI kernel instead, at every row count
+    x = torch.randn(20, 96).bfloat16()
+    assert torch.equal(KERNELS.int8_gemv(x, linear._int8_quads(q), torch.ones(32), None, 32),
+                       torch.cat([KERNELS.int8_gemv(x[i:i + 1], linear._int8_quads(q), torch.ones(32), None, 32)
+                                  for i in range(20)]))
+    with pytest.raises(RuntimeError, match="scale"):
+        KERNELS.int8_gemm_amx(torch.randn(4, 64).bfloat16(), linear._int8_quads(q[:, :64]), torch.ones(31), None, 32)
 
 
 def test_amx_availability_is_a_plain_answer_everywhere():
@@ -462,15 +524,17 @@ def test_amx_availability_is_a_plain_answer_everywhere():
     # tiles) instead of faulting; bf16_gemm_amx is then refused, not run
     if KERNELS is None:
         pytest.skip("the CPU kernel could not be built here")
+    assert KERNELS.amx_available() or not KERNELS.amx_int8_available()     # AMX-INT8 needs the tiles
     if not KERNELS.amx_available():
         with pytest.raises(RuntimeError, match="AMX"):
             KERNELS.bf16_gemm_amx(torch.randn(4, 64).bfloat16(), torch.zeros(2, 32, 32).bfloat16(), None, 32)
         with pytest.raises(RuntimeError, match="AMX"):
-            KERNELS.int8_gemm_amx(torch.randn(4, 64).bfloat16(), torch.zeros(2, 16, 64, dtype=torch.uint8),
-                                  torch.ones(32), None, 32)
-        with pytest.raises(RuntimeError, match="AMX"):
             KERNELS.int4_gemm_amx(torch.randn(4, 64).bfloat16(), torch.zeros(2, 2, 256, dtype=torch.uint8),
                                   torch.ones(2, 2, 2, 16).bfloat16(), None, 32)
+    if not KERNELS.amx_int8_available():
+        with pytest.raises(RuntimeError, match="AMX-INT8"):
+            KERNELS.int8_gemm_amx(torch.randn(4, 64).bfloat16(), torch.zeros(2, 16, 64, dtype=torch.uint8),
+                                  torch.ones(32), None, 32)
 
 
 @needs_kernel

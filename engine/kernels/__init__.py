@@ -12,7 +12,9 @@ linears' few-row kernels, `fp32_gemv` / `bf16_gemv` (dense_gemv_cpu.cpp) the den
 sampling's argmax, `bf16_gemm_amx` (amx_bf16_cpu.cpp) the bf16 GEMM on AMX tiles that `bf16_gemv`
 runs from 2 rows where the CPU has AMX-BF16 (`amx_available()`), and `int8_gemv` / `int4_gemv` from
 `int8_gemv_amx_from()` / `int4_gemv_amx_from()` rows on their weights widened to bf16
-(`int8_gemm_amx` / `int4_gemm_amx` alone). They are C++ compiled at run time with
+(`int8_gemm_amx` / `int4_gemm_amx` alone); `int8_gemm_amx_int8` (amx_int8_cpu.cpp) int8 on AMX-INT8
+tiles, which `int8_gemv` runs from `int8_gemv_amx_int8_from()` rows up to the widened path's where
+the CPU has it (`amx_int8_available()`). They are C++ compiled at run time with
 `torch.utils.cpp_extension` (g++ and ninja, both standard on Linux build images) into torch's
 extension cache (`~/.cache/torch_extensions`, or `TORCH_EXTENSIONS_DIR`), keyed by the sources
 (ninja also rebuilds on a changed header), the flags, this CPU's instruction set and the
@@ -40,11 +42,11 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("paged_attention_cpu.cpp", "norm_cpu.cpp", "int8_gemv_cpu.cpp", "int4_gemv_cpu.cpp",
               "dense_gemv_cpu.cpp", "rope_store_cpu.cpp", "prefill_attention_cpu.cpp",
-              "silu_mul_cpu.cpp", "argmax_cpu.cpp", "amx_bf16_cpu.cpp")]
+              "silu_mul_cpu.cpp", "argmax_cpu.cpp", "amx_bf16_cpu.cpp", "amx_int8_cpu.cpp")]
 # -march=native: the build is keyed by this CPU's flags (below), so the cache never runs code
-# built for another CPU. -mno-amx-*: the compiler emits no AMX instruction of its own accord; the one
-# AMX kernel (amx_bf16_cpu.cpp) enables it for its own functions and runs only after the OS has
-# granted this process the tiles (some kernels/VMs advertise AMX without enabling it).
+# built for another CPU. -mno-amx-*: the compiler emits no AMX instruction of its own accord; the
+# AMX kernels (amx_bf16_cpu.cpp, amx_int8_cpu.cpp) enable it for their own functions and run only
+# after the OS has granted this process the tiles (some kernels/VMs advertise AMX without enabling it).
 # -fopenmp: at::parallel_for is an inline template that runs on torch's OpenMP threads only when
 # the extension itself is compiled with OpenMP (without it, every kernel runs on one thread); the
 # library it links is the libgomp.so.1 torch has already loaded.

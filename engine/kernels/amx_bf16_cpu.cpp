@@ -4,7 +4,7 @@
 //   bf16_gemm_amx(x [M, K] bf16, w [N/16, K/2, 32] bf16, bias [n] bf16?, n) -> [M, n] bf16
 //       the AMX path on its own, for tests and benchmarks (an error where it is not available or
 //       K is not a multiple of 32); bf16_gemv takes it by itself from `kAmxFrom` rows
-//   amx_available() -> bool: pdserve_amx::available()
+//   amx_available() -> bool: pdserve_amx::available(); amx_int8_available(): int8_available()
 //
 // Why: `vdpbf16ps` (AVX512-BF16), the GEMV's instruction, does 32 multiply-adds; one AMX
 // `tdpbf16ps` does 16 x 16 x 32. From a few rows on, the GEMV is bound by arithmetic, not by
@@ -23,9 +23,9 @@
 // (AMX's bf16 products are exact in fp32; denormal inputs and results are flushed to zero),
 // rounded to bf16 once with the bias, as the GEMV; each row's sums do not depend on the others.
 //
-// int8_gemv and int4_gemv hand it their calls of many rows with a `Weights::dequantize` (amx_bf16.h):
-// each thread widens a chunk of its blocks to bf16 into its own buffer (once a call, whatever the
-// rows) and runs the same passes on it; the int8 channel scale is applied to the sums on store.
+// int4_gemv hands it its calls of many rows with a `Weights::dequantize` (amx_bf16.h): each thread
+// widens a chunk of its blocks to bf16 into its own buffer (once a call, whatever the rows) and
+// runs the same passes on it. (int8_gemv did too until its AMX-INT8 path, amx_int8_cpu.cpp.)
 #include "amx_bf16.h"
 #include "gemv_cpu.h"            // the GEMVs' bias-and-round store and argument checks
 
@@ -33,8 +33,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(PDSERVE_AVX512) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-#define PDSERVE_AMX 1
+#ifdef PDSERVE_AMX
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -47,9 +46,7 @@ using pdserve_cpu::bf16;
 #ifdef PDSERVE_AMX
 namespace {
 
-constexpr int64_t kTileRows = 16;       // rows of x a tile holds (32 bf16 inputs each)
 constexpr int kMaxTiles = 2;            // tiles of x a pass: 32 rows
-constexpr int64_t kChunkBytes = 256 * 1024;
 
 // ldtilecfg's 64-byte operand (palette 1): every tile 16 rows of 64 bytes
 struct alignas(64) TileConfig {
@@ -66,7 +63,9 @@ bool request_tiles() {
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
 }
 
-__attribute__((target("amx-tile"))) void configure() {
+}  // namespace
+
+__attribute__((target("amx-tile"))) void configure_tiles() {
   TileConfig cfg{};
   cfg.palette = 1;
   for (int t = 0; t < 8; ++t) {
@@ -77,7 +76,9 @@ __attribute__((target("amx-tile"))) void configure() {
   __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
-__attribute__((target("amx-tile"))) void release() { _tile_release(); }
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+namespace {
 
 // NB blocks (16 channels each; wb[j]: block j's weights) against MT tiles of x (a[i]: its first
 // row, rows K apart), NB, MT <= 2: tile 2i + j accumulates tile i of x (A tile 4 + i) times
@@ -106,20 +107,24 @@ __attribute__((target("amx-tile,amx-bf16"))) void block_pass(const bf16* const* 
   if constexpr (MT > 1 && NB > 1) _tile_stored(3, out + 768, 64);
 }
 
-// rows [m0, m0 + rows) of y's channels [16b, 16b + 16) from out (* scale, + bias), rounded to bf16
-inline void store_block(const float* out, int64_t rows, const float* scale, const bf16* bias, bf16* y, int64_t N,
-                        int64_t m0, int64_t b) {
-  const __m512 s = scale ? _mm512_loadu_ps(scale + 16 * b) : _mm512_set1_ps(1.f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 v = _mm512_loadu_ps(out + r * 16);
-    pdserve_gemv::store16(y + (m0 + r) * N, bias, N, 16 * b, scale ? _mm512_mul_ps(v, s) : v);
-  }
+// rows [m0, m0 + rows) of y's channels [16b, 16b + 16) from out (+ bias), rounded to bf16
+inline void store_block(const float* out, int64_t rows, const bf16* bias, bf16* y, int64_t N, int64_t m0, int64_t b) {
+  for (int64_t r = 0; r < rows; ++r)
+    pdserve_gemv::store16(y + (m0 + r) * N, bias, N, 16 * b, _mm512_loadu_ps(out + r * 16));
 }
 
 }  // namespace
 
 bool available() {
   static const bool ok = request_tiles();
+  return ok;
+}
+
+bool int8_available() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    return available() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));    // AMX-INT8
+  }();
   return ok;
 }
 
@@ -134,7 +139,7 @@ void gemm(const bf16* x, int64_t M, int64_t K, const Weights& w, const bf16* bia
   }
   const int64_t chunk = std::max<int64_t>(2, kChunkBytes / (K * 32) / 2 * 2);   // whole pairs of blocks
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    configure();
+    configure_tiles();
     alignas(64) float out[4 * 256];
     thread_local std::vector<bf16> widened;           // a chunk of a quantized weight in bf16
     if (w.dequantize) widened.resize(chunk * K * 16);
@@ -159,20 +164,21 @@ void gemm(const bf16* x, int64_t M, int64_t K, const Weights& w, const bf16* bia
             if (two) block_pass<1, 2>(a, K, wb, out); else block_pass<1, 1>(a, K, wb, out);
           }
           for (int j = 0; j < (two ? 2 : 1); ++j) {
-            store_block(out + 256 * j, std::min<int64_t>(rows, kTileRows), w.scale, bias, y, N, m0, b + j);
+            store_block(out + 256 * j, std::min<int64_t>(rows, kTileRows), bias, y, N, m0, b + j);
             if (tiles == 2)
-              store_block(out + 512 + 256 * j, rows - kTileRows, w.scale, bias, y, N, m0 + kTileRows, b + j);
+              store_block(out + 512 + 256 * j, rows - kTileRows, bias, y, N, m0 + kTileRows, b + j);
           }
         }
       }
     }
-    release();
+    release_tiles();
   });
 }
 
 #else
 
 bool available() { return false; }
+bool int8_available() { return false; }
 
 void gemm(const bf16*, int64_t, int64_t, const Weights&, const bf16*, bf16*, int64_t) {
   TORCH_CHECK(false, "pdserve's AMX kernel is not built for this CPU");
@@ -205,6 +211,7 @@ at::Tensor bf16_gemm_amx(const at::Tensor& x, const at::Tensor& w, const std::op
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("bf16_gemm_amx(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("amx_available() -> bool", &pdserve_amx::available);
+  m.def("amx_int8_available() -> bool", &pdserve_amx::int8_available);
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("bf16_gemm_amx", &bf16_gemm_amx); }

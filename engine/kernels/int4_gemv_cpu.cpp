@@ -22,14 +22,16 @@
 // its scales and the rows' sums and outputs fill the registers; with fewer than 4 rows the sums are
 // split over independent chains. One weight stream fetched kAhead bytes ahead.
 //
-// On AMX (as int8_gemv_cpu.cpp), calls of kAmxFrom rows and more go to the bf16 AMX GEMM: each
+// On AMX (a CPU with AMX-BF16), calls of kAmxFrom rows and more go to the bf16 AMX GEMM: each
 // weight widened to bf16 as (q - 8) s + z (fp32, rounded to bf16 once) a chunk of blocks at a time
 // (`int4_widen`), x NOT rounded to int8, y = x @ w.T + bias in fp32 sums, bf16 once.
 //   int4_gemm_amx(x, packed, sz, bias, n): that path at every row count (tests, benchmarks);
 //   int4_gemv_amx_from() -> int: kAmxFrom.
 // On a 2-core AMX Xeon (linear_bench.py, the step's linears, VNNI -> AMX from 24 rows), 2 threads:
 // 32 rows 19.1 -> 11.6 ms, 64 28.1 -> 16.0, 512 237 -> 99; 1 thread 26.9 -> 20.6, 52.7 -> 28.3,
-// 412 -> 169; at 16 rows VNNI wins (1 thread 14.2 against 16.8), at 24 about even.
+// 412 -> 169; at 16 rows VNNI wins (1 thread 14.2 against 16.8), at 24 about even. (int8 runs on
+// AMX-INT8 tiles instead; int4's per-32 group scale and zero would need its accumulators rescaled
+// every 32 inputs there.)
 #include "amx_bf16.h"
 #include "gemv_cpu.h"
 
@@ -311,7 +313,7 @@ Int4Args int4_args(const at::Tensor& x_in, const at::Tensor& packed, const at::T
 
 // y = x @ w.T (+ bias) on AMX tiles, w dequantized to bf16, x unrounded: int4_gemv from kAmxFrom rows
 at::Tensor int4_amx(const Int4Args& a, int64_t n) {
-  return pdserve_amx::gemm(a.x, {nullptr, int4_widen, &a.w, nullptr}, a.bias, n);
+  return pdserve_amx::gemm(a.x, {nullptr, int4_widen, &a.w}, a.bias, n);
 }
 
 at::Tensor int4_gemm_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,

@@ -36,30 +36,33 @@
 // sums of up to 8 rows are live at once (16 rows: the group's 512 weight bytes are read again from
 // L1 for rows 8-15); with fewer than 4 rows they are split over independent chains.
 //
-// On AMX (a CPU with AMX-BF16, amx_bf16.h `available()`), calls of kAmxFrom rows and more whose K
-// is a multiple of 32 go to the bf16 AMX GEMM instead: q widened to bf16 (q - 128, exact) a chunk
-// of blocks at a time into a thread's buffer (`int8_widen`), x NOT rounded to int8:
-//     y[r, n] = scale[n] * sum_k x[r, k] (q[n, k] - 128) + bias[n]     (fp32 sums, bf16 once)
+// On AMX (a CPU with AMX-INT8, amx_bf16.h `int8_available()`), calls of kAmxFrom rows and more
+// whose Kp is a multiple of 64 run on AMX-INT8 tiles instead (amx_int8_cpu.cpp): q as `tdpbsud`'s
+// B tiles as it is, each row of x split into two int8 limbs on one scale (15 bits a row; the
+// groups of 32 above would need the accumulators rescaled every 32 inputs):
+//     y[r, n] = scale[n] * s[r] * sum_k v[r, k] (q[n, k] - 128) + bias[n],  x ~ s v, |v| <= 16383
 //   int8_gemm_amx(x, q, scale, bias, n): that path at every row count (tests, benchmarks; refused
-//     without AMX or when K % 32 != 0); int8_gemv_amx_from() -> int: kAmxFrom.
-// Why: from a few dozen rows the VNNI kernel is bound by its multiply-adds (64 a `vpdpbusd`), a
-// tile product does 16 x 16 x 32. The widening (about 8 vector ops a 64-byte vector, once a call
-// whatever its rows) costs what the VNNI kernel does at about 24-32 rows, so it pays from there.
-// On a 2-core AMX Xeon (linear_bench.py, the step's linears, 2 threads, VNNI -> AMX from 32 rows):
-// 32 rows 14.6 -> 12.4 ms, 64 27.5 -> 21.8, 512 214 -> 86 (bf16's own AMX GEMM 94); 1 thread
-// 28.3 -> 22.2, 51.2 -> 29.5, 387 -> 148; at 24 rows VNNI still wins on 1 thread (22.1 / 26.3).
-// Per-32-group activation scales would need AMX-INT8 accumulators rescaled every 32 inputs (a tile
-// store and an fp32 pass per group): not tried. A row's numbers then differ between a call below
-// kAmxFrom and one from it (format_quality.py's log-likelihood, prompts through AMX: -3.1515,
-// through VNNI -3.1658; fp32 -3.1559).
+//     without AMX-INT8 or when Kp % 64 != 0); int8_gemv_amx_from() -> int: kAmxFrom.
+// Why: from a few dozen rows the VNNI kernel is bound by its multiply-adds (64 a `vpdpbusd`); a
+// tile product does 16 x 16 x 64. Session 25's path before this one widened q to bf16 a chunk at a
+// time for the bf16 AMX GEMM (x unrounded, from 32 rows); the widening cost what the VNNI kernel
+// did at ~30 rows. On a 2-core AMX Xeon (linear_bench.py, the step's linears, the widened path /
+// AMX-INT8, each at every row count, runs of one session): 2 threads 32 rows 11.3-12.2 / 8.7-9.5
+// ms, 64 15.5-18.6 / 12.3-13.9; 1 thread 32 21.1-26.6 / 16.5-17.7, 64 28.3-30.0 / 23.3-26.6; from
+// 128 rows two alternated runs: 2 threads 128 21.7, 24.2 / 22.3, 23.5, 512 81.1, 88.3 / 81.7, 88.1;
+// 1 thread 128 46.4, 43.5 / 41.8, 39.3, 512 171.2, 159.8 / 134.5, 137.2. The VNNI kernel at 16
+// rows 7.3 (2 threads) and 13.0 (1) against AMX-INT8's 6.5-7.4 and 10.9: hence kAmxFrom. A row's
+// numbers differ between a call below kAmxFrom and one from it (the log-likelihood of
+// format_quality.py's text through prompt chunks of 8 tokens -3.1603, of 64 -3.1561; fp32
+// -3.1559); within a call each row is independent of the others.
 #include "amx_bf16.h"
 #include "gemv_cpu.h"
 
 namespace {
 
 using namespace pdserve_gemv;
-// From this many rows int8_gemv runs on AMX tiles where the CPU has them (amx_bf16_cpu.cpp)
-constexpr int64_t kAmxFrom = 32;
+// From this many rows int8_gemv runs on AMX-INT8 tiles where the CPU has them (amx_int8_cpu.cpp)
+constexpr int64_t kAmxFrom = 16;
 
 #ifdef PDSERVE_VNNI
 // Block b's 16 channels for R rows of x: sums in fp32 over the groups, the group's int32 sums of up
@@ -219,26 +222,6 @@ template <int R> struct Int8Range {
   }
 };
 
-#ifdef PDSERVE_AVX512
-// Blocks [c0, c1) of q in bf16_gemv's bf16 layout (amx_bf16.h `Weights::dequantize`; ctx: q, K ==
-// Kp): each weight q - 128, exact. A block's quad rows are contiguous, and so are the blocks.
-void int8_widen(const void* ctx, int64_t c0, int64_t c1, int64_t K, bf16* out) {
-  const uint8_t* q = static_cast<const uint8_t*>(ctx);
-  const __m512 offset = _mm512_set1_ps(128.f);
-  for (int64_t j = c0 * K / 4; j < c1 * K / 4; ++j, out += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(q + j * 64) + kWidenAhead, _MM_HINT_T0);
-    const __m128i* v = reinterpret_cast<const __m128i*>(q + j * 64);
-    __m512 f[4];
-    PDSERVE_UNROLL
-    for (int i = 0; i < 4; ++i) f[i] = _mm512_sub_ps(bytes16(_mm_loadu_si128(v + i)), offset);
-    quads_to_pairs(f, out);
-  }
-}
-#else
-// not built (no AVX512): never called, AMX's gemm refuses to run first
-constexpr void (*int8_widen)(const void*, int64_t, int64_t, int64_t, bf16*) = nullptr;
-#endif
-
 struct Int8Args {
   at::Tensor x;                 // contiguous
   int64_t rows, K, Kp;
@@ -260,23 +243,26 @@ Int8Args int8_args(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor
   return {x_in.contiguous(), rows, K, Kp, q.data_ptr<uint8_t>(), scale.data_ptr<float>(), bias_ptr(bias, n)};
 }
 
-// y = x @ ((q - 128) * scale).T (+ bias) on AMX tiles, x unrounded: int8_gemv from kAmxFrom rows
+// y = x @ ((q - 128) * scale).T (+ bias) on AMX-INT8 tiles, x in two int8 limbs a row: int8_gemv
+// from kAmxFrom rows
 at::Tensor int8_amx(const Int8Args& a, int64_t n) {
-  return pdserve_amx::gemm(a.x, {nullptr, int8_widen, a.q, a.scale}, a.bias, n);
+  at::Tensor y = at::empty({a.rows, n}, a.x.options());
+  pdserve_amx::int8_gemm(a.x.data_ptr<bf16>(), a.rows, a.K, a.q, a.Kp, a.scale, a.bias, y.data_ptr<bf16>(), n);
+  return y;
 }
 
 at::Tensor int8_gemm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                          const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(pdserve_amx::available(), "AMX-BF16 is not available here");
+  TORCH_CHECK(pdserve_amx::int8_available(), "AMX-INT8 is not available here");
   const Int8Args a = int8_args(x, q, scale, bias, n);
-  TORCH_CHECK(a.K % 32 == 0, "x: inputs a multiple of 32 (whole tiles)");
+  TORCH_CHECK(a.Kp % 64 == 0, "x: inputs (rounded up to 32) a multiple of 64 (whole tiles)");
   return int8_amx(a, n);
 }
 
 at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
                      const std::optional<at::Tensor>& bias, int64_t n) {
   const Int8Args a = int8_args(x_in, q, scale, bias, n);
-  if (a.rows >= kAmxFrom && a.K % 32 == 0 && pdserve_amx::available()) return int8_amx(a, n);
+  if (a.rows >= kAmxFrom && a.Kp % 64 == 0 && pdserve_amx::int8_available()) return int8_amx(a, n);
   const int64_t rows = a.rows, K = a.K, Kp = a.Kp, blocks = (n + 15) / 16;
   const bf16* b = a.bias;
   const at::Tensor& x = a.x;
