@@ -283,9 +283,9 @@ def test_activations_round_to_int8_exactly_as_documented(in_f):
 def test_int_gemvs_carry_a_nan_activation_into_its_rows_outputs(quantize):
     # rounding x to int8 must not turn a NaN into a 0 (the vector max drops NaNs; a NaN rounds to
     # the integer 0): the row's outputs are NaN, as a bf16 product's are, and the other rows finite
-    _, _, _, layer, _ = _quantized_layer(quantize, 48, 96, False)
+    _, _, _, layer, _ = _quantized_layer(quantize, 48, 128, False)
     for rows in (3, 40):                             # 40: on AMX tiles where the CPU has them
-        x = torch.randn(rows, 96).bfloat16()
+        x = torch.randn(rows, 128).bfloat16()
         x[1, 37] = float("nan")
         y = layer(x).float()
         assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all() and torch.isfinite(y[2:]).all()

@@ -20,7 +20,7 @@
 //     y[r, n] = scale[n] s[r] (128 (H - 128 sum hi) + (L - 128 sum lo)) + bias[n]
 // with H, L the tiles' exact int32 sums of hi and lo times q + 128 (the weight's offset removed
 // through the limbs' sums), the rest in fp32, rounded to bf16 once. Each row is independent of
-// the rows beside it.
+// the rows beside it; a row holding a NaN gets s = NaN (all its outputs NaN).
 //
 // A pass: one tile of 16 rows (its hi and lo: A tiles 4, 5) against two blocks (B tiles 6, 7),
 // four accumulators (hi and lo for each block): as many tile loads a multiply-add as the bf16 GEMM's
@@ -30,6 +30,7 @@
 #include "gemv_cpu.h"            // the GEMVs' bias-and-round store
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 namespace pdserve_amx {
@@ -51,9 +52,16 @@ void split_row(const bf16* xr, int64_t K, int8_t* hi, int8_t* lo, float* s, int3
   using pdserve_cpu::lanes16;
   using pdserve_cpu::load16;
   __m512 m = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(xr + k, lanes16(K - k))));
+  __mmask16 nan = 0;
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = load16(xr + k, lanes16(K - k));
+    nan |= pdserve_cpu::nan16(v);
+    m = _mm512_max_ps(m, _mm512_abs_ps(v));
+  }
   const float mx = _mm512_reduce_max_ps(m);
-  *s = mx / 16383.f;
+  // a NaN makes the row's outputs NaN, as in a bf16 product (the vector max drops NaNs, and a NaN
+  // would round to an integer)
+  *s = nan ? std::numeric_limits<float>::quiet_NaN() : mx / 16383.f;
   const __m512 inv = _mm512_set1_ps(mx > 0.f ? 16383.f / mx : 0.f);
   const __m512i low7 = _mm512_set1_epi32(127);
   __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
