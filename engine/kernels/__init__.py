@@ -10,11 +10,10 @@ linears' few-row kernels, `fp32_gemv` / `bf16_gemv` (dense_gemv_cpu.cpp) the den
 (prefill_attention_cpu.cpp) a bf16 prompt chunk's causal attention over its blocks in place;
 `silu_mul` (silu_mul_cpu.cpp) the bf16 MLP's activation, `argmax_rows` (argmax_cpu.cpp) greedy
 sampling's argmax, `bf16_gemm_amx` (amx_bf16_cpu.cpp) the bf16 GEMM on AMX tiles that `bf16_gemv`
-runs from 2 rows where the CPU has AMX-BF16 (`amx_available()`), and `int8_gemv` / `int4_gemv` from
-`int8_gemv_amx_from()` / `int4_gemv_amx_from()` rows on their weights widened to bf16
-(`int8_gemm_amx` / `int4_gemm_amx` alone); `int8_gemm_amx_int8` (amx_int8_cpu.cpp) int8 on AMX-INT8
-tiles, which `int8_gemv` runs from `int8_gemv_amx_int8_from()` rows up to the widened path's where
-the CPU has it (`amx_int8_available()`). They are C++ compiled at run time with
+runs from 2 rows where the CPU has AMX-BF16 (`amx_available()`), and `int4_gemv` from
+`int4_gemv_amx_from()` rows on its weight widened to bf16 (`int4_gemm_amx` alone); `int8_gemv` runs
+on AMX-INT8 tiles (amx_int8_cpu.cpp) from `int8_gemv_amx_from()` rows where the CPU has them
+(`amx_int8_available()`; `int8_gemm_amx` alone). They are C++ compiled at run time with
 `torch.utils.cpp_extension` (g++ and ninja, both standard on Linux build images) into torch's
 extension cache (`~/.cache/torch_extensions`, or `TORCH_EXTENSIONS_DIR`), keyed by the sources
 (ninja also rebuilds on a changed header), the flags, this CPU's instruction set and the
