@@ -416,13 +416,9 @@ def test_amx_gemm_carries_a_nan_into_its_rows_outputs_and_refuses_what_it_cannot
         KERNELS.bf16_gemm_amx(x, blocks, torch.zeros(31).bfloat16(), 32)
 
 
-def _random_quantized(fmt: str, out_f: int, in_f: int, g: torch.Generator):
-    """(the GEMV's weight arguments, the AMX path's widened weight [out, in]) for random int8 or
-    int4 values, scales (and zeros) in the kernels' layouts."""
-    if fmt == "int8":
-        q = torch.randint(-127, 128, (out_f, in_f), generator=g, dtype=torch.int8)
-        scale = (torch.rand(out_f, generator=g) * 1e-3 + 1e-4).bfloat16().float()
-        return (linear._int8_quads(q), F.pad(scale, (0, -out_f % 16))), q.float() * scale[:, None]
+def _random_int4(out_f: int, in_f: int, g: torch.Generator):
+    """(int4_gemv's weight arguments, the AMX path's widened weight [out, in]) for random int4
+    values, scales and zeros in the kernel's layout."""
     q = torch.randint(0, 16, (out_f, in_f), generator=g)
     groups = (out_f, in_f // 32)
     scale, zero = (torch.rand(groups, generator=g) * 0.01).bfloat16(), (torch.randn(groups, generator=g) * 0.01).bfloat16()
@@ -439,7 +435,7 @@ def test_amx_int4_gemm_multiplies_the_widened_weight_and_is_what_int4_gemv_runs_
     calls from `int4_gemv_amx_from()` rows (below it: x rounded to int8)."""
     fmt, gemm, gemv = "int4", KERNELS.int4_gemm_amx, KERNELS.int4_gemv
     g = torch.Generator().manual_seed(out_f + in_f)
-    args, widened = _random_quantized(fmt, out_f, in_f, g)
+    args, widened = _random_int4(out_f, in_f, g)
     bias = (torch.randn(out_f, generator=g) * 0.1).bfloat16()
     xs = torch.randn(70, in_f, generator=g).bfloat16()
     full = gemm(xs, *args, bias, out_f)

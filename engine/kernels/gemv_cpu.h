@@ -48,10 +48,10 @@ inline void store16(bf16* y, const bf16* bias, int64_t N, int64_t n, __m512 v) {
 #endif
 
 #ifdef PDSERVE_AVX512
-// The quantized formats' weights widened for the AMX GEMM (amx_bf16.h `Weights::dequantize`): one
-// vector of their quads layout (16 channels x 4 inputs, f[i] holding channels 4i .. 4i + 3 as
-// element 4c + e, already fp32) as two rows of bf16_gemv's pairs layout (16 channels x 2 inputs,
-// 32 bf16 each: inputs 0-1, then 2-3), rounded to bf16 (exact for int8's integers)
+// int4's weight widened for the AMX GEMM (amx_bf16.h `Weights::dequantize`): one vector of its quads
+// layout (16 channels x 4 inputs, f[i] holding channels 4i .. 4i + 3 as element 4c + e, already
+// fp32) as two rows of bf16_gemv's pairs layout (16 channels x 2 inputs, 32 bf16 each: inputs 0-1,
+// then 2-3), rounded to bf16
 inline void quads_to_pairs(const __m512 f[4], bf16* out) {
   const __m512i first = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(2));
@@ -64,7 +64,8 @@ inline void quads_to_pairs(const __m512 f[4], bf16* out) {
 }
 // How far ahead of the widening the quantized weight is prefetched: from memory the widening
 // (~8 vector ops a 64-byte vector) does not overlap the stream by itself (a 2-core AMX Xeon, one
-// thread widening 135 MiB of int8: 21 ms, 14 with this; reading alone 10, widening in L2 7.5)
+// thread widening 135 MiB of int8, when int8 was widened too: 21 ms, 14 with this; reading alone
+// 10, widening in L2 7.5)
 constexpr int kWidenAhead = 2048;
 // 16 unsigned bytes as fp32
 inline __m512 bytes16(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
