@@ -15,8 +15,9 @@
 // group); one int8 scale a row costs quality (format_quality.py, as int8_gemv_cpu.cpp's header
 // gives: -3.23 against groups' -3.15). So each row is split into two int8 limbs on one scale,
 //     x ~ s (128 hi + lo),  v = round(x / s) in [-16383, 16383],  hi = v >> 7,  lo = v & 127,
-// s = max |x| / 16383 (15 bits a row: finer than bf16's 8-bit mantissa for every value above
-// 1/256 of the row's largest), and both limbs are multiplied by the same B tiles:
+// s = max |x| / 16383 (15 bits a row: a rounding error of at most max |x| / 32766, below bf16's
+// own for every value above 1/64 of the row's largest), and both limbs are multiplied by the same
+// B tiles:
 //     y[r, n] = scale[n] s[r] (128 (H - 128 sum hi) + (L - 128 sum lo)) + bias[n]
 // with H, L the tiles' exact int32 sums of hi and lo times q + 128 (the weight's offset removed
 // through the limbs' sums), the rest in fp32, rounded to bf16 once. Each row is independent of
