@@ -18,7 +18,7 @@ import ray
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from serving import messages
-from serving.config import AppConfig
+from serving.config import AppConfig, EngineOptions
 from serving.cpu_share import CpuShare
 from serving.histogram import REPLICA_HISTOGRAMS, Histogram
 from serving.models import resolve_model
@@ -42,8 +42,9 @@ class EngineHost:
         self.pool = pool
         self.replica_id = replica_id()
         model_dir = resolve_model(config.model, config.model_cache, progress=False)
-        engine_config = config.engine_for(pool).engine_config(str(model_dir))
-        self.cpu_share = _cpu_share(config, pool)
+        opts = config.engine_for(pool)
+        engine_config = opts.engine_config(str(model_dir))
+        self.cpu_share = _cpu_share(config, pool, opts)
         # built on its own thread, where it steps (AsyncEngine: one OpenMP pool a process)
         try:
             self.aengine = AsyncEngine(lambda: LLMEngine(engine_config), self.cpu_share)
@@ -110,10 +111,9 @@ class EngineHost:
             self.cpu_share.close()
 
 
-def _cpu_share(config: AppConfig, pool: str) -> CpuShare | None:
+def _cpu_share(config: AppConfig, pool: str, opts: EngineOptions) -> CpuShare | None:
     """This replica's slot on its Ray node's CPU board (serving.cpu_share), or None: sharing off,
-    a GPU pool, or not in a Ray worker (nothing to share with)."""
-    opts = config.engine_for(pool)
+    a GPU pool, or not in a Ray worker (nothing to share with). `opts`: the pool's engine options."""
     if not config.share_idle_cpus or getattr(config, pool).num_gpus > 0 or opts.device.startswith("cuda"):
         return None
     if not ray.is_initialized():
