@@ -27,7 +27,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,12 +38,6 @@ import yaml
 HEAD_TYPE = "ray.head.default"
 # Not custom resources: what every node has or Ray adds itself.
 _BUILTIN = {"CPU", "GPU", "memory", "object_store_memory"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def node_ip() -> str:
@@ -85,6 +78,8 @@ class LocalCluster:
     def start(cls, source: str | Path, update_interval_s: int = 1, timeout_s: float = 60) -> "LocalCluster":
         """Steps 1-2. `update_interval_s`: the autoscaler's loop period (Ray's default 5 s).
         Raises RuntimeError (after cleaning up) when the head does not start."""
+        from serving import ray_compat
+        free_port = ray_compat.free_port
         tmp_dir = Path(tempfile.mkdtemp(prefix="pdlc-"))
         address = f"{node_ip()}:{free_port()}"
         filled = fill_config(Path(source), tmp_dir, address)
@@ -95,7 +90,8 @@ class LocalCluster:
         cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={address.rsplit(':', 1)[1]}",
                f"--autoscaling-config={filled}", f"--num-cpus={int(head.get('CPU', 0))}",
                f"--num-gpus={int(head.get('GPU', 0))}", "--include-dashboard=false", "--disable-usage-stats",
-               # no fixed ports: Ray's defaults for these are 8265, 10001 and 52365
+               # no fixed ports: Ray's defaults for these are 8265, 10001 and 52365 (and 44217 and
+               # 44227 for the head's metrics: ray_compat.head_ports_env below)
                f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
                f"--dashboard-agent-listen-port={free_port()}"]
         if "object_store_memory" in head:
@@ -105,8 +101,8 @@ class LocalCluster:
         token = tmp_dir / "auth_token"
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
-        from serving import ray_compat
-        env = {**os.environ, **ray_compat.serve_node_env(), **cluster.driver_env(), "RAY_TMPDIR": str(tmp_dir),
+        env = {**os.environ, **ray_compat.serve_node_env(), **ray_compat.head_ports_env(), **cluster.driver_env(),
+               "RAY_TMPDIR": str(tmp_dir),
                "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": str(update_interval_s)}
         env.pop("RAY_ADDRESS", None)
         try:

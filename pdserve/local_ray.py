@@ -15,7 +15,9 @@ sets it in `os.environ` and in Ray's imported constant for the duration of `ray.
 inherit it from the raylet) and restores both after, so nothing else in the calling process (say a
 test that starts a multi-node cluster) sees it.
 
-What then binds where (Ray 2.60, Linux; tests/test_local_sockets.py lists and checks it):
+What then binds where (Ray 2.60, Linux; tests/test_local_sockets.py lists and checks it), each on a
+free port (the dashboard agent's HTTP server and the head's two metrics servers too, where Ray's
+defaults are fixed: `ray_compat.agent_listen_port`, `head_ports_env`):
     127.0.0.1   GCS, raylet (node and object manager), dashboard agent (gRPC, HTTP, metrics
                 export), runtime-env agent, autoscaler and dashboard metrics, every worker's
                 core-worker gRPC server, the Serve proxy (its HTTP host is the caller's choice)
@@ -57,7 +59,9 @@ def init(num_cpus: int | None = None, logging_level: str = "WARNING", log_to_dri
     if mode is not None and mode.lower() != "token":
         raise LocalRayError(f"{AUTH_MODE_ENV}={mode}: pdserve's local cluster keeps Ray's token authentication "
                             f"on (one Ray Serve listener per replica is not on loopback); unset it")
-    with ray_compat.single_node_start(), ray_compat.scoped_environ(ray_compat.serve_node_env()):
+    with (ray_compat.single_node_start(),
+          ray_compat.scoped_environ({**ray_compat.serve_node_env(), **ray_compat.head_ports_env()}),
+          ray_compat.agent_listen_port(ray_compat.free_port())):
         ray.init(address="local", _node_ip_address=LOOPBACK, num_cpus=num_cpus, include_dashboard=False,
                  logging_level=logging_level, log_to_driver=log_to_driver)
     problem = ""

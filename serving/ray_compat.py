@@ -12,6 +12,12 @@ The local cluster's start (pdserve/local_ray.py) needs two more, private in Ray 
   * `single_node_start`: Ray's single-node switch for the duration of `ray.init`, which keeps the
     node on 127.0.0.1 (nothing public does; see local_ray.py);
   * `token_auth_enabled`: whether this process runs Ray with token authentication;
+  * `agent_listen_port` and `head_ports_env`: no fixed ports. Ray 2.60's dashboard agent takes
+    52365 for its HTTP server unless told otherwise (`ray start --dashboard-agent-listen-port`;
+    `ray.init` has no argument for it), and the head's autoscaler and dashboard processes export
+    their metrics on 44217 and 44227 unless AUTOSCALER_METRIC_PORT / DASHBOARD_METRIC_PORT say
+    otherwise. A second cluster on the machine, or anything else holding one of those ports, would
+    cost the agent its HTTP server and leave those metrics unexported;
   (`scoped_environ`, which both switches use: an environment for the processes a block starts).
 And a driver joining the local multi-node cluster with its token (pdserve/local_cluster.py):
   * `reload_auth_config`: Ray caches its config, the auth mode included, at first use; after the
@@ -39,18 +45,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 
+from ray._private import parameter as ray_parameter
 from ray._private import ray_constants
 from ray._private.authentication import authentication_utils
 from ray.serve._private import constants as serve_constants
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 __all__ = ["FIFOMixin", "PendingRequest", "RequestRouter", "RunningReplica", "SERVE_NODE_ENV", "SINGLE_NODE_ENV",
-           "back_off_when_full", "direct_stream", "in_flight", "reload_auth_config", "scoped_environ",
+           "HEAD_METRICS_PORT_ENVS", "agent_listen_port", "back_off_when_full", "direct_stream", "free_port",
+           "head_ports_env", "in_flight", "reload_auth_config", "scoped_environ",
            "serve_node_env", "single_node_start", "token_auth_enabled"]
 
 SINGLE_NODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR    # "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+HEAD_METRICS_PORT_ENVS = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")    # Ray's defaults: 44217, 44227
 SERVE_NODE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1",
                   # gRPC's 4 MiB default would fail a larger message (a non-streaming response with
                   # logprobs, a prefill's prompt logprobs); Ray's own limit for its other servers
@@ -113,6 +123,39 @@ def single_node_start() -> Iterator[None]:
             yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_const
+
+
+def free_port() -> int:
+    """A TCP port the OS reports free now (another process may take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def head_ports_env() -> dict[str, str]:
+    """A free port for each of HEAD_METRICS_PORT_ENVS, the caller's own where its environment sets
+    one: the environment of the processes that start a head node (Ray's autoscaler monitor and
+    dashboard read them once, at import, and publish the address they bind in the GCS)."""
+    return {key: os.environ.get(key) or str(free_port()) for key in HEAD_METRICS_PORT_ENVS}
+
+
+@contextlib.contextmanager
+def agent_listen_port(port: int) -> Iterator[None]:
+    """Within the block, a node that `ray.init` starts runs its dashboard agent's HTTP server on
+    `port` unless the call names one: `ray.init` builds its RayParams through the module attribute,
+    which is swapped for a subclass with that default for the block and restored on exit."""
+    original = ray_parameter.RayParams
+
+    class _RayParams(original):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("dashboard_agent_listen_port", port)
+            super().__init__(*args, **kwargs)
+
+    ray_parameter.RayParams = _RayParams
+    try:
+        yield
+    finally:
+        ray_parameter.RayParams = original
 
 
 def reload_auth_config() -> None:

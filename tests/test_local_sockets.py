@@ -32,6 +32,27 @@ def test_local_deployment_listens_on_loopback_only(disagg):
     assert set(by_pid) == {s.pid for s in socks if s.name.startswith("ray::ServeReplica:")}, report(socks)
 
 
+def test_local_cluster_takes_none_of_rays_fixed_ports(disagg):
+    """Ray's dashboard agent (HTTP) and the head's autoscaler and dashboard metrics servers default
+    to fixed ports (52365, 44217, 44227); the local cluster puts them on free ones
+    (ray_compat.agent_listen_port, head_ports_env), and the addresses Ray publishes for the metrics
+    servers and the node's agent are the ports that listen."""
+    import ray
+    from ray.experimental import internal_kv
+
+    socks = listening(os.getpid(), include_root=False)
+    ports = {s.port: s.name for s in socks}
+    assert not set(ports) & {52365, 44217, 44227}, report(socks)
+    for key in ("AutoscalerMetricsAddress", "DashboardMetricsAddress"):
+        address = internal_kv._internal_kv_get(key, namespace=None)
+        assert address, key
+        assert int(address.decode().rsplit(":", 1)[1]) in ports, (key, address, report(socks))
+    [node] = ray.nodes()
+    assert ports.get(node["MetricsExportPort"]) == "ray::DashboardAgent", report(socks)
+    agent = {p for p, name in ports.items() if name == "ray::DashboardAgent"}
+    assert len(agent) == 3, report(socks)    # gRPC, HTTP, metrics export
+
+
 def test_local_start_refuses_to_turn_off_token_auth(monkeypatch):
     monkeypatch.setenv(local_ray.AUTH_MODE_ENV, "disabled")
     with pytest.raises(local_ray.LocalRayError, match="token authentication"):

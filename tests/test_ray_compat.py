@@ -72,6 +72,30 @@ def test_serve_node_env_keeps_a_value_the_caller_set(monkeypatch):
     assert ray_compat.serve_node_env()["RAY_SERVE_PROXY_USE_GRPC"] == "0"
 
 
+def test_fixed_port_helpers_reach_rays_defaults_and_keep_the_callers_choice(monkeypatch):
+    """Ray's fixed defaults are what the helpers stand in for (a Ray that moves them fails here), the
+    agent's port reaches the RayParams `ray.init` builds within the block only, and a metrics port the
+    caller set is kept."""
+    from ray._private import parameter, ray_constants
+    from ray.autoscaler._private import constants as autoscaler_constants
+    from ray.dashboard import consts as dashboard_consts
+    assert ray_constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT == 52365
+    assert (autoscaler_constants.AUTOSCALER_METRIC_PORT, dashboard_consts.DASHBOARD_METRIC_PORT) == (44217, 44227)
+    assert ray_compat.HEAD_METRICS_PORT_ENVS == ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
+    original = parameter.RayParams
+    with ray_compat.agent_listen_port(40001):
+        assert parameter.RayParams(num_cpus=1).dashboard_agent_listen_port == 40001
+        assert parameter.RayParams(dashboard_agent_listen_port=40002).dashboard_agent_listen_port == 40002
+    assert parameter.RayParams is original and original().dashboard_agent_listen_port == 52365
+    for key in ray_compat.HEAD_METRICS_PORT_ENVS:
+        monkeypatch.delenv(key, raising=False)
+    chosen = ray_compat.head_ports_env()
+    assert set(chosen) == set(ray_compat.HEAD_METRICS_PORT_ENVS)
+    assert all(0 < int(port) < 65536 and int(port) not in (44217, 44227) for port in chosen.values())
+    monkeypatch.setenv("DASHBOARD_METRIC_PORT", "45000")
+    assert ray_compat.head_ports_env()["DASHBOARD_METRIC_PORT"] == "45000"
+
+
 def test_direct_stream_only_where_grpc_takes_the_largest_message(monkeypatch):
     """Serve's gRPC transport where this process's Serve read a message limit that fits (the
     environment pdserve starts nodes with); by reference where it kept gRPC's 4 MiB."""
