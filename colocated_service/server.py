@@ -33,9 +33,11 @@ class ColocatedServer(EngineReplica):
             yield error_event("", str(exc), 400, "invalid_request_error")
             return
         rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
+        resumed = list(req.resumed_token_ids)
         try:
-            async for out in self.host.aengine.stream(rid, lambda e: e.add_request(rid, ids, params),
-                                                      self.stream_interval_s):
+            async for out in self.host.aengine.stream(
+                    rid, lambda e: e.add_request(rid, ids, params, resumed=resumed, shown_chars=req.shown_chars),
+                    self.stream_interval_s):
                 yield engine_event(out)
         except EngineDeadError as exc:
             yield error_event(rid, str(exc), 500)

@@ -1,8 +1,8 @@
 """Decode replica: a Serve deployment holding an engine in the decode role.
 
 Life cycle of a request here (`generate`, a streaming call the router makes before the prefill)
-  1. reserve  blocks for the prompt's K/V on the engine thread; none free -> a 503 event at once
-              (the prefill never runs)
+  1. reserve  blocks for the prompt's K/V (a resumed request's: and its resumed tokens') on the
+              engine thread; none free -> a 503 event at once (the prefill never runs)
   2. expect   hand the reservation to the KV receiver, then yield `Reserved` (its identity: the
               request id at this replica's KV address), which the router hands to the prefill
   3. await    the push, bounded by the lease (which also covers the prefill's queue and the
@@ -68,7 +68,7 @@ class DecodeServer(EngineReplica):
             return
         rid = req.request_id
         # 1. reserve
-        blocks = await self._reserve(len(req.prompt_token_ids))
+        blocks = await self._reserve(len(req.prompt_token_ids) + len(req.resumed_token_ids))
         if blocks is None:
             yield error_event(rid, "decode replica is out of KV blocks; retry later", 503, "overloaded")
             return
@@ -106,7 +106,7 @@ class DecodeServer(EngineReplica):
 
         def admit(engine):
             out = engine.add_prefilled(rid, list(req.prompt_token_ids), handoff.first_token, params, blocks,
-                                       handoff.shown_chars)
+                                       handoff.shown_chars, list(req.resumed_token_ids))
             if isinstance(out, Rejected):
                 engine.release_reservation(blocks)
             else:

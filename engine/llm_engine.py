@@ -4,7 +4,10 @@ Life cycle of a request in the engine
   1. `add_request` (colocated or prefill role) queues a prompt; `add_prefilled` (decode
      role) admits a prompt whose K/V was imported into reserved blocks, with its first token.
      Both check the request first (`check_request`) and return a `Rejected` instead of
-     admitting one that cannot be served: check and admit are one engine call.
+     admitting one that cannot be served: check and admit are one engine call. Both also take a
+     resumed request: the prompt plus the output tokens a client already has (`resumed`; the
+     router moves a request whose replica died this way), which count as output (max_tokens,
+     min_tokens, penalties, stop strings) and whose text is not shown again.
   2. `step` schedules chunks under the token budget, runs one ragged forward (collecting the
      prompt logprobs of requests that ask for them), samples the chunks that reached their
      last token, and checks stop conditions.
@@ -81,35 +84,53 @@ class LLMEngine:
                     f"{num_prompt_tokens} tokens and max_tokens is {params.max_tokens}")
         return None
 
-    def _new_request(self, request_id, token_ids, params, hold_blocks) -> _Request | Rejected:
-        error = self.check_request(request_id, len(token_ids), params)
+    def _new_request(self, request_id, prompt, params, hold_blocks, resumed=(), shown_chars=0,
+                     draws=0) -> _Request | Rejected:
+        """The request's state, or why it cannot be served. `resumed` output tokens are replayed
+        through the detokenizer, `shown_chars` of their text counted as shown; a seeded request's
+        random stream skips `draws` draws (one per token sampled before)."""
+        error = self.check_request(request_id, len(prompt), params)
+        if error is None and len(resumed) >= params.max_tokens:
+            error = f"the resumed output already has {len(resumed)} tokens of max_tokens {params.max_tokens}"
         if error is not None:
             return Rejected(request_id, error)
-        seq = Sequence(request_id, token_ids, params, hold_blocks=hold_blocks)
+        seq = Sequence(request_id, [*prompt, *resumed], params, hold_blocks=hold_blocks, num_prompt_tokens=len(prompt))
         detok = None
         if params.detokenize:
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
+            for k, token in enumerate(resumed, 1):
+                detok.check_stop = k >= params.min_tokens
+                detok.add(token)
+            if detok.stopped:
+                return Rejected(request_id, "the resumed output already ends at a stop string")
+            detok.emitted = shown_chars
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = make_generator(seed, self.runner.device)
-        req = _Request(seq, detok, generator, [] if params.prompt_logprobs is not None else None)
+            for _ in range(draws):
+                skip_draw(generator, self.runner.vocab_size)
+        req = _Request(seq, detok, generator, [] if params.prompt_logprobs is not None and not resumed else None)
         self._requests[request_id] = req
         return req
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    hold_blocks: bool = False) -> Rejected | None:
+                    hold_blocks: bool = False, resumed: list[int] = (), shown_chars: int = 0) -> Rejected | None:
         """Queue a prompt, or return why it cannot be served (nothing queued). `hold_blocks`
         (prefill role): finish after the first token and keep the blocks for `export_kv` until
-        `release`."""
-        req = self._new_request(request_id, prompt_token_ids, params, hold_blocks)
+        `release`. `resumed`: output tokens the client already has (their K/V is computed with the
+        prompt's, the first token sampled is the one after them; no prompt logprobs), of which it
+        was shown `shown_chars` characters of text: the text returned starts after them. A seeded
+        request draws what one uninterrupted engine would have."""
+        req = self._new_request(request_id, prompt_token_ids, params, hold_blocks, resumed, shown_chars,
+                                draws=len(resumed))
         if isinstance(req, Rejected):
             return req
         self.scheduler.add(req.seq)
         return None
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
-                      block_ids: list[int], shown_chars: int = 0) -> RequestOutput | Rejected:
+                      block_ids: list[int], shown_chars: int = 0, resumed: list[int] = ()) -> RequestOutput | Rejected:
         """Decode role: admit a request whose prompt K/V now lies in `block_ids` (from
         `reserve`, filled by `import_kv` or a transfer). Ownership of the blocks passes to
         the engine here, even when the first token already ends the request; a `Rejected`
@@ -118,16 +139,16 @@ class LLMEngine:
         `new_text`): the text returned from here on starts after them. The returned output
         (the first token) has no logprobs: the prefill engine computed them. A seeded sampled
         request continues its random stream after the first token's draw, so the split draws
-        what one engine draws."""
-        req = self._new_request(request_id, list(prompt_token_ids), params, False)
+        what one engine draws. `resumed` (a resumed request, see `add_request`): the output tokens
+        before `first_token`, whose K/V came with the prompt's; `shown_chars` then counts their
+        text too."""
+        # the prefill engine drew `first_token` (after the resumed ones) from this seed
+        req = self._new_request(request_id, list(prompt_token_ids), params, False, list(resumed), shown_chars,
+                                draws=len(resumed) + 1)
         if isinstance(req, Rejected):
             return req
-        if req.detok is not None:
-            req.detok.emitted = shown_chars
-        if req.generator is not None:     # the prefill engine drew the first token from this seed
-            skip_draw(req.generator, self.runner.vocab_size)
         seq = req.seq
-        self.block_manager.adopt(seq, block_ids, len(prompt_token_ids))
+        self.block_manager.adopt(seq, block_ids, len(seq))
         seq.token_ids.append(first_token)
         self.scheduler.add_running(seq)
         return self._after_token(req, first_token)
@@ -246,10 +267,11 @@ class LLMEngine:
 
     # ---- 4. KV hand-off ---------------------------------------------------------------------------
     def held_blocks(self, request_id: str) -> list[int]:
-        """Prefill role: the blocks holding a finished request's prompt K/V (in order)."""
+        """Prefill role: the blocks holding a finished request's prompt K/V (in order; a resumed
+        request's resumed tokens' too: every token before the first one sampled)."""
         seq = self._requests[request_id].seq
         assert seq.hold_blocks and seq.is_finished
-        return seq.block_table[:self.block_manager.blocks_for(seq.num_prompt_tokens)]
+        return seq.block_table[:self.block_manager.blocks_for(seq.num_computed_tokens)]
 
     def export_kv(self, request_id: str) -> torch.Tensor:
         return self.runner.export_blocks(self.held_blocks(request_id))

@@ -32,12 +32,15 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                 hold_blocks: bool = False):
+                 hold_blocks: bool = False, num_prompt_tokens: int | None = None):
+        """`token_ids`: the prompt, then (a resumed request) output tokens generated before, which
+        count as output (`num_prompt_tokens`: the prompt's length; default all of `token_ids`)."""
         assert token_ids, "a sequence needs at least one token"
         self.request_id = request_id
         self.arrival = next(_counter)
         self.token_ids: list[int] = list(token_ids)
-        self.num_prompt_tokens = len(token_ids)
+        self.num_prompt_tokens = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        assert 1 <= self.num_prompt_tokens <= len(token_ids)
         self.params = params
         # The prefill role keeps the blocks after the first token so they can be exported.
         self.hold_blocks = hold_blocks

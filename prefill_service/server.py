@@ -3,7 +3,8 @@
 Life cycle of a request here (`prefill`, a streaming call; the decode replica has already
 reserved blocks for the K/V under the request's id at `kv_address`)
   1. admit    one engine call checks the request (context length, parameters; a bad one is
-              a 400 result) and queues the prompt
+              a 400 result) and queues the prompt (a resumed request's: with the output tokens
+              the client already has, whose K/V is computed and pushed with the prompt's)
   2. prefill  the engine batches waiting prompts under its token budget with chunked
               prefill, samples the first token, and holds the prompt's blocks
   3. push     a hand-off task starts sending the blocks into the reservation at once, with the
@@ -70,11 +71,13 @@ class PrefillServer(EngineReplica):
             yield messages.encode(messages.PrefillResult("", error=str(exc), error_code=400))
             return
         rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
+        resumed = list(req.resumed_token_ids)
         # 1. admit, 2. prefill
         first = None
         try:
             async for out in self.host.aengine.stream(
-                    rid, lambda e: e.add_request(rid, ids, params, hold_blocks=True)):
+                    rid, lambda e: e.add_request(rid, ids, params, hold_blocks=True, resumed=resumed,
+                                                 shown_chars=req.shown_chars)):
                 first = out
         except EngineDeadError as exc:
             yield messages.encode(messages.PrefillResult(rid, error=str(exc), error_code=500))
@@ -95,7 +98,7 @@ class PrefillServer(EngineReplica):
             yield messages.encode(result)
             return
         # 3. push (a task the caller cannot cancel), 4. answer, 5. its end
-        handoff = messages.KVHandoff(first.new_token_ids[0], len(first.new_text))
+        handoff = messages.KVHandoff(first.new_token_ids[0], req.shown_chars + len(first.new_text))
         task = asyncio.ensure_future(self._push(req.kv_address, rid, handoff))
         self._handoffs.add(task)
         task.add_done_callback(self._handoffs.discard)

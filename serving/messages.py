@@ -52,10 +52,15 @@ class WireSamplingParams:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """Router -> colocated replica: run a prompt to the end, streaming `TokenEvent`s."""
+    """Router -> colocated replica: run a prompt to the end, streaming `TokenEvent`s.
+    `resumed_token_ids`: a resumed request's output tokens the client already has (the router
+    moves a request whose replica died mid-stream), of whose text it was shown `shown_chars`
+    characters; the events go on after them (their counts the whole request's)."""
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: WireSamplingParams
+    resumed_token_ids: tuple[int, ...] = ()
+    shown_chars: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,11 +68,15 @@ class PrefillRequest:
     """Router -> prefill replica (a streaming call): compute the prompt, answer with the first
     token (a `PrefillResult`), push the K/V into the reservation (`request_id` at the decode
     replica's `kv_address`, from its `Reserved` event) unless the first token ends the request,
-    and end the stream with a `HandoffDone` once the push has ended."""
+    and end the stream with a `HandoffDone` once the push has ended. A resumed request (see
+    `GenerateRequest`): the K/V pushed is the prompt's and the resumed tokens', the first token
+    the one after them, `first_text` the text after `shown_chars`."""
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: WireSamplingParams
     kv_address: str
+    resumed_token_ids: tuple[int, ...] = ()
+    shown_chars: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,10 +106,13 @@ class PrefillResult:
 class DecodeRequest:
     """Router -> decode replica (a streaming call, made before the prefill): reserve blocks for
     the prompt's K/V and answer `Reserved` (or an `ErrorEvent` at once), receive the K/V with a
-    `KVHandoff` and answer `Landed`, then stream `TokenEvent`s from its first token."""
+    `KVHandoff` and answer `Landed`, then stream `TokenEvent`s from its first token. A resumed
+    request (see `GenerateRequest`): the reservation holds the resumed tokens' K/V too, and the
+    KVHandoff's `shown_chars` counts their text."""
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: WireSamplingParams
+    resumed_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,8 +139,8 @@ class Landed:
 class KVHandoff:
     """Prefill replica -> decode replica, inside the KV push (the transfer's `meta`): how to go
     on from the K/V. `first_token`: the token the prefill sampled; `shown_chars`: characters of
-    output text the client already has (the prefill replica's `first_text`): the decode
-    replica's text starts after them."""
+    output text the client already has (the prefill replica's `first_text`, after a resumed
+    request's `shown_chars`): the decode replica's text starts after them."""
     first_token: int
     shown_chars: int = 0
 

@@ -133,26 +133,7 @@ def _split_run(prefill, decode, rid, prompt, params) -> Completion:
     """What a client gets when `prompt` is prefilled in one engine and decoded in another: the
     prefill's first token (text and logprobs) at once, then the decode engine's output after it
     (its first output repeats the first token: only its text is new)."""
-    prefill.add_request(rid, prompt, params, hold_blocks=True)
-    got = Completion(rid, prompt)
-    while prefill.has_work():
-        for out in prefill.step():
-            got.add(out)
-    if got.finish_reason is not None:
-        prefill.release(rid)
-        return got
-    kv = prefill.export_kv(rid)
-    prefill.release(rid)
-    blocks = decode.reserve(len(prompt))
-    decode.import_kv(blocks, kv)
-    out = decode.add_prefilled(rid, prompt, got.token_ids[0], params, blocks, len(got.text))
-    assert out.new_token_ids == got.token_ids and not out.logprobs
-    got.text += out.new_text
-    got.finish_reason = out.finish_reason
-    while decode.has_work():
-        for out in decode.step():
-            got.add(out)
-    return got
+    return _resume_split(prefill, decode, rid, prompt, params, [], 0)[0]
 
 
 def test_split_text_equals_single_engine_text_even_with_stop_strings(trio, prompts):
@@ -262,6 +243,94 @@ def test_seeded_sampling_split_draws_what_one_engine_draws(trio, prompts):
         other = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=99, ignore_eos=True)
         assert _completion(_run_one(single, f"seed-o{i}", p, other), f"seed-o{i}", p).token_ids != ref.token_ids
     assert all(e.block_manager.all_free() for e in (single, prefill, decode))
+
+
+def _resume_split(prefill, decode, rid, prompt, params, resumed, shown):
+    """`_split_run` of a request resumed after `resumed` output tokens (none: a fresh one) of which
+    the client was shown `shown` characters; returns what the client gets after them and the last
+    output (its counts)."""
+    prefill.add_request(rid, prompt, params, hold_blocks=True, resumed=resumed, shown_chars=shown)
+    got, last = Completion(rid, prompt), None
+    while prefill.has_work():
+        for last in prefill.step():
+            got.add(last)
+    if got.finish_reason is not None:
+        prefill.release(rid)
+        return got, last
+    kv = prefill.export_kv(rid)
+    prefill.release(rid)
+    blocks = decode.reserve(len(prompt) + len(resumed))
+    decode.import_kv(blocks, kv)
+    last = decode.add_prefilled(rid, prompt, got.token_ids[0], params, blocks, shown + len(got.text), resumed=resumed)
+    assert last.new_token_ids == got.token_ids and not last.logprobs
+    got.text += last.new_text
+    got.finish_reason = last.finish_reason
+    while decode.has_work():
+        for last in decode.step():
+            got.add(last)
+    return got, last
+
+
+def _resume_one(engine, rid, prompt, params, resumed, shown):
+    engine.add_request(rid, prompt, params, resumed=resumed, shown_chars=shown)
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    return _completion(outs, rid, prompt), outs[-1]
+
+
+RESUMED = [dict(temperature=0.0, max_tokens=14),
+           dict(temperature=0.0, max_tokens=14, frequency_penalty=0.8, presence_penalty=0.5, repetition_penalty=1.2),
+           dict(temperature=0.9, top_p=0.95, max_tokens=14, seed=77, ignore_eos=True),
+           dict(temperature=0.0, max_tokens=14, min_tokens=6, ignore_eos=False)]
+
+
+@pytest.mark.parametrize("kwargs", RESUMED)
+def test_a_resumed_request_goes_on_as_the_uninterrupted_one(trio, prompts, kwargs):
+    """A request resumed after k output tokens (the prompt plus those tokens, and the characters
+    of their text the client was shown: what the router sends when a replica died mid-stream)
+    gives, in one engine and split across a prefill and a decode engine, the tokens and text the
+    uninterrupted request gives after them: penalties and min_tokens count the resumed tokens as
+    output, a seeded request draws on from where it was, a stop string that begins before the cut
+    (text held back) still cuts, and the counts are the whole request's."""
+    single, prefill, decode = trio
+    tag = f"res{RESUMED.index(kwargs)}"
+    for i in (1, 4):
+        p = prompts[i]
+        params = SamplingParams(**kwargs)
+        ref_outs = _run_one(single, f"{tag}-r{i}", p, params)
+        ref = _completion(ref_outs, f"{tag}-r{i}", p)
+        assert len(ref.token_ids) >= 8, ref
+        stop_at = len("".join(o.new_text for o in ref_outs[:5]))
+        cases = [(params, ref_outs, ref)]
+        if len(ref.text) > stop_at + 1:       # a stop string starting in the text shown after 5 tokens
+            stop = ref.text[stop_at - 1:stop_at + 1]
+            cut = SamplingParams(**kwargs, stop=(stop,))
+            cut_outs = _run_one(single, f"{tag}-c{i}", p, cut)
+            cases.append((cut, cut_outs, _completion(cut_outs, f"{tag}-c{i}", p)))
+        for n, (pp, outs, whole) in enumerate(cases):
+            for k in (1, 5, len(whole.token_ids) - 1):
+                if not 0 < k < len(whole.token_ids):
+                    continue
+                resumed = whole.token_ids[:k]
+                shown = "".join(o.new_text for o in outs[:k])
+                for way, (got, last) in {
+                        "one": _resume_one(single, f"{tag}-o{i}-{n}-{k}", p, pp, resumed, len(shown)),
+                        "split": _resume_split(prefill, decode, f"{tag}-s{i}-{n}-{k}", p, pp, resumed, len(shown)),
+                }.items():
+                    assert resumed + got.token_ids == whole.token_ids, (way, k, kwargs)
+                    assert shown + got.text == whole.text, (way, k, kwargs)
+                    assert got.finish_reason == whole.finish_reason, (way, k)
+                    assert (last.num_prompt_tokens, last.num_output_tokens) == (len(p), len(whole.token_ids))
+    assert all(e.block_manager.all_free() for e in (single, prefill, decode))
+
+
+def test_a_resumed_request_is_refused_when_nothing_is_left_to_generate(trio, prompts):
+    single = trio[0]
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    rejected = single.add_request("res-full", prompts[0], params, resumed=[11, 12, 13])
+    assert rejected is not None and "max_tokens" in rejected.reason
+    assert single.live_request_ids() == [] and single.block_manager.all_free()
 
 
 def test_logprobs_are_the_models_own_in_one_engine_and_split(trio, hf_model, prompts):
