@@ -49,6 +49,7 @@ class RequestMetrics:
         self.output_tokens = 0
         self.goodput_targets, self.goodput = goodput, 0   # (TTFT, TPOT) seconds; requests meeting both
         self.outcomes: Counter = Counter()
+        self.migrations = 0       # attempts that resumed a request after a replica died (orchestrator)
         self.export = export
         self.window = SloWindow(window_s)      # the SLO autoscaling policy's view (router/slo_window.py)
 
@@ -76,6 +77,10 @@ class RequestMetrics:
         if self.export is not None:
             self.export.prefill(queue_seconds, prefill_seconds)
 
+    def migrated(self) -> None:
+        """One request moved on after a replica died with its tokens partly out."""
+        self.migrations += 1
+
     def finish(self, outcome: str) -> None:
         """Count one request that ended as `outcome` (one of OUTCOMES)."""
         self.outcomes[outcome] += 1
@@ -90,7 +95,10 @@ class RequestMetrics:
                 "# TYPE pdserve_output_tokens_total counter", f"pdserve_output_tokens_total {self.output_tokens}",
                 f"# HELP pdserve_goodput_requests_total Finished requests with TTFT <= {self.goodput_targets[0]:g} s "
                 f"and TPOT <= {self.goodput_targets[1]:g} s", "# TYPE pdserve_goodput_requests_total counter",
-                f"pdserve_goodput_requests_total {self.goodput}"]
+                f"pdserve_goodput_requests_total {self.goodput}",
+                "# HELP pdserve_request_migrations_total Attempts that resumed a request on other replicas "
+                "after one died with its output partly sent", "# TYPE pdserve_request_migrations_total counter",
+                f"pdserve_request_migrations_total {self.migrations}"]
         if self.export is not None:
             out += ["# HELP pdserve_router_ray_metrics_errors_total Errors exporting the router's series to "
                     "Ray's metrics port (the first one turns the export off)",

@@ -20,16 +20,24 @@ Disaggregated, four steps (the order is the block ownership):
 If the first token already ends the request, step 3 is one final event and the decode stream is
 cancelled (the reservation is dropped). TTFT is the reservation's round trip plus the prefill's
 latency, not prefill + KV transfer + decode admission.
-A replica that fails before anything was produced (the decode replica gone before step 1
-answered, as when Serve removes a replica between choosing and dispatching; the prefill replica
-dead before its first token) is retried from step 1 after each delay of `retry_delays_s` (default
-RETRY_DELAYS_S: 0.25 s doubling to 2 s, ~14 s in all, longer than the gap a redeploy leaves between
-a pool's old replica stopping and its new one serving, during which the handle still offers the
-old one: 7.6 s in a CI run), each time with a fresh request id and reservation, so a push the
-dead replica may have started is refused by the decode side and never confused with the retry's.
+A replica that dies is not the request's end: the request starts over from step 1 after each
+delay of `retry_delays_s` (default RETRY_DELAYS_S: 0.25 s doubling to 2 s, ~14 s in all, longer
+than the gap a redeploy leaves between a pool's old replica stopping and its new one serving,
+during which the handle still offers the old one: 7.6 s in a CI run), each time with a fresh
+request id and reservation, so a push the dead replica may have started is refused by the decode
+side and never confused with the retry's. That covers the decode replica gone before step 1
+answered (as when Serve removes a replica between choosing and dispatching), the prefill replica
+dead before its first token or during its push (before `Landed`), and the decode replica dead
+before `Landed` or mid-stream. Once tokens are out, the new attempt is a resumed request
+(migration): the prompt plus the output tokens the client already has and the characters of
+their text it was shown; the prefill replica computes both (its prefix cache usually holds the
+prompt), samples the next token and pushes their K/V; the stream goes on as the uninterrupted
+request would have (greedy or seeded: the same tokens; penalties, stop strings and max_tokens
+count the resumed tokens), with no prompt logprobs again. A push that a live replica reports
+failed (502), a replica's own error event, and a refusal stay the request's end. Colocated: the
+same, one call to the colocated pool per attempt.
 Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for the
 decode reservation in step 1 plus the prefill replica's queue_seconds; prefill = its prefill_seconds.
-Colocated: one call to the colocated pool.
 Failures raise `RequestFailed` with the HTTP status to report. Leaving the iterator early (client
 gone, deadline, failure) cancels both replica calls explicitly (`.cancel()` on the Serve
 responses): the decode replica drops the reservation at once, the prefill replica a push that
@@ -83,7 +91,14 @@ def _cancel(response) -> None:
 
 
 class _StartOver(Exception):
-    """A replica failed before the first token: the request may start over."""
+    """A replica died: the request may start over (resumed after the tokens already out). Its
+    `__cause__` is the error to report when no attempt is left."""
+
+
+def _start_over(cause: BaseException) -> _StartOver:
+    failed = _StartOver()
+    failed.__cause__ = cause
+    return failed
 
 
 class Orchestrator:
@@ -119,37 +134,57 @@ class Orchestrator:
 
     async def _run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:
         wire = WireSamplingParams.of(params)
-        if self.mode == "colocated":
-            stream = self.colocated.remote(messages.encode(messages.GenerateRequest(rid, tuple(prompt), wire)))
-            finished = False
-            try:
-                async for data in stream:
-                    yield _check(messages.decode(data))
-                finished = True
-            finally:
-                if not finished:          # client gone, deadline or failure: stop the replica's work
-                    _cancel(stream)
-            return
+        resumed: list[int] = []      # output tokens the client has
+        shown = 0                    # characters of their text
         for attempt, delay in enumerate(self.retry_delays_s):
             if delay:
                 await asyncio.sleep(delay)
-            handoff = self._handoff(rid if attempt == 0 else f"{rid}-retry{attempt}", prompt, wire)
+            attempt_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
+            if resumed:              # migration: go on after what is out (prompt logprobs came with it)
+                wire = dataclasses.replace(wire, prompt_logprobs=None)
+                if self.metrics is not None:
+                    self.metrics.migrated()
+            run = (self._colocated(attempt_id, prompt, wire, tuple(resumed), shown) if self.mode == "colocated"
+                   else self._handoff(attempt_id, prompt, wire, tuple(resumed), shown))
+            finished = False
             try:
-                async for event in handoff:
+                async for event in run:
+                    resumed += event.token_ids
+                    shown += len(event.text)
+                    finished = event.finished
                     yield event
                 return
             except _StartOver as failed:
+                if finished:          # the last event is out: nothing to go on with
+                    return
                 if attempt == len(self.retry_delays_s) - 1:
                     raise failed.__cause__ from None
             finally:
-                await handoff.aclose()    # now, not when collected: its replica calls end here
+                await run.aclose()    # now, not when collected: its replica calls end here
         raise AssertionError("unreachable")
 
-    async def _handoff(self, rid: str, prompt: list[int], wire) -> AsyncIterator[messages.TokenEvent]:
+    async def _colocated(self, rid: str, prompt: list[int], wire, resumed: tuple[int, ...],
+                         shown: int) -> AsyncIterator[messages.TokenEvent]:
+        stream = self.colocated.remote(messages.encode(
+            messages.GenerateRequest(rid, tuple(prompt), wire, resumed, shown)))
+        finished = False
+        try:
+            try:
+                async for data in stream:
+                    yield _check(messages.decode(data))
+            except _GONE as exc:
+                raise _StartOver() from exc
+            finished = True
+        finally:
+            if not finished:          # client gone, deadline or failure: stop the replica's work
+                _cancel(stream)
+
+    async def _handoff(self, rid: str, prompt: list[int], wire, resumed: tuple[int, ...] = (),
+                       shown: int = 0) -> AsyncIterator[messages.TokenEvent]:
         arrived = time.monotonic()
         async with self.decode.choose_replica() as selection:
             decode = self._decode_handle.dispatch(selection, messages.encode(
-                messages.DecodeRequest(rid, tuple(prompt), wire)))
+                messages.DecodeRequest(rid, tuple(prompt), wire, resumed)))
             prefill, decode_ended, abandoned = None, False, True
             try:
                 # 1. the reservation (or a refusal, at once)
@@ -165,7 +200,7 @@ class Orchestrator:
                 waited = time.monotonic() - arrived
                 # 2. prefill with the reservation's identity
                 prefill = self.prefill.remote(messages.encode(
-                    messages.PrefillRequest(rid, tuple(prompt), wire, reserved.kv_address)))
+                    messages.PrefillRequest(rid, tuple(prompt), wire, reserved.kv_address, resumed, shown)))
                 try:
                     result = messages.decode(await prefill.__anext__(), expect=messages.PrefillResult)
                 except _GONE as exc:
@@ -180,8 +215,8 @@ class Orchestrator:
                 done = result.finish_reason is not None
                 first_logprobs = () if result.first_logprobs is None else (result.first_logprobs,)
                 yield messages.TokenEvent(rid, (result.first_token,), result.first_text, done,
-                                          result.finish_reason, len(prompt), 1, result.num_cached_tokens,
-                                          first_logprobs, result.prompt_logprobs)
+                                          result.finish_reason, len(prompt), len(resumed) + 1,
+                                          result.num_cached_tokens, first_logprobs, result.prompt_logprobs)
                 if done:
                     abandoned = False     # `finally` drops the reservation; the prefill stream ends
                     return
@@ -189,14 +224,17 @@ class Orchestrator:
                 #    token (and carries no logprobs: the prefill replica's came with step 3)
                 await self._landing(decode, follower)
                 first = True
-                async for data in decode:
-                    event = _check(messages.decode(data))
-                    if first:
-                        first = False
-                        event = dataclasses.replace(event, token_ids=event.token_ids[1:])
-                        if not (event.token_ids or event.text or event.finished):
-                            continue
-                    yield event
+                try:
+                    async for data in decode:
+                        event = _check(messages.decode(data))
+                        if first:
+                            first = False
+                            event = dataclasses.replace(event, token_ids=event.token_ids[1:])
+                            if not (event.token_ids or event.text or event.finished):
+                                continue
+                        yield event
+                except _GONE as exc:      # the decode replica died mid-stream
+                    raise _StartOver() from exc
                 decode_ended, abandoned = True, False
             finally:
                 if not decode_ended:      # the reservation (or the stream) is no longer wanted
@@ -207,9 +245,9 @@ class Orchestrator:
     def _follow(self, prefill) -> asyncio.Task:
         """Read the rest of a prefill stream (the push's end) in the background: the call ends
         when its push does, so Serve never cuts a push when it drains the replica. The task's
-        result: a RequestFailed when the push is lost (the replica died, or its HandoffDone says
-        the push failed), else None."""
-        async def drain() -> RequestFailed | None:
+        result: when the push is lost, what to raise: a `_StartOver` when the replica died, a
+        RequestFailed (502) when its HandoffDone says the push failed; else None."""
+        async def drain() -> Exception | None:
             lost = None
             try:
                 async for data in prefill:
@@ -217,7 +255,8 @@ class Orchestrator:
                     if isinstance(end, messages.HandoffDone) and not end.ok:
                         lost = RequestFailed(502, f"KV transfer failed: {end.error}")
             except _GONE:
-                return RequestFailed(503, "the prefill replica failed during the KV hand-off; retry the request")
+                return _start_over(RequestFailed(
+                    503, "the prefill replica failed during the KV hand-off; retry the request"))
             except (Exception, asyncio.CancelledError):  # noqa: BLE001 - cancelled (the request ended), or a
                 pass                                     # malformed message: the decode side decides
             return lost
@@ -243,6 +282,8 @@ class Orchestrator:
                 event = _check(messages.decode(await nxt))
             except StopAsyncIteration:
                 raise RequestFailed(502, "the decode replica ended the request before its K/V landed") from None
+            except _GONE as exc:          # the decode replica died before the K/V landed
+                raise _StartOver() from exc
         finally:
             if not nxt.done():
                 nxt.cancel()

@@ -10,10 +10,11 @@ Serve handles (the real handles and replicas are exercised end to end in test_se
   * a first token that ends the request is one final event and the reservation is cancelled;
   * a consumer that leaves early (client gone) cancels both replica calls (the reservation and
     the push), one that leaves during the prefill too; a prefill replica that dies before its
-    first token is retried with a fresh id and reservation, a push lost before the decode replica's
-    `Landed` (its replica died, or it reports a failure) fails the request at once (the
-    reservation dropped), and a pool without a live replica for a few seconds (a redeploy) is
-    waited for, not failed.
+    first token is retried with a fresh id and reservation, a replica that dies after tokens went
+    out (the prefill during its push, the decode before `Landed` or mid-stream) moves the request
+    on after them (a resumed request), a push a live replica reports failed before `Landed` fails
+    the request at once (the reservation dropped), and a pool without a live replica for a few
+    seconds (a redeploy) is waited for, not failed.
 """
 
 import asyncio
@@ -226,31 +227,173 @@ def test_a_prefill_replica_dying_before_its_first_token_is_retried_with_a_fresh_
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("loss", ["replica died", "push failed"])
-def test_a_push_lost_before_it_landed_fails_the_request_at_once_and_drops_the_reservation(monkeypatch, loss):
-    """The first token has reached the client, and the push will never land (the prefill replica
-    died during it, or reports it failed: e.g. no pair within the connect timeout, which the decode
-    side never hears of): the request fails after the grace for a `Landed` on its way, not after
-    the decode reservation's lease."""
+def test_a_push_reported_failed_before_it_landed_fails_the_request_at_once_and_drops_the_reservation(monkeypatch):
+    """The first token has reached the client, and the live prefill replica reports its push failed
+    (e.g. no pair within the connect timeout, which the decode side never hears of): the request
+    fails after the grace for a `Landed` on its way, not after the decode reservation's lease, and
+    is not moved (a transfer that fails between live replicas would likely fail again)."""
     from router import orchestrator
     monkeypatch.setattr(orchestrator, "HANDOFF_GRACE_S", 0.2)
 
     async def main():
         result = messages.PrefillResult("r", first_token=7, first_text="Hi")
         decode = FakeDecode([messages.TokenEvent("r", (7,), "", False, None, 2, 1)])   # never released
-        prefill = (FakePrefill(result, die_pushing=True) if loss == "replica died"
-                   else FakePrefill(result, push_error="connect timeout"))
+        prefill = FakePrefill(result, push_error="connect timeout")
         events = Orchestrator("disaggregated", prefill, decode).run("r", [1, 2], SamplingParams(max_tokens=5))
         first = await asyncio.wait_for(events.__anext__(), 5)
         assert first.token_ids == (7,)
         with pytest.raises(RequestFailed) as failed:
             await asyncio.wait_for(events.__anext__(), 5)
-        if loss == "replica died":
-            assert failed.value.code == 503 and "hand-off" in failed.value.message
-        else:
-            assert failed.value.code == 502 and "connect timeout" in failed.value.message
+        assert failed.value.code == 502 and "connect timeout" in failed.value.message
         assert decode.responses[0].cancelled    # the reservation is dropped now
-        assert len(prefill.requests) == 1       # not retried: the client already has the first token
+        assert len(prefill.requests) == 1
+    asyncio.run(main())
+
+
+class Migrating:
+    """Stand-ins for both pools over two attempts: attempt 1 ("r") gives the first token 7 ("Hi")
+    and then fails as `how` says; attempt 2 ("r-retry1", resumed) gives 9 (" there") from the
+    prefill, then the decode stream repeats it and ends with 10 ("!")."""
+
+    def __init__(self, how: str):
+        self.how, self.decode_requests, self.prefill_requests = how, [], []
+        self.decode_responses, self.prefill_responses = [], []
+        self.generate = self.prefill = self
+
+    def options(self, **options):
+        return self
+
+    @contextlib.asynccontextmanager
+    async def choose_replica(self):
+        yield types.SimpleNamespace()
+
+    def dispatch(self, selection, data):
+        self.decode_responses.append(FakeResponse(self._decode(data)))
+        return self.decode_responses[-1]
+
+    def remote(self, data):
+        self.prefill_responses.append(FakeResponse(self._prefill(data)))
+        return self.prefill_responses[-1]
+
+    async def _decode(self, data):
+        req = messages.decode(data, expect=messages.DecodeRequest)
+        self.decode_requests.append(req)
+        yield messages.encode(messages.Reserved(req.request_id, ADDRESS, 1))
+        if req.request_id == "r":
+            if self.how == "prefill died pushing":
+                await asyncio.sleep(60)           # the push never lands
+            if self.how == "decode died before landing":
+                await asyncio.sleep(0.05)
+                raise ActorDiedError()
+            yield messages.encode(messages.Landed(req.request_id))
+            yield messages.encode(messages.TokenEvent("r", (7, 8), " there", False, None, 2, 2))
+            await asyncio.sleep(0.05)
+            raise ActorDiedError()                # "decode died mid-stream", after 8 went out
+        yield messages.encode(messages.Landed(req.request_id))
+        n = len(req.resumed_token_ids)
+        yield messages.encode(messages.TokenEvent(req.request_id, (9,), "", False, None, 2, n + 1))
+        yield messages.encode(messages.TokenEvent(req.request_id, (10,), "!", True, "length", 2, n + 2))
+
+    async def _prefill(self, data):
+        req = messages.decode(data, expect=messages.PrefillRequest)
+        self.prefill_requests.append(req)
+        if req.request_id == "r":
+            yield messages.encode(messages.PrefillResult("r", first_token=7, first_text="Hi",
+                                                         prompt_logprobs=(messages.TokenLogprobs(2, -1.0),)))
+            if self.how == "prefill died pushing":
+                raise ActorDiedError()
+        else:
+            yield messages.encode(messages.PrefillResult(req.request_id, first_token=9, first_text=" you"))
+        yield messages.encode(messages.HandoffDone(req.request_id, True))
+
+
+@pytest.mark.parametrize("how", ["prefill died pushing", "decode died before landing", "decode died mid-stream"])
+def test_a_replica_dying_after_tokens_went_out_moves_the_request_on_after_them(monkeypatch, how):
+    """Migration: the request starts over as a resumed one (the prompt plus the tokens the client
+    has, and how many characters of their text it was shown; no prompt logprobs again), the old
+    reservation and calls are dropped, and the client's stream goes on with the new tokens only,
+    their counts the whole request's."""
+    from router import orchestrator
+    monkeypatch.setattr(orchestrator, "HANDOFF_GRACE_S", 0.2)
+
+    async def main():
+        pools, metrics = Migrating(how), RequestMetrics()
+        orch = Orchestrator("disaggregated", pools, pools, metrics=metrics, retry_delays_s=(0, 0.01, 0.01))
+        params = SamplingParams(max_tokens=5, prompt_logprobs=1)
+        events = [ev async for ev in orch.run("r", [1, 2], params)]
+        out = [t for ev in events for t in ev.token_ids]
+        text = "".join(ev.text for ev in events)
+        before = (7, 8) if how == "decode died mid-stream" else (7,)
+        shown = "Hi there" if how == "decode died mid-stream" else "Hi"
+        assert out == [*before, 9, 10] and text == shown + " you!"
+        assert events[-1].finished and events[-1].num_output_tokens == len(before) + 2
+        assert [r.request_id for r in pools.decode_requests] == ["r", "r-retry1"]
+        retry_prefill, retry_decode = pools.prefill_requests[1], pools.decode_requests[1]
+        assert retry_prefill.resumed_token_ids == retry_decode.resumed_token_ids == before
+        assert retry_prefill.shown_chars == len(shown) and retry_prefill.params.prompt_logprobs is None
+        assert pools.decode_requests[0].params.prompt_logprobs == 1
+        resumed_first = next(ev for ev in events if ev.token_ids == (9,))
+        assert resumed_first.num_output_tokens == len(before) + 1 and not resumed_first.prompt_logprobs
+        if how == "prefill died pushing":
+            assert pools.decode_responses[0].cancelled   # the old reservation is dropped
+        assert metrics.migrations == 1 and "pdserve_request_migrations_total 1" in metrics.lines()
+    asyncio.run(main())
+
+
+def test_a_replica_that_keeps_dying_fails_the_request_once_the_attempts_are_spent():
+    class AlwaysDying(Migrating):
+        async def _decode(self, data):
+            req = messages.decode(data, expect=messages.DecodeRequest)
+            self.decode_requests.append(req)
+            yield messages.encode(messages.Reserved(req.request_id, ADDRESS, 1))
+            yield messages.encode(messages.Landed(req.request_id))
+            raise ActorDiedError()
+
+        async def _prefill(self, data):
+            req = messages.decode(data, expect=messages.PrefillRequest)
+            self.prefill_requests.append(req)
+            yield messages.encode(messages.PrefillResult(req.request_id, first_token=5 + len(req.resumed_token_ids),
+                                                         first_text="a"))
+            yield messages.encode(messages.HandoffDone(req.request_id, True))
+
+    async def main():
+        pools = AlwaysDying("")
+        got = []
+        with pytest.raises(RequestFailed) as failed:
+            async for ev in Orchestrator("disaggregated", pools, pools, retry_delays_s=(0, 0.01, 0.01)).run(
+                    "r", [1, 2], SamplingParams(max_tokens=50)):
+                got += ev.token_ids
+        assert failed.value.code == 503 and got == [5, 6, 7]      # one token per attempt, then the end
+        assert [r.resumed_token_ids for r in pools.prefill_requests] == [(), (5,), (5, 6)]
+    asyncio.run(main())
+
+
+def test_colocated_a_replica_dying_mid_stream_moves_the_request_on_after_its_tokens():
+    class Colocated:
+        def __init__(self):
+            self.requests, self.generate = [], self
+
+        def options(self, **options):
+            return self
+
+        def remote(self, data):
+            return FakeResponse(self._stream(data))
+
+        async def _stream(self, data):
+            req = messages.decode(data, expect=messages.GenerateRequest)
+            self.requests.append(req)
+            if not req.resumed_token_ids:
+                yield messages.encode(messages.TokenEvent(req.request_id, (4, 5), "ab", False, None, 2, 2))
+                raise ActorDiedError()
+            yield messages.encode(messages.TokenEvent(req.request_id, (6,), "c", True, "length", 2, 3))
+
+    async def main():
+        pool = Colocated()
+        events = [ev async for ev in Orchestrator("colocated", colocated=pool, retry_delays_s=(0, 0.01)).run(
+            "r", [1, 2], SamplingParams(max_tokens=3))]
+        assert [t for ev in events for t in ev.token_ids] == [4, 5, 6] and "".join(ev.text for ev in events) == "abc"
+        assert [(r.request_id, r.resumed_token_ids, r.shown_chars) for r in pool.requests] == [
+            ("r", (), 0), ("r-retry1", (4, 5), 2)]
     asyncio.run(main())
 
 
