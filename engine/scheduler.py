@@ -46,9 +46,11 @@ class Scheduler:
 
     @property
     def num_waiting_tokens(self) -> int:
-        """Prompt tokens not yet computed, queued or mid-prefill (the prefill load signal)."""
+        """Tokens still to prefill, queued or mid-prefill (the prefill load signal): a running
+        sequence's uncomputed tokens unless only its last sampled one is left (decoding). A
+        resumed or preempted sequence's output tokens to recompute count too."""
         return (sum(s.num_uncomputed_tokens for s in self.waiting)
-                + sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in self.running))
+                + sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1))
 
     # ---- the step ------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:

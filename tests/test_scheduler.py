@@ -120,3 +120,12 @@ def test_waiting_prompt_tokens_counts_queued_and_partial_prefill():
     assert sched.num_waiting_tokens == 15
     fake_step(sched, bm)  # a gets 8 of 10
     assert sched.num_waiting_tokens == 2 + 5
+
+    bm, sched = make(budget=8)
+    # a resumed request: 4 prompt tokens and 8 output tokens, all to compute before it samples
+    sched.add(Sequence("c", list(range(1000, 1012)), SamplingParams(max_tokens=20), num_prompt_tokens=4))
+    assert sched.num_waiting_tokens == 12
+    fake_step(sched, bm)    # 8 of 12, mid-prefill among the running
+    assert sched.num_waiting_tokens == 4
+    fake_step(sched, bm)    # the rest, then a sampled token: decoding, no prefill load
+    assert sched.running[0].num_output_tokens == 9 and sched.num_waiting_tokens == 0
