@@ -72,12 +72,15 @@ class _PrefixAffinity:
         self._mean_prompt_tokens = 0.0   # running mean, to turn requests in flight into tokens
 
     def _prompt(self, pending_request: Optional[PendingRequest]) -> tuple[int, ...] | None:
+        """The tokens the replica computes (and then caches): the prompt, and a resumed request's
+        output tokens after it."""
         if getattr(self, "_table", None) is None or pending_request is None or not pending_request.args:
             return None
         try:
-            return messages.decode(pending_request.args[0], expect=self.REQUEST).prompt_token_ids
+            req = messages.decode(pending_request.args[0], expect=self.REQUEST)
         except messages.MessageError:
             return None
+        return req.prompt_token_ids + req.resumed_token_ids
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:

@@ -54,3 +54,18 @@ def test_choose_prefers_the_match_only_within_the_imbalance():
     assert choose(cands, {"busy": 9}, 10_000) == (["busy", "idle", "warm"], "affinity")
     assert choose(cands, {"warm": 2, "idle": 2}, 2048) == (["idle", "warm", "busy"], "affinity")  # tie: ranking
     assert choose([], {"x": 1}, 0) == ([], "no_match")
+
+
+def test_the_routers_match_a_resumed_requests_prompt_and_resumed_tokens():
+    """A resumed request (router/orchestrator.py, migration) is computed, and then cached, as its
+    prompt followed by the tokens already out: affinity matches and records all of them."""
+    from types import SimpleNamespace
+
+    from router.routing import ColocatedRouter, QueuedPromptTokensRouter
+    from serving import messages
+    wire = messages.WireSamplingParams.of(SamplingParams())
+    for cls, req in ((QueuedPromptTokensRouter, messages.PrefillRequest("r", (1, 2, 3), wire, "a:1", (7, 8), 4)),
+                     (ColocatedRouter, messages.GenerateRequest("r", (1, 2, 3), wire, (7, 8), 4))):
+        router = object.__new__(cls)
+        router.initialize_state()
+        assert router._prompt(SimpleNamespace(args=[messages.encode(req)])) == (1, 2, 3, 7, 8)
