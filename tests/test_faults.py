@@ -1,6 +1,6 @@
 """Replica faults on a local Ray cluster (tiny model): a decode replica killed mid-stream and a
-prefill replica killed; the service moves the stream on or retries, never hangs, and Serve
-replaces the replica."""
+prefill replica killed, and a colocated replica killed mid-stream; the service moves the stream
+on or retries, never hangs, and Serve replaces the replica."""
 
 import http.client as httpclient
 import json
@@ -24,12 +24,19 @@ def app(ray_serve, tiny_llama_dir):
         yield base
 
 
-def kill_replica(deployment: str, replica_id: str | None = None) -> str:
+@pytest.fixture(scope="module")
+def colocated_app(ray_serve, tiny_llama_dir):
+    with tiny_app(ray_serve, tiny_llama_dir, "ftc", mode="colocated", colocated={"num_replicas": 2}) as base:
+        yield base
+
+
+def kill_replica(deployment: str, replica_id: str | None = None, app_name: str = "ft") -> str:
     """Kill a replica's process and return once it is gone (`ray.kill` only asks for it: a request
     sent right after it could otherwise still reach the replica and die with it mid-way)."""
     for actor in ray.util.list_named_actors(all_namespaces=True):
         name = actor["name"]
-        if name.startswith("SERVE_REPLICA::ft#" + deployment + "#") and (replica_id is None or name.endswith(replica_id)):
+        if (name.startswith(f"SERVE_REPLICA::{app_name}#{deployment}#")
+                and (replica_id is None or name.endswith(replica_id))):
             handle = ray.get_actor(name, namespace=actor["namespace"])
             pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
             ray.kill(handle, no_restart=True)
@@ -57,10 +64,11 @@ def ok(base, n=1):
                                           "ignore_eos": True, "temperature": 0})[0] == 200
 
 
-def test_decode_replica_killed_mid_stream_moves_the_stream_to_another_replica(app):
-    """Migration (router/orchestrator.py): the stream goes on from the surviving decode replica
-    after the tokens the client already has, and ends as the uninterrupted request does: the same
-    greedy tokens and text, no error event, usage counting the whole output once."""
+def _kill_mid_stream_and_compare(app: str, app_name: str, deployment: str, pool: str, pools: set[str]) -> None:
+    """Migration (router/orchestrator.py): with the replica of `deployment` (pool `pool`) that
+    runs a stream killed mid-way, the stream goes on from the surviving replica after the tokens
+    the client already has, and ends as the uninterrupted request does: the same greedy tokens and
+    text, no error event, usage counting the whole output once."""
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "temperature": 0,
             "logprobs": 1}
     status, text = http(app, "/v1/completions", body)
@@ -69,12 +77,12 @@ def test_decode_replica_killed_mid_stream_moves_the_stream_to_another_replica(ap
     before = migrations(app)
 
     def running() -> dict:
-        return {r: v for (n, p, r), v in metrics(app).items() if n == "pdserve_running_requests" and p == "decode"}
+        return {r: v for (n, p, r), v in metrics(app).items() if n == "pdserve_running_requests" and p == pool}
     # the reference's replica reports it running for up to a stats period after it ended
     assert wait_until(lambda: not any(running().values()), 15)
     host, port = app.split("//")[1].split("/")[0].split(":")
     conn = httpclient.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/ft/v1/completions", json.dumps({**body, "stream": True,
+    conn.request("POST", f"/{app_name}/v1/completions", json.dumps({**body, "stream": True,
                                                           "stream_options": {"include_usage": True}}),
                  {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -86,14 +94,14 @@ def test_decode_replica_killed_mid_stream_moves_the_stream_to_another_replica(ap
         busy.update({r: v for r, v in running().items() if v > 0})
         return bool(busy)
     assert wait_until(find_busy, 15)
-    kill_replica("DecodeServer", next(iter(busy)))
+    kill_replica(deployment, next(iter(busy)), app_name)
 
     def drain():
         for line in resp:              # chunked decoding; ends with the response
             lines.append(line.decode())
         done.set()
     threading.Thread(target=drain, daemon=True).start()
-    assert done.wait(60), f"the stream hung after its decode replica died: {len(lines)} lines, last {lines[-2:]}"
+    assert done.wait(60), f"the stream hung after its replica died: {len(lines)} lines, last {lines[-2:]}"
     conn.close()
     events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert [x.strip() for x in lines if x.strip()][-1] == "data: [DONE]"
@@ -106,9 +114,17 @@ def test_decode_replica_killed_mid_stream_moves_the_stream_to_another_replica(ap
     assert migrations(app) >= before + 1
     # other and later requests are served (the surviving replica, then the replacement)
     assert all(ok(app, 8) for _ in range(4))
-    assert wait_until(lambda: serve.status().applications["ft"].deployments["DecodeServer"]
+    assert wait_until(lambda: serve.status().applications[app_name].deployments[deployment]
                       .replica_states.get("RUNNING", 0) == 2, 90)
-    assert pools_all_free(app, {"prefill", "decode"}, timeout=30)
+    assert pools_all_free(app, pools, timeout=30)
+
+
+def test_decode_replica_killed_mid_stream_moves_the_stream_to_another_replica(app):
+    _kill_mid_stream_and_compare(app, "ft", "DecodeServer", "decode", {"prefill", "decode"})
+
+
+def test_colocated_replica_killed_mid_stream_moves_the_stream_to_another_replica(colocated_app):
+    _kill_mid_stream_and_compare(colocated_app, "ftc", "ColocatedServer", "colocated", {"colocated"})
 
 
 def test_prefill_replica_killed_requests_still_succeed(app):
