@@ -8,7 +8,7 @@ things the routers need have no public form at all:
     type is private, filled as it sends), read by `in_flight`;
   * asking Serve to back off and retry when every ranked replica is full, instead of queueing on the
     first one, set by `back_off_when_full` (`PendingRequest.routing_context`, a private class).
-The local cluster's start (pdserve/local_ray.py) needs two more, private in Ray 2.60:
+The local cluster's start (pdserve/local_ray.py) needs these, private in Ray 2.60:
   * `single_node_start`: Ray's single-node switch for the duration of `ray.init`, which keeps the
     node on 127.0.0.1 (nothing public does; see local_ray.py);
   * `token_auth_enabled`: whether this process runs Ray with token authentication;
