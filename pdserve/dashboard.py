@@ -33,8 +33,10 @@ def _quantiles(metric: str, by: str = "") -> list[tuple[str, str]]:
 ROWS = [
     ("Requests (router)", [
         ("Requests by outcome", "reqps",
-         [(f"sum by (outcome) (rate(pdserve_requests_total{PD}{RATE}))", "{{outcome}}")],
-         "Requests finished by the router: ok, error (4xx/5xx after admission), aborted (client gone, deadline)."),
+         [(f"sum by (outcome) (rate(pdserve_requests_total{PD}{RATE}))", "{{outcome}}"),
+          (f"sum(rate(pdserve_request_migrations_total{PD}{RATE}))", "migrated (attempts/s)")],
+         "Requests finished by the router: ok, error (4xx/5xx after admission), aborted (client gone, deadline); "
+         "and attempts that moved a request on after a replica died with its output partly sent."),
         ("Goodput and SLO attainment", "reqps",
          [(f"sum(rate(pdserve_goodput_requests_total{PD}{RATE}))", "goodput (req/s)"),
           (f"sum(rate(pdserve_goodput_requests_total{PD}{RATE})) / "
