@@ -80,6 +80,8 @@ class RequestMetrics:
     def migrated(self) -> None:
         """One request moved on after a replica died with its tokens partly out."""
         self.migrations += 1
+        if self.export is not None:
+            self.export.migrated()
 
     def finish(self, outcome: str) -> None:
         """Count one request that ended as `outcome` (one of OUTCOMES)."""

@@ -60,7 +60,8 @@ class _Export:
 
 
 class RouterSeries(_Export):
-    """The router deployment's request series: latency histograms, outcomes, output tokens."""
+    """The router deployment's request series: latency histograms, outcomes, output tokens,
+    migrations."""
 
     def __init__(self):
         super().__init__("router", self._build)
@@ -76,6 +77,8 @@ class RouterSeries(_Export):
         m["output_tokens"] = metrics.Counter("pdserve_output_tokens_total", "Output tokens returned")
         m["goodput"] = metrics.Counter("pdserve_goodput_requests_total",
                                        "Finished requests that met the goodput TTFT and TPOT targets")
+        m["migrations"] = metrics.Counter("pdserve_request_migrations_total",
+                                          "Attempts that resumed a request after a replica died")
         return m
 
     def request(self, ttft: float, tpot: float | None, e2e: float, output_tokens: int, good: bool = False) -> None:
@@ -95,6 +98,9 @@ class RouterSeries(_Export):
 
     def outcome(self, outcome: str) -> None:
         self._record(lambda m: m["requests"].inc(1, tags={"outcome": outcome}))
+
+    def migrated(self) -> None:
+        self._record(lambda m: m["migrations"].inc(1))
 
 
 class ReplicaSeries(_Export):

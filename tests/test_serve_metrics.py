@@ -12,6 +12,7 @@ def test_router_and_replica_series_record_without_errors():
     router.prefill(0.0, 0.08)
     for outcome in ("ok", "error", "aborted"):
         router.outcome(outcome)
+    router.migrated()
     replica = ReplicaSeries("prefill")
     replica.load(ReplicaStats("prefill", "p1", 100, 60, 3, 2, 50))
     replica.observe("kv_transfer_seconds", 0.01)
