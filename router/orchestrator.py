@@ -23,7 +23,9 @@ latency, not prefill + KV transfer + decode admission.
 A replica that dies is not the request's end: the request starts over from step 1 after each
 delay of `retry_delays_s` (default RETRY_DELAYS_S: 0.25 s doubling to 2 s, ~14 s in all, longer
 than the gap a redeploy leaves between a pool's old replica stopping and its new one serving,
-during which the handle still offers the old one: 7.6 s in a CI run), each time with a fresh
+during which the handle still offers the old one: 7.6 s in a CI run; an attempt that got tokens
+out before its replica died is followed at once, the pool's other replicas being likely alive,
+its delay skipped but still counted), each time with a fresh
 request id and reservation, so a push the dead replica may have started is refused by the decode
 side and never confused with the retry's. That covers the decode replica gone before step 1
 answered (as when Serve removes a replica between choosing and dispatching), the prefill replica
@@ -136,8 +138,9 @@ class Orchestrator:
         wire = WireSamplingParams.of(params)
         resumed: list[int] = []      # output tokens the client has
         shown = 0                    # characters of their text
+        progressed = False           # the last attempt got tokens out before its replica died
         for attempt, delay in enumerate(self.retry_delays_s):
-            if delay:
+            if delay and not progressed:   # a replica died mid-way: the others serve, go on at once
                 await asyncio.sleep(delay)
             attempt_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
             if resumed:              # migration: go on after what is out (prompt logprobs came with it)
@@ -146,12 +149,12 @@ class Orchestrator:
                     self.metrics.migrated()
             run = (self._colocated(attempt_id, prompt, wire, tuple(resumed), shown) if self.mode == "colocated"
                    else self._handoff(attempt_id, prompt, wire, tuple(resumed), shown))
-            finished = False
+            finished = progressed = False
             try:
                 async for event in run:
                     resumed += event.token_ids
                     shown += len(event.text)
-                    finished = event.finished
+                    finished, progressed = event.finished, True
                     yield event
                 return
             except _StartOver as failed:

@@ -307,6 +307,10 @@ class Migrating:
         yield messages.encode(messages.HandoffDone(req.request_id, True))
 
 
+async def _collect(events):
+    return [ev async for ev in events]
+
+
 @pytest.mark.parametrize("how", ["prefill died pushing", "decode died before landing", "decode died mid-stream"])
 def test_a_replica_dying_after_tokens_went_out_moves_the_request_on_after_them(monkeypatch, how):
     """Migration: the request starts over as a resumed one (the prompt plus the tokens the client
@@ -318,9 +322,10 @@ def test_a_replica_dying_after_tokens_went_out_moves_the_request_on_after_them(m
 
     async def main():
         pools, metrics = Migrating(how), RequestMetrics()
-        orch = Orchestrator("disaggregated", pools, pools, metrics=metrics, retry_delays_s=(0, 0.01, 0.01))
+        # the move follows at once (the delay before the second attempt is for pools with no live replica)
+        orch = Orchestrator("disaggregated", pools, pools, metrics=metrics, retry_delays_s=(0, 30.0, 0.01))
         params = SamplingParams(max_tokens=5, prompt_logprobs=1)
-        events = [ev async for ev in orch.run("r", [1, 2], params)]
+        events = await asyncio.wait_for(_collect(orch.run("r", [1, 2], params)), 5)
         out = [t for ev in events for t in ev.token_ids]
         text = "".join(ev.text for ev in events)
         before = (7, 8) if how == "decode died mid-stream" else (7,)
