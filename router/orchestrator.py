@@ -140,7 +140,7 @@ class Orchestrator:
         shown = 0                    # characters of their text
         progressed = False           # the last attempt got tokens out before its replica died
         for attempt, delay in enumerate(self.retry_delays_s):
-            if delay and not progressed:   # a replica died mid-way: the others serve, go on at once
+            if delay and not progressed:   # after tokens went out, at once: the pool's others likely serve
                 await asyncio.sleep(delay)
             attempt_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
             if resumed:              # migration: go on after what is out (prompt logprobs came with it)
