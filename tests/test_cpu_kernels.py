@@ -433,13 +433,13 @@ def test_amx_int4_gemm_multiplies_the_widened_weight_and_is_what_int4_gemv_runs_
     at a time and multiplies unrounded x on AMX tiles: x @ w.T (+ bias) within an fp32 sum's error
     and one bf16 rounding; each row independent of the rows beside it; and int4_gemv hands it its
     calls from `int4_gemv_amx_from()` rows (below it: x rounded to int8)."""
-    fmt, gemm, gemv = "int4", KERNELS.int4_gemm_amx, KERNELS.int4_gemv
+    gemm, gemv = KERNELS.int4_gemm_amx, KERNELS.int4_gemv
     g = torch.Generator().manual_seed(out_f + in_f)
     args, widened = _random_int4(out_f, in_f, g)
     bias = (torch.randn(out_f, generator=g) * 0.1).bfloat16()
     xs = torch.randn(70, in_f, generator=g).bfloat16()
     full = gemm(xs, *args, bias, out_f)
-    amx_from = _amx_from(fmt)
+    amx_from = _amx_from("int4")
     for rows in (1, 15, 16, 17, 23, 24, 31, 32, 33, 70):
         x = xs[:rows]
         y = gemm(x, *args, bias, out_f)

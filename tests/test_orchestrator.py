@@ -250,34 +250,18 @@ def test_a_push_reported_failed_before_it_landed_fails_the_request_at_once_and_d
     asyncio.run(main())
 
 
-class Migrating:
-    """Stand-ins for both pools over two attempts: attempt 1 ("r") gives the first token 7 ("Hi")
-    and then fails as `how` says; attempt 2 ("r-retry1", resumed) gives 9 (" there") from the
-    prefill, then the decode stream repeats it and ends with 10 ("!")."""
+class MigratingDecode(FakeDecode):
+    """The decode pool over two attempts: attempt 1 ("r") fails as `how` says (after its stream
+    gave 8 (" there") when the decode replica dies mid-stream); attempt 2 ("r-retry1", resumed)
+    repeats the prefill's 9, then ends with 10 ("!")."""
 
     def __init__(self, how: str):
-        self.how, self.decode_requests, self.prefill_requests = how, [], []
-        self.decode_responses, self.prefill_responses = [], []
-        self.generate = self.prefill = self
+        super().__init__([])
+        self.how = how
 
-    def options(self, **options):
-        return self
-
-    @contextlib.asynccontextmanager
-    async def choose_replica(self):
-        yield types.SimpleNamespace()
-
-    def dispatch(self, selection, data):
-        self.decode_responses.append(FakeResponse(self._decode(data)))
-        return self.decode_responses[-1]
-
-    def remote(self, data):
-        self.prefill_responses.append(FakeResponse(self._prefill(data)))
-        return self.prefill_responses[-1]
-
-    async def _decode(self, data):
+    async def _stream(self, data):
         req = messages.decode(data, expect=messages.DecodeRequest)
-        self.decode_requests.append(req)
+        self.requests.append(req)
         yield messages.encode(messages.Reserved(req.request_id, ADDRESS, 1))
         if req.request_id == "r":
             if self.how == "prefill died pushing":
@@ -294,9 +278,18 @@ class Migrating:
         yield messages.encode(messages.TokenEvent(req.request_id, (9,), "", False, None, 2, n + 1))
         yield messages.encode(messages.TokenEvent(req.request_id, (10,), "!", True, "length", 2, n + 2))
 
-    async def _prefill(self, data):
+
+class MigratingPrefill(FakePrefill):
+    """The prefill pool over two attempts: attempt 1 gives the first token 7 ("Hi", with prompt
+    logprobs) and, when `how` says so, dies during its push; attempt 2 gives 9 (" you")."""
+
+    def __init__(self, how: str):
+        super().__init__(None)
+        self.how = how
+
+    async def _stream(self, data):
         req = messages.decode(data, expect=messages.PrefillRequest)
-        self.prefill_requests.append(req)
+        self.requests.append(req)
         if req.request_id == "r":
             yield messages.encode(messages.PrefillResult("r", first_token=7, first_text="Hi",
                                                          prompt_logprobs=(messages.TokenLogprobs(2, -1.0),)))
@@ -321,9 +314,9 @@ def test_a_replica_dying_after_tokens_went_out_moves_the_request_on_after_them(m
     monkeypatch.setattr(orchestrator, "HANDOFF_GRACE_S", 0.2)
 
     async def main():
-        pools, metrics = Migrating(how), RequestMetrics()
+        decode, prefill, metrics = MigratingDecode(how), MigratingPrefill(how), RequestMetrics()
         # the move follows at once (the delay before the second attempt is for pools with no live replica)
-        orch = Orchestrator("disaggregated", pools, pools, metrics=metrics, retry_delays_s=(0, 30.0, 0.01))
+        orch = Orchestrator("disaggregated", prefill, decode, metrics=metrics, retry_delays_s=(0, 30.0, 0.01))
         params = SamplingParams(max_tokens=5, prompt_logprobs=1)
         events = await asyncio.wait_for(_collect(orch.run("r", [1, 2], params)), 5)
         out = [t for ev in events for t in ev.token_ids]
@@ -332,44 +325,44 @@ def test_a_replica_dying_after_tokens_went_out_moves_the_request_on_after_them(m
         shown = "Hi there" if how == "decode died mid-stream" else "Hi"
         assert out == [*before, 9, 10] and text == shown + " you!"
         assert events[-1].finished and events[-1].num_output_tokens == len(before) + 2
-        assert [r.request_id for r in pools.decode_requests] == ["r", "r-retry1"]
-        retry_prefill, retry_decode = pools.prefill_requests[1], pools.decode_requests[1]
+        assert [r.request_id for r in decode.requests] == ["r", "r-retry1"]
+        retry_prefill, retry_decode = prefill.requests[1], decode.requests[1]
         assert retry_prefill.resumed_token_ids == retry_decode.resumed_token_ids == before
         assert retry_prefill.shown_chars == len(shown) and retry_prefill.params.prompt_logprobs is None
-        assert pools.decode_requests[0].params.prompt_logprobs == 1
+        assert decode.requests[0].params.prompt_logprobs == 1
         resumed_first = next(ev for ev in events if ev.token_ids == (9,))
         assert resumed_first.num_output_tokens == len(before) + 1 and not resumed_first.prompt_logprobs
         if how == "prefill died pushing":
-            assert pools.decode_responses[0].cancelled   # the old reservation is dropped
+            assert decode.responses[0].cancelled   # the old reservation is dropped
         assert metrics.migrations == 1 and "pdserve_request_migrations_total 1" in metrics.lines()
     asyncio.run(main())
 
 
 def test_a_replica_that_keeps_dying_fails_the_request_once_the_attempts_are_spent():
-    class AlwaysDying(Migrating):
-        async def _decode(self, data):
+    class AlwaysDying(FakeDecode):
+        async def _stream(self, data):
             req = messages.decode(data, expect=messages.DecodeRequest)
-            self.decode_requests.append(req)
             yield messages.encode(messages.Reserved(req.request_id, ADDRESS, 1))
             yield messages.encode(messages.Landed(req.request_id))
             raise ActorDiedError()
 
-        async def _prefill(self, data):
+    class OneTokenEach(FakePrefill):
+        async def _stream(self, data):
             req = messages.decode(data, expect=messages.PrefillRequest)
-            self.prefill_requests.append(req)
+            self.requests.append(req)
             yield messages.encode(messages.PrefillResult(req.request_id, first_token=5 + len(req.resumed_token_ids),
                                                          first_text="a"))
             yield messages.encode(messages.HandoffDone(req.request_id, True))
 
     async def main():
-        pools = AlwaysDying("")
+        prefill = OneTokenEach(None)
         got = []
         with pytest.raises(RequestFailed) as failed:
-            async for ev in Orchestrator("disaggregated", pools, pools, retry_delays_s=(0, 0.01, 0.01)).run(
+            async for ev in Orchestrator("disaggregated", prefill, AlwaysDying([]), retry_delays_s=(0, 0.01, 0.01)).run(
                     "r", [1, 2], SamplingParams(max_tokens=50)):
                 got += ev.token_ids
         assert failed.value.code == 503 and got == [5, 6, 7]      # one token per attempt, then the end
-        assert [r.resumed_token_ids for r in pools.prefill_requests] == [(), (5,), (5, 6)]
+        assert [r.resumed_token_ids for r in prefill.requests] == [(), (5,), (5, 6)]
     asyncio.run(main())
 
 
