@@ -1,4 +1,5 @@
-"""`pdserve` command line: `serve` (the HTTP service on Ray Serve), `local-cluster` (the same on a
+"""`pdserve` command line: `serve` (the HTTP service on Ray Serve), `deploy` (a new config for the
+running service: scaling in place), `local-cluster` (the same on a
 multi-node Ray cluster with its autoscaler, simulated on this machine: pdserve/local_cluster.py), `generate` (one-shot
 generation with a local colocated engine, no Ray), `plan` and `simulate` (pdserve/plan/) and `bench` (pdserve/bench.py).
 Ray, torch and the engine are imported only by the subcommands that need them."""
@@ -22,15 +23,24 @@ def _serve(args) -> int:
 
     from pdserve import local_ray
 
-    cfg = _app_config(args, local=args.address is None)
+    cfg = _app_config(args)
     if args.address is None:                # one machine: Ray on loopback (pdserve/local_ray.py)
         try:
             local_ray.init()
         except local_ray.LocalRayError as exc:
             raise SystemExit(str(exc)) from exc
     else:
-        ray.init(address=args.address, logging_level="WARNING")
-    return _serve_until_stopped(cfg, args.host, args.port)
+        _connect(args.address)
+    change = f"pdserve deploy --config {args.config or 'FILE'}" + (f" --address {args.address}" if args.address else "")
+    return _serve_until_stopped(cfg, args.host, args.port, change=change)
+
+
+def _connect(address: str, log_to_driver: bool = True) -> None:
+    from pdserve import local_ray
+    try:
+        local_ray.connect(address, log_to_driver=log_to_driver)
+    except ConnectionError as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
 
 
 def _local_cluster(args) -> int:
@@ -38,7 +48,7 @@ def _local_cluster(args) -> int:
     pdserve deployed on it, everything stopped on Ctrl-C."""
     from pdserve.local_cluster import LocalCluster
 
-    cfg = _app_config(args, local=False)
+    cfg = _app_config(args)
     print(f"starting the local cluster of {args.cluster} ...", flush=True)
     cluster = LocalCluster.start(args.cluster)
     try:
@@ -48,13 +58,69 @@ def _local_cluster(args) -> int:
         print(f"Ray at {cluster.address} (temp dir {cluster.tmp_dir}); waiting for the nodes {want} ...", flush=True)
         if not cluster.wait_for_nodes(want, timeout_s=300):
             raise SystemExit(f"the autoscaler did not launch the min_workers nodes: {cluster.node_counts()}")
-        return _serve_until_stopped(cfg, args.host, args.port, proxy_location="HeadOnly")
+        env = " ".join(f"{k}={v}" for k, v in cluster.driver_env().items())
+        return _serve_until_stopped(cfg, args.host, args.port, proxy_location="HeadOnly",
+                                    change=f"{env} pdserve deploy --address {cluster.address} --config {args.config}")
     finally:
         left = cluster.stop()
         print(f"local cluster stopped{f' (still alive: {left})' if left else ''}.", flush=True)
 
 
-def _app_config(args, local: bool):
+def _deploy(args) -> int:
+    """`pdserve deploy`: deploy a config over the pdserve application running on a Ray cluster (or
+    print the Serve config it would deploy). Scaling changes apply in place; what else changed
+    makes Serve replace every replica (pdserve/app_builder.py `application_config`); it says which
+    before it deploys, then waits until the application runs."""
+    import yaml
+
+    from pdserve.app_builder import application_config, deploy_app, deployed_app_configs, update_summary
+    if args.dry_run:
+        cfg = _app_config(args)
+        print(yaml.safe_dump({"applications": [application_config(cfg, args.name)]}, sort_keys=False), end="")
+        return 0
+    _connect(args.address, log_to_driver=False)      # the replicas' logs stay in the cluster's
+    try:
+        running = deployed_app_configs()
+    except Exception as exc:  # noqa: BLE001 - Serve's client raises a bare RayServeException
+        raise SystemExit(f"pdserve deploy: Serve is not running on the Ray cluster at {args.address} "
+                         f"(start it with `pdserve serve`): {exc}") from None
+    cfg = _app_config(args, (running.get(args.name) or {}).get("args"))
+    app = application_config(cfg, args.name, running=running.get(args.name))
+    summary = update_summary(running.get(args.name), app)
+    print(f"deploying {args.name}: {summary}", flush=True)
+    if summary != "no change":
+        deploy_app(app)
+    return _wait_deployed(args.name, app, args.timeout)
+
+
+def _wait_deployed(name: str, app: dict, timeout: float) -> int:
+    """Wait until application `name` runs `app`: 0, or 1 when its deploy failed or `timeout`
+    passed (with Serve's messages)."""
+    from ray.serve.context import _get_global_client
+    def status(x: dict):
+        return getattr(x.get("status"), "value", x.get("status"))      # a str enum or a str
+
+    client, deadline, d = _get_global_client(), time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        d = client.get_serve_details().get("applications", {}).get(name) or {}
+        current = d.get("deployed_app_config") == app
+        if current and status(d) == "RUNNING" and all(status(v) == "HEALTHY" for v in d["deployments"].values()):
+            print(f"{name} is running the new config.", flush=True)
+            return 0
+        if current and status(d) in ("DEPLOY_FAILED", "UNHEALTHY"):
+            break
+    why = [f"{dep} {status(v)}: {v.get('message') or ''}".rstrip(": ")
+           for dep, v in (d.get("deployments") or {}).items() if status(v) != "HEALTHY"]
+    print(f"pdserve deploy: {name} is {status(d) or 'missing'} after {timeout:.0f} s"
+          f"{': ' + d['message'] if d.get('message') else ''}{''.join(f'; {w}' for w in why)}", file=sys.stderr)
+    return 1
+
+
+def _app_config(args, running_args: dict | None = None):
+    """The AppConfig of `--config` and the flags, its model prepared on this machine.
+    `running_args`: the running application's (`pdserve deploy`): its `model_cache` (where that
+    `pdserve serve` prepared the model) is kept unless the file or a flag gives one."""
     from serving.config import AppConfig
 
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
@@ -63,14 +129,16 @@ def _app_config(args, local: bool):
                                  "api_key": getattr(args, "api_key", None)}.items() if v is not None}
     data = cfg.model_dump()
     data.update(updates)
+    if data["model_cache"] is None and running_args:
+        data["model_cache"] = running_args.get("model_cache")
     for pool in ("prefill", "decode"):
         n = getattr(args, f"{pool}_replicas", None)
         if n is not None:
             data[pool]["num_replicas"] = n
-    if local:
-        data["transfer"]["host"] = "127.0.0.1" if data["transfer"]["host"] == "auto" else data["transfer"]["host"]
     cfg = AppConfig.model_validate(data)
-    print(f"preparing model {cfg.model} ...", flush=True)
+    # stdout is the Serve config with `deploy --dry-run`
+    print(f"preparing model {cfg.model} ...", file=sys.stderr if getattr(args, "dry_run", False) else sys.stdout,
+          flush=True)
     _model_dir(cfg.model, cfg.model_cache)          # before Ray starts
     return cfg
 
@@ -86,25 +154,25 @@ def _model_dir(spec: str, cache: str | None):
         raise SystemExit(2) from None
 
 
-def _serve_until_stopped(cfg, host: str, port: int, proxy_location: str | None = None) -> int:
+def _serve_until_stopped(cfg, host: str, port: int, change: str, proxy_location: str | None = None) -> int:
     """Start Serve on the connected Ray, deploy `cfg`, wait until healthy, then until Ctrl-C or SIGTERM;
-    shut Serve and the driver down."""
+    shut Serve and the driver down. `change`: the command line that changes the deployment, shown."""
     import ray
     from ray import serve
 
-    from pdserve.app_builder import build_app, deploy
+    from pdserve.app_builder import deploy
     serve.start(http_options={"host": host, "port": port},
                 **({"proxy_location": proxy_location} if proxy_location else {}))
-    if cfg.autoscaling is not None:         # an application-level policy needs a config deploy
-        deploy(cfg, "pdserve", cfg.route_prefix)
-    else:
-        serve.run(build_app(cfg), name="pdserve", route_prefix=cfg.route_prefix, blocking=False)
+    # as a Serve config (an application-level policy needs one), so that `pdserve deploy` can
+    # change it in place later
+    deploy(cfg, "pdserve", cfg.route_prefix)
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     _wait_healthy(base, timeout=600)
     print(f"\npdserve is up ({cfg.mode}) at {base}  model: {cfg.model_name}\n\n"
           f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{cfg.model_name}\", \"messages\": [{{\"role\": \"user\", "
-          f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'\n\nCtrl-C stops everything.", flush=True)
+          f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'\n\n"
+          f"Change it (from another shell): {change}\nCtrl-C stops everything.", flush=True)
     stop = threading.Event()
     # Ray installs its own SIGINT handling in the driver; ours makes Ctrl-C (and SIGTERM) stop cleanly.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -150,6 +218,17 @@ def _generate(args) -> int:
     return 0
 
 
+def _app_arguments(p: argparse.ArgumentParser) -> None:
+    """The application's options, shared by `serve` and `deploy` (`_app_config` reads them)."""
+    p.add_argument("--config", help="Serve config YAML (see serve_config.yaml)")
+    p.add_argument("--model", help="default model id or a local HF model directory")
+    p.add_argument("--model-cache", help="where the default model is converted and cached")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"])
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--prefill-replicas", type=int)
+    p.add_argument("--decode-replicas", type=int)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:                       # its own parser: see pdserve/bench.py
@@ -158,18 +237,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="start the OpenAI-compatible service on Ray Serve")
-    s.add_argument("--config", help="Serve config YAML (see serve_config.yaml)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     s.add_argument("--address", help="existing Ray cluster address (e.g. 'auto' on a `ray up` head node); "
                                      "default: start a local cluster")
-    s.add_argument("--model", help="default model id or a local HF model directory")
-    s.add_argument("--model-cache", help="where the default model is converted and cached")
-    s.add_argument("--mode", choices=["disaggregated", "colocated"])
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    s.add_argument("--prefill-replicas", type=int)
-    s.add_argument("--decode-replicas", type=int)
+    _app_arguments(s)
     s.set_defaults(fn=_serve)
+    d = sub.add_parser("deploy", help="deploy a config over the running pdserve (scaling changes in place)")
+    d.add_argument("--address", default="auto", help="the Ray cluster pdserve serves on (default: auto, the "
+                                                     "cluster `pdserve serve` or `ray start` began on this machine)")
+    d.add_argument("--name", default="pdserve", help="Serve application name (default pdserve)")
+    d.add_argument("--timeout", type=float, default=600, help="seconds to wait for the new config to run")
+    d.add_argument("--dry-run", action="store_true", help="print the Serve config it would deploy (for "
+                                                          "`serve deploy`), deploy nothing")
+    _app_arguments(d)
+    d.set_defaults(fn=_deploy)
     lc = sub.add_parser("local-cluster", help="cluster.local.yaml on this machine (Ray's autoscaler with fake "
                                               "nodes) with pdserve deployed; Ctrl-C stops everything")
     lc.add_argument("--cluster", default="cluster.local.yaml", help="fake multi-node cluster config")

@@ -33,6 +33,7 @@ duration of `ray.init` only, like the single-node switch).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from serving import ray_compat
@@ -72,3 +73,23 @@ def init(num_cpus: int | None = None, logging_level: str = "WARNING", log_to_dri
     if problem:
         ray.shutdown()
         raise LocalRayError(f"the local Ray cluster is not as pdserve requires: {problem}")
+
+
+def connect(address: str = "auto", logging_level: str = "WARNING", log_to_driver: bool = True) -> None:
+    """Join a running Ray cluster as a driver (`pdserve deploy`, `pdserve serve --address`).
+    `address`: host:port, or "auto" (RAY_ADDRESS, the last `ray start`, or the one Ray cluster
+    running on this machine). A cluster on loopback (what `init` starts) is joined with Ray's
+    single-node switch on, as `init` starts it (without it Ray rewrites 127.0.0.1 to the machine's
+    network address, where such a cluster does not listen, and waits for it for minutes) and with
+    token authentication (`init` turns it on; a driver joining a cluster has it off unless
+    RAY_AUTH_MODE says so: this sets RAY_AUTH_MODE=token in os.environ unless it is set).
+    Raises ConnectionError when "auto" finds no cluster or the cluster refuses the driver."""
+    import ray
+
+    resolved = ray_compat.bootstrap_address(address)
+    loopback = resolved.rsplit(":", 1)[0] in (LOOPBACK, "localhost")
+    if loopback and AUTH_MODE_ENV not in os.environ:
+        os.environ[AUTH_MODE_ENV] = "token"
+        ray_compat.reload_auth_config()
+    with ray_compat.single_node_start() if loopback else contextlib.nullcontext():
+        ray.init(address=resolved, logging_level=logging_level, log_to_driver=log_to_driver)

@@ -1,11 +1,13 @@
 """Per-pool autoscaling policies for Ray Serve (torch-free).
 
-Each pool scales on its own signal, reported by its replicas through
-`record_autoscaling_stats` (see `serving.engine_host.EngineReplica`):
-  * prefill: queued prompt tokens (queued or mid-prefill), summed over replicas, against
-    `target_queued_tokens` per replica;
-  * decode: KV-block utilization and running sequences, summed over replicas, against
-    `target_kv_utilization` and `target_running` per replica (whichever needs more).
+Each pool scales on its own signal, reported by its replicas through `record_autoscaling_stats`
+(see `serving.engine_host.EngineReplica`) as a fraction of the pool's per-replica target, which
+the replicas hold (`serving.config.ScalingTargets`, the deployment's `user_config`; Serve applies
+a new one in place, where a policy's own arguments are part of the application's code version and
+a change restarts every replica):
+  * prefill: queued prompt tokens (queued or mid-prefill) / `target_queued_tokens`;
+  * decode: KV-block utilization / `target_kv_utilization` and running sequences /
+    `target_running`, each summed over replicas, whichever needs more.
 Load is summed, never averaged, so a fresh replica reporting zeros does not dilute it.
 Hysteresis: scale up as soon as the load needs more replicas; scale down one replica at a time
 and only when the load would still sit below `(1 - hysteresis)` of the target on one replica
@@ -22,6 +24,16 @@ PREFILL_METRIC = "queued_prompt_tokens"
 KV_METRIC = "kv_utilization"
 RUNNING_METRIC = "running"
 WAITING_METRIC = "waiting"          # sequences queued in the engine (decode: landed, not yet running)
+# each a replica's load in replicas: its raw signal over its pool's target (`load_metrics`)
+QUEUED_LOAD, KV_LOAD, RUNNING_LOAD = "queued_load", "kv_load", "running_load"
+
+
+def load_metrics(queued_prompt_tokens: float, kv_utilization: float, running: float, targets) -> dict[str, float]:
+    """What a replica reports for the policies below: each signal over its target
+    (`targets`: a serving.config.ScalingTargets)."""
+    return {QUEUED_LOAD: queued_prompt_tokens / targets.target_queued_tokens,
+            KV_LOAD: kv_utilization / targets.target_kv_utilization,
+            RUNNING_LOAD: running / targets.target_running}
 
 
 @dataclass(frozen=True)
@@ -79,30 +91,18 @@ class _PoolPolicy:
 
 
 class PrefillPolicy(_PoolPolicy):
-    """Prefill pool: queued prompt tokens per replica against a target."""
-
-    def __init__(self, target_queued_tokens: float = 2048, **kw):
-        super().__init__(**kw)
-        if target_queued_tokens <= 0:
-            raise ValueError("target_queued_tokens must be positive")
-        self.target = target_queued_tokens
+    """Prefill pool: queued prompt tokens per replica against its target."""
 
     def needed(self, metrics) -> float | None:
-        queued = _replica_values(metrics, PREFILL_METRIC)
-        return sum(queued.values()) / self.target if queued else None
+        queued = _replica_values(metrics, QUEUED_LOAD)
+        return sum(queued.values()) if queued else None
 
 
 class DecodePolicy(_PoolPolicy):
-    """Decode pool: KV utilization and running sequences per replica against targets."""
-
-    def __init__(self, target_kv_utilization: float = 0.7, target_running: float = 32, **kw):
-        super().__init__(**kw)
-        if not 0 < target_kv_utilization <= 1 or target_running <= 0:
-            raise ValueError("target_kv_utilization must be in (0, 1] and target_running positive")
-        self.target_kv, self.target_running = target_kv_utilization, target_running
+    """Decode pool: KV utilization and running sequences per replica against their targets."""
 
     def needed(self, metrics) -> float | None:
-        kv, running = _replica_values(metrics, KV_METRIC), _replica_values(metrics, RUNNING_METRIC)
+        kv, running = _replica_values(metrics, KV_LOAD), _replica_values(metrics, RUNNING_LOAD)
         if not kv and not running:
             return None
-        return max(sum(kv.values()) / self.target_kv, sum(running.values()) / self.target_running)
+        return max(sum(kv.values()), sum(running.values()))

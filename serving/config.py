@@ -72,7 +72,16 @@ class PoolBounds(_Model):
         return self
 
 
-class AutoscalingOptions(PoolBounds):
+class ScalingTargets(_Model):
+    """The per-replica load targets of a pool's autoscaling policy (serving.autoscaling). They reach
+    the replicas as the deployment's `user_config` (each replica reports its load as a fraction of
+    them), so a new target is applied in place, without restarting a replica."""
+    target_queued_tokens: float = Field(2048.0, gt=0, description="Prefill: queued prompt tokens per replica.")
+    target_kv_utilization: float = Field(0.7, gt=0, le=1, description="Decode: KV-block utilization per replica.")
+    target_running: float = Field(32.0, gt=0, description="Decode: running sequences per replica.")
+
+
+class AutoscalingOptions(PoolBounds, ScalingTargets):
     """Per-pool autoscaling (serving.autoscaling); set on a pool to replace its fixed count."""
     upscale_delay_s: float = Field(5.0, ge=0, description="A scale-up must be wanted this long first.")
     downscale_delay_s: float = Field(30.0, ge=0, description="A scale-down must be wanted this long first.")
@@ -81,9 +90,10 @@ class AutoscalingOptions(PoolBounds):
     warmup_s: float = Field(10.0, ge=0, description="No scale-down while a replica younger than this exists.")
     hysteresis: float = Field(0.2, ge=0, lt=1, description="Scale down only below (1 - hysteresis) of the "
                                                           "target on one replica fewer.")
-    target_queued_tokens: float = Field(2048, gt=0, description="Prefill: queued prompt tokens per replica.")
-    target_kv_utilization: float = Field(0.7, gt=0, le=1, description="Decode: KV-block utilization per replica.")
-    target_running: float = Field(32, gt=0, description="Decode: running sequences per replica.")
+
+    @property
+    def targets(self) -> ScalingTargets:
+        return ScalingTargets(**{k: getattr(self, k) for k in ScalingTargets.model_fields})
 
 
 class SloAutoscalingOptions(_Model):

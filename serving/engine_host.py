@@ -18,7 +18,8 @@ import ray
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from serving import messages
-from serving.config import AppConfig, EngineOptions
+from serving.autoscaling import KV_METRIC, PREFILL_METRIC, RUNNING_METRIC, WAITING_METRIC, load_metrics
+from serving.config import AppConfig, EngineOptions, ScalingTargets
 from serving.cpu_share import CpuShare
 from serving.histogram import REPLICA_HISTOGRAMS, Histogram
 from serving.models import resolve_model
@@ -59,6 +60,10 @@ class EngineHost:
         self.counters: dict[str, float] = {}   # service-level counters, reported with the stats
         self.histograms: dict[str, Histogram] = {}   # REPLICA_HISTOGRAMS, reported with the stats
         self.series = ReplicaSeries(pool)
+        scaling = getattr(config, pool).autoscaling
+        # the autoscaling policy's per-replica targets; the deployment's user_config replaces them
+        # (EngineReplica.reconfigure), in place
+        self.targets = scaling.targets if scaling is not None else ScalingTargets()
         log.info("%s replica %s: %d KV blocks of %d tokens (%s on %s), max_model_len %d", pool,
                  self.replica_id, engine.block_manager.num_blocks, engine.config.block_size,
                  engine.runner.kv_shape.dtype, engine.runner.device, engine.max_model_len)
@@ -150,12 +155,21 @@ class EngineReplica:
         self.host.start_stats_pusher()
         return await self.host.routing_stats()
 
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve's hook for the deployment's `user_config`, called after `__init__` and again, in
+        place, when a deploy changes it: the pool's autoscaling targets (`ScalingTargets` fields;
+        an invalid one fails the deploy with pydantic's message)."""
+        self.host.targets = ScalingTargets.model_validate(user_config or {})
+        log.info("%s replica %s: autoscaling targets %s", self.host.pool, self.host.replica_id, self.host.targets)
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's autoscaling hook: the signals of serving.autoscaling's policies."""
+        """Serve's autoscaling hook: the signals of serving.autoscaling's policies (each raw, for
+        the SLO policy and the dashboards, and as a fraction of this pool's target)."""
         s = await self.host.stats()
-        return {"queued_prompt_tokens": float(s.waiting_prompt_tokens),
-                "kv_utilization": 1.0 - s.kv_blocks_free / max(s.kv_blocks_total, 1),
-                "running": float(s.running), "waiting": float(s.waiting)}
+        raw = {PREFILL_METRIC: float(s.waiting_prompt_tokens),
+               KV_METRIC: 1.0 - s.kv_blocks_free / max(s.kv_blocks_total, 1),
+               RUNNING_METRIC: float(s.running), WAITING_METRIC: float(s.waiting)}
+        return {**raw, **load_metrics(raw[PREFILL_METRIC], raw[KV_METRIC], raw[RUNNING_METRIC], self.host.targets)}
 
     async def check_health(self) -> None:
         """Serve's health hook: raising makes Serve replace the replica. Fails when the engine can

@@ -36,6 +36,15 @@ turns on for every call), for the calls that carry each streamed token:
     router's calls stay by reference (`direct_stream` checks the limit its process read).
   Measured (`benchmarks/host_cpu.py`, README "Serving overhead"): CPU per streamed token in the
   router, the proxy and the decode replica's loop roughly halves.
+A driver joining a cluster that listens on loopback (`pdserve deploy` to a local `pdserve serve`):
+  * `bootstrap_address`: the address `ray.init(address=...)` would join, found as Ray finds it
+    (RAY_ADDRESS, the last `ray start`, a running GCS on this machine) but not rewritten: Ray
+    turns a 127.0.0.1 address into the machine's network address, where a local cluster does not
+    listen (pdserve/local_ray.py `connect` joins it inside `single_node_start`).
+Redeploying the application (`pdserve deploy`, pdserve/cli.py) says beforehand whether Serve will
+replace every replica or change the deployments in place:
+  * `app_code_version`: Serve's code version of an application config (a hash of its `args`,
+    import path, runtime env and autoscaling policies; every deployment's version), private in Ray 2.60.
 Nothing else in pdserve may import `ray.serve._private` or `ray._private`. pyproject.toml pins
 Ray to the range the tests have run on; tests/test_ray_compat.py imports these names and exercises
 the helpers, so an upgrade that moves them fails there, loudly, before anything is deployed.
@@ -50,12 +59,14 @@ from collections.abc import Iterator
 
 from ray._private import parameter as ray_parameter
 from ray._private import ray_constants
+from ray._private import services as ray_services
 from ray._private.authentication import authentication_utils
 from ray.serve._private import constants as serve_constants
+from ray.serve._private.deploy_utils import get_app_code_version
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 __all__ = ["FIFOMixin", "PendingRequest", "RequestRouter", "RunningReplica", "SERVE_NODE_ENV", "SINGLE_NODE_ENV",
-           "HEAD_METRICS_PORT_ENVS", "agent_listen_port", "back_off_when_full", "direct_stream", "free_port",
+           "HEAD_METRICS_PORT_ENVS", "agent_listen_port", "app_code_version", "bootstrap_address", "back_off_when_full", "direct_stream", "free_port",
            "head_ports_env", "in_flight", "reload_auth_config", "scoped_environ",
            "serve_node_env", "single_node_start", "token_auth_enabled"]
 
@@ -167,3 +178,20 @@ def reload_auth_config() -> None:
 def token_auth_enabled() -> bool:
     """Whether Ray in this process runs with token authentication (RAY_AUTH_MODE=token)."""
     return authentication_utils.is_token_auth_enabled()
+
+
+def app_code_version(app_config: dict) -> str:
+    """Serve's code version of one application config (an entry of a Serve config's
+    `applications`): equal for two configs exactly when Serve changes a running application from
+    one to the other in place, without replacing its replicas."""
+    from ray.serve.schema import ServeApplicationSchema
+    return get_app_code_version(ServeApplicationSchema.model_validate(app_config))
+
+
+def bootstrap_address(address: str) -> str:
+    """The host:port a driver given `address` ("auto", or host:port) would join, before Ray's
+    localhost rewrite. Raises ConnectionError when "auto" finds no cluster (or several)."""
+    found = ray_services.get_ray_address_from_environment(address, None)
+    if not found or found == "auto":
+        raise ConnectionError(f"no running Ray cluster found for address {address!r}")
+    return found

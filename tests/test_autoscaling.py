@@ -10,8 +10,8 @@ from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from pdserve.app_builder import autoscaling_config
-from serving.autoscaling import DecodePolicy, PrefillPolicy, decide
-from serving.config import AutoscalingOptions
+from serving.autoscaling import KV_LOAD, QUEUED_LOAD, RUNNING_LOAD, DecodePolicy, PrefillPolicy, decide, load_metrics
+from serving.config import AutoscalingOptions, ScalingTargets
 
 
 def ctx(metrics, replicas, state=None, now=100.0, min_r=1, max_r=4, target=None):
@@ -41,56 +41,80 @@ def test_decide_rules():
     assert decide(0.1, 2, 0.2, True).replicas == 2           # no scale-down while warming up
 
 
+def loads(targets: ScalingTargets, queued=None, kv=None, running=None) -> dict[str, list[float]]:
+    """What each replica reports (`load_metrics`, as EngineReplica.record_autoscaling_stats) for
+    these raw signals, one value per replica, as `ctx` takes them."""
+    n = len(queued or kv or running)
+    per_replica = [load_metrics((queued or [0] * n)[i], (kv or [0] * n)[i], (running or [0] * n)[i], targets)
+                   for i in range(n)]
+    names = ([QUEUED_LOAD] if queued else []) + ([KV_LOAD, RUNNING_LOAD] if kv or running else [])
+    return {name: [r[name] for r in per_replica] for name in names}
+
+
 def test_prefill_scales_up_on_queued_tokens():
-    n, _ = run(PrefillPolicy(target_queued_tokens=2048), ctx({"queued_prompt_tokens": [3000, 2500]}, 2, OLD))
+    t = ScalingTargets(target_queued_tokens=2048)
+    n, _ = run(PrefillPolicy(), ctx(loads(t, queued=[3000, 2500]), 2, OLD))
     assert n == 3
 
 
 def test_prefill_holds_then_scales_down_one_at_a_time():
-    p = PrefillPolicy(target_queued_tokens=1000, hysteresis=0.2)
-    assert run(p, ctx({"queued_prompt_tokens": [900, 700]}, 2, OLD))[0] == 2      # 1.6 replicas: hold
-    assert run(p, ctx({"queued_prompt_tokens": [100, 0, 0]}, 3, OLD))[0] == 2     # 0.1: one down
+    p, t = PrefillPolicy(hysteresis=0.2), ScalingTargets(target_queued_tokens=1000)
+    assert run(p, ctx(loads(t, queued=[900, 700]), 2, OLD))[0] == 2      # 1.6 replicas: hold
+    assert run(p, ctx(loads(t, queued=[100, 0, 0]), 3, OLD))[0] == 2     # 0.1: one down
 
 
 def test_decode_scales_on_kv_and_running():
-    p = DecodePolicy(target_kv_utilization=0.5, target_running=10)
-    assert run(p, ctx({"kv_utilization": [0.9], "running": [2]}, 1, OLD))[0] == 2      # KV-bound
-    assert run(p, ctx({"kv_utilization": [0.1], "running": [25]}, 1, OLD))[0] == 3     # running-bound
-    assert run(p, ctx({"kv_utilization": [0.1, 0.0], "running": [1, 0]}, 2, OLD))[0] == 1
+    p, t = DecodePolicy(), ScalingTargets(target_kv_utilization=0.5, target_running=10)
+    assert run(p, ctx(loads(t, kv=[0.9], running=[2]), 1, OLD))[0] == 2      # KV-bound
+    assert run(p, ctx(loads(t, kv=[0.1], running=[25]), 1, OLD))[0] == 3     # running-bound
+    assert run(p, ctx(loads(t, kv=[0.1, 0.0], running=[1, 0]), 2, OLD))[0] == 1
+
+
+def test_the_replicas_targets_decide_a_new_target_needs_no_new_policy():
+    p = DecodePolicy()
+    metrics = {"kv": [0.1, 0.1], "running": [12, 12]}
+    assert run(p, ctx(loads(ScalingTargets(target_running=32), **metrics), 2, OLD))[0] == 1   # 0.75 replicas
+    assert run(p, ctx(loads(ScalingTargets(target_running=8), **metrics), 2, OLD))[0] == 3    # 3 replicas
 
 
 def test_bounds_are_applied():
-    p = DecodePolicy(target_kv_utilization=0.5, target_running=1)
-    assert run(p, ctx({"kv_utilization": [1.0], "running": [50]}, 1, OLD, max_r=3))[0] == 3
-    assert run(p, ctx({"kv_utilization": [0.0, 0.0], "running": [0, 0]}, 2, OLD, min_r=2))[0] == 2
+    p, t = DecodePolicy(), ScalingTargets(target_kv_utilization=0.5, target_running=1)
+    assert run(p, ctx(loads(t, kv=[1.0], running=[50]), 1, OLD, max_r=3))[0] == 3
+    assert run(p, ctx(loads(t, kv=[0.0, 0.0], running=[0, 0]), 2, OLD, min_r=2))[0] == 2
 
 
 def test_no_flapping_on_a_fresh_replica():
-    p = DecodePolicy(target_kv_utilization=0.5, target_running=4, warmup_s=10)
-    n, state = run(p, ctx({"kv_utilization": [0.3], "running": [6]}, 1, {"first_seen": {"r0": 0.0}}, now=50))
+    p, t = DecodePolicy(warmup_s=10), ScalingTargets(target_kv_utilization=0.5, target_running=4)
+    n, state = run(p, ctx(loads(t, kv=[0.3], running=[6]), 1, {"first_seen": {"r0": 0.0}}, now=50))
     assert n == 2
     # the new replica reports zeros and the old one's load has not moved yet: summed load holds at 2
-    n, state = run(p, ctx({"kv_utilization": [0.3, 0.0], "running": [6, 0]}, 2, state, now=51))
+    n, state = run(p, ctx(loads(t, kv=[0.3, 0.0], running=[6, 0]), 2, state, now=51))
     assert n == 2
     # load falls while the new replica is still warming up: no scale-down yet
-    n, state = run(p, ctx({"kv_utilization": [0.05, 0.0], "running": [1, 0]}, 2, state, now=55))
+    n, state = run(p, ctx(loads(t, kv=[0.05, 0.0], running=[1, 0]), 2, state, now=55))
     assert n == 2 and "r1" in state["first_seen"]
     # after warm-up the low load may scale down
-    n, _ = run(p, ctx({"kv_utilization": [0.05, 0.0], "running": [1, 0]}, 2, state, now=70))
+    n, _ = run(p, ctx(loads(t, kv=[0.05, 0.0], running=[1, 0]), 2, state, now=70))
     assert n == 1
 
 
 def test_missing_metrics_hold():
     assert run(PrefillPolicy(), ctx({}, 2, OLD))[0] == 2   # no signal yet: neither up nor down
     assert run(PrefillPolicy(), ctx({}, 1, OLD))[0] == 1
+    # the raw signals alone (a replica without targets) are no load signal either
+    assert run(DecodePolicy(), ctx({"kv_utilization": [1.0], "running": [99]}, 1, OLD))[0] == 1
 
 
 def test_config_validation_and_serve_config():
     with pytest.raises(ValueError):
         AutoscalingOptions(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError):
-        DecodePolicy(target_kv_utilization=0)
-    cfg = autoscaling_config("decode", AutoscalingOptions(max_replicas=3, target_running=8))
+        ScalingTargets(target_kv_utilization=0)
+    with pytest.raises(ValueError):
+        DecodePolicy(hysteresis=1)
+    a = AutoscalingOptions(max_replicas=3, target_running=8, hysteresis=0.3)
+    cfg = autoscaling_config("decode", a)
     assert cfg["max_replicas"] == 3 and cfg["policy"]["policy_function"] == "serving.autoscaling:DecodePolicy"
-    assert cfg["policy"]["policy_kwargs"]["target_running"] == 8
+    assert cfg["policy"]["policy_kwargs"] == {"hysteresis": 0.3, "warmup_s": 10.0}     # no targets
     AutoscalingConfig(**cfg)   # Serve accepts it
+    assert a.targets == ScalingTargets(target_running=8)

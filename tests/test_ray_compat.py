@@ -119,3 +119,15 @@ def test_the_serve_environment_is_set_for_the_start_only(monkeypatch):
         assert os.environ["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == "9"
     assert "RAY_SERVE_PROXY_USE_GRPC" not in os.environ
     assert os.environ["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == "7"
+
+
+def test_bootstrap_address_is_the_one_ray_would_join_not_rewritten(monkeypatch):
+    """`pdserve deploy` joins a local pdserve's cluster at 127.0.0.1 (pdserve/local_ray.py `connect`):
+    Ray's own canonical form of that address is the machine's network address on Linux."""
+    from ray._private import services
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6553")
+    assert ray_compat.bootstrap_address("auto") == "127.0.0.1:6553"
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert ray_compat.bootstrap_address("127.0.0.1:6553") == "127.0.0.1:6553"
+    with ray_compat.single_node_start():
+        assert services.canonicalize_bootstrap_address("127.0.0.1:6553") == "127.0.0.1:6553"

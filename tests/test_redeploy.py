@@ -1,0 +1,100 @@
+"""Redeploying a config (`pdserve deploy`, pdserve/app_builder.py `application_config`): what Serve
+changes in place and what makes it replace every replica, decided by Serve's own code version of the
+application config (serving/ray_compat.py `app_code_version`); no Ray cluster needed."""
+
+import pytest
+from ray.serve.config import AutoscalingConfig
+from ray.serve.schema import ServeApplicationSchema
+
+from pdserve.app_builder import application_config, update_summary, without_scaling
+from serving.config import AppConfig, PoolBounds, ScalingTargets
+from serving.engine_host import EngineReplica
+from serving.ray_compat import app_code_version
+
+SCALING = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1}
+
+
+def app(**fields) -> dict:
+    return application_config(AppConfig.model_validate(fields), "x", "/")
+
+
+def test_scaling_goes_to_the_deployment_overrides_and_nothing_else_does():
+    a = app(prefill={"num_replicas": 3, "num_cpus": 2}, decode={"autoscaling": {**SCALING, "target_running": 8}})
+    ServeApplicationSchema(**a)                                         # Serve accepts it
+    assert a["args"]["prefill"]["num_replicas"] == 1 and a["args"]["decode"]["autoscaling"] is None
+    assert a["args"]["prefill"]["num_cpus"] == 2                        # resources stay in args
+    prefill, decode = a["deployments"]
+    assert prefill == {"name": "PrefillServer", "num_replicas": 3, "user_config": ScalingTargets().model_dump()}
+    assert decode["name"] == "DecodeServer" and "num_replicas" not in decode
+    assert decode["user_config"] == ScalingTargets(target_running=8).model_dump()
+    assert decode["autoscaling_config"]["policy"]["policy_kwargs"] == {"hysteresis": 0.2, "warmup_s": 10.0}
+    AutoscalingConfig(**decode["autoscaling_config"])
+    colocated = app(mode="colocated", colocated={"num_replicas": 2})
+    assert [(d["name"], d["num_replicas"]) for d in colocated["deployments"]] == [("ColocatedServer", 2)]
+    # stripped args validate back to the same config but for scaling
+    cfg = AppConfig.model_validate({"decode": {"autoscaling": SCALING}, "stream_interval_ms": 10})
+    assert AppConfig.model_validate(application_config(cfg)["args"]) == without_scaling(cfg)
+
+
+@pytest.mark.parametrize("change", [
+    {"prefill": {"num_replicas": 2}},                                                   # a fixed count
+    {"decode": {"autoscaling": {**SCALING, "max_replicas": 5, "min_replicas": 2}}},     # bounds
+    {"decode": {"autoscaling": {**SCALING, "upscale_delay_s": 9, "downscale_delay_s": 60}}},   # delays
+    {"decode": {"autoscaling": {**SCALING, "target_running": 4, "target_kv_utilization": 0.5}}},   # targets
+])
+def test_a_scaling_change_is_applied_in_place(change):
+    base = {"decode": {"autoscaling": SCALING}}
+    old, new = app(**base), app(**{**base, **change})
+    assert old != new and app_code_version(old) == app_code_version(new)
+    assert update_summary(old, new).startswith("in place, no replica restarted (")
+    assert update_summary(old, old) == "no change"
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"stream_interval_ms": 10}, "args.stream_interval_ms"),
+    ({"decode": {"autoscaling": SCALING, "engine": {"max_num_seqs": 8}}}, "args.decode"),
+    ({"decode": {"autoscaling": {**SCALING, "hysteresis": 0.5}}}, "DecodeServer autoscaling policy"),
+    ({"decode": {"num_replicas": 2}}, "DecodeServer autoscaling policy"),     # autoscaled -> fixed
+])
+def test_any_other_change_replaces_every_replica_and_says_what_changed(change, named):
+    old, new = app(decode={"autoscaling": SCALING}), app(**change)
+    assert app_code_version(old) != app_code_version(new)
+    summary = update_summary(old, new)
+    assert summary.startswith("Serve replaces every replica (changed: ") and named in summary, summary
+    assert update_summary(None, new) == "a new application"
+
+
+def test_slo_policy_bounds_in_place_its_targets_not_and_a_running_policy_is_kept(monkeypatch):
+    monkeypatch.setattr("pdserve.app_builder.resolve_model", lambda *a, **k: "qwen2.5-7b")
+    slo = {"ttft_slo": 1, "tpot_slo": 0.1, "hardware": "h100", "prefill_eff": 0.5, "decode_eff": 0.5}
+    old = app(autoscaling={**slo, "decode": {"max_replicas": 4}})
+    bounds = app(autoscaling={**slo, "decode": {"max_replicas": 8}})
+    assert old["args"]["autoscaling"]["decode"] == PoolBounds().model_dump()      # the bounds are not in args
+    assert app_code_version(old) == app_code_version(bounds)
+    assert bounds["deployments"][1]["autoscaling_config"]["max_replicas"] == 8
+    assert app_code_version(old) != app_code_version(app(autoscaling={**slo, "ttft_slo": 2}))
+    # `hardware: cpu` measures the CPU at each deploy: the running application's policy is kept
+    # while the args are the same, so a bounds change stays in place
+    measured = {**old, "autoscaling_policy": {**old["autoscaling_policy"], "measured": "earlier"}}
+    cfg = AppConfig.model_validate({"route_prefix": "/", "autoscaling": {**slo, "decode": {"max_replicas": 8}}})
+    kept = application_config(cfg, "x", "/", running=measured)
+    assert kept["autoscaling_policy"] == measured["autoscaling_policy"]
+    assert app_code_version(kept) == app_code_version(measured)
+    other = AppConfig.model_validate({"route_prefix": "/", "stream_interval_ms": 1, "autoscaling": slo})
+    assert application_config(other, "x", "/", running=measured)["autoscaling_policy"] == old["autoscaling_policy"]
+
+
+class _Host:
+    pool, replica_id, targets = "decode", "r0", ScalingTargets()
+
+
+def test_a_replica_takes_its_targets_from_the_user_config():
+    replica = EngineReplica()
+    replica.host = _Host()
+    replica.reconfigure({"target_running": 4})
+    assert replica.host.targets == ScalingTargets(target_running=4)
+    with pytest.raises(ValueError, match="target_running"):
+        replica.reconfigure({"target_running": 0})
+    with pytest.raises(ValueError):
+        replica.reconfigure({"target_bogus": 1})
+    replica._shut_down = True                    # nothing to close at collection
