@@ -31,7 +31,7 @@ def _serve(args) -> int:
             raise SystemExit(str(exc)) from exc
     else:
         _connect(args.address)
-    change = f"pdserve deploy --config {args.config or 'FILE'}" + (f" --address {args.address}" if args.address else "")
+    change = f"pdserve deploy --address {ray.get_runtime_context().gcs_address} --config {args.config or 'FILE'}"
     return _serve_until_stopped(cfg, args.host, args.port, change=change)
 
 
@@ -97,6 +97,7 @@ def _wait_deployed(name: str, app: dict, timeout: float) -> int:
     """Wait until application `name` runs `app`: 0, or 1 when its deploy failed or `timeout`
     passed (with Serve's messages)."""
     from ray.serve.context import _get_global_client
+
     def status(x: dict):
         return getattr(x.get("status"), "value", x.get("status"))      # a str enum or a str
 

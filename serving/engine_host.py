@@ -158,13 +158,13 @@ class EngineReplica:
     def reconfigure(self, user_config: dict) -> None:
         """Serve's hook for the deployment's `user_config`, called after `__init__` and again, in
         place, when a deploy changes it: the pool's autoscaling targets (`ScalingTargets` fields;
-        an invalid one fails the deploy with pydantic's message)."""
+        an invalid one raises pydantic's error, which Serve reports for the deployment)."""
         self.host.targets = ScalingTargets.model_validate(user_config or {})
         log.info("%s replica %s: autoscaling targets %s", self.host.pool, self.host.replica_id, self.host.targets)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's autoscaling hook: the signals of serving.autoscaling's policies (each raw, for
-        the SLO policy and the dashboards, and as a fraction of this pool's target)."""
+        """Serve's autoscaling hook: the signals of serving.autoscaling's policies (each raw, which
+        the SLO policy reads, and as a fraction of this pool's target, which the per-pool ones do)."""
         s = await self.host.stats()
         raw = {PREFILL_METRIC: float(s.waiting_prompt_tokens),
                KV_METRIC: 1.0 - s.kv_blocks_free / max(s.kv_blocks_total, 1),

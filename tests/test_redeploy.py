@@ -6,7 +6,7 @@ import pytest
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeApplicationSchema
 
-from pdserve.app_builder import application_config, update_summary, without_scaling
+from pdserve.app_builder import application_config, deploy_app, update_summary, without_scaling
 from serving.config import AppConfig, PoolBounds, ScalingTargets
 from serving.engine_host import EngineReplica
 from serving.ray_compat import app_code_version
@@ -98,3 +98,32 @@ def test_a_replica_takes_its_targets_from_the_user_config():
     with pytest.raises(ValueError):
         replica.reconfigure({"target_bogus": 1})
     replica._shut_down = True                    # nothing to close at collection
+
+
+class _Client:
+    """Serve's client as `deploy_app` uses it: the applications' details, and what was deployed."""
+
+    def __init__(self, details: dict):
+        self.details, self.deployed = details, None
+
+    def get_serve_details(self) -> dict:
+        return {"applications": self.details}
+
+    def deploy_apps(self, config) -> None:
+        self.deployed = config
+
+
+def test_a_deploy_keeps_the_other_applications_deployed_from_a_config(monkeypatch):
+    """A Serve config deploy removes the config-deployed applications it does not list: `deploy_app`
+    lists them again, as deployed; imperatively deployed ones (`serve.run`) are not Serve's to remove."""
+    other = {"name": "other", "route_prefix": "/other", "import_path": "mod:app", "args": {"k": 1}}
+    old = app(stream_interval_ms=10)
+    client = _Client({"other": {"source": "declarative", "deployed_app_config": other},
+                      "x": {"source": "declarative", "deployed_app_config": old},
+                      "run": {"source": "imperative", "deployed_app_config": None}})
+    monkeypatch.setattr("ray.serve.context._get_global_client", lambda: client)
+    new = app()
+    deploy_app(new)
+    deployed = {a.name: a for a in client.deployed.applications}
+    assert set(deployed) == {"other", "x"}
+    assert deployed["other"].args == {"k": 1} and deployed["x"].args == new["args"]
