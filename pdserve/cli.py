@@ -69,11 +69,11 @@ def _local_cluster(args) -> int:
 def _deploy(args) -> int:
     """`pdserve deploy`: deploy a config over the pdserve application running on a Ray cluster (or
     print the Serve config it would deploy). Scaling changes apply in place; what else changed
-    makes Serve replace every replica (pdserve/app_builder.py `application_config`); it says which
+    makes Serve replace every replica (pdserve/serve_config.py `application_config`); it says which
     before it deploys, then waits until the application runs."""
     import yaml
 
-    from pdserve.app_builder import application_config, deploy_app, deployed_app_configs, update_summary
+    from pdserve.serve_config import application_config, deploy_app, deployed_app_configs, update_summary
     if args.dry_run:
         cfg = _app_config(args)
         print(yaml.safe_dump({"applications": [application_config(cfg, args.name)]}, sort_keys=False), end="")
@@ -161,7 +161,7 @@ def _serve_until_stopped(cfg, host: str, port: int, change: str, proxy_location:
     import ray
     from ray import serve
 
-    from pdserve.app_builder import deploy
+    from pdserve.serve_config import deploy
     serve.start(http_options={"host": host, "port": port},
                 **({"proxy_location": proxy_location} if proxy_location else {}))
     # as a Serve config (an application-level policy needs one), so that `pdserve deploy` can

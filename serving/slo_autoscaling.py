@@ -14,7 +14,7 @@ What `SloPolicy.__call__` does each tick:
      the correction factors and the reason in the prefill pool's policy state.
 Draining is Serve's: a decode replica being removed stops receiving requests and finishes its streams
 (`graceful_shutdown_timeout_s`). The per-replica model arrives as `model` (StepModel fields as plain
-numbers, policy_kwargs must be JSON); pdserve/app_builder.py builds it from the planner.
+numbers, policy_kwargs must be JSON); pdserve/serve_config.py builds it from the planner.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from pdserve.app_builder import autoscaling_config
+from pdserve.serve_config import autoscaling_config
 from serving.autoscaling import KV_LOAD, QUEUED_LOAD, RUNNING_LOAD, DecodePolicy, PrefillPolicy, decide, load_metrics
 from serving.config import AutoscalingOptions, ScalingTargets
 

@@ -1,4 +1,4 @@
-"""Redeploying a config (`pdserve deploy`, pdserve/app_builder.py `application_config`): what Serve
+"""Redeploying a config (`pdserve deploy`, pdserve/serve_config.py `application_config`): what Serve
 changes in place and what makes it replace every replica, decided by Serve's own code version of the
 application config (serving/ray_compat.py `app_code_version`); no Ray cluster needed."""
 
@@ -6,7 +6,7 @@ import pytest
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeApplicationSchema
 
-from pdserve.app_builder import application_config, deploy_app, update_summary, without_scaling
+from pdserve.serve_config import application_config, deploy_app, update_summary, without_scaling
 from serving.config import AppConfig, PoolBounds, ScalingTargets
 from serving.engine_host import EngineReplica
 from serving.ray_compat import app_code_version
@@ -65,7 +65,7 @@ def test_any_other_change_replaces_every_replica_and_says_what_changed(change, n
 
 
 def test_slo_policy_bounds_in_place_its_targets_not_and_a_running_policy_is_kept(monkeypatch):
-    monkeypatch.setattr("pdserve.app_builder.resolve_model", lambda *a, **k: "qwen2.5-7b")
+    monkeypatch.setattr("pdserve.serve_config.resolve_model", lambda *a, **k: "qwen2.5-7b")
     slo = {"ttft_slo": 1, "tpot_slo": 0.1, "hardware": "h100", "prefill_eff": 0.5, "decode_eff": 0.5}
     old = app(autoscaling={**slo, "decode": {"max_replicas": 4}})
     bounds = app(autoscaling={**slo, "decode": {"max_replicas": 8}})

@@ -13,7 +13,7 @@ import ray
 import yaml
 from ray import serve
 
-from pdserve.app_builder import deploy
+from pdserve.serve_config import deploy
 from service_util import TINY_ENGINE, closed_loop_load, http, pools_all_free, reaches, wait_healthy, wait_until
 from serving.config import AppConfig
 

@@ -11,7 +11,8 @@ from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from ray.serve.schema import ServeApplicationSchema
 
-from pdserve.app_builder import _pool_options, application_config
+from pdserve.app_builder import _pool_options
+from pdserve.serve_config import application_config
 from router.slo_window import SloWindow
 from serving.config import AppConfig, PoolConfig
 from serving.slo_autoscaling import INPUT, OUTPUT, RATE, REFUSED, SAMPLES, TPOT_P90, TTFT_P90, SloPolicy
@@ -165,7 +166,7 @@ def test_config_wiring(monkeypatch):
     assert "num_replicas" not in opts and opts["autoscaling_config"]["max_replicas"] == 6
     assert "policy" not in opts["autoscaling_config"]                  # the app's policy decides
     AutoscalingConfig(**opts["autoscaling_config"])
-    monkeypatch.setattr("pdserve.app_builder.resolve_model", lambda *a, **k: "qwen2.5-7b")
+    monkeypatch.setattr("pdserve.serve_config.resolve_model", lambda *a, **k: "qwen2.5-7b")
     app = application_config(cfg, "x", "/")
     assert app["autoscaling_policy"]["policy_function"] == "serving.slo_autoscaling:SloPolicy"
     ServeApplicationSchema(**app)                                       # Serve accepts it

@@ -14,7 +14,7 @@ import time
 import pytest
 from ray import serve
 
-from pdserve.app_builder import deploy, slo_policy
+from pdserve.serve_config import deploy, slo_policy
 from pdserve.plan.model import resolve_spec
 from service_util import TINY_ENGINE, closed_loop_load, http, pools_all_free, reaches, wait_healthy, wait_until
 from serving.config import AppConfig

@@ -1,5 +1,5 @@
 """`pdserve plan` and `pdserve simulate`: capacity planning tools (the replicas never import them;
-pdserve/app_builder.py uses the planner to build the SLO policy's per-replica model).
+pdserve/serve_config.py uses the planner to build the SLO policy's per-replica model).
 
   roofline      the prefill/decode roofline math, hardware and model presets, `plan()`
   model         model specs from a Hugging Face config (or a preset)
