@@ -2,6 +2,7 @@
 no `--address`, and what the tests and the benchmarks start.
 
 Who calls: the driver, once, instead of a plain `ray.init()`; `ray.shutdown()` ends it as usual.
+`connect` is for a second driver joining such a cluster (`pdserve deploy`), or any running cluster.
 
 Why more than `ray.init(_node_ip_address="127.0.0.1")`: Ray 2.60 rewrites a loopback node address to
 the machine's network address (`resolve_ip_for_localhost`) on Linux, and its C++ servers (GCS,
