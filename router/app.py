@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import random
 import time
 import uuid
 
@@ -30,6 +31,7 @@ from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import context_limit
+from engine.sampling_params import SamplingParams
 from router.choices import Choices
 from router.contract import Served, openapi_document
 from router.guards import Guards, GuardSettings
@@ -73,6 +75,19 @@ async def _unexpected(request: Request, exc: Exception):
     """A bug: a 500 in OpenAI's format (Starlette logs the exception)."""
     return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
 
+
+
+def choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The sampling parameters of the `j`-th choice of a prompt. With a seed: seed + j (a prompt's
+    choices differ, each reproducible). Sampled without one: a seed drawn here, once for all the
+    choice's attempts, so that a request moved on after its replica died (router/orchestrator.py)
+    draws the random numbers the uninterrupted one would have, as a seeded request does (the
+    engine draws from a request's own generator either way). Greedy: unchanged."""
+    if params.seed is not None:
+        return dataclasses.replace(params, seed=(params.seed + j) % 2**63) if j else params
+    if params.greedy:
+        return params
+    return dataclasses.replace(params, seed=random.getrandbits(63))
 
 class ChoiceView:
     """One choice as the client sees it: `piece(event)` gives the text and the logprobs object
@@ -256,11 +271,10 @@ class Router:
 
     def _choice(self, rid: str, index: int, j: int, ids: list[int], params):
         """Choice `index` of a request, the `j`-th of its prompt: its own request id in the pools
-        and, when the request has a seed, seed + j (a prompt's choices differ, each reproducible)."""
+        and its sampling parameters (`choice_params`)."""
         if index:
             rid = f"{rid}-{index}"
-        if j and params.seed is not None:
-            params = dataclasses.replace(params, seed=(params.seed + j) % 2**63)
+        params = choice_params(params, j)
         return lambda: self._timed(self.orchestrator.run(rid, ids, params))
 
     async def _timed(self, events):
