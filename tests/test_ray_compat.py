@@ -131,3 +131,17 @@ def test_bootstrap_address_is_the_one_ray_would_join_not_rewritten(monkeypatch):
     assert ray_compat.bootstrap_address("127.0.0.1:6553") == "127.0.0.1:6553"
     with ray_compat.single_node_start():
         assert services.canonicalize_bootstrap_address("127.0.0.1:6553") == "127.0.0.1:6553"
+
+
+def test_app_code_version_sees_args_and_policies_not_the_deployment_overrides():
+    """What `pdserve deploy` relies on (pdserve/serve_config.py): Serve's code version of an
+    application config ignores a deployment override's replica count and user_config, and sees
+    `args` and an override's autoscaling policy."""
+    app = {"name": "x", "import_path": "m:app", "args": {"a": 1},
+           "deployments": [{"name": "D", "num_replicas": 1, "user_config": {"t": 1}}]}
+    same = {**app, "deployments": [{"name": "D", "num_replicas": 3, "user_config": {"t": 2}}]}
+    assert ray_compat.app_code_version(app) == ray_compat.app_code_version(same)
+    assert ray_compat.app_code_version(app) != ray_compat.app_code_version({**app, "args": {"a": 2}})
+    policy = {"name": "D", "autoscaling_config": {
+        "policy": {"policy_function": "serving.autoscaling:DecodePolicy", "policy_kwargs": {"hysteresis": 0.1}}}}
+    assert ray_compat.app_code_version(app) != ray_compat.app_code_version({**app, "deployments": [policy]})
