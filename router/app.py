@@ -76,7 +76,6 @@ async def _unexpected(request: Request, exc: Exception):
     return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
-
 def choice_params(params: SamplingParams, j: int) -> SamplingParams:
     """The sampling parameters of the `j`-th choice of a prompt. With a seed: seed + j (a prompt's
     choices differ, each reproducible). Sampled without one: a seed drawn here, once for all the
@@ -88,6 +87,7 @@ def choice_params(params: SamplingParams, j: int) -> SamplingParams:
     if params.greedy:
         return params
     return dataclasses.replace(params, seed=random.getrandbits(63))
+
 
 class ChoiceView:
     """One choice as the client sees it: `piece(event)` gives the text and the logprobs object

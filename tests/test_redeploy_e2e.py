@@ -1,5 +1,5 @@
 """`pdserve deploy` against a running pdserve (the session's local Ray cluster, a tiny model): a new
-scaling (a fixed count, autoscaling bounds and targets) is applied in place, with no replica
+scaling (a pool's fixed count, another's autoscaling target) is applied in place, with no replica
 restarted and no request failing, and the new target takes effect (the decode pool grows under a
 load it held at one replica before); a change in `args` makes Serve replace every replica, as the
 command says beforehand."""
