@@ -118,10 +118,15 @@ def _wait_deployed(name: str, app: dict, timeout: float) -> int:
     return 1
 
 
+FLAG_KEYS = ("model", "mode", "model_cache", "api_key")    # the AppConfig keys `pdserve serve` takes as flags
+
+
 def _app_config(args, running_args: dict | None = None):
     """The AppConfig of `--config` and the flags, its model prepared on this machine.
-    `running_args`: the running application's (`pdserve deploy`): its `model_cache` (where that
-    `pdserve serve` prepared the model) is kept unless the file or a flag gives one."""
+    `running_args`: the running application's (`pdserve deploy`): of the keys `pdserve serve`
+    takes as flags (FLAG_KEYS), those neither the file nor a flag sets are kept from it (the
+    service keeps its model, its API key and where it prepared the model; a deploy without them
+    would otherwise change them to the defaults)."""
     from serving.config import AppConfig
 
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
@@ -130,8 +135,12 @@ def _app_config(args, running_args: dict | None = None):
                                  "api_key": getattr(args, "api_key", None)}.items() if v is not None}
     data = cfg.model_dump()
     data.update(updates)
-    if data["model_cache"] is None and running_args:
-        data["model_cache"] = running_args.get("model_cache")
+    kept = [k for k in FLAG_KEYS if running_args and k in running_args
+            and k not in cfg.model_fields_set and k not in updates and running_args[k] != data[k]]
+    for key in kept:
+        data[key] = running_args[key]
+    if kept:
+        print(f"kept from the running application: {', '.join(kept)}", flush=True)
     for pool in ("prefill", "decode"):
         n = getattr(args, f"{pool}_replicas", None)
         if n is not None:

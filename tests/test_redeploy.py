@@ -127,3 +127,30 @@ def test_a_deploy_keeps_the_other_applications_deployed_from_a_config(monkeypatc
     deployed = {a.name: a for a in client.deployed.applications}
     assert set(deployed) == {"other", "x"}
     assert deployed["other"].args == {"k": 1} and deployed["x"].args == new["args"]
+
+
+def test_deploy_keeps_the_running_services_flag_settings_the_file_leaves_out(tmp_path, tiny_llama_dir):
+    """`pdserve serve --model M --api-key K --model-cache C` then `pdserve deploy --config FILE`
+    without them: the service keeps its model, API key and cache (a deploy would otherwise replace
+    every replica with the default model and no key); what the file or a flag sets wins, an explicit
+    `api_key: ""` included."""
+    import types
+
+    import yaml
+
+    from pdserve import cli
+
+    def config(path, args: dict, **flags):
+        path.write_text(yaml.safe_dump({"applications": [{"name": "pdserve", "args": args}]}))
+        return types.SimpleNamespace(**{"config": str(path), "model": None, "mode": None, "model_cache": None,
+                                        "api_key": None, "prefill_replicas": None, "decode_replicas": None,
+                                        "dry_run": False, **flags})
+    running = {"model": str(tiny_llama_dir), "mode": "colocated", "model_cache": str(tmp_path / "cache"),
+               "api_key": "K"}
+    cfg = cli._app_config(config(tmp_path / "a.yaml", {"stream_interval_ms": 10}), running)
+    assert (cfg.model, cfg.mode, cfg.model_cache, cfg.api_key, cfg.stream_interval_ms) == (
+        str(tiny_llama_dir), "colocated", str(tmp_path / "cache"), "K", 10.0)
+    cfg = cli._app_config(config(tmp_path / "b.yaml", {"api_key": "", "mode": "disaggregated"},
+                                 model=str(tiny_llama_dir), api_key=None), running)
+    assert (cfg.api_key, cfg.mode, cfg.model_cache) == ("", "disaggregated", str(tmp_path / "cache"))
+    assert cli._app_config(config(tmp_path / "c.yaml", {}, model=str(tiny_llama_dir), api_key="L"), running).api_key == "L"
