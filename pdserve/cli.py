@@ -106,7 +106,8 @@ def _wait_deployed(name: str, app: dict, timeout: float) -> int:
         time.sleep(1)
         d = client.get_serve_details().get("applications", {}).get(name) or {}
         current = d.get("deployed_app_config") == app
-        if current and status(d) == "RUNNING" and all(status(v) == "HEALTHY" for v in d["deployments"].values()):
+        healthy = all(status(v) == "HEALTHY" for v in d.get("deployments", {}).values())
+        if current and status(d) == "RUNNING" and healthy:
             print(f"{name} is running the new config.", flush=True)
             return 0
         if current and status(d) in ("DEPLOY_FAILED", "UNHEALTHY"):

@@ -67,8 +67,8 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 __all__ = ["FIFOMixin", "PendingRequest", "RequestRouter", "RunningReplica", "SERVE_NODE_ENV", "SINGLE_NODE_ENV",
            "HEAD_METRICS_PORT_ENVS", "agent_listen_port", "app_code_version", "back_off_when_full",
-           "bootstrap_address", "direct_stream", "free_port", "head_ports_env", "in_flight", "reload_auth_config", "scoped_environ",
-           "serve_node_env", "single_node_start", "token_auth_enabled"]
+           "bootstrap_address", "direct_stream", "free_port", "head_ports_env", "in_flight", "reload_auth_config",
+           "scoped_environ", "serve_node_env", "single_node_start", "token_auth_enabled"]
 
 SINGLE_NODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR    # "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 HEAD_METRICS_PORT_ENVS = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")    # Ray's defaults: 44217, 44227

@@ -153,4 +153,5 @@ def test_deploy_keeps_the_running_services_flag_settings_the_file_leaves_out(tmp
     cfg = cli._app_config(config(tmp_path / "b.yaml", {"api_key": "", "mode": "disaggregated"},
                                  model=str(tiny_llama_dir), api_key=None), running)
     assert (cfg.api_key, cfg.mode, cfg.model_cache) == ("", "disaggregated", str(tmp_path / "cache"))
-    assert cli._app_config(config(tmp_path / "c.yaml", {}, model=str(tiny_llama_dir), api_key="L"), running).api_key == "L"
+    flagged = config(tmp_path / "c.yaml", {}, model=str(tiny_llama_dir), api_key="L")
+    assert cli._app_config(flagged, running).api_key == "L"
