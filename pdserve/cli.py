@@ -86,10 +86,9 @@ def _deploy(args) -> int:
                          f"(start it with `pdserve serve`): {exc}") from None
     cfg = _app_config(args, (running.get(args.name) or {}).get("args"))
     app = application_config(cfg, args.name, running=running.get(args.name))
-    summary = update_summary(running.get(args.name), app)
-    print(f"deploying {args.name}: {summary}", flush=True)
-    if summary != "no change":
-        deploy_app(app)
+    print(f"deploying {args.name}: {update_summary(running.get(args.name), app)}", flush=True)
+    if app != running.get(args.name):
+        deploy_app(app, running)
     return _wait_deployed(args.name, app, args.timeout)
 
 
@@ -131,9 +130,7 @@ def _app_config(args, running_args: dict | None = None):
     from serving.config import AppConfig
 
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
-    updates = {k: v for k, v in {"model": args.model, "mode": getattr(args, "mode", None),
-                                 "model_cache": args.model_cache,
-                                 "api_key": getattr(args, "api_key", None)}.items() if v is not None}
+    updates = {k: getattr(args, k, None) for k in FLAG_KEYS if getattr(args, k, None) is not None}
     data = cfg.model_dump()
     data.update(updates)
     kept = [k for k in FLAG_KEYS if running_args and k in running_args

@@ -157,17 +157,18 @@ def _override(app: dict, deployment: str) -> dict:
 def deploy(cfg: AppConfig, name: str = "pdserve", route_prefix: str | None = None) -> None:
     """Deploy `cfg` as the config-deployed Serve application `name` (`application_config`): see
     `deploy_app`."""
-    deploy_app(application_config(cfg, name, route_prefix, running=deployed_app_configs().get(name)))
+    deployed = deployed_app_configs()
+    deploy_app(application_config(cfg, name, route_prefix, running=deployed.get(name)), deployed)
 
 
-def deploy_app(app: dict) -> None:
+def deploy_app(app: dict, deployed: dict[str, dict]) -> None:
     """Deploy the application config `app`, a new application or over the running one of its name;
-    Serve must be started. The other config-deployed applications are deployed again unchanged (a
-    config deploy removes those it does not list). Returns once the controller accepted it (not
-    when it is healthy)."""
+    Serve must be started. `deployed`: `deployed_app_configs()`, read by the caller; those other
+    than `app` are deployed again unchanged (a config deploy removes those it does not list).
+    Returns once the controller accepted it (not when it is healthy)."""
     from ray.serve.context import _get_global_client   # Serve's own client: `serve deploy` without the dashboard
     from ray.serve.schema import ServeDeploySchema
-    others = [a for a in deployed_app_configs().values() if a["name"] != app["name"]]
+    others = [a for a in deployed.values() if a["name"] != app["name"]]
     _get_global_client().deploy_apps(ServeDeploySchema(applications=[*others, app]))
 
 

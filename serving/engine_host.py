@@ -60,10 +60,10 @@ class EngineHost:
         self.counters: dict[str, float] = {}   # service-level counters, reported with the stats
         self.histograms: dict[str, Histogram] = {}   # REPLICA_HISTOGRAMS, reported with the stats
         self.series = ReplicaSeries(pool)
-        scaling = getattr(config, pool).autoscaling
-        # the autoscaling policy's per-replica targets; the deployment's user_config replaces them
-        # (EngineReplica.reconfigure), in place
-        self.targets = scaling.targets if scaling is not None else ScalingTargets()
+        # the autoscaling policy's per-replica targets: the deployment's user_config (pdserve's
+        # deployments always have one: serve_config.scaling_options), which Serve hands to
+        # EngineReplica.reconfigure before the replica serves, and again, in place, on a redeploy
+        self.targets = ScalingTargets()
         log.info("%s replica %s: %d KV blocks of %d tokens (%s on %s), max_model_len %d", pool,
                  self.replica_id, engine.block_manager.num_blocks, engine.config.block_size,
                  engine.runner.kv_shape.dtype, engine.runner.device, engine.max_model_len)

@@ -17,6 +17,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def running_replicas(app: str, deployment: str) -> int:
+    """Replicas of `deployment` in Serve application `app` that Serve reports RUNNING."""
+    from ray import serve
+    return serve.status().applications[app].deployments[deployment].replica_states.get("RUNNING", 0)
+
+
 def http(base: str, path: str, body=None, timeout=120, raw: bytes | None = None, headers=None):
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json",

@@ -12,16 +12,11 @@ import time
 import pytest
 from ray import serve
 
-from service_util import closed_loop_load, http, pools_all_free, reaches, tiny_app, wait_until
+from service_util import closed_loop_load, http, pools_all_free, reaches, running_replicas, tiny_app, wait_until
 
 pytestmark = pytest.mark.slow
 SCALING = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 3,
            "look_back_period_s": 2, "metrics_interval_s": 0.5, "warmup_s": 4}
-
-
-def replicas(app: str, deployment: str) -> int:
-    status = serve.status().applications[app].deployments[deployment]
-    return status.replica_states.get("RUNNING", 0)
 
 
 def test_pools_scale_up_under_load_and_back_down(ray_serve, tiny_llama_dir):
@@ -32,10 +27,10 @@ def test_pools_scale_up_under_load_and_back_down(ray_serve, tiny_llama_dir):
                   prefill={"autoscaling": {**SCALING, "target_queued_tokens": 16},
                            "engine": {"max_num_batched_tokens": 16}},
                   decode={"autoscaling": {**SCALING, "target_running": 3, "target_kv_utilization": 0.9}}) as base:
-        assert replicas("as", "DecodeServer") == 1 and replicas("as", "PrefillServer") == 1
+        assert running_replicas("as", "DecodeServer") == 1 and running_replicas("as", "PrefillServer") == 1
         peak = {"DecodeServer": 1, "PrefillServer": 1}
         with closed_loop_load(base, 6, 150) as statuses:
-            up = reaches(peak, lambda name: replicas("as", name), {"DecodeServer": 2, "PrefillServer": 2}, 120)
+            up = reaches(peak, lambda name: running_replicas("as", name), {"DecodeServer": 2, "PrefillServer": 2}, 120)
         assert up, f"peak replicas under load: {peak}"
         # two clients stream long completions back to back until the decode pool's scale-down has begun (2
         # running < 0.8 x 3 per replica on one replica fewer, so the pool shrinks while they run, and the
@@ -54,12 +49,12 @@ def test_pools_scale_up_under_load_and_back_down(ray_serve, tiny_llama_dir):
         clients = [threading.Thread(target=long_streams, args=(i,)) for i in range(2)]
         for t in clients:
             t.start()
-        began = wait_until(lambda: replicas("as", "DecodeServer") < 2, 90, every=0.1)
+        began = wait_until(lambda: running_replicas("as", "DecodeServer") < 2, 90, every=0.1)
         began_at = time.monotonic()
         removal_began.set()
         assert began, "decode pool did not start to scale down"
         assert wait_until(lambda: (len(serve.status().applications["as"].deployments["DecodeServer"]
-                                       .replica_states) == 1 and replicas("as", "DecodeServer") == 1), 90), \
+                                       .replica_states) == 1 and running_replicas("as", "DecodeServer") == 1), 90), \
             "the removed decode replica did not stop"
         for t in clients:
             t.join()

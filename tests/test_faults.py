@@ -11,9 +11,8 @@ import threading
 import psutil
 import pytest
 import ray
-from ray import serve
 
-from service_util import http, metrics, pools_all_free, tiny_app, wait_until
+from service_util import http, metrics, pools_all_free, running_replicas, tiny_app, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -114,8 +113,7 @@ def _kill_mid_stream_and_compare(app: str, app_name: str, deployment: str, pool:
     assert migrations(app) >= before + 1
     # other and later requests are served (the surviving replica, then the replacement)
     assert all(ok(app, 8) for _ in range(4))
-    assert wait_until(lambda: serve.status().applications[app_name].deployments[deployment]
-                      .replica_states.get("RUNNING", 0) == 2, 90)
+    assert wait_until(lambda: running_replicas(app_name, deployment) == 2, 90)
     assert pools_all_free(app, pools, timeout=30)
 
 
@@ -131,7 +129,6 @@ def test_prefill_replica_killed_requests_still_succeed(app):
     assert ok(app)
     kill_replica("PrefillServer")
     assert ok(app, 4), "a request right after the prefill replica died failed"
-    assert wait_until(lambda: serve.status().applications["ft"].deployments["PrefillServer"]
-                      .replica_states.get("RUNNING", 0) == 1, 90)
+    assert wait_until(lambda: running_replicas("ft", "PrefillServer") == 1, 90)
     assert all(ok(app, 4) for _ in range(3))
     assert pools_all_free(app, {"prefill", "decode"}, timeout=30)

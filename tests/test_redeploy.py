@@ -6,7 +6,7 @@ import pytest
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeApplicationSchema
 
-from pdserve.serve_config import application_config, deploy_app, update_summary, without_scaling
+from pdserve.serve_config import application_config, deploy_app, deployed_app_configs, update_summary, without_scaling
 from serving.config import AppConfig, PoolBounds, ScalingTargets
 from serving.engine_host import EngineReplica
 from serving.ray_compat import app_code_version
@@ -123,7 +123,7 @@ def test_a_deploy_keeps_the_other_applications_deployed_from_a_config(monkeypatc
                       "run": {"source": "imperative", "deployed_app_config": None}})
     monkeypatch.setattr("ray.serve.context._get_global_client", lambda: client)
     new = app()
-    deploy_app(new)
+    deploy_app(new, deployed_app_configs())
     deployed = {a.name: a for a in client.deployed.applications}
     assert set(deployed) == {"other", "x"}
     assert deployed["other"].args == {"k": 1} and deployed["x"].args == new["args"]

@@ -14,7 +14,8 @@ import yaml
 from ray import serve
 
 from pdserve.serve_config import deploy
-from service_util import TINY_ENGINE, closed_loop_load, http, pools_all_free, reaches, wait_healthy, wait_until
+from service_util import (TINY_ENGINE, closed_loop_load, http, pools_all_free, reaches, running_replicas, wait_healthy,
+                          wait_until)
 from serving.config import AppConfig
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,7 @@ def replica_actors() -> set[str]:
 
 
 def running(deployment: str) -> int:
-    return serve.status().applications[NAME].deployments[deployment].replica_states.get("RUNNING", 0)
+    return running_replicas(NAME, deployment)
 
 
 def pdserve_deploy(cfg: AppConfig, tmp_path: Path) -> str:

@@ -16,7 +16,8 @@ from ray import serve
 
 from pdserve.serve_config import deploy, slo_policy
 from pdserve.plan.model import resolve_spec
-from service_util import TINY_ENGINE, closed_loop_load, http, pools_all_free, reaches, wait_healthy, wait_until
+from service_util import (TINY_ENGINE, closed_loop_load, http, pools_all_free, reaches, running_replicas, wait_healthy,
+                          wait_until)
 from serving.config import AppConfig
 from serving.slo_model import StepModel, Workload, size_fleet
 
@@ -25,7 +26,7 @@ NAME = "slo"
 
 
 def replicas(deployment: str) -> int:
-    return serve.status().applications[NAME].deployments[deployment].replica_states.get("RUNNING", 0)
+    return running_replicas(NAME, deployment)
 
 
 def config(model_dir) -> AppConfig:
