@@ -7,10 +7,11 @@ Life cycle of a request in the engine
      admitting one that cannot be served: check and admit are one engine call. Both also take a
      resumed request: the prompt plus the output tokens a client already has (`resumed`; the
      router moves a request whose replica died this way), which count as output (max_tokens,
-     min_tokens, penalties, stop strings) and whose text is not shown again.
+     min_tokens, penalties, stop strings, structured output) and whose text is not shown again.
   2. `step` schedules chunks under the token budget, runs one ragged forward (collecting the
      prompt logprobs of requests that ask for them), samples the chunks that reached their
-     last token, and checks stop conditions.
+     last token (a structured-output request among the tokens its grammar allows next), and
+     checks stop conditions.
   3. A finished request's blocks are freed in the same step, except in the prefill role
      (`hold_blocks`), where they stay held for export until `release`.
   4. `abort` ends a request at any stage and frees whatever it holds.
@@ -34,6 +35,7 @@ from engine.sampler import PenaltyState, SampleRow, make_generator, prompt_logpr
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
+from engine.structured_output import GrammarCompiler, Matcher
 
 
 @dataclass
@@ -45,6 +47,7 @@ class _Request:
     # out with the first token, or when the request did not ask for them.
     prompt_logprobs: list[TokenLogprobs] | None = None
     penalty: PenaltyState | None = None   # penalized requests, from their first sampling step
+    matcher: Matcher | None = None        # structured output: where its output stands in the grammar
 
 
 class LLMEngine:
@@ -59,6 +62,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self._rng = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
+        self._grammars: GrammarCompiler | None = None   # at the first structured-output request
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()
@@ -79,6 +83,8 @@ class LLMEngine:
         error = params.validate()
         if error:
             return error
+        if any(t >= self.runner.vocab_size for t, _ in params.logit_bias):
+            return f"logit_bias: token id out of range (vocabulary size {self.runner.vocab_size})"
         if num_prompt_tokens + params.max_tokens > self.max_model_len:
             return (f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                     f"{num_prompt_tokens} tokens and max_tokens is {params.max_tokens}")
@@ -111,8 +117,23 @@ class LLMEngine:
             for _ in range(draws):
                 skip_draw(generator, self.runner.vocab_size)
         req = _Request(seq, detok, generator, [] if params.prompt_logprobs is not None and not resumed else None)
+        if params.structured is not None:
+            req.matcher = self._matcher(params, resumed)
+            if isinstance(req.matcher, str):
+                return Rejected(request_id, req.matcher)
         self._requests[request_id] = req
         return req
+
+    def _matcher(self, params: SamplingParams, resumed: list[int]) -> Matcher | str:
+        """A request's grammar matcher, past its `resumed` output tokens, or why there is none."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, list(self.eos_token_ids))
+        matcher = self._grammars.matcher(params.structured)
+        if not all(matcher.accept(t) for t in resumed):
+            return "the resumed output does not follow the structured output's grammar"
+        matcher.bitmask()        # some grammars fail only here (a schema that refers to itself alone)
+        problem = matcher.problem()
+        return matcher if problem is None else f"structured output: {problem}"
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     hold_blocks: bool = False, resumed: list[int] = (), shown_chars: int = 0) -> Rejected | None:
@@ -148,6 +169,9 @@ class LLMEngine:
         if isinstance(req, Rejected):
             return req
         seq = req.seq
+        if req.matcher is not None and not req.matcher.accept(first_token):
+            del self._requests[request_id]
+            return Rejected(request_id, "the first token does not follow the structured output's grammar")
         self.block_manager.adopt(seq, block_ids, len(seq))
         seq.token_ids.append(first_token)
         self.scheduler.add_running(seq)
@@ -217,13 +241,32 @@ class LLMEngine:
         for r in sampling:
             if r.penalty is None and r.seq.params.penalized:   # built once, then kept up by sample()
                 r.penalty = PenaltyState(r.seq.token_ids, r.seq.num_prompt_tokens, logits.shape[-1], logits.device)
-        rows = [SampleRow(r.seq.params, r.generator, self._banned(r.seq), r.penalty) for r in sampling]
-        tokens, logprobs = sample(logits, rows)
-        outputs = []
+        outputs, rows, kept = [], [], []
+        for i, r in enumerate(sampling):
+            allowed = None if r.matcher is None else r.matcher.bitmask()
+            if r.matcher is not None and r.matcher.problem() is not None:
+                outputs.append(self._fail(r, f"structured output: {r.matcher.problem()}"))
+                continue
+            kept.append(i)
+            rows.append(SampleRow(r.seq.params, r.generator, self._banned(r.seq), r.penalty, allowed))
+        if not rows:
+            return outputs
+        sampling = [sampling[i] for i in kept]
+        tokens, logprobs = sample(logits if len(kept) == logits.shape[0] else logits[kept], rows)
         for req, tok, lp in zip(sampling, tokens, logprobs):
+            allowed = req.matcher is None or req.matcher.accept(tok)   # the mask let only such tokens through
+            assert allowed, req.matcher.problem()
             req.seq.token_ids.append(tok)
             outputs.append(self._after_token(req, tok, lp))
         return outputs
+
+    def _fail(self, req: _Request, error: str) -> RequestOutput:
+        """End one request that cannot go on (its blocks freed), the step's others unharmed."""
+        self.scheduler.finish(req.seq, "abort")
+        del self._requests[req.seq.request_id]
+        out = self._output(req, [], "abort", True)
+        out.error = error
+        return out
 
     def _banned(self, seq: Sequence) -> list[int]:
         p = seq.params

@@ -33,7 +33,9 @@ class RequestOutput:
 
     finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens or the
     model's context), "abort", or None while running. A prefill-role request finishes after
-    its first token with finish_reason None when it should go on decoding elsewhere.
+    its first token with finish_reason None when it should go on decoding elsewhere. `error`: the
+    request failed on its own (its grammar could not go on; the other requests of the step went
+    on): finished, "abort", its blocks freed, and the replica reports the error.
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # time.monotonic() the scheduler first admitted it
     logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 2..n, with the first token
+    error: str | None = None
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This output and the same request's next one as a single output (the tokens, text and
@@ -61,7 +64,7 @@ class RequestOutput:
                              max(self.num_cached_tokens, later.num_cached_tokens),
                              self.first_scheduled_time if self.first_scheduled_time is not None
                              else later.first_scheduled_time,
-                             logprobs, self.prompt_logprobs or later.prompt_logprobs)
+                             logprobs, self.prompt_logprobs or later.prompt_logprobs, later.error)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Next-token sampling for a batch of sequences with per-request parameters.
 
-Order per row: log-probabilities of the raw logits (only when asked), penalties, bans, then
-greedy rows take the argmax and sampled rows apply temperature, top-k and top-p (vectorized
+Order per row: log-probabilities of the raw logits (only when asked), penalties, logit bias,
+bans, the structured-output mask (tokens its grammar allows), then greedy rows take the argmax and sampled rows apply temperature, top-k and top-p (vectorized
 over the rows that use them) and draw with the request's own generator, so a request with a
 seed gets the same tokens whatever else shares its batch.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from engine.kernels import cpu_kernels
@@ -75,6 +76,7 @@ class SampleRow:
     generator: torch.Generator | None
     banned: list[int]          # ids it may not pick now (EOS and stop tokens before min_tokens)
     penalty: PenaltyState | None = None   # the request's, when params.penalized; sample() adds the new token
+    allowed: bytes | None = None   # structured output: bit t % 8 of byte t // 8 set if token t may come next
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -91,6 +93,25 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         if p.frequency_penalty or p.presence_penalty:
             counts = state.counts.to(logits.dtype)
             row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            ids, biases = zip(*row.params.logit_bias)
+            logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+
+
+def _apply_allowed(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """-inf for the tokens a row's structured output does not allow next."""
+    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not masked:
+        return
+    packed = np.frombuffer(b"".join(rows[i].allowed for i in masked), dtype=np.uint8).reshape(len(masked), -1)
+    forbidden = torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little") == 0)[:, :logits.shape[-1]]
+    forbidden = forbidden.to(logits.device)
+    for j, i in enumerate(masked):
+        logits[i].masked_fill_(forbidden[j], float("-inf"))
 
 
 def _logprobs(raw: torch.Tensor, k: int, token: int) -> TokenLogprobs:
@@ -140,9 +161,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     wants = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw = logits[wants].log_softmax(dim=-1) if wants else None   # the model's own distribution
     _apply_penalties(logits, rows)
+    _apply_logit_bias(logits, rows)
     for i, row in enumerate(rows):
         if row.banned:
             logits[i, row.banned] = float("-inf")
+    _apply_allowed(logits, rows)
     out = _argmax(logits).tolist()
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:

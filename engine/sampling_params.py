@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20              # alternatives per token, as OpenAI's top_logprobs
 MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 300           # entries, as OpenAI
+LOGIT_BIAS_RANGE = 100.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,11 @@ class SamplingParams:
     penalties, temperature, filters and bans. `prompt_logprobs` = k asks the same for every
     prompt token after the first (the request then takes no prefix-cache hits: each prompt
     position must be computed).
+    `logit_bias`: (token id, bias) pairs, each bias added to its token's logit after the penalties
+    (OpenAI's; -100 in effect bans a token, 100 all but forces it).
+    `structured`: a grammar the output must follow (engine/structured_output.py); tokens that
+    would leave it are masked after the bias. Not with `min_tokens` or `ignore_eos` (a grammar
+    that is complete allows only EOS).
     """
 
     temperature: float = 1.0
@@ -44,6 +53,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
     detokenize: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -84,4 +95,15 @@ class SamplingParams:
             return f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             return f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            return f"logit_bias may have at most {MAX_LOGIT_BIAS} entries"
+        if any(not (isinstance(t, int) and t >= 0 and -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE)
+               for t, b in self.logit_bias):
+            return f"logit_bias maps token ids to biases in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
+        if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
+            return "logit_bias names a token id twice"
+        if self.structured is not None:
+            if self.min_tokens or self.ignore_eos:
+                return "structured output (response_format) cannot be combined with min_tokens or ignore_eos"
+            return self.structured.problem()
         return None

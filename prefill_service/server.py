@@ -85,6 +85,9 @@ class PrefillServer(EngineReplica):
         if isinstance(first, Rejected):
             yield messages.encode(messages.PrefillResult(rid, error=first.reason, error_code=400))
             return
+        if first.error is not None:           # failed on its own; the engine freed its blocks
+            yield messages.encode(messages.PrefillResult(rid, error=first.error, error_code=500))
+            return
         assert first is not None and first.finished
         done = time.monotonic()
         scheduled = first.first_scheduled_time or done

@@ -245,6 +245,9 @@ class Router:
         error = params.validate()
         if error:
             return error_response(400, error)
+        if any(t >= len(self.tokenizer) for t, _ in params.logit_bias):
+            return error_response(400, f"logit_bias: token id out of range (vocabulary size {len(self.tokenizer)})",
+                                  param="logit_bias")
         rid = f"{prefix}-{uuid.uuid4().hex}"
         start = time.monotonic()
         for ids in prompts:

@@ -102,6 +102,7 @@ def _limits(doc: dict, served: Served) -> None:
                 properties[name]["default"] = min(properties[name]["default"], served.max_tokens_limit)
         for integer in _integers(properties.get("prompt")):
             integer["maximum"] = served.vocab_size - 1
+        properties["logit_bias"]["description"] += f" Token ids are below {served.vocab_size}."
 
 
 # ---- 2. responses ------------------------------------------------------------------------------

@@ -6,17 +6,21 @@ surrogate escape; unknown fields and out-of-range values are 400 errors in OpenA
 format), and every bound lives on a field, so the document states it. The rules that span fields
 are model validators, stated in the model's description and, as if/then, in its JSON schema.
 `sampling_params` maps a request to the engine's SamplingParams, adding vLLM's widely used
-extensions top_k, min_tokens, ignore_eos and repetition_penalty. Responses:
+extensions top_k, min_tokens, ignore_eos and repetition_penalty, and vLLM's `structured_outputs`
+(beside OpenAI's `response_format`; engine/structured_output.py). Responses:
 router/openai_responses.py.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams
+from engine.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
+                                    SamplingParams)
+from engine.structured_output import StructuredOutput
 
 MAX_TOKENS_DEFAULT_COMPLETION = 16
 MAX_CHOICES = 16   # most choices in one request (n, times the prompts of a batched completion)
@@ -53,6 +57,9 @@ Text = Annotated[str, AfterValidator(_unicode)]   # JSON can carry "\udc80"; no 
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
 TokenIds = Annotated[list[Int(ge=0)], Field(min_length=1)]
 Stop = NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                           Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]],
+                      Field(max_length=MAX_LOGIT_BIAS)]
 
 
 def _implies(name: str, schema: dict, then: dict) -> dict:
@@ -88,6 +95,60 @@ class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="Send a last chunk with `usage` (and no choices) before [DONE].")
 
 
+class JsonSchemaFormat(_StrictOpen):
+    """OpenAI's `response_format.json_schema`; other keys are ignored."""
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema the output is a value "
+                                           "of; none: any JSON object.")
+    strict: bool | None = Field(None, description="Accepted; the output always follows the schema.")
+
+
+class ResponseFormat(_StrictOpen):
+    """Plain text, any JSON object, or a value of a JSON schema (`json_schema` required then);
+    other keys are ignored."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "json_schema" and self.json_schema.schema_ is not None:
+            return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
+        return None if self.type == "text" else StructuredOutput("json_object")
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's: exactly one of a JSON schema, any JSON object, a regex, a list of choices, or a
+    Lark grammar."""
+    json_: dict[str, Any] | None = Field(None, alias="json", description="A JSON schema.")
+    json_object: Literal[True] | None = None
+    regex: NonEmptyText | None = None
+    choice: Annotated[list[NonEmptyText], Field(min_length=1, max_length=256)] | None = None
+    grammar: NonEmptyText | None = Field(None, description="A Lark grammar (llguidance's dialect).")
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if sum(v is not None for v in (self.json_, self.json_object, self.regex, self.choice, self.grammar)) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, json_object, regex, choice, grammar")
+        return self
+
+    def structured(self) -> StructuredOutput:
+        if self.json_ is not None:
+            return StructuredOutput("json_schema", json.dumps(self.json_))
+        if self.json_object:
+            return StructuredOutput("json_object")
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex)
+        if self.choice is not None:
+            return StructuredOutput("choice", json.dumps(self.choice))
+        return StructuredOutput("lark", self.grammar)
+
+
 class _Sampling(_Strict):
     model: str = Field(description="The served model's name (GET /v1/models); any other is a 404.")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 (or below {GREEDY_BELOW_TEMPERATURE:g}) is "
@@ -108,6 +169,25 @@ class _Sampling(_Strict):
     repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY,
                                       description=f"vLLM's (Hugging Face's); below {MIN_REPETITION_PENALTY:g} it "
                                                   f"acts as {MIN_REPETITION_PENALTY:g}.")
+    logit_bias: LogitBias | None = Field(None, description="Token id (as a string) to a bias added to its logit "
+                                         "before sampling.")
+    response_format: ResponseFormat | None = Field(None, description="JSON output: any object, or a value of a "
+                                                   "schema (the output follows it token by token).")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's; not with response_format.")
+
+    @model_validator(mode="after")
+    def _one_structure(self):
+        if self.structured_outputs is not None and self.response_format is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured()
+        return None if self.response_format is None else self.response_format.structured()
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(t), b) for t, b in (self.logit_bias or {}).items())
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -134,7 +214,8 @@ class _Sampling(_Strict):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=max(self.repetition_penalty, MIN_REPETITION_PENALTY),
                               logprobs=self.logprob_count(),
-                              prompt_logprobs=self.prompt_logprob_count())
+                              prompt_logprobs=self.prompt_logprob_count(),
+                              logit_bias=self.logit_bias_pairs(), structured=self.structured())
 
     @property
     def include_usage(self) -> bool:
@@ -206,11 +287,6 @@ class ChatMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_StrictOpen):
-    """Only plain text; other keys are ignored."""
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_Sampling):
     """A chat completion. Across fields: top_logprobs above 0 needs logprobs true."""
     model_config = ConfigDict(json_schema_extra=CHAT_CROSS_FIELD)
@@ -220,7 +296,6 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Alternatives per token (with logprobs).")
     tools: None = None
-    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):

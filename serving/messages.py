@@ -14,6 +14,7 @@ import msgpack
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -39,15 +40,29 @@ class WireSamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: tuple[str, str] | None = None     # StructuredOutput's kind and value
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
+        structured = None if p.structured is None else (p.structured.kind, p.structured.value)
         return cls(p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens, tuple(p.stop),
                    tuple(p.stop_token_ids), p.ignore_eos, p.seed, p.presence_penalty,
-                   p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs)
+                   p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs,
+                   tuple(p.logit_bias), structured)
 
     def to_params(self) -> SamplingParams:
-        return SamplingParams(**dataclasses.asdict(self))
+        fields = dataclasses.asdict(self)
+        fields["structured"] = None if self.structured is None else StructuredOutput(*self.structured)
+        return SamplingParams(**fields)
+
+    @classmethod
+    def from_body(cls, body: dict) -> "WireSamplingParams":
+        """From msgpack's map (lists back to tuples, the bias pairs too)."""
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in body.items()}
+        if "logit_bias" in fields:
+            fields["logit_bias"] = tuple((int(t), float(b)) for t, b in fields["logit_bias"])
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -235,7 +250,7 @@ def _build(cls, body: dict):
             continue
         value = body[f.name]
         if f.name == "params":
-            value = WireSamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+            value = WireSamplingParams.from_body(value)
         elif f.name == "first_logprobs":
             value = None if value is None else _logprobs(value)
         elif f.name in ("logprobs", "prompt_logprobs"):

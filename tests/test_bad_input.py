@@ -77,7 +77,21 @@ CASES = [
     ("n a boolean", "/v1/completions", {**GOOD, "n": True}, 400),
     ("echo a number", "/v1/completions", {**GOOD, "echo": 1}, 400),
     ("top_k above 2^31 - 1", "/v1/completions", {**GOOD, "top_k": 2**64}, 400),
-    ("response_format json_object", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400),
+    ("response_format of an unknown type", "/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400),
+    ("json_schema without its schema object", "/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "json_schema"}}, 400),
+    ("a schema that does not compile", "/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400),
+    ("a regex that does not compile", "/v1/completions", {**GOOD, "structured_outputs": {"regex": "a(b"}}, 400),
+    ("two structured_outputs", "/v1/completions", {**GOOD, "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400),
+    ("response_format and structured_outputs", "/v1/completions", {
+        **GOOD, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, 400),
+    ("response_format with min_tokens", "/v1/chat/completions", {
+        **CHAT, "response_format": {"type": "json_object"}, "min_tokens": 1}, 400),
+    ("logit_bias above 100", "/v1/completions", {**GOOD, "logit_bias": {"5": 101}}, 400),
+    ("logit_bias key not a token id", "/v1/completions", {**GOOD, "logit_bias": {"hello": 1}}, 400),
+    ("logit_bias token id out of range", "/v1/completions", {**GOOD, "logit_bias": {"49152": 1}}, 400),
+    ("logit_bias naming a token twice", "/v1/completions", {**GOOD, "logit_bias": {"5": 1, "05": 2}}, 400),
     ("oversized body", "/v1/completions", b'{"model": "x", "prompt": "' + b"a" * (5 * 2**20) + b'"}', 413),
 ]
 

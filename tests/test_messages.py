@@ -7,17 +7,21 @@ import pytest
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 from serving import messages as m
 
 P = m.WireSamplingParams.of(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_tokens=12, min_tokens=2,
                                            stop=("\n\n",), stop_token_ids=(7,), ignore_eos=True, seed=3,
                                            presence_penalty=0.5, frequency_penalty=-0.25,
                                            repetition_penalty=1.2, logprobs=3, prompt_logprobs=1))
+P2 = m.WireSamplingParams.of(SamplingParams(logit_bias=((5, -100.0), (9, 2.5)),
+                                            structured=StructuredOutput("json_schema", '{"type": "object"}')))
 LP = TokenLogprobs(9, -0.5, ((9, -0.5), (4, -1.25)))
 
 EXAMPLES = [
     m.GenerateRequest("a", (1, 2, 3), P),
     m.PrefillRequest("b", (4, 5), P, "10.0.0.1:1234"),
+    m.PrefillRequest("b2", (4, 5), P2, "10.0.0.1:1234", resumed_token_ids=(6,), shown_chars=1),
     m.PrefillResult("b", first_token=9, finish_reason=None, num_cached_tokens=16, prefill_seconds=0.5),
     m.PrefillResult("b", first_token=9, prefill_seconds=0.5, queue_seconds=0.25),
     m.PrefillResult("c", error="boom", error_code=503),
@@ -44,8 +48,16 @@ def test_round_trip(msg):
     assert m.decode(m.encode(msg), expect=type(msg)) == msg
 
 
-def test_params_round_trip_to_sampling_params():
-    assert m.WireSamplingParams.of(P.to_params()) == P
+@pytest.mark.parametrize("params", [P, P2])
+def test_params_round_trip_to_sampling_params(params):
+    assert m.WireSamplingParams.of(params.to_params()) == params
+    assert m.WireSamplingParams.of(m.decode(m.encode(m.DecodeRequest("d", (1,), params))).params.to_params()) == params
+
+
+def test_structured_params_arrive_as_the_engines_types():
+    params = m.decode(m.encode(m.DecodeRequest("d", (1,), P2))).params.to_params()
+    assert params.structured == StructuredOutput("json_schema", '{"type": "object"}')
+    assert params.logit_bias == ((5, -100.0), (9, 2.5)) and params.validate() is None
 
 
 @pytest.mark.parametrize("data", [b"", b"\xc1garbage", msgpack.packb([99, "TokenEvent", {}]),
@@ -53,6 +65,9 @@ def test_params_round_trip_to_sampling_params():
                                   msgpack.packb([1, "TokenEvent", {"request_id": "x", "bogus": 1}]),
                                   msgpack.packb([1, "TokenEvent", {"request_id": "x", "logprobs": [
                                       {"token_id": "a", "logprob": 0.0, "top": []}]}]),
+                                  msgpack.packb([1, "DecodeRequest", {"request_id": "x", "prompt_token_ids": [1],
+                                                                       "params": {**dataclasses.asdict(P),
+                                                                                  "logit_bias": [["a", 1]]}}]),
                                   msgpack.packb([1, "PrefillResult", {"request_id": "x", "first_logprobs": {
                                       "token_id": 1, "logprob": 0.5, "top": [[1]]}}]),
                                   b"x" * (m.MAX_MESSAGE_BYTES + 1), "not bytes"])
