@@ -995,3 +995,23 @@ def test_bf16_engine_runs_prompt_chunks_through_the_prefill_kernel(tmp_path):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     fp32 = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="8MiB"))
     assert fp32.runner.attention_backend == "cpu_paged" and not fp32.runner.prefill_kernel
+
+
+@needs_kernel
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_one():
+    """torch's build lock is a file; a build killed midway leaves it, and torch then waits for it
+    forever (a CI run hung so). Under pdserve's flock it is stale by definition and removed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from engine.kernels import _extension_name
+    stale = Path(_get_build_directory(_extension_name(), verbose=False)) / "lock"
+    stale.touch()
+    done = subprocess.run([sys.executable, "-c", "from engine.kernels import cpu_kernels; "
+                           "assert cpu_kernels() is not None"], cwd=Path(__file__).resolve().parents[1],
+                          timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not stale.exists()

@@ -19,9 +19,11 @@ extension cache (`~/.cache/torch_extensions`, or `TORCH_EXTENSIONS_DIR`), keyed 
 (ninja also rebuilds on a changed header), the flags, this CPU's instruction set and the
 checkout's path (two checkouts sharing the cache would otherwise rebuild each other's build
 under one lock: a replica of one waited minutes for the other's compiler), so a
-later start loads it in well under a second; a first build took 31-46 s here (10 sources), and torch's lock
+later start loads it in well under a second; a first build took 31-46 s here (10 sources), and a lock
 makes concurrent replicas wait for one build. `make install` builds it ahead
-(`python -m engine.kernels.build`).
+(`python -m engine.kernels.build`). The lock is an OS file lock (`flock`, released when its holder
+dies), taken around torch's own: torch's is a file that a build killed midway (Ctrl-C during a first
+start, a CI run stopped) leaves behind, after which every later build waits for it forever.
 
 Where they cannot be built (no compiler), `cpu_kernels()` logs why once and returns None;
 the engine then uses its pure-torch attention (see engine.attention), aten's norms and aten's
@@ -30,6 +32,7 @@ weight-only int8/int4 kernels (see engine.linear; int8 then keeps bf16 activatio
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -71,11 +74,16 @@ def _extension_name() -> str:
 def cpu_kernels():
     """torch.ops.pdserve with the CPU kernels registered, or None where they cannot be built."""
     import torch
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
+    name = _extension_name()
     try:
-        load(name=_extension_name(), sources=[str(p) for p in _SOURCES],
-             extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        directory = Path(_get_build_directory(name, verbose=False))
+        with open(directory / "pdserve.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)           # one build at a time; released if we die
+            (directory / "lock").unlink(missing_ok=True)   # torch's: under our lock, a dead build's
+            load(name=name, sources=[str(p) for p in _SOURCES],
+                 extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         log.warning("pdserve's CPU kernels could not be built (%s: %s); using the slower pure-torch "
                     "attention, norms and int8/int4 linears", type(exc).__name__,
