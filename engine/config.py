@@ -71,6 +71,13 @@ class EngineConfig:
     num_threads: torch intra-op threads (None leaves torch's default; 1 is fastest for
         several small CPU processes).
     seed: seeds the sampler for requests that give no seed.
+    speculative_tokens: decode steps feed up to this many draft tokens per sequence, proposed by
+        prompt lookup (engine.ngram), and keep those the model picks itself: several tokens a step
+        when drafts are right, and in float32 the same tokens as without (greedy and seeded
+        sampling alike; in bf16 a step's extra rows change the linears' rounding, as a bigger
+        batch does). 0: off.
+    speculative_max_batch: speculate only while at most this many sequences run (a larger batch
+        is bound by compute, where draft rows cost what they save).
     """
 
     model: str
@@ -88,6 +95,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     seed: int = 0
+    speculative_tokens: int = 0
+    speculative_max_batch: int = 8
 
     def __post_init__(self):
         if not self.model:
@@ -114,6 +123,10 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be positive")
+        if not 0 <= self.speculative_tokens <= 16:
+            raise ValueError(f"speculative_tokens must be in [0, 16], got {self.speculative_tokens}")
+        if self.speculative_max_batch < 1:
+            raise ValueError("speculative_max_batch must be positive")
 
 
 # model types the engine's own forward runs (engine/decoder.py); Gemma 3's text models (270M, 1B:

@@ -30,6 +30,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
+from engine.ngram import NgramIndex
 from engine.outputs import Completion, Rejected, RequestOutput, TokenLogprobs
 from engine.sampler import PenaltyState, SampleRow, make_generator, prompt_logprobs, sample, skip_draw
 from engine.sampling_params import SamplingParams
@@ -48,6 +49,7 @@ class _Request:
     prompt_logprobs: list[TokenLogprobs] | None = None
     penalty: PenaltyState | None = None   # penalized requests, from their first sampling step
     matcher: Matcher | None = None        # structured output: where its output stands in the grammar
+    ngram: NgramIndex | None = None       # speculative decoding: its tokens' n-grams, from its first draft
 
 
 class LLMEngine:
@@ -63,6 +65,8 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
         self._grammars: GrammarCompiler | None = None   # at the first structured-output request
+        self.num_draft_tokens = 0        # speculative decoding: draft tokens fed, and those kept
+        self.num_accepted_tokens = 0
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()
@@ -204,17 +208,25 @@ class LLMEngine:
         return [rid for rid, req in self._requests.items() if not req.seq.is_finished]
 
     def step(self) -> list[RequestOutput]:
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            return []
-        spans = self._prompt_logprob_spans(chunks)
-        out = self.runner.run(chunks, spans)
+        drafted = self._propose()
+        try:
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                for seq in drafted:
+                    seq.take_draft()
+                return []
+            spans = self._prompt_logprob_spans(chunks)
+            out = self.runner.run(chunks, spans)
+        except BaseException:
+            for seq in drafted:       # a failed step leaves no proposed token behind
+                seq.take_draft()
+            raise
         for i, (a, b) in spans.items():
             ch = chunks[i]
             targets = ch.seq.token_ids[ch.start + a + 1:ch.start + b + 1]
             self._requests[ch.seq.request_id].prompt_logprobs += prompt_logprobs(
                 self.runner.lm_head, out.hidden[i], targets, ch.seq.params.prompt_logprobs)
-        return self._postprocess(chunks, out.logits)
+        return self._postprocess(chunks, out.logits, drafted)
 
     def _prompt_logprob_spans(self, chunks: list[ScheduledChunk]) -> dict[int, tuple[int, int]]:
         """{chunk index: (first, last) row offsets} of the prompt positions in this step whose
@@ -231,34 +243,96 @@ class LLMEngine:
                 spans[i] = (first - ch.start, last - ch.start)
         return spans
 
-    def _postprocess(self, chunks: list[ScheduledChunk], logits) -> list[RequestOutput]:
+    def _postprocess(self, chunks: list[ScheduledChunk], logits, drafted: list[Sequence]) -> list[RequestOutput]:
+        """Count the fed tokens as computed, take every draft back, then sample in rounds: round j
+        samples row j of each chunk still in play, and a chunk goes on to round j + 1 only while
+        its token j equals its draft token j (whose K/V this step computed). Each token is sampled
+        as without drafts (same row processing, one draw of its generator), so drafts change how
+        many tokens a step yields, not which: exactly in float32, where a row's logits do not
+        depend on the rows beside it (in bf16 they do a little, as in any bigger batch)."""
         for ch in chunks:
             ch.seq.num_computed_tokens += ch.num_tokens
-            self.block_manager.mark_computed(ch.seq)
-        sampling = [self._requests[ch.seq.request_id] for ch in chunks if ch.sample]
-        if not sampling:
-            return []
-        for r in sampling:
-            if r.penalty is None and r.seq.params.penalized:   # built once, then kept up by sample()
-                r.penalty = PenaltyState(r.seq.token_ids, r.seq.num_prompt_tokens, logits.shape[-1], logits.device)
-        outputs, rows, kept = [], [], []
-        for i, r in enumerate(sampling):
-            allowed = None if r.matcher is None else r.matcher.bitmask()
-            if r.matcher is not None and r.matcher.problem() is not None:
-                outputs.append(self._fail(r, f"structured output: {r.matcher.problem()}"))
+            if not ch.num_draft:
+                self.block_manager.mark_computed(ch.seq)
+        drafts = {seq.request_id: seq.take_draft() for seq in drafted}
+        play, row = [], 0          # (request, its first logits row, its draft) per sampling chunk
+        for ch in chunks:
+            if ch.sample:
+                play.append((self._requests[ch.seq.request_id], row, drafts.get(ch.seq.request_id, [])[:ch.num_draft]))
+            row += ch.num_logits
+        for req, _, _ in play:
+            if req.penalty is None and req.seq.params.penalized:   # built once, then kept up by sample()
+                req.penalty = PenaltyState(req.seq.token_ids, req.seq.num_prompt_tokens, logits.shape[-1],
+                                           logits.device)
+        outputs: dict[str, RequestOutput] = {}
+        j = 0
+        while play:
+            play = self._sample_round(play, j, logits, outputs)
+            j += 1
+        for ch in chunks:
+            if ch.num_draft:
+                self.block_manager.mark_computed(ch.seq)
+                self.num_draft_tokens += ch.num_draft
+        return list(outputs.values())
+
+    def _sample_round(self, play: list, j: int, logits, outputs: dict[str, RequestOutput]) -> list:
+        """Sample token j of every request in `play` (its row first + j); add each output to
+        `outputs` (merged with the request's earlier one this step); return those whose token j
+        was their draft token j and that go on."""
+        rows, kept = [], []
+        for req, first, draft in play:
+            allowed = None if req.matcher is None else req.matcher.bitmask()
+            if req.matcher is not None and req.matcher.problem() is not None:
+                self._add_output(outputs, self._fail(req, f"structured output: {req.matcher.problem()}"))
                 continue
-            kept.append(i)
-            rows.append(SampleRow(r.seq.params, r.generator, self._banned(r.seq), r.penalty, allowed))
+            kept.append((req, first, draft))
+            rows.append(SampleRow(req.seq.params, req.generator, self._banned(req.seq), req.penalty, allowed))
         if not rows:
-            return outputs
-        sampling = [sampling[i] for i in kept]
-        tokens, logprobs = sample(logits if len(kept) == logits.shape[0] else logits[kept], rows)
-        for req, tok, lp in zip(sampling, tokens, logprobs):
+            return []
+        index = [first + j for _, first, _ in kept]
+        whole = index == list(range(logits.shape[0]))
+        tokens, logprobs = sample(logits if whole else logits[index], rows)
+        going_on = []
+        for (req, first, draft), tok, lp in zip(kept, tokens, logprobs):
             allowed = req.matcher is None or req.matcher.accept(tok)   # the mask let only such tokens through
             assert allowed, req.matcher.problem()
             req.seq.token_ids.append(tok)
-            outputs.append(self._after_token(req, tok, lp))
-        return outputs
+            out = self._after_token(req, tok, lp)
+            self._add_output(outputs, out)
+            if j < len(draft) and tok == draft[j] and not out.finished:
+                req.seq.num_computed_tokens += 1            # the draft token's K/V is this token's
+                self.num_accepted_tokens += 1
+                going_on.append((req, first, draft))
+        return going_on
+
+    @staticmethod
+    def _add_output(outputs: dict[str, RequestOutput], out: RequestOutput) -> None:
+        earlier = outputs.get(out.request_id)
+        outputs[out.request_id] = out if earlier is None else earlier.merge(out)
+
+    def _propose(self) -> list[Sequence]:
+        """Speculative decoding: draft tokens (prompt lookup) onto each decoding sequence, while
+        few enough run; returns the sequences that got some (the step takes them back)."""
+        k, running = self.config.speculative_tokens, self.scheduler.running
+        if not k or len(running) > self.config.speculative_max_batch:
+            return []
+        drafted = []
+        for seq in running:
+            if seq.num_uncomputed_tokens != 1 or seq.hold_blocks:
+                continue
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
+            if room < 1:
+                continue
+            req = self._requests[seq.request_id]
+            if req.ngram is None:
+                req.ngram = NgramIndex(seq.token_ids)
+            else:
+                req.ngram.extend(seq.token_ids)
+            draft = req.ngram.propose(min(k, room))
+            if draft:
+                seq.add_draft(draft)
+                drafted.append(seq)
+        return drafted
 
     def _fail(self, req: _Request, error: str) -> RequestOutput:
         """End one request that cannot go on (its blocks freed), the step's others unharmed."""
@@ -370,4 +444,5 @@ class LLMEngine:
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "waiting_prompt_tokens": self.scheduler.num_waiting_tokens,
                 "preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_hit_tokens": bm.prefix_hits, "prefix_cache_query_tokens": bm.prefix_queries}
+                "prefix_cache_hit_tokens": bm.prefix_hits, "prefix_cache_query_tokens": bm.prefix_queries,
+                "spec_draft_tokens": self.num_draft_tokens, "spec_accepted_tokens": self.num_accepted_tokens}

@@ -329,8 +329,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk],
             hidden_spans: dict[int, tuple[int, int]] | None = None) -> StepOutput:
-        """Feed every chunk; return float32 logits [n_sampling_chunks, vocab] in chunk order
-        (only chunks whose `sample` is true; None when no chunk samples), and for each
+        """Feed every chunk; return float32 logits in chunk order, `num_logits` rows a chunk (one
+        for a chunk whose `sample` is true, one more per draft token; None when no chunk samples),
+        and for each
         `hidden_spans` entry {chunk index: (first, last) row offsets within the chunk} the final
         hidden states of those rows (prompt logprobs: sampler.prompt_logprobs turns them into
         log-probabilities slice by slice, never a [tokens, vocab] tensor at once)."""
@@ -383,8 +384,7 @@ class ModelRunner:
                 else:
                     prefills.append(self._sdpa_span(row, start, n, table))
             row += n
-            if ch.sample:
-                sample_rows.append(row - 1)
+            sample_rows.extend(range(row - ch.num_logits, row))
         decode = None
         if dec_rows:
             decode = self._decode_batch(dec_rows, dec_tables, dec_lens)

@@ -8,6 +8,9 @@ Each step, in this order:
      and the free blocks allow; each gets blocks for all its tokens (prefix-cache hits
      included) and its first chunk.
 Batching decisions count tokens: a step never feeds more than `max_num_batched_tokens`.
+A decoding sequence may carry proposed tokens (speculative decoding, `Sequence.num_draft`): they
+are fed with its token when the budget and the free blocks allow, and dropped (not preempting
+anyone) when they do not.
 The engine calls `schedule`, then after running the step `finish` for each ended sequence.
 """
 
@@ -50,7 +53,7 @@ class Scheduler:
         sequence's uncomputed tokens unless only its last sampled one is left (decoding). A
         resumed or preempted sequence's output tokens to recompute count too."""
         return (sum(s.num_uncomputed_tokens for s in self.waiting)
-                + sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1))
+                + sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens - s.num_draft > 1))
 
     # ---- the step ------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
@@ -64,6 +67,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             while not self.bm.append_slots(seq):
+                if seq.num_draft:
+                    seq.take_draft()
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -104,6 +110,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop the blocks; the sequence re-runs all its tokens."""
         self.running.remove(seq)
+        seq.take_draft()
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1

@@ -51,6 +51,10 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
         self.finish_reason: str | None = None
         self.first_scheduled_time: float | None = None  # time.monotonic() at first admission
+        # Speculative decoding: the last `num_draft` token ids are proposed, not sampled. They live
+        # only within one step (the engine adds them before scheduling and takes them back after
+        # the forward), so outside `LLMEngine.step` the count is 0.
+        self.num_draft = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -71,6 +75,24 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def add_draft(self, tokens: list[int]) -> None:
+        assert self.num_draft == 0 and self.num_uncomputed_tokens == 1
+        self.token_ids.extend(tokens)
+        self.num_draft = len(tokens)
+
+    def take_draft(self, keep: int | None = None) -> list[int]:
+        """Remove the proposed tokens (all, or all but the first `keep`) and return those removed;
+        computed counts shrink with them."""
+        cut = self.num_draft if keep is None else self.num_draft - keep
+        assert 0 <= cut <= self.num_draft
+        if cut == 0:
+            return []
+        removed = self.token_ids[-cut:]
+        del self.token_ids[-cut:]
+        self.num_draft -= cut
+        self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids))
+        return removed
+
     def block_tokens(self, index: int, block_size: int) -> list[int]:
         return self.token_ids[index * block_size:(index + 1) * block_size]
 
@@ -84,16 +106,25 @@ class ScheduledChunk:
     """Feed `seq.token_ids[start:start + num_tokens]` this step.
 
     `sample` is true when the chunk ends at the last token, so the step yields a new token.
+    `num_draft`: the chunk's last tokens that are proposed (speculative decoding): the step
+    yields logits after each of them too (`num_logits` rows in all), to verify them.
     """
 
     seq: Sequence
     start: int
     num_tokens: int
     sample: bool
+    num_draft: int = 0
+
+    @property
+    def num_logits(self) -> int:
+        return 1 + self.num_draft if self.sample else 0
 
     @classmethod
     def next_for(cls, seq: Sequence, budget: int) -> "ScheduledChunk":
         """The next chunk of at most `budget` tokens for a sequence."""
+        if seq.num_draft and seq.num_uncomputed_tokens > budget:   # drafts only whole, with their token
+            seq.take_draft(keep=budget - 1)
         n = min(seq.num_uncomputed_tokens, budget)
         start = seq.num_computed_tokens
-        return cls(seq, start, n, start + n == len(seq))
+        return cls(seq, start, n, start + n == len(seq), seq.num_draft)

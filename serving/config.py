@@ -51,6 +51,14 @@ class EngineOptions(_Model):
         "auto", description="torch intra-op threads a replica owns (CPU); auto = its pool's num_cpus (at least 1); "
                             "None = torch's default (every CPU). With share_idle_cpus it also borrows idle replicas'.")
 
+    speculative_tokens: int = Field(
+        0, ge=0, le=16, description="Decode steps feed up to this many draft tokens per sequence, proposed by prompt "
+                                    "lookup, and keep those the model picks itself: several tokens a step where the "
+                                    "output repeats its context; in float32 the same output as without (bf16: up to "
+                                    "the rounding a bigger batch also changes). 0: off.")
+    speculative_max_batch: int = Field(
+        8, ge=1, description="Speculate only while at most this many sequences run in the replica.")
+
     def engine_config(self, model_dir: str) -> EngineConfig:
         """The engine's configuration (`num_threads` resolved: AppConfig.engine_for)."""
         assert self.num_threads != "auto", "resolve num_threads through AppConfig.engine_for"

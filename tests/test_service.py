@@ -345,6 +345,22 @@ def test_queue_prefill_and_kv_transfer_series(disagg):
     assert {p for p, _ in errors} == {"prefill", "decode"} and not any(errors.values())
 
 
+def test_the_decode_replicas_speculate_and_say_so(disagg, colocated):
+    """The disaggregated fixture's decode pool runs with speculative_tokens 3 (tests/conftest.py):
+    a request that repeats its prompt keeps drafts (counted on /metrics) and its output is the
+    colocated replica's, which does not speculate."""
+    def kept():
+        return sum(v for (n, p, _), v in metrics(disagg).items() if n == "pdserve_spec_accepted_tokens" and p == "decode")
+    before = kept()
+    text = "one apple, two pears, three plums, four figs, five limes, six dates"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Repeat exactly: {text}"}], "max_tokens": 24,
+            "temperature": 0}
+    outs = [json.loads(http(base, "/v1/chat/completions", body)[1])["choices"][0] for base in (disagg, colocated)]
+    assert outs[0]["message"]["content"] == outs[1]["message"]["content"]
+    assert wait_until(lambda: kept() > before, 10), "no draft token was kept (or the stats never came)"
+    assert pools_all_free(disagg, {"prefill", "decode"})
+
+
 def test_ray_metrics_port_has_the_pdserve_series(disagg):
     """Ray's metrics agent exports what the router and replicas record through ray.serve.metrics
     (prefixed `ray_`); skipped where this cluster runs no metrics agent."""

@@ -1,0 +1,41 @@
+"""Draft tokens by prompt lookup (n-gram speculation), torch-free.
+
+Output often repeats its context: a quoted passage, code being edited, a name or a list from the
+prompt. `NgramIndex.propose` finds the longest suffix of the sequence (MAX_N tokens down to MIN_N)
+that occurred before and proposes the tokens that followed its latest earlier occurrence. The
+engine feeds them with the sequence's token and keeps those the model itself picks (see
+`LLMEngine._postprocess`), so a wrong draft costs compute, not output.
+
+The index maps each n-gram to where its latest occurrence ends. It covers the n-grams ending
+before the last token, so a look-up of the suffix finds an earlier occurrence, never the suffix
+itself; `extend` keeps it current in O(new tokens).
+"""
+
+from __future__ import annotations
+
+MIN_N = 2
+MAX_N = 4
+
+
+class NgramIndex:
+    def __init__(self, tokens: list[int]):
+        self._last: dict[tuple[int, ...], int] = {}
+        self._indexed = 0          # n-grams ending at positions < _indexed are in `_last`
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index `tokens` (the whole sequence so far; the engine passes its token list)."""
+        self._tokens = tokens
+        for end in range(self._indexed, len(tokens) - 1):
+            for n in range(MIN_N, min(MAX_N, end + 1) + 1):
+                self._last[tuple(tokens[end - n + 1:end + 1])] = end
+        self._indexed = max(self._indexed, len(tokens) - 1)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the longest earlier occurrence of the sequence's suffix."""
+        tokens = self._tokens
+        for n in range(min(MAX_N, len(tokens) - 1), MIN_N - 1, -1):
+            end = self._last.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end + 1:end + 1 + k]
+        return []
