@@ -123,7 +123,7 @@ class ScheduledChunk:
     @classmethod
     def next_for(cls, seq: Sequence, budget: int) -> "ScheduledChunk":
         """The next chunk of at most `budget` tokens for a sequence."""
-        if seq.num_draft and seq.num_uncomputed_tokens > budget:   # drafts only whole, with their token
+        if seq.num_draft and seq.num_uncomputed_tokens > budget:   # as many drafts as fit beside its token
             seq.take_draft(keep=budget - 1)
         n = min(seq.num_uncomputed_tokens, budget)
         start = seq.num_computed_tokens

@@ -59,7 +59,7 @@ TokenIds = Annotated[list[Int(ge=0)], Field(min_length=1)]
 Stop = NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
                            Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]],
-                      Field(max_length=MAX_LOGIT_BIAS)]
+                      Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})]
 
 
 def _implies(name: str, schema: dict, then: dict) -> dict:
@@ -79,8 +79,14 @@ _BATCH_BOUNDS = {n: MAX_CHOICES // n for n in range(2, MAX_CHOICES + 1)
 COMPLETION_CROSS_FIELD = {"allOf": [
     _implies("max_tokens", {"const": 0}, {"properties": {"echo": {"const": True}}, "required": ["echo"]}),
     *(_implies("n", {"type": "integer", "minimum": n}, _batch_at_most(k)) for n, k in _BATCH_BOUNDS.items())]}
-CHAT_CROSS_FIELD = _implies("top_logprobs", {"type": "integer", "minimum": 1},
-                            {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]})
+# response_format and structured_outputs, not both
+_ONE_STRUCTURE = {"not": {"properties": {"response_format": {"type": "object"}, "structured_outputs": {"type": "object"}},
+                          "required": ["response_format", "structured_outputs"]}}
+COMPLETION_CROSS_FIELD["allOf"].append(_ONE_STRUCTURE)
+CHAT_CROSS_FIELD = {"allOf": [_implies("top_logprobs", {"type": "integer", "minimum": 1},
+                                       {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
+                              _ONE_STRUCTURE]}
+STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class _Strict(BaseModel):
@@ -107,6 +113,8 @@ class JsonSchemaFormat(_StrictOpen):
 class ResponseFormat(_StrictOpen):
     """Plain text, any JSON object, or a value of a JSON schema (`json_schema` required then);
     other keys are ignored."""
+    model_config = ConfigDict(json_schema_extra=_implies("type", {"const": "json_schema"}, {
+        "properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]}))
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -125,6 +133,8 @@ class ResponseFormat(_StrictOpen):
 class StructuredOutputs(_Strict):
     """vLLM's: exactly one of a JSON schema, any JSON object, a regex, a list of choices, or a
     Lark grammar."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"properties": {key: {"not": {"type": "null"}}}, "required": [key]} for key in STRUCTURED_KEYS]})
     json_: dict[str, Any] | None = Field(None, alias="json", description="A JSON schema.")
     json_object: Literal[True] | None = None
     regex: NonEmptyText | None = None
@@ -134,7 +144,7 @@ class StructuredOutputs(_Strict):
     @model_validator(mode="after")
     def _exactly_one(self):
         if sum(v is not None for v in (self.json_, self.json_object, self.regex, self.choice, self.grammar)) != 1:
-            raise ValueError("structured_outputs takes exactly one of json, json_object, regex, choice, grammar")
+            raise ValueError(f"structured_outputs takes exactly one of {', '.join(STRUCTURED_KEYS)}")
         return self
 
     def structured(self) -> StructuredOutput:

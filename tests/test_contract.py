@@ -88,6 +88,22 @@ def _valid(schema: dict, doc: dict, body: dict) -> bool:
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000,
                              "max_completion_tokens": 2}),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json"}}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema"}}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": None}}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_object"}, "structured_outputs": {"regex": "a"}}),
+    (CompletionRequest, {"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": None}),
+    (CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}),
+    (CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": None}}),
+    (CompletionRequest, {"prompt": "x", "structured_outputs": {}}),
+    (CompletionRequest, {"prompt": "x", "structured_outputs": {"json": {"type": "object"}}}),
+    (CompletionRequest, {"prompt": "x", "logit_bias": {"12": -100, "7": 2.5}}),
+    (CompletionRequest, {"prompt": "x", "logit_bias": {"12": -101}}),
+    (CompletionRequest, {"prompt": "x", "logit_bias": {"x": 1}}),
 ])
 def test_the_request_schemas_accept_what_the_validator_accepts(model, body):
     """Including the rules that span fields (if/then in the document)."""
