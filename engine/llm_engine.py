@@ -131,7 +131,10 @@ class LLMEngine:
     def _matcher(self, params: SamplingParams, resumed: list[int]) -> Matcher | str:
         """A request's grammar matcher, past its `resumed` output tokens, or why there is none."""
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, list(self.eos_token_ids))
+            try:
+                self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, list(self.eos_token_ids))
+            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer llguidance cannot read (not a fast one)
+                return f"structured output is not available with this model's tokenizer ({exc})"
         matcher = self._grammars.matcher(params.structured)
         if not all(matcher.accept(t) for t in resumed):
             return "the resumed output does not follow the structured output's grammar"
