@@ -261,7 +261,9 @@ class LLMEngine:
         play, row = [], 0          # (request, its first logits row, its draft) per sampling chunk
         for ch in chunks:
             if ch.sample:
-                play.append((self._requests[ch.seq.request_id], row, drafts.get(ch.seq.request_id, [])[:ch.num_draft]))
+                draft = drafts.get(ch.seq.request_id, [])
+                assert len(draft) == ch.num_draft     # the scheduler trimmed the draft to the chunk
+                play.append((self._requests[ch.seq.request_id], row, draft))
             row += ch.num_logits
         for req, _, _ in play:
             if req.penalty is None and req.seq.params.penalized:   # built once, then kept up by sample()
@@ -339,9 +341,7 @@ class LLMEngine:
 
     def _fail(self, req: _Request, error: str) -> RequestOutput:
         """End one request that cannot go on (its blocks freed), the step's others unharmed."""
-        self.scheduler.finish(req.seq, "abort")
-        del self._requests[req.seq.request_id]
-        out = self._output(req, [], "abort", True)
+        out = self.abort(req.seq.request_id)
         out.error = error
         return out
 

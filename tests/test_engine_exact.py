@@ -19,6 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import Completion
 from engine.sampling_params import SamplingParams
 from engine_prompts import max_tokens_for
+from engine_split import split_run
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +134,7 @@ def _split_run(prefill, decode, rid, prompt, params) -> Completion:
     """What a client gets when `prompt` is prefilled in one engine and decoded in another: the
     prefill's first token (text and logprobs) at once, then the decode engine's output after it
     (its first output repeats the first token: only its text is new)."""
-    return _resume_split(prefill, decode, rid, prompt, params, [], 0)[0]
+    return split_run(prefill, decode, rid, prompt, params)[0]
 
 
 def test_split_text_equals_single_engine_text_even_with_stop_strings(trio, prompts):
@@ -245,32 +246,6 @@ def test_seeded_sampling_split_draws_what_one_engine_draws(trio, prompts):
     assert all(e.block_manager.all_free() for e in (single, prefill, decode))
 
 
-def _resume_split(prefill, decode, rid, prompt, params, resumed, shown):
-    """`_split_run` of a request resumed after `resumed` output tokens (none: a fresh one) of which
-    the client was shown `shown` characters; returns what the client gets after them and the last
-    output (its counts)."""
-    prefill.add_request(rid, prompt, params, hold_blocks=True, resumed=resumed, shown_chars=shown)
-    got, last = Completion(rid, prompt), None
-    while prefill.has_work():
-        for last in prefill.step():
-            got.add(last)
-    if got.finish_reason is not None:
-        prefill.release(rid)
-        return got, last
-    kv = prefill.export_kv(rid)
-    prefill.release(rid)
-    blocks = decode.reserve(len(prompt) + len(resumed))
-    decode.import_kv(blocks, kv)
-    last = decode.add_prefilled(rid, prompt, got.token_ids[0], params, blocks, shown + len(got.text), resumed=resumed)
-    assert last.new_token_ids == got.token_ids and not last.logprobs
-    got.text += last.new_text
-    got.finish_reason = last.finish_reason
-    while decode.has_work():
-        for last in decode.step():
-            got.add(last)
-    return got, last
-
-
 def _resume_one(engine, rid, prompt, params, resumed, shown):
     engine.add_request(rid, prompt, params, resumed=resumed, shown_chars=shown)
     outs = []
@@ -316,7 +291,7 @@ def test_a_resumed_request_goes_on_as_the_uninterrupted_one(trio, prompts, kwarg
                 shown = "".join(o.new_text for o in outs[:k])
                 for way, (got, last) in {
                         "one": _resume_one(single, f"{tag}-o{i}-{n}-{k}", p, pp, resumed, len(shown)),
-                        "split": _resume_split(prefill, decode, f"{tag}-s{i}-{n}-{k}", p, pp, resumed, len(shown)),
+                        "split": split_run(prefill, decode, f"{tag}-s{i}-{n}-{k}", p, pp, resumed, len(shown)),
                 }.items():
                     assert resumed + got.token_ids == whole.token_ids, (way, k, kwargs)
                     assert shown + got.text == whole.text, (way, k, kwargs)

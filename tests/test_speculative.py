@@ -16,6 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.structured_output import StructuredOutput
+from engine_split import split_run
 
 
 # ---- the index --------------------------------------------------------------------------------
@@ -161,19 +162,7 @@ def test_a_decode_engine_with_drafts_continues_a_prefilled_request_as_one_engine
     prefill = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", kv_cache_memory="16MiB"))
     for params in PARAMS[:2]:
         ref = plain.generate([LOOP], params)[0]
-        prefill.add_request("r", LOOP, params, hold_blocks=True)
-        first = prefill.step()[0]
-        kv = prefill.export_kv("r")
-        prefill.release("r")
-        blocks = spec.reserve(len(LOOP))
-        spec.import_kv(blocks, kv)
-        got = Completion("r", LOOP)
-        got.add(first)
-        out = spec.add_prefilled("r", LOOP, first.new_token_ids[0], params, blocks, len(first.new_text))
-        got.text += out.new_text
-        while spec.has_work():
-            for out in spec.step():
-                got.add(out)
+        got = split_run(prefill, spec, f"split-{params.temperature}", LOOP, params)[0]
         assert got.token_ids == ref.token_ids and got.text == ref.text
     assert prefill.block_manager.all_free() and spec.block_manager.all_free()
 

@@ -10,10 +10,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import Completion
 from engine.sampler import SampleRow, sample
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
+from engine_split import split_run
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -91,7 +91,7 @@ def test_the_sampler_adds_the_bias_then_masks_what_the_grammar_forbids():
     assert seen <= {3, 7, 69} and len(seen) > 1
 
 
-def _run(engine, params, prompt=PROMPT, rid="r"):
+def _run(engine, params, prompt=PROMPT):
     return engine.generate([prompt], params)[0]
 
 
@@ -144,31 +144,6 @@ def test_logit_bias_forces_and_forbids_tokens(engine):
     assert rejected is not None and "out of range" in rejected.reason
 
 
-def _split(prefill, decode, rid, params, resumed=()):
-    """A request prefilled in one engine and decoded in the other (tests/test_engine_exact.py's
-    `_resume_split`, without the text bookkeeping)."""
-    assert prefill.add_request(rid, PROMPT, params, hold_blocks=True, resumed=list(resumed)) is None
-    first = []
-    while prefill.has_work():
-        first += prefill.step()
-    got = Completion(rid, PROMPT)
-    got.add(first[0])
-    if first[0].finished and first[0].finish_reason is not None:
-        prefill.release(rid)
-        return got
-    kv = prefill.export_kv(rid)
-    prefill.release(rid)
-    blocks = decode.reserve(len(PROMPT) + len(resumed))
-    decode.import_kv(blocks, kv)
-    out = decode.add_prefilled(rid, PROMPT, got.token_ids[0], params, blocks, len(got.text), resumed=list(resumed))
-    got.text += out.new_text
-    got.finish_reason = out.finish_reason
-    while decode.has_work():
-        for out in decode.step():
-            got.add(out)
-    return got
-
-
 def test_split_and_resumed_requests_follow_the_grammar_as_one_engine_does(engine, tiny_llama_dir):
     """The decode engine's matcher starts past the prefill engine's first token (and a resumed
     request's tokens), so a seeded request gives one engine's tokens; a first token the grammar
@@ -178,9 +153,9 @@ def test_split_and_resumed_requests_follow_the_grammar_as_one_engine_does(engine
     for seed in (5, 6):
         params = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured=JSON_SCHEMA)
         whole = _run(engine, params)
-        assert _split(prefill, decode, f"s{seed}", params).token_ids == whole.token_ids
+        assert split_run(prefill, decode, f"s{seed}", PROMPT, params)[0].token_ids == whole.token_ids
         resumed = whole.token_ids[:4]
-        again = _split(prefill, decode, f"r{seed}", params, resumed)
+        again = split_run(prefill, decode, f"r{seed}", PROMPT, params, resumed)[0]
         assert resumed + again.token_ids == whole.token_ids
     blocks = decode.reserve(len(PROMPT))
     refused = decode.add_prefilled("bad", PROMPT, engine.tokenizer.encode("x")[0],
