@@ -35,7 +35,8 @@ class RequestOutput:
     model's context), "abort", or None while running. A prefill-role request finishes after
     its first token with finish_reason None when it should go on decoding elsewhere. `error`: the
     request failed on its own (its grammar could not go on; the other requests of the step went
-    on): finished, "abort", its blocks freed, and the replica reports the error.
+    on): finished, "abort", its blocks freed, and the replica reports the error with the HTTP
+    status `error_code` (400: the request's grammar cannot be followed with this vocabulary).
     """
 
     request_id: str
@@ -50,6 +51,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 2..n, with the first token
     error: str | None = None
+    error_code: int = 500
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This output and the same request's next one as a single output (the tokens, text and
@@ -64,7 +66,8 @@ class RequestOutput:
                              max(self.num_cached_tokens, later.num_cached_tokens),
                              self.first_scheduled_time if self.first_scheduled_time is not None
                              else later.first_scheduled_time,
-                             logprobs, self.prompt_logprobs or later.prompt_logprobs, later.error)
+                             logprobs, self.prompt_logprobs or later.prompt_logprobs, later.error,
+                             later.error_code)
 
 
 @dataclass

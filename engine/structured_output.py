@@ -110,7 +110,7 @@ class Matcher:
 
     def problem(self) -> str | None:
         """Why the grammar cannot go on (it failed to build, or a token was refused), or None."""
-        return self._m.get_error() or "error" if self._m.is_error() else None
+        return (self._m.get_error() or "error").splitlines()[0] if self._m.is_error() else None
 
     def bitmask(self) -> bytes:
         """The tokens that may come next: bit t % 8 of byte t // 8 is set for token t."""

@@ -86,7 +86,7 @@ class PrefillServer(EngineReplica):
             yield messages.encode(messages.PrefillResult(rid, error=first.reason, error_code=400))
             return
         if first.error is not None:           # failed on its own; the engine freed its blocks
-            yield messages.encode(messages.PrefillResult(rid, error=first.error, error_code=500))
+            yield messages.encode(messages.PrefillResult(rid, error=first.error, error_code=first.error_code))
             return
         assert first is not None and first.finished
         done = time.monotonic()

@@ -26,9 +26,11 @@ def error_event(request_id: str, message: str, code: int = 500, kind: str = "ser
 
 def engine_event(out: RequestOutput | Rejected) -> bytes:
     """What an engine stream yields, as a replica's event: a token event, a 400 error event
-    for a request the engine rejected at admission, or a 500 for one that failed on its own."""
+    for a request the engine rejected at admission, or its own status (RequestOutput.error_code)
+    for one that failed on its own."""
     if isinstance(out, Rejected):
         return error_event(out.request_id, out.reason, 400, "invalid_request_error")
     if out.error is not None:
-        return error_event(out.request_id, out.error, 500)
+        return error_event(out.request_id, out.error, out.error_code,
+                           "invalid_request_error" if out.error_code == 400 else "server_error")
     return token_event(out)

@@ -184,7 +184,8 @@ def test_a_grammar_that_fails_is_a_rejection_at_admission_and_alone_mid_way(engi
     engine._requests["json"].matcher = engine._grammars.matcher(SELF_REFERENCE)
     outs = {o.request_id: o for o in engine.step()}
     assert outs["json"].finished and outs["json"].finish_reason == "abort"
-    assert "structured output" in outs["json"].error and not outs["json"].new_token_ids
+    assert "structured output's grammar" in outs["json"].error and not outs["json"].new_token_ids
+    assert outs["json"].error_code == 400 and "\n" not in outs["json"].error    # llguidance's first line
     assert not outs["plain"].finished and outs["plain"].error is None
     rest = []
     while engine.has_work():
@@ -193,9 +194,28 @@ def test_a_grammar_that_fails_is_a_rejection_at_admission_and_alone_mid_way(engi
     assert engine.live_request_ids() == [] and engine.block_manager.all_free()
 
 
-def test_a_failed_request_is_a_500_error_event_from_its_replica():
+def test_a_grammar_whose_mask_lets_through_a_token_it_then_refuses_ends_alone(engine):
+    """llguidance's mask for a regex of control bytes (which SmolLM2's vocabulary has no plain
+    tokens for) allows a token its parser then refuses (fuzzing found it: the step raised and
+    every request of it was aborted). The request ends with a 400; the others go on."""
+    for rid, params in (("ctl", SamplingParams(temperature=0, max_tokens=8, logprobs=3,
+                                               structured=StructuredOutput("regex", "\x06\x0f"))),
+                        ("plain", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))):
+        assert engine.add_request(rid, PROMPT, params) is None
+    outs = {}
+    while engine.has_work():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert outs["ctl"].finish_reason == "abort" and outs["ctl"].error_code == 400 and "grammar" in outs["ctl"].error
+    assert outs["plain"].error is None and outs["plain"].num_output_tokens == 4
+    assert engine.live_request_ids() == [] and engine.block_manager.all_free()
+
+
+@pytest.mark.parametrize("code, kind", [(400, "invalid_request_error"), (500, "server_error")])
+def test_a_failed_request_is_an_error_event_with_its_status_from_its_replica(code, kind):
     from engine.outputs import RequestOutput
     from serving import messages
     from serving.replica_util import engine_event
-    event = messages.decode(engine_event(RequestOutput("x", [], "", True, "abort", 3, 1, error="structured output: no")))
-    assert isinstance(event, messages.ErrorEvent) and event.code == 500 and "no" in event.message
+    event = messages.decode(engine_event(RequestOutput("x", [], "", True, "abort", 3, 1, error="structured output: no",
+                                                       error_code=code)))
+    assert isinstance(event, messages.ErrorEvent) and event.code == code and event.kind == kind
+    assert "no" in event.message
