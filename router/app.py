@@ -2,11 +2,14 @@
 
 Life cycle of an HTTP request
   1. validate  the body (pydantic, strict); errors are 400s in OpenAI's error format
-  2. tokenize  the prompt or apply the chat template (tokenization lives here, not in pools)
+  2. tokenize  the prompt or apply the chat template (tokenization lives here, not in pools),
+               with the tools shown as router/tools.py says
   3. run       the orchestrator, once per choice (`n`, router/choices.py): decode replica
                chosen, prefill there, decode streams back
   4. respond   one JSON body, or server-sent events ending in `data: [DONE]`; a failure
-               before the first tokens is an HTTP error, after them an error event in the stream
+               before the first tokens is an HTTP error, after them an error event in the stream.
+               With tools, each choice's output is split into content and tool calls
+               (router/tool_parser.py)
 A client that disconnects cancels step 3, which aborts the request in every pool.
 
 (No `from __future__ import annotations` here: Serve's class-based ingress rebuilds the endpoint
@@ -28,6 +31,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
+from jinja2 import TemplateError
 from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import context_limit
@@ -40,6 +44,8 @@ from router.metrics import RequestMetrics, render
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.openai_responses import choice_body, completion_body, error_body, error_response, usage
 from router.orchestrator import Orchestrator, RequestFailed
+from router.tool_parser import ToolCallStream, split_tool_calls
+from router.tools import native_tool_template
 from serving import messages
 from serving.config import AppConfig
 from serving.models import resolve_model
@@ -136,6 +142,7 @@ class Router:
         model_dir = resolve_model(self.config.model, self.config.model_cache, progress=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.token_strings = TokenStrings(self.tokenizer)
+        self.native_tools = native_tool_template(self.tokenizer)
         hf = AutoConfig.from_pretrained(model_dir)
         self.max_model_len = min(self.config.engine.max_model_len or 10**9, context_limit(hf))
         self.model_name = self.config.model_name
@@ -214,9 +221,11 @@ class Router:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
+        conversation, tools = body.conversation(self.native_tools)
         try:
-            ids = self.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tokenize=True)
-        except ValueError as exc:
+            ids = self.tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True,
+                                                     tokenize=True)
+        except (ValueError, TemplateError) as exc:     # the template refused the conversation
             return error_response(400, str(exc), param="messages")
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         if body.max_completion_tokens is not None and (body.max_tokens or 0) > self.config.max_tokens_limit:
@@ -337,8 +346,13 @@ class Router:
             await choices.aclose()
         self.request_metrics.finish("ok")
         self._observe(body, times, lasts)
-        out = [choice_body(i, texts[i], views[i].finish_reason(last), chat, chunk=False, logprobs=logprobs[i])
-               for i, last in enumerate(lasts)]
+        out = []
+        for i, last in enumerate(lasts):
+            text, calls, finish = texts[i], None, views[i].finish_reason(last)
+            if body.parses_tool_calls:
+                text, calls = split_tool_calls(text)
+                finish = "tool_calls" if calls and finish == "stop" else finish
+            out.append(choice_body(i, text, finish, chat, chunk=False, logprobs=logprobs[i], tool_calls=calls))
         return completion_body(rid, self.model_name, out, chat, chunk=False, use=self._usage(body, firsts, lasts))
 
     async def _sse(self, body, rid, choices: Choices, firsts, chat, times, echoes=None):
@@ -347,13 +361,20 @@ class Router:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         views, lasts, outcome = self._views(body, chat, echoes, len(firsts)), list(firsts), "aborted"
+        calls = [ToolCallStream() for _ in firsts] if body.parses_tool_calls else None
 
         def chunk(i: int, ev: messages.TokenEvent) -> str | None:
             lasts[i] = ev
-            text, lp = views[i].piece(ev)
-            if not (text or ev.finished or (lp and any(lp.values()))):
+            (text, lp), made, finish = views[i].piece(ev), [], views[i].finish_reason(ev)
+            if calls:      # the content and calls certain so far (router/tool_parser.py)
+                text, made = calls[i].feed(text)
+                if ev.finished:
+                    rest, last = calls[i].finish()
+                    text, made = text + rest, made + last
+                    finish = "tool_calls" if calls[i].count and finish == "stop" else finish
+            if not (text or made or ev.finished or (lp and any(lp.values()))):
                 return None
-            return data(choice_body(i, text, views[i].finish_reason(ev), chat, chunk=True, logprobs=lp))
+            return data(choice_body(i, text, finish, chat, chunk=True, logprobs=lp, tool_calls=made))
         try:
             if chat:
                 for i in range(len(firsts)):

@@ -16,11 +16,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from engine.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
                                     SamplingParams)
 from engine.structured_output import StructuredOutput
+from router.protocol_types import Int, NonEmptyText, Strict, StrictOpen, Text
+from router.tools import (MAX_TOOLS, MessageToolCall, NamedToolChoice, Tool, ToolChoice, forced_tools,
+                          parameters_problem, render_conversation, tool_grammar)
 
 MAX_TOKENS_DEFAULT_COMPLETION = 16
 MAX_CHOICES = 16   # most choices in one request (n, times the prompts of a batched completion)
@@ -32,29 +35,6 @@ MAX_TOP_K = 2**31 - 1
 GREEDY_BELOW_TEMPERATURE = 1e-5   # as vLLM: a temperature this small is greedy
 MIN_TOP_P = 1e-9                  # any top_p below the top token's probability (>= 1/vocab) keeps only that token
 MIN_REPETITION_PENALTY = 1e-6     # already divides a repeated token's positive logit by a million
-
-
-def _integral(value):
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def Int(ge: int | None = None, le: int | None = None):  # noqa: N802 - a type, used in annotations
-    """An integer in [ge, le]. JSON Schema's integers include 2.0, so an integral float is one too
-    (strict validation takes no other float, nor "2", nor true). The bounds come before the
-    conversion, so that the JSON schema states them."""
-    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
-
-
-def _unicode(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("text must be valid Unicode (a lone surrogate escape is not)") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_unicode)]   # JSON can carry "\udc80"; no tokenizer takes it
-NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
 TokenIds = Annotated[list[Int(ge=0)], Field(min_length=1)]
 Stop = NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
@@ -89,19 +69,11 @@ CHAT_CROSS_FIELD = {"allOf": [_implies("top_logprobs", {"type": "integer", "mini
 STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class _StrictOpen(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = Field(False, description="Send a last chunk with `usage` (and no choices) before [DONE].")
 
 
-class JsonSchemaFormat(_StrictOpen):
+class JsonSchemaFormat(StrictOpen):
     """OpenAI's `response_format.json_schema`; other keys are ignored."""
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Text | None = None
@@ -110,7 +82,7 @@ class JsonSchemaFormat(_StrictOpen):
     strict: bool | None = Field(None, description="Accepted; the output always follows the schema.")
 
 
-class ResponseFormat(_StrictOpen):
+class ResponseFormat(StrictOpen):
     """Plain text, any JSON object, or a value of a JSON schema (`json_schema` required then);
     other keys are ignored."""
     model_config = ConfigDict(json_schema_extra=_implies("type", {"const": "json_schema"}, {
@@ -130,7 +102,7 @@ class ResponseFormat(_StrictOpen):
         return None if self.type == "text" else StructuredOutput("json_object")
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(Strict):
     """vLLM's: exactly one of a JSON schema, any JSON object, a regex, a list of choices, or a
     Lark grammar."""
     model_config = ConfigDict(json_schema_extra={"oneOf": [
@@ -159,7 +131,7 @@ class StructuredOutputs(_Strict):
         return StructuredOutput("lark", self.grammar)
 
 
-class _Sampling(_Strict):
+class _Sampling(Strict):
     model: str = Field(description="The served model's name (GET /v1/models); any other is a 404.")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 (or below {GREEDY_BELOW_TEMPERATURE:g}) is "
                                "greedy.")
@@ -228,6 +200,11 @@ class _Sampling(_Strict):
                               logit_bias=self.logit_bias_pairs(), structured=self.structured())
 
     @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the output's <tool_call> blocks are tool calls (chat with tools)."""
+        return False
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -282,30 +259,77 @@ class CompletionRequest(_Sampling):
         return self.logprobs if self.echo else None
 
 
-class TextPart(_StrictOpen):
+class TextPart(StrictOpen):
     """A text content part; other keys are ignored."""
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(_Strict):
+def _present(name: str) -> dict:
+    """JSON Schema: `name` is given and not null."""
+    return {"properties": {name: {"not": {"type": "null"}}}, "required": [name]}
+
+
+# content may be left out (or null) by an assistant turn that made calls; calls are an assistant's,
+# tool_call_id a tool result's
+MESSAGE_CROSS_FIELD = {"allOf": [
+    {"if": {"not": _present("content")}, "then": {"properties": {"role": {"const": "assistant"}, "tool_calls": {
+        "type": "array", "minItems": 1}}, "required": ["role", "tool_calls"]}},
+    {"if": _present("tool_calls"), "then": {"properties": {"role": {"const": "assistant"}}}},
+    {"if": _present("tool_call_id"), "then": {"properties": {"role": {"const": "tool"}}}}]}
+
+
+class ChatMessage(Strict):
+    """A turn of the conversation. Across fields: content may be left out only by an assistant
+    turn with tool_calls; tool_calls only on assistant turns, tool_call_id only on tool turns."""
+    model_config = ConfigDict(json_schema_extra=MESSAGE_CROSS_FIELD)
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart] = Field(description="Text, or text parts (no images or audio).")
+    content: Text | list[TextPart] | None = Field(None, description="Text, or text parts (no images or audio).")
     name: Text | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="The calls an assistant turn made.")
+    tool_call_id: Text | None = Field(None, description="The call a tool turn answers.")
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("a message needs content (only an assistant turn with tool_calls may leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages carry tool_call_id")
+        return self
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+FORCED_TOOL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
+CHAT_CROSS_FIELD["allOf"] += [
+    _implies("tool_choice", {"anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}, _present("tools")),
+    _implies("tool_choice", FORCED_TOOL, {"properties": {"response_format": {"type": "null"},
+                                                         "structured_outputs": {"type": "null"}}})]
 
 
 class ChatCompletionRequest(_Sampling):
-    """A chat completion. Across fields: top_logprobs above 0 needs logprobs true."""
+    """A chat completion. Across fields: top_logprobs above 0 needs logprobs true; a tool_choice
+    other than "none" needs tools, a named one a function among them; a forced call ("required"
+    or named) takes neither response_format nor structured_outputs (both would shape the output)."""
     model_config = ConfigDict(json_schema_extra=CHAT_CROSS_FIELD)
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: Int(ge=1) | None = Field(None, description="Default: as many as the context allows.")
     max_completion_tokens: Int(ge=1) | None = Field(None, description="Overrides max_tokens.")
     logprobs: bool | None = None
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Alternatives per token (with logprobs).")
-    tools: None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(
+        None, description="Functions the model may call (distinct names).")
+    tool_choice: ToolChoice | None = Field(None, description='"none": no calls (the tools are not shown); "auto" '
+                                           '(the default with tools): the model chooses; "required": at least one '
+                                           "call; a named function: one call of it. Forced calls follow the "
+                                           "functions' schemas.")
+    parallel_tool_calls: bool = Field(True, description='With "required": one call or several (else exactly one).')
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -313,9 +337,44 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
+    @model_validator(mode="after")
+    def _tools_agree(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: function names must be distinct")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        forced = tool_grammar(self.tools or [], self.chosen_tools, self.parallel_tool_calls)
+        if forced is not None and super().structured() is not None:
+            raise ValueError("a forced tool call (tool_choice required or a function) takes no response_format "
+                             "or structured_outputs")
+        if forced is not None:
+            for tool in forced_tools(self.tools, self.chosen_tools):
+                if problem := parameters_problem(tool):
+                    raise ValueError(f"tools: {problem}")
+            if problem := forced.problem():
+                raise ValueError(f"tools: {problem.splitlines()[0]}")
+        return self
+
+    @property
+    def chosen_tools(self):
+        """tool_choice, its default filled in."""
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return self.chosen_tools != "none"
+
+    def structured(self) -> StructuredOutput | None:
+        forced = tool_grammar(self.tools, self.chosen_tools, self.parallel_tool_calls) if self.tools else None
+        return forced or super().structured()
+
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def conversation(self, native_tools: bool) -> tuple[list[dict], list[dict] | None]:
+        """The chat template's messages and tools (router/tools.py): `native_tools`, whether the
+        template writes tool calls itself."""
+        return render_conversation(self.messages, self.tools if self.parses_tool_calls else None, native_tools)

@@ -37,18 +37,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def choice_body(index: int, text: str, finish: str | None, chat: bool, chunk: bool, first: bool = False,
-                logprobs: dict | None = None) -> dict:
+def choice_body(index: int, text: str | None, finish: str | None, chat: bool, chunk: bool, first: bool = False,
+                logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     """One choice of a response (chunk=False) or of a stream chunk; `first` (chat chunks): the
     choice's opening chunk, which carries the role. `logprobs`: the choice's OpenAI logprobs
-    object (router/logprobs.py), when asked for."""
+    object (router/logprobs.py), when asked for. `tool_calls` (chat): the calls (in a chunk,
+    those completed since the last, each with its `index`); the content is null when empty."""
     if not chat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    if not chunk:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
-    delta = {"role": "assistant", "content": text} if first else {"content": text}
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    body = {"role": "assistant", "content": text} if first or not chunk else {"content": text}
+    if tool_calls:
+        body["content"] = text or None
+        body["tool_calls"] = tool_calls
+    return {"index": index, "delta" if chunk else "message": body, "logprobs": logprobs, "finish_reason": finish}
 
 
 def completion_body(rid: str, model: str, choices: list[dict], chat: bool, chunk: bool,
@@ -63,6 +64,7 @@ def completion_body(rid: str, model: str, choices: list[dict], chat: bool, chunk
 
 # ---- models (documentation) --------------------------------------------------------------------
 FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ErrorDetail(BaseModel):
@@ -144,16 +146,34 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text, as the model wrote it (a forced call's follows the schema).")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ToolCallDelta(ToolCall):
+    index: int = Field(ge=0, description="The call's place among the choice's calls; each comes whole, "
+                                         "in one chunk.")
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="Null when the turn is calls alone.")
+    tool_calls: list[ToolCall] | None = Field(None, description="With tools: the calls the output made "
+                                              "(finish_reason tool_calls).")
 
 
 class ChatChoice(BaseModel):
     index: int = Field(ge=0)
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
 
 
 class ChatCompletion(_Body):
@@ -164,14 +184,15 @@ class ChatCompletion(_Body):
 
 class Delta(BaseModel):
     role: Literal["assistant"] | None = Field(None, description="On each choice's first chunk.")
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = Field(ge=0)
     delta: Delta
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionChunk(_Body):

@@ -1,0 +1,40 @@
+"""The value types the request models are built from (router/openai_protocol.py,
+router/tools.py): strict JSON types, integers that accept integral floats, and text that any
+tokenizer can take."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _integral(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(ge: int | None = None, le: int | None = None):  # noqa: N802 - a type, used in annotations
+    """An integer in [ge, le]. JSON Schema's integers include 2.0, so an integral float is one too
+    (strict validation takes no other float, nor "2", nor true). The bounds come before the
+    conversion, so that the JSON schema states them."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (a lone surrogate escape is not)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]   # JSON can carry "\udc80"; no tokenizer takes it
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StrictOpen(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)

@@ -1,0 +1,118 @@
+"""Tool calls in a chat choice's output (the syntax: router/tools.py): text outside calls is the
+message's content, each <tool_call> block whose JSON names a function is a call.
+
+One parser serves streams and whole responses: `ToolCallStream.feed` takes each piece of text as it
+arrives and gives back the content that is certain and the calls completed; `finish` flushes the
+rest. A whole response is the stream fed at once (`split_tool_calls`), so a streamed choice's
+deltas add up to the non-streamed message. The rules:
+  - A block's text is held until its </tool_call> (or the end of the output: a block cut by
+    max_tokens is a call if its JSON is complete). Its JSON must be an object with a string
+    "name"; its "arguments" (or "parameters") become the call's arguments as JSON text. A block
+    whose JSON is not that stays in the content, tags and all (as vLLM's Hermes parser does).
+  - Content is held back while it could still be the start of <tool_call>, or is trailing
+    whitespace: content right before a call is trimmed at its end, and content right after a
+    call at its start (the newlines around blocks are not content).
+  - Output without calls comes out unchanged, whitespace included.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from router.tools import CLOSE, OPEN
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(body: str) -> dict | None:
+    """A call from the JSON between the tags, or None."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if not (isinstance(arguments, str) and _is_json(arguments)):   # some models write the JSON text
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": arguments}}
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _held_back(text: str) -> int:
+    """How many characters at the end of content-so-far must wait: a prefix of <tool_call>, and
+    the whitespace before it."""
+    keep = next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-k:])), 0)
+    while keep < len(text) and text[-keep - 1].isspace():
+        keep += 1
+    return keep
+
+
+class ToolCallStream:
+    """One choice's output, split into content and calls as it arrives."""
+
+    def __init__(self):
+        self._held = ""
+        self._after_call = False
+        self.count = 0          # calls found so far; the next one's stream index
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(content now certain, calls completed): each call with its stream `index`."""
+        self._held += text
+        return self._take(final=False)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The same for whatever was held; the output has ended."""
+        return self._take(final=True)
+
+    def _take(self, final: bool) -> tuple[str, list[dict]]:
+        content, calls = [], []
+        while True:
+            start = self._held.find(OPEN)
+            if start < 0:
+                keep = 0 if final else _held_back(self._held)
+                content.append(self._content(self._held[:len(self._held) - keep]))
+                self._held = self._held[len(self._held) - keep:]
+                return "".join(content), calls
+            end = self._held.find(CLOSE, start + len(OPEN))
+            if end < 0 and not final:        # a block under way; the whitespace before it waits too
+                cut = len(self._held[:start].rstrip())
+                content.append(self._content(self._held[:cut]))
+                self._held = self._held[cut:]
+                return "".join(content), calls
+            stop = len(self._held) if end < 0 else end + len(CLOSE)
+            call = _call(self._held[start + len(OPEN):stop - (len(CLOSE) if end >= 0 else 0)])
+            if call is None:
+                content.append(self._content(self._held[:stop]))
+            else:
+                content.append(self._content(self._held[:start].rstrip()))
+                calls.append({"index": self.count, **call})
+                self.count += 1
+                self._after_call = True
+            self._held = self._held[stop:]
+
+    def _content(self, text: str) -> str:
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        return text
+
+
+def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """A whole output's (content, calls); content is None when there are calls and nothing else."""
+    stream = ToolCallStream()
+    content, calls = stream.feed(text)
+    more, last = stream.finish()
+    content += more
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in calls + last]
+    return (content or None) if calls else content, calls

@@ -1,0 +1,182 @@
+"""Tools (function calling) in chat completions: the request's tools, the prompt that shows them
+to the model, and the grammar that makes it call one. (Finding the calls in the output:
+router/tool_parser.py.)
+
+A call is written as Hermes-style text, the syntax Qwen2.5, Qwen3 and Hermes models are trained on:
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+Life of a chat request with tools (router/app.py's chat endpoint)
+  1. render     `render_conversation`: a chat template that writes this syntax itself (it
+                mentions <tool_call>: "native") receives the tools and the history's calls and
+                results as transformers passes them to templates. Any other template gets
+                pdserve's own system text listing the tools (Qwen2.5's words), the history's calls
+                written out in the syntax and tool results as a user turn of <tool_response>
+                blocks, as Qwen2.5's template writes them. tool_choice "none" shows no tools (the
+                output is all content).
+  2. constrain  `tool_grammar`: tool_choice "required" or a named function is a Lark grammar
+                (llguidance, engine/structured_output.py): the output is one call (or, with
+                parallel_tool_calls, several) of the allowed functions, each arguments object a
+                value of its function's JSON schema, then EOS. "auto": nothing is forced.
+  3. parse      router/tool_parser.py, as the output streams or whole.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from engine.structured_output import JSON_OPTIONS, StructuredOutput
+from router.protocol_types import Strict, StrictOpen, Text
+
+MAX_TOOLS = 128
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+# An omitted `parameters` is an empty parameter list (OpenAI's reading): the arguments are {}.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class FunctionDef(StrictOpen):
+    """A function the model may call; other keys are ignored."""
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object; "
+                                              "none: no arguments.")
+    strict: bool | None = Field(None, description="Accepted; a forced call's arguments always follow the schema.")
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionRef(Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionRef
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class CalledFunction(StrictOpen):
+    name: Text = Field(description="As the model wrote it.")
+    arguments: Text = Field(description="The arguments as JSON text.")
+
+
+class MessageToolCall(StrictOpen):
+    """A call an earlier assistant turn made (the conversation's history); other keys are ignored."""
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
+
+
+# ---- 1. render ---------------------------------------------------------------------------------
+def native_tool_template(tokenizer) -> bool:
+    """Whether the tokenizer's chat template shows tools and writes calls as <tool_call> blocks."""
+    template = tokenizer.chat_template or ""
+    text = "\n".join(template.values()) if isinstance(template, dict) else template
+    return OPEN in text and "tools" in text
+
+
+def tools_system_text(tools: list[Tool]) -> str:
+    """pdserve's description of the tools, for templates that have none (Qwen2.5's own words)."""
+    listed = "\n".join(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listed}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n"
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def _arguments(text: str):
+    """A history call's arguments as templates want them: the object, or the text if it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _call_text(call: MessageToolCall) -> str:
+    body = {"name": call.function.name, "arguments": _arguments(call.function.arguments)}
+    return f"{OPEN}\n{json.dumps(body, ensure_ascii=False)}\n{CLOSE}"
+
+
+def render_conversation(messages, tools: list[Tool] | None, native: bool) -> tuple[list[dict], list[dict] | None]:
+    """The chat template's `messages` and `tools` arguments for a request's messages (ChatMessage,
+    router/openai_protocol.py) and the tools to show (None: none)."""
+    if native:
+        return [_native_message(m) for m in messages], [t.model_dump(exclude_none=True) for t in tools or ()] or None
+    out: list[dict] = []
+    after_tool = False      # consecutive tool results share one user turn
+    for m in messages:
+        role, text = ("system" if m.role == "developer" else m.role), m.text()
+        if m.tool_calls:
+            text = "\n".join([text] * bool(text) + [_call_text(c) for c in m.tool_calls])
+        if role == "tool":
+            text = f"<tool_response>\n{text}\n</tool_response>"
+            if after_tool:
+                out[-1]["content"] += "\n" + text
+            else:
+                out.append({"role": "user", "content": text})
+            after_tool = True
+            continue
+        after_tool = False
+        out.append({"role": role, "content": text})
+    if tools:
+        if out[0]["role"] == "system":
+            out[0]["content"] += "\n\n" + tools_system_text(tools)
+        else:
+            out.insert(0, {"role": "system", "content": tools_system_text(tools)})
+    return out, None
+
+
+def _native_message(m) -> dict:
+    out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+# ---- 2. constrain ------------------------------------------------------------------------------
+def forced_tools(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
+    """The functions a forced call may call: all ("required"), the named one, or none ("none", "auto")."""
+    if isinstance(choice, NamedToolChoice):
+        return [t for t in tools if t.function.name == choice.function.name]
+    return list(tools) if choice == "required" else []
+
+
+def parameters_problem(tool: Tool) -> str | None:
+    """Why a function's parameters cannot shape a forced call's arguments, or None."""
+    schema = tool.function.parameters
+    problem = schema and StructuredOutput("json_schema", json.dumps(schema)).problem()
+    return problem and f"function {tool.function.name!r}: parameters: {problem.removeprefix('invalid json_schema: ')}"
+
+
+def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool) -> StructuredOutput | None:
+    """The grammar a forced call follows ("required" or a named function), else None. Each
+    function has its own rule, its arguments a `%json` value of its schema on its own (so the
+    schema's "#/..." references hold); JSON is compact, as response_format's. Several calls only
+    with "required" and `parallel`."""
+    tools = forced_tools(tools, choice)
+    if not tools:
+        return None
+    parallel = parallel and choice == "required"
+    lines = ["%llguidance {}", "start: call" + ' ("\\n" call)*' * parallel,
+             f'call: "{OPEN}\\n" ({" | ".join(f"f{i}" for i in range(len(tools)))}) "\\n{CLOSE}"']
+    for i, tool in enumerate(tools):
+        schema = {**(tool.function.parameters or NO_PARAMETERS), "x-guidance": JSON_OPTIONS}
+        head = json.dumps(f'{{"name": "{tool.function.name}", "arguments": ')
+        lines += [f'f{i}: {head} a{i} "}}"', f"a{i}: %json {json.dumps(schema)}"]
+    return StructuredOutput("lark", "\n".join(lines))

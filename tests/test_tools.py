@@ -1,0 +1,249 @@
+"""Tools (function calling) in the router, without a server: the requests it takes and refuses,
+the prompt a template gets (its own tool syntax, or pdserve's text), the grammar of a forced call
+(walked token by token through llguidance with the real tokenizer: every sentence it allows is
+a call of an allowed function whose arguments follow its schema), and the parser, streamed or
+whole."""
+
+import json
+import random
+import shutil
+
+import jsonschema
+import numpy as np
+import pytest
+from pydantic import ValidationError
+from transformers import AutoTokenizer
+
+from engine.structured_output import GrammarCompiler
+from router.openai_protocol import ChatCompletionRequest
+from router.tool_parser import ToolCallStream, split_tool_calls
+from router.tools import native_tool_template
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+# "#/..." references resolve against the function's own schema
+ROUTE = {"type": "object", "$defs": {"place": {"type": "string", "maxLength": 8}},
+         "properties": {"stops": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"$ref": "#/$defs/place"}},
+                        "fast": {"type": "boolean"}},
+         "required": ["stops", "fast"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "plan-route", "parameters": ROUTE}},
+         {"type": "function", "function": {"name": "ping"}}]
+SCHEMAS = {"get_weather": WEATHER, "plan-route": ROUTE, "ping": {"type": "object", "maxProperties": 0}}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+HISTORY = [*USER, {"role": "assistant", "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                      "arguments": '{"city": "Paris", "unit": "celsius"}'}},
+    {"id": "call_2", "type": "function", "function": {"name": "ping", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "pong"}]
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": USER, "tools": TOOLS, **fields})
+
+
+# ---- requests ----------------------------------------------------------------------------------
+def test_tool_choice_defaults_and_what_it_forces():
+    assert request().chosen_tools == "auto" and request().parses_tool_calls and request().structured() is None
+    plain = ChatCompletionRequest.model_validate({"model": "m", "messages": USER})
+    assert plain.chosen_tools == "none" and not plain.parses_tool_calls
+    none = request(tool_choice="none")
+    assert not none.parses_tool_calls and none.conversation(False)[0] == plain.conversation(False)[0]
+    assert request(tool_choice="required").structured().kind == "lark"
+    named = request(tool_choice={"type": "function", "function": {"name": "ping"}}).structured()
+    assert '\\"ping\\"' in named.value and "get_weather" not in named.value
+    # a forced call with logit_bias or penalties is fine; the sampling params carry the grammar
+    assert request(tool_choice="required", logit_bias={"5": 1.0}).sampling_params(20).structured.kind == "lark"
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"tool_choice": "auto", "tools": None}, "needs tools"),
+    ({"tool_choice": "required", "tools": None}, "needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+    ({"tools": TOOLS + TOOLS[:1]}, "distinct"),
+    ({"tools": []}, "at least 1"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "takes no response_format"),
+    ({"tool_choice": {"type": "function", "function": {"name": "ping"}}, "structured_outputs": {"regex": "a"}},
+     "takes no response_format"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}]}, "function 'f': parameters"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "pattern"),
+    ({"messages": [{"role": "user"}]}, "needs content"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": HISTORY[1]["tool_calls"]}]}, "only assistant"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "call_1"}]}, "only tool messages"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "needs content"),
+])
+def test_requests_that_do_not_agree_are_refused(fields, words):
+    with pytest.raises(ValidationError, match=words):
+        request(**fields)
+
+
+def test_a_named_function_need_not_have_a_usable_schema_for_the_others():
+    bad = {"type": "function", "function": {"name": "broken", "parameters": {"$ref": "#/nowhere"}}}
+    assert request(tools=[*TOOLS, bad], tool_choice={"type": "function", "function": {"name": "ping"}})
+    assert request(tools=[*TOOLS, bad])       # auto compiles nothing
+
+
+# ---- render ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+NATIVE_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call them as <tool_call></tool_call> blocks.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{{ message.content }}{% for tc in message.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def native_tokenizer(default_model_dir, tmp_path_factory):
+    """The default model's tokenizer with a template in Qwen2.5's tool syntax."""
+    d = tmp_path_factory.mktemp("native")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, d / name)
+    (d / "chat_template.jinja").write_text(NATIVE_TEMPLATE)
+    return AutoTokenizer.from_pretrained(d)
+
+
+def render(tok, body: ChatCompletionRequest) -> str:
+    conversation, tools = body.conversation(native_tool_template(tok))
+    return tok.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
+
+
+def test_a_template_without_tools_gets_pdserves_text_and_the_history_written_out(tokenizer):
+    assert not native_tool_template(tokenizer)
+    text = render(tokenizer, request(messages=HISTORY))
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\n# Tools") and "<tool_call></tool_call> XML tags" in system
+    for tool in TOOLS:
+        assert json.dumps(tool) in system          # each function's definition, as given
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+            '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call><|im_end|>') in text
+    # both results in one user turn, then the generation prompt
+    assert text.endswith("<|im_start|>user\n<tool_response>\n18 degrees, sunny\n</tool_response>\n"
+                         "<tool_response>\npong\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # a system message of the client's keeps its words, the tools after them
+    text = render(tokenizer, request(messages=[{"role": "developer", "content": "Be brief."}, *USER]))
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    # tool_choice none: no tools shown, the history still written out
+    text = render(tokenizer, request(messages=HISTORY, tool_choice="none"))
+    assert "# Tools" not in text and "SmolLM" in text and "<tool_response>\npong" in text
+
+
+def test_a_template_with_tools_gets_them_and_the_history_as_transformers_passes_it(native_tokenizer):
+    assert native_tool_template(native_tokenizer)
+    text = render(native_tokenizer, request(messages=HISTORY))
+    assert text.startswith("<|im_start|>system\n# Tools\n<tools>{")
+    assert "pdserve" not in text and "XML tags" not in text     # the template's words, not pdserve's
+    assert '"name": "plan-route"' in text
+    # arguments reach the template as an object (not JSON text inside JSON)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text
+    assert "<tool_response>\n18 degrees, sunny\n</tool_response>" in text
+    assert "# Tools" not in render(native_tokenizer, request(tool_choice="none"))
+
+
+# ---- constrain ---------------------------------------------------------------------------------
+def walk(compiler: GrammarCompiler, spec, tok, seed: int, limit: int = 160) -> tuple[str, bool]:
+    """A random sentence of the grammar (any allowed token, uniformly): (text, ended with EOS)."""
+    matcher, rng, out = compiler.matcher(spec), random.Random(seed), []
+    for _ in range(limit):
+        allowed = np.nonzero(np.unpackbits(np.frombuffer(matcher.bitmask(), np.uint8), bitorder="little"))[0]
+        allowed = allowed[allowed < compiler.vocab_size]
+        # EOS one time in four when allowed, so sentences end
+        token = tok.eos_token_id if tok.eos_token_id in allowed and rng.random() < 0.25 else int(rng.choice(allowed))
+        if token == tok.eos_token_id:
+            return tok.decode(out), True
+        assert matcher.accept(token)
+        out.append(token)
+    return tok.decode(out), False
+
+
+@pytest.mark.parametrize("choice, parallel, names", [
+    ("required", True, {"get_weather", "plan-route", "ping"}),
+    ("required", False, {"get_weather", "plan-route", "ping"}),
+    ({"type": "function", "function": {"name": "plan-route"}}, True, {"plan-route"})])
+def test_every_sentence_of_a_forced_call_is_a_call_that_follows_its_schema(tokenizer, choice, parallel, names):
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    spec = request(tool_choice=choice, parallel_tool_calls=parallel).structured()
+    seen, ended = set(), 0
+    for seed in range(12):
+        text, done = walk(compiler, spec, tokenizer, seed)
+        if not done:
+            continue
+        ended += 1
+        content, calls = split_tool_calls(text)
+        assert content is None and calls, text
+        assert len(calls) == 1 or (parallel and choice == "required"), text
+        for call in calls:
+            assert call["function"]["name"] in names
+            jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+            seen.add(call["function"]["name"])
+    assert ended >= 6 and seen == names
+
+
+# ---- parse -------------------------------------------------------------------------------------
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+OUTPUTS = [
+    ("Plain text, with  spaces and a < sign\n\n", "Plain text, with  spaces and a < sign\n\n", []),
+    ("ends in a partial tag <tool_ca", "ends in a partial tag <tool_ca", []),
+    (CALL, None, ["get_weather"]),
+    ("Let me look.\n\n" + CALL + "\n" + CALL.replace("Paris", "Oslo") + "\n", "Let me look.", ["get_weather"] * 2),
+    (CALL + "\nDone.", "Done.", ["get_weather"]),
+    ("a <tool_call>\nnot json\n</tool_call> b", "a <tool_call>\nnot json\n</tool_call> b", []),
+    ('<tool_call>["a list"]</tool_call>', '<tool_call>["a list"]</tool_call>', []),
+    (CALL[:-len("\n</tool_call>")], None, ["get_weather"]),         # cut after its JSON: still a call
+    (CALL[:40], CALL[:40], []),                                      # cut inside its JSON: content
+    ('<tool_call>{"name": "ping", "parameters": {"x": 1}}</tool_call>', None, ["ping"]),
+]
+
+
+@pytest.mark.parametrize("text, content, names", OUTPUTS)
+def test_a_stream_split_anywhere_adds_up_to_the_whole_output(text, content, names):
+    whole, calls = split_tool_calls(text)
+    assert whole == content and [c["function"]["name"] for c in calls] == names
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert len({c["id"] for c in calls}) == len(calls)
+    rng = random.Random(0)
+    for cuts in ([1] * len(text), [rng.randint(1, 9) for _ in text]):
+        stream, got, made, at = ToolCallStream(), "", [], 0
+        for n in cuts:
+            piece, new = stream.feed(text[at:at + n])
+            got, made, at = got + piece, made + new, at + n
+        piece, new = stream.finish()
+        got, made = got + piece, made + new
+        assert got == (content or "") and [c["function"] for c in made] == [c["function"] for c in calls]
+        assert [c["index"] for c in made] == list(range(len(names)))
+
+
+def test_arguments_come_out_as_json_text():
+    _, calls = split_tool_calls(CALL)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    # a model that writes the arguments as JSON text already, or as a bare string
+    _, calls = split_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+                                '<tool_call>{"name": "g", "arguments": "plain"}</tool_call>')
+    assert [c["function"]["arguments"] for c in calls] == ['{"a": 1}', '"plain"']
