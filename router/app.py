@@ -36,6 +36,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import context_limit
 from engine.sampling_params import SamplingParams
+from router.chat_prompt import chat_prompt_ids
 from router.choices import Choices
 from router.contract import Served, openapi_document
 from router.guards import Guards, GuardSettings
@@ -221,13 +222,10 @@ class Router:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
-        conversation, tools = body.conversation(self.native_tools)
         try:
-            ids = self.tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True,
-                                                     tokenize=True)
+            ids = chat_prompt_ids(self.tokenizer, body, self.native_tools)
         except (ValueError, TemplateError) as exc:     # the template refused the conversation
             return error_response(400, str(exc), param="messages")
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         if body.max_completion_tokens is not None and (body.max_tokens or 0) > self.config.max_tokens_limit:
             return self._above_limit("max_tokens", body.max_tokens)   # overridden, yet bounded as documented
         return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,

@@ -21,6 +21,7 @@ from pydantic import ConfigDict, Field, model_validator
 from engine.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
                                     SamplingParams)
 from engine.structured_output import StructuredOutput
+from router.chat_prompt import RESERVED_TEMPLATE_KWARGS
 from router.protocol_types import Int, NonEmptyText, Strict, StrictOpen, Text
 from router.tools import (MAX_TOOLS, MessageToolCall, NamedToolChoice, Tool, ToolChoice, forced_tools,
                           parameters_problem, render_conversation, tool_grammar)
@@ -308,6 +309,8 @@ class ChatMessage(Strict):
 
 FORCED_TOOL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
 CHAT_CROSS_FIELD["allOf"] += [
+    _implies("continue_final_message", {"const": True}, {"properties": {"add_generation_prompt": {"const": False}},
+                                                         "required": ["add_generation_prompt"]}),
     _implies("tool_choice", {"anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}, _present("tools")),
     _implies("tool_choice", FORCED_TOOL, {"properties": {"response_format": {"type": "null"},
                                                          "structured_outputs": {"type": "null"}}})]
@@ -316,7 +319,8 @@ CHAT_CROSS_FIELD["allOf"] += [
 class ChatCompletionRequest(_Sampling):
     """A chat completion. Across fields: top_logprobs above 0 needs logprobs true; a tool_choice
     other than "none" needs tools, a named one a function among them; a forced call ("required"
-    or named) takes neither response_format nor structured_outputs (both would shape the output)."""
+    or named) takes neither response_format nor structured_outputs (both would shape the output);
+    continue_final_message needs add_generation_prompt false and an assistant's last message."""
     model_config = ConfigDict(json_schema_extra=CHAT_CROSS_FIELD)
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: Int(ge=1) | None = Field(None, description="Default: as many as the context allows.")
@@ -330,11 +334,29 @@ class ChatCompletionRequest(_Sampling):
                                            "call; a named function: one call of it. Forced calls follow the "
                                            "functions' schemas.")
     parallel_tool_calls: bool = Field(True, description='With "required": one call or several (else exactly one).')
+    add_generation_prompt: bool = Field(True, description="vLLM's: open the assistant's turn after the messages.")
+    continue_final_message: bool = Field(False, description="vLLM's: leave the last message (an assistant's) open "
+                                         "and continue it; needs add_generation_prompt false.")
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32, json_schema_extra={
+        "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}})] | None = Field(
+        None, description="vLLM's: more variables for the chat template (e.g. enable_thinking), not named "
+                          "as apply_chat_template's own arguments.")
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_shape(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        reserved = sorted(set(self.chat_template_kwargs or ()) & set(RESERVED_TEMPLATE_KWARGS))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         return self
 
     @model_validator(mode="after")

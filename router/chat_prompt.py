@@ -1,0 +1,31 @@
+"""A chat request's prompt: its messages (and tools, router/tools.py) through the model's chat
+template, as token ids.
+
+Beside OpenAI's fields, vLLM's extensions that shape the prompt (router/openai_protocol.py
+validates them):
+  - `add_generation_prompt` (default true): open the assistant's turn after the messages;
+  - `continue_final_message`: leave the last message, an assistant's, open, so the output
+    continues it (a prefilled answer); needs `add_generation_prompt: false`;
+  - `chat_template_kwargs`: more variables for the template, such as Qwen3's `enable_thinking`;
+    not the names of apply_chat_template's own arguments (RESERVED_TEMPLATE_KWARGS).
+The template may refuse a conversation (a ValueError, or jinja's TemplateError from its
+`raise_exception`): the caller answers a 400.
+"""
+
+from __future__ import annotations
+
+# apply_chat_template's own parameters and what templates take from it
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
+                            "truncation", "max_length", "return_tensors", "return_dict",
+                            "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def chat_prompt_ids(tokenizer, body, native_tools: bool) -> list[int]:
+    """The prompt of a ChatCompletionRequest `body`; `native_tools`: the template writes tool
+    calls itself (router/tools.py)."""
+    conversation, tools = body.conversation(native_tools)
+    ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=body.add_generation_prompt,
+                                        continue_final_message=body.continue_final_message, tokenize=True,
+                                        **(body.chat_template_kwargs or {}))
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -1,0 +1,83 @@
+"""A chat request's prompt (router/chat_prompt.py): vLLM's add_generation_prompt,
+continue_final_message and chat_template_kwargs, through the real tokenizer's template (and one
+that reads a variable), and over HTTP through both pools."""
+
+import json
+import shutil
+
+import pytest
+from pydantic import ValidationError
+from transformers import AutoTokenizer
+
+from router.chat_prompt import chat_prompt_ids
+from router.openai_protocol import ChatCompletionRequest
+from service_util import http, pools_all_free
+
+MODEL = "SmolLM2-135M-Instruct"
+PREFILLED = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "A ripe yellow"}]
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": MODEL, "messages": PREFILLED, **fields})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def text(tok, body) -> str:
+    return tok.decode(chat_prompt_ids(tok, body, native_tools=False))
+
+
+def test_the_last_message_left_open_or_closed_or_a_new_turn(tokenizer):
+    opened = text(tokenizer, request())
+    assert opened.endswith("A ripe yellow<|im_end|>\n<|im_start|>assistant\n")
+    closed = text(tokenizer, request(add_generation_prompt=False))
+    assert closed == opened[:-len("<|im_start|>assistant\n")]
+    assert text(tokenizer, request(add_generation_prompt=False, continue_final_message=True)) == \
+        closed[:-len("<|im_end|>\n")]
+
+
+def test_template_variables_reach_the_template(default_model_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    body = {"messages": PREFILLED[:1]}
+    assert text(tok, request(**body)).endswith("<|im_start|>assistant\n")
+    assert text(tok, request(**body, chat_template_kwargs={"enable_thinking": False})).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"continue_final_message": True}, "needs add_generation_prompt false"),
+    ({"continue_final_message": True, "add_generation_prompt": False, "messages": PREFILLED[:1]},
+     "the assistant's"),
+    ({"chat_template_kwargs": {"tools": [], "tokenize": False}}, "may not set tokenize, tools"),
+    ({"chat_template_kwargs": {f"k{i}": i for i in range(33)}}, "at most 32"),
+])
+def test_prompt_shapes_that_cannot_be_are_refused(fields, words):
+    with pytest.raises(ValidationError, match=words):
+        request(**fields)
+
+
+@pytest.mark.slow
+def test_a_prefilled_answer_is_continued_through_both_pools(disagg, tokenizer):
+    body = {"model": MODEL, "messages": PREFILLED, "max_tokens": 8, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    status, out = http(disagg, "/v1/chat/completions", body)
+    assert status == 200, out
+    out = json.loads(out)
+    expected = chat_prompt_ids(tokenizer, ChatCompletionRequest.model_validate(body), native_tools=False)
+    assert out["usage"]["prompt_tokens"] == len(expected)
+    # the same prompt as a completion gives the same tokens
+    status, same = http(disagg, "/v1/completions", {"model": MODEL, "prompt": expected, "max_tokens": 8,
+                                                    "temperature": 0})
+    assert status == 200 and json.loads(same)["choices"][0]["text"] == out["choices"][0]["message"]["content"]
+    status, bad = http(disagg, "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert status == 400 and "add_generation_prompt" in json.loads(bad)["error"]["message"]
+    assert pools_all_free(disagg, {"prefill", "decode"})
