@@ -4,11 +4,13 @@ Life cycle of a request in the engine
   1. `add_request` (colocated or prefill role) queues a prompt; `add_prefilled` (decode
      role) admits a prompt whose K/V was imported into reserved blocks, with its first token.
      Both check the request first (`check_request`) and return a `Rejected` instead of
-     admitting one that cannot be served: check and admit are one engine call. Both also take a
+     admitting one that cannot be served: check and admit are one engine call
+     (engine/admission.py checks and builds the request's state). Both also take a
      resumed request: the prompt plus the output tokens a client already has (`resumed`; the
      router moves a request whose replica died this way), which count as output (max_tokens,
      min_tokens, penalties, stop strings, structured output) and whose text is not shown again.
-  2. `step` schedules chunks under the token budget, runs one ragged forward (collecting the
+  2. `step` drafts tokens when it speculates (prompt lookup, engine/ngram.py), schedules
+     chunks under the token budget, runs one ragged forward (collecting the
      prompt logprobs of requests that ask for them), samples the chunks that reached their
      last token (a structured-output request among the tokens its grammar allows next), and
      checks stop conditions.
@@ -20,36 +22,19 @@ Only one thread may call an `LLMEngine` (the async wrapper owns that thread).
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
-
 import torch
 from transformers import AutoTokenizer
 
+from engine.admission import Admission, EngineRequest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
-from engine.ngram import NgramIndex
+from engine.ngram import propose_drafts
 from engine.outputs import Completion, Rejected, RequestOutput, TokenLogprobs
-from engine.sampler import PenaltyState, SampleRow, make_generator, prompt_logprobs, sample, skip_draw
+from engine.sampler import PenaltyState, SampleRow, prompt_logprobs, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
-from engine.structured_output import GrammarCompiler, Matcher
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    detok: IncrementalDetokenizer | None
-    generator: torch.Generator | None
-    # Prompt logprobs collected so far (position p's entry is token p + 1's); None once handed
-    # out with the first token, or when the request did not ask for them.
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    penalty: PenaltyState | None = None   # penalized requests, from their first sampling step
-    matcher: Matcher | None = None        # structured output: where its output stands in the grammar
-    ngram: NgramIndex | None = None       # speculative decoding: its tokens' n-grams, from its first draft
 
 
 class LLMEngine:
@@ -62,9 +47,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = self._eos_ids()
-        self._rng = random.Random(config.seed)
-        self._requests: dict[str, _Request] = {}
-        self._grammars: GrammarCompiler | None = None   # at the first structured-output request
+        self.admission = Admission(self.tokenizer, self.runner.vocab_size, self.max_model_len, self.eos_token_ids,
+                                   self.runner.device, config.seed)
+        self._requests: dict[str, EngineRequest] = {}
         self.num_draft_tokens = 0        # speculative decoding: draft tokens fed, and those kept
         self.num_accepted_tokens = 0
 
@@ -79,68 +64,19 @@ class LLMEngine:
     # ---- 1. admission -------------------------------------------------------------------------
     def check_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> str | None:
         """The reason a request cannot be served, or None. `add_request` and `add_prefilled`
-        call it before admitting anything."""
+        call it before admitting anything (engine/admission.py)."""
         if request_id in self._requests:
             return f"request id {request_id!r} is already in use"
-        if num_prompt_tokens < 1:
-            return "the prompt is empty"
-        error = params.validate()
-        if error:
-            return error
-        if any(t >= self.runner.vocab_size for t, _ in params.logit_bias):
-            return f"logit_bias: token id out of range (vocabulary size {self.runner.vocab_size})"
-        if num_prompt_tokens + params.max_tokens > self.max_model_len:
-            return (f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                    f"{num_prompt_tokens} tokens and max_tokens is {params.max_tokens}")
-        return None
+        return self.admission.check(num_prompt_tokens, params)
 
     def _new_request(self, request_id, prompt, params, hold_blocks, resumed=(), shown_chars=0,
-                     draws=0) -> _Request | Rejected:
-        """The request's state, or why it cannot be served. `resumed` output tokens are replayed
-        through the detokenizer, `shown_chars` of their text counted as shown; a seeded request's
-        random stream skips `draws` draws (one per token sampled before)."""
-        error = self.check_request(request_id, len(prompt), params)
-        if error is None and len(resumed) >= params.max_tokens:
-            error = f"the resumed output already has {len(resumed)} tokens of max_tokens {params.max_tokens}"
-        if error is not None:
-            return Rejected(request_id, error)
-        seq = Sequence(request_id, [*prompt, *resumed], params, hold_blocks=hold_blocks, num_prompt_tokens=len(prompt))
-        detok = None
-        if params.detokenize:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
-            for k, token in enumerate(resumed, 1):
-                detok.check_stop = k >= params.min_tokens
-                detok.add(token)
-            if detok.stopped:
-                return Rejected(request_id, "the resumed output already ends at a stop string")
-            detok.emitted = shown_chars
-        generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-            generator = make_generator(seed, self.runner.device)
-            for _ in range(draws):
-                skip_draw(generator, self.runner.vocab_size)
-        req = _Request(seq, detok, generator, [] if params.prompt_logprobs is not None and not resumed else None)
-        if params.structured is not None:
-            req.matcher = self._matcher(params, resumed)
-            if isinstance(req.matcher, str):
-                return Rejected(request_id, req.matcher)
-        self._requests[request_id] = req
+                     draws=0) -> EngineRequest | Rejected:
+        if request_id in self._requests:
+            return Rejected(request_id, f"request id {request_id!r} is already in use")
+        req = self.admission.admit(request_id, prompt, params, hold_blocks, resumed, shown_chars, draws)
+        if isinstance(req, EngineRequest):
+            self._requests[request_id] = req
         return req
-
-    def _matcher(self, params: SamplingParams, resumed: list[int]) -> Matcher | str:
-        """A request's grammar matcher, past its `resumed` output tokens, or why there is none."""
-        if self._grammars is None:
-            try:
-                self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, list(self.eos_token_ids))
-            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer llguidance cannot read (not a fast one)
-                return f"structured output is not available with this model's tokenizer ({exc})"
-        matcher = self._grammars.matcher(params.structured)
-        if not all(matcher.accept(t) for t in resumed):
-            return "the resumed output does not follow the structured output's grammar"
-        matcher.bitmask()        # some grammars fail only here (a schema that refers to itself alone)
-        problem = matcher.problem()
-        return matcher if problem is None else f"structured output: {problem}"
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     hold_blocks: bool = False, resumed: list[int] = (), shown_chars: int = 0) -> Rejected | None:
@@ -211,7 +147,8 @@ class LLMEngine:
         return [rid for rid, req in self._requests.items() if not req.seq.is_finished]
 
     def step(self) -> list[RequestOutput]:
-        drafted = self._propose()
+        drafted = propose_drafts(self.scheduler.running, self._requests, self.config.speculative_tokens,
+                                 self.config.speculative_max_batch, self.max_model_len)
         try:
             chunks = self.scheduler.schedule()
             if not chunks:
@@ -318,37 +255,13 @@ class LLMEngine:
         earlier = outputs.get(out.request_id)
         outputs[out.request_id] = out if earlier is None else earlier.merge(out)
 
-    def _propose(self) -> list[Sequence]:
-        """Speculative decoding: draft tokens (prompt lookup) onto each decoding sequence, while
-        few enough run; returns the sequences that got some (the step takes them back)."""
-        k, running = self.config.speculative_tokens, self.scheduler.running
-        if not k or len(running) > self.config.speculative_max_batch:
-            return []
-        drafted = []
-        for seq in running:
-            if seq.num_uncomputed_tokens != 1 or seq.hold_blocks:
-                continue
-            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
-            if room < 1:
-                continue
-            req = self._requests[seq.request_id]
-            if req.ngram is None:
-                req.ngram = NgramIndex(seq.token_ids)
-            else:
-                req.ngram.extend(seq.token_ids)
-            draft = req.ngram.propose(min(k, room))
-            if draft:
-                seq.add_draft(draft)
-                drafted.append(seq)
-        return drafted
-
-    def _grammar_failed(self, req: _Request) -> RequestOutput:
+    def _grammar_failed(self, req: EngineRequest) -> RequestOutput:
         """The request's grammar cannot go on with this vocabulary: a 400, as a grammar that fails
         at admission is."""
         return self._fail(req, f"the output cannot follow the structured output's grammar: {req.matcher.problem()}",
                           400)
 
-    def _fail(self, req: _Request, error: str, code: int) -> RequestOutput:
+    def _fail(self, req: EngineRequest, error: str, code: int) -> RequestOutput:
         """End one request that cannot go on (its blocks freed), the step's others unharmed."""
         out = self.abort(req.seq.request_id)
         out.error, out.error_code = error, code
@@ -361,7 +274,7 @@ class LLMEngine:
         return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
 
     # ---- 3. stop checks and outputs ------------------------------------------------------------
-    def _after_token(self, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
+    def _after_token(self, req: EngineRequest, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         seq, p = req.seq, req.seq.params
         k = seq.num_output_tokens
         if req.detok is not None:
@@ -384,7 +297,7 @@ class LLMEngine:
             out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         return out
 
-    def _output(self, req: _Request, new_ids: list[int], reason, finished: bool,
+    def _output(self, req: EngineRequest, new_ids: list[int], reason, finished: bool,
                 logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         seq = req.seq
         # A prefill-role request that goes on decoding elsewhere keeps its held-back tail (a

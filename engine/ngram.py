@@ -39,3 +39,31 @@ class NgramIndex:
             if end is not None:
                 return tokens[end + 1:end + 1 + k]
         return []
+
+
+def propose_drafts(running: list, requests: dict, k: int, max_batch: int, max_model_len: int) -> list:
+    """Speculative decoding's step: append up to `k` draft tokens to each decoding Sequence in
+    `running` (the scheduler's), while at most `max_batch` run; `requests`: request id to the
+    engine's EngineRequest, whose `ngram` index is built at its first draft and extended after.
+    Returns the sequences that got a draft: the engine takes every draft back in the same step.
+    A sequence drafts only when it has one token to compute (no chunk of a prompt under way), is
+    not a prefill-role request, and has room for a token after its draft (max_tokens, context)."""
+    if not k or len(running) > max_batch:
+        return []
+    drafted = []
+    for seq in running:
+        if seq.num_uncomputed_tokens != 1 or seq.hold_blocks:
+            continue
+        room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - len(seq)) - 1
+        if room < 1:
+            continue
+        req = requests[seq.request_id]
+        if req.ngram is None:
+            req.ngram = NgramIndex(seq.token_ids)
+        else:
+            req.ngram.extend(seq.token_ids)
+        draft = req.ngram.propose(min(k, room))
+        if draft:
+            seq.add_draft(draft)
+            drafted.append(seq)
+    return drafted

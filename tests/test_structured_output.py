@@ -181,7 +181,7 @@ def test_a_grammar_that_fails_is_a_rejection_at_admission_and_alone_mid_way(engi
     assert engine.add_request("plain", PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) is None
     engine.step()
     # the same real matcher a self-referring schema makes, now in the middle of a request
-    engine._requests["json"].matcher = engine._grammars.matcher(SELF_REFERENCE)
+    engine._requests["json"].matcher = engine.admission.grammars.matcher(SELF_REFERENCE)
     outs = {o.request_id: o for o in engine.step()}
     assert outs["json"].finished and outs["json"].finish_reason == "abort"
     assert "structured output's grammar" in outs["json"].error and not outs["json"].new_token_ids

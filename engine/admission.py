@@ -1,0 +1,111 @@
+"""Admission: whether the engine can serve a request, and the state it keeps beside the
+request's Sequence once it does.
+
+Who calls: `LLMEngine.add_request` and `add_prefilled`, once per request, through `admit`
+(`LLMEngine.check_request` through `check`); both on the engine's thread. Admission allocates no
+blocks (the scheduler allocates a queued prompt's, a decode-role request comes with its
+reservation) and keeps nothing of a request it rejects. A request admitted here is rebuilt to
+where its client stands: `resumed` output tokens replayed through its detokenizer and its grammar
+matcher, its random stream advanced past the draws made for them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.ngram import NgramIndex
+from engine.outputs import Rejected, TokenLogprobs
+from engine.sampler import PenaltyState, make_generator, skip_draw
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from engine.structured_output import GrammarCompiler, Matcher
+
+
+@dataclass
+class EngineRequest:
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    generator: torch.Generator | None
+    # Prompt logprobs collected so far (position p's entry is token p + 1's); None once handed
+    # out with the first token, or when the request did not ask for them.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    penalty: PenaltyState | None = None   # penalized requests, from their first sampling step
+    matcher: Matcher | None = None        # structured output: where its output stands in the grammar
+    ngram: NgramIndex | None = None       # speculative decoding: its tokens' n-grams, from its first draft
+
+
+class Admission:
+    """`vocab_size`: the model's (logits' width); `seed`: the engine's, for the seeds of sampled
+    requests that bring none."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
+                 device: torch.device, seed: int | None):
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.eos_token_ids, self.device = eos_token_ids, device
+        self._rng = random.Random(seed)
+        self.grammars: GrammarCompiler | None = None   # at the first structured-output request
+
+    def check(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
+        """The reason a request cannot be served, or None."""
+        if num_prompt_tokens < 1:
+            return "the prompt is empty"
+        error = params.validate()
+        if error:
+            return error
+        if any(t >= self.vocab_size for t, _ in params.logit_bias):
+            return f"logit_bias: token id out of range (vocabulary size {self.vocab_size})"
+        if num_prompt_tokens + params.max_tokens > self.max_model_len:
+            return (f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                    f"{num_prompt_tokens} tokens and max_tokens is {params.max_tokens}")
+        return None
+
+    def admit(self, request_id: str, prompt: list[int], params: SamplingParams, hold_blocks: bool,
+              resumed: list[int] = (), shown_chars: int = 0, draws: int = 0) -> EngineRequest | Rejected:
+        """The request's state, or why it cannot be served. `resumed` output tokens are replayed
+        through the detokenizer, `shown_chars` of their text counted as shown; a seeded request's
+        random stream skips `draws` draws (one per token sampled before)."""
+        error = self.check(len(prompt), params)
+        if error is None and len(resumed) >= params.max_tokens:
+            error = f"the resumed output already has {len(resumed)} tokens of max_tokens {params.max_tokens}"
+        if error is not None:
+            return Rejected(request_id, error)
+        seq = Sequence(request_id, [*prompt, *resumed], params, hold_blocks=hold_blocks, num_prompt_tokens=len(prompt))
+        detok = None
+        if params.detokenize:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
+            for k, token in enumerate(resumed, 1):
+                detok.check_stop = k >= params.min_tokens
+                detok.add(token)
+            if detok.stopped:
+                return Rejected(request_id, "the resumed output already ends at a stop string")
+            detok.emitted = shown_chars
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator = make_generator(seed, self.device)
+            for _ in range(draws):
+                skip_draw(generator, self.vocab_size)
+        req = EngineRequest(seq, detok, generator, [] if params.prompt_logprobs is not None and not resumed else None)
+        if params.structured is not None:
+            req.matcher = self._matcher(params, resumed)
+            if isinstance(req.matcher, str):
+                return Rejected(request_id, req.matcher)
+        return req
+
+    def _matcher(self, params: SamplingParams, resumed: list[int]) -> Matcher | str:
+        """A request's grammar matcher, past its `resumed` output tokens, or why there is none."""
+        if self.grammars is None:
+            try:
+                self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
+            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer llguidance cannot read (not a fast one)
+                return f"structured output is not available with this model's tokenizer ({exc})"
+        matcher = self.grammars.matcher(params.structured)
+        if not all(matcher.accept(t) for t in resumed):
+            return "the resumed output does not follow the structured output's grammar"
+        matcher.bitmask()        # some grammars fail only here (a schema that refers to itself alone)
+        problem = matcher.problem()
+        return matcher if problem is None else f"structured output: {problem}"
