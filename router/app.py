@@ -8,8 +8,8 @@ Life cycle of an HTTP request
                chosen, prefill there, decode streams back
   4. respond   one JSON body, or server-sent events ending in `data: [DONE]`; a failure
                before the first tokens is an HTTP error, after them an error event in the stream.
-               With tools, each choice's output is split into content and tool calls
-               (router/tool_parser.py)
+               A chat choice's output is split into reasoning (a template with <think>
+               blocks), content and tool calls (with tools): router/chat_output.py
 A client that disconnects cancels step 3, which aborts the request in every pool.
 
 (No `from __future__ import annotations` here: Serve's class-based ingress rebuilds the endpoint
@@ -36,6 +36,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import context_limit
 from engine.sampling_params import SamplingParams
+from router.chat_output import ChatOutputShape
 from router.chat_prompt import chat_prompt_ids
 from router.choices import Choices
 from router.contract import Served, openapi_document
@@ -45,7 +46,7 @@ from router.metrics import RequestMetrics, render
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.openai_responses import choice_body, completion_body, error_body, error_response, usage
 from router.orchestrator import Orchestrator, RequestFailed
-from router.tool_parser import ToolCallStream, split_tool_calls
+from router.reasoning import reasoning_template, starts_inside
 from router.tools import native_tool_template
 from serving import messages
 from serving.config import AppConfig
@@ -144,6 +145,7 @@ class Router:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.token_strings = TokenStrings(self.tokenizer)
         self.native_tools = native_tool_template(self.tokenizer)
+        self.reasoning = reasoning_template(self.tokenizer)
         hf = AutoConfig.from_pretrained(model_dir)
         self.max_model_len = min(self.config.engine.max_model_len or 10**9, context_limit(hf))
         self.model_name = self.config.model_name
@@ -228,11 +230,15 @@ class Router:
             return error_response(400, str(exc), param="messages")
         if body.max_completion_tokens is not None and (body.max_tokens or 0) > self.config.max_tokens_limit:
             return self._above_limit("max_tokens", body.max_tokens)   # overridden, yet bounded as documented
+        reasoning = None
+        if self.reasoning:       # where the output starts: inside a <think> the prompt left open, or not
+            reasoning = starts_inside(self.tokenizer.decode(ids[-16:], skip_special_tokens=False))
+        shape = ChatOutputShape(body.parses_tool_calls, reasoning, body.include_reasoning)
         return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,
-                                    prefix="chatcmpl")
+                                    prefix="chatcmpl", shape=shape)
 
     async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str,
-                        echoes: list[tuple[str, list[int]]] | None = None):
+                        echoes: list[tuple[str, list[int]]] | None = None, shape: ChatOutputShape | None = None):
         if body.model != self.model_name:
             return error_response(404, f"model {body.model!r} does not exist; this server serves "
                                   f"{self.model_name!r}", param="model", code="model_not_found")
@@ -271,9 +277,9 @@ class Router:
             return error_response(exc.code, exc.message, exc.kind,
                                   headers={"Retry-After": "1"} if exc.code in (429, 503) else None)
         if body.stream:
-            return StreamingResponse(self._sse(body, rid, choices, firsts, chat, (start, first_at), echoes),
+            return StreamingResponse(self._sse(body, rid, choices, firsts, chat, (start, first_at), echoes, shape),
                                      media_type="text/event-stream")
-        return await self._collect(body, rid, choices, firsts, chat, (start, first_at), echoes)
+        return await self._collect(body, rid, choices, firsts, chat, (start, first_at), echoes, shape)
 
     def _above_limit(self, name: str, value: int):
         return error_response(400, f"{name} {value} is above this server's limit of {self.config.max_tokens_limit}",
@@ -327,7 +333,7 @@ class Router:
         tokens = [0 if body.prompt_only else ev.num_output_tokens for ev in lasts]
         self.request_metrics.observe(*times, time.monotonic(), sum(tokens), max(tokens))
 
-    async def _collect(self, body, rid, choices: Choices, firsts, chat, times, echoes=None):
+    async def _collect(self, body, rid, choices: Choices, firsts, chat, times, echoes=None, shape=None):
         views, lasts = self._views(body, chat, echoes, len(firsts)), list(firsts)
         pieces = [views[i].piece(ev) for i, ev in enumerate(firsts)]
         texts, logprobs = [t for t, _ in pieces], [lp for _, lp in pieces]
@@ -346,33 +352,37 @@ class Router:
         self._observe(body, times, lasts)
         out = []
         for i, last in enumerate(lasts):
-            text, calls, finish = texts[i], None, views[i].finish_reason(last)
-            if body.parses_tool_calls:
-                text, calls = split_tool_calls(text)
-                finish = "tool_calls" if calls and finish == "stop" else finish
-            out.append(choice_body(i, text, finish, chat, chunk=False, logprobs=logprobs[i], tool_calls=calls))
+            text, finish, reasoning, calls = texts[i], views[i].finish_reason(last), None, None
+            if shape is not None and not shape.plain:    # reasoning and tool calls apart (router/chat_output.py)
+                output = shape.choice()
+                reasoning, text, calls = output.message(text)
+                finish = output.finish_reason(finish)
+            out.append(choice_body(i, text, finish, chat, chunk=False, logprobs=logprobs[i], tool_calls=calls,
+                                   reasoning=reasoning))
         return completion_body(rid, self.model_name, out, chat, chunk=False, use=self._usage(body, firsts, lasts))
 
-    async def _sse(self, body, rid, choices: Choices, firsts, chat, times, echoes=None):
+    async def _sse(self, body, rid, choices: Choices, firsts, chat, times, echoes=None, shape=None):
         def data(choice: dict | None = None, use: dict | None = None) -> str:
             obj = completion_body(rid, self.model_name, [choice] if choice else [], chat, chunk=True, use=use)
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         views, lasts, outcome = self._views(body, chat, echoes, len(firsts)), list(firsts), "aborted"
-        calls = [ToolCallStream() for _ in firsts] if body.parses_tool_calls else None
+        outputs = [shape.choice() for _ in firsts] if shape is not None and not shape.plain else None
 
         def chunk(i: int, ev: messages.TokenEvent) -> str | None:
             lasts[i] = ev
-            (text, lp), made, finish = views[i].piece(ev), [], views[i].finish_reason(ev)
-            if calls:      # the content and calls certain so far (router/tool_parser.py)
-                text, made = calls[i].feed(text)
+            (text, lp), finish = views[i].piece(ev), views[i].finish_reason(ev)
+            piece = None
+            if outputs:      # the reasoning, content and calls certain so far (router/chat_output.py)
+                piece = outputs[i].feed(text)
                 if ev.finished:
-                    rest, last = calls[i].finish()
-                    text, made = text + rest, made + last
-                    finish = "tool_calls" if calls[i].count and finish == "stop" else finish
-            if not (text or made or ev.finished or (lp and any(lp.values()))):
+                    piece += outputs[i].finish()
+                    finish = outputs[i].finish_reason(finish)
+                text = piece.content
+            if not (text or piece and (piece.calls or piece.reasoning) or ev.finished or (lp and any(lp.values()))):
                 return None
-            return data(choice_body(i, text, finish, chat, chunk=True, logprobs=lp, tool_calls=made))
+            return data(choice_body(i, text, finish, chat, chunk=True, logprobs=lp, tool_calls=piece and piece.calls,
+                                    reasoning=piece and piece.reasoning))
         try:
             if chat:
                 for i in range(len(firsts)):

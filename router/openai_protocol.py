@@ -290,6 +290,10 @@ class ChatMessage(Strict):
     tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = Field(
         None, description="The calls an assistant turn made.")
     tool_call_id: Text | None = Field(None, description="The call a tool turn answers.")
+    reasoning: Text | None = Field(None, description="An assistant turn's reasoning, as this server returned it "
+                                   "(templates that show past reasoning get it as reasoning_content).")
+    reasoning_content: Text | None = Field(None, description="The same, by its older name.")
+    refusal: Text | None = Field(None, description="Accepted; not shown to the model.")
 
     @model_validator(mode="after")
     def _roles(self):
@@ -334,6 +338,8 @@ class ChatCompletionRequest(_Sampling):
                                            "call; a named function: one call of it. Forced calls follow the "
                                            "functions' schemas.")
     parallel_tool_calls: bool = Field(True, description='With "required": one call or several (else exactly one).')
+    include_reasoning: bool = Field(True, description="vLLM's: with a template that has <think> blocks, return "
+                                    "their text as `reasoning` (false: drop it).")
     add_generation_prompt: bool = Field(True, description="vLLM's: open the assistant's turn after the messages.")
     continue_final_message: bool = Field(False, description="vLLM's: leave the last message (an assistant's) open "
                                          "and continue it; needs add_generation_prompt false.")

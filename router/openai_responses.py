@@ -38,14 +38,18 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
 
 
 def choice_body(index: int, text: str | None, finish: str | None, chat: bool, chunk: bool, first: bool = False,
-                logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+                logprobs: dict | None = None, tool_calls: list[dict] | None = None,
+                reasoning: str | None = None) -> dict:
     """One choice of a response (chunk=False) or of a stream chunk; `first` (chat chunks): the
     choice's opening chunk, which carries the role. `logprobs`: the choice's OpenAI logprobs
     object (router/logprobs.py), when asked for. `tool_calls` (chat): the calls (in a chunk,
-    those completed since the last, each with its `index`); the content is null when empty."""
+    those completed since the last, each with its `index`); the content is null when empty.
+    `reasoning` (chat): the message's (a chunk's: its piece, when it has one)."""
     if not chat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     body = {"role": "assistant", "content": text} if first or not chunk else {"content": text}
+    if reasoning is not None and (reasoning or not chunk):
+        body["reasoning"] = reasoning
     if tool_calls:
         body["content"] = text or None
         body["tool_calls"] = tool_calls
@@ -165,6 +169,8 @@ class ToolCallDelta(ToolCall):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None = Field(description="Null when the turn is calls alone.")
+    reasoning: str | None = Field(None, description="With a template that has <think> blocks: the text "
+                                  "inside them (not in content).")
     tool_calls: list[ToolCall] | None = Field(None, description="With tools: the calls the output made "
                                               "(finish_reason tool_calls).")
 
@@ -185,6 +191,7 @@ class ChatCompletion(_Body):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = Field(None, description="On each choice's first chunk.")
     content: str | None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -3,7 +3,7 @@ message's content, each <tool_call> block whose JSON names a function is a call.
 
 One parser serves streams and whole responses: `ToolCallStream.feed` takes each piece of text as it
 arrives and gives back the content that is certain and the calls completed; `finish` flushes the
-rest. A whole response is the stream fed at once (`split_tool_calls`), so a streamed choice's
+rest. A whole response is the stream fed at once (router/chat_output.py), so a streamed choice's
 deltas add up to the non-streamed message. The rules:
   - A block's text is held until its </tool_call> (or the end of the output: a block cut by
     max_tokens is a call if its JSON is complete). Its JSON must be an object with a string
@@ -107,12 +107,3 @@ class ToolCallStream:
             self._after_call = not text
         return text
 
-
-def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """A whole output's (content, calls); content is None when there are calls and nothing else."""
-    stream = ToolCallStream()
-    content, calls = stream.feed(text)
-    more, last = stream.finish()
-    content += more
-    calls = [{k: v for k, v in c.items() if k != "index"} for c in calls + last]
-    return (content or None) if calls else content, calls

@@ -128,7 +128,7 @@ def render_conversation(messages, tools: list[Tool] | None, native: bool) -> tup
             after_tool = True
             continue
         after_tool = False
-        out.append({"role": role, "content": text})
+        out.append(_with_reasoning({"role": role, "content": text}, m))
     if tools:
         if out[0]["role"] == "system":
             out[0]["content"] += "\n\n" + tools_system_text(tools)
@@ -146,7 +146,15 @@ def _native_message(m) -> dict:
         out["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         out["name"] = m.name
-    return out
+    return _with_reasoning(out, m)
+
+
+def _with_reasoning(message: dict, m) -> dict:
+    """An assistant turn's reasoning, under the name templates read (Qwen3's: reasoning_content)."""
+    reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message
 
 
 # ---- 2. constrain ------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from engine.structured_output import GrammarCompiler
 from router.openai_protocol import ChatCompletionRequest
-from router.tool_parser import ToolCallStream, split_tool_calls
+from router.chat_output import ChatOutputShape
+from router.tool_parser import ToolCallStream
 from router.tools import native_tool_template
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -38,6 +39,12 @@ HISTORY = [*USER, {"role": "assistant", "tool_calls": [
     {"id": "call_2", "type": "function", "function": {"name": "ping", "arguments": "{}"}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
     {"role": "tool", "tool_call_id": "call_2", "content": "pong"}]
+
+
+def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """A whole output's content and calls, as the router builds a message."""
+    _, content, calls = ChatOutputShape(tools=True).choice().message(text)
+    return content, calls
 
 
 def request(**fields) -> ChatCompletionRequest:

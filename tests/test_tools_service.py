@@ -45,6 +45,11 @@ def test_the_openai_client_gets_forced_calls_streamed_or_not(disagg, colocated):
         assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
         whole = check_calls(choice.message.tool_calls)
         assert len(whole) == 1
+        # the agent loop's next turn: the SDK's message object itself, then the tool's result
+        result = {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "18 degrees"}
+        follow = client.chat.completions.create(**{**ask, "max_tokens": 8,
+                                                   "messages": [*ASK, choice.message, result]})
+        assert follow.usage.prompt_tokens > out.usage.prompt_tokens
         streamed = list(client.chat.completions.create(**ask, tool_choice="required", parallel_tool_calls=False,
                                                        stream=True))
         deltas = [c.choices[0].delta for c in streamed if c.choices]

@@ -1,0 +1,90 @@
+"""How a chat choice's generated text becomes the assistant's message: its reasoning set apart
+(router/reasoning.py), then its tool calls parsed out of the rest (router/tool_parser.py).
+
+`ChatOutputShape` is decided once per request (router/app.py's chat endpoint: the template,
+the prompt's end, the request's tools); each choice gets its own `ChoiceOutput`, fed its text as
+it streams (`feed`, `finish`) or whole (`message`). A streamed choice's pieces add up to its
+non-streamed message, as both run the same parsers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.reasoning import ReasoningStream
+from router.tool_parser import ToolCallStream
+
+
+@dataclass(frozen=True)
+class ChatOutputShape:
+    """`tools`: parse tool calls; `reasoning`: None (no split) or whether the output starts
+    inside a <think> block; `include_reasoning` false drops the reasoning text (vLLM's)."""
+    tools: bool = False
+    reasoning: bool | None = None
+    include_reasoning: bool = True
+
+    @property
+    def plain(self) -> bool:
+        return not self.tools and self.reasoning is None
+
+    def choice(self) -> ChoiceOutput:
+        return ChoiceOutput(self)
+
+
+@dataclass
+class Piece:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[dict] = field(default_factory=list)   # each with its stream `index`
+
+    def __iadd__(self, other: Piece) -> Piece:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.calls += other.calls
+        return self
+
+
+class ChoiceOutput:
+    def __init__(self, shape: ChatOutputShape):
+        self.shape = shape
+        self._reasoning = None if shape.reasoning is None else ReasoningStream(shape.reasoning)
+        self._tools = ToolCallStream() if shape.tools else None
+
+    @property
+    def num_calls(self) -> int:
+        return 0 if self._tools is None else self._tools.count
+
+    def feed(self, text: str) -> Piece:
+        """What is certain after `text` arrives."""
+        reasoning, content = ("", text) if self._reasoning is None else self._reasoning.feed(text)
+        return self._piece(reasoning, content, final=False)
+
+    def finish(self) -> Piece:
+        """What was held back; the output has ended."""
+        reasoning, content = ("", "") if self._reasoning is None else self._reasoning.finish()
+        return self._piece(reasoning, content, final=True)
+
+    def _piece(self, reasoning: str, content: str, final: bool) -> Piece:
+        piece = Piece(reasoning if self.shape.include_reasoning else "")
+        if self._tools is None:
+            piece.content = content
+            return piece
+        piece.content, piece.calls = self._tools.feed(content)
+        if final:
+            more, calls = self._tools.finish()
+            piece.content += more
+            piece.calls += calls
+        return piece
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        """A stop after calls is "tool_calls"."""
+        return "tool_calls" if finish == "stop" and self.num_calls else finish
+
+    def message(self, text: str) -> tuple[str | None, str | None, list[dict] | None]:
+        """A whole output's (reasoning, content, tool calls): reasoning None when there is none
+        (or include_reasoning is false), calls None without tools; content None when calls are all."""
+        whole = self.feed(text)
+        whole += self.finish()
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in whole.calls] if self._tools else None
+        reasoning = whole.reasoning or None
+        return reasoning, (whole.content or None) if calls else whole.content, calls
