@@ -30,8 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from ray import serve
 from jinja2 import TemplateError
+from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import context_limit

@@ -371,7 +371,8 @@ class ChatCompletionRequest(_Sampling):
         if len(set(names)) < len(names):
             raise ValueError("tools: function names must be distinct")
         if self.tool_choice not in (None, "none") and not self.tools:
-            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+            choice = repr(self.tool_choice) if isinstance(self.tool_choice, str) else "of a function"
+            raise ValueError(f"tool_choice {choice} needs tools")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
         forced = tool_grammar(self.tools or [], self.chosen_tools, self.parallel_tool_calls)
