@@ -31,6 +31,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinja2 import TemplateError
+from pydantic import ValidationError
 from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
@@ -43,7 +44,7 @@ from router.contract import Served, openapi_document
 from router.guards import Guards, GuardSettings
 from router.logprobs import LogprobsFormatter, TokenStrings
 from router.metrics import RequestMetrics, render
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.openai_responses import choice_body, completion_body, error_body, error_response, usage
 from router.orchestrator import Orchestrator, RequestFailed
 from router.reasoning import reasoning_template, starts_inside
@@ -202,6 +203,40 @@ class Router:
             return []
         return [messages.decode(d, expect=messages.ReplicaStats) for d in await self.registry.snapshot.remote()]
 
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest):
+        """vLLM's: the token ids a prompt, or a chat's messages, become (what `usage` counts)."""
+        if body.model not in (None, self.model_name):
+            return self._unknown_model(body.model)
+        if body.prompt is not None:
+            ids = self.tokenizer.encode(body.prompt)
+        else:
+            try:
+                chat = body.chat(self.model_name)
+                ids = chat_prompt_ids(self.tokenizer, chat, self.native_tools)
+            except ValidationError as exc:
+                return error_response(400, "; ".join(e["msg"] for e in exc.errors()[:5]))
+            except (ValueError, TemplateError) as exc:
+                return error_response(400, str(exc), param="messages")
+        out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest):
+        """vLLM's: token ids back to text."""
+        if body.model not in (None, self.model_name):
+            return self._unknown_model(body.model)
+        if any(t >= len(self.tokenizer) for t in body.tokens):
+            return error_response(400, f"token id out of range (vocabulary size {len(self.tokenizer)})",
+                                  param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def _unknown_model(self, name: str):
+        return error_response(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                              param="model", code="model_not_found")
+
     # ---- generation -----------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
@@ -240,8 +275,7 @@ class Router:
     async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str,
                         echoes: list[tuple[str, list[int]]] | None = None, shape: ChatOutputShape | None = None):
         if body.model != self.model_name:
-            return error_response(404, f"model {body.model!r} does not exist; this server serves "
-                                  f"{self.model_name!r}", param="model", code="model_not_found")
+            return self._unknown_model(body.model)
         if not all(prompts):
             return error_response(400, "the prompt is empty", param="prompt")
         longest = max(len(ids) for ids in prompts)

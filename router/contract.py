@@ -3,9 +3,9 @@
 FastAPI writes the request half from the request models (router/openai_protocol.py, every
 bound on its field); `openapi_document` then adds what depends on the configuration and what
 FastAPI cannot know, in this order:
-  1. limits     `model` is an enum of the served name(s), `max_tokens` (and chat's
-                `max_completion_tokens`) has this server's `max_tokens_limit` as its maximum,
-                token ids lie below the vocabulary size
+  1. limits     `model` is an enum of the served name(s) (or null for /tokenize and
+                /detokenize), `max_tokens` (and chat's `max_completion_tokens`) has this
+                server's `max_tokens_limit` as its maximum, token ids lie below the vocabulary size
   2. responses  each operation's bodies (router/openai_responses.py): JSON, for the generation
                 endpoints also `text/event-stream` (each event's `data` a chunk or an error
                 object, or `[DONE]`), Prometheus text for /metrics, and OpenAI's error object
@@ -24,8 +24,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from router.guards import OPEN_PATHS
-from router.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, ErrorResponse,
-                                     Health, ModelList)
+from router.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Detokenized,
+                                     ErrorResponse, Health, ModelList, Tokenized)
 
 REF = "#/components/schemas/{model}"
 
@@ -42,6 +42,7 @@ ERRORS = {
 }
 GUARDED = (401, 413, 429, 500)   # any operation (router/guards.py, and a bug)
 GENERATION = (400, 404, 502, 503, 504)
+TOKENIZING = (400, 404)     # /tokenize and /detokenize: no pool is involved
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,13 @@ def _limits(doc: dict, served: Served) -> None:
         for integer in _integers(properties.get("prompt")):
             integer["maximum"] = served.vocab_size - 1
         properties["logit_bias"]["description"] += f" Token ids are below {served.vocab_size}."
+    for path in ("/tokenize", "/detokenize"):
+        properties = _request_schema(doc, path)["properties"]
+        for branch in properties["model"]["anyOf"]:
+            if branch.get("type") == "string":
+                branch["enum"] = list(served.model_names)
+        for integer in _integers(properties.get("tokens")):
+            integer["maximum"] = served.vocab_size - 1
 
 
 # ---- 2. responses ------------------------------------------------------------------------------
@@ -129,6 +137,10 @@ def _ok(path: str) -> dict:
     if path == "/v1/chat/completions":
         return {"description": "The chat completion, or with `stream` its server-sent events.",
                 "content": {**_json("ChatCompletion"), **_events("ChatCompletionChunk")}}
+    if path == "/tokenize":
+        return {"description": "The prompt's token ids.", "content": _json("Tokenized")}
+    if path == "/detokenize":
+        return {"description": "The tokens' text.", "content": _json("Detokenized")}
     if path == "/v1/models":
         return {"description": "The served model.", "content": _json("ModelList")}
     if path == "/health":
@@ -144,11 +156,14 @@ def _responses(doc: dict, served: Served) -> None:
     schemas.pop("ValidationError", None)
     _, defs = models_json_schema([(m, "serialization") for m in (Completion, CompletionChunk, ChatCompletion,
                                                                   ChatCompletionChunk, ModelList, Health,
-                                                                  ErrorResponse)], ref_template=REF)
+                                                                  ErrorResponse, Tokenized, Detokenized)],
+                                     ref_template=REF)
     schemas.update(copy.deepcopy(defs["$defs"]))
     for path, item in doc["paths"].items():
         for method, operation in item.items():
-            codes = set(GUARDED) | (set(GENERATION) if method == "post" else set())
+            codes = set(GUARDED) | (set(GENERATION) if path.startswith("/v1/") and method == "post" else set())
+            if path in ("/tokenize", "/detokenize"):
+                codes |= set(TOKENIZING)
             if path == "/health":
                 codes = (codes - {401}) | {503}
             elif not served.api_key:

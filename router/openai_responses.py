@@ -225,3 +225,14 @@ class ModelList(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"]
+
+
+class Tokenized(BaseModel):
+    count: int = Field(ge=0)
+    max_model_len: int = Field(description="Longest prompt + output, in tokens.")
+    tokens: list[int]
+    token_strs: list[str] | None = Field(None, description="With return_token_strs: each token's piece.")
+
+
+class Detokenized(BaseModel):
+    prompt: str

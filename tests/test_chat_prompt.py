@@ -81,3 +81,27 @@ def test_a_prefilled_answer_is_continued_through_both_pools(disagg, tokenizer):
     status, bad = http(disagg, "/v1/chat/completions", {**body, "add_generation_prompt": True})
     assert status == 400 and "add_generation_prompt" in json.loads(bad)["error"]["message"]
     assert pools_all_free(disagg, {"prefill", "decode"})
+
+
+@pytest.mark.slow
+def test_tokenize_gives_the_ids_a_request_would_get_and_detokenize_reverses_it(disagg, tokenizer):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat = {"messages": PREFILLED[:1], "tools": tools, "chat_template_kwargs": {"unused": 1}}
+    status, out = http(disagg, "/tokenize", {"model": MODEL, **chat, "return_token_strs": True})
+    assert status == 200, out
+    out = json.loads(out)
+    status, served = http(disagg, "/v1/chat/completions", {"model": MODEL, **chat, "max_tokens": 1})
+    assert status == 200 and json.loads(served)["usage"]["prompt_tokens"] == out["count"] == len(out["tokens"])
+    assert out["token_strs"] == tokenizer.convert_ids_to_tokens(out["tokens"]) and out["max_model_len"] > 0
+    status, text = http(disagg, "/detokenize", {"tokens": out["tokens"]})
+    assert status == 200 and "# Tools" in json.loads(text)["prompt"]
+    status, plain = http(disagg, "/tokenize", {"prompt": "Once upon a time"})
+    assert status == 200 and json.loads(plain)["tokens"] == tokenizer.encode("Once upon a time")
+    for path, body, code, words in (
+            ("/tokenize", {"prompt": "x", "messages": PREFILLED}, 400, "exactly one"),
+            ("/tokenize", {"prompt": "x", "tools": tools}, 400, "go with messages"),
+            ("/tokenize", {"messages": PREFILLED, "tool_choice": "required"}, 400, "needs tools"),
+            ("/tokenize", {"model": "other", "prompt": "x"}, 404, "does not exist"),
+            ("/detokenize", {"tokens": [len(tokenizer)]}, 400, "out of range")):
+        status, text = http(disagg, path, body)
+        assert status == code and words in json.loads(text)["error"]["message"], (path, body, text)

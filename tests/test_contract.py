@@ -50,9 +50,15 @@ def test_every_operation_declares_its_bodies_and_every_error_status():
                     assert int(code) in ERRORS
                     assert response["content"] == {"application/json": {"schema": {
                         "$ref": "#/components/schemas/ErrorResponse"}}}
-            if method == "post":
+            if method == "post" and path.startswith("/v1/"):
                 assert {"400", "404", "413", "429", "500", "502", "503", "504"} <= set(responses)
                 assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+            elif method == "post":       # /tokenize, /detokenize: no pool involved
+                assert set(responses) == {"200", "400", "404", "413", "429", "500"}
+                assert set(responses["200"]["content"]) == {"application/json"}
+                model = doc["components"]["schemas"][operation["requestBody"]["content"]["application/json"][
+                    "schema"]["$ref"].rsplit("/", 1)[1]]["properties"]["model"]
+                assert model["anyOf"] == [{"type": "string", "enum": ["SmolLM2-135M-Instruct"]}, {"type": "null"}]
     assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert "503" in doc["paths"]["/health"]["get"]["responses"]
 
