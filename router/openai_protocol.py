@@ -23,6 +23,7 @@ from engine.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPRO
 from engine.structured_output import StructuredOutput
 from router.chat_prompt import RESERVED_TEMPLATE_KWARGS
 from router.protocol_types import Int, NonEmptyText, Strict, StrictOpen, Text
+from router.tools import CLOSE as TOOL_CALL_END
 from router.tools import (MAX_TOOLS, MessageToolCall, NamedToolChoice, Tool, ToolChoice, forced_tools,
                           parameters_problem, render_conversation, tool_grammar)
 
@@ -375,6 +376,9 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"tool_choice {choice} needs tools")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        if self.chosen_tools == "auto" and not self.parallel_tool_calls and len(super().stop_list()) >= MAX_STOPS:
+            raise ValueError(f"with parallel_tool_calls false, at most {MAX_STOPS - 1} stop strings (the first "
+                             "call ends the output through one more)")
         forced = tool_grammar(self.tools or [], self.chosen_tools, self.parallel_tool_calls)
         if forced is not None and super().structured() is not None:
             raise ValueError("a forced tool call (tool_choice required or a function) takes no response_format "
@@ -402,6 +406,13 @@ class ChatCompletionRequest(_Sampling):
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def stop_list(self) -> tuple[str, ...]:
+        """The client's stop strings; with "auto" and parallel_tool_calls false also </tool_call>:
+        the output ends with its first call (the parser reads a block cut there as a call)."""
+        if self.chosen_tools == "auto" and not self.parallel_tool_calls:
+            return (*super().stop_list(), TOOL_CALL_END)
+        return super().stop_list()
 
     def conversation(self, native_tools: bool) -> tuple[list[dict], list[dict] | None]:
         """The chat template's messages and tools (router/tools.py): `native_tools`, whether the

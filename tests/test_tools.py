@@ -61,6 +61,11 @@ def test_tool_choice_defaults_and_what_it_forces():
     assert request(tool_choice="required").structured().kind == "lark"
     named = request(tool_choice={"type": "function", "function": {"name": "ping"}}).structured()
     assert '\\"ping\\"' in named.value and "get_weather" not in named.value
+    # "auto" with one call at most: the output ends at the first call's end
+    assert request(parallel_tool_calls=False, stop="x").sampling_params(20).stop == ("x", "</tool_call>")
+    assert request().sampling_params(20).stop == ()
+    with pytest.raises(ValidationError, match="at most 15 stop strings"):
+        request(parallel_tool_calls=False, stop=[str(i) for i in range(16)])
     # a forced call with logit_bias or penalties is fine; the sampling params carry the grammar
     assert request(tool_choice="required", logit_bias={"5": 1.0}).sampling_params(20).structured.kind == "lark"
 
