@@ -65,14 +65,15 @@ class LLMEngine:
     def check_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> str | None:
         """The reason a request cannot be served, or None. `add_request` and `add_prefilled`
         call it before admitting anything (engine/admission.py)."""
-        if request_id in self._requests:
-            return f"request id {request_id!r} is already in use"
-        return self.admission.check(num_prompt_tokens, params)
+        return self._id_in_use(request_id) or self.admission.check(num_prompt_tokens, params)
+
+    def _id_in_use(self, request_id: str) -> str | None:
+        return f"request id {request_id!r} is already in use" if request_id in self._requests else None
 
     def _new_request(self, request_id, prompt, params, hold_blocks, resumed=(), shown_chars=0,
                      draws=0) -> EngineRequest | Rejected:
-        if request_id in self._requests:
-            return Rejected(request_id, f"request id {request_id!r} is already in use")
+        if in_use := self._id_in_use(request_id):
+            return Rejected(request_id, in_use)
         req = self.admission.admit(request_id, prompt, params, hold_blocks, resumed, shown_chars, draws)
         if isinstance(req, EngineRequest):
             self._requests[request_id] = req

@@ -9,7 +9,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from router.chat_output import ChatOutputShape
+from router.chat_output import ChatOutputShape, Piece
 from router.openai_protocol import ChatCompletionRequest
 from router.reasoning import ReasoningStream, reasoning_template, starts_inside
 from service_util import http, pools_all_free, sse_events, tiny_app
@@ -57,11 +57,10 @@ def test_a_tool_call_after_the_reasoning_and_include_reasoning():
     assert output.finish_reason("stop") == "tool_calls" and output.finish_reason("length") == "length"
     # streamed in pieces: the same reasoning, content and calls
     stream = ChatOutputShape(tools=True, reasoning=False).choice()
-    rng, at, got = random.Random(1), 0, None
+    rng, at, got = random.Random(1), 0, Piece()
     while at < len(text):
         n = rng.randint(1, 5)
-        piece = stream.feed(text[at:at + n])
-        got = piece if got is None else (got.__iadd__(piece))
+        got += stream.feed(text[at:at + n])
         at += n
     got += stream.finish()
     assert got.reasoning == reasoning and got.content == "" and [c["function"] for c in got.calls] == \
