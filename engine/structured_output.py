@@ -21,6 +21,7 @@ Who calls what
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -46,17 +47,10 @@ class StructuredOutput:
     value: str = ""
 
     def problem(self) -> str | None:
-        """Why this spec cannot be served, or None (compiles the grammar without a tokenizer)."""
-        if self.kind not in KINDS:
-            return f"structured output kind must be one of {', '.join(KINDS)}, got {self.kind!r}"
-        if len(self.value) > MAX_SPEC_CHARS:
-            return f"the {self.kind} is longer than {MAX_SPEC_CHARS} characters"
-        try:
-            grammar = self.grammar()
-        except ValueError as exc:
-            return f"invalid {self.kind}: {exc}"
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-        return f"invalid {self.kind}: {error.strip()}" if error else None
+        """Why this spec cannot be served, or None (compiles the grammar without a tokenizer; the
+        answers for the latest specs are kept: a router checks a request's spec twice, and agents
+        send the same tools every turn)."""
+        return _problem(self)
 
     def grammar(self) -> str:
         """llguidance's grammar text; ValueError when the value is not of its kind's shape."""
@@ -75,6 +69,20 @@ class StructuredOutput:
         if self.kind == "choice":
             return llguidance.LLMatcher.grammar_from_lark(_choice_grammar(self.value))
         return llguidance.LLMatcher.grammar_from_lark(self.value)
+
+
+@functools.lru_cache(maxsize=64)
+def _problem(spec: StructuredOutput) -> str | None:
+    if spec.kind not in KINDS:
+        return f"structured output kind must be one of {', '.join(KINDS)}, got {spec.kind!r}"
+    if len(spec.value) > MAX_SPEC_CHARS:
+        return f"the {spec.kind} is longer than {MAX_SPEC_CHARS} characters"
+    try:
+        grammar = spec.grammar()
+    except ValueError as exc:
+        return f"invalid {spec.kind}: {exc}"
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    return f"invalid {spec.kind}: {error.strip()}" if error else None
 
 
 def _choice_grammar(value: str) -> str:

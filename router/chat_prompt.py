@@ -9,7 +9,8 @@ validates them):
   - `chat_template_kwargs`: more variables for the template, such as Qwen3's `enable_thinking`;
     not the names of apply_chat_template's own arguments (RESERVED_TEMPLATE_KWARGS).
 The template may refuse a conversation (a ValueError, or jinja's TemplateError from its
-`raise_exception`): the caller answers a 400.
+`raise_exception`): the caller answers a 400. Also here: the template's text (what tools and
+reasoning support is read from) and `partial_tag`, which the output parsers of its tags share.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "c
                             "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
                             "truncation", "max_length", "return_tensors", "return_dict",
                             "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`: a tag of the template's (<think>,
+    <tool_call>) that may still be arriving in a streamed output."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+
+
+def template_text(tokenizer) -> str:
+    """The tokenizer's chat template(s) as one text (a dict of named templates joined)."""
+    template = tokenizer.chat_template or ""
+    return "\n".join(template.values()) if isinstance(template, dict) else template
 
 
 def chat_prompt_ids(tokenizer, body, native_tools: bool) -> list[int]:

@@ -16,24 +16,20 @@ inside its reasoning is all reasoning.
 
 from __future__ import annotations
 
+from router.chat_prompt import partial_tag, template_text
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
 def reasoning_template(tokenizer) -> bool:
     """Whether the chat template knows <think> blocks (then chat outputs are split)."""
-    template = tokenizer.chat_template or ""
-    text = "\n".join(template.values()) if isinstance(template, dict) else template
+    text = template_text(tokenizer)
     return OPEN in text or CLOSE in text
 
 
 def starts_inside(prompt_tail: str) -> bool:
     """Whether a prompt ending in `prompt_tail` (its last tokens' text) leaves a <think> open."""
     return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
-
-
-def _partial(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (a tag that may be arriving)."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
 class ReasoningStream:
@@ -57,7 +53,7 @@ class ReasoningStream:
             if self._state == "reasoning":
                 end = self._held.find(CLOSE)
                 if end < 0:
-                    keep = _partial(self._held, CLOSE)
+                    keep = partial_tag(self._held, CLOSE)
                     reasoning += self._held[:len(self._held) - keep]
                     self._held = self._held[len(self._held) - keep:]
                     return reasoning, content

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from router.chat_prompt import partial_tag
 from router.tools import CLOSE, OPEN
 
 
@@ -52,7 +53,7 @@ def _is_json(text: str) -> bool:
 def _held_back(text: str) -> int:
     """How many characters at the end of content-so-far must wait: a prefix of <tool_call>, and
     the whitespace before it."""
-    keep = next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-k:])), 0)
+    keep = partial_tag(text, OPEN)
     while keep < len(text) and text[-keep - 1].isspace():
         keep += 1
     return keep

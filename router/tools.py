@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from engine.structured_output import JSON_OPTIONS, StructuredOutput
+from router.chat_prompt import template_text
 from router.protocol_types import Strict, StrictOpen, Text
 
 MAX_TOOLS = 128
@@ -79,8 +80,7 @@ class MessageToolCall(StrictOpen):
 # ---- 1. render ---------------------------------------------------------------------------------
 def native_tool_template(tokenizer) -> bool:
     """Whether the tokenizer's chat template shows tools and writes calls as <tool_call> blocks."""
-    template = tokenizer.chat_template or ""
-    text = "\n".join(template.values()) if isinstance(template, dict) else template
+    text = template_text(tokenizer)
     return OPEN in text and "tools" in text
 
 
