@@ -22,7 +22,7 @@ from engine.outputs import Rejected, TokenLogprobs
 from engine.sampler import PenaltyState, make_generator, skip_draw
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.structured_output import GrammarCompiler, Matcher
+from engine.structured_output import GrammarCompiler, Matcher, ThinkFirst
 
 
 @dataclass
@@ -34,7 +34,7 @@ class EngineRequest:
     # out with the first token, or when the request did not ask for them.
     prompt_logprobs: list[TokenLogprobs] | None = None
     penalty: PenaltyState | None = None   # penalized requests, from their first sampling step
-    matcher: Matcher | None = None        # structured output: where its output stands in the grammar
+    matcher: Matcher | ThinkFirst | None = None   # structured output: where its output stands in the grammar
     ngram: NgramIndex | None = None       # speculative decoding: its tokens' n-grams, from its first draft
 
 
@@ -58,6 +58,9 @@ class Admission:
             return error
         if any(t >= self.vocab_size for t, _ in params.logit_bias):
             return f"logit_bias: token id out of range (vocabulary size {self.vocab_size})"
+        if params.structured is not None and params.structured.think is not None and any(
+                t >= self.vocab_size for t in params.structured.think[:2]):
+            return f"structured output's think: token id out of range (vocabulary size {self.vocab_size})"
         if num_prompt_tokens + params.max_tokens > self.max_model_len:
             return (f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                     f"{num_prompt_tokens} tokens and max_tokens is {params.max_tokens}")
@@ -96,7 +99,7 @@ class Admission:
                 return Rejected(request_id, req.matcher)
         return req
 
-    def _matcher(self, params: SamplingParams, resumed: list[int]) -> Matcher | str:
+    def _matcher(self, params: SamplingParams, resumed: list[int]) -> Matcher | ThinkFirst | str:
         """A request's grammar matcher, past its `resumed` output tokens, or why there is none."""
         if self.grammars is None:
             try:
@@ -104,8 +107,9 @@ class Admission:
             except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer llguidance cannot read (not a fast one)
                 return f"structured output is not available with this model's tokenizer ({exc})"
         matcher = self.grammars.matcher(params.structured)
+        problem = matcher.problem()
+        if problem is not None:
+            return f"structured output: {problem}"
         if not all(matcher.accept(t) for t in resumed):
             return "the resumed output does not follow the structured output's grammar"
-        matcher.bitmask()        # some grammars fail only here (a schema that refers to itself alone)
-        problem = matcher.problem()
-        return matcher if problem is None else f"structured output: {problem}"
+        return matcher

@@ -17,6 +17,11 @@ Who calls what
     samples the request, `accept` with the token sampled. Its state is a function of the output
     tokens alone, so the decode engine rebuilds it from the prefill engine's first token (and a
     resumed request's tokens): only the spec crosses the wire.
+
+A reasoning model thinks before it answers: a spec with `think` (the router sets it for a chat
+template with <think> blocks whose tags are single tokens: Qwen3, QwQ, DeepSeek-R1's distills)
+leaves the output free inside its <think> block, EOS excepted, and the grammar starts after
+</think> (`ThinkFirst`), as vLLM applies a grammar after a reasoning parser's end.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class StructuredOutput:
 
     kind: str
     value: str = ""
+    # (the <think> token, the </think> token, whether the prompt left a <think> open): the
+    # grammar starts after </think>; without an open block the first token may open one.
+    think: tuple[int, int, bool] | None = None
 
     def problem(self) -> str | None:
         """Why this spec cannot be served, or None (compiles the grammar without a tokenizer; the
@@ -77,6 +85,10 @@ def _problem(spec: StructuredOutput) -> str | None:
         return f"structured output kind must be one of {', '.join(KINDS)}, got {spec.kind!r}"
     if len(spec.value) > MAX_SPEC_CHARS:
         return f"the {spec.kind} is longer than {MAX_SPEC_CHARS} characters"
+    if spec.think is not None and not (
+            len(spec.think) == 3 and all(type(t) is int and t >= 0 for t in spec.think[:2])
+            and spec.think[0] != spec.think[1] and type(spec.think[2]) is bool):
+        return "think: (the <think> token id, the </think> token id, whether the prompt left <think> open)"
     try:
         grammar = spec.grammar()
     except ValueError as exc:
@@ -105,9 +117,22 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                       eos_token=sorted(eos_token_ids))
+        # a thinking output's mask: every token but EOS (the bitmasks' length: whole 32-bit words)
+        free = bytearray(b"\xff" * ((vocab_size + 31) // 32 * 4))
+        for t in eos_token_ids:
+            free[t // 8] &= ~(1 << t % 8)
+        self._free = bytes(free)
 
-    def matcher(self, spec: StructuredOutput) -> "Matcher":
-        return Matcher(llguidance.LLMatcher(self.tokenizer, spec.grammar(), log_level=0))
+    def matcher(self, spec: StructuredOutput) -> "Matcher | ThinkFirst":
+        """The matcher at the output's start; its `problem` says whether the grammar could be
+        built (its first mask is computed here: some grammars fail only then, e.g. a schema that
+        refers to itself alone)."""
+        matcher = Matcher(llguidance.LLMatcher(self.tokenizer, spec.grammar(), log_level=0))
+        matcher.bitmask()
+        if spec.think is None:
+            return matcher
+        open_id, close_id, inside = spec.think
+        return ThinkFirst(matcher, open_id, close_id, inside, self._free)
 
 
 class Matcher:
@@ -127,3 +152,39 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Move past `token`; False (and the matcher is in error from then on) if it was not allowed."""
         return self._m.consume_token(token)
+
+
+class ThinkFirst:
+    """A matcher behind a <think> block: the output is free (EOS excepted: an answer must follow)
+    until the </think> token, then follows the grammar. Where the prompt left no block open, the
+    first token may open one (the <think> token) or start the grammar. Like the matcher's, its
+    state is a function of the output tokens."""
+
+    def __init__(self, matcher: Matcher, open_id: int, close_id: int, inside: bool, free: bytes):
+        self._matcher, self._open, self._close, self._free = matcher, open_id, close_id, free
+        self._state = "thinking" if inside else "start"      # start -> (thinking ->) grammar
+
+    def problem(self) -> str | None:
+        return self._matcher.problem()
+
+    def bitmask(self) -> bytes:
+        if self._state == "thinking":
+            return self._free
+        mask = self._matcher.bitmask()
+        if self._state == "start":
+            mask = bytearray(mask)
+            mask[self._open // 8] |= 1 << self._open % 8
+            mask = bytes(mask)
+        return mask
+
+    def accept(self, token: int) -> bool:
+        if self._state == "thinking":
+            if token == self._close:
+                self._state = "grammar"
+            return True
+        if self._state == "start":
+            if token == self._open:
+                self._state = "thinking"
+                return True
+            self._state = "grammar"
+        return self._matcher.accept(token)

@@ -47,7 +47,7 @@ from router.metrics import RequestMetrics, render
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.openai_responses import choice_body, completion_body, error_body, error_response, usage
 from router.orchestrator import Orchestrator, RequestFailed
-from router.reasoning import reasoning_template, starts_inside
+from router.reasoning import grammar_think, reasoning_template, starts_inside, think_tokens
 from router.tools import native_tool_template
 from serving import messages
 from serving.config import AppConfig
@@ -147,6 +147,7 @@ class Router:
         self.token_strings = TokenStrings(self.tokenizer)
         self.native_tools = native_tool_template(self.tokenizer)
         self.reasoning = reasoning_template(self.tokenizer)
+        self.think_tokens = think_tokens(self.tokenizer) if self.reasoning else None
         hf = AutoConfig.from_pretrained(model_dir)
         self.max_model_len = min(self.config.engine.max_model_len or 10**9, context_limit(hf))
         self.model_name = self.config.model_name
@@ -265,15 +266,17 @@ class Router:
             return error_response(400, str(exc), param="messages")
         if body.max_completion_tokens is not None and (body.max_tokens or 0) > self.config.max_tokens_limit:
             return self._above_limit("max_tokens", body.max_tokens)   # overridden, yet bounded as documented
-        reasoning = None
+        reasoning = think = None
         if self.reasoning:       # where the output starts: inside a <think> the prompt left open, or not
-            reasoning = starts_inside(self.tokenizer.decode(ids[-16:], skip_special_tokens=False))
+            tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+            reasoning, think = starts_inside(tail), grammar_think(self.think_tokens, tail)
         shape = ChatOutputShape(body.parses_tool_calls, reasoning, body.include_reasoning)
         return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,
-                                    prefix="chatcmpl", shape=shape)
+                                    prefix="chatcmpl", shape=shape, think=think)
 
     async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str,
-                        echoes: list[tuple[str, list[int]]] | None = None, shape: ChatOutputShape | None = None):
+                        echoes: list[tuple[str, list[int]]] | None = None, shape: ChatOutputShape | None = None,
+                        think: tuple[int, int, bool] | None = None):
         if body.model != self.model_name:
             return self._unknown_model(body.model)
         if not all(prompts):
@@ -289,6 +292,8 @@ class Router:
                                   f"the prompt has {longest} tokens and max_tokens is {max_tokens}",
                                   param="max_tokens")
         params = body.sampling_params(max_tokens)
+        if think is not None and params.structured is not None:    # the grammar after the reasoning
+            params = dataclasses.replace(params, structured=dataclasses.replace(params.structured, think=think))
         error = params.validate()
         if error:
             return error_response(400, error)

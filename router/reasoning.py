@@ -8,7 +8,9 @@ start inside the reasoning; otherwise it starts in the content, and a <think> ta
 beginning (after whitespace) opens the reasoning (Qwen3's hybrid models; with
 `enable_thinking: false` their prompt closes an empty block, and the output is all content).
 The reasoning ends at </think>; the whitespace after it is not content. An output cut short
-inside its reasoning is all reasoning.
+inside its reasoning is all reasoning. A grammar (response_format, a forced tool call) applies
+after the reasoning where the tags are single tokens (`grammar_think`); elsewhere from the
+output's first token.
 
 `ReasoningStream` serves streams and whole responses alike: `feed` each piece as it arrives,
 `finish` at the end; it holds back only what could still be part of a tag.
@@ -30,6 +32,23 @@ def reasoning_template(tokenizer) -> bool:
 def starts_inside(prompt_tail: str) -> bool:
     """Whether a prompt ending in `prompt_tail` (its last tokens' text) leaves a <think> open."""
     return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
+
+
+def think_tokens(tokenizer) -> tuple[int, int] | None:
+    """The <think> and </think> tokens where each tag is one token (a reasoning model's vocabulary:
+    Qwen3, QwQ, DeepSeek-R1's distills), else None."""
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (OPEN, CLOSE)]
+    return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
+
+
+def grammar_think(tokens: tuple[int, int] | None, prompt_tail: str) -> tuple[int, int, bool] | None:
+    """`StructuredOutput.think` for a chat output (a grammar then starts after the reasoning, as
+    the reasoning is read above): None where the tags are not single tokens, or where the prompt
+    closed a <think> block (`enable_thinking: false`: the answer starts at once)."""
+    opened, closed = prompt_tail.rfind(OPEN), prompt_tail.rfind(CLOSE)
+    if tokens is None or closed > opened:
+        return None
+    return (*tokens, opened > closed)
 
 
 class ReasoningStream:

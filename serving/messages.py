@@ -41,11 +41,12 @@ class WireSamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
-    structured: tuple[str, str] | None = None     # StructuredOutput's kind and value
+    structured: tuple | None = None     # StructuredOutput's kind, value and think (None or 3 values)
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
-        structured = None if p.structured is None else (p.structured.kind, p.structured.value)
+        s = p.structured
+        structured = None if s is None else (s.kind, s.value, s.think)
         return cls(p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens, tuple(p.stop),
                    tuple(p.stop_token_ids), p.ignore_eos, p.seed, p.presence_penalty,
                    p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs,
@@ -62,6 +63,13 @@ class WireSamplingParams:
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in body.items()}
         if "logit_bias" in fields:
             fields["logit_bias"] = tuple((int(t), float(b)) for t, b in fields["logit_bias"])
+        if fields.get("structured") is not None:
+            kind, value, think = fields["structured"]
+            if think is not None:
+                think = tuple(think)
+                if len(think) != 3 or not all(type(t) is int for t in think[:2]) or type(think[2]) is not bool:
+                    raise ValueError(f"structured output's think is not (int, int, bool): {think!r}")
+            fields["structured"] = (str(kind), str(value), think)
         return cls(**fields)
 
 

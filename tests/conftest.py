@@ -26,6 +26,24 @@ def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0, tokenizer_dir=default_model_dir)
 
 
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def thinking_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny random llama whose tokenizer is the default model's with <think> and </think> added as
+    single tokens (as a reasoning model's vocabulary has them), and a chat template whose generation
+    prompt opens <think> (as DeepSeek-R1's distills' does)."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer_dir = tmp_path_factory.mktemp("thinking-tokenizer")
+    tokenizer.save_pretrained(tokenizer_dir)
+    return tiny_model_dir(tmp_path_factory.mktemp("thinking"), "llama", seed=0, tokenizer_dir=tokenizer_dir)
+
+
 @pytest.fixture(scope="session")
 def prompts(default_model_dir) -> list[list[int]]:
     """Sixteen chat and raw prompts of about 10 to 1,000 tokens (tests/engine_prompts.py)."""

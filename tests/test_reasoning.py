@@ -1,7 +1,7 @@
 """Reasoning apart from content (router/reasoning.py, router/chat_output.py): where it starts, the
 parser fed in any pieces adding up to the whole output, with tool calls after it, and over HTTP
-through both pools with a template that leaves <think> open (a tiny model, its output forced by a
-regex so that it closes the block)."""
+through both pools with a template that leaves <think> open (a tiny model whose vocabulary has the
+tags as single tokens, nudged to close the block; a response_format schema holds after it)."""
 
 import json
 import random
@@ -13,7 +13,6 @@ from router.chat_output import ChatOutputShape, Piece
 from router.openai_protocol import ChatCompletionRequest
 from router.reasoning import ReasoningStream, reasoning_template, starts_inside
 from service_util import http, pools_all_free, sse_events, tiny_app
-from tiny_models import tiny_model_dir
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
 CASES = [   # (starts inside, output, reasoning, content)
@@ -87,35 +86,70 @@ def test_a_turns_reasoning_reaches_the_template_as_reasoning_content():
         assert [m.get("reasoning_content") for m in conversation][1:3] == ["greet back", "older name"]
 
 
-THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
-
-
 @pytest.fixture(scope="module")
-def thinking_app(ray_serve, default_model_dir, tmp_path_factory):
-    """The tiny model with a template whose generation prompt opens <think> (as DeepSeek-R1's)."""
-    d = tiny_model_dir(tmp_path_factory.mktemp("thinking"), "llama", seed=0, tokenizer_dir=default_model_dir)
-    (d / "chat_template.jinja").write_text(THINKING_TEMPLATE)
-    with tiny_app(ray_serve, d, "think") as base:
+def thinking_app(ray_serve, thinking_model_dir):
+    """The tiny model with <think> and </think> as single tokens and a template whose generation
+    prompt opens <think> (as DeepSeek-R1's)."""
+    with tiny_app(ray_serve, thinking_model_dir, "think") as base:
         yield base
 
 
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green"]}},
+          "required": ["ok", "tag"], "additionalProperties": False}
+
+
 @pytest.mark.slow
-def test_reasoning_comes_back_apart_through_both_pools(thinking_app):
+def test_reasoning_comes_back_apart_and_the_schema_holds_after_it_through_both_pools(thinking_app,
+                                                                                    thinking_model_dir):
+    """response_format applies after the reasoning (engine ThinkFirst): four sampled choices, the
+    model nudged to close its block (logit_bias on </think>); each closed one's content is a value
+    of the schema, its reasoning free text; one cut short is all reasoning."""
+    close = AutoTokenizer.from_pretrained(thinking_model_dir).convert_tokens_to_ids("</think>")
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Think, then answer."}], "max_tokens": 40,
-            "temperature": 1.0, "seed": 3,
-            "structured_outputs": {"regex": "[a-z]{2,8}( [a-z]{2,8}){1,3}</think>\n\n[a-z]{2,8}( [a-z]{2,8}){0,2}"}}
+            "temperature": 1.0, "seed": 5, "n": 4, "logit_bias": {str(close): 7},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}
     status, text = http(thinking_app, "/v1/chat/completions", body)
     assert status == 200, text
-    choice = json.loads(text)["choices"][0]
-    message = choice["message"]
-    assert choice["finish_reason"] == "stop", choice
-    assert message["reasoning"] and "think" not in message["reasoning"] and "\n" not in message["content"]
+    choices = sorted(json.loads(text)["choices"], key=lambda c: c["index"])
+    kinds = set()
+    for choice in choices:
+        message = choice["message"]
+        if choice["finish_reason"] == "stop":
+            assert json.loads(message["content"])["tag"] in ("red", "green"), message
+            assert "think>" not in (message.get("reasoning") or "")
+            kinds.add("answered after thinking" if message.get("reasoning") else "answered")
+        else:
+            assert choice["finish_reason"] == "length" and not message["content"] and message["reasoning"]
+            kinds.add("cut while thinking")
+    assert "answered after thinking" in kinds and len(kinds) > 1, choices
     status, text = http(thinking_app, "/v1/chat/completions", {**body, "stream": True})
-    deltas = [e["choices"][0]["delta"] for e in sse_events(text) if e != "[DONE]" and e["choices"]]
-    assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
-    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    deltas = [e["choices"][0] for e in sse_events(text) if e != "[DONE]" and e["choices"]]
+    for choice in choices:
+        mine = [d["delta"] for d in deltas if d["index"] == choice["index"]]
+        assert "".join(d.get("reasoning") or "" for d in mine) == (choice["message"].get("reasoning") or "")
+        assert "".join(d.get("content") or "" for d in mine) == (choice["message"]["content"] or "")
     # include_reasoning false: the same content, no reasoning
     status, text = http(thinking_app, "/v1/chat/completions", {**body, "include_reasoning": False})
-    assert json.loads(text)["choices"][0]["message"] == {"role": "assistant", "content": message["content"]}
+    again = sorted(json.loads(text)["choices"], key=lambda c: c["index"])
+    assert [c["message"] for c in again] == [{"role": "assistant", "content": c["message"]["content"]}
+                                             for c in choices]
+    assert pools_all_free(thinking_app, {"prefill", "decode"})
+
+
+@pytest.mark.slow
+def test_a_forced_tool_call_comes_after_the_reasoning(thinking_app, thinking_model_dir):
+    """tool_choice "required" is a grammar too: the call is written after </think>."""
+    close = AutoTokenizer.from_pretrained(thinking_model_dir).convert_tokens_to_ids("</think>")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Call f."}], "max_tokens": 60,
+            "temperature": 1.0, "seed": 5, "n": 4, "logit_bias": {str(close): 7}, "tools": tools,
+            "tool_choice": "required", "parallel_tool_calls": False}
+    status, text = http(thinking_app, "/v1/chat/completions", body)
+    assert status == 200, text
+    called = [c["message"] for c in json.loads(text)["choices"] if c["finish_reason"] == "tool_calls"]
+    assert any(m.get("reasoning") for m in called), text
+    for message in called:
+        (call,) = message["tool_calls"]
+        assert call["function"]["name"] == "f" and isinstance(json.loads(call["function"]["arguments"])["x"], int)
     assert pools_all_free(thinking_app, {"prefill", "decode"})
