@@ -48,7 +48,7 @@ from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Det
 from router.openai_responses import choice_body, completion_body, error_body, error_response, usage
 from router.orchestrator import Orchestrator, RequestFailed
 from router.reasoning import grammar_think, reasoning_template, starts_inside, think_tokens
-from router.tools import native_tool_template
+from router.tools import template_tools
 from serving import messages
 from serving.config import AppConfig
 from serving.models import resolve_model
@@ -145,7 +145,7 @@ class Router:
         model_dir = resolve_model(self.config.model, self.config.model_cache, progress=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.token_strings = TokenStrings(self.tokenizer)
-        self.native_tools = native_tool_template(self.tokenizer)
+        self.tool_syntax, self.native_tools = template_tools(self.tokenizer)
         self.reasoning = reasoning_template(self.tokenizer)
         self.think_tokens = think_tokens(self.tokenizer) if self.reasoning else None
         hf = AutoConfig.from_pretrained(model_dir)
@@ -270,7 +270,8 @@ class Router:
         if self.reasoning:       # where the output starts: inside a <think> the prompt left open, or not
             tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=False)
             reasoning, think = starts_inside(tail), grammar_think(self.think_tokens, tail)
-        shape = ChatOutputShape(body.parses_tool_calls, reasoning, body.include_reasoning)
+        shape = ChatOutputShape(self.tool_syntax if body.parses_tool_calls else None, reasoning,
+                                body.include_reasoning, body.parallel_tool_calls)
         return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,
                                     prefix="chatcmpl", shape=shape, think=think)
 
@@ -291,7 +292,7 @@ class Router:
             return error_response(400, f"this model's maximum context length is {self.max_model_len} tokens; "
                                   f"the prompt has {longest} tokens and max_tokens is {max_tokens}",
                                   param="max_tokens")
-        params = body.sampling_params(max_tokens)
+        params = body.sampling_params(max_tokens, self.tool_syntax)
         if think is not None and params.structured is not None:    # the grammar after the reasoning
             params = dataclasses.replace(params, structured=dataclasses.replace(params.structured, think=think))
         error = params.validate()

@@ -12,16 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.reasoning import ReasoningStream
-from router.tool_parser import ToolCallStream
+from router.tool_parser import JsonCallStream, ToolCallStream
+from router.tools import HERMES, CallSyntax
 
 
 @dataclass(frozen=True)
 class ChatOutputShape:
-    """`tools`: parse tool calls; `reasoning`: None (no split) or whether the output starts
-    inside a <think> block; `include_reasoning` false drops the reasoning text (vLLM's)."""
-    tools: bool = False
+    """`tools`: the syntax tool calls are parsed in (None: no calls); `reasoning`: None (no
+    split) or whether the output starts inside a <think> block; `include_reasoning` false drops
+    the reasoning text (vLLM's); `parallel` false: at most one call (parallel_tool_calls)."""
+    tools: CallSyntax | None = None
     reasoning: bool | None = None
     include_reasoning: bool = True
+    parallel: bool = True
 
     @property
     def plain(self) -> bool:
@@ -48,7 +51,11 @@ class ChoiceOutput:
     def __init__(self, shape: ChatOutputShape):
         self.shape = shape
         self._reasoning = None if shape.reasoning is None else ReasoningStream(shape.reasoning)
-        self._tools = ToolCallStream() if shape.tools else None
+        self._tools = None
+        if shape.tools == HERMES:      # parallel_tool_calls false ends the output at the first call (a stop)
+            self._tools = ToolCallStream()
+        elif shape.tools is not None:
+            self._tools = JsonCallStream(first_only=not shape.parallel)
 
     @property
     def num_calls(self) -> int:

@@ -24,8 +24,8 @@ from engine.structured_output import StructuredOutput
 from router.chat_prompt import RESERVED_TEMPLATE_KWARGS
 from router.protocol_types import Int, NonEmptyText, Strict, StrictOpen, Text
 from router.tools import CLOSE as TOOL_CALL_END
-from router.tools import (MAX_TOOLS, MessageToolCall, NamedToolChoice, Tool, ToolChoice, forced_tools,
-                          parameters_problem, render_conversation, tool_grammar)
+from router.tools import (HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool, ToolChoice,
+                          forced_tools, parameters_problem, render_conversation, tool_grammar)
 
 MAX_TOKENS_DEFAULT_COMPLETION = 16
 MAX_CHOICES = 16   # most choices in one request (n, times the prompts of a batched completion)
@@ -165,7 +165,8 @@ class _Sampling(Strict):
             raise ValueError("give response_format or structured_outputs, not both")
         return self
 
-    def structured(self) -> StructuredOutput | None:
+    def structured(self, syntax: CallSyntax = HERMES) -> StructuredOutput | None:
+        """The grammar the output follows; `syntax`: the template's tool call syntax (chat)."""
         if self.structured_outputs is not None:
             return self.structured_outputs.structured()
         return None if self.response_format is None else self.response_format.structured()
@@ -173,7 +174,7 @@ class _Sampling(Strict):
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(t), b) for t, b in (self.logit_bias or {}).items())
 
-    def stop_list(self) -> tuple[str, ...]:
+    def stop_list(self, syntax: CallSyntax = HERMES) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def logprob_count(self) -> int | None:
@@ -189,17 +190,18 @@ class _Sampling(Strict):
         """Return the prompt alone, nothing generated (completions: echo with max_tokens 0)."""
         return False
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, syntax: CallSyntax = HERMES) -> SamplingParams:
+        """`syntax`: the chat template's tool call syntax (router/tools.py)."""
         temperature = 0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE else self.temperature
         return SamplingParams(temperature=temperature, top_p=max(self.top_p, MIN_TOP_P), top_k=max(self.top_k, 0),
                               max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
-                              stop=self.stop_list(), ignore_eos=self.ignore_eos,
+                              stop=self.stop_list(syntax), ignore_eos=self.ignore_eos,
                               seed=None if self.seed is None else self.seed % 2**63,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=max(self.repetition_penalty, MIN_REPETITION_PENALTY),
                               logprobs=self.logprob_count(),
                               prompt_logprobs=self.prompt_logprob_count(),
-                              logit_bias=self.logit_bias_pairs(), structured=self.structured())
+                              logit_bias=self.logit_bias_pairs(), structured=self.structured(syntax))
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -400,17 +402,18 @@ class ChatCompletionRequest(_Sampling):
     def parses_tool_calls(self) -> bool:
         return self.chosen_tools != "none"
 
-    def structured(self) -> StructuredOutput | None:
-        forced = tool_grammar(self.tools, self.chosen_tools, self.parallel_tool_calls) if self.tools else None
+    def structured(self, syntax: CallSyntax = HERMES) -> StructuredOutput | None:
+        forced = tool_grammar(self.tools, self.chosen_tools, self.parallel_tool_calls, syntax) if self.tools else None
         return forced or super().structured()
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def stop_list(self) -> tuple[str, ...]:
-        """The client's stop strings; with "auto" and parallel_tool_calls false also </tool_call>:
-        the output ends with its first call (the parser reads a block cut there as a call)."""
-        if self.chosen_tools == "auto" and not self.parallel_tool_calls:
+    def stop_list(self, syntax: CallSyntax = HERMES) -> tuple[str, ...]:
+        """The client's stop strings; with "auto", parallel_tool_calls false and the Hermes syntax
+        also </tool_call>: the output ends with its first call (the parser reads a block cut there
+        as a call). Llama 3's JSON parser keeps the first call itself."""
+        if self.chosen_tools == "auto" and not self.parallel_tool_calls and syntax == HERMES:
             return (*super().stop_list(), TOOL_CALL_END)
         return super().stop_list()
 

@@ -1,10 +1,12 @@
-"""Tool calls in a chat choice's output (the syntax: router/tools.py): text outside calls is the
-message's content, each <tool_call> block whose JSON names a function is a call.
+"""Tool calls in a chat choice's output (the syntaxes: router/tools.py): text outside calls is the
+message's content.
 
-One parser serves streams and whole responses: `ToolCallStream.feed` takes each piece of text as it
+One parser per syntax serves streams and whole responses: `feed` takes each piece of text as it
 arrives and gives back the content that is certain and the calls completed; `finish` flushes the
 rest. A whole response is the stream fed at once (router/chat_output.py), so a streamed choice's
-deltas add up to the non-streamed message. The rules:
+deltas add up to the non-streamed message.
+
+`ToolCallStream` (Hermes): each <tool_call> block whose JSON names a function is a call. The rules:
   - A block's text is held until its </tool_call> (or the end of the output: a block cut by
     max_tokens is a call if its JSON is complete). Its JSON must be an object with a string
     "name"; its "arguments" (or "parameters") become the call's arguments as JSON text. A block
@@ -13,6 +15,11 @@ deltas add up to the non-streamed message. The rules:
     whitespace: content right before a call is trimmed at its end, and content right after a
     call at its start (the newlines around blocks are not content).
   - Output without calls comes out unchanged, whitespace included.
+
+`JsonCallStream` (Llama 3's JSON): an output whose first character after whitespace (and Llama's
+<|python_tag|>, where it shows) is "{" is held to its end, then read as calls: JSON objects with a
+string "name", joined by ";" (vLLM's llama3_json reading). If any part is not one, the whole
+output is content; any other output is content as it arrives.
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ def _call(body: str) -> dict | None:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
+    return _call_of(obj)
+
+
+def _call_of(obj) -> dict | None:
+    """A call from a decoded JSON value, or None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
@@ -108,3 +120,64 @@ class ToolCallStream:
             self._after_call = not text
         return text
 
+
+
+PYTHON_TAG = "<|python_tag|>"
+_DECODER = json.JSONDecoder()
+
+
+def _json_calls(text: str) -> list[dict] | None:
+    """The calls of an output that is only calls: JSON objects joined by ";", or None."""
+    text, calls, at = text.strip().removeprefix(PYTHON_TAG), [], 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        try:
+            obj, at = _DECODER.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        call = _call_of(obj)
+        if call is None:
+            return None
+        calls.append(call)
+        rest = text[at:].lstrip()
+        if not rest:
+            return calls
+        if rest[0] != ";":
+            return None
+        at = len(text) - len(rest) + 1
+
+
+class JsonCallStream:
+    """One choice's output in Llama 3's JSON syntax. `first_only` (parallel_tool_calls false):
+    calls after the first are dropped (the template has no turn of several)."""
+
+    def __init__(self, first_only: bool = False):
+        self._held, self._state = "", "start"       # start -> calls (held to the end) | content
+        self._first_only = first_only
+        self.count = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self._state == "content":
+            return text, []
+        self._held += text
+        if self._state == "calls":
+            return "", []
+        head = self._held.lstrip()
+        if head.startswith(("{", PYTHON_TAG)):
+            self._state = "calls"
+        elif not head or PYTHON_TAG.startswith(head):      # may still become a call
+            pass
+        else:
+            self._state, text, self._held = "content", self._held, ""
+            return text, []
+        return "", []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        held, self._held = self._held, ""
+        calls = _json_calls(held) if self._state == "calls" else None
+        if calls is None:
+            return held, []
+        calls = calls[:1] if self._first_only else calls
+        self.count = len(calls)
+        return "", [{"index": i, **call} for i, call in enumerate(calls)]

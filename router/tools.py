@@ -2,28 +2,36 @@
 to the model, and the grammar that makes it call one. (Finding the calls in the output:
 router/tool_parser.py.)
 
-A call is written as Hermes-style text, the syntax Qwen2.5, Qwen3 and Hermes models are trained on:
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+Calls are written in one of two syntaxes (`CallSyntax`), read from the chat template
+(`template_tools`):
+  - HERMES, which Qwen2.5, Qwen3 and Hermes models are trained on, and the one pdserve shows
+    models whose template has no tools:
+        <tool_call>
+        {"name": "get_weather", "arguments": {"city": "Paris"}}
+        </tool_call>
+  - LLAMA3_JSON, Llama 3.1-3.3's: the whole output is the call, "parameters" for the arguments,
+    one call per turn (their templates refuse a history turn of several):
+        {"name": "get_weather", "parameters": {"city": "Paris"}}
 Life of a chat request with tools (router/app.py's chat endpoint)
-  1. render     `render_conversation`: a chat template that writes this syntax itself (it
-                mentions <tool_call>: "native") receives the tools and the history's calls and
-                results as transformers passes them to templates. Any other template gets
-                pdserve's own system text listing the tools (Qwen2.5's words), the history's calls
-                written out in the syntax and tool results as a user turn of <tool_response>
-                blocks, as Qwen2.5's template writes them. tool_choice "none" shows no tools (the
-                output is all content).
+  1. render     `render_conversation`: a chat template that writes calls itself ("native": it
+                mentions <tool_call>, or writes Llama 3's {"name": ..., "parameters": ...})
+                receives the tools and the history's calls and results as transformers passes
+                them to templates. Any other template gets pdserve's own system text listing the
+                tools (Qwen2.5's words), the history's calls written out in the Hermes syntax and
+                tool results as a user turn of <tool_response> blocks, as Qwen2.5's template
+                writes them. tool_choice "none" shows no tools (the output is all content).
   2. constrain  `tool_grammar`: tool_choice "required" or a named function is a Lark grammar
-                (llguidance, engine/structured_output.py): the output is one call (or, with
-                parallel_tool_calls, several) of the allowed functions, each arguments object a
-                value of its function's JSON schema, then EOS. "auto": nothing is forced.
+                (llguidance, engine/structured_output.py) in the template's syntax: the output is
+                one call (or, with parallel_tool_calls and a syntax that has them, several) of the
+                allowed functions, each arguments object a value of its function's JSON schema,
+                then EOS. "auto": nothing is forced.
   3. parse      router/tool_parser.py, as the output streams or whole.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -37,6 +45,22 @@ FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 # An omitted `parameters` is an empty parameter list (OpenAI's reading): the arguments are {}.
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a model family writes calls: each call's text is `open` + {"name": ..., <arguments_key>:
+    {...}} + `close`, several joined by `separator` where `parallel` (else one per turn)."""
+    name: str
+    arguments_key: str
+    open: str
+    close: str
+    separator: str
+    parallel: bool
+
+
+HERMES = CallSyntax("hermes", "arguments", OPEN + "\n", "\n" + CLOSE, "\n", True)
+LLAMA3_JSON = CallSyntax("llama3_json", "parameters", "", "", "; ", False)
 
 
 class FunctionDef(StrictOpen):
@@ -78,10 +102,15 @@ class MessageToolCall(StrictOpen):
 
 
 # ---- 1. render ---------------------------------------------------------------------------------
-def native_tool_template(tokenizer) -> bool:
-    """Whether the tokenizer's chat template shows tools and writes calls as <tool_call> blocks."""
+def template_tools(tokenizer) -> tuple[CallSyntax, bool]:
+    """The syntax the model writes calls in, and whether its chat template shows tools and writes
+    calls itself (native; else pdserve's Hermes text is shown)."""
     text = template_text(tokenizer)
-    return OPEN in text and "tools" in text
+    if "tools" in text and OPEN in text:
+        return HERMES, True
+    if "tools" in text and '{"name": ' in text and '"parameters": ' in text:     # Llama 3.1-3.3
+        return LLAMA3_JSON, True
+    return HERMES, False
 
 
 def tools_system_text(tools: list[Tool]) -> str:
@@ -172,19 +201,22 @@ def parameters_problem(tool: Tool) -> str | None:
     return problem and f"function {tool.function.name!r}: parameters: {problem.removeprefix('invalid json_schema: ')}"
 
 
-def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool) -> StructuredOutput | None:
-    """The grammar a forced call follows ("required" or a named function), else None. Each
-    function has its own rule, its arguments a `%json` value of its schema on its own (so the
-    schema's "#/..." references hold); JSON is compact, as response_format's. Several calls only
-    with "required" and `parallel`."""
+def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool,
+                 syntax: CallSyntax = HERMES) -> StructuredOutput | None:
+    """The grammar a forced call follows ("required" or a named function) in `syntax`, else None.
+    Each function has its own rule, its arguments a `%json` value of its schema on its own (so
+    the schema's "#/..." references hold); JSON is compact, as response_format's. Several calls
+    only with "required", `parallel` and a syntax that has them."""
     tools = forced_tools(tools, choice)
     if not tools:
         return None
-    parallel = parallel and choice == "required"
-    lines = ["%llguidance {}", "start: call" + ' ("\\n" call)*' * parallel,
-             f'call: "{OPEN}\\n" ({" | ".join(f"f{i}" for i in range(len(tools)))}) "\\n{CLOSE}"']
+    several = parallel and choice == "required" and syntax.parallel
+    functions = " | ".join(f"f{i}" for i in range(len(tools)))
+    lines = ["%llguidance {}", "start: call" + f" ({json.dumps(syntax.separator)} call)*" * several,
+             " ".join(["call:", *[json.dumps(syntax.open)] * bool(syntax.open), f"({functions})",
+                       *[json.dumps(syntax.close)] * bool(syntax.close)])]
     for i, tool in enumerate(tools):
         schema = {**(tool.function.parameters or NO_PARAMETERS), "x-guidance": JSON_OPTIONS}
-        head = json.dumps(f'{{"name": "{tool.function.name}", "arguments": ')
+        head = json.dumps(f'{{"name": "{tool.function.name}", "{syntax.arguments_key}": ')
         lines += [f'f{i}: {head} a{i} "}}"', f"a{i}: %json {json.dumps(schema)}"]
     return StructuredOutput("lark", "\n".join(lines))

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from router.chat_output import ChatOutputShape, Piece
 from router.openai_protocol import ChatCompletionRequest
 from router.reasoning import ReasoningStream, reasoning_template, starts_inside
+from router.tools import HERMES
 from service_util import http, pools_all_free, sse_events, tiny_app
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
@@ -49,13 +50,13 @@ def test_reasoning_and_content_whether_fed_whole_or_in_pieces(inside, text, reas
 
 def test_a_tool_call_after_the_reasoning_and_include_reasoning():
     text = "<think>The user wants f.</think>\n\n" + CALL
-    output = ChatOutputShape(tools=True, reasoning=False).choice()
+    output = ChatOutputShape(tools=HERMES, reasoning=False).choice()
     reasoning, content, calls = output.message(text)
     assert reasoning == "The user wants f." and content is None
     assert [c["function"] for c in calls] == [{"name": "f", "arguments": '{"x": 1}'}]
     assert output.finish_reason("stop") == "tool_calls" and output.finish_reason("length") == "length"
     # streamed in pieces: the same reasoning, content and calls
-    stream = ChatOutputShape(tools=True, reasoning=False).choice()
+    stream = ChatOutputShape(tools=HERMES, reasoning=False).choice()
     rng, at, got = random.Random(1), 0, Piece()
     while at < len(text):
         n = rng.randint(1, 5)

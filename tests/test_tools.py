@@ -6,7 +6,6 @@ whole."""
 
 import json
 import random
-import shutil
 
 import jsonschema
 import numpy as np
@@ -14,11 +13,12 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
+from chat_templates import LLAMA3_TEMPLATE, tokenizer_with
 from engine.structured_output import GrammarCompiler
-from router.openai_protocol import ChatCompletionRequest
 from router.chat_output import ChatOutputShape
-from router.tool_parser import ToolCallStream
-from router.tools import native_tool_template
+from router.openai_protocol import ChatCompletionRequest
+from router.tool_parser import JsonCallStream, ToolCallStream
+from router.tools import HERMES, LLAMA3_JSON, template_tools
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -41,9 +41,9 @@ HISTORY = [*USER, {"role": "assistant", "tool_calls": [
     {"role": "tool", "tool_call_id": "call_2", "content": "pong"}]
 
 
-def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+def split_tool_calls(text: str, syntax=HERMES, parallel=True) -> tuple[str | None, list[dict]]:
     """A whole output's content and calls, as the router builds a message."""
-    _, content, calls = ChatOutputShape(tools=True).choice().message(text)
+    _, content, calls = ChatOutputShape(tools=syntax, parallel=parallel).choice().message(text)
     return content, calls
 
 
@@ -135,20 +135,21 @@ Call them as <tool_call></tool_call> blocks.<|im_end|>
 @pytest.fixture(scope="module")
 def native_tokenizer(default_model_dir, tmp_path_factory):
     """The default model's tokenizer with a template in Qwen2.5's tool syntax."""
-    d = tmp_path_factory.mktemp("native")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / name, d / name)
-    (d / "chat_template.jinja").write_text(NATIVE_TEMPLATE)
-    return AutoTokenizer.from_pretrained(d)
+    return tokenizer_with(default_model_dir, tmp_path_factory.mktemp("native"), NATIVE_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def llama3_tokenizer(default_model_dir, tmp_path_factory):
+    return tokenizer_with(default_model_dir, tmp_path_factory.mktemp("llama3"), LLAMA3_TEMPLATE)
 
 
 def render(tok, body: ChatCompletionRequest) -> str:
-    conversation, tools = body.conversation(native_tool_template(tok))
+    conversation, tools = body.conversation(template_tools(tok)[1])
     return tok.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
 
 
 def test_a_template_without_tools_gets_pdserves_text_and_the_history_written_out(tokenizer):
-    assert not native_tool_template(tokenizer)
+    assert template_tools(tokenizer) == (HERMES, False)
     text = render(tokenizer, request(messages=HISTORY))
     system = text.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\n# Tools") and "<tool_call></tool_call> XML tags" in system
@@ -168,7 +169,7 @@ def test_a_template_without_tools_gets_pdserves_text_and_the_history_written_out
 
 
 def test_a_template_with_tools_gets_them_and_the_history_as_transformers_passes_it(native_tokenizer):
-    assert native_tool_template(native_tokenizer)
+    assert template_tools(native_tokenizer) == (HERMES, True)
     text = render(native_tokenizer, request(messages=HISTORY))
     assert text.startswith("<|im_start|>system\n# Tools\n<tools>{")
     assert "pdserve" not in text and "XML tags" not in text     # the template's words, not pdserve's
@@ -177,6 +178,21 @@ def test_a_template_with_tools_gets_them_and_the_history_as_transformers_passes_
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text
     assert "<tool_response>\n18 degrees, sunny\n</tool_response>" in text
     assert "# Tools" not in render(native_tokenizer, request(tool_choice="none"))
+
+
+def test_a_llama3_template_gets_the_tools_and_one_call_a_turn_in_its_own_syntax(llama3_tokenizer):
+    assert template_tools(llama3_tokenizer) == (LLAMA3_JSON, True)
+    one_call = [*USER, {**HISTORY[1], "tool_calls": HISTORY[1]["tool_calls"][:1]}, HISTORY[2]]
+    text = render(llama3_tokenizer, request(messages=one_call))
+    assert '"name": "plan-route"' in text and "pdserve" not in text and "<tool_call>" not in text
+    assert ('<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": '
+            '{"city": "Paris", "unit": "celsius"}}<|eot_id|>') in text
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\n18 degrees, sunny<|eot_id|>" in text
+    # its grammar writes that syntax; parallel_tool_calls cannot make it write two
+    spec = request(tool_choice="required").structured(LLAMA3_JSON)
+    assert '\\"parameters\\": ' in spec.value and "tool_call" not in spec.value and "call)*" not in spec.value
+    # and no </tool_call> stop for "auto" with one call at most: its parser keeps the first
+    assert request(parallel_tool_calls=False).sampling_params(20, LLAMA3_JSON).stop == ()
 
 
 # ---- constrain ---------------------------------------------------------------------------------
@@ -199,18 +215,20 @@ def walk(compiler: GrammarCompiler, spec, tok, seed: int, limit: int = 160) -> t
     ("required", True, {"get_weather", "plan-route", "ping"}),
     ("required", False, {"get_weather", "plan-route", "ping"}),
     ({"type": "function", "function": {"name": "plan-route"}}, True, {"plan-route"})])
-def test_every_sentence_of_a_forced_call_is_a_call_that_follows_its_schema(tokenizer, choice, parallel, names):
+@pytest.mark.parametrize("syntax", [HERMES, LLAMA3_JSON], ids=lambda s: s.name)
+def test_every_sentence_of_a_forced_call_is_a_call_that_follows_its_schema(tokenizer, choice, parallel, names,
+                                                                           syntax):
     compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
-    spec = request(tool_choice=choice, parallel_tool_calls=parallel).structured()
+    spec = request(tool_choice=choice, parallel_tool_calls=parallel).structured(syntax)
     seen, ended = set(), 0
     for seed in range(12):
         text, done = walk(compiler, spec, tokenizer, seed)
         if not done:
             continue
         ended += 1
-        content, calls = split_tool_calls(text)
+        content, calls = split_tool_calls(text, syntax)
         assert content is None and calls, text
-        assert len(calls) == 1 or (parallel and choice == "required"), text
+        assert len(calls) == 1 or (parallel and choice == "required" and syntax.parallel), text
         for call in calls:
             assert call["function"]["name"] in names
             jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
@@ -232,6 +250,51 @@ OUTPUTS = [
     (CALL[:40], CALL[:40], []),                                      # cut inside its JSON: content
     ('<tool_call>{"name": "ping", "parameters": {"x": 1}}</tool_call>', None, ["ping"]),
 ]
+
+
+LLAMA3_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
+LLAMA3_OUTPUTS = [
+    ("Plain text; with {braces} later\n", "Plain text; with {braces} later\n", []),
+    (LLAMA3_CALL, None, ["get_weather"]),
+    ("  \n" + LLAMA3_CALL + "\n", None, ["get_weather"]),
+    ("<|python_tag|>" + LLAMA3_CALL, None, ["get_weather"]),
+    (LLAMA3_CALL + "; " + LLAMA3_CALL.replace("get_weather", "ping"), None, ["get_weather", "ping"]),
+    ('{"city": "Paris"}', '{"city": "Paris"}', []),                 # JSON, not a call: content
+    (LLAMA3_CALL + " and then some words", LLAMA3_CALL + " and then some words", []),
+    (LLAMA3_CALL[:30], LLAMA3_CALL[:30], []),                         # cut inside its JSON: content
+    ("<|python", "<|python", []),
+]
+
+
+def stream_pieces(stream, text: str, cuts: list[int]) -> tuple[str, list[dict]]:
+    got, made, at = "", [], 0
+    for n in cuts:
+        piece, new = stream.feed(text[at:at + n])
+        got, made, at = got + piece, made + new, at + n
+    piece, new = stream.finish()
+    return got + piece, made + new
+
+
+@pytest.mark.parametrize("text, content, names", LLAMA3_OUTPUTS)
+def test_llama3_json_calls_streamed_split_anywhere_add_up_to_the_whole(text, content, names):
+    whole, calls = split_tool_calls(text, LLAMA3_JSON)
+    assert whole == content and [c["function"]["name"] for c in calls] == names
+    if calls:
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    rng = random.Random(0)
+    for cuts in ([1] * len(text), [rng.randint(1, 9) for _ in text]):
+        got, made = stream_pieces(JsonCallStream(), text, cuts)
+        assert got == (content or "") and [c["function"] for c in made] == [c["function"] for c in calls]
+        assert [c["index"] for c in made] == list(range(len(names)))
+    # content that cannot be a call is not held back
+    if not text.lstrip().startswith(("{", "<|")):
+        assert JsonCallStream().feed(text[:3]) == (text[:3], [])
+
+
+def test_llama3_json_with_parallel_tool_calls_false_keeps_the_first_call():
+    two = LLAMA3_CALL + "; " + LLAMA3_CALL.replace("get_weather", "ping")
+    content, calls = split_tool_calls(two, LLAMA3_JSON, parallel=False)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
 
 
 @pytest.mark.parametrize("text, content, names", OUTPUTS)

@@ -117,3 +117,38 @@ def test_requests_that_do_not_agree_are_openai_errors(disagg, extra, words):
     error = json.loads(text)["error"]
     assert words in error["message"] and error["type"] == "invalid_request_error"
     assert http(disagg, "/health")[0] == 200
+
+
+@pytest.fixture(scope="module")
+def llama3_app(ray_serve, default_model_dir, tmp_path_factory):
+    """A tiny model whose template writes calls in Llama 3's JSON syntax (tests/test_tools.py)."""
+    from service_util import tiny_app
+    from chat_templates import LLAMA3_TEMPLATE, tokenizer_with
+    from tiny_models import tiny_model_dir
+    tokenizer_dir = tmp_path_factory.mktemp("llama3-tokenizer")
+    tokenizer_with(default_model_dir, tokenizer_dir, LLAMA3_TEMPLATE)
+    d = tiny_model_dir(tmp_path_factory.mktemp("llama3"), "llama", seed=0, tokenizer_dir=tokenizer_dir)
+    with tiny_app(ray_serve, d, "llama3") as base:
+        yield base
+
+
+def test_a_llama3_template_gets_calls_in_its_syntax_through_both_pools(llama3_app):
+    """The forced call is written as {"name": ..., "parameters": ...} (one, parallel or not) and
+    comes back as tool_calls, streamed as not; the next turn carries it back through the template."""
+    body = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 80, "temperature": 0,
+            "tool_choice": "required"}
+    status, text = http(llama3_app, "/v1/chat/completions", body)
+    assert status == 200, text
+    choice = json.loads(text)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    (call,) = choice["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    status, text = http(llama3_app, "/v1/chat/completions", {**body, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in sse_events(text) if e != "[DONE]" and e["choices"]]
+    streamed = [t["function"] for d in deltas for t in d.get("tool_calls") or ()]
+    assert streamed == [call["function"]] and not "".join(d.get("content") or "" for d in deltas)
+    result = {"role": "tool", "tool_call_id": call["id"], "content": "18 degrees"}
+    status, text = http(llama3_app, "/v1/chat/completions",
+                        {**body, "tool_choice": "auto", "max_tokens": 4, "messages": [*ASK, choice["message"], result]})
+    assert status == 200, text
+    assert pools_all_free(llama3_app, {"prefill", "decode"})
