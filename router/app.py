@@ -28,7 +28,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinja2 import TemplateError
 from pydantic import ValidationError
@@ -48,6 +48,8 @@ from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Det
 from router.openai_responses import choice_body, completion_body, error_body, error_response, usage
 from router.orchestrator import Orchestrator, RequestFailed
 from router.reasoning import grammar_think, reasoning_template, starts_inside, think_tokens
+from router.responses_output import ResponseEvents, ResponseShape, new_id, response_from_chat
+from router.responses_protocol import ResponsesRequest
 from router.tools import template_tools
 from serving import messages
 from serving.config import AppConfig
@@ -274,6 +276,45 @@ class Router:
                                 body.include_reasoning, body.parallel_tool_calls)
         return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,
                                     prefix="chatcmpl", shape=shape, think=think)
+
+    @app.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest):
+        """OpenAI's Responses API, stateless (router/responses_protocol.py): the chat endpoint's
+        path, its answer as a Response or the Responses stream (router/responses_output.py)."""
+        if (body.max_output_tokens or 0) > self.config.max_tokens_limit:
+            return self._above_limit("max_output_tokens", body.max_output_tokens)
+        try:
+            chat = body.chat()
+        except ValidationError as exc:
+            return error_response(400, "; ".join(e["msg"] for e in exc.errors()[:5]))
+        result = await self.chat_completions(chat)
+        if isinstance(result, JSONResponse):          # refused (an error in OpenAI's format)
+            return result
+        shape = ResponseShape(body, new_id("resp"), self.model_name)
+        if not body.stream:
+            return response_from_chat(shape, result)
+        return StreamingResponse(self._response_events(shape, result.body_iterator), media_type="text/event-stream")
+
+    @staticmethod
+    async def _response_events(shape: ResponseShape, chat_events):
+        """The chat stream's chunks (text/event-stream lines of `_sse`) as the Responses stream's events."""
+        events = ResponseEvents(shape)
+        try:
+            for event in events.start():
+                yield event
+            async for line in chat_events:
+                data = line.removeprefix("data: ").strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                for event in events.chunk(chunk):
+                    yield event
+                if "error" in chunk:
+                    return
+            for event in events.end():
+                yield event
+        finally:
+            await chat_events.aclose()
 
     async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str,
                         echoes: list[tuple[str, list[int]]] | None = None, shape: ChatOutputShape | None = None,

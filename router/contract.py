@@ -26,6 +26,7 @@ from pydantic.json_schema import models_json_schema
 from router.guards import OPEN_PATHS
 from router.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Detokenized,
                                      ErrorResponse, Health, ModelList, Tokenized)
+from router.responses_output import ResponseEvent, ResponseObject
 
 REF = "#/components/schemas/{model}"
 
@@ -92,7 +93,8 @@ def _limits(doc: dict, served: Served) -> None:
     note = (f" At most {served.max_tokens_limit} on this server (its max_tokens_limit); prompt + max_tokens "
             f"must fit the model's context of {served.max_model_len} tokens.")
     for path, fields in (("/v1/completions", ("max_tokens",)),
-                         ("/v1/chat/completions", ("max_tokens", "max_completion_tokens"))):
+                         ("/v1/chat/completions", ("max_tokens", "max_completion_tokens")),
+                         ("/v1/responses", ("max_output_tokens",))):
         properties = _request_schema(doc, path)["properties"]
         properties["model"]["enum"] = list(served.model_names)
         for name in fields:
@@ -103,7 +105,8 @@ def _limits(doc: dict, served: Served) -> None:
                 properties[name]["default"] = min(properties[name]["default"], served.max_tokens_limit)
         for integer in _integers(properties.get("prompt")):
             integer["maximum"] = served.vocab_size - 1
-        properties["logit_bias"]["description"] += f" Token ids are below {served.vocab_size}."
+        if "logit_bias" in properties:
+            properties["logit_bias"]["description"] += f" Token ids are below {served.vocab_size}."
     for path in ("/tokenize", "/detokenize"):
         properties = _request_schema(doc, path)["properties"]
         for branch in properties["model"]["anyOf"]:
@@ -120,6 +123,11 @@ def _json(model: str) -> dict:
 
 def _events(chunk: str) -> dict:
     """text/event-stream: the schema of one event (OpenAPI 3.1 has no itemSchema; 3.2's is the same)."""
+    if chunk == "ResponseEvent":     # /v1/responses: every event's data is an event object, no [DONE]
+        data = {"type": "string", "description": "A Responses event (its `type` also the SSE event's name).",
+                "contentMediaType": "application/json", "contentSchema": {"$ref": REF.format(model=chunk)}}
+        return {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                                 "properties": {"data": data, "event": {"type": "string"}}}}}
     data = {"type": "string", "description": "A chunk, an error object (the request failed mid-stream), or "
             "[DONE] (the last event).",
             "if": {"const": "[DONE]"},
@@ -137,6 +145,9 @@ def _ok(path: str) -> dict:
     if path == "/v1/chat/completions":
         return {"description": "The chat completion, or with `stream` its server-sent events.",
                 "content": {**_json("ChatCompletion"), **_events("ChatCompletionChunk")}}
+    if path == "/v1/responses":
+        return {"description": "The response, or with `stream` its events (router/responses_output.py).",
+                "content": {**_json("ResponseObject"), **_events("ResponseEvent")}}
     if path == "/tokenize":
         return {"description": "The prompt's token ids.", "content": _json("Tokenized")}
     if path == "/detokenize":
@@ -156,7 +167,8 @@ def _responses(doc: dict, served: Served) -> None:
     schemas.pop("ValidationError", None)
     _, defs = models_json_schema([(m, "serialization") for m in (Completion, CompletionChunk, ChatCompletion,
                                                                   ChatCompletionChunk, ModelList, Health,
-                                                                  ErrorResponse, Tokenized, Detokenized)],
+                                                                  ErrorResponse, Tokenized, Detokenized,
+                                                                  ResponseObject, ResponseEvent)],
                                      ref_template=REF)
     schemas.update(copy.deepcopy(defs["$defs"]))
     for path, item in doc["paths"].items():

@@ -9,6 +9,7 @@ import pytest
 from router.app import app
 from router.contract import ERRORS, Served, openapi_document
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.responses_protocol import ResponsesRequest
 from serving.config import AppConfig
 
 VOCAB, CONTEXT = 49152, 2048
@@ -122,3 +123,34 @@ def test_the_request_schemas_accept_what_the_validator_accepts(model, body):
         accepted = False
     schema = doc["components"]["schemas"][model.__name__]
     assert _valid(schema, doc, body) == accepted
+
+
+TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+
+
+@pytest.mark.parametrize("body", [
+    {"input": "x", "previous_response_id": "resp_1"},
+    {"input": "x", "previous_response_id": None},
+    {"input": "x", "background": True},
+    {"input": "x", "background": False},
+    {"input": "x", "tool_choice": "required"},
+    {"input": "x", "tool_choice": "required", "tools": []},
+    {"input": "x", "tool_choice": "required", "tools": [TOOL]},
+    {"input": "x", "tool_choice": "auto", "tools": []},
+    {"input": "x", "tool_choice": "required", "tools": [TOOL], "text": {"format": {"type": "json_object"}}},
+    {"input": "x", "tool_choice": "required", "tools": [TOOL], "text": {"format": {"type": "text"}}},
+    {"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},
+    {"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {}}}},
+    {"input": [{"type": "function_call_output", "call_id": "c", "output": "18"}]},
+    {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+    {"input": "x", "max_output_tokens": 5000},
+])
+def test_the_responses_schema_accepts_what_the_validator_accepts(body):
+    doc = document(served_model_name="m", max_tokens_limit=4096)
+    body = {"model": "m", **body}
+    try:
+        ResponsesRequest.model_validate(body).chat()
+        accepted = (body.get("max_output_tokens") or 0) <= 4096
+    except ValueError:
+        accepted = False
+    assert _valid(doc["components"]["schemas"]["ResponsesRequest"], doc, body) == accepted

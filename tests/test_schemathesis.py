@@ -79,7 +79,8 @@ def fuzz(base: str, mode: GenerationMode, extra_checks=()) -> tuple[dict, list[s
 
 STREAMED = {"/v1/completions": {"model": "tiny", "prompt": "Once", "max_tokens": 4, "stream": True},
             "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
-                                     "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}}
+                                     "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+            "/v1/responses": {"model": "tiny", "input": "Hi", "max_output_tokens": 4, "stream": True}}
 
 
 def streamed_cases(base: str) -> list[str]:

@@ -1,0 +1,219 @@
+"""OpenAI's Responses API (`POST /v1/responses`): the request, and the chat completion it becomes.
+
+pdserve keeps no responses: a request carries its whole conversation as `input` (messages,
+earlier function calls and their outputs, reasoning items), as a client does with `store: false`.
+`previous_response_id` and `background` are refused with a 400 saying so; `store` is accepted and
+answered with `store: false`. The request becomes a `ChatCompletionRequest` (`chat`) and runs the
+chat endpoint's whole path (template, tools, reasoning, grammar, pools); router/responses_output.py
+turns its answer into a Response object or the Responses stream's events.
+
+Input items, in order, become chat messages:
+  - a message (`type` "message" or none): its role and its text (string, or input_text /
+    output_text parts joined); images, audio and files are refused (a text-only server)
+  - a `reasoning` item: its text goes with the next assistant turn, as its `reasoning`
+  - `function_call` items: the calls of one assistant turn (joined to the assistant message
+    right before them, if any)
+  - a `function_call_output`: a tool turn answering `call_id`
+`instructions` come first, as a system message. Tools are function tools only; `text.format`
+is `response_format`; `max_output_tokens` is `max_completion_tokens`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from router.openai_protocol import (FORCED_TOOL, GREEDY_BELOW_TEMPERATURE, ChatCompletionRequest, JsonSchemaFormat,
+                                    _implies)
+from router.protocol_types import Int, Strict, StrictOpen, Text
+from router.tools import MAX_TOOLS, FunctionName
+
+MAX_ITEMS = 1024
+
+
+class TextPart(StrictOpen):
+    """Text in a message: the client's (input_text) or an earlier answer's (output_text)."""
+    type: Literal["input_text", "output_text"]
+    text: Text
+
+
+class MessageItem(StrictOpen):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_ITEMS)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ReasoningText(StrictOpen):
+    type: Literal["reasoning_text", "summary_text"]
+    text: Text
+
+
+class ReasoningItem(StrictOpen):
+    """An earlier answer's reasoning (its `content`, else its `summary`)."""
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+
+    def text(self) -> str:
+        return "".join(p.text for p in (self.content if self.content else self.summary))
+
+
+class FunctionCallItem(StrictOpen):
+    type: Literal["function_call"]
+    call_id: Text
+    name: FunctionName
+    arguments: Text
+
+
+class FunctionCallOutputItem(StrictOpen):
+    type: Literal["function_call_output"]
+    call_id: Text
+    output: Text | list[TextPart]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+InputItem = MessageItem | ReasoningItem | FunctionCallItem | FunctionCallOutputItem
+
+
+class FunctionTool(StrictOpen):
+    type: Literal["function"]
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(None, description="Accepted; a forced call's arguments always follow the schema.")
+
+
+class FunctionChoice(Strict):
+    type: Literal["function"]
+    name: FunctionName
+
+
+class TextFormat(StrictOpen):
+    """`text.format`: plain text, any JSON object, or a value of a JSON schema (named)."""
+    model_config = ConfigDict(json_schema_extra=_implies("type", {"const": "json_schema"}, {
+        "properties": {"name": {"type": "string"}}, "required": ["name"]}))
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(StrictOpen):
+    format: TextFormat = Field(default_factory=lambda: TextFormat(type="text"))
+
+
+class ReasoningConfig(StrictOpen):
+    """Accepted; the model reasons (or not) as its chat template has it."""
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+def _refusals(schema: dict) -> None:
+    """What the validators refuse, in the JSON schema: no previous_response_id, no background; a
+    forced call needs tools and takes no JSON text format."""
+    schema["properties"]["previous_response_id"] = {"type": "null", "description": "This server keeps no responses."}
+    schema["properties"]["background"] = {"enum": [False, None]}
+    schema["allOf"] = [
+        _implies("tool_choice", FORCED_TOOL, {"properties": {"tools": {"type": "array", "minItems": 1}},
+                                              "required": ["tools"]}),
+        _implies("tool_choice", FORCED_TOOL, {"properties": {"text": {"anyOf": [{"type": "null"}, {
+            "properties": {"format": {"properties": {"type": {"const": "text"}}}}}]}}})]
+
+
+class ResponsesRequest(Strict):
+    """A response (OpenAI's Responses API, stateless: see the module's docstring). Across fields:
+    a forced call (tool_choice "required" or a function) needs tools, a named one a function
+    among them, and takes no JSON text format."""
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_refusals)
+    model: str = Field(description="The served model's name (GET /v1/models); any other is a 404.")
+    input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_ITEMS)] = Field(
+        description="A user message, or the conversation's items.")
+    instructions: Text | None = Field(None, description="A system message before the input.")
+    max_output_tokens: Int(ge=1) | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description=f"Default 1; 0 (or below "
+                                      f"{GREEDY_BELOW_TEMPERATURE:g}) is greedy.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool = Field(False, description="Server-sent events, one per Responses event.")
+    store: bool | None = Field(None, description="Accepted; nothing is stored (the response says store false).")
+    previous_response_id: Text | None = Field(None, description="Refused: this server keeps no responses.")
+    background: bool | None = Field(None, description="Refused when true.")
+    metadata: Annotated[dict[str, Text], Field(max_length=16)] | None = None
+    user: Text | None = None
+    safety_identifier: Text | None = None
+    prompt_cache_key: Text | None = Field(None, description="Accepted; prompts share a prefix cache anyway.")
+    reasoning: ReasoningConfig | None = None
+    truncation: Literal["disabled"] | None = Field(None, description="Only disabled: an input beyond the "
+                                                   "context is a 400.")
+    include: Annotated[list[Text], Field(max_length=16)] | None = Field(None, description="Accepted; ignored.")
+
+    @model_validator(mode="after")
+    def _stateless(self):
+        if self.previous_response_id is not None:
+            raise ValueError("previous_response_id: this server keeps no responses; send the whole conversation "
+                             "as input")
+        if self.background:
+            raise ValueError("background: not supported (this server keeps no responses)")
+        if self.text is not None and self.text.format.type == "json_schema" and self.text.format.name is None:
+            raise ValueError("text.format: a json_schema format needs a name")
+        return self
+
+    def chat(self) -> ChatCompletionRequest:
+        """The chat completion this response is (ValidationError where the two disagree, e.g. a
+        tool_choice without tools)."""
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}     # for response.completed's usage
+        for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
+                            ("top_p", self.top_p), ("parallel_tool_calls", self.parallel_tool_calls),
+                            ("user", self.user)):
+            if value is not None:
+                body[name] = value
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                             for t in self.tools]
+        if self.tool_choice is not None and (self.tools or self.tool_choice not in ("auto", "none")):
+            body["tool_choice"] = (self.tool_choice if isinstance(self.tool_choice, str) else
+                                   {"type": "function", "function": {"name": self.tool_choice.name}})
+        fmt = self.text.format if self.text else None
+        if fmt is not None and fmt.type != "text":
+            body["response_format"] = {"type": fmt.type}
+            if fmt.type == "json_schema":
+                body["response_format"]["json_schema"] = JsonSchemaFormat.model_validate(
+                    fmt.model_dump(by_alias=True, exclude_none=True, exclude={"type"})).model_dump(
+                    by_alias=True, exclude_none=True)
+        return ChatCompletionRequest.model_validate(body)
+
+    def _messages(self) -> list[dict]:
+        out: list[dict] = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        if isinstance(self.input, str):
+            return [*out, {"role": "user", "content": self.input}]
+        reasoning = None
+        for item in self.input:
+            if isinstance(item, ReasoningItem):
+                reasoning = (reasoning or "") + item.text()
+            elif isinstance(item, MessageItem):
+                out.append({"role": item.role, "content": item.text()})
+                if item.role == "assistant" and reasoning is not None:
+                    out[-1]["reasoning"], reasoning = reasoning, None
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if not (out and out[-1]["role"] == "assistant"):
+                    out.append({"role": "assistant", "content": None})
+                    if reasoning is not None:
+                        out[-1]["reasoning"], reasoning = reasoning, None
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        return out

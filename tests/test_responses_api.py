@@ -1,0 +1,172 @@
+"""The Responses API (router/responses_protocol.py, router/responses_output.py): a request's
+input items become the chat messages they stand for, what a stateless server cannot do is
+refused, and a chat completion's stream becomes events that add up to the non-streamed
+response. Over HTTP with the openai client in tests/test_responses_service.py."""
+
+import json
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from router.responses_output import ResponseEvents, ResponseShape, response_from_chat
+from router.responses_protocol import ResponsesRequest
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather now", "parameters": WEATHER}
+
+
+def request(**fields) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "Hi", **fields})
+
+
+def test_a_string_input_is_one_user_message_after_the_instructions():
+    chat = request(instructions="Be brief.", max_output_tokens=20, temperature=0.5).chat()
+    assert [m.model_dump(exclude_none=True) for m in chat.messages] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert chat.max_completion_tokens == 20 and chat.temperature == 0.5 and not chat.stream
+
+
+def test_items_become_the_conversation_they_stand_for():
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather "},
+                                          {"type": "input_text", "text": "in Paris?"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text",
+                                                                             "text": "Call the tool."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+             {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call", "call_id": "call_b", "name": "get_weather", "arguments": '{"city": "Nice"}'},
+             {"type": "function_call_output", "call_id": "call_a", "output": "18 degrees"},
+             {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "20"}]},
+             {"type": "function_call", "call_id": "call_c", "name": "get_weather", "arguments": "{}"}]
+    messages = [m.model_dump(exclude_none=True) for m in request(input=items, tools=[TOOL]).chat().messages]
+    call = lambda i, city: {"id": i, "type": "function", "function": {"name": "get_weather", "arguments": city}}
+    assert messages == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Checking.", "reasoning": "Call the tool.",
+         "tool_calls": [call("call_a", '{"city": "Paris"}'), call("call_b", '{"city": "Nice"}')]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "18 degrees"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "20"},
+        {"role": "assistant", "tool_calls": [call("call_c", "{}")]}]
+
+
+def test_tools_tool_choice_and_text_format_become_the_chats():
+    chat = request(tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"},
+                   parallel_tool_calls=False).chat()
+    assert chat.tools[0].function.name == "get_weather" and chat.tools[0].function.parameters == WEATHER
+    assert chat.structured().kind == "lark" and chat.parallel_tool_calls is False
+    fmt = {"type": "json_schema", "name": "w", "schema": WEATHER, "strict": True}
+    spec = request(text={"format": fmt}).chat().structured()
+    assert spec.kind == "json_schema" and json.loads(spec.value) == WEATHER
+    assert request(text={"format": {"type": "json_object"}}).chat().structured().kind == "json_object"
+    assert request(text={"format": {"type": "text"}}).chat().structured() is None
+    stream = request(stream=True).chat()
+    assert stream.stream and stream.include_usage
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"previous_response_id": "resp_1"}, "keeps no responses"),
+    ({"background": True}, "background"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input_text"),
+    ({"text": {"format": {"type": "json_schema", "schema": WEATHER}}}, "needs a name"),
+    ({"tools": [{"type": "web_search"}]}, "function"),
+    ({"truncation": "auto"}, "disabled"),
+    ({"seed": 3}, "Extra inputs"),
+    ({"input": []}, "at least 1"),
+])
+def test_what_a_stateless_text_server_cannot_do_is_refused(fields, words):
+    with pytest.raises(ValidationError, match=words):
+        request(**fields)
+
+
+def test_where_the_request_and_its_chat_disagree_the_chat_says_why():
+    with pytest.raises(ValidationError, match="needs tools"):
+        request(tool_choice="required").chat()
+
+
+# ---- output --------------------------------------------------------------------------------------
+CALL = {"id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+USAGE = {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17, "prompt_tokens_details": {"cached_tokens": 4}}
+MESSAGES = [  # (chat message, finish_reason)
+    ({"role": "assistant", "content": "Hello there, friend."}, "stop"),
+    ({"role": "assistant", "content": "Cut sho"}, "length"),
+    ({"role": "assistant", "content": "", "reasoning": "Thinking it over."}, "length"),
+    ({"role": "assistant", "content": "The answer.", "reasoning": "First, think."}, "stop"),
+    ({"role": "assistant", "content": None, "tool_calls": [CALL, {**CALL, "id": "call_y"}]}, "tool_calls"),
+    ({"role": "assistant", "content": "Let me check.", "reasoning": "Use the tool.", "tool_calls": [CALL]},
+     "tool_calls"),
+    ({"role": "assistant", "content": ""}, "stop"),
+]
+
+
+def chunks(message: dict, finish: str, rng: random.Random) -> list[dict]:
+    """A chat stream of `message` (as router/app.py's _sse sends it), its text cut at random."""
+    def chunk(delta, finish_reason=None):
+        return {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    out = [chunk({"role": "assistant", "content": ""})]
+    for key in ("reasoning", "content"):
+        text = message.get(key) or ""
+        while text:
+            n = rng.randint(1, 5)
+            out.append(chunk({"content": None, key: text[:n]} if key == "reasoning" else {"content": text[:n]}))
+            text = text[n:]
+    out.append(chunk({"content": None, "tool_calls": [{"index": i, **c} for i, c in
+                                                      enumerate(message.get("tool_calls") or [])]}, finish))
+    return out + [{"choices": [], "usage": USAGE}]
+
+
+def without_ids(value):
+    if isinstance(value, dict):
+        return {k: without_ids(v) for k, v in value.items() if k not in ("id", "created_at")}
+    return [without_ids(v) for v in value] if isinstance(value, list) else value
+
+
+@pytest.mark.parametrize("message, finish", MESSAGES)
+def test_the_stream_adds_up_to_the_response(message, finish):
+    shape = ResponseShape(request(), "resp_1", "m")
+    whole = response_from_chat(shape, {"choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                                       "usage": USAGE})
+    assert whole["status"] == ("incomplete" if finish == "length" else "completed")
+    assert whole["usage"] == {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 7,
+                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 17}
+    kinds = [item["type"] for item in whole["output"]]
+    assert kinds == (["reasoning"] * bool(message.get("reasoning"))
+                     + ["message"] * bool(message.get("content") or not (message.get("reasoning")
+                                                                         or message.get("tool_calls")))
+                     + ["function_call"] * len(message.get("tool_calls") or []))
+    for seed in range(3):
+        events = ResponseEvents(shape)
+        sent = events.start()
+        for c in chunks(message, finish, random.Random(seed)):
+            sent += events.chunk(c)
+        sent += events.end()
+        parsed = [json.loads(e.split("data: ", 1)[1]) for e in sent]
+        assert [e["sequence_number"] for e in parsed] == list(range(len(parsed)))
+        assert all(e.startswith(f"event: {p['type']}\n") for e, p in zip(sent, parsed))
+        assert [p["type"] for p in parsed[:2]] == ["response.created", "response.in_progress"]
+        last = parsed[-1]
+        assert last["type"] == f"response.{whole['status']}" and without_ids(last["response"]) == without_ids(whole)
+        # the deltas of each item add up to its text, and each item opens and closes once, in order
+        added = [p["output_index"] for p in parsed if p["type"] == "response.output_item.added"]
+        done = [p for p in parsed if p["type"] == "response.output_item.done"]
+        assert added == [p["output_index"] for p in done] == list(range(len(whole["output"])))
+        for item, d in zip(whole["output"], done):
+            assert without_ids(d["item"]) == without_ids(item)
+            deltas = "".join(p["delta"] for p in parsed if p.get("output_index") == d["output_index"]
+                             and p["type"].endswith(".delta"))
+            expect = item["arguments"] if item["type"] == "function_call" else "".join(
+                c["text"] for c in item["content"])
+            assert deltas == expect
+
+
+def test_a_failure_mid_stream_ends_it_with_response_failed():
+    events = ResponseEvents(ResponseShape(request(), "resp_1", "m"))
+    sent = events.start() + events.chunk({"choices": [{"index": 0, "delta": {"content": "Hal"},
+                                                       "logprobs": None, "finish_reason": None}]})
+    sent += events.chunk({"error": {"message": "a replica failed", "type": "unavailable", "param": None,
+                                    "code": 503}})
+    parsed = [json.loads(e.split("data: ", 1)[1]) for e in sent]
+    assert [p["type"] for p in parsed][-3:] == ["response.content_part.done", "response.output_item.done",
+                                                "response.failed"]
+    failed = parsed[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"] == {"code": "unavailable", "message": "a replica failed"}
+    assert failed["output"][0]["content"][0]["text"] == "Hal"
