@@ -1,14 +1,16 @@
 """The Responses API over HTTP with the openai client, through both pools (real model): text equal
 to the chat endpoint's for the same conversation, streamed as not (the SDK's own stream helper
 accumulates the events into the same response), a forced function call and the next turn carrying
-it back, a JSON schema, max_output_tokens, and refusals; every block is free after."""
+it back, a JSON schema, max_output_tokens, refusals, and a client that leaves mid-stream; every
+block is free after."""
 
 import json
+import re
 
 import jsonschema
 import pytest
 
-from service_util import http, pools_all_free
+from service_util import http, leave_at_first_token, pools_all_free, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -86,3 +88,16 @@ def test_refusals_are_openai_errors(disagg, body, status, words):
     assert code == status, text
     error = json.loads(text)["error"]
     assert words in error["message"], error
+
+
+def _aborted(base: str) -> float:
+    _, text = http(base, "/metrics")
+    return float(re.search(r'^pdserve_requests_total\{outcome="aborted"\} (\S+)$', text, re.M).group(1))
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_request_and_frees_its_blocks(disagg):
+    before = _aborted(disagg)
+    leave_at_first_token(disagg, {"model": MODEL, "input": "Write a very long story about a dragon, in ten chapters.",
+                                  "max_output_tokens": 1500, "stream": True}, path="/v1/responses")
+    assert wait_until(lambda: _aborted(disagg) == before + 1, 30)
+    assert pools_all_free(disagg, {"prefill", "decode"})
