@@ -121,7 +121,6 @@ class ToolCallStream:
         return text
 
 
-
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
 
