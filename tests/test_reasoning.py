@@ -154,3 +154,24 @@ def test_a_forced_tool_call_comes_after_the_reasoning(thinking_app, thinking_mod
         (call,) = message["tool_calls"]
         assert call["function"]["name"] == "f" and isinstance(json.loads(call["function"]["arguments"])["x"], int)
     assert pools_all_free(thinking_app, {"prefill", "decode"})
+
+
+
+@pytest.mark.slow
+def test_the_responses_api_gives_the_reasoning_as_a_reasoning_item_streamed_or_not(thinking_app):
+    """/v1/responses on the same model (greedy; it has no logit_bias to close the block, so the
+    output is cut inside its reasoning): one reasoning item, incomplete, the same text streamed."""
+    body = {"model": "tiny", "input": "Think, then answer.", "max_output_tokens": 12, "temperature": 0,
+            "text": {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA}}}
+    status, text = http(thinking_app, "/v1/responses", body)
+    assert status == 200, text
+    out = json.loads(text)
+    assert out["status"] == "incomplete" and [item["type"] for item in out["output"]] == ["reasoning"]
+    reasoning = out["output"][0]["content"][0]["text"]
+    assert reasoning and "think>" not in reasoning
+    status, text = http(thinking_app, "/v1/responses", {**body, "stream": True})
+    events = [e for e in sse_events(text) if e != "[DONE]"]
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert deltas == reasoning and events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == reasoning
+    assert pools_all_free(thinking_app, {"prefill", "decode"})
