@@ -156,6 +156,9 @@ class ResponsesRequest(Strict):
     truncation: Literal["disabled"] | None = Field(None, description="Only disabled: an input beyond the "
                                                    "context is a 400.")
     include: Annotated[list[Text], Field(max_length=16)] | None = Field(None, description="Accepted; ignored.")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="Accepted; one tier here.")
+    stream_options: dict[str, Any] | None = Field(None, description="Accepted; ignored.")
 
     @model_validator(mode="after")
     def _stateless(self):
