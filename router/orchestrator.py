@@ -35,7 +35,7 @@ before `Landed` or mid-stream. Once tokens are out, the new attempt is a resumed
 their text it was shown; the prefill replica computes both (its prefix cache usually holds the
 prompt), samples the next token and pushes their K/V; the stream goes on as the uninterrupted
 request would have (greedy or sampled, every sampled request having a seed from the router
-(router/app.py `choice_params`): the same tokens; penalties, stop strings and max_tokens
+(router/choice_view.py `choice_params`): the same tokens; penalties, stop strings and max_tokens
 count the resumed tokens), with no prompt logprobs again. A push that a live replica reports
 failed (502), a replica's own error event, and a refusal stay the request's end. Colocated: the
 same, one call to the colocated pool per attempt.

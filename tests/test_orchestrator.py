@@ -469,11 +469,11 @@ def test_a_decode_pool_without_a_live_replica_for_a_while_is_waited_for():
 
 
 def test_every_sampled_choice_gets_a_seed_so_that_a_moved_request_draws_what_it_would_have():
-    """router/app.py `choice_params`: a sampled request without a seed gets one before its first
+    """router/choice_view.py `choice_params`: a sampled request without a seed gets one before its first
     attempt (each choice its own), so its resumed attempts after a replica died draw the same random
     stream (the engine's exactness for seeded resumed requests: test_engine_exact); seeded choices
     get seed + j; greedy requests stay unseeded."""
-    from router.app import choice_params
+    from router.choice_view import choice_params
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)
     assert choice_params(greedy, 0) is greedy and choice_params(greedy, 3).seed is None
     seeds = {choice_params(sampled, j).seed for j in (0, 0, 1)}
