@@ -44,7 +44,7 @@ LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
                       Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})]
 
 
-def _implies(name: str, schema: dict, then: dict) -> dict:
+def implies(name: str, schema: dict, then: dict) -> dict:
     """JSON Schema for a model validator's "`name` matching `schema` needs `then`"."""
     return {"if": {"properties": {name: schema}, "required": [name]}, "then": then}
 
@@ -59,13 +59,13 @@ def _batch_at_most(k: int) -> dict:
 _BATCH_BOUNDS = {n: MAX_CHOICES // n for n in range(2, MAX_CHOICES + 1)
                  if MAX_CHOICES // n < MAX_CHOICES // (n - 1)}
 COMPLETION_CROSS_FIELD = {"allOf": [
-    _implies("max_tokens", {"const": 0}, {"properties": {"echo": {"const": True}}, "required": ["echo"]}),
-    *(_implies("n", {"type": "integer", "minimum": n}, _batch_at_most(k)) for n, k in _BATCH_BOUNDS.items())]}
+    implies("max_tokens", {"const": 0}, {"properties": {"echo": {"const": True}}, "required": ["echo"]}),
+    *(implies("n", {"type": "integer", "minimum": n}, _batch_at_most(k)) for n, k in _BATCH_BOUNDS.items())]}
 # response_format and structured_outputs, not both
 _ONE_STRUCTURE = {"not": {"properties": {"response_format": {"type": "object"}, "structured_outputs": {"type": "object"}},
                           "required": ["response_format", "structured_outputs"]}}
 COMPLETION_CROSS_FIELD["allOf"].append(_ONE_STRUCTURE)
-CHAT_CROSS_FIELD = {"allOf": [_implies("top_logprobs", {"type": "integer", "minimum": 1},
+CHAT_CROSS_FIELD = {"allOf": [implies("top_logprobs", {"type": "integer", "minimum": 1},
                                        {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
                               _ONE_STRUCTURE]}
 STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
@@ -87,7 +87,7 @@ class JsonSchemaFormat(StrictOpen):
 class ResponseFormat(StrictOpen):
     """Plain text, any JSON object, or a value of a JSON schema (`json_schema` required then);
     other keys are ignored."""
-    model_config = ConfigDict(json_schema_extra=_implies("type", {"const": "json_schema"}, {
+    model_config = ConfigDict(json_schema_extra=implies("type", {"const": "json_schema"}, {
         "properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]}))
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -316,10 +316,10 @@ class ChatMessage(Strict):
 
 FORCED_TOOL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
 CHAT_CROSS_FIELD["allOf"] += [
-    _implies("continue_final_message", {"const": True}, {"properties": {"add_generation_prompt": {"const": False}},
+    implies("continue_final_message", {"const": True}, {"properties": {"add_generation_prompt": {"const": False}},
                                                          "required": ["add_generation_prompt"]}),
-    _implies("tool_choice", {"anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}, _present("tools")),
-    _implies("tool_choice", FORCED_TOOL, {"properties": {"response_format": {"type": "null"},
+    implies("tool_choice", {"anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}, _present("tools")),
+    implies("tool_choice", FORCED_TOOL, {"properties": {"response_format": {"type": "null"},
                                                          "structured_outputs": {"type": "null"}}})]
 
 

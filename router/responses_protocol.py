@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from router.openai_protocol import (FORCED_TOOL, GREEDY_BELOW_TEMPERATURE, ChatCompletionRequest, JsonSchemaFormat,
-                                    _implies)
+                                    implies)
 from router.protocol_types import Int, Strict, StrictOpen, Text
 from router.tools import MAX_TOOLS, FunctionName
 
@@ -96,7 +96,7 @@ class FunctionChoice(Strict):
 
 class TextFormat(StrictOpen):
     """`text.format`: plain text, any JSON object, or a value of a JSON schema (named)."""
-    model_config = ConfigDict(json_schema_extra=_implies("type", {"const": "json_schema"}, {
+    model_config = ConfigDict(json_schema_extra=implies("type", {"const": "json_schema"}, {
         "properties": {"name": {"type": "string"}}, "required": ["name"]}))
     type: Literal["text", "json_object", "json_schema"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
@@ -121,9 +121,9 @@ def _refusals(schema: dict) -> None:
     schema["properties"]["previous_response_id"] = {"type": "null", "description": "This server keeps no responses."}
     schema["properties"]["background"] = {"enum": [False, None]}
     schema["allOf"] = [
-        _implies("tool_choice", FORCED_TOOL, {"properties": {"tools": {"type": "array", "minItems": 1}},
+        implies("tool_choice", FORCED_TOOL, {"properties": {"tools": {"type": "array", "minItems": 1}},
                                               "required": ["tools"]}),
-        _implies("tool_choice", FORCED_TOOL, {"properties": {"text": {"anyOf": [{"type": "null"}, {
+        implies("tool_choice", FORCED_TOOL, {"properties": {"text": {"anyOf": [{"type": "null"}, {
             "properties": {"format": {"properties": {"type": {"const": "text"}}}}}]}}})]
 
 
