@@ -1,8 +1,8 @@
 """Tools (function calling) in the router, without a server: the requests it takes and refuses,
 the prompt a template gets (its own tool syntax, or pdserve's text), the grammar of a forced call
 (walked token by token through llguidance with the real tokenizer: every sentence it allows is
-a call of an allowed function whose arguments follow its schema), and the parser, streamed or
-whole."""
+a call of an allowed function whose arguments follow its schema), and the parsers, streamed or
+whole; each in both call syntaxes (Hermes' <tool_call> blocks, Llama 3's JSON)."""
 
 import json
 import random
