@@ -73,6 +73,12 @@ async def _validation_error(request: Request, exc: RequestValidationError):
     return error_response(400, message, param=param)
 
 
+def _refused(exc: ValidationError):
+    """A 400 for a request built inside an endpoint (a chat request from /tokenize's messages or
+    from a response's input) that its model refuses."""
+    return error_response(400, "; ".join(e["msg"] for e in exc.errors()[:5]))
+
+
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException):
     """FastAPI's own errors (unparsable body, unknown route, wrong method) in OpenAI's format."""
@@ -166,7 +172,7 @@ class Router:
                 chat = body.chat(self.model_name)
                 ids = chat_prompt_ids(self.tokenizer, chat, self.native_tools)
             except ValidationError as exc:
-                return error_response(400, "; ".join(e["msg"] for e in exc.errors()[:5]))
+                return _refused(exc)
             except (ValueError, TemplateError) as exc:
                 return error_response(400, str(exc), param="messages")
         out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
@@ -234,7 +240,7 @@ class Router:
         try:
             chat = body.chat()
         except ValidationError as exc:
-            return error_response(400, "; ".join(e["msg"] for e in exc.errors()[:5]))
+            return _refused(exc)
         result = await self.chat_completions(chat)
         if isinstance(result, JSONResponse):          # refused (an error in OpenAI's format)
             return result

@@ -45,10 +45,9 @@ def grammar_think(tokens: tuple[int, int] | None, prompt_tail: str) -> tuple[int
     """`StructuredOutput.think` for a chat output (a grammar then starts after the reasoning, as
     the reasoning is read above): None where the tags are not single tokens, or where the prompt
     closed a <think> block (`enable_thinking: false`: the answer starts at once)."""
-    opened, closed = prompt_tail.rfind(OPEN), prompt_tail.rfind(CLOSE)
-    if tokens is None or closed > opened:
+    if tokens is None or prompt_tail.rfind(CLOSE) > prompt_tail.rfind(OPEN):
         return None
-    return (*tokens, opened > closed)
+    return (*tokens, starts_inside(prompt_tail))
 
 
 class ReasoningStream:
