@@ -2,7 +2,7 @@
 
 Life cycle of a request here (`generate`)
   1. decode the request; 2. admit: one engine call checks it (a bad one is a 400 event) and
-  queues the prompt (the engine prefills it in chunks and decodes it with continuous
+  queues the prompt (a structured-output request's grammar compiled before, on a worker thread) (the engine prefills it in chunks and decodes it with continuous
   batching); 3. stream TokenEvents until it finishes. Leaving early aborts the request,
   which frees its blocks.
 """
@@ -34,6 +34,7 @@ class ColocatedServer(EngineReplica):
             return
         rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
         resumed = list(req.resumed_token_ids)
+        await self.host.aengine.precompile(params)
         try:
             async for out in self.host.aengine.stream(
                     rid, lambda e: e.add_request(rid, ids, params, resumed=resumed, shown_chars=req.shown_chars),

@@ -13,7 +13,9 @@ Life cycle of a request here (`generate`, a streaming call the router makes befo
               lease); a failure frees the reservation -> error event
   4. admit    `add_prefilled` with that first token, one engine call that checks the request
               first (a bad one releases the reservation -> 400 event); from here the engine owns
-              the blocks, even when the first token already ends the request
+              the blocks, even when the first token already ends the request. A structured-output
+              request's grammar was compiled meanwhile, on a worker thread, from step 1 on
+              (`AsyncEngine.precompile`): the engine thread only copies it
   5. stream   TokenEvents until the request finishes, at most one per `stream_interval_ms` (the
               first, which repeats the prefill's token, waits like the rest); leaving early
               (client gone, router cancelled) aborts the request in the engine, which frees its blocks
@@ -67,6 +69,8 @@ class DecodeServer(EngineReplica):
             yield error_event("", str(exc), 400, "invalid_request_error")
             return
         rid = req.request_id
+        params = req.params.to_params()
+        grammar = asyncio.ensure_future(self.host.aengine.precompile(params))   # awaited at step 4
         # 1. reserve
         blocks = await self._reserve(len(req.prompt_token_ids) + len(req.resumed_token_ids))
         if blocks is None:
@@ -98,11 +102,11 @@ class DecodeServer(EngineReplica):
         self.host.count("kv_bytes_received", result.nbytes)
         try:
             yield messages.encode(messages.Landed(rid))
+            await grammar
         except BaseException:        # the router left (GeneratorExit, cancelled): the blocks are still ours
             self._release(blocks)
             raise
         # 4. admit, 5. stream
-        params = req.params.to_params()
 
         def admit(engine):
             out = engine.add_prefilled(rid, list(req.prompt_token_ids), handoff.first_token, params, blocks,

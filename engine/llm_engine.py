@@ -17,7 +17,7 @@ Life cycle of a request in the engine
   3. A finished request's blocks are freed in the same step, except in the prefill role
      (`hold_blocks`), where they stay held for export until `release`.
   4. `abort` ends a request at any stage and frees whatever it holds.
-Only one thread may call an `LLMEngine` (the async wrapper owns that thread).
+Only one thread may call an `LLMEngine` (the async wrapper owns that thread), `precompile` excepted.
 """
 
 from __future__ import annotations
@@ -66,6 +66,12 @@ class LLMEngine:
         """The reason a request cannot be served, or None. `add_request` and `add_prefilled`
         call it before admitting anything (engine/admission.py)."""
         return self._id_in_use(request_id) or self.admission.check(num_prompt_tokens, params)
+
+    def precompile(self, params: SamplingParams) -> None:
+        """Any thread, before `add_request`/`add_prefilled`: compile a structured-output
+        request's grammar ahead (`Admission.precompile`), so the engine thread does not."""
+        if params.structured is not None:
+            self.admission.precompile(params.structured)
 
     def _id_in_use(self, request_id: str) -> str | None:
         return f"request id {request_id!r} is already in use" if request_id in self._requests else None

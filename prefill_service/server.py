@@ -4,7 +4,9 @@ Life cycle of a request here (`prefill`, a streaming call; the decode replica ha
 reserved blocks for the K/V under the request's id at `kv_address`)
   1. admit    one engine call checks the request (context length, parameters; a bad one is
               a 400 result) and queues the prompt (a resumed request's: with the output tokens
-              the client already has, whose K/V is computed and pushed with the prompt's)
+              the client already has, whose K/V is computed and pushed with the prompt's); a
+              structured-output request's grammar is compiled first, on a worker thread, so the
+              engine thread only copies it (`AsyncEngine.precompile`)
   2. prefill  the engine batches waiting prompts under its token budget with chunked
               prefill, samples the first token, and holds the prompt's blocks
   3. push     a hand-off task starts sending the blocks into the reservation at once, with the
@@ -74,6 +76,7 @@ class PrefillServer(EngineReplica):
         resumed = list(req.resumed_token_ids)
         # 1. admit, 2. prefill
         first = None
+        await self.host.aengine.precompile(params)
         try:
             async for out in self.host.aengine.stream(
                     rid, lambda e: e.add_request(rid, ids, params, hold_blocks=True, resumed=resumed,
