@@ -48,6 +48,33 @@ CACHED_GRAMMARS = 32           # compiled grammars a GrammarCompiler keeps (each
 # prompts asking for JSON ended within 120 tokens (greedy, json_object or a two-field schema);
 # written compactly, 4 of 6 did.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# JSON Schema's annotations: they document a value and never constrain it, so a grammar has no use
+# for them (a tool set's parameter descriptions can be most of its schemas' text)
+ANNOTATIONS = frozenset({"title", "description", "examples", "default", "$comment", "deprecated", "readOnly",
+                         "writeOnly"})
+_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties", "contentSchema")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def without_annotations(schema):
+    """`schema` (a JSON schema) without its annotations, in it and in every subschema: the same
+    values are valid. Keys are dropped only where they are keywords (a property named
+    "description" stays), and values of other keywords (enum, const, ...) are left whole."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v for k, v in schema.items() if k not in ANNOTATIONS}
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = without_annotations(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [without_annotations(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: without_annotations(s) for name, s in out[key].items()}
+    return out
 
 
 @dataclass(frozen=True)

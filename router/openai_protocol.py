@@ -20,7 +20,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from engine.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
                                     SamplingParams)
-from engine.structured_output import StructuredOutput
+from engine.structured_output import StructuredOutput, without_annotations
 from router.chat_prompt import RESERVED_TEMPLATE_KWARGS
 from router.protocol_types import Int, NonEmptyText, Strict, StrictOpen, Text
 from router.tools import CLOSE as TOOL_CALL_END
@@ -100,7 +100,7 @@ class ResponseFormat(StrictOpen):
 
     def structured(self) -> StructuredOutput | None:
         if self.type == "json_schema" and self.json_schema.schema_ is not None:
-            return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
+            return StructuredOutput("json_schema", json.dumps(without_annotations(self.json_schema.schema_)))
         return None if self.type == "text" else StructuredOutput("json_object")
 
 
@@ -123,7 +123,7 @@ class StructuredOutputs(Strict):
 
     def structured(self) -> StructuredOutput:
         if self.json_ is not None:
-            return StructuredOutput("json_schema", json.dumps(self.json_))
+            return StructuredOutput("json_schema", json.dumps(without_annotations(self.json_)))
         if self.json_object:
             return StructuredOutput("json_object")
         if self.regex is not None:

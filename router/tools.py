@@ -36,7 +36,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from engine.structured_output import JSON_OPTIONS, StructuredOutput
+from engine.structured_output import JSON_OPTIONS, StructuredOutput, without_annotations
 from router.chat_prompt import template_text
 from router.protocol_types import Strict, StrictOpen, Text
 
@@ -197,7 +197,7 @@ def forced_tools(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
 def parameters_problem(tool: Tool) -> str | None:
     """Why a function's parameters cannot shape a forced call's arguments, or None."""
     schema = tool.function.parameters
-    problem = schema and StructuredOutput("json_schema", json.dumps(schema)).problem()
+    problem = schema and StructuredOutput("json_schema", json.dumps(without_annotations(schema))).problem()
     return problem and f"function {tool.function.name!r}: parameters: {problem.removeprefix('invalid json_schema: ')}"
 
 
@@ -205,8 +205,9 @@ def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool,
                  syntax: CallSyntax = HERMES) -> StructuredOutput | None:
     """The grammar a forced call follows ("required" or a named function) in `syntax`, else None.
     Each function has its own rule, its arguments a `%json` value of its schema on its own (so
-    the schema's "#/..." references hold); JSON is compact, as response_format's. Several calls
-    only with "required", `parallel` and a syntax that has them."""
+    the schema's "#/..." references hold), without its annotations (descriptions: the model reads
+    them in the prompt); JSON is compact, as response_format's. Several calls only with
+    "required", `parallel` and a syntax that has them."""
     tools = forced_tools(tools, choice)
     if not tools:
         return None
@@ -216,7 +217,7 @@ def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool,
              " ".join(["call:", *[json.dumps(syntax.open)] * bool(syntax.open), f"({functions})",
                        *[json.dumps(syntax.close)] * bool(syntax.close)])]
     for i, tool in enumerate(tools):
-        schema = {**(tool.function.parameters or NO_PARAMETERS), "x-guidance": JSON_OPTIONS}
+        schema = {**without_annotations(tool.function.parameters or NO_PARAMETERS), "x-guidance": JSON_OPTIONS}
         head = json.dumps(f'{{"name": "{tool.function.name}", "{syntax.arguments_key}": ')
         lines += [f'f{i}: {head} a{i} "}}"', f"a{i}: %json {json.dumps(schema)}"]
     return StructuredOutput("lark", "\n".join(lines))

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from chat_templates import LLAMA3_TEMPLATE, tokenizer_with
-from engine.structured_output import GrammarCompiler
+from engine.structured_output import MAX_SPEC_CHARS, GrammarCompiler
 from router.chat_output import ChatOutputShape
 from router.openai_protocol import ChatCompletionRequest
 from router.tool_parser import JsonCallStream, ToolCallStream
@@ -234,6 +234,63 @@ def test_every_sentence_of_a_forced_call_is_a_call_that_follows_its_schema(token
             jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
             seen.add(call["function"]["name"])
     assert ended >= 6 and seen == names
+
+
+DESCRIBED = {"type": "object", "title": "Order", "description": "An order. " * 20, "$comment": "internal",
+             "required": ["description", "items"], "additionalProperties": False,
+             "$defs": {"sku": {"type": "string", "pattern": "^[A-Z]{3}$", "description": "Stock unit", "examples": ["ABC"]}},
+             "properties": {
+                 "description": {"type": "string", "maxLength": 10, "description": "a property named description"},
+                 "items": {"type": "array", "minItems": 1, "maxItems": 2, "description": "what",
+                           "items": {"anyOf": [{"$ref": "#/$defs/sku", "title": "a sku"},
+                                               {"type": "integer", "minimum": 1, "default": 5, "deprecated": True}]}},
+                 "tag": {"enum": [{"description": "an enum value, kept"}, "plain"], "title": "kept values"}}}
+
+
+def test_annotations_are_dropped_from_schemas_and_nothing_else():
+    from engine.structured_output import without_annotations
+    bare = without_annotations(DESCRIBED)
+    assert set(bare) == {"type", "required", "additionalProperties", "$defs", "properties"}
+    assert set(bare["properties"]) == {"description", "items", "tag"}          # property names stay
+    assert bare["properties"]["description"] == {"type": "string", "maxLength": 10}
+    assert bare["properties"]["tag"] == {"enum": [{"description": "an enum value, kept"}, "plain"]}
+    assert bare["properties"]["items"]["items"]["anyOf"] == [{"$ref": "#/$defs/sku"}, {"type": "integer", "minimum": 1}]
+    assert bare["$defs"]["sku"] == {"type": "string", "pattern": "^[A-Z]{3}$"}
+    assert DESCRIBED["title"] == "Order"                                           # the input is left alone
+    values = [{"description": "short", "items": ["ABC", 3]}, {"description": "far too long here", "items": [1]},
+              {"description": "x", "items": []}, {"description": "x", "items": ["abc"]}, {"items": [1]},
+              {"description": "x", "items": [0]}, {"description": "x", "items": [2], "tag": "plain"},
+              {"description": "x", "items": [2], "tag": {"description": "an enum value, kept"}},
+              {"description": "x", "items": [2], "tag": "other"}, {"description": "x", "items": [2], "more": 1}]
+    valid = [jsonschema.Draft202012Validator(DESCRIBED).is_valid(v) for v in values]
+    assert [jsonschema.Draft202012Validator(bare).is_valid(v) for v in values] == valid
+    assert valid.count(True) == 3
+
+
+def test_a_large_described_tool_set_is_forced_by_a_grammar_of_its_structure(tokenizer):
+    """128 functions whose parameters carry descriptions (most of their text, as agents' tools do):
+    the grammar leaves the descriptions out, so it stays under the spec limit and compiles."""
+    said = "What the model should put here, in a few words. " * 4
+    forecast = {"type": "object", "description": said, "required": ["city", "days"], "additionalProperties": False,
+                "properties": {"city": {"type": "string", "maxLength": 12, "description": said},
+                               "days": {"type": "integer", "minimum": 1, "maximum": 7, "description": said}}}
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Does a thing. " * 10,
+                                               "parameters": forecast}} for i in range(128)]
+    assert 128 * len(json.dumps(forecast)) > 1.5 * MAX_SPEC_CHARS      # whole, the schemas would not fit
+    spec = request(tools=tools, tool_choice="required").structured(HERMES)
+    assert spec.problem() is None and "a few words" not in spec.value
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    ended = 0
+    for seed in range(6):
+        text, done = walk(compiler, spec, tokenizer, seed, limit=120)
+        if done:
+            ended += 1
+            for call in split_tool_calls(text)[1]:
+                jsonschema.validate(json.loads(call["function"]["arguments"]), forecast)
+    assert ended
+    schema_format = ChatCompletionRequest.model_validate({"model": "m", "messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "order", "schema": DESCRIBED}}}).structured()
+    assert "Order" not in schema_format.value and json.loads(schema_format.value)["required"] == ["description", "items"]
 
 
 # ---- parse -------------------------------------------------------------------------------------
