@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.reasoning import ReasoningStream
-from router.tool_parser import JsonCallStream, ToolCallStream
+from router.tool_parser import JsonCallStream, ToolCallStream, extend_calls, merge_calls
 from router.tools import HERMES, CallSyntax
 
 
@@ -38,12 +38,12 @@ class ChatOutputShape:
 class Piece:
     reasoning: str = ""
     content: str = ""
-    calls: list[dict] = field(default_factory=list)   # each with its stream `index`
+    calls: list[dict] = field(default_factory=list)   # call deltas, each with its call's stream `index`
 
     def __iadd__(self, other: Piece) -> Piece:
         self.reasoning += other.reasoning
         self.content += other.content
-        self.calls += other.calls
+        extend_calls(self.calls, other.calls)
         return self
 
 
@@ -80,7 +80,7 @@ class ChoiceOutput:
         if final:
             more, calls = self._tools.finish()
             piece.content += more
-            piece.calls += calls
+            extend_calls(piece.calls, calls)
         return piece
 
     def finish_reason(self, finish: str | None) -> str | None:
@@ -92,6 +92,6 @@ class ChoiceOutput:
         (or include_reasoning is false), calls None without tools; content None when calls are all."""
         whole = self.feed(text)
         whole += self.finish()
-        calls = [{k: v for k, v in c.items() if k != "index"} for c in whole.calls] if self._tools else None
+        calls = merge_calls(whole.calls) if self._tools else None
         reasoning = whole.reasoning or None
         return reasoning, (whole.content or None) if calls else whole.content, calls

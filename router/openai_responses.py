@@ -43,7 +43,8 @@ def choice_body(index: int, text: str | None, finish: str | None, chat: bool, ch
     """One choice of a response (chunk=False) or of a stream chunk; `first` (chat chunks): the
     choice's opening chunk, which carries the role. `logprobs`: the choice's OpenAI logprobs
     object (router/logprobs.py), when asked for. `tool_calls` (chat): the calls (in a chunk,
-    those completed since the last, each with its `index`); the content is null when empty.
+    call deltas since the last, each with its call's `index`: router/tool_parser.py); the content
+    is null when empty.
     `reasoning` (chat): the message's (a chunk's: its piece, when it has one)."""
     if not chat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -161,9 +162,16 @@ class ToolCall(BaseModel):
     function: CalledFunction
 
 
-class ToolCallDelta(ToolCall):
-    index: int = Field(ge=0, description="The call's place among the choice's calls; each comes whole, "
-                                         "in one chunk.")
+class CalledFunctionDelta(BaseModel):
+    name: str | None = Field(None, description="On the call's first delta.")
+    arguments: str = Field(description="The next piece of the arguments' JSON text (pieces add up to it).")
+
+
+class ToolCallDelta(BaseModel):
+    index: int = Field(ge=0, description="The call's place among the choice's calls.")
+    id: str | None = Field(None, description="On the call's first delta, with `type` and the function's name.")
+    type: Literal["function"] | None = None
+    function: CalledFunctionDelta
 
 
 class AssistantMessage(BaseModel):

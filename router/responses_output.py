@@ -10,8 +10,8 @@ The stream (`ResponseEvents`, fed the chat stream's chunks as they come): respon
 response.in_progress first; each item opens with response.output_item.added, its text arrives as
 deltas (response.reasoning_text.delta in a reasoning_text part, response.output_text.delta in an
 output_text part: each opened by response.content_part.added and closed by its .done events),
-a function call's arguments in one response.function_call_arguments.delta (calls come whole),
-and the item closes with response.output_item.done before the next opens; the stream ends with
+a function call's arguments as response.function_call_arguments.delta events (as the chat stream's
+tool call deltas bring them), and the item closes with response.output_item.done before the next opens; the stream ends with
 response.completed or response.incomplete, carrying the whole response (usage included), or
 with response.failed where the request failed after it started. Every event has a
 `sequence_number` from 0. The same builders make both, so the events add up to the response.
@@ -106,7 +106,7 @@ class ResponseEvents:
 
     def __init__(self, shape: ResponseShape):
         self.shape, self.output, self.seq = shape, [], 0
-        self.open: str | None = None        # the kind of the item now open: "reasoning" or "message"
+        self.open: str | None = None        # the kind of the item now open: "reasoning", "message" or "call"
         self.finish: str | None = None
         self.usage: dict | None = None
 
@@ -168,24 +168,33 @@ class ResponseEvents:
             return events + [self._event("response.reasoning_text.delta", **where, delta=delta)]
         return events + [self._event("response.output_text.delta", **where, delta=delta, logprobs=[])]
 
-    def _call(self, call: dict) -> list[str]:
-        events = self._close()
-        item = _call_item(call, "in_progress", arguments="")
-        self.output.append(item)
-        index, arguments = len(self.output) - 1, call["function"]["arguments"]
-        events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
-        events.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                  delta=arguments))
-        item.update(arguments=arguments, status="completed")
-        events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  name=item["name"], arguments=arguments))
-        return events + [self._event("response.output_item.done", output_index=index, item=item)]
+    def _call(self, delta: dict) -> list[str]:
+        """A chat stream's tool call delta: the first of a call opens its item, and every one's
+        arguments text goes out as a delta."""
+        events = []
+        if "id" in delta:
+            events += self._close()
+            item = _call_item(delta, "in_progress", arguments="")
+            self.output.append(item)
+            self.open = "call"
+            events.append(self._event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item)))
+        item, index, arguments = self.output[-1], len(self.output) - 1, delta["function"]["arguments"]
+        if arguments:
+            item["arguments"] += arguments
+            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                      delta=arguments))
+        return events
 
     def _close(self) -> list[str]:
         """Close the open reasoning or message item (its text complete)."""
         if self.open is None:
             return []
         item, index, self.open = self.output[-1], len(self.output) - 1, None
+        if item["type"] == "function_call":      # completed, as response_from_chat has it
+            item["status"] = "completed"
+            return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                name=item["name"], arguments=item["arguments"]),
+                    self._event("response.output_item.done", output_index=index, item=item)]
         status = "incomplete" if self.finish == "length" else "completed"
         part, where = item["content"][0], {"item_id": item["id"], "output_index": index, "content_index": 0}
         if item["type"] == "reasoning":

@@ -109,8 +109,17 @@ def chunks(message: dict, finish: str, rng: random.Random) -> list[dict]:
             n = rng.randint(1, 5)
             out.append(chunk({"content": None, key: text[:n]} if key == "reasoning" else {"content": text[:n]}))
             text = text[n:]
-    out.append(chunk({"content": None, "tool_calls": [{"index": i, **c} for i, c in
-                                                      enumerate(message.get("tool_calls") or [])]}, finish))
+    for i, call in enumerate(message.get("tool_calls") or []):     # its head, then its arguments in pieces
+        arguments = call["function"]["arguments"]
+        n = rng.randint(0, 3)
+        out.append(chunk({"content": None, "tool_calls": [
+            {"index": i, **call, "function": {"name": call["function"]["name"], "arguments": arguments[:n]}}]}))
+        arguments = arguments[n:]
+        while arguments:
+            n = rng.randint(1, 5)
+            out.append(chunk({"content": None, "tool_calls": [{"index": i, "function": {"arguments": arguments[:n]}}]}))
+            arguments = arguments[n:]
+    out.append(chunk({"content": None}, finish))
     return out + [{"choices": [], "usage": USAGE}]
 
 

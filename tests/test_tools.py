@@ -17,8 +17,8 @@ from chat_templates import LLAMA3_TEMPLATE, tokenizer_with
 from engine.structured_output import MAX_SPEC_CHARS, GrammarCompiler
 from router.chat_output import ChatOutputShape
 from router.openai_protocol import ChatCompletionRequest
-from router.tool_parser import JsonCallStream, ToolCallStream
-from router.tools import HERMES, LLAMA3_JSON, template_tools
+from router.tool_parser import JsonCallStream, ToolCallStream, merge_calls
+from router.tools import CLOSE, HERMES, LLAMA3_JSON, template_tools
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -304,7 +304,8 @@ OUTPUTS = [
     ("a <tool_call>\nnot json\n</tool_call> b", "a <tool_call>\nnot json\n</tool_call> b", []),
     ('<tool_call>["a list"]</tool_call>', '<tool_call>["a list"]</tool_call>', []),
     (CALL[:-len("\n</tool_call>")], None, ["get_weather"]),         # cut after its JSON: still a call
-    (CALL[:40], CALL[:40], []),                                      # cut inside its JSON: content
+    (CALL[:40], CALL[:40], []),                                      # cut before its arguments: content
+    (CALL[:70], None, ["get_weather"]),                              # cut inside them: a call, arguments cut
     ('<tool_call>{"name": "ping", "parameters": {"x": 1}}</tool_call>', None, ["ping"]),
 ]
 
@@ -368,8 +369,44 @@ def test_a_stream_split_anywhere_adds_up_to_the_whole_output(text, content, name
             got, made, at = got + piece, made + new, at + n
         piece, new = stream.finish()
         got, made = got + piece, made + new
-        assert got == (content or "") and [c["function"] for c in made] == [c["function"] for c in calls]
-        assert [c["index"] for c in made] == list(range(len(names)))
+        assert got == (content or "") and [c["function"] for c in merge_calls(made)] == [c["function"] for c in calls]
+        # each call's first delta has its id, type and name; the others more of its arguments
+        firsts = [d for d in made if "id" in d]
+        assert [d["index"] for d in firsts] == list(range(len(names)))
+        assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} and d["function"]["arguments"]
+                   for d in made if "id" not in d)
+        assert [d["index"] for d in made] == sorted(d["index"] for d in made)
+
+
+@pytest.mark.parametrize("text, streamed", [
+    (CALL, '{"city": "Paris", "unit": "celsius"}'),
+    ('<tool_call>{"name": "write", "parameters": {"text": "a long } text }}"} }</tool_call>', '{"text": "a long } text }}"}'),
+    ('<tool_call>\n{"name": "write", "arguments": {"path": "a.py", "text": "def f():\\n    return 1\\n"}}', None)])
+def test_a_calls_arguments_stream_as_the_model_writes_them(text, streamed):
+    """Fed a character at a time: the name goes out once the block's head is read, then the
+    arguments a piece at a time, always the text so far from the arguments' brace on, less what
+    may be the block's own closing brace."""
+    key = '"arguments": {' if '"arguments": {' in text else '"parameters": {'
+    begins = text.index(key) + len(key) - 1
+    stream, made, states = ToolCallStream(), [], []
+    for at, ch in enumerate(text, 1):
+        made += stream.feed(ch)[1]
+        assert bool(made) == (at > begins), text[:at]           # the name as soon as the brace shows
+        so_far = "".join(d["function"]["arguments"] for d in made)
+        assert text[begins:at].startswith(so_far)
+        states.append(so_far)
+    made += stream.finish()[1]
+    arguments = merge_calls(made)[0]["function"]["arguments"]
+    assert made[0]["function"]["name"] == ("get_weather" if text == CALL else "write")
+    assert all(arguments.startswith(state) for state in states)
+    assert len([d for d in made if "id" not in d]) > 10            # it streamed
+    assert json.loads(arguments) and arguments == (streamed or arguments)
+    assert not text.endswith(CLOSE) or json.loads(arguments) == _arguments_of(text)
+
+
+def _arguments_of(text: str) -> dict:
+    body = json.loads(text[len("<tool_call>"):-len("</tool_call>")])
+    return body.get("arguments", body.get("parameters"))
 
 
 def test_arguments_come_out_as_json_text():

@@ -1,13 +1,15 @@
 """Tools (function calling) over HTTP with the real model, through both pools (and the colocated
 replica): forced calls follow their functions' schemas and come back as OpenAI tool_calls,
-streamed the same as not; a conversation carrying calls and their results goes on; "none" shows
+streamed the same as not (the arguments in pieces); a conversation carrying calls and their results goes on; "none" shows
 no tools; requests that do not agree are 400s; every block is free after."""
 
 import json
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
+from router.tool_parser import merge_calls
 from service_util import http, pools_all_free, sse_events
 
 pytestmark = pytest.mark.slow
@@ -54,8 +56,12 @@ def test_the_openai_client_gets_forced_calls_streamed_or_not(disagg, colocated):
                                                        stream=True))
         deltas = [c.choices[0].delta for c in streamed if c.choices]
         assert not "".join(d.content or "" for d in deltas)
-        calls = [t for d in deltas for t in d.tool_calls or ()]
-        assert [t.index for t in calls] == [0] and check_calls(calls) == whole
+        calls = [t.model_dump(exclude_none=True) for d in deltas for t in d.tool_calls or ()]
+        # the call's name first, then its arguments in pieces, as they were decoded
+        assert {t["index"] for t in calls} == {0} and "id" in calls[0] and len(calls) > 2, calls
+        merged = [SimpleNamespace(id=c["id"], type=c["type"], function=SimpleNamespace(**c["function"]))
+                  for c in merge_calls(calls)]
+        assert check_calls(merged) == whole
         assert streamed[-1].choices[0].finish_reason == "tool_calls"
         named = client.chat.completions.create(**ask, tool_choice={"type": "function",
                                                                    "function": {"name": "web_search"}})
@@ -83,7 +89,7 @@ def test_a_conversation_with_calls_and_results_goes_on(disagg):
     events = [e for e in sse_events(text) if e != "[DONE]"]
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     content = "".join(d.get("content") or "" for d in deltas)
-    calls = [{k: v for k, v in t.items() if k != "index"} for d in deltas for t in d.get("tool_calls") or ()]
+    calls = merge_calls([t for d in deltas for t in d.get("tool_calls") or ()])
     assert content == (message["content"] or "")
     assert [c["function"] for c in calls] == [c["function"] for c in message.get("tool_calls", [])]
 
