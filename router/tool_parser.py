@@ -25,10 +25,16 @@ text; `merge_calls` adds them up into whole calls.
     call at its start (the newlines around blocks are not content).
   - Output without calls comes out unchanged, whitespace included.
 
-`JsonCallStream` (Llama 3's JSON): an output whose first character after whitespace (and Llama's
-<|python_tag|>, where it shows) is "{" is held to its end, then read as calls: JSON objects with a
-string "name", joined by ";" (vLLM's llama3_json reading). If any part is not one, the whole
-output is content; any other output is content as it arrives.
+`JsonCallStream` (Llama 3's JSON): calls are JSON objects with a string "name", joined by ";"
+(vLLM's llama3_json reading), written from the output's start (after whitespace and Llama's
+<|python_tag|>, where it shows).
+  - A call that opens as `{"name": "<name>", "parameters": {` ("arguments" too) streams as a
+    Hermes block does: its name at once, its arguments as they arrive (a JSON scanner finds where
+    they end: strings and nesting followed). After its closing brace, ";" opens the next call;
+    other text after it is content.
+  - An output that begins with "{" any other way is held to its end, then read whole as calls:
+    if any part is not one, the whole output is content. Any other output is content as it
+    arrives.
 """
 
 from __future__ import annotations
@@ -244,36 +250,117 @@ def _json_calls(text: str) -> list[dict] | None:
         at = len(text) - len(rest) + 1
 
 
+_JSON_HEAD = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*'
+                        r'"(?:parameters|arguments)"\s*:\s*(?=\{)')
+
+
+class _ObjectEnd:
+    """Where a JSON object fed in pieces ends: strings and nesting followed."""
+
+    def __init__(self):
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def feed(self, text: str) -> int:
+        """The length of `text` up to and with the object's closing brace, or -1 (not yet)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return -1
+
+
 class JsonCallStream:
     """One choice's output in Llama 3's JSON syntax. `first_only` (parallel_tool_calls false):
     calls after the first are dropped (the template has no turn of several)."""
 
     def __init__(self, first_only: bool = False):
-        self._held, self._state = "", "start"       # start -> calls (held to the end) | content
+        # start -> content | whole (held to the end) | head -> arguments -> close -> after -> head ...
+        self._held, self._state = "", "start"
         self._first_only = first_only
+        self._end: _ObjectEnd | None = None      # arguments: where the call's arguments end
+        self._dropped = False                    # arguments: the call is one first_only drops
         self.count = 0
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
-        if self._state == "content":
-            return text, []
         self._held += text
-        if self._state == "calls":
-            return "", []
-        head = self._held.lstrip()
-        if head.startswith(("{", PYTHON_TAG)):
-            self._state = "calls"
-        elif not head or PYTHON_TAG.startswith(head):      # may still become a call
-            pass
-        else:
-            self._state, text, self._held = "content", self._held, ""
-            return text, []
-        return "", []
+        return self._take(final=False)
 
     def finish(self) -> tuple[str, list[dict]]:
-        held, self._held = self._held, ""
-        calls = _json_calls(held) if self._state == "calls" else None
-        if calls is None:
-            return held, []
-        calls = calls[:1] if self._first_only else calls
-        self.count = len(calls)
-        return "", [{"index": i, **call} for i, call in enumerate(calls)]
+        return self._take(final=True)
+
+    def _take(self, final: bool) -> tuple[str, list[dict]]:
+        content, calls = [], []
+        while True:
+            state, held = self._state, self._held
+            if state == "start":
+                head = held.lstrip()
+                if head.startswith(("{", PYTHON_TAG)):
+                    self._state = "head"
+                elif not final and (not head or PYTHON_TAG.startswith(head)):     # may still become a call
+                    break
+                else:
+                    self._state = "content"
+            elif state == "content":
+                content.append(held)
+                self._held = ""
+                break
+            elif state == "head":               # a call's head, or an output read whole at its end
+                head = _JSON_HEAD.match(held)
+                name = _string(head.group(1)) if head else None
+                if name is None:
+                    if not final:
+                        break
+                    whole = _json_calls(held) if held.strip() else []
+                    if whole is None:              # after calls: content from its first character
+                        content.append(held.lstrip() if self.count else held)
+                    for call in whole or ():
+                        if not (self._first_only and self.count):
+                            extend_calls(calls, [{"index": self.count, **call}])
+                            self.count += 1
+                    self._held, self._state = "", "content"
+                    break
+                self._dropped = self._first_only and self.count > 0
+                if not self._dropped:
+                    extend_calls(calls, [{"index": self.count, "id": new_call_id(), "type": "function",
+                                          "function": {"name": name, "arguments": ""}}])
+                    self.count += 1
+                self._held, self._state, self._end = held[head.end():], "arguments", _ObjectEnd()
+            elif state == "arguments":          # every character goes out; the scanner says where they end
+                end = self._end.feed(held)
+                out = held if end < 0 else held[:end]
+                if out and not self._dropped:
+                    extend_calls(calls, [{"index": self.count - 1, "function": {"arguments": out}}])
+                self._held = held[len(out):]
+                if end < 0:
+                    break
+                self._state = "close"
+            else:                               # close: the call's own brace; after: ";" or the end
+                rest = held.lstrip()
+                if not rest:
+                    break
+                if state == "close" and rest[0] == "}":
+                    self._held, self._state = rest[1:], "after"
+                elif state == "after" and rest[0] == ";":
+                    self._held, self._state = rest[1:], "head"
+                else:                           # text after the calls: content, from its first character
+                    self._held, self._state = rest, "content"
+        return "".join(content), calls
+
+
+def _string(literal: str) -> str | None:
+    try:
+        return json.loads(literal)
+    except json.JSONDecodeError:
+        return None
