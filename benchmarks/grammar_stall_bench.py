@@ -11,7 +11,8 @@ a grammar (the reference: what their prompts' prefill alone costs the streams), 
 
 Prints, per mode, the plain streams' time between tokens (p50, p99, max: a compile on the engine
 thread shows as a gap), their tokens per second, and the structured requests' time to their first
-token (the reference's: the plain requests'). The engine's tokenizer view for grammars is built before the runs (once per replica).
+token (the reference's: the plain requests'). The engine's tokenizer view for grammars is built
+before the runs (once per replica).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from engine_bench import DEFAULT_MODEL, FORMATS  # noqa: E402
 
 def tool_set(nonce: str, n: int) -> StructuredOutput:
     """A forced call of one of `n` tools, as router/tools.py writes it (8 arguments each)."""
-    kinds = ({"type": "string"}, {"type": "integer"}, {"enum": ["a", "b", "c"]}, {"type": "array", "items": {"type": "string"}})
-    lines = ["%llguidance {}", "start: call", "call: \"<tool_call>\" (" + " | ".join(f"f{i}" for i in range(n)) + ") \"</tool_call>\""]
+    kinds = ({"type": "string"}, {"type": "integer"}, {"enum": ["a", "b", "c"]},
+             {"type": "array", "items": {"type": "string"}})
+    functions = " | ".join(f"f{i}" for i in range(n))
+    lines = ["%llguidance {}", "start: call", f'call: "<tool_call>" ({functions}) "</tool_call>"']
     for i in range(n):
         schema = {"type": "object", "required": ["p0", "p1"],
                   "properties": {f"p{j}": kinds[j % 4] for j in range(8)},

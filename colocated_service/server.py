@@ -2,9 +2,9 @@
 
 Life cycle of a request here (`generate`)
   1. decode the request; 2. admit: one engine call checks it (a bad one is a 400 event) and
-  queues the prompt (a structured-output request's grammar compiled before, on a worker thread) (the engine prefills it in chunks and decodes it with continuous
-  batching); 3. stream TokenEvents until it finishes. Leaving early aborts the request,
-  which frees its blocks.
+  queues the prompt (the engine prefills it in chunks and decodes it with continuous batching; a
+  structured-output request's grammar is compiled before, on a worker thread); 3. stream
+  TokenEvents until it finishes. Leaving early aborts the request, which frees its blocks.
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ class AsyncEngine:
 
     async def precompile(self, params: SamplingParams) -> None:
         """Compile `params`' grammar, if any, off the engine thread (a failure is left for the
-        request's admission to report)."""
-        if params.structured is None:
+        request's admission to report). A grammar compiled already is not queued behind others'."""
+        if not self.engine.needs_compile(params):
             return
         try:
             await asyncio.wrap_future(self._grammar_pool.submit(self.engine.precompile, params))

@@ -73,6 +73,10 @@ class LLMEngine:
         if params.structured is not None:
             self.admission.precompile(params.structured)
 
+    def needs_compile(self, params: SamplingParams) -> bool:
+        """Any thread: whether `precompile` has work to do for these parameters."""
+        return params.structured is not None and not self.admission.compiled(params.structured)
+
     def _id_in_use(self, request_id: str) -> str | None:
         return f"request id {request_id!r} is already in use" if request_id in self._requests else None
 

@@ -159,6 +159,11 @@ class GrammarCompiler:
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
+    def has(self, spec: StructuredOutput) -> bool:
+        """Whether `spec`'s grammar is in the cache. Any thread."""
+        with self._lock:
+            return (spec.kind, spec.value) in self._compiled
+
     def compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """The grammar's matcher at the output's start, its first mask computed (some grammars
         fail only then, e.g. a schema that refers to itself alone): from the cache, else compiled

@@ -75,8 +75,8 @@ class PrefillServer(EngineReplica):
         rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
         resumed = list(req.resumed_token_ids)
         # 1. admit, 2. prefill
-        first = None
         await self.host.aengine.precompile(params)
+        first = None
         try:
             async for out in self.host.aengine.stream(
                     rid, lambda e: e.add_request(rid, ids, params, hold_blocks=True, resumed=resumed,

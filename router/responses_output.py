@@ -10,11 +10,12 @@ The stream (`ResponseEvents`, fed the chat stream's chunks as they come): respon
 response.in_progress first; each item opens with response.output_item.added, its text arrives as
 deltas (response.reasoning_text.delta in a reasoning_text part, response.output_text.delta in an
 output_text part: each opened by response.content_part.added and closed by its .done events),
-a function call's arguments as response.function_call_arguments.delta events (as the chat stream's
-tool call deltas bring them), and the item closes with response.output_item.done before the next opens; the stream ends with
-response.completed or response.incomplete, carrying the whole response (usage included), or
-with response.failed where the request failed after it started. Every event has a
-`sequence_number` from 0. The same builders make both, so the events add up to the response.
+a function call's arguments as response.function_call_arguments.delta events (as the chat
+stream's tool call deltas bring them), and the item closes with response.output_item.done before
+the next opens; the stream ends with response.completed or response.incomplete, carrying the
+whole response (usage included), or with response.failed where the request failed after it
+started. Every event has a `sequence_number` from 0. The same builders make both, so the events
+add up to the response.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ class ResponseEvents:
         return events
 
     def _close(self) -> list[str]:
-        """Close the open reasoning or message item (its text complete)."""
+        """Close the open item (its text or arguments complete)."""
         if self.open is None:
             return []
         item, index, self.open = self.output[-1], len(self.output) - 1, None

@@ -38,7 +38,8 @@ def compiler(engine):
 
 def test_a_grammar_is_compiled_once_and_each_request_gets_its_own_copy(engine, compiler):
     spec = schema(0)
-    assert compiler.compile(spec) is compiler.compile(spec)
+    assert not compiler.has(spec)
+    assert compiler.compile(spec) is compiler.compile(spec) and compiler.has(spec)
     a, b = compiler.matcher(spec), compiler.matcher(spec)
     start = a.bitmask()
     assert b.bitmask() == start and compiler.compile(spec).compute_bitmask() == start
@@ -126,4 +127,6 @@ def test_the_async_engine_compiles_on_its_grammar_thread(tiny_llama_dir, monkeyp
     finally:
         aengine.shutdown()
     assert outs[-1].finished and outs[-1].error is None
-    assert misses and all(name.startswith("pdserve-grammar") for name in misses), misses
+    assert len(misses) == 1 and misses[0].startswith("pdserve-grammar"), misses
+    assert not aengine.engine.needs_compile(params) and aengine.engine.needs_compile(
+        SamplingParams(structured=schema(8))) and not aengine.engine.needs_compile(SamplingParams())
