@@ -216,6 +216,9 @@ class Router:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
+        # a forced call's grammars compile (tens of ms for a new tool set): off the event loop
+        if body.forces_call and (problem := await asyncio.to_thread(body.tools_problem)):
+            return error_response(400, problem, param="tools")
         try:
             ids = chat_prompt_ids(self.tokenizer, body, self.native_tools)
         except (ValueError, TemplateError) as exc:     # the template refused the conversation
@@ -290,7 +293,8 @@ class Router:
         params = body.sampling_params(max_tokens, self.tool_syntax)
         if think is not None and params.structured is not None:    # the grammar after the reasoning
             params = dataclasses.replace(params, structured=dataclasses.replace(params.structured, think=think))
-        error = params.validate()
+        # a grammar's check compiles it (llguidance releases the GIL): off the event loop
+        error = await asyncio.to_thread(params.validate) if params.structured is not None else params.validate()
         if error:
             return error_response(400, error)
         if any(t >= len(self.tokenizer) for t, _ in params.logit_bias):

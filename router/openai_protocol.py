@@ -381,17 +381,26 @@ class ChatCompletionRequest(_Sampling):
         if self.chosen_tools == "auto" and not self.parallel_tool_calls and len(super().stop_list()) >= MAX_STOPS:
             raise ValueError(f"with parallel_tool_calls false, at most {MAX_STOPS - 1} stop strings (the first "
                              "call ends the output through one more)")
-        forced = tool_grammar(self.tools or [], self.chosen_tools, self.parallel_tool_calls)
-        if forced is not None and super().structured() is not None:
+        if self.forces_call and super().structured() is not None:
             raise ValueError("a forced tool call (tool_choice required or a function) takes no response_format "
                              "or structured_outputs")
-        if forced is not None:
-            for tool in forced_tools(self.tools, self.chosen_tools):
-                if problem := parameters_problem(tool):
-                    raise ValueError(f"tools: {problem}")
-            if problem := forced.problem():
-                raise ValueError(f"tools: {problem.splitlines()[0]}")
         return self
+
+    @property
+    def forces_call(self) -> bool:
+        """tool_choice "required" or a function."""
+        return bool(forced_tools(self.tools or [], self.chosen_tools))
+
+    def tools_problem(self) -> str | None:
+        """Why a forced call cannot be shaped (a forced function's parameters, or the grammar of
+        them all, do not compile), or None. It compiles grammars (up to tens of ms for a new tool
+        set): the router runs it off its event loop."""
+        for tool in forced_tools(self.tools or [], self.chosen_tools):
+            if problem := parameters_problem(tool):
+                return f"tools: {problem}"
+        forced = tool_grammar(self.tools or [], self.chosen_tools, self.parallel_tool_calls)
+        problem = forced and forced.problem()
+        return problem and f"tools: {problem.splitlines()[0]}"
 
     @property
     def chosen_tools(self):

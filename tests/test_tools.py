@@ -79,8 +79,6 @@ def test_tool_choice_defaults_and_what_it_forces():
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "takes no response_format"),
     ({"tool_choice": {"type": "function", "function": {"name": "ping"}}, "structured_outputs": {"regex": "a"}},
      "takes no response_format"),
-    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}]}, "function 'f': parameters"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "pattern"),
     ({"messages": [{"role": "user"}]}, "needs content"),
@@ -93,10 +91,18 @@ def test_requests_that_do_not_agree_are_refused(fields, words):
         request(**fields)
 
 
-def test_a_named_function_need_not_have_a_usable_schema_for_the_others():
-    bad = {"type": "function", "function": {"name": "broken", "parameters": {"$ref": "#/nowhere"}}}
-    assert request(tools=[*TOOLS, bad], tool_choice={"type": "function", "function": {"name": "ping"}})
-    assert request(tools=[*TOOLS, bad])       # auto compiles nothing
+def test_a_forced_functions_schema_that_does_not_compile_is_named():
+    """Checked apart from the request's shape (`tools_problem`: it compiles, so the router runs it
+    off its event loop); only the functions a call may be forced to."""
+    bad = {"type": "function", "function": {"name": "broken", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}
+    problem = request(tools=[*TOOLS, bad], tool_choice="required").tools_problem()
+    assert problem.startswith("tools: function 'broken': parameters") and "nowhere" in problem
+    assert request(tools=[*TOOLS, bad], tool_choice={"type": "function", "function": {"name": "ping"}}).tools_problem() \
+        is None
+    assert request(tools=[*TOOLS, bad]).tools_problem() is None       # auto compiles nothing
+    assert request(tool_choice="required").tools_problem() is None and request(tool_choice="required").forces_call
+    assert not request().forces_call
 
 
 # ---- render ------------------------------------------------------------------------------------
