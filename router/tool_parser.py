@@ -286,7 +286,8 @@ class JsonCallStream:
     calls after the first are dropped (the template has no turn of several)."""
 
     def __init__(self, first_only: bool = False):
-        # start -> content | whole (held to the end) | head -> arguments -> close -> after -> head ...
+        # start -> content | head (a call's head; else held and read whole at the end) -> arguments ->
+        # close (its own brace) -> after (";": head again; other text: content)
         self._held, self._state = "", "start"
         self._first_only = first_only
         self._end: _ObjectEnd | None = None      # arguments: where the call's arguments end
