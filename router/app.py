@@ -217,7 +217,7 @@ class Router:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
         # a forced call's grammars compile (tens of ms for a new tool set): off the event loop
-        if body.forces_call and (problem := await asyncio.to_thread(body.tools_problem)):
+        if body.forces_call and (problem := await asyncio.to_thread(body.tools_problem, self.tool_syntax)):
             return error_response(400, problem, param="tools")
         try:
             ids = chat_prompt_ids(self.tokenizer, body, self.native_tools)

@@ -391,14 +391,14 @@ class ChatCompletionRequest(_Sampling):
         """tool_choice "required" or a function."""
         return bool(forced_tools(self.tools or [], self.chosen_tools))
 
-    def tools_problem(self) -> str | None:
+    def tools_problem(self, syntax: CallSyntax = HERMES) -> str | None:
         """Why a forced call cannot be shaped (a forced function's parameters, or the grammar of
-        them all, do not compile), or None. It compiles grammars (up to tens of ms for a new tool
-        set): the router runs it off its event loop."""
+        them all in the template's `syntax`, do not compile), or None. It compiles grammars (up to
+        tens of ms for a new tool set): the router runs it off its event loop."""
         for tool in forced_tools(self.tools or [], self.chosen_tools):
             if problem := parameters_problem(tool):
                 return f"tools: {problem}"
-        forced = tool_grammar(self.tools or [], self.chosen_tools, self.parallel_tool_calls)
+        forced = tool_grammar(self.tools or [], self.chosen_tools, self.parallel_tool_calls, syntax)
         problem = forced and forced.problem()
         return problem and f"tools: {problem.splitlines()[0]}"
 

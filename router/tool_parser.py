@@ -87,8 +87,24 @@ def _held_back(text: str) -> int:
     return keep
 
 
-# the head of a block whose arguments stream: its name, then an object's opening brace
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+# the head of a call whose arguments stream: its name, then an object's opening brace (Hermes: in
+# a block; Llama 3: at the output's start, maybe after <|python_tag|>, or after ";")
+_HEAD_TEXT = r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+_HEAD = re.compile(_HEAD_TEXT)
+_JSON_HEAD = re.compile(r'\s*(?:<\|python_tag\|>)?' + _HEAD_TEXT)
+
+
+def _head_name(head: re.Match | None) -> str | None:
+    """The function name a head matched, None when there is no head or its string is not JSON."""
+    try:
+        return json.loads(head.group(1)) if head else None
+    except json.JSONDecodeError:
+        return None
+
+
+def _begun(index: int, name: str) -> dict:
+    """A streamed call's first delta."""
+    return {"index": index, "id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
 
 
 def merge_calls(deltas: list[dict]) -> list[dict]:
@@ -175,15 +191,9 @@ class ToolCallStream:
         """A block not known to stream yet. False: wait for more text."""
         end = self._held.find(CLOSE)
         head = _HEAD.match(self._held)
-        name = None
-        if head and (end < 0 or head.end() <= end):
-            try:
-                name = json.loads(head.group(1))
-            except json.JSONDecodeError:
-                pass
+        name = _head_name(head) if head and (end < 0 or head.end() <= end) else None
         if name is not None:              # a call from here: its name now, its arguments as they come
-            extend_calls(calls, [{"index": self.count, "id": new_call_id(), "type": "function",
-                                  "function": {"name": name, "arguments": ""}}])
+            extend_calls(calls, [_begun(self.count, name)])
             self.count += 1
             self._held, self._mode, self._sent, self._after_call = self._held[head.end():], "arguments", [], True
             return True
@@ -248,10 +258,6 @@ def _json_calls(text: str) -> list[dict] | None:
         if rest[0] != ";":
             return None
         at = len(text) - len(rest) + 1
-
-
-_JSON_HEAD = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*'
-                        r'"(?:parameters|arguments)"\s*:\s*(?=\{)')
 
 
 class _ObjectEnd:
@@ -319,7 +325,7 @@ class JsonCallStream:
                 break
             elif state == "head":               # a call's head, or an output read whole at its end
                 head = _JSON_HEAD.match(held)
-                name = _string(head.group(1)) if head else None
+                name = _head_name(head)
                 if name is None:
                     if not final:
                         break
@@ -334,8 +340,7 @@ class JsonCallStream:
                     break
                 self._dropped = self._first_only and self.count > 0
                 if not self._dropped:
-                    extend_calls(calls, [{"index": self.count, "id": new_call_id(), "type": "function",
-                                          "function": {"name": name, "arguments": ""}}])
+                    extend_calls(calls, [_begun(self.count, name)])
                     self.count += 1
                 self._held, self._state, self._end = held[head.end():], "arguments", _ObjectEnd()
             elif state == "arguments":          # every character goes out; the scanner says where they end
@@ -359,9 +364,3 @@ class JsonCallStream:
                     self._held, self._state = rest, "content"
         return "".join(content), calls
 
-
-def _string(literal: str) -> str | None:
-    try:
-        return json.loads(literal)
-    except json.JSONDecodeError:
-        return None
