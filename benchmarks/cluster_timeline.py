@@ -154,7 +154,8 @@ def placement_checks(cluster: LocalCluster) -> dict:
     types = {n["node_id"]: n["type"] for n in cluster.nodes()}
     on = {}
     for a in actors_by_node():
-        for cls in ("Router", "StatsRegistry", "PrefillServer", "DecodeServer", "ServeController", "ProxyActor"):
+        for cls in ("Router", "StatsRegistry", "ResponseStore", "PrefillServer", "DecodeServer", "ServeController",
+                    "ProxyActor"):
             if a["cls"].endswith(cls):
                 on.setdefault(cls, set()).add(types.get(a["node_id"]))
     return {k: sorted(str(t) for t in v) for k, v in on.items()}
@@ -193,6 +194,7 @@ def run(args) -> dict:
         first_node = placed.get("decode")
         report["checks"]["placement"] = (report["placement"].get("Router") == ["ray.head.default"]
                                          and report["placement"].get("StatsRegistry") == ["ray.head.default"]
+                                         and report["placement"].get("ResponseStore") == ["ray.head.default"]
                                          and report["placement"].get("PrefillServer") == ["prefill_gpu"]
                                          and report["placement"].get("DecodeServer") == ["decode_gpu"])
         report["checks"]["kv_across_nodes"] = (smoke == [200] * 4 and placed.get("prefill") != first_node

@@ -1,10 +1,11 @@
 """`build_app(config)` returns the Serve application for a configuration.
 
-Disaggregated: Router -> (PrefillServer pool, DecodeServer pool), plus the StatsRegistry.
-Colocated: Router -> ColocatedServer pool, plus the StatsRegistry.
+Disaggregated: Router -> (PrefillServer pool, DecodeServer pool), plus the StatsRegistry and (unless
+`responses.store` is off) the ResponseStore.
+Colocated: Router -> ColocatedServer pool, plus the same two.
 Each pool gets its own scaling (pdserve/serve_config.py `scaling_options`), resources and request
-router; deployments reach each other through handles passed by `.bind`. The router and the
-registry are pinned to the head node (serving/placement.py): on a cluster only the pools run on
+router; deployments reach each other through handles passed by `.bind`. The router, the
+registry and the store are pinned to the head node (serving/placement.py): on a cluster only the pools run on
 pool nodes.
 
 With `autoscaling: {policy: slo}` both pools get bounds-and-delays autoscaling configs without a
@@ -23,6 +24,7 @@ from colocated_service.server import ColocatedServer
 from decode_service.server import DecodeServer
 from prefill_service.server import PrefillServer
 from router.app import Router
+from router.response_store import ResponseStore
 from pdserve.serve_config import pools_of, scaling_options, slo_bounds_config
 from serving.config import AppConfig, PoolBounds, PoolConfig, SloAutoscalingOptions
 from serving.placement import head_actor_options
@@ -54,6 +56,7 @@ def build_app(config: AppConfig | dict):
     cfg = config if isinstance(config, AppConfig) else AppConfig.model_validate(config)
     data = cfg.model_dump()
     registry = StatsRegistry.bind()
+    store = ResponseStore.bind(cfg.responses.model_dump()) if cfg.responses.store else None
     pools = [getattr(cfg, p) for p in pools_of(cfg)]
     router_opts = {"num_replicas": 1, "max_ongoing_requests": 4096,
                    "ray_actor_options": head_actor_options(),      # on the head node, never on a pool's
@@ -69,14 +72,15 @@ def build_app(config: AppConfig | dict):
         options = _pool_options("colocated", cfg.colocated, "router.routing.ColocatedRouter",
                                 {**cfg.routing.model_dump(), "block_size": cfg.engine_for("colocated").block_size})
         colocated = ColocatedServer.options(**options).bind(data, registry)
-        return Router.options(**router_opts).bind(data, colocated=colocated, registry=registry)
+        return Router.options(**router_opts).bind(data, colocated=colocated, registry=registry, store=store)
     prefill_options = _pool_options("prefill", cfg.prefill, "router.routing.QueuedPromptTokensRouter",
                                     {**cfg.routing.model_dump(), "block_size": cfg.engine_for("prefill").block_size},
                                     slo=cfg.autoscaling)
     decode_options = _pool_options("decode", cfg.decode, "router.routing.FreeKVBlocksRouter", slo=cfg.autoscaling)
     prefill = PrefillServer.options(**prefill_options).bind(data, registry)
     decode = DecodeServer.options(**decode_options).bind(data, registry)
-    return Router.options(**router_opts).bind(data, prefill=prefill, decode=decode, registry=registry)
+    return Router.options(**router_opts).bind(data, prefill=prefill, decode=decode, registry=registry,
+                                             store=store)
 
 
 def app_builder(args: dict):

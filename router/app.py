@@ -23,8 +23,9 @@ import json
 import logging
 import time
 import uuid
+from typing import Annotated, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -44,10 +45,11 @@ from router.guards import Guards, GuardSettings
 from router.logprobs import LogprobsFormatter, TokenStrings
 from router.metrics import RequestMetrics, render
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.openai_responses import choice_body, completion_body, error_body, error_response, usage
+from router.openai_responses import choice_body, completion_body, error_body, error_response, refused, usage
 from router.orchestrator import Orchestrator, RequestFailed
 from router.reasoning import grammar_think, reasoning_template, starts_inside, think_tokens
-from router.responses_output import ResponseEvents, ResponseShape, new_id, response_from_chat
+from router.response_store import MAX_PAGE
+from router.responses_api import ResponsesApi
 from router.responses_protocol import ResponsesRequest
 from router.tools import template_tools
 from serving import messages
@@ -73,12 +75,6 @@ async def _validation_error(request: Request, exc: RequestValidationError):
     return error_response(400, message, param=param)
 
 
-def _refused(exc: ValidationError):
-    """A 400 for a request built inside an endpoint (a chat request from /tokenize's messages or
-    from a response's input) that its model refuses."""
-    return error_response(400, "; ".join(e["msg"] for e in exc.errors()[:5]))
-
-
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException):
     """FastAPI's own errors (unparsable body, unknown route, wrong method) in OpenAI's format."""
@@ -95,7 +91,7 @@ async def _unexpected(request: Request, exc: Exception):
 @serve.deployment
 @serve.ingress(app)
 class Router:
-    def __init__(self, config: dict, prefill=None, decode=None, colocated=None, registry=None):
+    def __init__(self, config: dict, prefill=None, decode=None, colocated=None, registry=None, store=None):
         self.config = AppConfig.model_validate(config)
         guard_settings.configure(self.config.api_key, self.config.max_body_bytes, self.config.max_inflight_requests)
         model_dir = resolve_model(self.config.model, self.config.model_cache, progress=False)
@@ -111,6 +107,7 @@ class Router:
                              self.max_model_len, api_key=bool(self.config.api_key))
         self._documents: dict[str, dict] = {}
         self.registry = registry
+        self.responses_api = ResponsesApi(store, self.config.max_tokens_limit, self.model_name, self.chat_completions)
         slo = self.config.autoscaling
         self.request_metrics = RequestMetrics(export=RouterSeries(),   # also on Ray's metrics port
                                               window_s=slo.window_s if slo else 30.0,
@@ -172,7 +169,7 @@ class Router:
                 chat = body.chat(self.model_name)
                 ids = chat_prompt_ids(self.tokenizer, chat, self.native_tools)
             except ValidationError as exc:
-                return _refused(exc)
+                return refused(exc)
             except (ValueError, TemplateError) as exc:
                 return error_response(400, str(exc), param="messages")
         out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
@@ -234,44 +231,27 @@ class Router:
         return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,
                                     prefix="chatcmpl", shape=shape, think=think)
 
+    # ---- the Responses API (router/responses_api.py) ------------------------------------------------
     @app.post("/v1/responses")
     async def responses(self, body: ResponsesRequest):
-        """OpenAI's Responses API, stateless (router/responses_protocol.py): the chat endpoint's
-        path, its answer as a Response or the Responses stream (router/responses_output.py)."""
-        if (body.max_output_tokens or 0) > self.config.max_tokens_limit:
-            return self._above_limit("max_output_tokens", body.max_output_tokens)
-        try:
-            chat = body.chat()
-        except ValidationError as exc:
-            return _refused(exc)
-        result = await self.chat_completions(chat)
-        if isinstance(result, JSONResponse):          # refused (an error in OpenAI's format)
-            return result
-        shape = ResponseShape(body, new_id("resp"), self.model_name)
-        if not body.stream:
-            return response_from_chat(shape, result)
-        return StreamingResponse(self._response_events(shape, result.body_iterator), media_type="text/event-stream")
+        """OpenAI's Responses API: the chat endpoint's path, as a Response or the Responses stream."""
+        return await self.responses_api.create(body)
 
-    @staticmethod
-    async def _response_events(shape: ResponseShape, chat_events):
-        """The chat stream's chunks (text/event-stream lines of `_sse`) as the Responses stream's events."""
-        events = ResponseEvents(shape)
-        try:
-            for event in events.start():
-                yield event
-            async for line in chat_events:
-                data = line.removeprefix("data: ").strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                for event in events.chunk(chunk):
-                    yield event
-                if "error" in chunk:
-                    return
-            for event in events.end():
-                yield event
-        finally:
-            await chat_events.aclose()
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str):
+        """A stored response."""
+        return await self.responses_api.retrieve(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(self, response_id: str, limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 20,
+                          order: Literal["asc", "desc"] = "desc", after: str | None = None):
+        """The items a stored response's model saw before its output (its instructions aside), a page."""
+        return await self.responses_api.input_items(response_id, limit, order, after)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str):
+        """Forget a stored response."""
+        return await self.responses_api.delete(response_id)
 
     async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str,
                         echoes: list[tuple[str, list[int]]] | None = None, shape: ChatOutputShape | None = None,

@@ -26,24 +26,27 @@ from pydantic.json_schema import models_json_schema
 from router.guards import OPEN_PATHS
 from router.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Detokenized,
                                      ErrorResponse, Health, ModelList, Tokenized)
-from router.responses_output import ResponseEvent, ResponseObject
+from router.responses_output import ResponseDeleted, ResponseEvent, ResponseItemList, ResponseObject
 
 REF = "#/components/schemas/{model}"
 
 ERRORS = {
     400: "Invalid request: a body that breaks the schema, a prompt beyond the context, or a bad token id.",
     401: "Missing or wrong API key.",
-    404: "Unknown model (or route).",
+    404: "Unknown model (or route), or no such stored response.",
     413: "Request body above `max_body_bytes`.",
     429: "Overloaded: too many requests in flight, or a pool's queue is full (see Retry-After).",
     500: "Internal error.",
     502: "A KV transfer between the pools failed.",
-    503: "No ready replica, or one failed while serving the request (see Retry-After).",
+    503: "No ready replica, one failed while serving the request, or the response store is unavailable "
+         "(see Retry-After).",
     504: "The request passed its deadline (`request_timeout_s`).",
 }
 GUARDED = (401, 413, 429, 500)   # any operation (router/guards.py, and a bug)
 GENERATION = (400, 404, 502, 503, 504)
 TOKENIZING = (400, 404)     # /tokenize and /detokenize: no pool is involved
+STORED = (404, 503)         # a stored response's routes (router/response_store.py)
+STORED_PATH = "/v1/responses/{response_id}"
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,14 @@ def _events(chunk: str) -> dict:
                                              "properties": {"data": data, "event": {"type": "string"}}}}}
 
 
-def _ok(path: str) -> dict:
+def _ok(path: str, method: str) -> dict:
+    if path == STORED_PATH:
+        if method == "delete":
+            return {"description": "The response is forgotten.", "content": _json("ResponseDeleted")}
+        return {"description": "The stored response.", "content": _json("ResponseObject")}
+    if path == STORED_PATH + "/input_items":
+        return {"description": "A page of the items the model saw before the response's output.",
+                "content": _json("ResponseItemList")}
     if path == "/v1/completions":
         return {"description": "The completion, or with `stream` its server-sent events.",
                 "content": {**_json("Completion"), **_events("CompletionChunk")}}
@@ -168,7 +178,8 @@ def _responses(doc: dict, served: Served) -> None:
     _, defs = models_json_schema([(m, "serialization") for m in (Completion, CompletionChunk, ChatCompletion,
                                                                   ChatCompletionChunk, ModelList, Health,
                                                                   ErrorResponse, Tokenized, Detokenized,
-                                                                  ResponseObject, ResponseEvent)],
+                                                                  ResponseObject, ResponseEvent, ResponseDeleted,
+                                                                  ResponseItemList)],
                                      ref_template=REF)
     schemas.update(copy.deepcopy(defs["$defs"]))
     for path, item in doc["paths"].items():
@@ -176,9 +187,11 @@ def _responses(doc: dict, served: Served) -> None:
             codes = set(GUARDED) | (set(GENERATION) if path.startswith("/v1/") and method == "post" else set())
             if path in ("/tokenize", "/detokenize"):
                 codes |= set(TOKENIZING)
+            if path.startswith(STORED_PATH):
+                codes |= set(STORED) | ({400} if path.endswith("/input_items") else set())
             if path == "/health":
                 codes = (codes - {401}) | {503}
             elif not served.api_key:
                 codes.discard(401)
-            operation["responses"] = {"200": _ok(path), **{
+            operation["responses"] = {"200": _ok(path, method), **{
                 str(code): {"description": ERRORS[code], "content": _json("ErrorResponse")} for code in sorted(codes)}}

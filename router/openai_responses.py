@@ -31,6 +31,12 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return JSONResponse(status_code=status, headers=headers, content=error_body(message, kind, param, code))
 
 
+def refused(exc) -> JSONResponse:
+    """A 400 for a request built inside an endpoint (a chat request from /tokenize's messages or
+    from a response's input) that its model refuses (`exc`: pydantic's ValidationError)."""
+    return error_response(400, "; ".join(e["msg"] for e in exc.errors()[:5]))
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,

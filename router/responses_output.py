@@ -33,14 +33,15 @@ def new_id(prefix: str) -> str:
 
 
 class ResponseShape:
-    """What a response states besides its output: its id, and the request's settings echoed."""
+    """What a response states besides its output: its id, and the request's settings echoed
+    (`store`: whether the router will keep it)."""
 
-    def __init__(self, request, rid: str, model: str):
+    def __init__(self, request, rid: str, model: str, store: bool = False):
         self.rid, self.model, self.created = rid, model, int(time.time())
         self.echo = {
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "metadata": request.metadata or {}, "parallel_tool_calls": request.parallel_tool_calls is not False,
-            "previous_response_id": None, "store": False,
+            "previous_response_id": request.previous_response_id, "store": store,
             "temperature": 1.0 if request.temperature is None else request.temperature,
             "top_p": 1.0 if request.top_p is None else request.top_p,
             "text": {"format": (request.text.format.model_dump(by_alias=True, exclude_none=True)
@@ -142,11 +143,22 @@ class ResponseEvents:
 
     def end(self) -> list[str]:
         """After the chat stream's last chunk: every item closed, then the whole response."""
+        return self.closing() + [self.last(self.result())]
+
+    def closing(self) -> list[str]:
+        """After the chat stream's last chunk: every item closed."""
         events = self._close()
         if not self.output:           # nothing at all: an empty message, as the non-streamed response has
             events += self._text("message", "") + self._close()
-        body = self.shape.body(self.output, "completed", self.usage, self.finish)
-        return events + [self._event(f"response.{body['status']}", response=body)]
+        return events
+
+    def result(self) -> dict:
+        """The whole response, after `closing`."""
+        return self.shape.body(self.output, "completed", self.usage, self.finish)
+
+    def last(self, body: dict) -> str:
+        """The stream's last event: response.completed or response.incomplete, carrying `body`."""
+        return self._event(f"response.{body['status']}", response=body)
 
     # ---- items -----------------------------------------------------------------------------------
     def _text(self, kind: str, delta: str) -> list[str]:
@@ -235,6 +247,24 @@ class ResponseObject(BaseModel):
     incomplete_details: dict[str, Any] | None
     output: list[OutputItem]
     usage: ResponseUsage | None
+
+
+class ResponseDeleted(BaseModel):
+    """DELETE /v1/responses/{id}'s answer."""
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+class ResponseItemList(BaseModel):
+    """GET /v1/responses/{id}/input_items: a page of the items the model saw before the
+    response's output (router/response_store.py `page`)."""
+    object: Literal["list"]
+    data: list[dict[str, Any]] = Field(description="Items in OpenAI's form (message, reasoning, function_call, "
+                                       "function_call_output), each with an `id`.")
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 
 
 class ResponseEvent(BaseModel):

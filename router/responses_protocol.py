@@ -1,11 +1,11 @@
 """OpenAI's Responses API (`POST /v1/responses`): the request, and the chat completion it becomes.
 
-pdserve keeps no responses: a request carries its whole conversation as `input` (messages,
-earlier function calls and their outputs, reasoning items), as a client does with `store: false`.
-`previous_response_id` and `background` are refused with a 400 saying so; `store` is accepted and
-answered with `store: false`. The request becomes a `ChatCompletionRequest` (`chat`) and runs the
-chat endpoint's whole path (template, tools, reasoning, grammar, pools); router/responses_output.py
-turns its answer into a Response object or the Responses stream's events.
+A request carries its conversation as `input` (messages, earlier function calls and their outputs,
+reasoning items), as a client does with `store: false`, or continues a stored response
+(`previous_response_id`: router/response_store.py finds it; its context and output come first).
+`background` is refused with a 400. The request becomes a `ChatCompletionRequest` (`chat`) and runs
+the chat endpoint's whole path (template, tools, reasoning, grammar, pools);
+router/responses_output.py turns its answer into a Response object or the Responses stream's events.
 
 Input items, in order, become chat messages:
   - a message (`type` "message" or none): its role and its text (string, or input_text /
@@ -15,18 +15,20 @@ Input items, in order, become chat messages:
     right before them, if any)
   - a `function_call_output`: a tool turn answering `call_id`
 `instructions` come first, as a system message. Tools are function tools only; `text.format`
-is `response_format`; `max_output_tokens` is `max_completion_tokens`.
+is `response_format`; `max_output_tokens` is `max_completion_tokens`. A stored response keeps its
+input as items in OpenAI's output form (`stored`: each with an id, messages' text as parts).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, TypeAdapter, model_validator
 
 from router.openai_protocol import (FORCED_TOOL, GREEDY_BELOW_TEMPERATURE, ChatCompletionRequest, JsonSchemaFormat,
                                     implies)
 from router.protocol_types import Int, Strict, StrictOpen, Text
+from router.responses_output import new_id
 from router.tools import MAX_TOOLS, FunctionName
 
 MAX_ITEMS = 1024
@@ -40,11 +42,19 @@ class TextPart(StrictOpen):
 
 class MessageItem(StrictOpen):
     type: Literal["message"] = "message"
+    id: Text | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | Annotated[list[TextPart], Field(max_length=MAX_ITEMS)]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def stored(self) -> dict:
+        kind = "output_text" if self.role == "assistant" else "input_text"
+        parts = ([{"type": kind, "text": self.content}] if isinstance(self.content, str)
+                 else [p.model_dump() for p in self.content])
+        return {"type": "message", "id": self.id or new_id("msg"), "role": self.role, "content": parts,
+                "status": "completed"}
 
 
 class ReasoningText(StrictOpen):
@@ -55,30 +65,43 @@ class ReasoningText(StrictOpen):
 class ReasoningItem(StrictOpen):
     """An earlier answer's reasoning (its `content`, else its `summary`)."""
     type: Literal["reasoning"]
+    id: Text | None = None
     content: list[ReasoningText] | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
 
     def text(self) -> str:
         return "".join(p.text for p in (self.content if self.content else self.summary))
 
+    def stored(self) -> dict:
+        return {**self.model_dump(exclude_none=True), "id": self.id or new_id("rs")}
+
 
 class FunctionCallItem(StrictOpen):
     type: Literal["function_call"]
+    id: Text | None = None
     call_id: Text
     name: FunctionName
     arguments: Text
 
+    def stored(self) -> dict:
+        return {**self.model_dump(), "id": self.id or new_id("fc"), "status": "completed"}
+
 
 class FunctionCallOutputItem(StrictOpen):
     type: Literal["function_call_output"]
+    id: Text | None = None
     call_id: Text
     output: Text | list[TextPart]
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
+    def stored(self) -> dict:
+        return {**self.model_dump(), "id": self.id or new_id("fco"), "status": "completed"}
+
 
 InputItem = MessageItem | ReasoningItem | FunctionCallItem | FunctionCallOutputItem
+_HISTORY = TypeAdapter(list[InputItem])      # a stored conversation: no bound on its length
 
 
 class FunctionTool(StrictOpen):
@@ -116,9 +139,8 @@ class ReasoningConfig(StrictOpen):
 
 
 def _refusals(schema: dict) -> None:
-    """What the validators refuse, in the JSON schema: no previous_response_id, no background; a
-    forced call needs tools and takes no JSON text format."""
-    schema["properties"]["previous_response_id"] = {"type": "null", "description": "This server keeps no responses."}
+    """What the validators refuse, in the JSON schema: no background; a forced call needs tools and
+    takes no JSON text format."""
     schema["properties"]["background"] = {"enum": [False, None]}
     schema["allOf"] = [
         implies("tool_choice", FORCED_TOOL, {"properties": {"tools": {"type": "array", "minItems": 1}},
@@ -128,7 +150,7 @@ def _refusals(schema: dict) -> None:
 
 
 class ResponsesRequest(Strict):
-    """A response (OpenAI's Responses API, stateless: see the module's docstring). Across fields:
+    """A response (OpenAI's Responses API: see the module's docstring). Across fields:
     a forced call (tool_choice "required" or a function) needs tools, a named one a function
     among them, and takes no JSON text format."""
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_refusals)
@@ -145,8 +167,12 @@ class ResponsesRequest(Strict):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     stream: bool = Field(False, description="Server-sent events, one per Responses event.")
-    store: bool | None = Field(None, description="Accepted; nothing is stored (the response says store false).")
-    previous_response_id: Text | None = Field(None, description="Refused: this server keeps no responses.")
+    store: bool | None = Field(None, description="Keep the response (default true) for GET /v1/responses/{id} "
+                               "and `previous_response_id`, unless the server's responses.store is off (the "
+                               "response says whether it was kept).")
+    previous_response_id: Text | None = Field(None, description="A stored response this one continues: its "
+                                              "input and output come before this input (its instructions and "
+                                              "tools do not).")
     background: bool | None = Field(None, description="Refused when true.")
     metadata: Annotated[dict[str, Text], Field(max_length=16)] | None = None
     user: Text | None = None
@@ -161,20 +187,25 @@ class ResponsesRequest(Strict):
     stream_options: dict[str, Any] | None = Field(None, description="Accepted; ignored.")
 
     @model_validator(mode="after")
-    def _stateless(self):
-        if self.previous_response_id is not None:
-            raise ValueError("previous_response_id: this server keeps no responses; send the whole conversation "
-                             "as input")
+    def _supported(self):
         if self.background:
-            raise ValueError("background: not supported (this server keeps no responses)")
+            raise ValueError("background: not supported (a response is answered while its request waits)")
         if self.text is not None and self.text.format.type == "json_schema" and self.text.format.name is None:
             raise ValueError("text.format: a json_schema format needs a name")
         return self
 
-    def chat(self) -> ChatCompletionRequest:
-        """The chat completion this response is (ValidationError where the two disagree, e.g. a
-        tool_choice without tools)."""
-        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream}
+    def input_items(self) -> list[dict]:
+        """The request's input as stored items (a string: one user message)."""
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        return [item.stored() for item in items]
+
+    def chat(self, history: list[dict] = ()) -> ChatCompletionRequest:
+        """The chat completion this response is, after `history` (a stored response's items:
+        router/response_store.py) (ValidationError where the two disagree, e.g. a tool_choice
+        without tools)."""
+        items = _HISTORY.validate_python(list(history)) if history else []
+        items += [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(items), "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}     # for response.completed's usage
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
@@ -197,12 +228,10 @@ class ResponsesRequest(Strict):
                     by_alias=True, exclude_none=True)
         return ChatCompletionRequest.model_validate(body)
 
-    def _messages(self) -> list[dict]:
+    def _messages(self, items: list[InputItem]) -> list[dict]:
         out: list[dict] = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
-        if isinstance(self.input, str):
-            return [*out, {"role": "user", "content": self.input}]
         reasoning = None
-        for item in self.input:
+        for item in items:
             if isinstance(item, ReasoningItem):
                 reasoning = (reasoning or "") + item.text()
             elif isinstance(item, MessageItem):

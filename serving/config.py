@@ -196,6 +196,18 @@ class GoodputOptions(_Model):
     tpot_s: float = Field(0.1, gt=0, description="Mean time per output token after the first at most this, seconds.")
 
 
+class ResponsesOptions(_Model):
+    """The Responses API's stored responses (`store`, `previous_response_id`, GET/DELETE
+    /v1/responses/{id}): kept in memory by one ResponseStore deployment on the head node, the least
+    recently used dropped past either bound, and lost when it restarts (any change to `args`
+    replaces it)."""
+    store: bool = Field(True, description="Keep responses whose request says `store` (OpenAI's default: true); "
+                        "false: none is kept and `previous_response_id` is a 400.")
+    max_stored: int = Field(10_000, ge=1, description="Responses kept at most.")
+    max_stored_bytes: int = Field(256 * 2**20, ge=2**20, description="Bytes of kept responses (their JSON: output "
+                                  "and the conversation before it) at most.")
+
+
 class AppConfig(_Model):
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="Separate prefill/decode pools, or one engine pool doing both.")
@@ -227,6 +239,8 @@ class AppConfig(_Model):
     autoscaling: SloAutoscalingOptions | None = Field(
         None, description="Application-level autoscaling of both pools (`policy: slo`); default: none, each "
                           "pool scales by its own `autoscaling` block or keeps its `num_replicas`.")
+    responses: ResponsesOptions = Field(default_factory=ResponsesOptions,
+                                        description="Stored responses of the Responses API.")
     goodput: GoodputOptions | None = Field(
         None, description="SLO targets of the goodput counter; default: the SLO policy's ttft_slo/tpot_slo when "
                           "`autoscaling` is set, else 1 s TTFT and 0.1 s TPOT.")

@@ -1,4 +1,4 @@
-"""Every message between the router and the prefill/decode/colocated replicas.
+"""Every message between the router and the prefill/decode/colocated replicas (and its response store).
 
 One frozen dataclass per message; `encode` and `decode` turn them into msgpack bytes with
 a version and a type tag, and `decode` refuses oversized, malformed or unknown input with
@@ -219,9 +219,19 @@ class ReplicaStats:
     histograms: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StoredResponse:
+    """Router <-> ResponseStore (router/response_store.py): a response of the Responses API as kept.
+    `response`: the Response object, JSON; `context`: the input items the model saw before its
+    output (an earlier response's context and output, then this request's input), a JSON list."""
+    response_id: str
+    response: str
+    context: str
+
+
 MESSAGES = {cls.__name__: cls for cls in (GenerateRequest, PrefillRequest, PrefillResult, DecodeRequest,
                                            Reserved, Landed, KVHandoff, HandoffDone, TokenEvent, ErrorEvent,
-                                           ReplicaStats)}
+                                           ReplicaStats, StoredResponse)}
 
 
 def encode(msg) -> bytes:

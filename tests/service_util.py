@@ -23,10 +23,11 @@ def running_replicas(app: str, deployment: str) -> int:
     return serve.status().applications[app].deployments[deployment].replica_states.get("RUNNING", 0)
 
 
-def http(base: str, path: str, body=None, timeout=120, raw: bytes | None = None, headers=None):
+def http(base: str, path: str, body=None, timeout=120, raw: bytes | None = None, headers=None,
+         method: str | None = None):
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json",
-                                                                   **(headers or {})})
+                                                                   **(headers or {})}, method=method)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()

@@ -114,13 +114,19 @@ def test_local_cluster_serve_config_targets_node_types_of_cluster_local_yaml():
         assert p.autoscaling is not None and p.autoscaling.max_replicas <= _types("cluster.yaml")[f"{pool}_gpu"]["max_workers"]
 
 
-def test_router_and_registry_ask_for_the_head_node():
+def test_router_registry_and_response_store_ask_for_the_head_node():
     from pdserve.app_builder import build_app
+    from router.response_store import ResponseStore
     from serving.stats_registry import StatsRegistry
     app = build_app(AppConfig(engine={"dtype": "float32"}))
     router = app._bound_deployment
     assert router.ray_actor_options["resources"] == {"node:__internal_head__": 0.001}
     assert StatsRegistry.ray_actor_options["resources"] == {"node:__internal_head__": 0.001}
+    assert ResponseStore.ray_actor_options == {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+    store = app._bound_deployment.init_kwargs["store"]
+    assert store._bound_deployment.name == "ResponseStore"
+    off = build_app(AppConfig(engine={"dtype": "float32"}, responses={"store": False}))
+    assert off._bound_deployment.init_kwargs["store"] is None
 
 
 def test_the_router_drains_as_long_as_the_pools_behind_it():

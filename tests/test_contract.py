@@ -62,6 +62,13 @@ def test_every_operation_declares_its_bodies_and_every_error_status():
                 assert model["anyOf"] == [{"type": "string", "enum": ["SmolLM2-135M-Instruct"]}, {"type": "null"}]
     assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert "503" in doc["paths"]["/health"]["get"]["responses"]
+    stored = doc["paths"]["/v1/responses/{response_id}"]
+    for method, model in (("get", "ResponseObject"), ("delete", "ResponseDeleted")):
+        assert set(stored[method]["responses"]) == {"200", "404", "413", "429", "500", "503"}
+        assert stored[method]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(model)
+    items = doc["paths"]["/v1/responses/{response_id}/input_items"]["get"]
+    assert set(items["responses"]) == {"200", "400", "404", "413", "429", "500", "503"}
+    assert {p["name"] for p in items["parameters"]} == {"response_id", "limit", "order", "after"}
 
 
 def test_an_api_key_adds_the_bearer_scheme_and_401_everywhere_but_health():

@@ -36,6 +36,7 @@ def test_pools_scale_across_nodes_that_the_autoscaler_adds_and_removes(tmp_path)
     report = json.loads(out.read_text())
     assert report["placement"] == {"ServeController": ["ray.head.default"], "ProxyActor": ["ray.head.default"],
                                    "Router": ["ray.head.default"], "StatsRegistry": ["ray.head.default"],
+                                   "ResponseStore": ["ray.head.default"],
                                    "PrefillServer": ["prefill_gpu"], "DecodeServer": ["decode_gpu"]}
     failed = [name for name, ok in report["checks"].items() if not ok]
     assert not failed, f"failed checks {failed}\n{summary}"

@@ -23,7 +23,7 @@ def test_local_deployment_listens_on_loopback_only(disagg):
     for expected in ("gcs_server", "raylet", "ray::ProxyActor", "ray::DashboardAgent", "ray::RuntimeEnvAgent"):
         assert expected in names, report(socks)
     replicas = {s.pid for s in socks if s.name.startswith("ray::ServeReplica:pd:")}
-    assert len(replicas) >= 5, report(socks)   # registry, router, 1 prefill, 2 decode
+    assert len(replicas) >= 6, report(socks)   # registry, response store, router, 1 prefill, 2 decode
     exposed = [s for s in socks if not s.loopback]
     # the documented exception: one wildcard socket per Serve replica process, nothing else
     assert all(s.name.startswith("ray::ServeReplica:") and s.ip in ("::", "0.0.0.0") for s in exposed), report(socks)

@@ -39,6 +39,7 @@ EXAMPLES = [
     m.ReplicaStats("decode", "r1", 100, 90, 2, 0, 0, {"preemptions": 1}),
     m.ReplicaStats("prefill", "p1", 100, 90, 0, 1, 7, {}, {"kv_transfer_seconds": {
         "buckets": [0.1, 1.0], "counts": [1, 2], "sum": 0.6, "count": 2}}),
+    m.StoredResponse("resp_1", '{"id": "resp_1", "output": []}', '[{"type": "message", "role": "user"}]'),
 ]
 
 

@@ -1,7 +1,8 @@
 """The Responses API (router/responses_protocol.py, router/responses_output.py): a request's
-input items become the chat messages they stand for, what a stateless server cannot do is
-refused, and a chat completion's stream becomes events that add up to the non-streamed
-response. Over HTTP with the openai client in tests/test_responses_service.py."""
+input items become the chat messages they stand for, a chained request the conversation its
+stateless twin sends whole, what a text server cannot do is refused, and a chat completion's stream
+becomes events that add up to the non-streamed response. Over HTTP with the openai client in
+tests/test_responses_service.py; the store's bookkeeping in tests/test_response_store.py."""
 
 import json
 import random
@@ -64,7 +65,6 @@ def test_tools_tool_choice_and_text_format_become_the_chats():
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"previous_response_id": "resp_1"}, "keeps no responses"),
     ({"background": True}, "background"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input_text"),
     ({"text": {"format": {"type": "json_schema", "schema": WEATHER}}}, "needs a name"),
@@ -73,9 +73,52 @@ def test_tools_tool_choice_and_text_format_become_the_chats():
     ({"seed": 3}, "Extra inputs"),
     ({"input": []}, "at least 1"),
 ])
-def test_what_a_stateless_text_server_cannot_do_is_refused(fields, words):
+def test_what_a_text_server_cannot_do_is_refused(fields, words):
     with pytest.raises(ValidationError, match=words):
         request(**fields)
+
+
+def test_input_is_stored_as_items_in_openais_form_with_ids():
+    assert [{k: v for k, v in i.items() if k != "id"} for i in request().input_items()] == [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}], "status": "completed"}]
+    items = request(input=[
+        {"role": "assistant", "content": "Sure.", "id": "msg_given"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Hm."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "18"}]}]
+    ).input_items()
+    assert items[0] == {"type": "message", "id": "msg_given", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": "Sure."}]}
+    assert [i["id"][:3] for i in items[1:]] == ["rs_", "fc_", "fco"] and len({i["id"] for i in items}) == 4
+    assert items[1]["summary"] == [{"type": "summary_text", "text": "Hm."}] and "content" not in items[1]
+    assert items[3]["output"] == [{"type": "input_text", "text": "18"}] and items[2]["status"] == "completed"
+
+
+@pytest.mark.parametrize("message, finish", MESSAGES_WITH_CALLS := [
+    ({"role": "assistant", "content": "Let me check.", "reasoning": "Use the tool.",
+      "tool_calls": [{"id": "call_x", "type": "function", "function": {"name": "get_weather",
+                                                                       "arguments": '{"city": "Oslo"}'}}]},
+     "tool_calls"),
+    ({"role": "assistant", "content": "Cut sho"}, "length"),
+])
+def test_a_chained_request_is_the_conversation_its_stateless_twin_sends_whole(message, finish):
+    first = request(instructions="Be brief.", input="Weather in Oslo?", tools=[TOOL])
+    response = response_from_chat(ResponseShape(first, "resp_1", "m", store=True),
+                                  {"choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+    assert response["store"] is True and response["previous_response_id"] is None
+    history = first.input_items() + response["output"]        # router/response_store.py Found.history
+    follow = [{"type": "function_call_output", "call_id": "call_x", "output": "18 degrees"}]
+    chained = request(input=follow, previous_response_id="resp_1", instructions="Be kind.", tools=[TOOL])
+    twin = request(input=history + follow, instructions="Be kind.", tools=[TOOL])
+    dump = lambda chat: [m.model_dump(exclude_none=True) for m in chat.messages]
+    assert dump(chained.chat(history)) == dump(twin.chat())
+    assert dump(chained.chat(history))[:3] == [       # the first request's instructions are not carried over
+        {"role": "system", "content": "Be kind."}, {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": message["content"], **({"reasoning": message["reasoning"]}
+                                                              if "reasoning" in message else {}),
+         **({"tool_calls": message["tool_calls"]} if "tool_calls" in message else {})}]
+    assert ResponseShape(chained, "resp_2", "m").echo["previous_response_id"] == "resp_1"
+    assert len(chained.chat(history * 600).messages) > 1024     # a stored conversation is not bound by MAX_ITEMS
 
 
 def test_where_the_request_and_its_chat_disagree_the_chat_says_why():

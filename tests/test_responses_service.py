@@ -1,8 +1,9 @@
 """The Responses API over HTTP with the openai client, through both pools (real model): text equal
 to the chat endpoint's for the same conversation, streamed as not (the SDK's own stream helper
 accumulates the events into the same response), a forced function call and the next turn carrying
-it back, a JSON schema, max_output_tokens, refusals, and a client that leaves mid-stream; every
-block is free after."""
+it back, stored responses (retrieved, chained with previous_response_id as their stateless twin,
+listed, deleted), a JSON schema, max_output_tokens, refusals, and a client that leaves mid-stream;
+every block is free after."""
 
 import json
 import re
@@ -34,7 +35,7 @@ def test_text_equals_the_chat_endpoints_streamed_or_not(client, disagg):
     assert out.output_text == chat.choices[0].message.content and out.output_text
     assert out.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     assert out.usage.input_tokens == chat.usage.prompt_tokens and out.usage.output_tokens == chat.usage.completion_tokens
-    assert out.id.startswith("resp_") and out.output[0].type == "message" and out.store is False
+    assert out.id.startswith("resp_") and out.output[0].type == "message" and out.store is True
     with client.responses.stream(**ask) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
@@ -71,6 +72,46 @@ def test_a_forced_call_then_the_next_turn_with_its_output(client, disagg):
     assert pools_all_free(disagg, {"prefill", "decode"})
 
 
+def test_stored_responses_are_retrieved_chained_listed_and_deleted(client, disagg):
+    import openai
+    ask = dict(model=MODEL, max_output_tokens=16, temperature=0)
+    first = client.responses.create(**ask, instructions="Answer in a few words.", input="My name is Ada. Hello!")
+    assert first.store is True and client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    question = "What is my name?"
+    chained = client.responses.create(**ask, previous_response_id=first.id, input=question)
+    # its stateless twin: the first turn's input and output sent whole (no instructions: they are not carried over)
+    twin = client.responses.create(**ask, store=False, input=[
+        {"role": "user", "content": "My name is Ada. Hello!"}, *[i.model_dump(exclude_none=True) for i in first.output],
+        {"role": "user", "content": question}])
+    assert chained.previous_response_id == first.id and chained.output_text == twin.output_text
+    assert chained.usage.input_tokens == twin.usage.input_tokens > first.usage.input_tokens
+    assert twin.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(twin.id)
+    events = list(client.responses.create(**ask, previous_response_id=first.id, input=question, stream=True))
+    streamed = events[-1].response          # (response.incomplete where cut: the SDK's stream helper wants completed)
+    assert streamed.output_text == chained.output_text and streamed.store is True and streamed.status == chained.status
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text  # kept before its last event
+    # what the chained response's model saw, oldest first, one item a page
+    items = list(client.responses.input_items.list(chained.id, order="asc", limit=1))
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert items[0].content[0].text == "My name is Ada. Hello!" and items[2].content[0].text == question
+    assert items[1].id == first.output[0].id
+    newest = client.responses.input_items.list(chained.id)             # default: newest first
+    assert [i.id for i in newest.data] == [i.id for i in reversed(items)] and not newest.has_more
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match="Previous response with id") as gone:
+        client.responses.create(**ask, previous_response_id=first.id, input=question)
+    assert gone.value.code == "previous_response_not_found" and gone.value.param == "previous_response_id"
+    again = client.responses.create(**ask, previous_response_id=chained.id, input="And again?")  # its own copy
+    assert again.usage.input_tokens > chained.usage.input_tokens
+    code, text = http(disagg, f"/v1/responses/{first.id}", method="DELETE")
+    assert code == 404 and json.loads(text)["error"]["message"] == f"Response with id {first.id!r} not found."
+    assert pools_all_free(disagg, {"prefill", "decode"})
+
+
 def test_a_json_schema_text_format(client):
     out = client.responses.create(model=MODEL, input="Name a city as JSON.", max_output_tokens=60, temperature=0,
                                   text={"format": {"type": "json_schema", "name": "city", "schema": WEATHER}})
@@ -78,7 +119,7 @@ def test_a_json_schema_text_format(client):
 
 
 @pytest.mark.parametrize("body, status, words", [
-    ({"previous_response_id": "resp_123"}, 400, "keeps no responses"),
+    ({"previous_response_id": "resp_123"}, 404, "Previous response with id 'resp_123' not found"),
     ({"max_output_tokens": 10**6}, 400, "max_output_tokens"),
     ({"tool_choice": "required"}, 400, "needs tools"),
     ({"model": "nope"}, 404, "does not exist"),

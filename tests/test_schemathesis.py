@@ -38,9 +38,10 @@ def app(ray_serve, tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def other_app(ray_serve, tiny_llama_dir):
-    """The same model under another name and limit, colocated (one replica fewer to start)."""
+    """The same model under another name and limit, colocated (one replica fewer to start), keeping
+    no responses."""
     with tiny_app(ray_serve, tiny_llama_dir, "st2", served_model_name="tiny-b", max_tokens_limit=5,
-                  mode="colocated") as base:
+                  mode="colocated", responses={"store": False}) as base:
         yield base
 
 
@@ -83,21 +84,39 @@ STREAMED = {"/v1/completions": {"model": "tiny", "prompt": "Once", "max_tokens":
             "/v1/responses": {"model": "tiny", "input": "Hi", "max_output_tokens": 4, "stream": True}}
 
 
+def _checked(case, base: str, label: str, wanted) -> list[str]:
+    """Call `case` at `base`; its failures: what `wanted(response)` finds wrong (else None), or not conforming."""
+    response = case.call(base_url=base, timeout=120)
+    if (problem := wanted(response)) is not None:
+        return [f"{label}: {problem}: {response.status_code} {response.text[:300]}"]
+    try:
+        case.validate_response(response, checks=CHECKS)
+    except (AssertionError, BaseExceptionGroup) as exc:
+        return [f"{label}: {str(exc)[:1500]}"]
+    return []
+
+
 def streamed_cases(base: str) -> list[str]:
     """One streaming request per POST operation, as a case of the document; its failures."""
     schema = schemathesis.openapi.from_url(base + "/openapi.json")
-    failures = []
-    for path, body in STREAMED.items():
-        case = schema[path]["POST"].Case(body=body, media_type="application/json")
-        response = case.call(base_url=base, timeout=120)
-        if "event-stream" not in response.headers.get("content-type", [""])[0]:
-            failures.append(f"{path}: not a stream: {response.status_code} {response.text[:300]}")
-            continue
-        try:
-            case.validate_response(response, checks=CHECKS)
-        except (AssertionError, BaseExceptionGroup) as exc:
-            failures.append(f"{path}: {str(exc)[:1500]}")
-    return failures
+    streamed = lambda r: None if "event-stream" in r.headers.get("content-type", [""])[0] else "not a stream"
+    return [failure for path, body in STREAMED.items() for failure in _checked(
+        schema[path]["POST"].Case(body=body, media_type="application/json"), base, path, streamed)]
+
+
+def stored_cases(base: str) -> list[str]:
+    """A stored response's three operations as cases of the document, on a response just made; their failures."""
+    schema = schemathesis.openapi.from_url(base + "/openapi.json")
+    status, text = http(base, "/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 3})
+    if status != 200:
+        return [f"POST /v1/responses: {status} {text[:300]}"]
+    rid, ok = json.loads(text)["id"], lambda r: None if r.status_code == 200 else "not a 200"
+    return [failure for path, method, query in (
+        ("/v1/responses/{response_id}", "GET", None),
+        ("/v1/responses/{response_id}/input_items", "GET", {"limit": 1, "order": "asc"}),
+        ("/v1/responses/{response_id}", "DELETE", None))  # last: the others need the response
+        for failure in _checked(schema[path][method].Case(path_parameters={"response_id": rid}, query=query),
+                                base, f"{method} {path}", ok)]
 
 
 def _openai_error(text: str) -> bool:
@@ -110,12 +129,13 @@ def _openai_error(text: str) -> bool:
 
 def summary(title: str, counts: dict) -> str:
     columns = ("generated", "2xx", "streamed", "4xx", "5xx", "failures")
-    lines = [title, f"{'operation':28}" + "".join(f"{c:>11}" for c in columns)]
+    width = max(28, *(len(label) + 1 for label in counts))
+    lines = [title, f"{'operation':{width}}" + "".join(f"{c:>11}" for c in columns)]
     total = collections.Counter()
     for label, count in counts.items():
         total.update(count)
-        lines.append(f"{label:28}" + "".join(f"{count[c]:>11}" for c in columns))
-    lines.append(f"{'total':28}" + "".join(f"{total[c]:>11}" for c in columns)
+        lines.append(f"{label:{width}}" + "".join(f"{count[c]:>11}" for c in columns))
+    lines.append(f"{'total':{width}}" + "".join(f"{total[c]:>11}" for c in columns)
                  + f"   accepted {total['2xx'] / max(total['generated'], 1):.0%}")
     return "\n".join(lines)
 
@@ -133,7 +153,7 @@ def test_positive_fuzzing_is_mostly_accepted_runs_through_the_pools_and_conforms
     for label in ("POST /v1/completions", "POST /v1/chat/completions"):
         assert counts[label]["2xx"] >= 0.5 * counts[label]["generated"], counts[label]
         assert counts[label]["streamed"] < counts[label]["2xx"], counts[label]   # JSON; SSE below in any case
-    failures = streamed_cases(app)
+    failures = streamed_cases(app) + stored_cases(app)
     assert not failures, "\n\n".join(failures)
     assert decoded(app) > before                      # past the prefill pool, through the KV transfer
     assert pools_all_free(app, {"prefill", "decode"})
@@ -171,6 +191,18 @@ def test_the_document_states_the_served_model_and_the_max_tokens_limit_of_each_c
     assert http(base, "/v1/completions", body)[0] == 200
     assert http(base, "/v1/completions", {**body, "max_tokens": limit + 1})[0] == 400
     assert http(base, "/v1/completions", {**body, "model": name + "x"})[0] == 404
+
+
+def test_a_server_that_keeps_no_responses_says_so(other_app):
+    body = {"model": "tiny-b", "input": "Hi", "max_output_tokens": 2}
+    status, text = http(other_app, "/v1/responses", body)
+    assert status == 200 and json.loads(text)["store"] is False
+    rid = json.loads(text)["id"]
+    status, text = http(other_app, "/v1/responses", {**body, "previous_response_id": rid})
+    assert status == 400 and "responses.store is off" in json.loads(text)["error"]["message"]
+    for method in ("GET", "DELETE"):
+        status, text = http(other_app, f"/v1/responses/{rid}", method=method)
+        assert status == 404 and "keeps no responses" in json.loads(text)["error"]["message"]
 
 
 def test_the_openai_client_round_trips_with_its_own_types(app):

@@ -1,0 +1,161 @@
+"""Stored responses of the Responses API: what `store` keeps and `previous_response_id` reads.
+
+A stored response's life cycle:
+  1. save    the router, when a response has completed (status completed or incomplete) and its
+             request did not say `store: false`, sends it to the ResponseStore (`StoredResponse`:
+             the Response object's JSON and its context's) before the response, or the stream's
+             last event, goes out: a client that has the answer can chain from it at once
+  2. chain   a request naming `previous_response_id` gets that response's context and output as
+             the start of its own conversation (`instructions` and tools are not carried over, as
+             OpenAI has it); its own context is that plus its input
+  3. read    GET /v1/responses/{id} (the Response), GET /v1/responses/{id}/input_items (its
+             context, paged), DELETE /v1/responses/{id}
+  4. drop    past `responses.max_stored` responses or `max_stored_bytes`, the least recently
+             saved or read go first; a restart of the store (any change to the app's `args`)
+             loses them all
+
+`ResponseLog` is the bookkeeping (no Ray, unit-tested); `ResponseStore` is the one-replica Serve
+deployment holding it on the head node, shared by every router replica; `StoredResponses` is the
+router's side. Who frees what: nothing here holds KV or engine state, only JSON text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ray import serve
+
+from serving import messages
+from serving.config import ResponsesOptions
+from serving.placement import head_actor_options
+
+log = logging.getLogger("pdserve.router")
+MAX_PAGE = 100
+
+
+class ResponseLog:
+    """Responses by id, least recently used first out past `max_stored` entries or `max_bytes`
+    characters (their JSON is ASCII: characters are bytes)."""
+
+    def __init__(self, max_stored: int, max_bytes: int):
+        self.max_stored, self.max_bytes = max_stored, max_bytes
+        self._entries: OrderedDict[str, messages.StoredResponse] = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, stored: messages.StoredResponse) -> bool:
+        """Keep `stored` (replacing one of the same id); False, keeping nothing, where it alone is
+        larger than `max_bytes`."""
+        self.delete(stored.response_id)
+        size = _size(stored)
+        if size > self.max_bytes:
+            return False
+        self._entries[stored.response_id] = stored
+        self.bytes += size
+        while len(self._entries) > self.max_stored or self.bytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.bytes -= _size(dropped)
+        return True
+
+    def get(self, response_id: str) -> messages.StoredResponse | None:
+        stored = self._entries.get(response_id)
+        if stored is not None:
+            self._entries.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> bool:
+        stored = self._entries.pop(response_id, None)
+        if stored is not None:
+            self.bytes -= _size(stored)
+        return stored is not None
+
+
+def _size(stored: messages.StoredResponse) -> int:
+    return len(stored.response) + len(stored.context)
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options=head_actor_options(),
+                  logging_config={"enable_access_log": False})
+class ResponseStore:
+    """Called by router replicas only (StoredResponses); each call is one message, no state
+    outside the log. Methods are coroutines: they run on the replica's loop, one at a time."""
+
+    def __init__(self, options: dict):
+        opts = ResponsesOptions.model_validate(options)
+        self._log = ResponseLog(opts.max_stored, opts.max_stored_bytes)
+
+    async def put(self, data: bytes) -> bool:
+        return self._log.put(messages.decode(data, expect=messages.StoredResponse))
+
+    async def get(self, response_id: str) -> bytes | None:
+        stored = self._log.get(response_id)
+        return None if stored is None else messages.encode(stored)
+
+    async def delete(self, response_id: str) -> bool:
+        return self._log.delete(response_id)
+
+
+class StoreUnavailable(RuntimeError):
+    """The store did not answer (its replica is down or restarting)."""
+
+
+@dataclass(frozen=True)
+class Found:
+    response: str          # the Response object, JSON
+    context: list[dict]    # the input items before its output
+
+    def history(self) -> list[dict]:
+        """What a request chained to this response starts with: its context, then its output."""
+        return self.context + json.loads(self.response)["output"]
+
+
+class StoredResponses:
+    """The router's side of the store (`handle`: the ResponseStore deployment's handle)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def save(self, response: dict, context: list[dict]) -> bool:
+        """Keep `response` (its `store` already true); False where it was not kept (logged)."""
+        stored = messages.StoredResponse(response["id"], json.dumps(response), json.dumps(context))
+        try:
+            kept = await self.handle.put.remote(messages.encode(stored))
+        except Exception as exc:  # noqa: BLE001 - the answer goes out anyway, unstored
+            log.warning("response %s not stored: %s", response["id"], exc)
+            return False
+        if not kept:
+            log.warning("response %s not stored: larger than responses.max_stored_bytes", response["id"])
+        return kept
+
+    async def find(self, response_id: str) -> Found | None:
+        try:
+            data = await self.handle.get.remote(response_id)
+        except Exception as exc:  # noqa: BLE001 - one error for the caller to answer
+            raise StoreUnavailable(str(exc)) from None
+        if data is None:
+            return None
+        stored = messages.decode(data, expect=messages.StoredResponse)
+        return Found(stored.response, json.loads(stored.context))
+
+    async def delete(self, response_id: str) -> bool:
+        try:
+            return await self.handle.delete.remote(response_id)
+        except Exception as exc:  # noqa: BLE001
+            raise StoreUnavailable(str(exc)) from None
+
+
+def page(items: list[dict], limit: int, order: str, after: str | None) -> dict:
+    """One page of a response's input items (OpenAI's list object): `order` "asc" (as the
+    conversation went) or "desc", the items after the one with id `after` (none where no item has it)."""
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        ordered = ordered[ids.index(after) + 1:] if after in ids else []
+    data = ordered[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}

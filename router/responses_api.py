@@ -1,0 +1,132 @@
+"""The Responses API's endpoints behind the router's routes (router/app.py): create, retrieve,
+list input items, delete.
+
+A response's life cycle here:
+  1. chain    with `previous_response_id`, the stored response (router/response_store.py) gives
+              the conversation so far (404 where it is not kept)
+  2. run      the request becomes a chat completion (router/responses_protocol.py) and runs the
+              chat endpoint's whole path; a refusal there is this request's answer
+  3. answer   the chat answer as a Response, or the chat stream as the Responses stream
+              (router/responses_output.py)
+  4. keep     a response that completed, its request not saying `store: false`, is stored before
+              the Response (or the stream's last event) goes out; where the store does not take
+              it, the answer says `store: false`
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from router.openai_protocol import ChatCompletionRequest
+from router.openai_responses import error_response, refused
+from router.response_store import Found, StoredResponses, StoreUnavailable, page
+from router.responses_output import ResponseEvents, ResponseShape, new_id, response_from_chat
+from router.responses_protocol import ResponsesRequest
+
+
+class ResponsesApi:
+    """`store`: the ResponseStore deployment's handle (None: responses.store is off); `chat`: the
+    router's chat endpoint (a chat completion, its stream, or an error response)."""
+
+    def __init__(self, store, max_tokens_limit: int, model_name: str,
+                 chat: Callable[[ChatCompletionRequest], Awaitable]):
+        self.stored = None if store is None else StoredResponses(store)
+        self.max_tokens_limit, self.model_name, self.chat = max_tokens_limit, model_name, chat
+
+    async def create(self, body: ResponsesRequest):
+        if (body.max_output_tokens or 0) > self.max_tokens_limit:
+            return error_response(400, f"max_output_tokens {body.max_output_tokens} is above this server's limit of "
+                                  f"{self.max_tokens_limit}", param="max_output_tokens")
+        history = []
+        if body.previous_response_id is not None:                 # 1. chain
+            found = await self._find(body.previous_response_id, previous=True)
+            if isinstance(found, JSONResponse):
+                return found
+            history = found.history()
+        try:                                                       # 2. run
+            chat = body.chat(history)
+        except ValidationError as exc:
+            return refused(exc)
+        result = await self.chat(chat)
+        if isinstance(result, JSONResponse):
+            return result
+        keep = self.stored is not None and body.store is not False
+        shape = ResponseShape(body, new_id("resp"), self.model_name, store=keep)
+        context = history + body.input_items() if keep else None
+        if body.stream:                                            # 3. answer (4. in the stream)
+            return StreamingResponse(self._events(shape, result.body_iterator, context),
+                                     media_type="text/event-stream")
+        response = response_from_chat(shape, result)
+        if keep and not await self.stored.save(response, context):   # 4. keep
+            response["store"] = False
+        return response
+
+    async def _events(self, shape: ResponseShape, chat_events, context: list[dict] | None):
+        """The chat stream's chunks (text/event-stream lines) as the Responses stream's events; a
+        response that completes is stored (with `context`, unless None) before its last event."""
+        events = ResponseEvents(shape)
+        try:
+            for event in events.start():
+                yield event
+            async for line in chat_events:
+                data = line.removeprefix("data: ").strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                for event in events.chunk(chunk):
+                    yield event
+                if "error" in chunk:           # response.failed went out: nothing to keep
+                    return
+            for event in events.closing():
+                yield event
+            response = events.result()
+            if context is not None and not await self.stored.save(response, context):
+                response["store"] = False
+            yield events.last(response)
+        finally:
+            await chat_events.aclose()
+
+    async def retrieve(self, response_id: str):
+        found = await self._find(response_id)
+        return found if isinstance(found, JSONResponse) else Response(found.response, media_type="application/json")
+
+    async def input_items(self, response_id: str, limit: int, order: str, after: str | None):
+        found = await self._find(response_id)
+        return found if isinstance(found, JSONResponse) else page(found.context, limit, order, after)
+
+    async def delete(self, response_id: str):
+        try:
+            deleted = self.stored is not None and await self.stored.delete(response_id)
+        except StoreUnavailable as exc:
+            return _unavailable(exc)
+        if not deleted:
+            return self._not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def _find(self, response_id: str, previous: bool = False) -> Found | JSONResponse:
+        """The stored response `response_id`, or the error to answer (`previous`: the request's
+        previous_response_id names it)."""
+        if self.stored is None and previous:
+            return error_response(400, "previous_response_id: this server keeps no responses (its "
+                                  "responses.store is off); send the whole conversation as input",
+                                  param="previous_response_id")
+        try:
+            found = None if self.stored is None else await self.stored.find(response_id)
+        except StoreUnavailable as exc:
+            return _unavailable(exc)
+        return self._not_found(response_id, previous) if found is None else found
+
+    def _not_found(self, response_id: str, previous: bool = False) -> JSONResponse:
+        if previous:
+            return error_response(404, f"Previous response with id {response_id!r} not found.",
+                                  param="previous_response_id", code="previous_response_not_found")
+        why = "" if self.stored is not None else " (this server keeps no responses: its responses.store is off)"
+        return error_response(404, f"Response with id {response_id!r} not found.{why}")
+
+
+def _unavailable(exc: Exception) -> JSONResponse:
+    return error_response(503, f"the response store is unavailable: {exc}", "unavailable", headers={"Retry-After": "1"})
