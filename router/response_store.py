@@ -31,6 +31,7 @@ from ray import serve
 from serving import messages
 from serving.config import ResponsesOptions
 from serving.placement import head_actor_options
+from serving.ray_compat import direct_stream
 
 log = logging.getLogger("pdserve.router")
 MAX_PAGE = 100
@@ -115,10 +116,11 @@ class Found:
 
 
 class StoredResponses:
-    """The router's side of the store (`handle`: the ResponseStore deployment's handle)."""
+    """The router's side of the store (`handle`: the ResponseStore deployment's handle, used over
+    Serve's gRPC transport where the cluster allows: serving/ray_compat.py)."""
 
     def __init__(self, handle):
-        self.handle = handle
+        self.handle = direct_stream(handle, messages.MAX_MESSAGE_BYTES)
 
     async def save(self, response: dict, context: list[dict]) -> bool:
         """Keep `response` (its `store` already true); False where it was not kept (logged)."""
