@@ -5,8 +5,8 @@ Disaggregated: Router -> (PrefillServer pool, DecodeServer pool), plus the Stats
 Colocated: Router -> ColocatedServer pool, plus the same two.
 Each pool gets its own scaling (pdserve/serve_config.py `scaling_options`), resources and request
 router; deployments reach each other through handles passed by `.bind`. The router, the
-registry and the store are pinned to the head node (serving/placement.py): on a cluster only the pools run on
-pool nodes.
+registry and the store are pinned to the head node (serving/placement.py): on a cluster only the
+pools run on pool nodes.
 
 With `autoscaling: {policy: slo}` both pools get bounds-and-delays autoscaling configs without a
 policy of their own and the router an autoscaling config pinned at one replica (so that Serve

@@ -21,8 +21,10 @@ router's side. Who frees what: nothing here holds KV or engine state, only JSON 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -35,6 +37,7 @@ from serving.ray_compat import direct_stream
 
 log = logging.getLogger("pdserve.router")
 MAX_PAGE = 100
+STORE_TIMEOUT_S = 5.0     # a call to the store, at most (StoredResponses)
 
 
 class ResponseLog:
@@ -117,17 +120,27 @@ class Found:
 
 class StoredResponses:
     """The router's side of the store (`handle`: the ResponseStore deployment's handle, used over
-    Serve's gRPC transport where the cluster allows: serving/ray_compat.py)."""
+    Serve's gRPC transport where the cluster allows: serving/ray_compat.py). Every call gives up
+    after `timeout_s`: while the store's replica is being replaced, Serve holds calls for the new
+    one, and a request must not wait on that for long."""
 
-    def __init__(self, handle):
-        self.handle = direct_stream(handle, messages.MAX_MESSAGE_BYTES)
+    def __init__(self, handle, timeout_s: float = STORE_TIMEOUT_S):
+        self.handle, self.timeout_s = direct_stream(handle, messages.MAX_MESSAGE_BYTES), timeout_s
+
+    async def _call(self, method: str, arg):
+        try:
+            return await asyncio.wait_for(getattr(self.handle, method).remote(arg), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise StoreUnavailable(f"no answer in {self.timeout_s:g} s") from None
+        except Exception as exc:  # noqa: BLE001 - one error for the caller to answer
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from None
 
     async def save(self, response: dict, context: list[dict]) -> bool:
         """Keep `response` (its `store` already true); False where it was not kept (logged)."""
         stored = messages.StoredResponse(response["id"], json.dumps(response), json.dumps(context))
         try:
-            kept = await self.handle.put.remote(messages.encode(stored))
-        except Exception as exc:  # noqa: BLE001 - the answer goes out anyway, unstored
+            kept = await self._call("put", messages.encode(stored))
+        except StoreUnavailable as exc:     # the answer goes out anyway, unstored
             log.warning("response %s not stored: %s", response["id"], exc)
             return False
         if not kept:
@@ -135,20 +148,26 @@ class StoredResponses:
         return kept
 
     async def find(self, response_id: str) -> Found | None:
-        try:
-            data = await self.handle.get.remote(response_id)
-        except Exception as exc:  # noqa: BLE001 - one error for the caller to answer
-            raise StoreUnavailable(str(exc)) from None
+        data = await self._call("get", response_id)
         if data is None:
             return None
         stored = messages.decode(data, expect=messages.StoredResponse)
         return Found(stored.response, json.loads(stored.context))
 
     async def delete(self, response_id: str) -> bool:
-        try:
-            return await self.handle.delete.remote(response_id)
-        except Exception as exc:  # noqa: BLE001
-            raise StoreUnavailable(str(exc)) from None
+        return await self._call("delete", response_id)
+
+
+def unique_ids(items: list[dict]) -> list[dict]:
+    """`items` with a new id for each whose id came earlier (a client may send an item it got
+    back, as well as continuing the response that has it): the pages' cursor is an item's id."""
+    seen, out = set(), []
+    for item in items:
+        if item["id"] in seen:
+            item = {**item, "id": f"{item['id'].split('_', 1)[0]}_{uuid.uuid4().hex}"}
+        seen.add(item["id"])
+        out.append(item)
+    return out
 
 
 def page(items: list[dict], limit: int, order: str, after: str | None) -> dict:

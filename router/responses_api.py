@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from router.openai_protocol import ChatCompletionRequest
 from router.openai_responses import error_response, refused
-from router.response_store import Found, StoredResponses, StoreUnavailable, page
+from router.response_store import Found, StoredResponses, StoreUnavailable, page, unique_ids
 from router.responses_output import ResponseEvents, ResponseShape, new_id, response_from_chat
 from router.responses_protocol import ResponsesRequest
 
@@ -56,7 +56,7 @@ class ResponsesApi:
             return result
         keep = self.stored is not None and body.store is not False
         shape = ResponseShape(body, new_id("resp"), self.model_name, store=keep)
-        context = history + body.input_items() if keep else None
+        context = unique_ids(history + body.input_items()) if keep else None
         if body.stream:                                            # 3. answer (4. in the stream)
             return StreamingResponse(self._events(shape, result.body_iterator, context),
                                      media_type="text/event-stream")

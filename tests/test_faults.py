@@ -1,6 +1,7 @@
 """Replica faults on a local Ray cluster (tiny model): a decode replica killed mid-stream and a
 prefill replica killed, and a colocated replica killed mid-stream; the service moves the stream
-on or retries, never hangs, and Serve replaces the replica."""
+on or retries, never hangs, and Serve replaces the replica. The response store killed: answers
+still go out (saying whether they were kept), and its replacement starts empty."""
 
 import http.client as httpclient
 import json
@@ -131,4 +132,23 @@ def test_prefill_replica_killed_requests_still_succeed(app):
     assert ok(app, 4), "a request right after the prefill replica died failed"
     assert wait_until(lambda: running_replicas("ft", "PrefillServer") == 1, 90)
     assert all(ok(app, 4) for _ in range(3))
+    assert pools_all_free(app, {"prefill", "decode"}, timeout=30)
+
+
+def test_response_store_killed_answers_still_go_out_and_its_replacement_starts_empty(app):
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 2}
+    status, text = http(app, "/v1/responses", body)
+    assert status == 200 and json.loads(text)["store"] is True
+    kept = json.loads(text)["id"]
+    kill_replica("ResponseStore")
+    status, text = http(app, "/v1/responses", body, timeout=60)      # the store's calls give up after 5 s
+    assert status == 200, text
+    after = json.loads(text)
+    assert http(app, f"/v1/responses/{after['id']}")[0] == (200 if after["store"] else 404)
+    assert wait_until(lambda: running_replicas("ft", "ResponseStore") == 1, 90)
+    status, text = http(app, "/v1/responses", {**body, "previous_response_id": kept})
+    assert status == 404 and json.loads(text)["error"]["code"] == "previous_response_not_found"   # kept in memory only
+    status, text = http(app, "/v1/responses", body)
+    assert status == 200 and json.loads(text)["store"] is True
+    assert http(app, f"/v1/responses/{json.loads(text)['id']}")[0] == 200
     assert pools_all_free(app, {"prefill", "decode"}, timeout=30)

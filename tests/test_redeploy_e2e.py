@@ -54,7 +54,7 @@ def test_a_new_scaling_is_applied_in_place_and_anything_else_restarts(ray_serve,
     try:
         wait_healthy(base)
         actors = replica_actors()
-        assert len(actors) == 4, actors                       # router, registry, prefill, decode
+        assert len(actors) == 5, actors                       # router, registry, response store, prefill, decode
         after = before.model_copy(update={
             "prefill": before.prefill.model_copy(update={"num_replicas": 2}),
             "decode": AppConfig.model_validate({"decode": {"autoscaling": {**SCALING, "target_running": 1}}}).decode})

@@ -99,6 +99,9 @@ def test_stored_responses_are_retrieved_chained_listed_and_deleted(client, disag
     assert items[1].id == first.output[0].id
     newest = client.responses.input_items.list(chained.id)             # default: newest first
     assert [i.id for i in newest.data] == [i.id for i in reversed(items)] and not newest.has_more
+    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order")):
+        code, text = http(disagg, f"/v1/responses/{chained.id}/input_items?{query}")
+        assert code == 400 and json.loads(text)["error"]["param"] == param, text
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
