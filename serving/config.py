@@ -201,8 +201,8 @@ class ResponsesOptions(_Model):
     /v1/responses/{id}): kept in memory by one ResponseStore deployment on the head node, the least
     recently used dropped past either bound, and lost when it restarts (any change to `args`
     replaces it)."""
-    store: bool = Field(True, description="Keep responses whose request says `store` (OpenAI's default: true); "
-                        "false: none is kept and `previous_response_id` is a 400.")
+    store: bool = Field(True, description="Keep each response whose request does not say `store: false` (OpenAI's "
+                        "default); false: none is kept and `previous_response_id` is a 400.")
     max_stored: int = Field(10_000, ge=1, description="Responses kept at most.")
     max_stored_bytes: int = Field(256 * 2**20, ge=2**20, description="Bytes of kept responses (their JSON: output "
                                   "and the conversation before it) at most.")
