@@ -107,13 +107,14 @@ class Router:
                              self.max_model_len, api_key=bool(self.config.api_key))
         self._documents: dict[str, dict] = {}
         self.registry = registry
-        self.responses_api = ResponsesApi(store, self.config.max_tokens_limit, self.model_name, self.chat_completions)
         slo = self.config.autoscaling
         self.request_metrics = RequestMetrics(export=RouterSeries(),   # also on Ray's metrics port
                                               window_s=slo.window_s if slo else 30.0,
                                               goodput=self.config.goodput_targets)
         self.orchestrator = Orchestrator(self.config.mode, prefill, decode, colocated,
                                          metrics=self.request_metrics)
+        self.responses_api = ResponsesApi(store, self.config.max_tokens_limit, self.model_name, self.chat_completions,
+                                          saved=self.request_metrics.response_saved)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's hook (collected when the SLO policy autoscales the router at 1 replica): the window."""

@@ -50,6 +50,7 @@ class RequestMetrics:
         self.goodput_targets, self.goodput = goodput, 0   # (TTFT, TPOT) seconds; requests meeting both
         self.outcomes: Counter = Counter()
         self.migrations = 0       # attempts that resumed a request after a replica died (orchestrator)
+        self.responses_saved: Counter = Counter()    # "stored" / "not_stored" (router/responses_api.py)
         self.export = export
         self.window = SloWindow(window_s)      # the SLO autoscaling policy's view (router/slo_window.py)
 
@@ -83,6 +84,14 @@ class RequestMetrics:
         if self.export is not None:
             self.export.migrated()
 
+    def response_saved(self, kept: bool) -> None:
+        """One Responses API answer the router tried to store: kept, or not (the store failed,
+        timed out, or the response was larger than its bound)."""
+        result = "stored" if kept else "not_stored"
+        self.responses_saved[result] += 1
+        if self.export is not None:
+            self.export.response_saved(result)
+
     def finish(self, outcome: str) -> None:
         """Count one request that ended as `outcome` (one of OUTCOMES)."""
         self.outcomes[outcome] += 1
@@ -100,7 +109,11 @@ class RequestMetrics:
                 f"pdserve_goodput_requests_total {self.goodput}",
                 "# HELP pdserve_request_migrations_total Attempts that resumed a request on other replicas "
                 "after one died with its output partly sent", "# TYPE pdserve_request_migrations_total counter",
-                f"pdserve_request_migrations_total {self.migrations}"]
+                f"pdserve_request_migrations_total {self.migrations}",
+                "# HELP pdserve_responses_saved_total Responses API answers the router tried to store, by result",
+                "# TYPE pdserve_responses_saved_total counter",
+                *(f'pdserve_responses_saved_total{{result="{r}"}} {self.responses_saved[r]}'
+                  for r in ("stored", "not_stored"))]
         if self.export is not None:
             out += ["# HELP pdserve_router_ray_metrics_errors_total Errors exporting the router's series to "
                     "Ray's metrics port (the first one turns the export off)",

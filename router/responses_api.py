@@ -30,12 +30,13 @@ from router.responses_protocol import ResponsesRequest
 
 class ResponsesApi:
     """`store`: the ResponseStore deployment's handle (None: responses.store is off); `chat`: the
-    router's chat endpoint (a chat completion, its stream, or an error response)."""
+    router's chat endpoint (a chat completion, its stream, or an error response); `saved(kept)`
+    is told of every save (router/metrics.py)."""
 
     def __init__(self, store, max_tokens_limit: int, model_name: str,
-                 chat: Callable[[ChatCompletionRequest], Awaitable]):
+                 chat: Callable[[ChatCompletionRequest], Awaitable], saved: Callable[[bool], None]):
         self.stored = None if store is None else StoredResponses(store)
-        self.max_tokens_limit, self.model_name, self.chat = max_tokens_limit, model_name, chat
+        self.max_tokens_limit, self.model_name, self.chat, self.saved = max_tokens_limit, model_name, chat, saved
 
     async def create(self, body: ResponsesRequest):
         if (body.max_output_tokens or 0) > self.max_tokens_limit:
@@ -61,9 +62,14 @@ class ResponsesApi:
             return StreamingResponse(self._events(shape, result.body_iterator, context),
                                      media_type="text/event-stream")
         response = response_from_chat(shape, result)
-        if keep and not await self.stored.save(response, context):   # 4. keep
-            response["store"] = False
+        if keep:                                                   # 4. keep
+            await self._save(response, context)
         return response
+
+    async def _save(self, response: dict, context: list[dict]) -> None:
+        kept = await self.stored.save(response, context)
+        response["store"] = kept
+        self.saved(kept)
 
     async def _events(self, shape: ResponseShape, chat_events, context: list[dict] | None):
         """The chat stream's chunks (text/event-stream lines) as the Responses stream's events; a
@@ -84,8 +90,8 @@ class ResponsesApi:
             for event in events.closing():
                 yield event
             response = events.result()
-            if context is not None and not await self.stored.save(response, context):
-                response["store"] = False
+            if context is not None:
+                await self._save(response, context)
             yield events.last(response)
         finally:
             await chat_events.aclose()

@@ -61,7 +61,7 @@ class _Export:
 
 class RouterSeries(_Export):
     """The router deployment's request series: latency histograms, outcomes, output tokens,
-    migrations."""
+    migrations, stored responses."""
 
     def __init__(self):
         super().__init__("router", self._build)
@@ -79,6 +79,8 @@ class RouterSeries(_Export):
                                        "Finished requests that met the goodput TTFT and TPOT targets")
         m["migrations"] = metrics.Counter("pdserve_request_migrations_total",
                                           "Attempts that resumed a request after a replica died")
+        m["responses_saved"] = metrics.Counter("pdserve_responses_saved_total", "Responses API answers the router "
+                                               "tried to store, by result", tag_keys=("result",))
         return m
 
     def request(self, ttft: float, tpot: float | None, e2e: float, output_tokens: int, good: bool = False) -> None:
@@ -101,6 +103,9 @@ class RouterSeries(_Export):
 
     def migrated(self) -> None:
         self._record(lambda m: m["migrations"].inc(1))
+
+    def response_saved(self, result: str) -> None:
+        self._record(lambda m: m["responses_saved"].inc(1, tags={"result": result}))
 
 
 class ReplicaSeries(_Export):

@@ -135,16 +135,25 @@ def test_prefill_replica_killed_requests_still_succeed(app):
     assert pools_all_free(app, {"prefill", "decode"}, timeout=30)
 
 
+def _saves(base) -> dict[str, float]:
+    _, text = http(base, "/metrics")
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^pdserve_responses_saved_total\{result="(\w+)"\} (\S+)$', text, re.M)}
+
+
 def test_response_store_killed_answers_still_go_out_and_its_replacement_starts_empty(app):
     body = {"model": "tiny", "input": "Hi", "max_output_tokens": 2}
     status, text = http(app, "/v1/responses", body)
     assert status == 200 and json.loads(text)["store"] is True
     kept = json.loads(text)["id"]
+    saved = _saves(app)
     kill_replica("ResponseStore")
     status, text = http(app, "/v1/responses", body, timeout=60)      # the store's calls give up after 5 s
     assert status == 200, text
     after = json.loads(text)
     assert http(app, f"/v1/responses/{after['id']}")[0] == (200 if after["store"] else 404)
+    result = "stored" if after["store"] else "not_stored"            # and /metrics counts which
+    assert _saves(app) == {**saved, result: saved[result] + 1}
     assert wait_until(lambda: running_replicas("ft", "ResponseStore") == 1, 90)
     status, text = http(app, "/v1/responses", {**body, "previous_response_id": kept})
     assert status == 404 and json.loads(text)["error"]["code"] == "previous_response_not_found"   # kept in memory only

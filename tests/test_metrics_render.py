@@ -65,17 +65,25 @@ def test_outcomes_and_observations_reach_the_export():
         def migrated(self):
             self.calls.append(("migrated",))
 
+        def response_saved(self, result):
+            self.calls.append(("saved", result))
+
     export = Export()
     latency = RequestMetrics(export)
     latency.observe(0.0, 0.5, 1.5, 3)
     latency.observe_prefill(0.1, 0.4)
     latency.migrated()
     latency.finish("ok")
+    latency.response_saved(True)
+    latency.response_saved(True)
+    latency.response_saved(False)
     assert export.calls == [("request", (0.5, 0.5, 1.5, 3, False)), ("prefill", (0.1, 0.4)), ("migrated",),
-                            ("outcome", "ok")]
+                            ("outcome", "ok"), ("saved", "stored"), ("saved", "stored"), ("saved", "not_stored")]
     text = render([], latency.outcomes, latency)
     assert 'pdserve_requests_total{outcome="ok"} 1' in text and "pdserve_router_ray_metrics_errors_total 0" in text
     assert "pdserve_request_migrations_total 1" in text
+    assert ('pdserve_responses_saved_total{result="stored"} 2' in text
+            and 'pdserve_responses_saved_total{result="not_stored"} 1' in text)
 
 
 def test_goodput_counts_requests_meeting_both_targets():

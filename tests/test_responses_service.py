@@ -77,6 +77,7 @@ def test_stored_responses_are_retrieved_chained_listed_and_deleted(client, disag
     ask = dict(model=MODEL, max_output_tokens=16, temperature=0)
     first = client.responses.create(**ask, instructions="Answer in a few words.", input="My name is Ada. Hello!")
     assert first.store is True and client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    assert re.search(r'^pdserve_responses_saved_total\{result="stored"\} [1-9]', http(disagg, "/metrics")[1], re.M)
     question = "What is my name?"
     chained = client.responses.create(**ask, previous_response_id=first.id, input=question)
     # its stateless twin: the first turn's input and output sent whole (no instructions: they are not carried over)

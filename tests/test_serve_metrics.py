@@ -13,6 +13,8 @@ def test_router_and_replica_series_record_without_errors():
     for outcome in ("ok", "error", "aborted"):
         router.outcome(outcome)
     router.migrated()
+    router.response_saved("stored")
+    router.response_saved("not_stored")
     replica = ReplicaSeries("prefill")
     replica.load(ReplicaStats("prefill", "p1", 100, 60, 3, 2, 50))
     replica.observe("kv_transfer_seconds", 0.01)
