@@ -10,7 +10,9 @@ prints its own summary: per operation, generated / accepted (2xx) / rejected (4x
 (schemathesis' strategies are driven by hypothesis directly: its pytest plugin does not load under
 pytest 9.) The fuzzer streams few of its cases (2-12 in 100 across runs, and once none), so the
 positive test also sends one streaming request per POST operation as a schemathesis case of the
-document, checked by the same response checks: SSE conformance never depends on the draw.
+document, checked by the same response checks: SSE conformance never depends on the draw; and
+likewise a stored response's GET, input_items and DELETE (random ids are only 404s). The second
+app keeps no responses (`responses.store: false`) and says so.
 """
 
 import collections
