@@ -45,7 +45,8 @@ from router.guards import Guards, GuardSettings
 from router.logprobs import LogprobsFormatter, TokenStrings
 from router.metrics import RequestMetrics, render
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.openai_responses import choice_body, completion_body, error_body, error_response, refused, usage
+from router.openai_responses import (above_limit, choice_body, completion_body, error_body, error_response, refused,
+                                     usage)
 from router.orchestrator import Orchestrator, RequestFailed
 from router.reasoning import grammar_think, reasoning_template, starts_inside, think_tokens
 from router.response_store import MAX_PAGE
@@ -222,7 +223,7 @@ class Router:
         except (ValueError, TemplateError) as exc:     # the template refused the conversation
             return error_response(400, str(exc), param="messages")
         if body.max_completion_tokens is not None and (body.max_tokens or 0) > self.config.max_tokens_limit:
-            return self._above_limit("max_tokens", body.max_tokens)   # overridden, yet bounded as documented
+            return above_limit("max_tokens", body.max_tokens, self.config.max_tokens_limit)   # overridden, yet bounded
         reasoning = think = None
         if self.reasoning:       # where the output starts: inside a <think> the prompt left open, or not
             tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=False)
@@ -266,7 +267,7 @@ class Router:
         if max_tokens is None:
             max_tokens = min(room, self.config.max_tokens_limit)
         if max_tokens > self.config.max_tokens_limit:
-            return self._above_limit("max_tokens", max_tokens)
+            return above_limit("max_tokens", max_tokens, self.config.max_tokens_limit)
         if room < 1 or max_tokens > room:
             return error_response(400, f"this model's maximum context length is {self.max_model_len} tokens; "
                                   f"the prompt has {longest} tokens and max_tokens is {max_tokens}",
@@ -300,10 +301,6 @@ class Router:
             return StreamingResponse(self._sse(body, rid, choices, firsts, chat, (start, first_at), echoes, shape),
                                      media_type="text/event-stream")
         return await self._collect(body, rid, choices, firsts, chat, (start, first_at), echoes, shape)
-
-    def _above_limit(self, name: str, value: int):
-        return error_response(400, f"{name} {value} is above this server's limit of {self.config.max_tokens_limit}",
-                              param=name)
 
     def _choice(self, rid: str, index: int, j: int, ids: list[int], params):
         """Choice `index` of a request, the `j`-th of its prompt: its own request id in the pools

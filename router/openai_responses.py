@@ -31,6 +31,11 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return JSONResponse(status_code=status, headers=headers, content=error_body(message, kind, param, code))
 
 
+def above_limit(name: str, value: int, limit: int) -> JSONResponse:
+    """The 400 for a token count (`name`: max_tokens, max_output_tokens) above the server's `max_tokens_limit`."""
+    return error_response(400, f"{name} {value} is above this server's limit of {limit}", param=name)
+
+
 def refused(exc) -> JSONResponse:
     """A 400 for a request built inside an endpoint (a chat request from /tokenize's messages or
     from a response's input) that its model refuses (`exc`: pydantic's ValidationError)."""

@@ -110,12 +110,17 @@ class StoreUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Found:
-    response: str          # the Response object, JSON
-    context: list[dict]    # the input items before its output
+    """A stored response as the store keeps it (JSON text: GET /v1/responses/{id} sends `response`
+    as it is, and only what reads the items parses them)."""
+    response: str          # the Response object
+    context_json: str      # the input items before its output, a list
+
+    def context(self) -> list[dict]:
+        return json.loads(self.context_json)
 
     def history(self) -> list[dict]:
         """What a request chained to this response starts with: its context, then its output."""
-        return self.context + json.loads(self.response)["output"]
+        return self.context() + json.loads(self.response)["output"]
 
 
 class StoredResponses:
@@ -152,7 +157,7 @@ class StoredResponses:
         if data is None:
             return None
         stored = messages.decode(data, expect=messages.StoredResponse)
-        return Found(stored.response, json.loads(stored.context))
+        return Found(stored.response, stored.context)
 
     async def delete(self, response_id: str) -> bool:
         return await self._call("delete", response_id)

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from router.openai_protocol import ChatCompletionRequest
-from router.openai_responses import error_response, refused
+from router.openai_responses import above_limit, error_response, refused
 from router.response_store import Found, StoredResponses, StoreUnavailable, page, unique_ids
 from router.responses_output import ResponseEvents, ResponseShape, new_id, response_from_chat
 from router.responses_protocol import ResponsesRequest
@@ -40,8 +40,7 @@ class ResponsesApi:
 
     async def create(self, body: ResponsesRequest):
         if (body.max_output_tokens or 0) > self.max_tokens_limit:
-            return error_response(400, f"max_output_tokens {body.max_output_tokens} is above this server's limit of "
-                                  f"{self.max_tokens_limit}", param="max_output_tokens")
+            return above_limit("max_output_tokens", body.max_output_tokens, self.max_tokens_limit)
         history = []
         if body.previous_response_id is not None:                 # 1. chain
             found = await self._find(body.previous_response_id, previous=True)
@@ -102,7 +101,7 @@ class ResponsesApi:
 
     async def input_items(self, response_id: str, limit: int, order: str, after: str | None):
         found = await self._find(response_id)
-        return found if isinstance(found, JSONResponse) else page(found.context, limit, order, after)
+        return found if isinstance(found, JSONResponse) else page(found.context(), limit, order, after)
 
     async def delete(self, response_id: str):
         try:

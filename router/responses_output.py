@@ -103,8 +103,9 @@ def response_from_chat(shape: ResponseShape, completion: dict) -> dict:
 
 
 class ResponseEvents:
-    """One response's stream: `start`, then `chunk` per chat chunk (parsed), then `end`; each
-    returns server-sent events (text) to send."""
+    """One response's stream: `start`, then `chunk` per chat chunk (parsed), then `closing`, and
+    `last` with the whole response (`result`, once its `store` is known); each returns server-sent
+    events (text) to send."""
 
     def __init__(self, shape: ResponseShape):
         self.shape, self.output, self.seq = shape, [], 0
@@ -140,10 +141,6 @@ class ResponseEvents:
                 events += self._call(call)
             self.finish = choice["finish_reason"] or self.finish
         return events
-
-    def end(self) -> list[str]:
-        """After the chat stream's last chunk: every item closed, then the whole response."""
-        return self.closing() + [self.last(self.result())]
 
     def closing(self) -> list[str]:
         """After the chat stream's last chunk: every item closed."""

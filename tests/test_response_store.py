@@ -66,7 +66,7 @@ def test_an_item_sent_again_gets_a_new_id_so_pages_end():
 
 
 def test_a_chain_starts_with_the_context_then_the_output():
-    found = Found(json.dumps({"id": "resp_1", "output": [{"id": "msg_2", "type": "message"}]}), ITEMS[:2])
+    found = Found(json.dumps({"id": "resp_1", "output": [{"id": "msg_2", "type": "message"}]}), json.dumps(ITEMS[:2]))
     assert [i["id"] for i in found.history()] == ["i0", "i1", "msg_2"]
 
 

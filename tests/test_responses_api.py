@@ -190,7 +190,7 @@ def test_the_stream_adds_up_to_the_response(message, finish):
         sent = events.start()
         for c in chunks(message, finish, random.Random(seed)):
             sent += events.chunk(c)
-        sent += events.end()
+        sent += events.closing() + [events.last(events.result())]      # as router/responses_api.py ends it
         parsed = [json.loads(e.split("data: ", 1)[1]) for e in sent]
         assert [e["sequence_number"] for e in parsed] == list(range(len(parsed)))
         assert all(e.startswith(f"event: {p['type']}\n") for e, p in zip(sent, parsed))
