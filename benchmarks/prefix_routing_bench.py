@@ -1,9 +1,12 @@
 #!/usr/bin/env python
 """Prefix-cache affinity benchmark: multi-turn conversations on two prefill replicas, with the
-prefill router's prefix affinity on and then off (`routing.prefix_affinity`), same load.
+prefill router's prefix affinity on and then off (`routing.prefix_affinity`), same load; or with
+`--pool decode`, on two decode replicas: the K/V a decode replica holds already is not pushed
+again (decode_service/server.py step 1), with decode affinity on, off, and with the decode
+pool's prefix cache off (`decode.engine.enable_prefix_caching: false`: every push whole).
 
-Deploys a disaggregated app (2 prefill replicas, 1 decode replica, real model, fp32 CPU) on a
-local Ray cluster per setting, one setting at a time. Load: C conversations run at once; each has
+Deploys a disaggregated app (2 prefill replicas and 1 decode replica; `--pool decode`: 1 and 2;
+real model, fp32 CPU) on a local Ray cluster per setting, one setting at a time. Load: C conversations run at once; each has
 T turns sent one after the other. Turn 1's prompt is a conversation-specific opening of
 --opening tokens (random ids, seeded: a system prompt plus a first question); turn k's prompt is
 turn k-1's prompt, that turn's answer and a new --turn-tokens message (random ids), as a chat
@@ -15,10 +18,13 @@ warm the fresh replicas up; they are excluded, also from the counters.
 
 Printed per setting: TTFT p50/p90 of turns >= 2 (turn 1 can never hit), the prefix-cache hit
 ratio of the prefill pool (hit tokens / prompt tokens looked up, from /metrics), the prompt
-tokens actually computed by the prefill pool, and the wall time.
+tokens actually computed by the prefill pool, and the wall time; with `--pool decode` instead:
+the KV bytes pushed, the blocks the decode pool reused, and for turns >= 2 the gap from the first
+streamed token to the second (it spans the push: the first token comes from the prefill replica,
+the second after the K/V landed) and TPOT, p50/p90.
 
-    python benchmarks/prefix_routing_bench.py [--conversations 4] [--turns 6] [--opening 400] \
-        [--turn-tokens 48] [--output-len 8] [--model DIR] [--json OUT]
+    python benchmarks/prefix_routing_bench.py [--pool prefill|decode] [--conversations 4] [--turns 6] \
+        [--opening 400] [--turn-tokens 48] [--output-len 8] [--model DIR] [--json OUT]
 """
 
 from __future__ import annotations
@@ -37,15 +43,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # service_bench, next to this file
 import service_bench as sb  # noqa: E402
 
-SETTINGS = (("affinity on", True), ("affinity off", False))
+# name -> (routing.prefix_affinity, the decode pool's prefix cache)
+SETTINGS = {"prefill": (("affinity on", (True, True)), ("affinity off", (False, True))),
+            "decode": (("decode reuse, affinity on", (True, True)), ("decode reuse, affinity off", (False, True)),
+                       ("no decode reuse", (True, False)))}
 
 
-def app_config(args, affinity: bool):
+def app_config(args, affinity: bool, decode_cache: bool):
     from serving.config import AppConfig
+    two = {"num_replicas": 2}
     return AppConfig(mode="disaggregated", model=args.model, served_model_name=sb.SERVED_NAME,
                      engine={"kv_cache_memory": args.kv_cache_memory, "dtype": "float32", "device": "cpu",
                              "num_threads": 1},
-                     prefill={"num_replicas": 2}, routing={"prefix_affinity": affinity},
+                     prefill=two if args.pool == "prefill" else {},
+                     decode={**(two if args.pool == "decode" else {}),
+                             "engine": {"enable_prefix_caching": decode_cache}},
+                     routing={"prefix_affinity": affinity},
                      transfer={"host": "127.0.0.1"}, route_prefix=sb.ROUTE)
 
 
@@ -70,15 +83,16 @@ async def conversations(url: str, args, vocab: list[int]) -> list[dict]:
     return records
 
 
-def prefill_counter(counters: dict, name: str) -> float:
-    return counters.get(f"{name}[prefill]", 0.0)
+def prefill_counter(counters: dict, name: str, pool: str = "prefill") -> float:
+    return counters.get(f"{name}[{pool}]", 0.0)
 
 
-def run_setting(args, base: str, vocab, affinity: bool) -> dict:
+def run_setting(args, base: str, vocab, affinity: bool, decode_cache: bool) -> dict:
     from ray import serve
 
     from pdserve.app_builder import build_app
-    serve.run(build_app(app_config(args, affinity)), name=sb.APP_NAME, route_prefix=sb.ROUTE, blocking=False)
+    serve.run(build_app(app_config(args, affinity, decode_cache)), name=sb.APP_NAME, route_prefix=sb.ROUTE,
+              blocking=False)
     try:
         sb.wait_healthy(base, args.health_timeout)
         rng = random.Random(args.seed + 77)
@@ -94,9 +108,15 @@ def run_setting(args, base: str, vocab, affinity: bool) -> dict:
         serve.delete(sb.APP_NAME)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     later = [r["ttft"] for r in records if r["ok"] and r["turn"] >= 2]
+    gaps = [r["second_gap"] for r in records if r["ok"] and r["turn"] >= 2 and r["second_gap"] is not None]
+    tpots = [r["tpot"] for r in records if r["ok"] and r["turn"] >= 2]
     queried = prefill_counter(delta, "pdserve_prefix_cache_query_tokens")
     hit = prefill_counter(delta, "pdserve_prefix_cache_hit_tokens")
-    return {"affinity": affinity, "wall_s": wall, "requests": len(records),
+    return {"affinity": affinity, "decode_cache": decode_cache, "wall_s": wall, "requests": len(records),
+            "kv_bytes_sent": prefill_counter(delta, "pdserve_kv_bytes_sent"),
+            "kv_blocks_reused": prefill_counter(delta, "pdserve_kv_blocks_reused", "decode"),
+            "second_gap_later_p50_s": sb.pct(gaps, 50), "second_gap_later_p90_s": sb.pct(gaps, 90),
+            "tpot_later_p50_s": sb.pct(tpots, 50), "tpot_later_p90_s": sb.pct(tpots, 90),
             "failed": sum(not r["ok"] for r in records), "errors": [r["error"] for r in records if not r["ok"]],
             "ttft_later_p50_s": sb.pct(later, 50), "ttft_later_p90_s": sb.pct(later, 90),
             "ttft_first_p50_s": sb.pct([r["ttft"] for r in records if r["ok"] and r["turn"] == 1], 50),
@@ -106,6 +126,8 @@ def run_setting(args, base: str, vocab, affinity: bool) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pool", choices=sorted(SETTINGS), default="prefill",
+                   help="the pool with two replicas whose prefix reuse is compared")
     p.add_argument("--model", default=sb.DEFAULT_MODEL)
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=6)
@@ -135,25 +157,37 @@ def main(argv=None) -> int:
     base = f"http://127.0.0.1:{port}{sb.ROUTE}"
     rows = []
     with sb.local_serve(port):
-        for name, affinity in SETTINGS:
+        for name, (affinity, decode_cache) in SETTINGS[args.pool]:
             print(f"[{name}] deploying ...", file=sys.stderr, flush=True)
-            rows.append({"setting": name, **run_setting(args, base, vocab, affinity)})
+            rows.append({"setting": name, **run_setting(args, base, vocab, affinity, decode_cache)})
 
     print()
     print(f"pdserve prefix-affinity benchmark — {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}, "
           f"commit {commit}; {platform.machine()}, {os.cpu_count()} CPU cores, everything on this host")
-    print(f"app: 2 prefill + 1 decode replicas, {Path(args.model).name} fp32 CPU, 1 torch thread each; load: "
+    pools = "2 prefill + 1 decode" if args.pool == "prefill" else "1 prefill + 2 decode"
+    print(f"app: {pools} replicas, {Path(args.model).name} fp32 CPU, 1 torch thread each; load: "
           f"{args.conversations} conversations at once x {args.turns} turns, opening {args.opening} tokens, "
           f"+{args.output_len} answer +{args.turn_tokens} user tokens per turn, output {args.output_len}; "
           f"{args.warmup} warm-up requests per setting excluded")
     print()
-    print("| setting | TTFT p50, turns >= 2 (ms) | TTFT p90, turns >= 2 (ms) | TTFT p50, turn 1 (ms) "
-          "| prefix hit ratio | prompt tokens computed | wall (s) | failed |")
-    print("|---|---|---|---|---|---|---|---|")
+    if args.pool == "prefill":
+        print("| setting | TTFT p50, turns >= 2 (ms) | TTFT p90, turns >= 2 (ms) | TTFT p50, turn 1 (ms) "
+              "| prefix hit ratio | prompt tokens computed | wall (s) | failed |")
+        print("|---|---|---|---|---|---|---|---|")
+    else:
+        print("| setting | KV pushed (MiB) | decode blocks reused | 1st -> 2nd token p50 / p90, turns >= 2 (ms) "
+              "| TPOT p50 / p90, turns >= 2 (ms) | TTFT p50, turns >= 2 (ms) | wall (s) | failed |")
+        print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['setting']} | {sb.fmt(r['ttft_later_p50_s'], 1e3)} | {sb.fmt(r['ttft_later_p90_s'], 1e3)} "
-              f"| {sb.fmt(r['ttft_first_p50_s'], 1e3)} | {sb.fmt(r['hit_ratio'], 100, 1)} % "
-              f"| {r['computed_prompt_tokens']:.0f} | {r['wall_s']:.1f} | {r['failed']}/{r['requests']} |")
+        if args.pool == "prefill":
+            print(f"| {r['setting']} | {sb.fmt(r['ttft_later_p50_s'], 1e3)} | {sb.fmt(r['ttft_later_p90_s'], 1e3)} "
+                  f"| {sb.fmt(r['ttft_first_p50_s'], 1e3)} | {sb.fmt(r['hit_ratio'], 100, 1)} % "
+                  f"| {r['computed_prompt_tokens']:.0f} | {r['wall_s']:.1f} | {r['failed']}/{r['requests']} |")
+        else:
+            print(f"| {r['setting']} | {r['kv_bytes_sent'] / 2**20:.1f} | {r['kv_blocks_reused']:.0f} "
+                  f"| {sb.fmt(r['second_gap_later_p50_s'], 1e3)} / {sb.fmt(r['second_gap_later_p90_s'], 1e3)} "
+                  f"| {sb.fmt(r['tpot_later_p50_s'], 1e3)} / {sb.fmt(r['tpot_later_p90_s'], 1e3)} "
+                  f"| {sb.fmt(r['ttft_later_p50_s'], 1e3)} | {r['wall_s']:.1f} | {r['failed']}/{r['requests']} |")
         for e in sorted(set(r["errors"]))[:5]:
             print(f"    error: {e}")
     if args.json:

@@ -110,10 +110,10 @@ def request_body(prompt: list[int], output_len: int) -> dict:
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> dict:
     rec = {"prompt_tokens": len(prompt), "ok": False, "error": None, "ttft": None, "tpot": None, "e2e": None,
-           "output_tokens": 0, "cached_tokens": 0, "text": "", "start": None, "end": None}
+           "output_tokens": 0, "cached_tokens": 0, "text": "", "start": None, "end": None, "second_gap": None}
     t0 = time.perf_counter()
     rec["start"] = t0
-    first = None
+    first = second = None
     done = False
     text = []
     try:
@@ -138,6 +138,8 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ou
                     if piece:
                         if first is None:
                             first = time.perf_counter()
+                        elif second is None:
+                            second = time.perf_counter()
                         text.append(piece)
                 if obj.get("usage"):
                     rec["output_tokens"] = obj["usage"]["completion_tokens"]
@@ -159,6 +161,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ou
         rec["ttft"] = first - t0
         rec["e2e"] = end - t0
         rec["tpot"] = (end - first) / (rec["output_tokens"] - 1) if rec["output_tokens"] > 1 else None
+        rec["second_gap"] = None if second is None else second - first   # disaggregated: spans the KV hand-off
     return rec
 
 

@@ -2,9 +2,14 @@
 
 Life cycle of a request here (`generate`, a streaming call the router makes before the prefill)
   1. reserve  blocks for the prompt's K/V (a resumed request's: and its resumed tokens') on the
-              engine thread; none free -> a 503 event at once (the prefill never runs)
-  2. expect   hand the reservation to the KV receiver, then yield `Reserved` (its identity: the
-              request id at this replica's KV address), which the router hands to the prefill
+              engine thread, the leading full blocks this replica's prefix cache still holds
+              (an earlier turn of the conversation, a shared system prompt, the same prompt's
+              other choices) taken from there, shared with any sequence using them; too few
+              free -> a 503 event at once (the prefill never runs)
+  2. expect   hand the blocks still to be filled to the KV receiver, then yield `Reserved` (its
+              identity: the request id at this replica's KV address; and how many leading
+              blocks are cached, which the prefill replica does not push), which the router
+              hands to the prefill
   3. await    the push, bounded by the lease (which also covers the prefill's queue and the
               prefill); it lands in the reserved blocks with the first token (a KVHandoff) and
               this yields `Landed` (from here the prefill replica's fate does not matter: a
@@ -72,20 +77,21 @@ class DecodeServer(EngineReplica):
         params = req.params.to_params()
         grammar = asyncio.ensure_future(self.host.aengine.precompile(params))   # awaited at step 4
         # 1. reserve
-        blocks = await self._reserve(len(req.prompt_token_ids) + len(req.resumed_token_ids))
-        if blocks is None:
+        reserved = await self._reserve(list(req.prompt_token_ids) + list(req.resumed_token_ids))
+        if reserved is None:
             yield error_event(rid, "decode replica is out of KV blocks; retry later", 503, "overloaded")
             return
+        blocks, cached = reserved
         # 2. expect, 3. await the push
         try:
-            transfer = self.receiver.expect(rid, blocks)
+            transfer = self.receiver.expect(rid, blocks[cached:])
         except (ValueError, RuntimeError) as exc:      # a duplicate id, or the receiver is closed
             self._release(blocks)
             yield error_event(rid, f"cannot reserve: {exc}", 400 if isinstance(exc, ValueError) else 503)
             return
         resolved = False
         try:
-            yield messages.encode(messages.Reserved(rid, self.receiver.address, len(blocks)))
+            yield messages.encode(messages.Reserved(rid, self.receiver.address, len(blocks) - cached, cached))
             result = await asyncio.shield(asyncio.wrap_future(transfer))
             resolved = True
         finally:
@@ -100,6 +106,7 @@ class DecodeServer(EngineReplica):
             return
         self.host.count("kv_transfers_landed")
         self.host.count("kv_bytes_received", result.nbytes)
+        self.host.count("kv_blocks_reused", cached)
         try:
             yield messages.encode(messages.Landed(rid))
             await grammar
@@ -135,12 +142,13 @@ class DecodeServer(EngineReplica):
         except messages.MessageError as exc:
             return f"bad hand-off from the prefill replica: {exc}"
 
-    async def _reserve(self, num_tokens: int) -> list[int] | None:
-        fut = self.host.aengine.submit(lambda e: e.reserve(num_tokens))
+    async def _reserve(self, token_ids: list[int]) -> tuple[list[int], int] | None:
+        """(blocks, how many lead blocks are cached) from the engine thread (`reserve_cached`)."""
+        fut = self.host.aengine.submit(lambda e: e.reserve_cached(token_ids))
         try:
             return await asyncio.shield(asyncio.wrap_future(fut))
         except asyncio.CancelledError:
-            fut.add_done_callback(lambda f: f.exception() is None and f.result() and self._release(f.result()))
+            fut.add_done_callback(lambda f: f.exception() is None and f.result() and self._release(f.result()[0]))
             raise
 
     def _release(self, blocks: list[int]) -> None:

@@ -7,8 +7,10 @@ Ownership contract
   preemption, failed transfer, timeout) must call one of them exactly once.
 * A free block may still carry a prefix hash: it stays findable by `allocate` until it is
   handed out again (least recently freed first), so "free" includes "cached but unused".
-* `reserve` hands out fresh blocks for an incoming KV transfer; the caller owns them until
-  it `adopt`s them into a sequence or `release`s them.
+* `reserve` hands out fresh blocks for an incoming KV transfer, `reserve_cached` the cached
+  blocks that already hold its leading full blocks (the decode role: they are not sent again)
+  and fresh ones for the rest; the caller owns them until it `adopt`s them into a sequence or
+  `release`s them.
 Only the engine thread calls into a `BlockManager`; it is not thread-safe.
 """
 
@@ -62,11 +64,18 @@ class BlockManager:
         """Cached blocks matching the sequence's leading full blocks; at least one token
         is always left to compute so the step can produce logits. None for a request that wants
         prompt logprobs: every prompt position must be computed for its logits."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if seq.params.prompt_logprobs is not None:
             return []
-        hits, prev = [], -1
-        for i in range((len(seq) - 1) // self.block_size):
-            tokens = tuple(seq.block_tokens(i, self.block_size))
+        return self._cached(seq.token_ids)
+
+    def _cached(self, token_ids) -> list[int]:
+        """Cached blocks holding the K/V of the leading full blocks of `token_ids`, short of the
+        block with the last token (always left to compute, or to receive)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, prev, bs = [], -1, self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(prev, tokens)
             block_id = self._hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
@@ -82,13 +91,9 @@ class BlockManager:
         """
         assert not seq.block_table
         hits = self._prefix_hits(seq)
-        needed_new = self.blocks_for(len(seq)) - len(hits)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        if needed_new > self.num_free_blocks - revived:
+        table = self._claim(hits, self.blocks_for(len(seq)))
+        if table is None:
             return False
-        for block_id in hits:
-            self._ref(block_id)
-        table = hits + [self._take_fresh() for _ in range(needed_new)]
         seq.block_table = table
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         seq.block_hashes = [self.blocks[b].hash for b in hits]
@@ -134,6 +139,16 @@ class BlockManager:
             return None
         return [self._take_fresh() for _ in range(n)]
 
+    def reserve_cached(self, token_ids) -> tuple[list[int], int] | None:
+        """Blocks for the K/V of `token_ids`, the leading ones taken from the prefix cache where
+        it holds them: (block ids, how many of them are cached). Only the rest is to be received;
+        the block with the last token always is. The caller owns every block (one reference
+        each, a cached block perhaps shared with running sequences) until it `adopt`s them or
+        `release`s them all. None (nothing changed) if not enough blocks are free."""
+        hits = self._cached(token_ids)
+        table = self._claim(hits, self.blocks_for(len(token_ids)))
+        return None if table is None else (table, len(hits))
+
     def adopt(self, seq: Sequence, block_ids: list[int], num_computed: int) -> None:
         """Hand reserved blocks (now holding K/V for `num_computed` tokens) to a sequence."""
         assert not seq.block_table and len(block_ids) == self.blocks_for(num_computed)
@@ -152,6 +167,17 @@ class BlockManager:
                 self._free[block_id] = None
 
     # ---- internals ------------------------------------------------------------------------
+    def _claim(self, hits: list[int], num_blocks: int) -> list[int] | None:
+        """A table of `num_blocks`: the cached `hits` (one more reference each), then fresh
+        blocks; None (nothing changed) when too few are free."""
+        needed_new = num_blocks - len(hits)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if needed_new > self.num_free_blocks - revived:
+            return None
+        for block_id in hits:
+            self._ref(block_id)
+        return hits + [self._take_fresh() for _ in range(needed_new)]
+
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

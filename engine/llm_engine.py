@@ -340,6 +340,13 @@ class LLMEngine:
         or `release_reservation`."""
         return self.block_manager.reserve(num_tokens)
 
+    def reserve_cached(self, token_ids: list[int]) -> tuple[list[int], int] | None:
+        """Decode role: blocks for the incoming K/V of `token_ids`, the first of them cached
+        blocks that already hold it (this replica decoded or received those tokens before):
+        (block ids, how many are cached; only the rest is to be received). The caller owns them
+        all until `add_prefilled` or `release_reservation`; None when too few blocks are free."""
+        return self.block_manager.reserve_cached(token_ids)
+
     def release_reservation(self, block_ids: list[int]) -> None:
         self.block_manager.release(block_ids)
 

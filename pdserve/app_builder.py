@@ -76,7 +76,10 @@ def build_app(config: AppConfig | dict):
     prefill_options = _pool_options("prefill", cfg.prefill, "router.routing.QueuedPromptTokensRouter",
                                     {**cfg.routing.model_dump(), "block_size": cfg.engine_for("prefill").block_size},
                                     slo=cfg.autoscaling)
-    decode_options = _pool_options("decode", cfg.decode, "router.routing.FreeKVBlocksRouter", slo=cfg.autoscaling)
+    decode_options = _pool_options("decode", cfg.decode, "router.routing.DecodeRouter",
+                                   {**cfg.routing.model_dump(), "block_size": cfg.engine_for("decode").block_size,
+                                    "max_imbalance_tokens": cfg.routing.decode_max_imbalance_tokens},
+                                   slo=cfg.autoscaling)
     prefill = PrefillServer.options(**prefill_options).bind(data, registry)
     decode = DecodeServer.options(**decode_options).bind(data, registry)
     return Router.options(**router_opts).bind(data, prefill=prefill, decode=decode, registry=registry,

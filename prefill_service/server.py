@@ -10,7 +10,8 @@ reserved blocks for the K/V under the request's id at `kv_address`)
   2. prefill  the engine batches waiting prompts under its token budget with chunked
               prefill, samples the first token, and holds the prompt's blocks
   3. push     a hand-off task starts sending the blocks into the reservation at once, with the
-              first token (a KVHandoff in the transfer's meta): the reservation exists, so the
+              first token (a KVHandoff in the transfer's meta), less the leading blocks the
+              decode replica holds already (`skip_blocks`): the reservation exists, so the
               push never waits for one
   4. answer   yield the first token (PrefillResult) at once: TTFT does not wait for the push
   5. release  the hand-off task frees the held blocks when the push ends (ack or failure);
@@ -105,7 +106,7 @@ class PrefillServer(EngineReplica):
             return
         # 3. push (a task the caller cannot cancel), 4. answer, 5. its end
         handoff = messages.KVHandoff(first.new_token_ids[0], req.shown_chars + len(first.new_text))
-        task = asyncio.ensure_future(self._push(req.kv_address, rid, handoff))
+        task = asyncio.ensure_future(self._push(req.kv_address, rid, handoff, req.skip_blocks))
         self._handoffs.add(task)
         task.add_done_callback(self._handoffs.discard)
         try:
@@ -117,13 +118,17 @@ class PrefillServer(EngineReplica):
             raise
         yield messages.encode(messages.HandoffDone(rid, res.ok, res.error))
 
-    async def _push(self, address: str, rid: str, handoff: messages.KVHandoff) -> TransferResult:
-        """Owns the held blocks: sends them, then always releases them."""
+    async def _push(self, address: str, rid: str, handoff: messages.KVHandoff, skip: int) -> TransferResult:
+        """Owns the held blocks: sends them, less the `skip` leading ones the decode replica
+        holds already, then always releases them."""
         loop = asyncio.get_running_loop()
         meta = messages.encode(handoff)
         try:
             blocks = await self.host.aengine.call(lambda e: e.held_blocks(rid))
-            res = await loop.run_in_executor(self._send_pool, self._send, address, rid, blocks, meta)
+            if not 0 <= skip < len(blocks):   # the decode side always receives the last block
+                res = TransferResult.failure(rid, f"skip_blocks {skip} out of range for {len(blocks)} blocks")
+            else:
+                res = await loop.run_in_executor(self._send_pool, self._send, address, rid, blocks[skip:], meta)
             self.host.count("kv_transfers_sent" if res.ok else "kv_transfers_failed")
             if res.ok:
                 self.host.count("kv_bytes_sent", res.nbytes)

@@ -6,7 +6,8 @@ Disaggregated, four steps (the order is the block ownership):
      its KV address), or refuses at once (out of KV blocks: a 503 before any prefill ran);
   2. prefill on a prefill replica with that identity (a stream): its first event is the first
      token, and meanwhile it pushes the K/V, with the first token, into the reserved blocks
-     (which already exist: no push waits); the rest of that stream (the push's end) is read in
+     (which already exist: no push waits), less the leading blocks the decode replica said it
+     holds already (`cached_blocks`); the rest of that stream (the push's end) is read in
      the background;
   3. yield the first token (and its text, detokenized by the prefill replica) at once;
   4. stream the decode stream's tokens after the first: the decode replica answers `Landed` when
@@ -117,8 +118,7 @@ class Orchestrator:
             self.colocated = direct_stream(colocated.options(stream=True), largest).generate
         else:
             self.prefill = direct_stream(prefill.options(stream=True), largest).prefill
-            self._decode_handle = direct_stream(decode.options(stream=True), largest)
-            self.decode = self._decode_handle.generate
+            self.decode = direct_stream(decode.options(stream=True), largest).generate
 
     async def run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:
         events = self._run(rid, prompt, params)
@@ -186,65 +186,64 @@ class Orchestrator:
     async def _handoff(self, rid: str, prompt: list[int], wire, resumed: tuple[int, ...] = (),
                        shown: int = 0) -> AsyncIterator[messages.TokenEvent]:
         arrived = time.monotonic()
-        async with self.decode.choose_replica() as selection:
-            decode = self._decode_handle.dispatch(selection, messages.encode(
-                messages.DecodeRequest(rid, tuple(prompt), wire, resumed)))
-            prefill, decode_ended, abandoned = None, False, True
+        decode = self.decode.remote(messages.encode(messages.DecodeRequest(rid, tuple(prompt), wire, resumed)))
+        prefill, decode_ended, abandoned = None, False, True
+        try:
+            # 1. the reservation (or a refusal, at once)
             try:
-                # 1. the reservation (or a refusal, at once)
-                try:
-                    reserved = _check(messages.decode(await decode.__anext__()))
-                except _GONE as exc:
-                    raise _StartOver() from exc
-                except RequestFailed as failed:
-                    if failed.code == 503 and self.metrics is not None:   # out of KV: the SLO policy's signal
-                        self.metrics.window.refused(time.monotonic())
-                    raise
-                assert isinstance(reserved, messages.Reserved), reserved
-                waited = time.monotonic() - arrived
-                # 2. prefill with the reservation's identity
-                prefill = self.prefill.remote(messages.encode(
-                    messages.PrefillRequest(rid, tuple(prompt), wire, reserved.kv_address, resumed, shown)))
-                try:
-                    result = messages.decode(await prefill.__anext__(), expect=messages.PrefillResult)
-                except _GONE as exc:
-                    raise _StartOver() from exc
-                if result.error is not None:
-                    kind = "invalid_request_error" if result.error_code == 400 else "server_error"
-                    raise RequestFailed(result.error_code, result.error, kind)
-                follower = self._follow(prefill)
-                if self.metrics is not None:
-                    self.metrics.observe_prefill(waited + result.queue_seconds, result.prefill_seconds)
-                # 3. the first token, straight from the prefill replica
-                done = result.finish_reason is not None
-                first_logprobs = () if result.first_logprobs is None else (result.first_logprobs,)
-                yield messages.TokenEvent(rid, (result.first_token,), result.first_text, done,
-                                          result.finish_reason, len(prompt), len(resumed) + 1,
-                                          result.num_cached_tokens, first_logprobs, result.prompt_logprobs)
-                if done:
-                    abandoned = False     # `finally` drops the reservation; the prefill stream ends
-                    return
-                # 4. the decode stream: `Landed`, then token events; the first repeats the first
-                #    token (and carries no logprobs: the prefill replica's came with step 3)
-                await self._landing(decode, follower)
-                first = True
-                try:
-                    async for data in decode:
-                        event = _check(messages.decode(data))
-                        if first:
-                            first = False
-                            event = dataclasses.replace(event, token_ids=event.token_ids[1:])
-                            if not (event.token_ids or event.text or event.finished):
-                                continue
-                        yield event
-                except _GONE as exc:      # the decode replica died mid-stream
-                    raise _StartOver() from exc
-                decode_ended, abandoned = True, False
-            finally:
-                if not decode_ended:      # the reservation (or the stream) is no longer wanted
-                    _cancel(decode)
-                if abandoned and prefill is not None:   # client gone, deadline or failure
-                    _cancel(prefill)
+                reserved = _check(messages.decode(await decode.__anext__()))
+            except _GONE as exc:
+                raise _StartOver() from exc
+            except RequestFailed as failed:
+                if failed.code == 503 and self.metrics is not None:   # out of KV: the SLO policy's signal
+                    self.metrics.window.refused(time.monotonic())
+                raise
+            assert isinstance(reserved, messages.Reserved), reserved
+            waited = time.monotonic() - arrived
+            # 2. prefill with the reservation's identity
+            prefill = self.prefill.remote(messages.encode(
+                messages.PrefillRequest(rid, tuple(prompt), wire, reserved.kv_address, resumed, shown,
+                                        reserved.cached_blocks)))
+            try:
+                result = messages.decode(await prefill.__anext__(), expect=messages.PrefillResult)
+            except _GONE as exc:
+                raise _StartOver() from exc
+            if result.error is not None:
+                kind = "invalid_request_error" if result.error_code == 400 else "server_error"
+                raise RequestFailed(result.error_code, result.error, kind)
+            follower = self._follow(prefill)
+            if self.metrics is not None:
+                self.metrics.observe_prefill(waited + result.queue_seconds, result.prefill_seconds)
+            # 3. the first token, straight from the prefill replica
+            done = result.finish_reason is not None
+            first_logprobs = () if result.first_logprobs is None else (result.first_logprobs,)
+            yield messages.TokenEvent(rid, (result.first_token,), result.first_text, done,
+                                      result.finish_reason, len(prompt), len(resumed) + 1,
+                                      result.num_cached_tokens, first_logprobs, result.prompt_logprobs)
+            if done:
+                abandoned = False     # `finally` drops the reservation; the prefill stream ends
+                return
+            # 4. the decode stream: `Landed`, then token events; the first repeats the first
+            #    token (and carries no logprobs: the prefill replica's came with step 3)
+            await self._landing(decode, follower)
+            first = True
+            try:
+                async for data in decode:
+                    event = _check(messages.decode(data))
+                    if first:
+                        first = False
+                        event = dataclasses.replace(event, token_ids=event.token_ids[1:])
+                        if not (event.token_ids or event.text or event.finished):
+                            continue
+                    yield event
+            except _GONE as exc:      # the decode replica died mid-stream
+                raise _StartOver() from exc
+            decode_ended, abandoned = True, False
+        finally:
+            if not decode_ended:      # the reservation (or the stream) is no longer wanted
+                _cancel(decode)
+            if abandoned and prefill is not None:   # client gone, deadline or failure
+                _cancel(prefill)
 
     def _follow(self, prefill) -> asyncio.Task:
         """Read the rest of a prefill stream (the push's end) in the background: the call ends

@@ -6,9 +6,9 @@ Both rank every candidate replica (best first) from the stats the replicas publi
   * decode:  most free KV blocks (as a fraction of the pool), then fewest running sequences;
   * prefill: fewest queued prompt tokens;
   * colocated: as decode.
-Prefill and colocated add prefix-cache affinity: the replica this router already sent the longest
-prefix of the prompt to goes first while its load is close enough to the least loaded one's
-(router/prefix_affinity.py).
+All three add prefix-cache affinity: the replica this router already sent the longest prefix of
+the prompt to goes first while its load is close enough to the least loaded one's
+(router/prefix_affinity.py; a decode replica's load is the KV it holds, in tokens).
 Serve then sends to the first replica of the ranking that has room. Serve's request-router API is
 reached only through serving/ray_compat.py.
 """
@@ -50,7 +50,7 @@ def queued_tokens_score(stats: dict, in_flight: int) -> tuple:
 
 
 class FreeKVBlocksRouter(_RankingRouter):
-    """Decode pool: the replica with the most free KV blocks first."""
+    """The replica with the most free KV blocks first."""
 
     def score(self, replica: RunningReplica) -> tuple:
         return free_kv_score(replica.routing_stats or {}, self._in_flight(replica), replica.max_ongoing_requests)
@@ -128,3 +128,20 @@ class ColocatedRouter(_PrefixAffinity, FreeKVBlocksRouter):
     (its engines cache prompts like prefill engines do)."""
 
     REQUEST, POOL = messages.GenerateRequest, "colocated"
+
+
+class DecodeRouter(_PrefixAffinity, FreeKVBlocksRouter):
+    """Decode pool: the decode ranking (most free KV blocks first), with prefix-cache affinity: a
+    decode replica keeps the K/V it received and decoded in its prefix cache, and the prefill
+    replica does not push the leading blocks it still holds (decode_service/server.py step 1),
+    so a conversation's next turn (or a prompt sharing a long prefix) goes back to it while its
+    load allows. The load is KV held, in tokens (used blocks), plus this router's requests in
+    flight there at the mean prompt length; the threshold is `decode_max_imbalance_tokens`
+    (AppConfig.routing), which pdserve/app_builder.py passes as `max_imbalance_tokens`."""
+
+    REQUEST, POOL = messages.DecodeRequest, "decode"
+
+    def _load_tokens(self, replica: RunningReplica) -> float:
+        stats = replica.routing_stats or {}
+        used = max(stats.get("kv_blocks_total", 0) - stats.get("kv_blocks_free", 0), 0)
+        return used * self._table.block_size + self._in_flight(replica) * self._mean_prompt_tokens

@@ -181,11 +181,15 @@ class TransferOptions(_Model):
 
 
 class RoutingOptions(_Model):
-    prefix_affinity: bool = Field(True, description="Prefill (and colocated) pool: send a prompt to the replica this "
-                                  "router already sent its longest prefix to (prefix-cache hits), while that "
-                                  "replica's load allows.")
-    max_imbalance_tokens: int = Field(2048, ge=0, description="Affinity yields to the load ranking when the "
-                                      "replica's queued prompt tokens exceed the least loaded one's by more.")
+    prefix_affinity: bool = Field(True, description="Each pool: send a prompt to the replica this router already "
+                                  "sent its longest prefix to (prefix-cache hits: a prefill replica computes less, a "
+                                  "decode replica is sent less K/V), while that replica's load allows.")
+    max_imbalance_tokens: int = Field(2048, ge=0, description="Prefill and colocated pools: affinity yields to the "
+                                      "load ranking when the replica's queued prompt tokens exceed the least loaded "
+                                      "one's by more.")
+    decode_max_imbalance_tokens: int = Field(2048, ge=0, description="Decode pool: affinity yields to the load "
+                                             "ranking when the replica's KV held (tokens) exceeds the least loaded "
+                                             "one's by more.")
     max_blocks: int = Field(200_000, ge=1, description="Prompt blocks the router remembers (least recently "
                             "used go first; about 200 bytes each).")
 

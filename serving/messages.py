@@ -93,13 +93,16 @@ class PrefillRequest:
     replica's `kv_address`, from its `Reserved` event) unless the first token ends the request,
     and end the stream with a `HandoffDone` once the push has ended. A resumed request (see
     `GenerateRequest`): the K/V pushed is the prompt's and the resumed tokens', the first token
-    the one after them, `first_text` the text after `shown_chars`."""
+    the one after them, `first_text` the text after `shown_chars`. `skip_blocks`: the leading
+    blocks of that K/V the decode replica holds already (its `Reserved`'s `cached_blocks`): the
+    push leaves them out (at least the last block is always pushed)."""
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: WireSamplingParams
     kv_address: str
     resumed_token_ids: tuple[int, ...] = ()
     shown_chars: int = 0
+    skip_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,10 +145,14 @@ class DecodeRequest:
 class Reserved:
     """Decode replica -> router, the first event of a decode stream: blocks for `num_blocks`
     blocks of K/V are reserved under `request_id` at the KV receiver `kv_address` (the
-    reservation's identity, which the router hands to the prefill replica)."""
+    reservation's identity, which the router hands to the prefill replica). `cached_blocks`: the
+    K/V's leading full blocks the decode replica holds already (its prefix cache), which come
+    before those `num_blocks` and are not to be pushed (the router hands it on as the
+    PrefillRequest's `skip_blocks`)."""
     request_id: str
     kv_address: str
     num_blocks: int
+    cached_blocks: int = 0
 
 
 @dataclass(frozen=True)

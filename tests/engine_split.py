@@ -9,7 +9,8 @@ def split_run(prefill, decode, rid, prompt, params, resumed=(), shown=0):
     prefill's first token (text and logprobs) at once, then the decode engine's output after it.
     A request resumed after `resumed` output tokens (none: a fresh one), of which the client was
     shown `shown` characters, gets what comes after them. Returns that and the last output (its
-    counts)."""
+    counts). The decode engine reuses the K/V its prefix cache holds (`reserve_cached`): a
+    prompt it received or decoded before is sent only from where it differs."""
     resumed = list(resumed)
     prefill.add_request(rid, prompt, params, hold_blocks=True, resumed=resumed, shown_chars=shown)
     got, last = Completion(rid, prompt), None
@@ -19,10 +20,12 @@ def split_run(prefill, decode, rid, prompt, params, resumed=(), shown=0):
     if got.finish_reason is not None:
         prefill.release(rid)
         return got, last
-    kv = prefill.export_kv(rid)
+    # as the pools do: the decode engine takes the leading blocks its prefix cache holds, only the
+    # rest is sent (decode_service/server.py, prefill_service/server.py)
+    blocks, cached = decode.reserve_cached(list(prompt) + resumed)
+    kv = prefill.runner.export_blocks(prefill.held_blocks(rid)[cached:])
     prefill.release(rid)
-    blocks = decode.reserve(len(prompt) + len(resumed))
-    decode.import_kv(blocks, kv)
+    decode.import_kv(blocks[cached:], kv)
     last = decode.add_prefilled(rid, prompt, got.token_ids[0], params, blocks, shown + len(got.text), resumed=resumed)
     assert last.new_token_ids == got.token_ids and not last.logprobs
     got.text += last.new_text

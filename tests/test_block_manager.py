@@ -124,6 +124,53 @@ def test_reserve_adopt_release():
     assert bm.all_free()
 
 
+def test_reserve_cached_takes_the_blocks_a_finished_sequence_left_and_shares_them():
+    """The decode role: K/V this pool received (adopted) or computed stays findable after the
+    sequence frees it; a reservation for tokens starting the same way takes those blocks (one
+    more reference while a running sequence holds them) and fresh ones for the rest, the block
+    with the last token always fresh (the prefill replica always pushes it)."""
+    bm = BlockManager(8, 4)
+    first = seq(list(range(10)) + [42], "first")           # 10 tokens of K/V arrive, then one decoded
+    ids, cached = bm.reserve_cached(list(range(10)))
+    assert cached == 0 and len(ids) == 3
+    bm.adopt(first, ids, 10)
+    first.num_computed_tokens = 11
+    bm.mark_computed(first)                                # blocks 0-1 full and hashed, block 2 not yet
+    table, cached = bm.reserve_cached(list(range(10)) + [42, 7, 8])   # running: shared
+    assert cached == 2 and table[:2] == first.block_table[:2] and table[2] not in first.block_table
+    assert [bm.blocks[b].ref_count for b in table] == [2, 2, 1, 1]
+    second = seq(list(range(10)) + [42, 7, 8, 9], "second")
+    bm.adopt(second, table, 13)
+    bm.free(first)
+    assert bm.blocks[table[0]].ref_count == 1
+    bm.free(second)
+    # all free now, still cached: the same 8 tokens (two full blocks) take only the first, the
+    # block with the last token must come over the wire
+    again, cached = bm.reserve_cached(list(range(8)))
+    assert cached == 1 and again[0] == table[0] and again[1] != table[1]
+    bm.release(again)
+    assert bm.all_free()
+
+
+def test_reserve_cached_counts_revived_blocks_and_changes_nothing_when_short():
+    bm = BlockManager(4, 4)
+    s = seq(list(range(12)) + [1], "s")
+    ids, _ = bm.reserve_cached(list(range(12)))
+    bm.adopt(s, ids, 12)
+    bm.free(s)                                             # 3 cached free blocks, 1 empty
+    assert bm.reserve_cached(list(range(8)) + [9] * 12) is None   # 2 hits + 3 fresh > 4 blocks
+    assert bm.num_free_blocks == 4
+    table, cached = bm.reserve_cached(list(range(8)) + [9] * 8)   # 2 hits + 2 fresh
+    assert cached == 2 and bm.num_free_blocks == 0
+    bm.release(table)
+    off = BlockManager(4, 4, enable_prefix_caching=False)
+    ids, _ = off.reserve_cached(list(range(12)))
+    s = seq(list(range(12)) + [1], "s")
+    off.adopt(s, ids, 12)
+    off.free(s)
+    assert off.reserve_cached(list(range(12)))[1] == 0
+
+
 def test_double_free_is_caught():
     bm = BlockManager(4, 4)
     ids = bm.reserve(4)

@@ -157,6 +157,28 @@ def test_split_text_equals_single_engine_text_even_with_stop_strings(trio, promp
     assert all(e.block_manager.all_free() for e in (single, prefill, decode))
 
 
+def test_a_conversations_next_turn_reuses_the_decode_engines_kv_and_stays_exact(trio, prompts, hf_model):
+    """Turn 2 = turn 1's prompt, its reply and a new message: the decode engine still holds the
+    K/V of turn 1's full blocks (the prompt's received, the reply's decoded), so only the rest is
+    sent (`split_run` reserves as the decode replica does), and the output is still token-identical
+    to `generate` on the whole turn-2 prompt. The reply's blocks were computed by decode steps,
+    the prompt's by the prefill engine: both are reused."""
+    _, prefill, decode = trio
+    for i in (2, 7):
+        p = prompts[i]
+        first, _ = split_run(prefill, decode, f"turn1-{i}", p, SamplingParams(temperature=0.0, max_tokens=40,
+                                                                              ignore_eos=True))
+        turn2 = p + first.token_ids + prompts[(i + 1) % len(prompts)][:30]
+        reused = decode.reserve_cached(turn2)
+        decode.release_reservation(reused[0])
+        bs = decode.block_manager.block_size
+        assert reused[1] == (len(p) + len(first.token_ids) - 1) // bs     # every full block computed there
+        got, _ = split_run(prefill, decode, f"turn2-{i}", turn2, SamplingParams(temperature=0.0, max_tokens=16))
+        assert got.token_ids == _hf_generate(hf_model, turn2, 16)[0][:len(got.token_ids)]
+        assert len(got.token_ids) == 16 or got.finish_reason == "stop"
+    assert all(e.block_manager.all_free() for e in trio)
+
+
 def _run_one(engine, rid, prompt, params):
     engine.add_request(rid, prompt, params)
     outs = []

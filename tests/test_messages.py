@@ -22,6 +22,7 @@ EXAMPLES = [
     m.GenerateRequest("a", (1, 2, 3), P),
     m.PrefillRequest("b", (4, 5), P, "10.0.0.1:1234"),
     m.PrefillRequest("b2", (4, 5), P2, "10.0.0.1:1234", resumed_token_ids=(6,), shown_chars=1),
+    m.PrefillRequest("b3", tuple(range(40)), P, "10.0.0.1:1234", skip_blocks=2),
     m.PrefillResult("b", first_token=9, finish_reason=None, num_cached_tokens=16, prefill_seconds=0.5),
     m.PrefillResult("b", first_token=9, prefill_seconds=0.5, queue_seconds=0.25),
     m.PrefillResult("c", error="boom", error_code=503),
@@ -29,6 +30,7 @@ EXAMPLES = [
                     prompt_logprobs=(TokenLogprobs(3, -2.0), LP)),
     m.DecodeRequest("d", (1,), P),
     m.Reserved("d", "10.0.0.2:4321", 3),
+    m.Reserved("d2", "10.0.0.2:4321", 1, cached_blocks=2),
     m.Landed("d"),
     m.KVHandoff(5, 2),
     m.HandoffDone("d", True),
@@ -90,6 +92,9 @@ def test_fields_added_later_default_when_an_older_sender_omits_them():
     old = m.decode(msgpack.packb([1, "PrefillRequest", {"request_id": "x", "prompt_token_ids": [1],
                                                         "params": params, "kv_address": "a:1"}]))
     assert old.params.to_params().repetition_penalty == 1.0 and old.params.logprobs is None
+    assert old.skip_blocks == 0       # a router before decode-side reuse: the whole K/V is pushed
+    assert m.decode(msgpack.packb([1, "Reserved", {"request_id": "x", "kv_address": "a:1",
+                                                   "num_blocks": 2}])).cached_blocks == 0
     stats = {"pool": "decode", "replica_id": "r", "kv_blocks_total": 1, "kv_blocks_free": 1, "running": 0,
              "waiting": 0, "waiting_prompt_tokens": 0, "extra": {}}
     assert m.decode(msgpack.packb([1, "ReplicaStats", stats])).histograms == {}

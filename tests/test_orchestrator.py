@@ -18,8 +18,6 @@ Serve handles (the real handles and replicas are exercised end to end in test_se
 """
 
 import asyncio
-import contextlib
-import types
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -57,9 +55,8 @@ class FakeResponse:
 
 
 class FakeDecode:
-    """`options(stream=True)`, its `.generate.choose_replica()` and `.dispatch()`, as the router
-    uses them. The stream answers Reserved at once, then Landed and `events` once `release` is set
-    (the KV has landed)."""
+    """`options(stream=True).generate.remote(data)`, as the router uses it. The stream answers
+    Reserved at once, then Landed and `events` once `release` is set (the KV has landed)."""
 
     def __init__(self, events, log: list | None = None):
         self.events, self.requests, self.release = events, [], asyncio.Event()
@@ -71,11 +68,7 @@ class FakeDecode:
         self.options_asked = {**getattr(self, "options_asked", {}), **options}
         return self
 
-    @contextlib.asynccontextmanager
-    async def choose_replica(self):
-        yield types.SimpleNamespace()
-
-    def dispatch(self, selection, data):
+    def remote(self, data):
         self.responses.append(FakeResponse(self._stream(data)))
         return self.responses[-1]
 

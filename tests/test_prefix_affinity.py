@@ -61,11 +61,44 @@ def test_the_routers_match_a_resumed_requests_prompt_and_resumed_tokens():
     prompt followed by the tokens already out: affinity matches and records all of them."""
     from types import SimpleNamespace
 
-    from router.routing import ColocatedRouter, QueuedPromptTokensRouter
+    from router.routing import ColocatedRouter, DecodeRouter, QueuedPromptTokensRouter
     from serving import messages
     wire = messages.WireSamplingParams.of(SamplingParams())
     for cls, req in ((QueuedPromptTokensRouter, messages.PrefillRequest("r", (1, 2, 3), wire, "a:1", (7, 8), 4)),
-                     (ColocatedRouter, messages.GenerateRequest("r", (1, 2, 3), wire, (7, 8), 4))):
+                     (ColocatedRouter, messages.GenerateRequest("r", (1, 2, 3), wire, (7, 8), 4)),
+                     (DecodeRouter, messages.DecodeRequest("r", (1, 2, 3), wire, (7, 8)))):
         router = object.__new__(cls)
         router.initialize_state()
         assert router._prompt(SimpleNamespace(args=[messages.encode(req)])) == (1, 2, 3, 7, 8)
+
+
+def test_the_decode_router_sends_a_conversation_back_while_the_kv_it_holds_allows():
+    """A decode replica's load is the KV it holds (used blocks, in tokens): the replica that
+    received the conversation's earlier turn goes first within `max_imbalance_tokens` of the
+    least loaded one, and the ranking (most free KV first) stands beyond it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from router.routing import DecodeRouter
+    from serving import messages
+    from serving.ray_compat import PendingRequest
+    wire = messages.WireSamplingParams.of(SamplingParams())
+    router = object.__new__(DecodeRouter)
+    router.initialize_state(block_size=4, max_imbalance_tokens=100)
+    turn1 = tuple(range(20))
+    turn2 = turn1 + (5, 6, 7, 8, 9)
+
+    def replica(name, used):
+        return SimpleNamespace(replica_id=name, max_ongoing_requests=8,
+                               routing_stats={"kv_blocks_total": 1000, "kv_blocks_free": 1000 - used, "running": 1})
+
+    async def order(replicas, prompt):
+        pending = PendingRequest(args=[messages.encode(messages.DecodeRequest("r", prompt, wire))], kwargs={},
+                                 metadata=None)
+        return [r[0].replica_id for r in await router.choose_replicas(replicas, pending)]
+
+    router.on_request_routed(SimpleNamespace(args=[messages.encode(messages.DecodeRequest("r", turn1, wire))]),
+                             "warm", None)
+    assert asyncio.run(order([replica("idle", 0), replica("warm", 20)], turn2)) == ["warm", "idle"]  # 80 tokens
+    assert asyncio.run(order([replica("idle", 0), replica("warm", 30)], turn2)) == ["idle", "warm"]  # 120
+    assert asyncio.run(order([replica("idle", 0), replica("warm", 20)], (9,) * 25)) == ["idle", "warm"]

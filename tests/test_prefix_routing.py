@@ -38,3 +38,29 @@ def test_shared_prefixes_stay_on_one_replica(ray_serve, tiny_llama_dir, mode, po
             rf'^pdserve_prefix_affinity_decisions_total{{pool="{pool}",decision="(\w+)"}} (\S+)$', text, re.M)}
         assert decisions.get("affinity", 0) >= 5 and decisions.get("no_match", 0) >= 1, decisions
         assert pools_all_free(base, pools)
+
+
+def test_shared_prefixes_stay_on_one_decode_replica_which_is_not_sent_them_again(ray_serve, tiny_llama_dir):
+    """Two decode replicas: the prompts after the first go to the decode replica that received the
+    shared prefix, which reserves its cached blocks for it (`kv_blocks_reused`), so only each
+    prompt's last block comes over the wire."""
+    with tiny_app(ray_serve, tiny_llama_dir, "pa-decode", decode={"num_replicas": 2}) as base:
+        shared = list(range(100, 260))                       # 10 blocks of 16 tokens
+        for i in range(6):
+            body = {"model": "tiny", "prompt": shared + [300 + i] * 5, "max_tokens": 3, "temperature": 0,
+                    "ignore_eos": True}
+            status, text = http(base, "/v1/completions", body)
+            assert status == 200, text
+
+        def landed() -> dict[str, float]:
+            return _series(base, "pdserve_kv_transfers_landed", "decode")
+        assert wait_until(lambda: sum(landed().values()) == 6, 30), landed()
+        assert len(_series(base, "pdserve_kv_blocks_total", "decode")) == 2 and max(landed().values()) == 6
+        assert sum(_series(base, "pdserve_kv_blocks_reused", "decode").values()) == 5 * 10
+        received = sum(_series(base, "pdserve_kv_bytes_received", "decode").values())
+        sent = sum(_series(base, "pdserve_kv_bytes_sent", "prefill").values())
+        assert received == sent and received % (11 + 5) == 0        # 11 blocks, then 1 a prompt
+        _, text = http(base, "/metrics")
+        assert re.search(r'^pdserve_prefix_affinity_decisions_total{pool="decode",decision="affinity"} ([5-9]|\d\d)',
+                         text, re.M), text
+        assert pools_all_free(base, {"prefill", "decode"})

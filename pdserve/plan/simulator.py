@@ -3,8 +3,9 @@
 The life of a simulated request (disaggregated), in event order:
   1. ARRIVAL: the router picks the decode replica with the most free KV (fraction) that can reserve
      prompt + output tokens (else the request waits in the router's FIFO until KV frees), then the
-     prefill replica with the fewest queued prompt tokens (pdserve's FreeKVBlocksRouter and
-     QueuedPromptTokensRouter; beyond `EXACT_ROUTING` replicas the best of `SAMPLE` random ones);
+     prefill replica with the fewest queued prompt tokens (pdserve's DecodeRouter and
+     QueuedPromptTokensRouter without their prefix affinity: the simulated prompts share no
+     prefixes; beyond `EXACT_ROUTING` replicas the best of `SAMPLE` random ones);
   2. prefill steps (STEP events) until its prompt is done: first token then (TTFT);
   3. KV transfer: KV event after kappa * S / link bandwidth;
   4. decode steps until output_len tokens: last token (TPOT = (end - first) / (out - 1)); its KV frees.
