@@ -88,6 +88,10 @@ ROWS = [
           (f"sum(rate(pdserve_kv_bytes_received{PD}{RATE}))", "received")], "KV bytes per second."),
         ("Transfer time", "s", _quantiles("pdserve_kv_transfer_seconds"),
          "One push, send start to the decode replica's ack."),
+        ("Blocks not sent", "ops",
+         [(f"sum(rate(pdserve_kv_blocks_reused{PD}{RATE}))", "reused (decode)")],
+         "KV blocks per second that decode replicas already held (their prefix caches): the prefill "
+         "replicas did not push them."),
     ]),
     ("Ray Serve", [
         ("HTTP requests", "reqps",
