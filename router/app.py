@@ -308,7 +308,7 @@ class Router:
         if index:
             rid = f"{rid}-{index}"
         params = choice_params(params, j)
-        return lambda: self._timed(self.orchestrator.run(rid, ids, params))
+        return lambda ready: self._timed(self.orchestrator.run(rid, ids, params, ready))
 
     async def _timed(self, events):
         """`events` under the request deadline; every failure comes out as a RequestFailed, so a

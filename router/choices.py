@@ -3,19 +3,24 @@ run as one request through the pools.
 
 Choices come in groups, one per prompt, in index order (prompt p's choice j has index p*n + j).
 Life cycle (the router's `_generate` drives it):
-  1. start    the first choice of every group runs until its first token: by then the prompt's
-              full blocks sit in the prefix cache of the prefill replica that computed them. The
-              group's other choices start then, and prefix affinity (router/prefix_affinity.py)
-              sends them to that replica, which computes only the prompt's last, partial block
-              for each. The first events of all choices are returned together, so any failure
-              so far is still an HTTP status: `start` closes every choice and raises the first
-              RequestFailed.
+  1. start    the first choice of every group runs until its prompt's K/V is where the others
+              find it (it calls its `ready`): disaggregated, landed in its decode replica (its
+              prefill replica's prefix cache has held the full blocks since its first token);
+              colocated, at its first token. The group's other choices start then (or when the
+              first one ended, whatever happened to it), and prefix affinity
+              (router/prefix_affinity.py) sends them to those replicas: the prefill replica
+              computes only the prompt's last, partial block for each, and the decode replica
+              shares the prompt's full blocks with them, receiving only that last block (one copy
+              of the prompt's K/V for the group, not n). The first events of all choices are
+              returned together, so any failure so far is still an HTTP status: `start` closes
+              every choice and raises the first RequestFailed.
   2. events   the other events of all choices, merged as they come, tagged with their index;
               a choice that fails raises its RequestFailed here (the others are closed).
   3. aclose   always, at the end (finished, failed, client gone): every choice still running
               is cancelled, which aborts it in its replicas and frees its blocks.
 Each choice is an async iterator of TokenEvents that raises only RequestFailed (the router's
-`_timed` wraps the orchestrator's run); one task per choice pumps it into a queue.
+`_timed` wraps the orchestrator's run), made by calling its `Run` with its `ready` callback (which
+it may call any number of times); one task per choice pumps it into a queue.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import AsyncIterator, Callable
 from router.orchestrator import RequestFailed
 from serving import messages
 
-Run = Callable[[], AsyncIterator[messages.TokenEvent]]
+Run = Callable[[Callable[[], None]], AsyncIterator[messages.TokenEvent]]
 
 _END = object()
 
@@ -47,8 +52,12 @@ class Choices:
     async def start(self) -> list[messages.TokenEvent]:
         """1. The first event of every choice, in index order; raises RequestFailed."""
         async def group(leader: int, end: int) -> list[messages.TokenEvent]:
-            first = await self._launch(leader)
-            return [first, *await asyncio.gather(*(self._launch(i) for i in range(leader + 1, end)))]
+            ready = asyncio.get_running_loop().create_future()
+            first, pump = await self._launch(leader, lambda: ready.done() or ready.set_result(None))
+            if end > leader + 1:      # its K/V where the others find it, or it ended
+                await asyncio.wait({ready, pump}, return_when=asyncio.FIRST_COMPLETED)
+            others = await asyncio.gather(*(self._launch(i) for i in range(leader + 1, end)))
+            return [first, *(event for event, _ in others)]
 
         ends = self._leaders[1:] + [len(self._runs)]
         starting = [asyncio.ensure_future(group(a, b)) for a, b in zip(self._leaders, ends)]
@@ -62,15 +71,18 @@ class Choices:
             await self.aclose()
             raise
 
-    async def _launch(self, index: int) -> messages.TokenEvent:
+    async def _launch(self, index: int, ready: Callable[[], None] = lambda: None
+                      ) -> tuple[messages.TokenEvent, asyncio.Task]:
+        """Start choice `index`: its first event, and the task pumping the rest."""
         first: asyncio.Future = asyncio.get_running_loop().create_future()
         self._firsts.append(first)
-        self._tasks.append(asyncio.ensure_future(self._pump(index, first)))
+        pump = asyncio.ensure_future(self._pump(index, first, ready))
+        self._tasks.append(pump)
         self._open += 1
-        return await first
+        return await first, pump
 
-    async def _pump(self, index: int, first: asyncio.Future) -> None:
-        events = self._runs[index]()
+    async def _pump(self, index: int, first: asyncio.Future, ready: Callable[[], None]) -> None:
+        events = self._runs[index](ready)
         try:
             async for event in events:
                 if not first.done():

@@ -11,7 +11,8 @@ Disaggregated, four steps (the order is the block ownership):
      the background;
   3. yield the first token (and its text, detokenized by the prefill replica) at once;
   4. stream the decode stream's tokens after the first: the decode replica answers `Landed` when
-     the K/V is in its blocks, then admits the request. A push lost before `Landed` (the prefill
+     the K/V is in its blocks (the caller's `ready` is called: router/choices.py starts the other
+     choices of the prompt, whose reservations now find its blocks), then admits the request. A push lost before `Landed` (the prefill
      replica died after the first token: its stream ends in a replica error instead of
      `HandoffDone`; or it reports the push failed, e.g. no pair to the decode replica within the
      connect timeout, which the decode side never hears of) fails the request after
@@ -57,7 +58,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException, ReplicaUnavailableError
@@ -120,8 +121,13 @@ class Orchestrator:
             self.prefill = direct_stream(prefill.options(stream=True), largest).prefill
             self.decode = direct_stream(decode.options(stream=True), largest).generate
 
-    async def run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:
-        events = self._run(rid, prompt, params)
+    async def run(self, rid: str, prompt: list[int], params,
+                  ready: Callable[[], None] = lambda: None) -> AsyncIterator[messages.TokenEvent]:
+        """The request's TokenEvents. `ready` is called once the prompt's K/V is where another
+        request with the same prompt finds it (router/choices.py starts a group's other choices
+        then): landed in the decode replica (step 4), colocated at the first token; again after
+        each migration."""
+        events = self._run(rid, prompt, params, ready)
         try:
             async for event in events:
                 yield event
@@ -135,7 +141,7 @@ class Orchestrator:
         finally:
             await events.aclose()     # closed here, not whenever it is collected: its replica calls end now
 
-    async def _run(self, rid: str, prompt: list[int], params) -> AsyncIterator[messages.TokenEvent]:
+    async def _run(self, rid: str, prompt: list[int], params, ready) -> AsyncIterator[messages.TokenEvent]:
         wire = WireSamplingParams.of(params)
         resumed: list[int] = []      # output tokens the client has
         shown = 0                    # characters of their text
@@ -148,8 +154,8 @@ class Orchestrator:
                 wire = dataclasses.replace(wire, prompt_logprobs=None)
                 if self.metrics is not None:
                     self.metrics.migrated()
-            run = (self._colocated(attempt_id, prompt, wire, tuple(resumed), shown) if self.mode == "colocated"
-                   else self._handoff(attempt_id, prompt, wire, tuple(resumed), shown))
+            run = (self._colocated(attempt_id, prompt, wire, tuple(resumed), shown, ready)
+                   if self.mode == "colocated" else self._handoff(attempt_id, prompt, wire, tuple(resumed), shown, ready))
             finished = progressed = False
             try:
                 async for event in run:
@@ -168,14 +174,16 @@ class Orchestrator:
         raise AssertionError("unreachable")
 
     async def _colocated(self, rid: str, prompt: list[int], wire, resumed: tuple[int, ...],
-                         shown: int) -> AsyncIterator[messages.TokenEvent]:
+                         shown: int, ready) -> AsyncIterator[messages.TokenEvent]:
         stream = self.colocated.remote(messages.encode(
             messages.GenerateRequest(rid, tuple(prompt), wire, resumed, shown)))
         finished = False
         try:
             try:
                 async for data in stream:
-                    yield _check(messages.decode(data))
+                    event = _check(messages.decode(data))
+                    ready()           # the prompt is in the replica's prefix cache
+                    yield event
             except _GONE as exc:
                 raise _StartOver() from exc
             finished = True
@@ -184,7 +192,7 @@ class Orchestrator:
                 _cancel(stream)
 
     async def _handoff(self, rid: str, prompt: list[int], wire, resumed: tuple[int, ...] = (),
-                       shown: int = 0) -> AsyncIterator[messages.TokenEvent]:
+                       shown: int = 0, ready=lambda: None) -> AsyncIterator[messages.TokenEvent]:
         arrived = time.monotonic()
         decode = self.decode.remote(messages.encode(messages.DecodeRequest(rid, tuple(prompt), wire, resumed)))
         prefill, decode_ended, abandoned = None, False, True
@@ -226,6 +234,7 @@ class Orchestrator:
             # 4. the decode stream: `Landed`, then token events; the first repeats the first
             #    token (and carries no logprobs: the prefill replica's came with step 3)
             await self._landing(decode, follower)
+            ready()
             first = True
             try:
                 async for data in decode:

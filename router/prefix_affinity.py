@@ -95,16 +95,19 @@ class Candidate:
 
 
 def choose(candidates: list[Candidate], matched_blocks: dict[Hashable, int],
-           max_imbalance_tokens: int) -> tuple[list[Hashable], str]:
+           max_imbalance_tokens: int, credit_per_block: int = 0) -> tuple[list[Hashable], str]:
     """All candidates, best first: the load ranking, with the longest prefix match moved to the
-    front when its load is within `max_imbalance_tokens` of the least loaded candidate's; and
-    the decision ("affinity", "imbalanced" or "no_match")."""
+    front when its load is within `max_imbalance_tokens` of the least loaded candidate's (plus
+    `credit_per_block` tokens for each matched block: a decode replica's load counts the K/V it
+    holds, and matched blocks are K/V the request shares there instead of adding); and the
+    decision ("affinity", "imbalanced" or "no_match")."""
     ranked = sorted(candidates, key=lambda c: c.rank_key)
     matched = [c for c in ranked if matched_blocks.get(c.replica, 0) > 0]
     if not matched:
         return [c.replica for c in ranked], "no_match"
     least = min(c.load_tokens for c in ranked)
-    eligible = [c for c in matched if c.load_tokens - least <= max_imbalance_tokens]
+    eligible = [c for c in matched
+                if c.load_tokens - least <= max_imbalance_tokens + credit_per_block * matched_blocks[c.replica]]
     if not eligible:
         return [c.replica for c in ranked], "imbalanced"
     best = max(eligible, key=lambda c: matched_blocks[c.replica])   # ties: the better ranked

@@ -64,6 +64,7 @@ class _PrefixAffinity:
 
     REQUEST: type = messages.PrefillRequest
     POOL = "prefill"
+    SHARES_MATCH = False     # the load counts KV held, which a match shares: credit it (decode)
 
     def initialize_state(self, block_size: int = 16, prefix_affinity: bool = True,
                          max_imbalance_tokens: int = 2048, max_blocks: int = 200_000, **_):
@@ -92,7 +93,8 @@ class _PrefixAffinity:
                                       [r.replica_id for r in candidate_replicas])
         candidates = [Candidate(r.replica_id, self._load_tokens(r), (self.score(r), random.random()))
                       for r in candidate_replicas]
-        order, decision = choose(candidates, matched, self._max_imbalance_tokens)
+        order, decision = choose(candidates, matched, self._max_imbalance_tokens,
+                                 self._table.block_size if self.SHARES_MATCH else 0)
         count_decision(self.POOL, decision)
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[i]] for i in order]
@@ -137,9 +139,11 @@ class DecodeRouter(_PrefixAffinity, FreeKVBlocksRouter):
     so a conversation's next turn (or a prompt sharing a long prefix) goes back to it while its
     load allows. The load is KV held, in tokens (used blocks), plus this router's requests in
     flight there at the mean prompt length; the threshold is `decode_max_imbalance_tokens`
-    (AppConfig.routing), which pdserve/app_builder.py passes as `max_imbalance_tokens`."""
+    (AppConfig.routing), which pdserve/app_builder.py passes as `max_imbalance_tokens`, plus the
+    matched tokens: K/V the request would share there, not add (so the other choices of an
+    `n > 1` request follow the first to the replica that holds its prompt, however long)."""
 
-    REQUEST, POOL = messages.DecodeRequest, "decode"
+    REQUEST, POOL, SHARES_MATCH = messages.DecodeRequest, "decode", True
 
     def _load_tokens(self, replica: RunningReplica) -> float:
         stats = replica.routing_stats or {}

@@ -189,7 +189,7 @@ class RoutingOptions(_Model):
                                       "one's by more.")
     decode_max_imbalance_tokens: int = Field(2048, ge=0, description="Decode pool: affinity yields to the load "
                                              "ranking when the replica's KV held (tokens) exceeds the least loaded "
-                                             "one's by more.")
+                                             "one's by more than this plus the prompt tokens it matched there.")
     max_blocks: int = Field(200_000, ge=1, description="Prompt blocks the router remembers (least recently "
                             "used go first; about 200 bytes each).")
 

@@ -1,6 +1,7 @@
-"""router/choices.py with scripted runs (no Ray): choice 0 alone until its first event, the
-rest after; events merged; failures before the first events raise from `start`, later ones
-from `events`; every choice still running is closed at the end."""
+"""router/choices.py with scripted runs (no Ray): choice 0 alone until it is ready (its K/V
+landed: it calls `ready`) or ended, the rest after; events merged; failures before the first
+events raise from `start`, later ones from `events`; every choice still running is closed at the
+end."""
 
 import asyncio
 
@@ -12,12 +13,15 @@ from serving.messages import TokenEvent
 
 
 class Script:
-    """A run yielding `n` events (the last finished), optionally failing after `fail_after`."""
+    """A run yielding `n` events (the last finished), optionally failing after `fail_after`;
+    ready (its `ready` called) after its event `ready_after` (None: never)."""
 
-    def __init__(self, log: list, index: int, n: int = 3, fail_after: int | None = None, delay: float = 0.0):
+    def __init__(self, log: list, index: int, n: int = 3, fail_after: int | None = None, delay: float = 0.0,
+                 ready_after: int | None = 0):
         self.log, self.index, self.n, self.fail_after, self.delay = log, index, n, fail_after, delay
+        self.ready_after = ready_after
 
-    async def __call__(self):
+    async def __call__(self, ready):
         self.log.append(("start", self.index))
         try:
             for k in range(self.n):
@@ -26,6 +30,9 @@ class Script:
                 await asyncio.sleep(self.delay)
                 self.log.append(("yield", self.index, k))
                 yield TokenEvent(f"r{self.index}", (k,), f"{self.index}.{k} ", k == self.n - 1)
+                if k == self.ready_after:
+                    self.log.append(("ready", self.index))
+                    ready()
         finally:
             self.log.append(("closed", self.index))
 
@@ -71,8 +78,23 @@ def test_a_later_failure_raises_from_events_and_aclose_stops_the_rest():
     asyncio.run(main())
 
 
+def test_the_others_wait_for_choice_zero_to_be_ready_or_to_end():
+    """Its K/V landed in the decode replica after its third event: the others start then (their
+    reservations share its blocks); a choice 0 that never says so releases them when it ends."""
+    async def main(ready_after, n, after):
+        log = []
+        choices = Choices([[Script(log, 0, n=n, delay=0.01, ready_after=ready_after), Script(log, 1)]])
+        await choices.start()
+        assert log.index(("start", 1)) > log.index(after)
+        async for _ in choices.events():
+            pass
+        await choices.aclose()
+    asyncio.run(main(2, 6, ("ready", 0)))
+    asyncio.run(main(None, 2, ("closed", 0)))
+
+
 def test_an_unforeseen_exception_becomes_a_500_not_a_hang():
-    async def broken():
+    async def broken(ready):
         raise ValueError("bug")
         yield  # noqa: unreachable - makes this an async generator
 

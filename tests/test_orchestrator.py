@@ -61,6 +61,7 @@ class FakeDecode:
     def __init__(self, events, log: list | None = None):
         self.events, self.requests, self.release = events, [], asyncio.Event()
         self.generate = self
+        self.cached_blocks = 0        # lead blocks its prefix cache holds (Reserved.cached_blocks)
         self.responses: list[FakeResponse] = []
         self.log = log if log is not None else []
 
@@ -76,7 +77,7 @@ class FakeDecode:
         req = messages.decode(data, expect=messages.DecodeRequest)
         self.requests.append(req)
         self.log.append("decode")
-        yield messages.encode(messages.Reserved(req.request_id, ADDRESS, 1))
+        yield messages.encode(messages.Reserved(req.request_id, ADDRESS, 1, self.cached_blocks))
         await self.release.wait()                 # the test decides when the KV lands
         yield messages.encode(messages.Landed(req.request_id))
         for event in self.events:
@@ -132,13 +133,17 @@ def test_reservation_first_then_the_first_token_before_decode_answers(monkeypatc
             messages.TokenEvent("r", (8,), "lo", False, None, 3, 2),
             messages.TokenEvent("r", (9,), "!", True, "length", 3, 3),
         ], log)
+        decode.cached_blocks = 2
         prefill = FakePrefill(result, log=log)
-        events = Orchestrator("disaggregated", prefill, decode).run("r", [1, 2, 3], SamplingParams(max_tokens=3))
+        events = Orchestrator("disaggregated", prefill, decode).run("r", [1, 2, 3], SamplingParams(max_tokens=3),
+                                                                    lambda: log.append("ready"))
         first = await asyncio.wait_for(events.__anext__(), 5)   # the KV has not landed yet
         assert (first.token_ids, first.text, first.finished) == ((7,), "Hel", False)
         assert log == ["decode", "prefill"] and prefill.requests[0].kv_address == ADDRESS
+        assert prefill.requests[0].skip_blocks == 2     # what the decode replica holds is not pushed
         decode.release.set()
         rest = [ev async for ev in events]
+        assert log == ["decode", "prefill", "ready"]    # once its K/V landed
         assert [ev.token_ids for ev in rest] == [(8,), (9,)]
         assert first.text + "".join(ev.text for ev in rest) == "Hello!"
         assert rest[-1].finished and rest[-1].num_output_tokens == 3

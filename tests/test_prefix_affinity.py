@@ -54,6 +54,9 @@ def test_choose_prefers_the_match_only_within_the_imbalance():
     assert choose(cands, {"busy": 9}, 10_000) == (["busy", "idle", "warm"], "affinity")
     assert choose(cands, {"warm": 2, "idle": 2}, 2048) == (["idle", "warm", "busy"], "affinity")  # tie: ranking
     assert choose([], {"x": 1}, 0) == ([], "no_match")
+    # a credit per matched block (decode: the matched K/V is shared there, not added)
+    assert choose(cands, {"busy": 9}, 2048, credit_per_block=350) == (["busy", "idle", "warm"], "affinity")
+    assert choose(cands, {"busy": 9}, 2048, credit_per_block=300) == (["idle", "warm", "busy"], "imbalanced")
 
 
 def test_the_routers_match_a_resumed_requests_prompt_and_resumed_tokens():
@@ -75,7 +78,8 @@ def test_the_routers_match_a_resumed_requests_prompt_and_resumed_tokens():
 def test_the_decode_router_sends_a_conversation_back_while_the_kv_it_holds_allows():
     """A decode replica's load is the KV it holds (used blocks, in tokens): the replica that
     received the conversation's earlier turn goes first within `max_imbalance_tokens` of the
-    least loaded one, and the ranking (most free KV first) stands beyond it."""
+    least loaded one plus the tokens matched (K/V shared there, not added), and the ranking (most
+    free KV first) stands beyond it."""
     import asyncio
     from types import SimpleNamespace
 
@@ -99,6 +103,7 @@ def test_the_decode_router_sends_a_conversation_back_while_the_kv_it_holds_allow
 
     router.on_request_routed(SimpleNamespace(args=[messages.encode(messages.DecodeRequest("r", turn1, wire))]),
                              "warm", None)
-    assert asyncio.run(order([replica("idle", 0), replica("warm", 20)], turn2)) == ["warm", "idle"]  # 80 tokens
-    assert asyncio.run(order([replica("idle", 0), replica("warm", 30)], turn2)) == ["idle", "warm"]  # 120
+    # turn 2 matches turn 1's 5 full blocks (20 tokens): up to 100 + 20 tokens more KV held is allowed
+    assert asyncio.run(order([replica("idle", 0), replica("warm", 30)], turn2)) == ["warm", "idle"]  # 120 tokens
+    assert asyncio.run(order([replica("idle", 0), replica("warm", 31)], turn2)) == ["idle", "warm"]  # 124
     assert asyncio.run(order([replica("idle", 0), replica("warm", 20)], (9,) * 25)) == ["idle", "warm"]

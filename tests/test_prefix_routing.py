@@ -1,8 +1,10 @@
 """Prefix-cache affinity end to end (tiny model): with two prefill replicas (or two colocated
 ones), prompts that share a long prefix all go to the replica that computed it first, whose prefix
 cache then serves the shared blocks. (Routing by load alone would split six such prompts over both
-replicas in 31 of 32 cases.)"""
+replicas in 31 of 32 cases.) With two decode replicas, such prompts, and the choices of one
+prompt, go to the decode replica that received the prefix, which is not sent it again."""
 
+import json
 import re
 
 import pytest
@@ -63,4 +65,24 @@ def test_shared_prefixes_stay_on_one_decode_replica_which_is_not_sent_them_again
         _, text = http(base, "/metrics")
         assert re.search(r'^pdserve_prefix_affinity_decisions_total{pool="decode",decision="affinity"} ([5-9]|\d\d)',
                          text, re.M), text
+        assert pools_all_free(base, {"prefill", "decode"})
+
+
+def test_the_choices_of_one_prompt_share_its_blocks_in_one_decode_replica(ray_serve, tiny_llama_dir):
+    """n = 4: the other choices start once choice 0's K/V landed (router/choices.py), follow it to
+    its decode replica and reserve the prompt's full blocks there: one copy of the prompt's K/V for
+    the four, each of the others receiving only the block with its last token."""
+    with tiny_app(ray_serve, tiny_llama_dir, "pa-n", decode={"num_replicas": 2}) as base:
+        prompt = list(range(100, 260)) + [300] * 5             # 10 full blocks of 16 tokens, then 5
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "n": 4, "temperature": 1.0, "seed": 3,
+                "ignore_eos": True}
+        status, text = http(base, "/v1/completions", body)
+        assert status == 200, text
+        assert len(json.loads(text)["choices"]) == 4
+
+        def landed() -> dict[str, float]:
+            return _series(base, "pdserve_kv_transfers_landed", "decode")
+        assert wait_until(lambda: sum(landed().values()) == 4, 30), landed()
+        assert max(landed().values()) == 4
+        assert sum(_series(base, "pdserve_kv_blocks_reused", "decode").values()) == 3 * 10
         assert pools_all_free(base, {"prefill", "decode"})
