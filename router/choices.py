@@ -11,7 +11,10 @@ Life cycle (the router's `_generate` drives it):
               (router/prefix_affinity.py) sends them to those replicas: the prefill replica
               computes only the prompt's last, partial block for each, and the decode replica
               shares the prompt's full blocks with them, receiving only that last block (one copy
-              of the prompt's K/V for the group, not n). The first events of all choices are
+              of the prompt's K/V for the group, not n; the decode replica registers them when it
+              admits choice 0, which it queues as it answers `Landed`, so before the others'
+              reservations arrive, unless its structured-output grammar is still compiling:
+              then they get their own copies). The first events of all choices are
               returned together, so any failure so far is still an HTTP status: `start` closes
               every choice and raises the first RequestFailed.
   2. events   the other events of all choices, merged as they come, tagged with their index;
