@@ -17,24 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # service_bench, next to this file
+from service_bench import server_counters  # noqa: E402
+
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def counters(client: httpx.Client, url: str) -> dict[str, float]:
-    """{metric: value summed over replicas} for the per-replica series."""
-    out: dict[str, float] = {}
-    for m in re.finditer(r'^(pdserve_\w+)\{pool="(\w+)",replica="[^"]*"\} (\S+)$', client.get(url + "/metrics").text,
-                         re.M):
-        key = f"{m.group(1)}[{m.group(2)}]"
-        out[key] = out.get(key, 0.0) + float(m.group(3))
-    return out
 
 
 def main() -> None:
@@ -55,11 +49,11 @@ def main() -> None:
     def sample() -> None:
         with httpx.Client(timeout=10, trust_env=False) as probe:
             while not stop.is_set():
-                c = counters(probe, args.url)
+                c = server_counters(args.url, gauges=True, client=probe)
                 peak[0] = max(peak[0], c.get("pdserve_kv_blocks_total[decode]", 0) - c.get("pdserve_kv_blocks_free[decode]", 0))
                 time.sleep(0.02)
 
-    before = counters(client, args.url)
+    before = server_counters(args.url, client=client)
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     latencies, firsts = [], []
@@ -85,7 +79,7 @@ def main() -> None:
     time.sleep(2)          # the replicas' counters follow their pushes' ends
     stop.set()
     sampler.join()
-    after = counters(client, args.url)
+    after = server_counters(args.url, client=client)
 
     def per_request(key: str) -> float:
         return (after.get(key, 0) - before.get(key, 0)) / args.requests

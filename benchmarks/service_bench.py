@@ -207,18 +207,25 @@ def wait_healthy(base: str, timeout_s: float) -> None:
     raise TimeoutError(f"service not healthy after {timeout_s:.0f} s ({last})")
 
 
-def server_counters(base: str) -> dict[str, float]:
-    """Router outcomes and per-replica counters from /metrics, summed over replicas of a pool."""
+GAUGES = ("pdserve_kv_blocks_total", "pdserve_kv_blocks_free", "pdserve_running_requests",
+          "pdserve_waiting_requests", "pdserve_waiting_prompt_tokens")
+
+
+def server_counters(base: str, gauges: bool = False, client: httpx.Client | None = None) -> dict[str, float]:
+    """Router outcomes and per-replica counters from /metrics, summed over replicas of a pool
+    (`name[pool]`); with `gauges`, the replicas' gauges (GAUGES) too. `client`: one to reuse."""
     try:
-        with httpx.Client(timeout=10, trust_env=False) as client:
+        if client is not None:
             text = client.get(base + "/metrics").text
+        else:
+            with httpx.Client(timeout=10, trust_env=False) as own:
+                text = own.get(base + "/metrics").text
     except httpx.HTTPError:
         return {}
     out: dict[str, float] = {}
     for m in re.finditer(r'^(pdserve_\w+)\{(\w+)="([^"]*)"(?:,replica="[^"]*")?\} (\S+)$', text, re.M):
         name, label, value = m.group(1), m.group(3), float(m.group(4))
-        if name in ("pdserve_kv_blocks_total", "pdserve_kv_blocks_free", "pdserve_running_requests",
-                    "pdserve_waiting_requests", "pdserve_waiting_prompt_tokens"):
+        if name in GAUGES and not gauges:
             continue
         key = f"{name}[{label}]"
         out[key] = out.get(key, 0.0) + value
