@@ -42,53 +42,76 @@ def test_shared_prefixes_stay_on_one_replica(ray_serve, tiny_llama_dir, mode, po
         assert pools_all_free(base, pools)
 
 
-def test_shared_prefixes_stay_on_one_decode_replica_which_is_not_sent_them_again(ray_serve, tiny_llama_dir):
+@pytest.fixture(scope="module")
+def two_decode(ray_serve, tiny_llama_dir):
+    """One prefill and two decode replicas, shared by the tests below (each counts from its start)."""
+    with tiny_app(ray_serve, tiny_llama_dir, "pa-decode", decode={"num_replicas": 2}) as base:
+        yield base
+
+
+def _since(base: str, before: dict, name: str, pool: str) -> dict[str, float]:
+    """Each replica's `name` counted since the snapshot `before` (a `metrics` result)."""
+    return {r: v - before.get((name, pool, r), 0) for r, v in _series(base, name, pool).items()}
+
+
+def test_shared_prefixes_stay_on_one_decode_replica_which_is_not_sent_them_again(two_decode):
     """Two decode replicas: the prompts after the first go to the decode replica that received the
     shared prefix, which reserves its cached blocks for it (`kv_blocks_reused`), so only each
     prompt's last block comes over the wire."""
-    with tiny_app(ray_serve, tiny_llama_dir, "pa-decode", decode={"num_replicas": 2}) as base:
-        shared = list(range(100, 260))                       # 10 blocks of 16 tokens
-        for i in range(6):
-            body = {"model": "tiny", "prompt": shared + [300 + i] * 5, "max_tokens": 3, "temperature": 0,
-                    "ignore_eos": True}
-            status, text = http(base, "/v1/completions", body)
-            assert status == 200, text
-
-        def landed() -> dict[str, float]:
-            return _series(base, "pdserve_kv_transfers_landed", "decode")
-        assert wait_until(lambda: sum(landed().values()) == 6, 30), landed()
-        assert len(_series(base, "pdserve_kv_blocks_total", "decode")) == 2 and max(landed().values()) == 6
-        assert sum(_series(base, "pdserve_kv_blocks_reused", "decode").values()) == 5 * 10
-
-        def bytes_moved() -> tuple[float, float]:
-            # each replica reports its counters on its own cadence, and the prefill counts a push
-            # once its send returns, which can be after the decode side counted it landed
-            return (sum(_series(base, "pdserve_kv_bytes_received", "decode").values()),
-                    sum(_series(base, "pdserve_kv_bytes_sent", "prefill").values()))
-        assert wait_until(lambda: len(set(bytes_moved())) == 1, 30), bytes_moved()
-        received, _ = bytes_moved()
-        assert received > 0 and received % (11 + 5) == 0        # 11 blocks, then 1 a prompt
-        _, text = http(base, "/metrics")
-        assert re.search(r'^pdserve_prefix_affinity_decisions_total{pool="decode",decision="affinity"} ([5-9]|\d\d)',
-                         text, re.M), text
-        assert pools_all_free(base, {"prefill", "decode"})
-
-
-def test_the_choices_of_one_prompt_share_its_blocks_in_one_decode_replica(ray_serve, tiny_llama_dir):
-    """n = 4: the other choices start once choice 0's K/V landed (router/choices.py), follow it to
-    its decode replica and reserve the prompt's full blocks there: one copy of the prompt's K/V for
-    the four, each of the others receiving only the block with its last token."""
-    with tiny_app(ray_serve, tiny_llama_dir, "pa-n", decode={"num_replicas": 2}) as base:
-        prompt = list(range(100, 260)) + [300] * 5             # 10 full blocks of 16 tokens, then 5
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "n": 4, "temperature": 1.0, "seed": 3,
+    base = two_decode
+    assert pools_all_free(base, {"prefill", "decode"})
+    before = metrics(base)
+    _, text = http(base, "/metrics")
+    affinity = _affinity_decisions(text)
+    shared = list(range(100, 260))                       # 10 blocks of 16 tokens
+    for i in range(6):
+        body = {"model": "tiny", "prompt": shared + [300 + i] * 5, "max_tokens": 3, "temperature": 0,
                 "ignore_eos": True}
         status, text = http(base, "/v1/completions", body)
         assert status == 200, text
-        assert len(json.loads(text)["choices"]) == 4
 
-        def landed() -> dict[str, float]:
-            return _series(base, "pdserve_kv_transfers_landed", "decode")
-        assert wait_until(lambda: sum(landed().values()) == 4, 30), landed()
-        assert max(landed().values()) == 4
-        assert sum(_series(base, "pdserve_kv_blocks_reused", "decode").values()) == 3 * 10
-        assert pools_all_free(base, {"prefill", "decode"})
+    def landed() -> dict[str, float]:
+        return _since(base, before, "pdserve_kv_transfers_landed", "decode")
+    assert wait_until(lambda: sum(landed().values()) == 6, 30), landed()
+    assert len(_series(base, "pdserve_kv_blocks_total", "decode")) == 2 and max(landed().values()) == 6
+    assert sum(_since(base, before, "pdserve_kv_blocks_reused", "decode").values()) == 5 * 10
+
+    def bytes_moved() -> tuple[float, float]:
+        # each replica reports its counters on its own cadence, and the prefill counts a push
+        # once its send returns, which can be after the decode side counted it landed
+        return (sum(_since(base, before, "pdserve_kv_bytes_received", "decode").values()),
+                sum(_since(base, before, "pdserve_kv_bytes_sent", "prefill").values()))
+    assert wait_until(lambda: len(set(bytes_moved())) == 1, 30), bytes_moved()
+    received, _ = bytes_moved()
+    assert received > 0 and received % (11 + 5) == 0        # 11 blocks, then 1 a prompt
+    _, text = http(base, "/metrics")
+    assert _affinity_decisions(text) - affinity >= 5, text
+    assert pools_all_free(base, {"prefill", "decode"})
+
+
+def _affinity_decisions(metrics_text: str) -> float:
+    m = re.search(r'^pdserve_prefix_affinity_decisions_total{pool="decode",decision="affinity"} (\S+)$',
+                  metrics_text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_the_choices_of_one_prompt_share_its_blocks_in_one_decode_replica(two_decode):
+    """n = 4: the other choices start once choice 0's K/V landed (router/choices.py), follow it to
+    its decode replica and reserve the prompt's full blocks there: one copy of the prompt's K/V for
+    the four, each of the others receiving only the block with its last token."""
+    base = two_decode
+    assert pools_all_free(base, {"prefill", "decode"})
+    before = metrics(base)
+    prompt = list(range(1100, 1260)) + [300] * 5           # 10 full blocks of 16 tokens, then 5
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "n": 4, "temperature": 1.0, "seed": 3,
+            "ignore_eos": True}
+    status, text = http(base, "/v1/completions", body)
+    assert status == 200, text
+    assert len(json.loads(text)["choices"]) == 4
+
+    def landed() -> dict[str, float]:
+        return _since(base, before, "pdserve_kv_transfers_landed", "decode")
+    assert wait_until(lambda: sum(landed().values()) == 4, 30), landed()
+    assert max(landed().values()) == 4
+    assert sum(_since(base, before, "pdserve_kv_blocks_reused", "decode").values()) == 3 * 10
+    assert pools_all_free(base, {"prefill", "decode"})

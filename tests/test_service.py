@@ -68,11 +68,18 @@ def test_both_decode_replicas_used_and_kv_goes_to_the_decoding_replica(disagg, p
     before = metrics(disagg)
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: complete(disagg, prompts[i % 16], i % 16), range(24)))
-    after = metrics(disagg)
     handed_off = sum(1 for _, tokens, _ in results if tokens > 1)   # one token ends at the prefill
 
     def delta(key):
         return after.get(key, 0) - before.get(key, 0)
+
+    def settled() -> bool:   # each replica reports its counters every STATS_PERIOD_S
+        nonlocal after
+        after = metrics(disagg)
+        return sum(delta(k) for k in after if k[0] in ("pdserve_kv_transfers_sent", "pdserve_kv_transfers_landed",
+                                                         "pdserve_requests_decoded")) == 3 * handed_off
+    after: dict = {}
+    assert wait_until(settled, 10), after
 
     decode = {r for (n, p, r) in after if p == "decode" and n == "pdserve_kv_blocks_total"}
     assert len(decode) == 2
