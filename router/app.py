@@ -53,6 +53,7 @@ from router.response_store import MAX_PAGE
 from router.responses_api import ResponsesApi
 from router.responses_protocol import ResponsesRequest
 from router.tools import template_tools
+from router.validation_errors import describe
 from serving import messages
 from serving.config import AppConfig
 from serving.models import resolve_model
@@ -68,11 +69,7 @@ app.add_middleware(Guards, settings=guard_settings)
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
-                        for e in errors[:5]) or "invalid request"
+    message, param = describe(exc.errors(), skip=1)      # skip FastAPI's "body"
     return error_response(400, message, param=param)
 
 

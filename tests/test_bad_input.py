@@ -96,6 +96,11 @@ CASES = [
 ]
 
 
+# the field a union failure names (router/validation_errors.py), not pydantic's member names
+PARAMS = {"prompt wrong type": "prompt", "stop wrong type": "stop", "mixed prompt batch": "prompt.1",
+          "image content": "messages.0.content.0.type"}
+
+
 @pytest.mark.parametrize("name,path,body,status", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_a_clear_4xx(disagg, name, path, body, status):
     raw = body if isinstance(body, bytes) else None
@@ -103,6 +108,8 @@ def test_bad_input_is_a_clear_4xx(disagg, name, path, body, status):
     assert got == status, text
     error = json.loads(text)["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if name in PARAMS:
+        assert error["param"] == PARAMS[name] and error["message"].startswith(PARAMS[name] + ": "), error
 
 
 def test_an_oversized_body_still_being_sent_gets_its_413_not_a_reset(disagg):
