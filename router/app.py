@@ -28,7 +28,7 @@ from typing import Annotated, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinja2 import TemplateError
 from pydantic import ValidationError
@@ -44,7 +44,7 @@ from router.contract import Served, openapi_document
 from router.guards import Guards, GuardSettings
 from router.logprobs import LogprobsFormatter, TokenStrings
 from router.metrics import RequestMetrics, render
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.openai_responses import (above_limit, choice_body, completion_body, error_body, error_response, refused,
                                      usage)
 from router.orchestrator import Orchestrator, RequestFailed
@@ -52,6 +52,7 @@ from router.reasoning import grammar_think, reasoning_template, starts_inside, t
 from router.response_store import MAX_PAGE
 from router.responses_api import ResponsesApi
 from router.responses_protocol import ResponsesRequest
+from router.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from router.tools import template_tools
 from router.validation_errors import describe
 from serving import messages

@@ -7,22 +7,22 @@ format), and every bound lives on a field, so the document states it. The rules 
 are model validators, stated in the model's description and, as if/then, in its JSON schema.
 `sampling_params` maps a request to the engine's SamplingParams, adding vLLM's widely used
 extensions top_k, min_tokens, ignore_eos and repetition_penalty, and vLLM's `structured_outputs`
-(beside OpenAI's `response_format`; engine/structured_output.py). Responses:
-router/openai_responses.py.
+(beside OpenAI's `response_format`; their models: router/structured_protocol.py). /tokenize's and
+/detokenize's: router/tokenize_protocol.py. Responses: router/openai_responses.py.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
 from engine.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
                                     SamplingParams)
-from engine.structured_output import StructuredOutput, without_annotations
+from engine.structured_output import StructuredOutput
 from router.chat_prompt import RESERVED_TEMPLATE_KWARGS
-from router.protocol_types import Int, NonEmptyText, Strict, StrictOpen, Text
+from router.protocol_types import Int, NonEmptyText, Strict, StrictOpen, Text, implies, present
+from router.structured_protocol import ResponseFormat, StructuredOutputs
 from router.tools import CLOSE as TOOL_CALL_END
 from router.tools import (HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool, ToolChoice,
                           forced_tools, parameters_problem, render_conversation, tool_grammar)
@@ -44,11 +44,6 @@ LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
                       Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})]
 
 
-def implies(name: str, schema: dict, then: dict) -> dict:
-    """JSON Schema for a model validator's "`name` matching `schema` needs `then`"."""
-    return {"if": {"properties": {name: schema}, "required": [name]}, "then": then}
-
-
 def _batch_at_most(k: int) -> dict:
     """`prompt`: a string, a token list, or a batch of at most k."""
     return {"properties": {"prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
@@ -68,69 +63,10 @@ COMPLETION_CROSS_FIELD["allOf"].append(_ONE_STRUCTURE)
 CHAT_CROSS_FIELD = {"allOf": [implies("top_logprobs", {"type": "integer", "minimum": 1},
                                        {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
                               _ONE_STRUCTURE]}
-STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class StreamOptions(Strict):
     include_usage: bool = Field(False, description="Send a last chunk with `usage` (and no choices) before [DONE].")
-
-
-class JsonSchemaFormat(StrictOpen):
-    """OpenAI's `response_format.json_schema`; other keys are ignored."""
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: Text | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema the output is a value "
-                                           "of; none: any JSON object.")
-    strict: bool | None = Field(None, description="Accepted; the output always follows the schema.")
-
-
-class ResponseFormat(StrictOpen):
-    """Plain text, any JSON object, or a value of a JSON schema (`json_schema` required then);
-    other keys are ignored."""
-    model_config = ConfigDict(json_schema_extra=implies("type", {"const": "json_schema"}, {
-        "properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]}))
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self):
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format of type json_schema needs json_schema")
-        return self
-
-    def structured(self) -> StructuredOutput | None:
-        if self.type == "json_schema" and self.json_schema.schema_ is not None:
-            return StructuredOutput("json_schema", json.dumps(without_annotations(self.json_schema.schema_)))
-        return None if self.type == "text" else StructuredOutput("json_object")
-
-
-class StructuredOutputs(Strict):
-    """vLLM's: exactly one of a JSON schema, any JSON object, a regex, a list of choices, or a
-    Lark grammar."""
-    model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"properties": {key: {"not": {"type": "null"}}}, "required": [key]} for key in STRUCTURED_KEYS]})
-    json_: dict[str, Any] | None = Field(None, alias="json", description="A JSON schema.")
-    json_object: Literal[True] | None = None
-    regex: NonEmptyText | None = None
-    choice: Annotated[list[NonEmptyText], Field(min_length=1, max_length=256)] | None = None
-    grammar: NonEmptyText | None = Field(None, description="A Lark grammar (llguidance's dialect).")
-
-    @model_validator(mode="after")
-    def _exactly_one(self):
-        if sum(v is not None for v in (self.json_, self.json_object, self.regex, self.choice, self.grammar)) != 1:
-            raise ValueError(f"structured_outputs takes exactly one of {', '.join(STRUCTURED_KEYS)}")
-        return self
-
-    def structured(self) -> StructuredOutput:
-        if self.json_ is not None:
-            return StructuredOutput("json_schema", json.dumps(without_annotations(self.json_)))
-        if self.json_object:
-            return StructuredOutput("json_object")
-        if self.regex is not None:
-            return StructuredOutput("regex", self.regex)
-        if self.choice is not None:
-            return StructuredOutput("choice", json.dumps(self.choice))
-        return StructuredOutput("lark", self.grammar)
 
 
 class _Sampling(Strict):
@@ -269,18 +205,13 @@ class TextPart(StrictOpen):
     text: Text
 
 
-def _present(name: str) -> dict:
-    """JSON Schema: `name` is given and not null."""
-    return {"properties": {name: {"not": {"type": "null"}}}, "required": [name]}
-
-
 # content may be left out (or null) by an assistant turn that made calls; calls are an assistant's,
 # tool_call_id a tool result's
 MESSAGE_CROSS_FIELD = {"allOf": [
-    {"if": {"not": _present("content")}, "then": {"properties": {"role": {"const": "assistant"}, "tool_calls": {
+    {"if": {"not": present("content")}, "then": {"properties": {"role": {"const": "assistant"}, "tool_calls": {
         "type": "array", "minItems": 1}}, "required": ["role", "tool_calls"]}},
-    {"if": _present("tool_calls"), "then": {"properties": {"role": {"const": "assistant"}}}},
-    {"if": _present("tool_call_id"), "then": {"properties": {"role": {"const": "tool"}}}}]}
+    {"if": present("tool_calls"), "then": {"properties": {"role": {"const": "assistant"}}}},
+    {"if": present("tool_call_id"), "then": {"properties": {"role": {"const": "tool"}}}}]}
 
 
 class ChatMessage(Strict):
@@ -318,7 +249,7 @@ FORCED_TOOL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
 CHAT_CROSS_FIELD["allOf"] += [
     implies("continue_final_message", {"const": True}, {"properties": {"add_generation_prompt": {"const": False}},
                                                          "required": ["add_generation_prompt"]}),
-    implies("tool_choice", {"anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}, _present("tools")),
+    implies("tool_choice", {"anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}, present("tools")),
     implies("tool_choice", FORCED_TOOL, {"properties": {"response_format": {"type": "null"},
                                                          "structured_outputs": {"type": "null"}}})]
 
@@ -430,43 +361,3 @@ class ChatCompletionRequest(_Sampling):
         """The chat template's messages and tools (router/tools.py): `native_tools`, whether the
         template writes tool calls itself."""
         return render_conversation(self.messages, self.tools if self.parses_tool_calls else None, native_tools)
-
-
-CHAT_PROMPT_FIELDS = ("messages", "tools", "tool_choice", "add_generation_prompt", "continue_final_message",
-                      "chat_template_kwargs")
-
-
-class TokenizeRequest(Strict):
-    """vLLM's /tokenize: a completion's `prompt`, or a chat's `messages` (with the chat fields that
-    shape its prompt, under the chat endpoint's rules), as the token ids the engine would get."""
-    model_config = ConfigDict(json_schema_extra={"oneOf": [_present("prompt"), _present("messages")], "if": _present(
-        "prompt"), "then": {"not": {"anyOf": [{"required": [name]} for name in CHAT_PROMPT_FIELDS[1:]]}}})
-    model: str | None = Field(None, description="The served model's name, if given.")
-    prompt: Text | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
-    tool_choice: ToolChoice | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = Field(False, description="Also each token's text (the tokenizer's piece).")
-
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
-        if self.prompt is not None and self.model_fields_set & set(CHAT_PROMPT_FIELDS[1:]):
-            raise ValueError(f"{', '.join(sorted(self.model_fields_set & set(CHAT_PROMPT_FIELDS[1:])))} "
-                             "go with messages")
-        return self
-
-    def chat(self, model: str) -> ChatCompletionRequest:
-        """The chat request whose prompt this is; a ValueError (pydantic's) where the chat rules refuse it."""
-        return ChatCompletionRequest.model_validate({"model": model, **self.model_dump(
-            include=set(CHAT_PROMPT_FIELDS), exclude_unset=True, by_alias=True)})
-
-
-class DetokenizeRequest(Strict):
-    """vLLM's /detokenize: token ids back to text (special tokens included)."""
-    model: str | None = Field(None, description="The served model's name, if given.")
-    tokens: list[Int(ge=0)] = Field(max_length=1_000_000)

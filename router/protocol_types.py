@@ -1,6 +1,6 @@
 """The value types the request models are built from (router/openai_protocol.py,
 router/tools.py): strict JSON types, integers that accept integral floats, and text that any
-tokenizer can take."""
+tokenizer can take; and the JSON Schema pieces their cross-field rules are stated in."""
 
 from __future__ import annotations
 
@@ -38,3 +38,13 @@ class Strict(BaseModel):
 
 class StrictOpen(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def implies(name: str, schema: dict, then: dict) -> dict:
+    """JSON Schema for a model validator's "`name` matching `schema` needs `then`"."""
+    return {"if": {"properties": {name: schema}, "required": [name]}, "then": then}
+
+
+def present(name: str) -> dict:
+    """JSON Schema: `name` is given and not null."""
+    return {"properties": {name: {"not": {"type": "null"}}}, "required": [name]}

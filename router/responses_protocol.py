@@ -25,10 +25,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, TypeAdapter, model_validator
 
-from router.openai_protocol import (FORCED_TOOL, GREEDY_BELOW_TEMPERATURE, ChatCompletionRequest, JsonSchemaFormat,
-                                    implies)
-from router.protocol_types import Int, Strict, StrictOpen, Text
+from router.openai_protocol import FORCED_TOOL, GREEDY_BELOW_TEMPERATURE, ChatCompletionRequest
+from router.protocol_types import Int, Strict, StrictOpen, Text, implies
 from router.responses_output import new_id
+from router.structured_protocol import JsonSchemaFormat
 from router.tools import MAX_TOOLS, FunctionName
 
 MAX_ITEMS = 1024

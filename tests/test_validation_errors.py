@@ -4,8 +4,9 @@
 import pytest
 from pydantic import ValidationError
 
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.responses_protocol import ResponsesRequest
+from router.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from router.validation_errors import _router_models, describe
 
 GOOD = {CompletionRequest: {"model": "m", "prompt": "x"},

@@ -1,0 +1,50 @@
+"""vLLM's /tokenize and /detokenize request models (router/app.py serves them)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import ConfigDict, Field, model_validator
+
+from router.openai_protocol import ChatCompletionRequest, ChatMessage
+from router.protocol_types import Int, Strict, Text, present
+from router.tools import MAX_TOOLS, Tool, ToolChoice
+
+CHAT_PROMPT_FIELDS = ("messages", "tools", "tool_choice", "add_generation_prompt", "continue_final_message",
+                      "chat_template_kwargs")
+
+
+class TokenizeRequest(Strict):
+    """vLLM's /tokenize: a completion's `prompt`, or a chat's `messages` (with the chat fields that
+    shape its prompt, under the chat endpoint's rules), as the token ids the engine would get."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [present("prompt"), present("messages")], "if": present(
+        "prompt"), "then": {"not": {"anyOf": [{"required": [name]} for name in CHAT_PROMPT_FIELDS[1:]]}}})
+    model: str | None = Field(None, description="The served model's name, if given.")
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = Field(False, description="Also each token's text (the tokenizer's piece).")
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.prompt is not None and self.model_fields_set & set(CHAT_PROMPT_FIELDS[1:]):
+            raise ValueError(f"{', '.join(sorted(self.model_fields_set & set(CHAT_PROMPT_FIELDS[1:])))} "
+                             "go with messages")
+        return self
+
+    def chat(self, model: str) -> ChatCompletionRequest:
+        """The chat request whose prompt this is; a ValueError (pydantic's) where the chat rules refuse it."""
+        return ChatCompletionRequest.model_validate({"model": model, **self.model_dump(
+            include=set(CHAT_PROMPT_FIELDS), exclude_unset=True, by_alias=True)})
+
+
+class DetokenizeRequest(Strict):
+    """vLLM's /detokenize: token ids back to text (special tokens included)."""
+    model: str | None = Field(None, description="The served model's name, if given.")
+    tokens: list[Int(ge=0)] = Field(max_length=1_000_000)
