@@ -15,7 +15,7 @@
    allocated: attention costs the same whatever the values), so no prefill of 64 x 2k tokens.
 3. `--chunks`: a prompt chunk of n tokens after a past (a prefix-cache tail, a later chunk of a
    long prompt), per layer: its context gathered + sdpa with the offset-causal mask (what the
-   engine runs above model_runner.KERNEL_CHUNK_ROWS tokens in fp32), the paged decode kernel with
+   engine runs above backends.KERNEL_CHUNK_ROWS tokens in fp32), the paged decode kernel with
    one row per token over its own causal context (what it runs at or below), and in bf16 the
    prefill kernel (`paged_prefill_attention`, what a bf16 engine runs above); then fresh prompts
    of n tokens (past 0): sdpa on the chunk's own K/V with `is_causal` (fp32) against the prefill
@@ -112,7 +112,7 @@ def chunks(threads: int) -> None:
 
     from engine.attention import token_slots
     from engine.kernels import cpu_kernels
-    from engine.model_runner import KERNEL_CHUNK_ROWS
+    from engine.backends import KERNEL_CHUNK_ROWS
     torch.set_num_threads(threads)
     kernels = cpu_kernels()
     if kernels is None:
@@ -209,7 +209,7 @@ def prefills(args) -> None:
         print(f"| {n} | {1e3 * off:.0f} ms | {1e3 * on:.0f} ms | {off / on:.2f}x |")
     if default_sdpa_from is not None:
         print(f"\nThe engine runs prompt chunks of {default_sdpa_from} tokens and more through sdpa on this CPU "
-              "(AMX: engine.model_runner.AMX_SDPA_FROM), the kernel below that.")
+              "(AMX: engine.backends.AMX_SDPA_FROM), the kernel below that.")
     print()
 
 

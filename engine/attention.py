@@ -7,7 +7,7 @@ sequences) into one row of tokens and builds an `AttentionMetadata`; the decoder
   2. attends every decode token over its sequence's blocks, one call for the whole batch:
        backend "paged": the engine's kernel (engine.kernels: C++ on CPU, Triton on CUDA) reads
          K/V from the pool in place, block table by block table; the tokens of short prompt
-         chunks after a past (model_runner.KERNEL_CHUNK_ROWS) are rows of the same call, each
+         chunks after a past (backends.KERNEL_CHUNK_ROWS) are rows of the same call, each
          over its own causal context;
        backend "torch": K/V gathered a whole block at a time into a [batch, max_context] copy
          per layer, then one sdpa call with the padding masked out (any device and dtype),

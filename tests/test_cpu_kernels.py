@@ -50,7 +50,7 @@ from engine import decoder, linear
 from engine.config import EngineConfig
 from engine.kernels import cpu_kernels
 from engine.llm_engine import LLMEngine
-from engine.model_runner import KERNEL_CHUNK_ROWS, KVShape, attention_kernels, paged_kernel_problem
+from engine.backends import KERNEL_CHUNK_ROWS, KVShape, attention_kernels, paged_kernel_problem
 from engine.sampling_params import SamplingParams
 from tiny_models import tiny_model_dir
 
@@ -983,7 +983,7 @@ def test_bf16_engine_runs_prompt_chunks_through_the_prefill_kernel(tmp_path):
             assert calls == [] and max(roped) <= 2 + KERNEL_CHUNK_ROWS
     assert logprobs[True].shape == (47,)
     assert (logprobs[True] - logprobs[False]).abs().max() < 0.05
-    # where the CPU has AMX (engine.model_runner.AMX_SDPA_FROM), chunks from sdpa_from tokens run
+    # where the CPU has AMX (engine.backends.AMX_SDPA_FROM), chunks from sdpa_from tokens run
     # sdpa instead, fresh or after a past; shorter ones keep the kernel: the same log-probabilities
     eng = _bf16_engine(path)
     eng.runner.sdpa_from = 10

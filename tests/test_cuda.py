@@ -173,7 +173,7 @@ def test_loopback_between_cuda_pools():
 
 
 def test_profiled_pool_keeps_the_replica_within_its_share(model_dir, prompts):
-    from engine.model_runner import attention_kernels
+    from engine.backends import attention_kernels
 
     total = torch.cuda.mem_get_info()[1]
     torch.cuda.empty_cache()

@@ -28,7 +28,7 @@ from engine.config import EngineConfig, context_limit, layer_windows
 from engine.kernels import cpu_kernels
 from engine.linear import cpu_has_native_bf16, make_linear, quantized_small_rows
 from engine.llm_engine import LLMEngine
-from engine.model_runner import resolve_dtype, weight_format
+from engine.backends import resolve_dtype, weight_format
 from engine.sampling_params import SamplingParams
 from tiny_models import TINY_ARCHS, tiny_model_dir, with_random_norms
 

@@ -148,14 +148,14 @@ def plan(m: ModelSpec, hw: Hardware, input_len: int, output_len: int, rate: floa
 def served_dtype(hardware: str) -> str:
     """The dtype pdserve serves a model in on `hardware` with `engine.dtype: auto`, as the planner
     names it: bf16 on the GPU presets (all have bf16), and on `cpu` (this machine) the engine's own
-    choice (`engine.model_runner.resolve_dtype`: bf16 where the CPU has native bf16 or the
+    choice (`engine.backends.resolve_dtype`: bf16 where the CPU has native bf16 or the
     engine's GEMVs build for AVX2, else fp32). A
     model's config `torch_dtype` does not matter: the engine converts the weights."""
     if hardware != "cpu":
         return "bf16"
     import torch
 
-    from engine.model_runner import resolve_dtype
+    from engine.backends import resolve_dtype
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[
         resolve_dtype("auto", torch.device("cpu"))]
 
