@@ -6,10 +6,10 @@ Life cycle of an HTTP request
                with the tools shown as router/tools.py says
   3. run       the orchestrator, once per choice (`n`, router/choices.py): decode replica
                chosen, prefill there, decode streams back
-  4. respond   one JSON body, or server-sent events ending in `data: [DONE]`; a failure
-               before the first tokens is an HTTP error, after them an error event in the stream.
-               A chat choice's output is split into reasoning (a template with <think>
-               blocks), content and tool calls (with tools): router/chat_output.py
+  4. respond   one JSON body, or server-sent events ending in `data: [DONE]` (router/reply.py);
+               a failure before the first tokens is an HTTP error, after them an error event in
+               the stream. A chat choice's output is split into reasoning (a template with
+               <think> blocks), content and tool calls (with tools): router/chat_output.py
 A client that disconnects cancels step 3, which aborts the request in every pool.
 
 (No `from __future__ import annotations` here: Serve's class-based ingress rebuilds the endpoint
@@ -19,7 +19,6 @@ signatures and FastAPI then cannot resolve string annotations of the request bod
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -38,17 +37,17 @@ from transformers import AutoConfig, AutoTokenizer
 from engine.config import context_limit
 from router.chat_output import ChatOutputShape
 from router.chat_prompt import chat_prompt_ids
-from router.choice_view import ChoiceView, choice_params, extend_logprobs
+from router.choice_view import choice_params
 from router.choices import Choices
 from router.contract import Served, openapi_document
 from router.guards import Guards, GuardSettings
-from router.logprobs import LogprobsFormatter, TokenStrings
+from router.logprobs import TokenStrings
 from router.metrics import RequestMetrics, render
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
-from router.openai_responses import (above_limit, choice_body, completion_body, error_body, error_response, refused,
-                                     usage)
+from router.openai_responses import above_limit, error_response, refused
 from router.orchestrator import Orchestrator, RequestFailed
 from router.reasoning import grammar_think, reasoning_template, starts_inside, think_tokens
+from router.reply import Reply
 from router.response_store import MAX_PAGE
 from router.responses_api import ResponsesApi
 from router.responses_protocol import ResponsesRequest
@@ -295,10 +294,11 @@ class Router:
             self.request_metrics.finish("error")
             return error_response(exc.code, exc.message, exc.kind,
                                   headers={"Retry-After": "1"} if exc.code in (429, 503) else None)
+        reply = Reply(body, rid, self.model_name, chat, choices, firsts, (start, first_at), self.request_metrics,
+                      self.token_strings, echoes, shape)
         if body.stream:
-            return StreamingResponse(self._sse(body, rid, choices, firsts, chat, (start, first_at), echoes, shape),
-                                     media_type="text/event-stream")
-        return await self._collect(body, rid, choices, firsts, chat, (start, first_at), echoes, shape)
+            return StreamingResponse(reply.stream(), media_type="text/event-stream")
+        return await reply.collect()
 
     def _choice(self, rid: str, index: int, j: int, ids: list[int], params):
         """Choice `index` of a request, the `j`-th of its prompt: its own request id in the pools
@@ -326,99 +326,3 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - a bug or an unforeseen failure: report, stay up
             log.exception("request failed unexpectedly")
             raise RequestFailed(500, f"internal error: {type(exc).__name__}") from None
-
-    def _views(self, body, chat: bool, echoes: list | None, count: int) -> list[ChoiceView]:
-        """One view per choice (prompt p's choices are p*n .. p*n + n-1)."""
-        return [ChoiceView(LogprobsFormatter(self.token_strings) if body.logprob_count() is not None else None,
-                           chat, echoes[k // body.n] if echoes else None, body.prompt_only) for k in range(count)]
-
-    @staticmethod
-    def _usage(body, firsts: list[messages.TokenEvent], lasts: list[messages.TokenEvent]) -> dict:
-        """Each prompt once, the completion tokens of every choice (none for a prompt-only echo),
-        and per prompt the prompt tokens served from a prefix cache for its choice that had the
-        most (choices 1..n-1 reuse choice 0's). The cache counts come with the first events: the
-        engine that computed the prompt (the prefill replica's; a decode replica's events count
-        none)."""
-        n, groups = body.n, range(0, len(lasts), body.n)
-        completion = 0 if body.prompt_only else sum(ev.num_output_tokens for ev in lasts)
-        return usage(sum(lasts[g].num_prompt_tokens for g in groups), completion,
-                     sum(max(ev.num_cached_tokens for ev in firsts[g:g + n]) for g in groups))
-
-    def _observe(self, body, times, lasts: list[messages.TokenEvent]) -> None:
-        tokens = [0 if body.prompt_only else ev.num_output_tokens for ev in lasts]
-        self.request_metrics.observe(*times, time.monotonic(), sum(tokens), max(tokens))
-
-    async def _collect(self, body, rid, choices: Choices, firsts, chat, times, echoes=None, shape=None):
-        views, lasts = self._views(body, chat, echoes, len(firsts)), list(firsts)
-        pieces = [views[i].piece(ev) for i, ev in enumerate(firsts)]
-        texts, logprobs = [t for t, _ in pieces], [lp for _, lp in pieces]
-        try:
-            async for i, ev in choices.events():
-                text, lp = views[i].piece(ev)
-                texts[i] += text
-                extend_logprobs(logprobs[i], lp)
-                lasts[i] = ev
-        except RequestFailed as exc:
-            self.request_metrics.finish("error")
-            return error_response(exc.code, exc.message, exc.kind)
-        finally:
-            await choices.aclose()
-        self.request_metrics.finish("ok")
-        self._observe(body, times, lasts)
-        out = []
-        for i, last in enumerate(lasts):
-            text, finish, reasoning, calls = texts[i], views[i].finish_reason(last), None, None
-            if shape is not None and not shape.plain:    # reasoning and tool calls apart (router/chat_output.py)
-                output = shape.choice()
-                reasoning, text, calls = output.message(text)
-                finish = output.finish_reason(finish)
-            out.append(choice_body(i, text, finish, chat, chunk=False, logprobs=logprobs[i], tool_calls=calls,
-                                   reasoning=reasoning))
-        return completion_body(rid, self.model_name, out, chat, chunk=False, use=self._usage(body, firsts, lasts))
-
-    async def _sse(self, body, rid, choices: Choices, firsts, chat, times, echoes=None, shape=None):
-        def data(choice: dict | None = None, use: dict | None = None) -> str:
-            obj = completion_body(rid, self.model_name, [choice] if choice else [], chat, chunk=True, use=use)
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-        views, lasts, outcome = self._views(body, chat, echoes, len(firsts)), list(firsts), "aborted"
-        outputs = [shape.choice() for _ in firsts] if shape is not None and not shape.plain else None
-
-        def chunk(i: int, ev: messages.TokenEvent) -> str | None:
-            lasts[i] = ev
-            (text, lp), finish = views[i].piece(ev), views[i].finish_reason(ev)
-            piece = None
-            if outputs:      # the reasoning, content and calls certain so far (router/chat_output.py)
-                piece = outputs[i].feed(text)
-                if ev.finished:
-                    piece += outputs[i].finish()
-                    finish = outputs[i].finish_reason(finish)
-                text = piece.content
-            if not (text or piece and (piece.calls or piece.reasoning) or ev.finished or (lp and any(lp.values()))):
-                return None
-            return data(choice_body(i, text, finish, chat, chunk=True, logprobs=lp, tool_calls=piece and piece.calls,
-                                    reasoning=piece and piece.reasoning))
-        try:
-            if chat:
-                for i in range(len(firsts)):
-                    yield data(choice_body(i, "", None, True, chunk=True, first=True))
-            for i, ev in enumerate(firsts):
-                if (text := chunk(i, ev)) is not None:
-                    yield text
-            async for i, ev in choices.events():
-                if (text := chunk(i, ev)) is not None:
-                    yield text
-            if not all(ev.finished for ev in lasts):
-                raise RequestFailed(500, "the stream ended without finishing")
-            self._observe(body, times, lasts)
-            if body.include_usage:
-                yield data(use=self._usage(body, firsts, lasts))
-            outcome = "ok"
-        except RequestFailed as exc:
-            outcome = "error"
-            yield f"data: {json.dumps(error_body(exc.message, exc.kind, code=exc.code), ensure_ascii=False)}\n\n"
-        finally:
-            self.request_metrics.finish(outcome)
-            await choices.aclose()
-        yield "data: [DONE]\n\n"
-

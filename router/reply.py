@@ -1,0 +1,149 @@
+"""Step 4 of a completion or chat request (router/app.py): its choices' events as one JSON body
+(`Reply.collect`) or as server-sent events ending in `data: [DONE]` (`Reply.stream`).
+
+A reply starts once every choice has its first event (a failure before that is the endpoint's
+HTTP error). Then:
+  1. each event becomes the choice's text and logprobs (router/choice_view.py); a chat choice
+     with tools or reasoning is split into reasoning, content and tool calls
+     (router/chat_output.py) as it streams, or whole;
+  2. a failure after the first events is an error body (collected) or an error event before
+     [DONE] (streamed): a stream is never cut;
+  3. at the end, `usage` (each prompt once, every choice's tokens) and the request's metrics
+     (outcome, latencies) are recorded; the choices are always closed, which aborts any still
+     running in the pools (a client that left mid-stream).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from router.chat_output import ChatOutputShape
+from router.choice_view import ChoiceView, extend_logprobs
+from router.choices import Choices
+from router.logprobs import LogprobsFormatter, TokenStrings
+from router.metrics import RequestMetrics
+from router.openai_responses import choice_body, completion_body, error_body, error_response, usage
+from router.orchestrator import RequestFailed
+from serving import messages
+
+
+@dataclass
+class Reply:
+    """The answer to one request (`body`: its CompletionRequest or ChatCompletionRequest) whose
+    choices have started; `firsts`: each choice's first event; `times`: (arrival, first events)
+    on the monotonic clock; `echoes`: a completion's echoed prompts (text, ids), one per prompt."""
+    body: object
+    rid: str
+    model_name: str
+    chat: bool
+    choices: Choices
+    firsts: list[messages.TokenEvent]
+    times: tuple[float, float]
+    metrics: RequestMetrics
+    token_strings: TokenStrings
+    echoes: list[tuple[str, list[int]]] | None = None
+    shape: ChatOutputShape | None = None
+
+    def _views(self) -> list[ChoiceView]:
+        """One view per choice (prompt p's choices are p*n .. p*n + n-1)."""
+        body = self.body
+        return [ChoiceView(LogprobsFormatter(self.token_strings) if body.logprob_count() is not None else None,
+                           self.chat, self.echoes[k // body.n] if self.echoes else None, body.prompt_only)
+                for k in range(len(self.firsts))]
+
+    def _usage(self, lasts: list[messages.TokenEvent]) -> dict:
+        """Each prompt once, the completion tokens of every choice (none for a prompt-only echo),
+        and per prompt the prompt tokens served from a prefix cache for its choice that had the
+        most (choices 1..n-1 reuse choice 0's). The cache counts come with the first events: the
+        engine that computed the prompt (the prefill replica's; a decode replica's events count
+        none)."""
+        n, groups, firsts = self.body.n, range(0, len(lasts), self.body.n), self.firsts
+        completion = 0 if self.body.prompt_only else sum(ev.num_output_tokens for ev in lasts)
+        return usage(sum(lasts[g].num_prompt_tokens for g in groups), completion,
+                     sum(max(ev.num_cached_tokens for ev in firsts[g:g + n]) for g in groups))
+
+    def _observe(self, lasts: list[messages.TokenEvent]) -> None:
+        tokens = [0 if self.body.prompt_only else ev.num_output_tokens for ev in lasts]
+        self.metrics.observe(*self.times, time.monotonic(), sum(tokens), max(tokens))
+
+    async def collect(self):
+        """The whole response, or the error that ended it (an OpenAI error response)."""
+        views, lasts = self._views(), list(self.firsts)
+        pieces = [views[i].piece(ev) for i, ev in enumerate(self.firsts)]
+        texts, logprobs = [t for t, _ in pieces], [lp for _, lp in pieces]
+        try:
+            async for i, ev in self.choices.events():
+                text, lp = views[i].piece(ev)
+                texts[i] += text
+                extend_logprobs(logprobs[i], lp)
+                lasts[i] = ev
+        except RequestFailed as exc:
+            self.metrics.finish("error")
+            return error_response(exc.code, exc.message, exc.kind)
+        finally:
+            await self.choices.aclose()
+        self.metrics.finish("ok")
+        self._observe(lasts)
+        out = []
+        for i, last in enumerate(lasts):
+            text, finish, reasoning, calls = texts[i], views[i].finish_reason(last), None, None
+            if self.shape is not None and not self.shape.plain:    # reasoning and tool calls apart
+                output = self.shape.choice()
+                reasoning, text, calls = output.message(text)
+                finish = output.finish_reason(finish)
+            out.append(choice_body(i, text, finish, self.chat, chunk=False, logprobs=logprobs[i], tool_calls=calls,
+                                   reasoning=reasoning))
+        return completion_body(self.rid, self.model_name, out, self.chat, chunk=False, use=self._usage(lasts))
+
+    async def stream(self):
+        """The server-sent events: a chat's role chunks, a chunk per event that shows something,
+        the usage chunk if asked for, an error event if the request failed, then [DONE]."""
+        chat, firsts = self.chat, self.firsts
+
+        def data(choice: dict | None = None, use: dict | None = None) -> str:
+            obj = completion_body(self.rid, self.model_name, [choice] if choice else [], chat, chunk=True, use=use)
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        views, lasts, outcome = self._views(), list(firsts), "aborted"
+        shape = self.shape
+        outputs = [shape.choice() for _ in firsts] if shape is not None and not shape.plain else None
+
+        def chunk(i: int, ev: messages.TokenEvent) -> str | None:
+            lasts[i] = ev
+            (text, lp), finish = views[i].piece(ev), views[i].finish_reason(ev)
+            piece = None
+            if outputs:      # the reasoning, content and calls certain so far (router/chat_output.py)
+                piece = outputs[i].feed(text)
+                if ev.finished:
+                    piece += outputs[i].finish()
+                    finish = outputs[i].finish_reason(finish)
+                text = piece.content
+            if not (text or piece and (piece.calls or piece.reasoning) or ev.finished or (lp and any(lp.values()))):
+                return None
+            return data(choice_body(i, text, finish, chat, chunk=True, logprobs=lp, tool_calls=piece and piece.calls,
+                                    reasoning=piece and piece.reasoning))
+        try:
+            if chat:
+                for i in range(len(firsts)):
+                    yield data(choice_body(i, "", None, True, chunk=True, first=True))
+            for i, ev in enumerate(firsts):
+                if (text := chunk(i, ev)) is not None:
+                    yield text
+            async for i, ev in self.choices.events():
+                if (text := chunk(i, ev)) is not None:
+                    yield text
+            if not all(ev.finished for ev in lasts):
+                raise RequestFailed(500, "the stream ended without finishing")
+            self._observe(lasts)
+            if self.body.include_usage:
+                yield data(use=self._usage(lasts))
+            outcome = "ok"
+        except RequestFailed as exc:
+            outcome = "error"
+            yield f"data: {json.dumps(error_body(exc.message, exc.kind, code=exc.code), ensure_ascii=False)}\n\n"
+        finally:
+            self.metrics.finish(outcome)
+            await self.choices.aclose()
+        yield "data: [DONE]\n\n"
