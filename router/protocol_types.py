@@ -4,9 +4,10 @@ tokenizer can take; and the JSON Schema pieces their cross-field rules are state
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 
 def _integral(value):
@@ -30,6 +31,18 @@ def _unicode(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_unicode)]   # JSON can carry "\udc80"; no tokenizer takes it
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
+
+
+def TextPartType(*types: str):  # noqa: N802 - a type, used in annotations
+    """A content part's `type`, one of `types` (text): any other part (an image, audio, a file) is
+    refused as such, saying that the model reads text only."""
+    def check(value):
+        if isinstance(value, str) and value not in types:
+            raise PydanticCustomError("literal_error", "Input should be {expected}: this server's model reads text "
+                                      "only, not {got} parts", {"expected": " or ".join(map(repr, types)),
+                                                                "got": repr(value)})
+        return value
+    return Annotated[Literal[types], BeforeValidator(check)]
 
 
 class Strict(BaseModel):

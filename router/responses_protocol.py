@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, TypeAdapter, model_validator
 
 from router.openai_protocol import FORCED_TOOL, GREEDY_BELOW_TEMPERATURE, ChatCompletionRequest
-from router.protocol_types import Int, Strict, StrictOpen, Text, implies
+from router.protocol_types import Int, Strict, StrictOpen, Text, TextPartType, implies
 from router.responses_output import new_id
 from router.structured_protocol import JsonSchemaFormat
 from router.tools import MAX_TOOLS, FunctionName
@@ -36,7 +36,7 @@ MAX_ITEMS = 1024
 
 class TextPart(StrictOpen):
     """Text in a message: the client's (input_text) or an earlier answer's (output_text)."""
-    type: Literal["input_text", "output_text"]
+    type: TextPartType("input_text", "output_text")
     text: Text
 
 

@@ -5,9 +5,9 @@ segment naming the member's type (`function-after[_unicode(), constrained-str]`,
 `NamedToolChoice`): a wrong `prompt` came out as four errors under four such names. Here, per union
 that failed (innermost last):
   1. the member the value came closest to matching speaks for the union: one whose type the value
-     has, then one whose constants (a `type` literal) all matched, then the one whose errors lie
-     deepest, then the fewest of them (`messages.0.content.0.type: Input should be 'text'` for an
-     image part);
+     has, then one whose own constant fields (a `type` literal) matched, then the one whose errors
+     lie deepest, then the fewest of them (`messages.0.content.0.type: Input should be 'text'` for
+     an image part);
   2. where no member got past the value itself (a number for a prompt), their messages merge into
      one at the field: `prompt: Input should be a valid string or a valid list`;
   3. the member's name never shows in a path.
@@ -60,7 +60,8 @@ def _resolve(errors: list[Error], members: frozenset[str]) -> list[Error]:
         if max(depth.values()) == 0:                                   # 2. none got past the value
             spoken = [(prefix, _merge([e[1] for e in group]), "union")]
         else:                                                          # 1. the closest member
-            best = max(by_member, key=lambda m: (depth[m] > 0, all(e[2] != "literal_error" for e in by_member[m]),
+            best = max(by_member, key=lambda m: (depth[m] > 0, not any(e[2] == "literal_error" and len(e[0]) == i + 2
+                                                                       for e in by_member[m]),
                                                  depth[m], -len(by_member[m])))
             spoken = [(e[0][:i] + e[0][i + 1:], *e[1:]) for e in by_member[best]]   # 3. its name dropped
         first = errors.index(group[0])

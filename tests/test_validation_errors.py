@@ -32,8 +32,12 @@ def _describe(cls, body) -> tuple[str, str | None]:
      "prompt.1"),
     (ChatCompletionRequest, {**GOOD[ChatCompletionRequest], "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages.0.content.0.type: Input should be 'text'; messages.0.content.0.text: Field required",
-     "messages.0.content.0.type"),
+     "messages.0.content.0.type: Input should be 'text': this server's model reads text only, not 'image_url' parts; "
+     "messages.0.content.0.text: Field required", "messages.0.content.0.type"),
+    # a message item without its (optional) type: the message speaks, not an item type it lacks fields of
+    (ResponsesRequest, {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input.0.content.0.type: Input should be 'input_text' or 'output_text': this server's model reads text only, "
+     "not 'input_image' parts; input.0.content.0.text: Field required", "input.0.content.0.type"),
     (ChatCompletionRequest, {**GOOD[ChatCompletionRequest], "tool_choice": "sometimes"},
      "tool_choice: Input should be 'none', 'auto' or 'required' or an object", "tool_choice"),
     (ChatCompletionRequest, {**GOOD[ChatCompletionRequest], "tool_choice": {"type": "function", "function": {}}},
