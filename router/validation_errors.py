@@ -11,7 +11,7 @@ that failed (innermost last):
   2. where no member got past the value itself (a number for a prompt), their messages merge into
      one at the field: `prompt: Input should be a valid string or a valid list`;
   3. the member's name never shows in a path.
-Torch- and FastAPI-free; router/app.py's handler and `refused` call `describe`.
+Torch- and FastAPI-free; router/app.py's handler of FastAPI's validation errors calls `describe`.
 """
 
 from __future__ import annotations
