@@ -50,3 +50,25 @@ def test_this_cpu_is_planned_in_the_dtype_pdserve_serves_in(capsys):
         how = f"{dtype} matmul" if matmul == dtype else f"{dtype} served, {matmul} matmul"
         assert f"this CPU (measured, {how})" in out
         assert f"{2 if dtype == 'bf16' else 4} B/param" in out
+
+
+def test_a_cached_prefix_is_computed_once_and_held_once_per_decode_replica():
+    h200 = HARDWARE["h200"]
+    whole = plan(QWEN, h200, 4096, 256, 50, ttft_slo=0.5, tpot_slo=0.05)
+    cached = plan(QWEN, h200, 4096, 256, 50, ttft_slo=0.5, tpot_slo=0.05, cached_len=3584)
+    # prefill is compute-bound here: only the 512 new tokens are computed
+    assert cached.ttft == pytest.approx(ttft_bound(QWEN, h200, 512), rel=1e-9)
+    assert cached.ttft < whole.ttft / 7
+    assert ttft_bound(QWEN, h200, 4096, cached=3584) == cached.ttft
+    assert cached.prefill_replicas < whole.prefill_replicas
+    # the decode KV holds the prefix once: more sequences fit (here the TPOT SLO then limits the batch)
+    assert whole.reason.endswith("KV memory") and cached.decode_batch > 2 * whole.decode_batch
+    assert cached.tpot <= 0.05
+    with pytest.raises(ValueError, match="shorter than the prompt"):
+        plan(QWEN, h200, 1024, 256, 1, 0.5, 0.05, cached_len=1024)
+
+
+def test_the_cli_refuses_a_cached_prefix_as_long_as_the_prompt(capsys):
+    from pdserve.cli import main
+    assert main(["plan", "--input-len", "100", "--cached-len", "100"]) == 2
+    assert "--cached-len 100" in capsys.readouterr().err

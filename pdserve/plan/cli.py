@@ -32,6 +32,9 @@ def add_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("--hardware", default="h200", choices=HARDWARE_CHOICES)
     pl.add_argument("--input-len", type=int, default=1024)
     pl.add_argument("--output-len", type=int, default=256)
+    pl.add_argument("--cached-len", type=int, default=0,
+                    help="leading prompt tokens the replicas hold already (a shared system prompt, earlier "
+                         "turns): computed once, held once per decode replica")
     pl.add_argument("--rate", type=float, default=10.0, help="requests per second")
     pl.add_argument("--ttft-slo", type=float, default=0.5, help="seconds")
     pl.add_argument("--tpot-slo", type=float, default=0.05, help="seconds")
@@ -53,15 +56,19 @@ def run(args) -> int:
         report = None
         if args.calibrate:
             report = plan_calibrate.load_report(args.calibrate)
+        if not 0 <= args.cached_len < args.input_len:
+            raise ValueError(f"--cached-len {args.cached_len} must be at least 0 and below --input-len "
+                             f"{args.input_len}")
     except ValueError as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
     hw = planner.measure_cpu(dtype) if args.hardware == "cpu" else planner.HARDWARE[args.hardware]
     print(planner.report(model, hw))
     slos = (args.input_len, args.output_len, args.rate, args.ttft_slo, args.tpot_slo)
-    print(f"\nworkload: {args.rate} req/s, {args.input_len} in / {args.output_len} out tokens, "
+    cached = f" ({args.cached_len} of them cached)" if args.cached_len else ""
+    print(f"\nworkload: {args.rate} req/s, {args.input_len} in{cached} / {args.output_len} out tokens, "
           f"SLOs TTFT {args.ttft_slo * 1e3:.0f} ms, TPOT {args.tpot_slo * 1e3:.0f} ms")
-    _print_plan("recommended at the roofline", planner.plan(model, hw, *slos))
+    _print_plan("recommended at the roofline", planner.plan(model, hw, *slos, cached_len=args.cached_len))
     cal = None
     if report is not None:
         try:
@@ -74,7 +81,8 @@ def run(args) -> int:
         print("(one efficiency per phase: ratios far from 1 at other runs are queueing, prefill/decode "
               "interference or noise that a single factor does not capture)\n")
         _print_plan("recommended, calibrated",
-                    planner.plan(model, hw, *slos, prefill_eff=cal.prefill_eff, decode_eff=cal.decode_eff))
+                    planner.plan(model, hw, *slos, prefill_eff=cal.prefill_eff, decode_eff=cal.decode_eff,
+                                 cached_len=args.cached_len))
     if args.plot:
         from pdserve.plan.plot import plot
         plot(args.plot, model, hw, prefill_eff=cal and cal.prefill_eff, decode_eff=cal and cal.decode_eff)

@@ -80,8 +80,10 @@ def decode_intensity(m: ModelSpec, s: float, batch: int = 1) -> float:
     return 2 * m.params * batch / (m.weight_bytes + m.kv_bytes_per_token * s * batch)
 
 
-def ttft_bound(m: ModelSpec, hw: Hardware, s: float) -> float:
-    return max(2 * m.params * s / hw.peak_flops, (m.weight_bytes + m.kv_bytes_per_token * s) / hw.mem_bw)
+def ttft_bound(m: ModelSpec, hw: Hardware, s: float, cached: float = 0) -> float:
+    """A prompt of `s` tokens whose first `cached` are in the prefix cache: only the rest is
+    computed, every token's K/V is read or written."""
+    return max(2 * m.params * (s - cached) / hw.peak_flops, (m.weight_bytes + m.kv_bytes_per_token * s) / hw.mem_bw)
 
 
 def tpot_bound(m: ModelSpec, hw: Hardware, s: float, batch: int = 1) -> float:
@@ -109,24 +111,30 @@ class Plan:
 
 
 def plan(m: ModelSpec, hw: Hardware, input_len: int, output_len: int, rate: float,
-         ttft_slo: float, tpot_slo: float, prefill_eff: float = 1.0, decode_eff: float = 1.0) -> Plan:
+         ttft_slo: float, tpot_slo: float, prefill_eff: float = 1.0, decode_eff: float = 1.0,
+         cached_len: int = 0) -> Plan:
     """Replicas per pool for `rate` requests/s meeting both SLOs.
 
     Predicted times are the roofline bounds divided by the efficiencies (1.0: the bare roofline):
     TTFT = ttft_bound / prefill_eff, TPOT(B) = tpot_bound(B) / decode_eff. The decode batch is the
     largest B whose predicted TPOT meets the SLO and whose KV fits in 90% of memory beside the weights;
     a prefill replica is busy TTFT per request, a decode replica emits B tokens per TPOT.
+    `cached_len`: the prompts' leading tokens every replica holds already (a shared system prompt
+    or a conversation's earlier turns, with prefix affinity): a prefill computes only the rest, and
+    a decode replica holds one copy of them for its whole batch (each sequence still reads them).
     """
     if not (prefill_eff > 0 and decode_eff > 0):
         raise ValueError(f"efficiencies must be positive, got {prefill_eff!r}, {decode_eff!r}")
-    ttft = ttft_bound(m, hw, input_len) / prefill_eff
+    if not 0 <= cached_len < input_len:
+        raise ValueError(f"the cached prefix ({cached_len} tokens) must be shorter than the prompt ({input_len})")
+    ttft = ttft_bound(m, hw, input_len, cached_len) / prefill_eff
     context = decode_context(input_len, output_len)
 
     def tpot(b: int) -> float:
         return tpot_bound(m, hw, context, b) / decode_eff
 
-    kv_room = hw.mem_bytes * 0.9 - m.weight_bytes
-    max_batch_mem = max(int(kv_room // (m.kv_bytes_per_token * (input_len + output_len))), 0)
+    kv_room = hw.mem_bytes * 0.9 - m.weight_bytes - m.kv_bytes_per_token * cached_len
+    max_batch_mem = max(int(kv_room // (m.kv_bytes_per_token * (input_len - cached_len + output_len))), 0)
     batch = 0
     for b in range(1, max_batch_mem + 1):
         if tpot(b) > tpot_slo:
