@@ -1,6 +1,7 @@
 """`pdserve simulate`: the discrete-event simulator against hand-computed timings, KV budgets,
 routing, autoscaling and the CLI (pure Python, fast)."""
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -321,3 +322,40 @@ def test_cli_validates_this_host_s_measurement_with_its_host_model(capsys):
     first = next(line for line in out.splitlines() if line.startswith("| rate 0.5/s"))
     (ttft_meas, ttft_sim), _, (tpot_meas, tpot_sim) = [c.split(" / ") for c in first.split("|")[2:5]]
     assert abs(float(ttft_sim) / float(ttft_meas) - 1) < 0.03 and abs(float(tpot_sim) / float(tpot_meas) - 1) < 0.06
+
+
+def test_a_cached_prefix_is_prefilled_sent_and_reserved_only_past_it():
+    # 5000-token prompts whose first 4000 every replica holds: the prefill computes 1000 (two
+    # chunks), the hand-off sends 1000, the decode replica reserves 1000 + output; steps read all
+    r = Request(0, 0.0, 5000, 5, cached=4000)
+    assert (r.new_tokens, r.kv_tokens) == (1000, 1005)
+    sim = Simulator(M, Fleet("disaggregated", 1, 1))
+    sim.run([r], 100.0)
+    assert r.ttft == pytest.approx(2 * M.step_time(500))
+    steps = sum(M.step_time(0, 1, 5001 + k) for k in range(4))
+    assert r.end - r.first == pytest.approx(1e5 * 1000 / 1e9 + steps)
+    assert all(d.kv_reserved == 0 for d in sim.pools["decode"])
+    # test_kv_budget_...'s requests: with the prefix held once (the replica's KV less 4000, as
+    # `simulate --cached-len` sets it), two now fit side by side (2 x 2000 of 6000)
+    a, b = (Request(i, 0.0, 5000, 1000, cached=4000) for i in range(2))
+    Simulator(dataclasses.replace(M, kv_tokens=6000), Fleet("disaggregated", 1, 1)).run([a, b], 100.0,
+                                                                                         drain_s=10_000)
+    assert b.first < a.end
+
+
+def test_the_cached_prefix_is_checked_against_the_prompts(tmp_path, capsys):
+    reqs = poisson([(0.0, 5.0)], 10.0, 1000, 10, jitter=0.2, seed=0, cached=700)
+    assert reqs and all(r.cached == 700 and r.new_tokens == r.input_len - 700 for r in reqs)
+    with pytest.raises(ValueError, match="shortest prompt"):
+        poisson([(0.0, 5.0)], 10.0, 1000, 10, jitter=0.2, cached=800)
+    p = tmp_path / "t.csv"
+    p.write_text("0.5,300,2\n1.0,100,2\n")
+    with pytest.raises(ValueError, match="cached prefix"):
+        read_trace(p, cached=100)
+    assert [r.new_tokens for r in read_trace(p, cached=99)] == [201, 1]
+    assert main(["simulate", "--fleet", "1:1", "--rate", "2", "--duration", "5", "--input-len", "1000",
+                 "--cached-len", "900"]) == 2
+    assert "shortest prompt" in capsys.readouterr().err
+    assert main(["simulate", "--fleet", "1:1", "--rate", "2", "--duration", "5", "--input-len", "1000",
+                 "--cached-len", "700"]) == 0
+    assert "beside a 700-token shared prefix" in capsys.readouterr().out

@@ -18,6 +18,7 @@ Bad input prints one line and exits 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -49,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--jitter", type=float, default=0.2, help="prompt lengths uniform in input_len * (1 +- jitter)")
+    p.add_argument("--cached-len", type=int, default=0, help="every prompt's first N tokens are a prefix all "
+                   "replicas hold (a shared system prompt): computed and sent once, held once per replica")
     p.add_argument("--ttft-slo", type=float, default=0.5)
     p.add_argument("--tpot-slo", type=float, default=0.05)
     p.add_argument("--rates", default="1,10,100", help="comparison rates (req/s)")
@@ -91,10 +94,11 @@ def _model(args):
 
 def _requests(args, study: Study):
     if args.trace:
-        reqs = read_trace(args.trace)
+        reqs = read_trace(args.trace, args.cached_len)
         return reqs, max(r.arrival for r in reqs), None
     schedule = parse_schedule(args.schedule) if args.schedule else [(0.0, args.rate or 1.0)]
-    return poisson(schedule, args.duration, args.input_len, args.output_len, args.jitter, args.seed), \
+    return poisson(schedule, args.duration, args.input_len, args.output_len, args.jitter, args.seed,
+                   args.cached_len), \
         args.duration, schedule
 
 
@@ -121,7 +125,17 @@ def run(args) -> int:
     try:
         m, spec, hw = _model(args)
         study = Study(args.input_len, args.output_len, args.ttft_slo, args.tpot_slo, args.duration, args.jitter,
-                      args.target, args.startup_s, args.max_replicas, args.seed)
+                      args.target, args.startup_s, args.max_replicas, args.seed, args.cached_len)
+        if args.cached_len:
+            if args.validate:
+                raise ValueError("--cached-len does not apply to --validate (a bench report's prompts share no prefix)")
+            if not 0 < args.cached_len < m.kv_tokens:
+                raise ValueError(f"--cached-len {args.cached_len} must be positive and below the KV a replica holds")
+            shortest = max(1, int(args.input_len * (1 - args.jitter)))
+            if not args.trace and args.cached_len >= shortest:
+                raise ValueError(f"--cached-len {args.cached_len} must be below the shortest prompt ({shortest} "
+                                 "tokens: --input-len less --jitter)")
+            m = dataclasses.replace(m, kv_tokens=m.kv_tokens - args.cached_len)   # the prefix, held once
         fleet = _fleet(args.fleet) if args.fleet else None
         rates = [float(r) for r in args.rates.split(",")] if not (fleet or args.policy) else []
         if args.policy and not (args.schedule or args.trace):
@@ -140,7 +154,8 @@ def run(args) -> int:
         print(f"pdserve simulate: {exc}", file=sys.stderr)
         return 2
     print(f"{spec.name} on {hw.name}: prefill eff {m.prefill_eff:.3g}, decode eff {m.decode_eff:.3g}, "
-          f"KV {m.kv_tokens} tokens/replica, max_num_seqs {m.max_num_seqs}, step budget {m.max_batched_tokens}; "
+          f"KV {m.kv_tokens} tokens/replica"
+          f"{f' beside a {args.cached_len}-token shared prefix' if args.cached_len else ''}, max_num_seqs {m.max_num_seqs}, step budget {m.max_batched_tokens}; "
           f"SLOs TTFT {args.ttft_slo * 1e3:.0f} ms, TPOT {args.tpot_slo * 1e3:.0f} ms")
     if host:
         print(f"one host: {host.cores:g} cores, {host.engine_cores:g} per stepping engine, "

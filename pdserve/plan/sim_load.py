@@ -2,7 +2,10 @@
 
 A trace CSV has one request per row: `arrival_s,input_len,output_len` (a header row is allowed).
 Prompt lengths of generated load are uniform in input_len * (1 +- jitter), as `pdserve bench` sends
-them; outputs are exactly output_len (bench uses ignore_eos).
+them; outputs are exactly output_len (bench uses ignore_eos). `cached`: every prompt's first tokens
+are a prefix all replicas hold (a shared system prompt): a prefill computes the rest, the hand-off
+sends the rest, a decode replica reserves KV for the rest and its output (the prefix is held once per
+replica: the simulator's StepModel has that much less KV), and each decode step still reads it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,17 @@ class Request:
     output_len: int
     first: float = -1.0
     end: float = -1.0
+    cached: int = 0            # leading prompt tokens every replica holds already
+
+    @property
+    def new_tokens(self) -> int:
+        """The prompt tokens a prefill computes and the hand-off sends."""
+        return self.input_len - self.cached
+
+    @property
+    def kv_tokens(self) -> int:
+        """The KV the request reserves in its decode (or colocated) replica."""
+        return self.input_len - self.cached + self.output_len
 
     @property
     def ttft(self) -> float:
@@ -44,10 +58,12 @@ def parse_schedule(text: str) -> list[tuple[float, float]]:
 
 
 def poisson(schedule: list[tuple[float, float]], duration: float, input_len: int, output_len: int,
-            jitter: float = 0.0, seed: int = 0) -> list[Request]:
+            jitter: float = 0.0, seed: int = 0, cached: int = 0) -> list[Request]:
     """Poisson arrivals over [0, duration) at the schedule's rate (piecewise constant)."""
     rng = random.Random(seed)
     lo, hi = max(1, int(input_len * (1 - jitter))), max(1, int(input_len * (1 + jitter)))
+    if not 0 <= cached < lo:
+        raise ValueError(f"the cached prefix ({cached} tokens) must be shorter than the shortest prompt ({lo})")
     out, t = [], 0.0
     bounds = [s[0] for s in schedule[1:]] + [duration]
     for (start, rate), stop in zip(schedule, bounds):
@@ -57,11 +73,11 @@ def poisson(schedule: list[tuple[float, float]], duration: float, input_len: int
             if t >= min(stop, duration):
                 t = stop
                 break
-            out.append(Request(len(out), t, rng.randint(lo, hi), output_len))
+            out.append(Request(len(out), t, rng.randint(lo, hi), output_len, cached=cached))
     return out
 
 
-def read_trace(path: str | Path) -> list[Request]:
+def read_trace(path: str | Path, cached: int = 0) -> list[Request]:
     """Requests from a CSV of arrival_s,input_len,output_len (sorted by arrival); ValueError if malformed."""
     rows = []
     try:
@@ -74,5 +90,7 @@ def read_trace(path: str | Path) -> list[Request]:
         raise ValueError(f"cannot read trace {path}: {exc} (rows: arrival_s,input_len,output_len)") from exc
     if not rows or any(a < 0 or i < 1 or o < 1 for a, i, o in rows):
         raise ValueError(f"trace {path} is empty or has negative times / lengths below 1")
+    if any(i <= cached for _, i, _ in rows):
+        raise ValueError(f"trace {path} has prompts no longer than the cached prefix ({cached} tokens)")
     rows.sort()
-    return [Request(k, a, i, o) for k, (a, i, o) in enumerate(rows)]
+    return [Request(k, a, i, o, cached=cached) for k, (a, i, o) in enumerate(rows)]

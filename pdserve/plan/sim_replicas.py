@@ -4,8 +4,10 @@ Every replica is a small state machine driven by the event loop (pdserve/plan/si
   `start(now)`  -> the end time of the step it starts now, or None when it has nothing to do
                    (called only when the replica is idle);
   `end(now)`    -> what the finished step completed (prompts done / sequences done); the replica is idle.
-KV is reserved by the router when it routes a request (prompt + output tokens, released when the
-sequence ends), as pdserve's decode replicas reserve blocks before the transfer.
+KV is reserved by the router when it routes a request (prompt + output tokens, less a prefix every
+replica holds, `Request.kv_tokens`; released when the sequence ends), as pdserve's decode replicas
+reserve blocks before the transfer. A prefill computes `Request.new_tokens`; a decode step reads the
+whole context.
 
   PrefillReplica    FIFO of prompts; each step takes up to `max_batched_tokens` prompt tokens from the
                     head (chunked prefill: a long prompt spans steps, short ones share a step).
@@ -78,8 +80,8 @@ class PrefillReplica(_Replica):
         self.chunk: list = []
 
     def add(self, r: Request) -> None:
-        self.queue.append([r, r.input_len])
-        self.queued_tokens += r.input_len
+        self.queue.append([r, r.new_tokens])
+        self.queued_tokens += r.new_tokens
 
     def idle(self) -> bool:
         return not self.busy and not self.queue
@@ -149,7 +151,7 @@ class DecodeReplica(_Replica):
         self.busy = False
         done = self.batch.advance(self.stepping, now)
         for r in done:
-            self.kv_reserved -= r.input_len + r.output_len
+            self.kv_reserved -= r.kv_tokens
         return done
 
 
@@ -181,12 +183,12 @@ class ColocatedReplica(PrefillReplica):
         """Returns the sequences that finished; prompts that completed join the batch (first token now)."""
         done = self.batch.advance(self.stepping, now) if self.stepping else []
         for r in done:
-            self.kv_reserved -= r.input_len + r.output_len
+            self.kv_reserved -= r.kv_tokens
         for r in PrefillReplica.end(self, now):
             if r.output_len > 1:
                 self.batch.add(r)
             else:
                 r.end = now
-                self.kv_reserved -= r.input_len + r.output_len
+                self.kv_reserved -= r.kv_tokens
                 done.append(r)
         return done

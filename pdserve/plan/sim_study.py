@@ -35,10 +35,11 @@ class Study:
     startup_s: float = 30.0
     max_replicas: int = 1000
     seed: int = 0
+    cached_len: int = 0            # a prefix of every prompt that every replica holds (sim_load)
 
 
 def simulate(m: StepModel, s: Study, rate: float, fleet: Fleet, since: float = 0.0) -> dict:
-    reqs = poisson([(0.0, rate)], s.duration, s.input_len, s.output_len, s.jitter, s.seed)
+    reqs = poisson([(0.0, rate)], s.duration, s.input_len, s.output_len, s.jitter, s.seed, s.cached_len)
     return summarize(Simulator(m, fleet, s.seed).run(reqs, s.duration), s.ttft_slo, s.tpot_slo, since)
 
 
@@ -112,7 +113,8 @@ def autoscaled(m: StepModel, s: Study, rate: float, policy: str, utilization: fl
     scaler = make_scaler(m, s, policy, utilization)
     fleet = Fleet("disaggregated", 1, 1, scaler, startup_s=s.startup_s)
     duration = duration or 3 * s.duration
-    reqs = poisson(schedule or ramp(rate, 2 * s.duration), duration, s.input_len, s.output_len, s.jitter, s.seed)
+    reqs = poisson(schedule or ramp(rate, 2 * s.duration), duration, s.input_len, s.output_len, s.jitter, s.seed,
+                   s.cached_len)
     res = Simulator(m, fleet, s.seed).run(reqs, duration)
     return summarize(res, s.ttft_slo, s.tpot_slo, since=0.0 if schedule else 2 * s.duration), res
 

@@ -4,10 +4,11 @@ The life of a simulated request (disaggregated), in event order:
   1. ARRIVAL: the router picks the decode replica with the most free KV (fraction) that can reserve
      prompt + output tokens (else the request waits in the router's FIFO until KV frees), then the
      prefill replica with the fewest queued prompt tokens (pdserve's DecodeRouter and
-     QueuedPromptTokensRouter without their prefix affinity: the simulated prompts share no
-     prefixes; beyond `EXACT_ROUTING` replicas the best of `SAMPLE` random ones);
+     QueuedPromptTokensRouter without their prefix affinity: the prompts share no prefix but,
+     with `Request.cached`, one every replica holds; beyond `EXACT_ROUTING` replicas the best of
+     `SAMPLE` random ones);
   2. prefill steps (STEP events) until its prompt is done: first token then (TTFT);
-  3. KV transfer: KV event after kappa * S / link bandwidth;
+  3. KV transfer: KV event after kappa * (S - cached) / link bandwidth;
   4. decode steps until output_len tokens: last token (TPOT = (end - first) / (out - 1)); its KV frees.
 Colocated: the router picks the replica with the most free KV; prefill and decode share its steps.
 Autoscaling (TICK events every `tick_s`): `PerPoolScaler` or `SloScaler` (pdserve/plan/sim_scaling.py)
@@ -116,7 +117,7 @@ class Simulator:
         return live if len(live) <= EXACT_ROUTING else self.rng.sample(live, SAMPLE)
 
     def _route(self, req: Request) -> bool:
-        need = req.input_len + req.output_len
+        need = req.kv_tokens
         kv_pool = "decode" if self.fleet.mode == "disaggregated" else "prefill"
         fits = [r for r in self._candidates(kv_pool) if r.kv_free() >= need]
         if not fits:
@@ -159,7 +160,7 @@ class Simulator:
             self.host.emitted(self.now, decoded + (len(done) if type(r) is PrefillReplica else 0))
         if type(r) is PrefillReplica:
             for req in done:
-                self._push(self.now + self.m.transfer_time(req.input_len), KV, (self.home.pop(req.id), req))
+                self._push(self.now + self.m.transfer_time(req.new_tokens), KV, (self.home.pop(req.id), req))
             pool = "prefill"
         else:
             pool = "decode" if type(r) is DecodeReplica else "prefill"
@@ -178,7 +179,7 @@ class Simulator:
     def _kv_arrived(self, home, req: Request) -> None:
         if req.output_len <= 1:
             req.end = self.now
-            home.kv_reserved -= req.input_len + req.output_len
+            home.kv_reserved -= req.kv_tokens
             self._ended([req])
         else:
             home.add(req)
