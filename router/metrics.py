@@ -55,9 +55,10 @@ class RequestMetrics:
         self.window = SloWindow(window_s)      # the SLO autoscaling policy's view (router/slo_window.py)
 
     def observe(self, start: float, first: float, end: float, output_tokens: int,
-                stream_tokens: int | None = None) -> None:
+                stream_tokens: int | None = None, cached_tokens: float = 0.0) -> None:
         """One finished request. `stream_tokens`: the tokens of its longest choice, which sets
-        TPOT when n > 1 choices decode side by side (default: `output_tokens`)."""
+        TPOT when n > 1 choices decode side by side (default: `output_tokens`). `cached_tokens`:
+        the prompt tokens its choices' prefills found in a prefix cache, per choice (the SLO window's)."""
         ttft, e2e = first - start, end - start
         per_stream = output_tokens if stream_tokens is None else stream_tokens
         tpot = (end - first) / (per_stream - 1) if per_stream > 1 else None
@@ -65,7 +66,7 @@ class RequestMetrics:
         self.e2e.observe(e2e)
         if tpot is not None:
             self.tpot.observe(tpot)
-        self.window.finished(end, ttft, tpot, per_stream)
+        self.window.finished(end, ttft, tpot, per_stream, cached_tokens)
         self.output_tokens += output_tokens
         good = ttft <= self.goodput_targets[0] and (tpot is None or tpot <= self.goodput_targets[1])
         self.goodput += good

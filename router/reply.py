@@ -66,7 +66,8 @@ class Reply:
 
     def _observe(self, lasts: list[messages.TokenEvent]) -> None:
         tokens = [0 if self.body.prompt_only else ev.num_output_tokens for ev in lasts]
-        self.metrics.observe(*self.times, time.monotonic(), sum(tokens), max(tokens))
+        cached = sum(ev.num_cached_tokens for ev in self.firsts) / len(self.firsts)
+        self.metrics.observe(*self.times, time.monotonic(), sum(tokens), max(tokens), cached)
 
     async def collect(self):
         """The whole response, or the error that ended it (an OpenAI error response)."""

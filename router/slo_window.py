@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from serving.slo_autoscaling import INPUT, OUTPUT, RATE, REFUSED, SAMPLES, TPOT_P90, TTFT_P90
+from serving.slo_autoscaling import CACHED, INPUT, OUTPUT, RATE, REFUSED, SAMPLES, TPOT_P90, TTFT_P90
 
 
 def _p90(values: list[float]) -> float:
@@ -27,7 +27,7 @@ class SloWindow:
             raise ValueError("window_s must be positive")
         self.window_s = window_s
         self.arrivals: deque = deque()     # (t, prompt tokens)
-        self.done: deque = deque()         # (t, ttft, tpot or None, output tokens)
+        self.done: deque = deque()         # (t, ttft, tpot or None, output tokens, prefix-cached prompt tokens)
         self.refusals: deque = deque()     # t
         self.started: float | None = None
 
@@ -35,15 +35,18 @@ class SloWindow:
         self.started = now if self.started is None else self.started
         self.arrivals.append((now, prompt_tokens))
 
-    def finished(self, now: float, ttft: float, tpot: float | None, output_tokens: int) -> None:
-        self.done.append((now, ttft, tpot, output_tokens))
+    def finished(self, now: float, ttft: float, tpot: float | None, output_tokens: int,
+                 cached_tokens: float = 0.0) -> None:
+        """`cached_tokens`: of its prompt, the tokens its prefill found in a prefix cache (per choice)."""
+        self.done.append((now, ttft, tpot, output_tokens, cached_tokens))
 
     def refused(self, now: float) -> None:
         self.refusals.append(now)
 
     def snapshot(self, now: float) -> dict[str, float]:
         """Rates per second over the window (or since the first arrival, if shorter); p90s of the
-        requests that finished in it (0 without any); mean lengths (0 without requests)."""
+        requests that finished in it (0 without any); mean lengths (0 without requests): prompts over
+        the arrivals, outputs and prefix-cached prompt tokens over the finished requests."""
         for q in (self.arrivals, self.done):
             while q and q[0][0] < now - self.window_s:
                 q.popleft()
@@ -56,4 +59,5 @@ class SloWindow:
                 OUTPUT: sum(d[3] for d in self.done) / k if k else 0.0,
                 TTFT_P90: _p90([d[1] for d in self.done]),
                 TPOT_P90: _p90([d[2] for d in self.done if d[2] is not None]),
-                SAMPLES: float(k), REFUSED: len(self.refusals) / span}
+                SAMPLES: float(k), REFUSED: len(self.refusals) / span,
+                CACHED: sum(d[4] for d in self.done) / k if k else 0.0}

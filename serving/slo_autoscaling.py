@@ -24,10 +24,10 @@ from serving.slo_model import StepModel
 from serving.slo_policy import Observation, SloTargets, decide, has_backlog
 
 # What the router reports (router/slo_window.py); Serve averages each over look_back_period_s.
-RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES, REFUSED = (
+RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES, REFUSED, CACHED = (
     "slo_arrival_rate", "slo_input_tokens", "slo_output_tokens", "slo_ttft_p90", "slo_tpot_p90", "slo_samples",
-    "slo_refused_rate")
-ROUTER_METRICS = (RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES, REFUSED)
+    "slo_refused_rate", "slo_cached_tokens")
+ROUTER_METRICS = (RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES, REFUSED, CACHED)
 
 
 def observation(router_metrics: dict | None, prefill_metrics: dict | None,
@@ -54,7 +54,7 @@ def observation(router_metrics: dict | None, prefill_metrics: dict | None,
     return Observation(total, mean(INPUT, 1.0), mean(OUTPUT, 1.0), worst(TTFT_P90), worst(TPOT_P90), samples,
                        sum(_replica_values(prefill_metrics, PREFILL_METRIC).values()),
                        sum(_replica_values(decode_metrics, WAITING_METRIC).values()),
-                       sum(_replica_values(router_metrics, REFUSED).values()))
+                       sum(_replica_values(router_metrics, REFUSED).values()), mean(CACHED, 0.0))
 
 
 class SloPolicy:

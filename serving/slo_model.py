@@ -8,7 +8,8 @@ i.e. the roofline of `pdserve plan` (pdserve/plan/roofline.py) with compute runn
 peak and memory traffic at `decode_eff` of bandwidth, the two efficiencies `pdserve plan --calibrate`
 measures. The simulator (pdserve/plan/sim_*.py) steps replicas with it; the SLO autoscaling policy
 (serving/slo_autoscaling.py) sizes both pools with `size_fleet`:
-  1. prefill: a replica serves a prompt of S tokens in `prefill_time(S)`; the router sends each prompt
+  1. prefill: a replica serves a prompt of S tokens, C of them in its prefix cache, in
+     `prefill_time(S - C)` (the step's KV reads of the cached part are not priced); the router sends each prompt
      to the least-loaded replica, so the pool is an M/D/P queue: TTFT p90 ~ s + the p90 of the
      Erlang-C (M/M/P) wait, halved for deterministic service; the least P meeting the SLO;
   2. decode: the largest batch B whose step meets the TPOT SLO, fits the KV budget and `max_num_seqs`;
@@ -66,6 +67,12 @@ class Workload:
     rate: float           # requests/s
     input_len: float      # mean prompt tokens
     output_len: float     # mean output tokens
+    cached_len: float = 0.0   # mean prompt tokens a prefill finds in its prefix cache (not computed)
+
+    @property
+    def computed_len(self) -> float:
+        """The mean prompt tokens a prefill computes."""
+        return max(self.input_len - self.cached_len, 1.0)
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,7 @@ def size_fleet(m: StepModel, w: Workload, ttft_slo: float, tpot_slo: float, util
     counts of 0 with the reason.
     """
     cp, cd = correction
-    service = m.prefill_time(w.input_len) * cp
+    service = m.prefill_time(w.computed_len) * cp
     batch = decode_batch(m, w, tpot_slo, cd)
     if service > ttft_slo or batch == 0:
         why = "TTFT" if service > ttft_slo else "TPOT/KV"

@@ -1,7 +1,7 @@
 """The SLO policy's decision, shared by the Serve policy (serving/slo_autoscaling.py) and the simulator.
 
-Each tick, from an `Observation` of the last window (arrival rate, mean prompt/output lengths, measured
-TTFT/TPOT p90 at the router):
+Each tick, from an `Observation` of the last window (arrival rate, mean prompt/output lengths and the
+mean prompt tokens served from prefix caches, measured TTFT/TPOT p90 at the router):
   1. correct: compare the measured p90s with what the model predicts at the current counts and this
      load; move each correction factor (prefill, decode) geometrically toward measured / predicted
      (`gain` per tick, each step within x0.5..x2, the factor within `bounds`); needs `min_samples`;
@@ -53,6 +53,7 @@ class Observation:
     waiting_requests: float = 0.0       # requests waiting for decode: in the decode engines' queues (live),
                                         # at the router for want of KV (simulator)
     refused_rate: float = 0.0           # requests/s refused for want of decode KV (503 at the reservation)
+    cached_len: float = 0.0             # mean prompt tokens the prefills found in their prefix caches
 
 
 @dataclass(frozen=True)
@@ -107,12 +108,12 @@ def decide(m: StepModel, t: SloTargets, obs: Observation | None, prefill: int, d
     prefill, decode = max(prefill, 1), max(decode, 1)
     if obs is None:
         return SloDecision(prefill, decode, correction, math.nan, math.nan, "no router metrics yet")
-    w = Workload(max(obs.rate, 0.0), max(obs.input_len, 1.0), max(obs.output_len, 1.0))
+    w = Workload(max(obs.rate, 0.0), max(obs.input_len, 1.0), max(obs.output_len, 1.0), max(obs.cached_len, 0.0))
     cp, cd = correction
     backlog_p = obs.queued_prompt_tokens / w.input_len / t.drain_s
     backlog_d = obs.waiting_requests / t.drain_s + obs.refused_rate
     if w.rate > 0 and not warming and quiet and not has_backlog(m, obs, prefill):
-        cp = _corrected(cp, obs.ttft_p90, ttft_p90(m.prefill_time(w.input_len) * cp, w.rate, prefill), t.ttft_slo,
+        cp = _corrected(cp, obs.ttft_p90, ttft_p90(m.prefill_time(w.computed_len) * cp, w.rate, prefill), t.ttft_slo,
                         t, obs.samples)
         cd = _corrected(cd, obs.tpot_p90, predicted_tpot(m, w, decode, cd), t.tpot_slo, t, obs.samples)
     def sized(scale: float):

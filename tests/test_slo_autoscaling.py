@@ -15,7 +15,7 @@ from pdserve.app_builder import _pool_options
 from pdserve.serve_config import application_config
 from router.slo_window import SloWindow
 from serving.config import AppConfig, PoolConfig
-from serving.slo_autoscaling import INPUT, OUTPUT, RATE, REFUSED, SAMPLES, TPOT_P90, TTFT_P90, SloPolicy
+from serving.slo_autoscaling import CACHED, INPUT, OUTPUT, RATE, REFUSED, SAMPLES, TPOT_P90, TTFT_P90, SloPolicy
 from serving.slo_model import StepModel, Workload, size_fleet, ttft_p90
 from serving.slo_policy import predicted_tpot
 
@@ -138,6 +138,20 @@ def test_decode_backlog_grows_decode_beyond_the_arrival_rate():
     assert refused > base and at is not None
 
 
+def test_prompts_found_in_prefix_caches_need_fewer_prefill_replicas():
+    """A shared system prompt: of 4096-token prompts, 3584 come from the prefill replicas' prefix
+    caches (the router's window reports them, `slo_cached_tokens`): the prefill pool is sized for
+    the 512 computed, the decode pool as before (each sequence still holds and reads the whole context)."""
+    whole = size_fleet(MODEL, Workload(100.0, 4096, 64), 0.5, 0.02)
+    cached = size_fleet(MODEL, Workload(100.0, 4096, 64, cached_len=3584), 0.5, 0.02)
+    assert cached.prefill < whole.prefill / 4 and cached.decode == whole.decode
+    assert cached.prefill == size_fleet(MODEL, Workload(100.0, 512, 64), 0.5, 0.02).prefill
+    p, d, _ = run(policy(), ctx("PrefillServer", 1, {}, OLD, max_r=64),
+                  ctx("DecodeServer", 1, {}, OLD, max_r=64),
+                  ctx("Router", 1, {**router(100.0, 4096, 64), CACHED: 3584.0}, max_r=1))
+    assert (p, d) == (cached.prefill, cached.decode)
+
+
 def test_router_window():
     w = SloWindow(window_s=10)
     for t in range(20):
@@ -151,6 +165,9 @@ def test_router_window():
     for t in (12.0, 19.0):
         w.refused(t)
     assert w.snapshot(19.5)[REFUSED] == pytest.approx(2 / 10) and w.snapshot(25.0)[REFUSED] == pytest.approx(1 / 10)
+    assert w.snapshot(25.0)[CACHED] == 0.0
+    w.finished(25.0, ttft=0.1, tpot=0.01, output_tokens=32, cached_tokens=64)
+    assert w.snapshot(25.0)[CACHED] == pytest.approx(64 / 6)     # over the finished: t = 15..19, and this one
 
 
 def test_config_wiring(monkeypatch):

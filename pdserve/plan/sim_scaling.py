@@ -99,14 +99,14 @@ class SloScaler(_Scaler):
                  window_s: float = 10.0):
         super().__init__(prefill, decode)
         self.m, self.t, self.window_s = model, targets, window_s
-        self.arrivals: deque = deque()     # (t, input_len, output_len)
+        self.arrivals: deque = deque()     # (t, input_len, output_len, cached)
         self.done: deque = deque()         # (t, ttft, tpot)
         self.correction = (1.0, 1.0)
         self.last = None
         self.backlog_at = 0.0              # when a backlog was last seen
 
     def arrived(self, req: Request, now: float) -> None:
-        self.arrivals.append((now, req.input_len, req.output_len))
+        self.arrivals.append((now, req.input_len, req.output_len, req.cached))
 
     def finished(self, req: Request, now: float) -> None:
         self.done.append((now, req.ttft, req.tpot))
@@ -123,7 +123,8 @@ class SloScaler(_Scaler):
         p90 = (lambda xs: xs[int(0.9 * (len(xs) - 1))] if xs else None)
         return Observation(n / span, sum(a[1] for a in self.arrivals) / n if n else 1.0,
                            sum(a[2] for a in self.arrivals) / n if n else 1.0, p90(ttfts), p90(tpots), len(self.done),
-                           sum(r.queued_tokens for r in sim.pools["prefill"]), len(sim.waiting))
+                           sum(r.queued_tokens for r in sim.pools["prefill"]), len(sim.waiting),
+                           cached_len=sum(a[3] for a in self.arrivals) / n if n else 0.0)
 
     def decide(self, sim, now: float) -> tuple[int, int]:
         warming = _warming(sim, "prefill", now, self.bounds["prefill"].warmup_s) or \
