@@ -8,7 +8,9 @@ import json
 import re
 
 import pytest
+from ray import serve
 
+from serving.slo_autoscaling import CACHED, INPUT
 from service_util import http, metrics, pools_all_free, tiny_app, wait_until
 
 pytestmark = pytest.mark.slow
@@ -35,6 +37,9 @@ def test_shared_prefixes_stay_on_one_replica(ray_serve, tiny_llama_dir, mode, po
         assert wait_until(counted, 30), _series(base, "pdserve_prefix_cache_query_tokens", pool)
         assert sorted(_series(base, "pdserve_prefix_cache_query_tokens", pool).values()) == [0, total]
         assert sum(_series(base, "pdserve_prefix_cache_hit_tokens", pool).values()) == 5 * len(shared)
+        # the SLO policy's view: the router's window counts the cached prompt tokens as not prefilled
+        window = serve.get_deployment_handle("Router", f"pa-{pool}").record_autoscaling_stats.remote().result()
+        assert window[CACHED] == pytest.approx(5 * len(shared) / 6) and window[INPUT] == len(shared) + 5
         _, text = http(base, "/metrics")
         decisions = {m.group(1): float(m.group(2)) for m in re.finditer(
             rf'^pdserve_prefix_affinity_decisions_total{{pool="{pool}",decision="(\w+)"}} (\S+)$', text, re.M)}
