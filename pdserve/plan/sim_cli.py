@@ -153,10 +153,10 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"pdserve simulate: {exc}", file=sys.stderr)
         return 2
+    prefix = f" beside a {args.cached_len}-token shared prefix" if args.cached_len else ""
     print(f"{spec.name} on {hw.name}: prefill eff {m.prefill_eff:.3g}, decode eff {m.decode_eff:.3g}, "
-          f"KV {m.kv_tokens} tokens/replica"
-          f"{f' beside a {args.cached_len}-token shared prefix' if args.cached_len else ''}, max_num_seqs {m.max_num_seqs}, step budget {m.max_batched_tokens}; "
-          f"SLOs TTFT {args.ttft_slo * 1e3:.0f} ms, TPOT {args.tpot_slo * 1e3:.0f} ms")
+          f"KV {m.kv_tokens} tokens/replica{prefix}, max_num_seqs {m.max_num_seqs}, step budget "
+          f"{m.max_batched_tokens}; SLOs TTFT {args.ttft_slo * 1e3:.0f} ms, TPOT {args.tpot_slo * 1e3:.0f} ms")
     if host:
         print(f"one host: {host.cores:g} cores, {host.engine_cores:g} per stepping engine, "
               f"{host.token_cpu * 1e3:.2f} ms CPU per streamed token ({host.loop_token_cpu * 1e3:.2f} ms of it in "
