@@ -28,7 +28,7 @@ from pdserve.plan import sim_validate
 from pdserve.plan import roofline
 from pdserve.plan.model import resolve_spec
 from pdserve.plan.sim_host import HostCpu
-from pdserve.plan.sim_load import parse_schedule, poisson, read_trace
+from pdserve.plan.sim_load import parse_schedule, poisson, prompt_lengths, read_trace
 from pdserve.plan.sim_report import step_model, summarize
 from pdserve.plan.sim_study import HEADER, Study, autoscaled, compare, make_scaler, recommend
 from pdserve.plan.simulator import Fleet, Simulator
@@ -131,7 +131,7 @@ def run(args) -> int:
                 raise ValueError("--cached-len does not apply to --validate (a bench report's prompts share no prefix)")
             if not 0 < args.cached_len < m.kv_tokens:
                 raise ValueError(f"--cached-len {args.cached_len} must be positive and below the KV a replica holds")
-            shortest = max(1, int(args.input_len * (1 - args.jitter)))
+            shortest = prompt_lengths(args.input_len, args.jitter)[0]
             if not args.trace and args.cached_len >= shortest:
                 raise ValueError(f"--cached-len {args.cached_len} must be below the shortest prompt ({shortest} "
                                  "tokens: --input-len less --jitter)")

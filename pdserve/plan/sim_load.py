@@ -57,11 +57,16 @@ def parse_schedule(text: str) -> list[tuple[float, float]]:
     return steps
 
 
+def prompt_lengths(input_len: int, jitter: float) -> tuple[int, int]:
+    """The shortest and longest prompt of generated load: input_len * (1 -+ jitter), at least 1."""
+    return max(1, int(input_len * (1 - jitter))), max(1, int(input_len * (1 + jitter)))
+
+
 def poisson(schedule: list[tuple[float, float]], duration: float, input_len: int, output_len: int,
             jitter: float = 0.0, seed: int = 0, cached: int = 0) -> list[Request]:
     """Poisson arrivals over [0, duration) at the schedule's rate (piecewise constant)."""
     rng = random.Random(seed)
-    lo, hi = max(1, int(input_len * (1 - jitter))), max(1, int(input_len * (1 + jitter)))
+    lo, hi = prompt_lengths(input_len, jitter)
     if not 0 <= cached < lo:
         raise ValueError(f"the cached prefix ({cached} tokens) must be shorter than the shortest prompt ({lo})")
     out, t = [], 0.0
