@@ -255,7 +255,7 @@ class Router:
     async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str,
                         echoes: list[tuple[str, list[int]]] | None = None, shape: ChatOutputShape | None = None,
                         think: tuple[int, int, bool] | None = None):
-        if body.model != self.model_name:
+        if body.model not in (None, self.model_name):
             return self._unknown_model(body.model)
         if not all(prompts):
             return error_response(400, "the prompt is empty", param="prompt")

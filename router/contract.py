@@ -3,8 +3,7 @@
 FastAPI writes the request half from the request models (router/openai_protocol.py, every
 bound on its field); `openapi_document` then adds what depends on the configuration and what
 FastAPI cannot know, in this order:
-  1. limits     `model` is an enum of the served name(s) (or null for /tokenize and
-                /detokenize), `max_tokens` (and chat's `max_completion_tokens`) has this
+  1. limits     `model` is an enum of the served name(s) or null (the served model), `max_tokens` (and chat's `max_completion_tokens`) has this
                 server's `max_tokens_limit` as its maximum, token ids lie below the vocabulary size
   2. responses  each operation's bodies (router/openai_responses.py): JSON, for the generation
                 endpoints also `text/event-stream` (each event's `data` a chunk or an error
@@ -99,7 +98,6 @@ def _limits(doc: dict, served: Served) -> None:
                          ("/v1/chat/completions", ("max_tokens", "max_completion_tokens")),
                          ("/v1/responses", ("max_output_tokens",))):
         properties = _request_schema(doc, path)["properties"]
-        properties["model"]["enum"] = list(served.model_names)
         for name in fields:
             for integer in _integers(properties[name]):
                 integer["maximum"] = served.max_tokens_limit
@@ -110,11 +108,12 @@ def _limits(doc: dict, served: Served) -> None:
             integer["maximum"] = served.vocab_size - 1
         if "logit_bias" in properties:
             properties["logit_bias"]["description"] += f" Token ids are below {served.vocab_size}."
-    for path in ("/tokenize", "/detokenize"):
-        properties = _request_schema(doc, path)["properties"]
-        for branch in properties["model"]["anyOf"]:
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
+        for branch in _request_schema(doc, path)["properties"]["model"]["anyOf"]:
             if branch.get("type") == "string":
                 branch["enum"] = list(served.model_names)
+    for path in ("/tokenize", "/detokenize"):
+        properties = _request_schema(doc, path)["properties"]
         for integer in _integers(properties.get("tokens")):
             integer["maximum"] = served.vocab_size - 1
 

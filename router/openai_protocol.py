@@ -21,7 +21,7 @@ from engine.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPRO
                                     SamplingParams)
 from engine.structured_output import StructuredOutput
 from router.chat_prompt import RESERVED_TEMPLATE_KWARGS
-from router.protocol_types import Int, NonEmptyText, Strict, StrictOpen, Text, TextPartType, implies, present
+from router.protocol_types import MODEL_FIELD, Int, NonEmptyText, Strict, StrictOpen, Text, TextPartType, implies, present
 from router.structured_protocol import ResponseFormat, StructuredOutputs
 from router.tools import CLOSE as TOOL_CALL_END
 from router.tools import (HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool, ToolChoice,
@@ -70,7 +70,7 @@ class StreamOptions(Strict):
 
 
 class _Sampling(Strict):
-    model: str = Field(description="The served model's name (GET /v1/models); any other is a 404.")
+    model: str | None = Field(None, description=MODEL_FIELD)
     temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 (or below {GREEDY_BELOW_TEMPERATURE:g}) is "
                                "greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -10,6 +10,10 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_core import PydanticCustomError
 
 
+MODEL_FIELD = ("The served model's name (GET /v1/models); any other is a 404. Omitted or null: the served "
+               "model (as vLLM and llama.cpp's server take it).")
+
+
 def _integral(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 

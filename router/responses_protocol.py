@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, TypeAdapter, model_validator
 
 from router.openai_protocol import FORCED_TOOL, GREEDY_BELOW_TEMPERATURE, ChatCompletionRequest
-from router.protocol_types import Int, Strict, StrictOpen, Text, TextPartType, implies
+from router.protocol_types import MODEL_FIELD, Int, Strict, StrictOpen, Text, TextPartType, implies
 from router.responses_output import new_id
 from router.structured_protocol import JsonSchemaFormat
 from router.tools import MAX_TOOLS, FunctionName
@@ -154,7 +154,7 @@ class ResponsesRequest(Strict):
     a forced call (tool_choice "required" or a function) needs tools, a named one a function
     among them, and takes no JSON text format."""
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_refusals)
-    model: str = Field(description="The served model's name (GET /v1/models); any other is a 404.")
+    model: str | None = Field(None, description=MODEL_FIELD)
     input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_ITEMS)] = Field(
         description="A user message, or the conversation's items.")
     instructions: Text | None = Field(None, description="A system message before the input.")

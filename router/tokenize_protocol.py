@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, model_validator
 
 from router.openai_protocol import ChatCompletionRequest, ChatMessage
-from router.protocol_types import Int, Strict, Text, present
+from router.protocol_types import MODEL_FIELD, Int, Strict, Text, present
 from router.tools import MAX_TOOLS, Tool, ToolChoice
 
 CHAT_PROMPT_FIELDS = ("messages", "tools", "tool_choice", "add_generation_prompt", "continue_final_message",
@@ -19,7 +19,7 @@ class TokenizeRequest(Strict):
     shape its prompt, under the chat endpoint's rules), as the token ids the engine would get."""
     model_config = ConfigDict(json_schema_extra={"oneOf": [present("prompt"), present("messages")], "if": present(
         "prompt"), "then": {"not": {"anyOf": [{"required": [name]} for name in CHAT_PROMPT_FIELDS[1:]]}}})
-    model: str | None = Field(None, description="The served model's name, if given.")
+    model: str | None = Field(None, description=MODEL_FIELD)
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
@@ -46,5 +46,5 @@ class TokenizeRequest(Strict):
 
 class DetokenizeRequest(Strict):
     """vLLM's /detokenize: token ids back to text (special tokens included)."""
-    model: str | None = Field(None, description="The served model's name, if given.")
+    model: str | None = Field(None, description=MODEL_FIELD)
     tokens: list[Int(ge=0)] = Field(max_length=1_000_000)

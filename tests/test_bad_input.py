@@ -22,7 +22,7 @@ CASES = [
     ("prompt wrong type", "/v1/completions", {**GOOD, "prompt": 123}, 400),
     ("max_tokens wrong type", "/v1/completions", {**GOOD, "max_tokens": "ten"}, 400),
     ("temperature wrong type", "/v1/completions", {**GOOD, "temperature": "hot"}, 400),
-    ("missing model", "/v1/completions", {"prompt": "x"}, 400),
+    ("model wrong type", "/v1/completions", {**GOOD, "model": 5}, 400),
     ("missing prompt", "/v1/completions", {"model": M}, 400),
     ("missing messages", "/v1/chat/completions", {"model": M}, 400),
     ("unknown field", "/v1/completions", {**GOOD, "frobnicate": 1}, 400),
@@ -97,8 +97,8 @@ CASES = [
 
 
 # the field a union failure names (router/validation_errors.py), not pydantic's member names
-PARAMS = {"prompt wrong type": "prompt", "stop wrong type": "stop", "mixed prompt batch": "prompt.1",
-          "image content": "messages.0.content.0.type"}
+PARAMS = {"prompt wrong type": "prompt", "model wrong type": "model", "stop wrong type": "stop",
+          "mixed prompt batch": "prompt.1", "image content": "messages.0.content.0.type"}
 
 
 @pytest.mark.parametrize("name,path,body,status", CASES, ids=[c[0] for c in CASES])
@@ -139,6 +139,20 @@ def test_server_still_serves_and_nothing_leaked(disagg):
     assert http(disagg, "/v1/completions", GOOD)[0] == 200
     assert http(disagg, "/v1/chat/completions", CHAT)[0] == 200
     assert pools_all_free(disagg, {"prefill", "decode"})
+
+
+def test_without_model_the_served_model_answers(disagg):
+    """`model` omitted or null means the served model (vLLM's and llama-server's reading; OpenAI's
+    own API requires it), on every endpoint that takes one; the reply names the served model."""
+    for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions", CHAT),
+                       ("/v1/responses", {"model": M, "input": "Hi", "max_output_tokens": 2})):
+        for model in ({}, {"model": None}):
+            request = {k: v for k, v in body.items() if k != "model"} | model
+            status, text = http(disagg, path, request)
+            assert status == 200, (path, text)
+            assert json.loads(text)["model"] == M
+    for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        assert http(disagg, path, body)[0] == 200
 
 
 @pytest.mark.parametrize("extra", [

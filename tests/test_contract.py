@@ -29,8 +29,13 @@ def requests(doc: dict) -> tuple[dict, dict]:
 def test_model_enum_and_limits_follow_the_config():
     for config, name, limit in (({}, "SmolLM2-135M-Instruct", 4096),
                                 ({"served_model_name": "m", "max_tokens_limit": 8}, "m", 8)):
-        completion, chat = requests(document(**config))
-        assert completion["properties"]["model"]["enum"] == chat["properties"]["model"]["enum"] == [name]
+        doc = document(**config)
+        completion, chat = requests(doc)
+        for request in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "TokenizeRequest",
+                        "DetokenizeRequest"):    # the served name, or omitted / null: the served model
+            schema = doc["components"]["schemas"][request]
+            assert schema["properties"]["model"]["anyOf"] == [{"type": "string", "enum": [name]}, {"type": "null"}]
+            assert "model" not in schema.get("required", [])
         for schema, field in ((completion, "max_tokens"), (chat, "max_tokens"), (chat, "max_completion_tokens")):
             integer = next(s for s in schema["properties"][field]["anyOf"] if s["type"] == "integer")
             assert integer["maximum"] == limit
@@ -57,9 +62,6 @@ def test_every_operation_declares_its_bodies_and_every_error_status():
             elif method == "post":       # /tokenize, /detokenize: no pool involved
                 assert set(responses) == {"200", "400", "404", "413", "429", "500"}
                 assert set(responses["200"]["content"]) == {"application/json"}
-                model = doc["components"]["schemas"][operation["requestBody"]["content"]["application/json"][
-                    "schema"]["$ref"].rsplit("/", 1)[1]]["properties"]["model"]
-                assert model["anyOf"] == [{"type": "string", "enum": ["SmolLM2-135M-Instruct"]}, {"type": "null"}]
     assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert "503" in doc["paths"]["/health"]["get"]["responses"]
     stored = doc["paths"]["/v1/responses/{response_id}"]
