@@ -152,13 +152,22 @@ def deployed_app(ray_serve: str, name: str, model_dir, served: str, engine: dict
     for key, value in overrides.items():
         base_value = fields.get(key)
         fields[key] = {**base_value, **value} if isinstance(value, dict) and isinstance(base_value, dict) else value
+    wait_until(lambda: name not in serve.status().applications, 60)     # a same-named app still going
     serve.run(build_app(AppConfig(**fields)), name=name, route_prefix=f"/{name}", blocking=False)
     try:
         base = f"{ray_serve}/{name}"
         wait_healthy(base)
         yield base
     finally:
-        serve.delete(name)
+        delete_app(name)
+
+
+def delete_app(name: str) -> None:
+    """Delete Serve application `name` without waiting for its replicas to stop: each waits Serve's
+    graceful_shutdown_wait_loop_s (2 s) before it goes, ~3 s an app that the next test's deployment
+    can overlap (the replicas reserve no CPUs: TINY_ENGINE and the service apps use num_cpus 0)."""
+    from ray import serve
+    serve.delete(name, _blocking=False)
 
 
 def tiny_app(ray_serve: str, model_dir, name: str, **overrides):

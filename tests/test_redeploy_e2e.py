@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import ray
 import yaml
-from ray import serve
 
 from pdserve.serve_config import deploy
-from service_util import (TINY_ENGINE, closed_loop_load, http, pools_all_free, reaches, running_replicas, wait_healthy,
-                          wait_until)
+from service_util import (TINY_ENGINE, closed_loop_load, delete_app, http, pools_all_free, reaches, running_replicas,
+                          wait_healthy, wait_until)
 from serving.config import AppConfig
 
 pytestmark = pytest.mark.slow
@@ -78,4 +77,4 @@ def test_a_new_scaling_is_applied_in_place_and_anything_else_restarts(ray_serve,
         wait_healthy(base)
         assert pools_all_free(base, {"prefill", "decode"})
     finally:
-        serve.delete(NAME)
+        delete_app(NAME)

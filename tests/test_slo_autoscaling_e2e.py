@@ -12,12 +12,11 @@ import threading
 import time
 
 import pytest
-from ray import serve
 
 from pdserve.serve_config import deploy, slo_policy
 from pdserve.plan.model import resolve_spec
-from service_util import (TINY_ENGINE, closed_loop_load, http, pools_all_free, reaches, running_replicas, wait_healthy,
-                          wait_until)
+from service_util import (TINY_ENGINE, closed_loop_load, delete_app, http, pools_all_free, reaches, running_replicas,
+                          wait_healthy, wait_until)
 from serving.config import AppConfig
 from serving.slo_model import StepModel, Workload, size_fleet
 
@@ -75,4 +74,4 @@ def test_slo_policy_grows_both_pools_to_the_predicted_counts_and_back(ray_serve,
         assert statuses and all(s == 200 for s in statuses), f"{statuses.count(200)}/{len(statuses)} ok"
         assert pools_all_free(base, {"prefill", "decode"})
     finally:
-        serve.delete(NAME)
+        delete_app(NAME)
