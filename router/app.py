@@ -143,8 +143,17 @@ class Router:
 
     @app.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "pdserve", "max_model_len": self.max_model_len}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(self, model: str):
+        """OpenAI's model retrieval (`client.models.retrieve`): the served model (a name may hold
+        slashes), any other a 404."""
+        return self._model_card() if model == self.model_name else self._unknown_model(model)
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                "max_model_len": self.max_model_len}
 
     @app.get("/metrics")
     async def metrics(self):

@@ -46,6 +46,7 @@ GENERATION = (400, 404, 502, 503, 504)
 TOKENIZING = (400, 404)     # /tokenize and /detokenize: no pool is involved
 STORED = (404, 503)         # a stored response's routes (router/response_store.py)
 STORED_PATH = "/v1/responses/{response_id}"
+MODEL_PATH = "/v1/models/{model}"
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ def _limits(doc: dict, served: Served) -> None:
         for branch in _request_schema(doc, path)["properties"]["model"]["anyOf"]:
             if branch.get("type") == "string":
                 branch["enum"] = list(served.model_names)
+    for parameter in doc["paths"][MODEL_PATH]["get"]["parameters"]:
+        parameter["schema"]["enum"] = list(served.model_names)
     for path in ("/tokenize", "/detokenize"):
         properties = _request_schema(doc, path)["properties"]
         for integer in _integers(properties.get("tokens")):
@@ -163,6 +166,8 @@ def _ok(path: str, method: str) -> dict:
         return {"description": "The tokens' text.", "content": _json("Detokenized")}
     if path == "/v1/models":
         return {"description": "The served model.", "content": _json("ModelList")}
+    if path == MODEL_PATH:
+        return {"description": "The served model.", "content": _json("ModelCard")}
     if path == "/health":
         return {"description": "Every pool has a ready replica.", "content": _json("Health")}
     assert path == "/metrics", path
@@ -186,6 +191,8 @@ def _responses(doc: dict, served: Served) -> None:
             codes = set(GUARDED) | (set(GENERATION) if path.startswith("/v1/") and method == "post" else set())
             if path in ("/tokenize", "/detokenize"):
                 codes |= set(TOKENIZING)
+            if path == MODEL_PATH:
+                codes.add(404)
             if path.startswith(STORED_PATH):
                 codes |= set(STORED) | ({400} if path.endswith("/input_items") else set())
             if path == "/health":

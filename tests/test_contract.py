@@ -64,6 +64,9 @@ def test_every_operation_declares_its_bodies_and_every_error_status():
                 assert set(responses["200"]["content"]) == {"application/json"}
     assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert "503" in doc["paths"]["/health"]["get"]["responses"]
+    card = doc["paths"]["/v1/models/{model}"]["get"]
+    assert set(card["responses"]) == {"200", "404", "413", "429", "500"}
+    assert card["parameters"][0]["schema"]["enum"] == ["SmolLM2-135M-Instruct"]
     stored = doc["paths"]["/v1/responses/{response_id}"]
     for method, model in (("get", "ResponseObject"), ("delete", "ResponseDeleted")):
         assert set(stored[method]["responses"]) == {"200", "404", "413", "429", "500", "503"}

@@ -186,10 +186,11 @@ def test_the_document_states_the_served_model_and_the_max_tokens_limit_of_each_c
     assert status == 200
     completion, chat = _request_schemas(json.loads(text))
     for properties, fields in ((completion, ("max_tokens",)), (chat, ("max_tokens", "max_completion_tokens"))):
-        assert properties["model"]["enum"] == [name]
+        assert properties["model"]["anyOf"] == [{"type": "string", "enum": [name]}, {"type": "null"}]
         for field in fields:
             assert [s["maximum"] for s in properties[field]["anyOf"] if s.get("type") == "integer"] == [limit]
     assert json.loads(http(base, "/v1/models")[1])["data"][0]["id"] == name
+    assert json.loads(http(base, f"/v1/models/{name}")[1])["id"] == name
     # and the server holds to it
     body = {"model": name, "prompt": "Hi", "max_tokens": limit}
     assert http(base, "/v1/completions", body)[0] == 200
@@ -241,8 +242,12 @@ def test_the_openai_client_round_trips_with_its_own_types(app):
     assert all(isinstance(c, Completion) for c in streamed)
     assert "".join(c.choices[0].text for c in streamed) == parsed.choices[0].text
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="gpt-17", prompt="Once", max_tokens=2)
+    assert client.models.retrieve("tiny").id == "tiny"
+    for call in (lambda: client.completions.create(model="gpt-17", prompt="Once", max_tokens=2),
+                 lambda: client.models.retrieve("gpt-17"), lambda: client.models.retrieve("org/tiny")):
+        with pytest.raises(openai.NotFoundError) as error:
+            call()
+        assert error.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="Once", max_tokens=9)
     assert pools_all_free(app, {"prefill", "decode"})
