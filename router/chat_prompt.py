@@ -7,7 +7,9 @@ validates them):
   - `continue_final_message`: leave the last message, an assistant's, open, so the output
     continues it (a prefilled answer); needs `add_generation_prompt: false`;
   - `chat_template_kwargs`: more variables for the template, such as Qwen3's `enable_thinking`;
-    not the names of apply_chat_template's own arguments (RESERVED_TEMPLATE_KWARGS).
+    not the names of apply_chat_template's own arguments (RESERVED_TEMPLATE_KWARGS);
+and OpenAI's `reasoning_effort` as the template variable of that name (gpt-oss's template reads
+it; others ignore it), unless chat_template_kwargs sets it.
 The template may refuse a conversation (a ValueError, or jinja's TemplateError from its
 `raise_exception`): the caller answers a 400. Also here: the template's text (what tools and
 reasoning support is read from) and `partial_tag`, which the output parsers of its tags share.
@@ -38,7 +40,8 @@ def chat_prompt_ids(tokenizer, body, native_tools: bool) -> list[int]:
     """The prompt of a ChatCompletionRequest `body`; `native_tools`: the template writes tool
     calls itself (router/tools.py)."""
     conversation, tools = body.conversation(native_tools)
+    variables = {"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {}
     ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=body.add_generation_prompt,
                                         continue_final_message=body.continue_final_message, tokenize=True,
-                                        **(body.chat_template_kwargs or {}))
+                                        **(variables | (body.chat_template_kwargs or {})))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

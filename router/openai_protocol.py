@@ -21,7 +21,7 @@ from engine.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPRO
                                     SamplingParams)
 from engine.structured_output import StructuredOutput
 from router.chat_prompt import RESERVED_TEMPLATE_KWARGS
-from router.protocol_types import MODEL_FIELD, Int, NonEmptyText, Strict, StrictOpen, Text, TextPartType, implies, present
+from router.protocol_types import METADATA, MODEL_FIELD, REASONING_EFFORT, SERVICE_TIER, Int, NonEmptyText, Strict, StrictOpen, Text, TextPartType, implies, present
 from router.structured_protocol import ResponseFormat, StructuredOutputs
 from router.tools import CLOSE as TOOL_CALL_END
 from router.tools import (HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool, ToolChoice,
@@ -281,6 +281,15 @@ class ChatCompletionRequest(_Sampling):
         "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}})] | None = Field(
         None, description="vLLM's: more variables for the chat template (e.g. enable_thinking), not named "
                           "as apply_chat_template's own arguments.")
+    reasoning_effort: REASONING_EFFORT | None = Field(None, description="The chat template's `reasoning_effort` "
+                                                      "(templates that read it act on it; chat_template_kwargs "
+                                                      "may set it too).")
+    store: bool | None = Field(None, description="Accepted; chat completions are not kept (Responses are).")
+    metadata: METADATA | None = Field(None, description="Accepted; ignored.")
+    service_tier: SERVICE_TIER | None = Field(None, description="Accepted; one tier here.")
+    modalities: list[Literal["text"]] | None = Field(None, description="Text only.")
+    safety_identifier: Text | None = None
+    prompt_cache_key: Text | None = Field(None, description="Accepted; prompts share a prefix cache anyway.")
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):

@@ -65,3 +65,9 @@ def implies(name: str, schema: dict, then: dict) -> dict:
 def present(name: str) -> dict:
     """JSON Schema: `name` is given and not null."""
     return {"properties": {name: {"not": {"type": "null"}}}, "required": [name]}
+
+
+# value types of OpenAI's fields that chat and the Responses API share
+REASONING_EFFORT = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+SERVICE_TIER = Literal["auto", "default", "flex", "scale", "priority"]
+METADATA = Annotated[dict[Text, Text], Field(max_length=16)]      # up to 16 string pairs

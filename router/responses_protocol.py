@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, TypeAdapter, model_validator
 
 from router.openai_protocol import FORCED_TOOL, GREEDY_BELOW_TEMPERATURE, ChatCompletionRequest
-from router.protocol_types import MODEL_FIELD, Int, Strict, StrictOpen, Text, TextPartType, implies
+from router.protocol_types import METADATA, MODEL_FIELD, REASONING_EFFORT, SERVICE_TIER, Int, Strict, StrictOpen, Text, TextPartType, implies
 from router.responses_output import new_id
 from router.structured_protocol import JsonSchemaFormat
 from router.tools import MAX_TOOLS, FunctionName
@@ -133,8 +133,9 @@ class TextConfig(StrictOpen):
 
 
 class ReasoningConfig(StrictOpen):
-    """Accepted; the model reasons (or not) as its chat template has it."""
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    """`effort` is the chat's `reasoning_effort` (a variable for the chat template); the model
+    reasons (or not) as its template has it."""
+    effort: REASONING_EFFORT | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
@@ -174,7 +175,7 @@ class ResponsesRequest(Strict):
                                               "input and output come before this input (its instructions and "
                                               "tools do not).")
     background: bool | None = Field(None, description="Refused when true.")
-    metadata: Annotated[dict[str, Text], Field(max_length=16)] | None = None
+    metadata: METADATA | None = None
     user: Text | None = None
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = Field(None, description="Accepted; prompts share a prefix cache anyway.")
@@ -182,8 +183,7 @@ class ResponsesRequest(Strict):
     truncation: Literal["disabled"] | None = Field(None, description="Only disabled: an input beyond the "
                                                    "context is a 400.")
     include: Annotated[list[Text], Field(max_length=16)] | None = Field(None, description="Accepted; ignored.")
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
-        None, description="Accepted; one tier here.")
+    service_tier: SERVICE_TIER | None = Field(None, description="Accepted; one tier here.")
     stream_options: dict[str, Any] | None = Field(None, description="Accepted; ignored.")
 
     @model_validator(mode="after")
@@ -210,7 +210,7 @@ class ResponsesRequest(Strict):
             body["stream_options"] = {"include_usage": True}     # for response.completed's usage
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
                             ("top_p", self.top_p), ("parallel_tool_calls", self.parallel_tool_calls),
-                            ("user", self.user)):
+                            ("user", self.user), ("reasoning_effort", self.reasoning and self.reasoning.effort)):
             if value is not None:
                 body[name] = value
         if self.tools:

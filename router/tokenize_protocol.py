@@ -7,11 +7,11 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, model_validator
 
 from router.openai_protocol import ChatCompletionRequest, ChatMessage
-from router.protocol_types import MODEL_FIELD, Int, Strict, Text, present
+from router.protocol_types import MODEL_FIELD, REASONING_EFFORT, Int, Strict, Text, present
 from router.tools import MAX_TOOLS, Tool, ToolChoice
 
 CHAT_PROMPT_FIELDS = ("messages", "tools", "tool_choice", "add_generation_prompt", "continue_final_message",
-                      "chat_template_kwargs")
+                      "chat_template_kwargs", "reasoning_effort")
 
 
 class TokenizeRequest(Strict):
@@ -27,6 +27,7 @@ class TokenizeRequest(Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: REASONING_EFFORT | None = None
     return_token_strs: bool = Field(False, description="Also each token's text (the tokenizer's piece).")
 
     @model_validator(mode="after")

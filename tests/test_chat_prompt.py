@@ -53,6 +53,43 @@ def test_template_variables_reach_the_template(default_model_dir, tmp_path):
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
+def test_reasoning_effort_is_the_templates_variable_from_chat_responses_and_tokenize(default_model_dir, tmp_path):
+    """OpenAI's `reasoning_effort` (the Responses API's `reasoning.effort`) reaches the template as
+    the variable of that name (gpt-oss's template reads it), chat_template_kwargs before it; a
+    template without it is unchanged."""
+    from router.responses_protocol import ResponsesRequest
+    from router.tokenize_protocol import TokenizeRequest
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}{% endfor %}|{{ reasoning_effort | default('unset') }}")
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    body = {"messages": PREFILLED[:1]}
+    assert text(tok, request(**body)).endswith("|unset")
+    assert text(tok, request(**body, reasoning_effort="low")).endswith("|low")
+    assert text(tok, request(**body, reasoning_effort="low",
+                             chat_template_kwargs={"reasoning_effort": "high"})).endswith("|high")
+    chat = ResponsesRequest.model_validate({"model": MODEL, "input": "Hi", "reasoning": {"effort": "minimal"}}).chat()
+    assert text(tok, chat) == "Hi|minimal"
+    tokenized = TokenizeRequest.model_validate({**body, "reasoning_effort": "medium"}).chat(MODEL)
+    assert text(tok, tokenized).endswith("|medium")
+    with pytest.raises(ValidationError, match="reasoning_effort go with messages"):
+        TokenizeRequest.model_validate({"prompt": "x", "reasoning_effort": "low"})
+    assert text(tokenizer := AutoTokenizer.from_pretrained(default_model_dir), request(reasoning_effort="high")) == \
+        text(tokenizer, request())
+
+
+def test_openais_other_chat_fields_are_accepted_and_change_nothing(tokenizer):
+    fields = {"store": False, "metadata": {"team": "a"}, "service_tier": "auto", "modalities": ["text"],
+              "safety_identifier": "user-1", "prompt_cache_key": "k"}
+    assert text(tokenizer, request(**fields)) == text(tokenizer, request())
+    assert request(**fields).sampling_params(16) == request().sampling_params(16)
+    for wrong in ({"modalities": ["audio"]}, {"service_tier": "fastest"}, {"metadata": {"k": 1}},
+                  {"metadata": {f"k{i}": "v" for i in range(17)}}, {"reasoning_effort": "max"}):
+        with pytest.raises(ValidationError):
+            request(**wrong)
+
+
 @pytest.mark.parametrize("fields, words", [
     ({"continue_final_message": True}, "needs add_generation_prompt false"),
     ({"continue_final_message": True, "add_generation_prompt": False, "messages": PREFILLED[:1]},
