@@ -2,9 +2,9 @@
 
 Order per row: log-probabilities of the raw logits (only when asked), penalties, logit bias,
 bans, the structured-output mask (tokens its grammar allows), then greedy rows take the argmax
-and sampled rows apply temperature, top-k and top-p (vectorized over the rows that use them) and
-draw with the request's own generator, so a request with a
-seed gets the same tokens whatever else shares its batch.
+and sampled rows apply temperature, top-k, top-p and min-p (vectorized over the rows that use
+them) and draw with the request's own generator, so a request with a seed gets the same tokens
+whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     before = probs.cumsum(dim=-1) - probs          # mass strictly before each token
     sorted_logits = sorted_logits.masked_fill(before >= top_p[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def _filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask each row's tokens less likely than min_p x its likeliest token with -inf (Hugging
+    Face's MinPLogitsWarper; a row's min_p 0 keeps the row)."""
+    probs = logits.softmax(dim=-1)
+    floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 class PenaltyState:
@@ -176,6 +184,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
             top_k = torch.tensor([max(rows[i].params.top_k, 0) for i in sampled], device=dev)
             top_p = torch.tensor([rows[i].params.top_p for i in sampled], device=dev, dtype=sub.dtype)
             sub = _filter_top_k_top_p(sub, top_k, top_p)
+        if any(rows[i].params.min_p > 0.0 for i in sampled):
+            min_p = torch.tensor([rows[i].params.min_p for i in sampled], device=dev, dtype=sub.dtype)
+            sub = _filter_min_p(sub, min_p)
         probs = sub.softmax(dim=-1)
         for j, i in enumerate(sampled):
             out[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].generator).item())

@@ -20,7 +20,9 @@ LOGIT_BIAS_RANGE = 100.0
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature == 0 means greedy. top_k <= 0 and top_p == 1 disable those filters.
+    temperature == 0 means greedy. top_k <= 0 and top_p == 1 disable those filters; `min_p` > 0
+    then drops the tokens less likely than min_p x the likeliest one (Hugging Face's order:
+    temperature, top-k, top-p, min-p).
     `min_tokens` suppresses EOS and stop tokens until that many tokens were generated.
     `ignore_eos` keeps generating past EOS (benchmarks use it to fix output lengths).
     Penalties (OpenAI's and vLLM's semantics, applied before temperature, greedy included):
@@ -42,6 +44,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int = 16
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
@@ -73,6 +76,8 @@ class SamplingParams:
             return f"temperature must be in [0, 2], got {self.temperature}"
         if not 0.0 < self.top_p <= 1.0:
             return f"top_p must be in (0, 1], got {self.top_p}"
+        if not 0.0 <= self.min_p <= 1.0:
+            return f"min_p must be in [0, 1], got {self.min_p}"
         if self.top_k < -1:
             return f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"
         if self.max_tokens < 1:

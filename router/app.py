@@ -285,9 +285,10 @@ class Router:
         error = await asyncio.to_thread(params.validate) if params.structured is not None else params.validate()
         if error:
             return error_response(400, error)
-        if any(t >= len(self.tokenizer) for t, _ in params.logit_bias):
-            return error_response(400, f"logit_bias: token id out of range (vocabulary size {len(self.tokenizer)})",
-                                  param="logit_bias")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= len(self.tokenizer) for t in ids):
+                return error_response(400, f"{name}: token id out of range (vocabulary size {len(self.tokenizer)})",
+                                      param=name)
         rid = f"{prefix}-{uuid.uuid4().hex}"
         start = time.monotonic()
         for ids in prompts:

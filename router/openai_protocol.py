@@ -31,6 +31,7 @@ MAX_TOKENS_DEFAULT_COMPLETION = 16
 MAX_CHOICES = 16   # most choices in one request (n, times the prompts of a batched completion)
 MAX_PROMPTS = 16   # most prompts in one completion request
 MAX_STOPS = 16
+MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_K = 2**31 - 1
 # The engine samples in float32 (or bf16): a positive value below these would underflow there, or
 # overflow the logits it divides, and the step fails. Each clamp keeps the request's meaning:
@@ -75,12 +76,16 @@ class _Sampling(Strict):
                                "greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: Int(ge=-1, le=MAX_TOP_K) = Field(-1, description="vLLM's; -1 or 0: off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM's and llama.cpp's: drop the tokens less likely "
+                         "than min_p x the likeliest one (after top_k and top_p); 0: off.")
     min_tokens: Int(ge=0) = Field(0, description="vLLM's: no EOS or stop before this many tokens (at most max_tokens).")
     ignore_eos: bool = Field(False, description="vLLM's: go on past EOS.")
     n: Int(ge=1, le=MAX_CHOICES) = Field(1, description=f"Choices per prompt (prompts x n at most {MAX_CHOICES}).")
     stream: bool = Field(False, description="Server-sent events (text/event-stream), ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = None
     stop: Stop = Field(None, description=f"Up to {MAX_STOPS} non-empty strings that end the output (not included).")
+    stop_token_ids: Annotated[list[Int(ge=0)], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description="vLLM's: token ids that end the output (in it, as text unless special tokens).")
     seed: Int(ge=0) | None = Field(None, description="Any non-negative integer, used modulo 2^63; choice j of a "
                                    "prompt uses seed + j.")
     user: Text | None = None
@@ -130,8 +135,9 @@ class _Sampling(Strict):
         """`syntax`: the chat template's tool call syntax (router/tools.py)."""
         temperature = 0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE else self.temperature
         return SamplingParams(temperature=temperature, top_p=max(self.top_p, MIN_TOP_P), top_k=max(self.top_k, 0),
-                              max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
-                              stop=self.stop_list(syntax), ignore_eos=self.ignore_eos,
+                              min_p=self.min_p, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
+                              stop=self.stop_list(syntax), stop_token_ids=tuple(self.stop_token_ids or ()),
+                              ignore_eos=self.ignore_eos,
                               seed=None if self.seed is None else self.seed % 2**63,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=max(self.repetition_penalty, MIN_REPETITION_PENALTY),

@@ -42,6 +42,7 @@ class WireSamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: tuple | None = None     # StructuredOutput's kind, value and think (None or 3 values)
+    min_p: float = 0.0
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
@@ -50,7 +51,7 @@ class WireSamplingParams:
         return cls(p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens, tuple(p.stop),
                    tuple(p.stop_token_ids), p.ignore_eos, p.seed, p.presence_penalty,
                    p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs,
-                   tuple(p.logit_bias), structured)
+                   tuple(p.logit_bias), structured, p.min_p)
 
     def to_params(self) -> SamplingParams:
         fields = dataclasses.asdict(self)

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from engine.llm_engine import LLMEngine
-from engine.sampler import PenaltyState, SampleRow, _apply_penalties, _filter_top_k_top_p, sample
+from engine.sampler import PenaltyState, SampleRow, _apply_penalties, _filter_min_p, _filter_top_k_top_p, sample
 from engine.sampling_params import SamplingParams
 
 
@@ -63,9 +63,31 @@ def test_top_k_and_top_p_filters():
     assert not torch.isinf(out[1, 0]) and torch.isinf(out[1, 1:]).all()
 
 
+def test_min_p_masks_what_hugging_faces_warper_masks():
+    from transformers.generation.logits_process import MinPLogitsWarper
+    torch.manual_seed(0)
+    logits = torch.randn(3, 500) * 3
+    for min_p in (0.01, 0.1, 0.5, 1.0):
+        ours = _filter_min_p(logits.clone(), torch.full((3,), min_p))
+        theirs = MinPLogitsWarper(min_p, min_tokens_to_keep=1)(None, logits.clone())
+        assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), min_p
+        assert (~torch.isinf(ours)).sum(dim=-1).min() >= 1
+    mixed = _filter_min_p(logits.clone(), torch.tensor([0.0, 0.3, 1.0]))
+    assert not torch.isinf(mixed[0]).any()                        # 0: off for that row
+    assert torch.equal(mixed[2].isinf(), logits[2] < logits[2].max())  # 1: the likeliest token alone
+
+
+def test_min_p_one_samples_the_greedy_token(engine):
+    greedy = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    sampled = engine.generate([PROMPT], SamplingParams(temperature=1.5, min_p=1.0, seed=7, max_tokens=8,
+                                                       ignore_eos=True))[0]
+    assert sampled.token_ids == greedy.token_ids
+
+
 def test_invalid_params_are_reported_not_raised():
     assert "temperature" in SamplingParams(temperature=-1).validate()
     assert "top_p" in SamplingParams(top_p=0).validate()
+    assert "min_p" in SamplingParams(min_p=1.5).validate() and "min_p" in SamplingParams(min_p=-0.1).validate()
     assert "max_tokens" in SamplingParams(max_tokens=0).validate()
     assert "min_tokens" in SamplingParams(max_tokens=2, min_tokens=3).validate()
     assert SamplingParams(stop=("",)).validate()

@@ -208,6 +208,25 @@ def test_penalties_reach_both_pools(disagg, colocated):
     assert split == single and split != plain
 
 
+def test_min_p_and_stop_token_ids_reach_the_engines(disagg, colocated, tokenizer):
+    """vLLM's min_p and stop_token_ids through both pools: min_p 1 keeps only the likeliest token,
+    so a sampled completion is the greedy one; a stop token ends the output at its first
+    occurrence, included, with finish_reason stop, split as in one engine."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 10, "ignore_eos": True}
+    greedy = json.loads(http(disagg, "/v1/completions", {**body, "temperature": 0})[1])["choices"][0]
+    sampled = json.loads(http(disagg, "/v1/completions", {**body, "temperature": 1.5, "min_p": 1.0,
+                                                         "seed": 11})[1])["choices"][0]
+    assert sampled["text"] == greedy["text"]
+    ids = tokenizer.encode(greedy["text"], add_special_tokens=False)
+    stop_at = ids[3]
+    for base in (disagg, colocated):
+        status, text = http(base, "/v1/completions", {"model": MODEL, "prompt": body["prompt"], "max_tokens": 10,
+                                                     "temperature": 0, "stop_token_ids": [stop_at]})
+        choice = json.loads(text)["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "stop", text
+        assert tokenizer.encode(choice["text"], add_special_tokens=False) == ids[:ids.index(stop_at) + 1]
+
+
 def test_n_choices_share_the_prompt_and_have_their_own_seeds(disagg):
     """n = 3 sampled choices with a seed: choice i draws what a single request with seed + i
     draws; choices 1 and 2 reuse choice 0's prompt blocks from the prefill replica's prefix cache;
