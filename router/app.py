@@ -3,7 +3,10 @@
 Life cycle of an HTTP request
   1. validate  the body (pydantic, strict); errors are 400s in OpenAI's error format
   2. tokenize  the prompt or apply the chat template (tokenization lives here, not in pools),
-               with the tools shown as router/tools.py says
+               with the tools shown as router/tools.py says; in a worker thread, since the
+               tokenizers' encode releases the GIL (a 16.5k-token chat took 24 ms, all of it a
+               stall of this router's event loop and every stream on it before; the loop's longest
+               gap 30.8-32.3 -> 2.7-4.1 ms: benchmarks/tokenize_stall_bench.py)
   3. run       the orchestrator, once per choice (`n`, router/choices.py): decode replica
                chosen, prefill there, decode streams back
   4. respond   one JSON body, or server-sent events ending in `data: [DONE]` (router/reply.py);
@@ -171,11 +174,11 @@ class Router:
         if body.model not in (None, self.model_name):
             return self._unknown_model(body.model)
         if body.prompt is not None:
-            ids = self.tokenizer.encode(body.prompt)
+            ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)
         else:
             try:
                 chat = body.chat(self.model_name)
-                ids = chat_prompt_ids(self.tokenizer, chat, self.native_tools)
+                ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, chat, self.native_tools)
             except ValidationError as exc:
                 return refused(exc)
             except (ValueError, TemplateError) as exc:
@@ -193,7 +196,7 @@ class Router:
         if any(t >= len(self.tokenizer) for t in body.tokens):
             return error_response(400, f"token id out of range (vocabulary size {len(self.tokenizer)})",
                                   param="tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)}
 
     def _unknown_model(self, name: str):
         return error_response(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
@@ -203,9 +206,11 @@ class Router:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
         raw, prompts = body.prompts(), []
+        texts = [p for p in raw if isinstance(p, str)]
+        encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(p) for p in texts]) if texts else ())
         for p in raw:
             if isinstance(p, str):
-                prompts.append(self.tokenizer.encode(p))
+                prompts.append(next(encoded))
             elif max(p) >= len(self.tokenizer):
                 return error_response(400, f"token id out of range (vocabulary size {len(self.tokenizer)})",
                                       param="prompt")
@@ -225,7 +230,7 @@ class Router:
         if body.forces_call and (problem := await asyncio.to_thread(body.tools_problem, self.tool_syntax)):
             return error_response(400, problem, param="tools")
         try:
-            ids = chat_prompt_ids(self.tokenizer, body, self.native_tools)
+            ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, body, self.native_tools)
         except (ValueError, TemplateError) as exc:     # the template refused the conversation
             return error_response(400, str(exc), param="messages")
         if body.max_completion_tokens is not None and (body.max_tokens or 0) > self.config.max_tokens_limit:
