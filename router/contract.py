@@ -3,8 +3,9 @@
 FastAPI writes the request half from the request models (router/openai_protocol.py, every
 bound on its field); `openapi_document` then adds what depends on the configuration and what
 FastAPI cannot know, in this order:
-  1. limits     `model` is an enum of the served name(s) or null (the served model), `max_tokens` (and chat's `max_completion_tokens`) has this
-                server's `max_tokens_limit` as its maximum, token ids lie below the vocabulary size
+  1. limits     `model` is an enum of the served name(s) or null (the served model),
+                `max_tokens` (and chat's `max_completion_tokens`) has this server's
+                `max_tokens_limit` as its maximum, token ids lie below the vocabulary size
   2. responses  each operation's bodies (router/openai_responses.py): JSON, for the generation
                 endpoints also `text/event-stream` (each event's `data` a chunk or an error
                 object, or `[DONE]`), Prometheus text for /metrics, and OpenAI's error object

@@ -21,7 +21,8 @@ from engine.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPRO
                                     SamplingParams)
 from engine.structured_output import StructuredOutput
 from router.chat_prompt import RESERVED_TEMPLATE_KWARGS
-from router.protocol_types import METADATA, MODEL_FIELD, REASONING_EFFORT, SERVICE_TIER, Int, NonEmptyText, Strict, StrictOpen, Text, TextPartType, implies, present
+from router.protocol_types import (METADATA, MODEL_FIELD, REASONING_EFFORT, SERVICE_TIER, Int, NonEmptyText, Strict,
+                                   StrictOpen, Text, TextPartType, implies, present)
 from router.structured_protocol import ResponseFormat, StructuredOutputs
 from router.tools import CLOSE as TOOL_CALL_END
 from router.tools import (HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool, ToolChoice,

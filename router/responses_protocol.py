@@ -26,7 +26,8 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, TypeAdapter, model_validator
 
 from router.openai_protocol import FORCED_TOOL, GREEDY_BELOW_TEMPERATURE, ChatCompletionRequest
-from router.protocol_types import METADATA, MODEL_FIELD, REASONING_EFFORT, SERVICE_TIER, Int, Strict, StrictOpen, Text, TextPartType, implies
+from router.protocol_types import (METADATA, MODEL_FIELD, REASONING_EFFORT, SERVICE_TIER, Int, Strict, StrictOpen, Text,
+                                   TextPartType, implies)
 from router.responses_output import new_id
 from router.structured_protocol import JsonSchemaFormat
 from router.tools import MAX_TOOLS, FunctionName

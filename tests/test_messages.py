@@ -10,8 +10,8 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 from serving import messages as m
 
-P = m.WireSamplingParams.of(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, max_tokens=12, min_tokens=2,
-                                           stop=("\n\n",), stop_token_ids=(7,), ignore_eos=True, seed=3,
+P = m.WireSamplingParams.of(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, max_tokens=12,
+                                           min_tokens=2, stop=("\n\n",), stop_token_ids=(7,), ignore_eos=True, seed=3,
                                            presence_penalty=0.5, frequency_penalty=-0.25,
                                            repetition_penalty=1.2, logprobs=3, prompt_logprobs=1))
 P2 = m.WireSamplingParams.of(SamplingParams(logit_bias=((5, -100.0), (9, 2.5)),
