@@ -24,6 +24,7 @@ def _serve(args) -> int:
     from pdserve import local_ray
 
     cfg = _app_config(args)
+    _check_port(args.host, args.port)
     if args.address is None:                # one machine: Ray on loopback (pdserve/local_ray.py)
         try:
             local_ray.init()
@@ -33,6 +34,21 @@ def _serve(args) -> int:
         _connect(args.address)
     change = f"pdserve deploy --address {ray.get_runtime_context().gcs_address} --config {args.config or 'FILE'}"
     return _serve_until_stopped(cfg, args.host, args.port, change=change)
+
+
+def _check_port(host: str, port: int) -> None:
+    """One line on stderr and exit 2 where `host:port` cannot be listened on (another server holds
+    it; a port below 1024 without the right), before Ray starts: else Serve's proxy fails to bind
+    it later, a traceback from the controller. (A port taken after this check still fails there.)"""
+    import socket
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)      # as uvicorn binds: TIME_WAIT is no obstacle
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            print(f"pdserve: cannot listen on {host}:{port}: {exc.strerror or exc} (another server there? "
+                  "choose another port: --port N, or make serve PORT=N)", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 def _connect(address: str, log_to_driver: bool = True) -> None:
@@ -49,6 +65,7 @@ def _local_cluster(args) -> int:
     from pdserve.local_cluster import LocalCluster
 
     cfg = _app_config(args)
+    _check_port(args.host, args.port)
     print(f"starting the local cluster of {args.cluster} ...", flush=True)
     cluster = LocalCluster.start(args.cluster)
     try:

@@ -169,6 +169,27 @@ def test_an_architecture_the_engine_cannot_run_is_refused_before_anything_starts
         assert ("pdserve runs llama, mistral, qwen2" in err) == ("model type" in err and "multimodal" not in err)
 
 
+def test_a_port_already_taken_is_one_line_and_exit_2_before_ray_starts(default_model_dir, capsys):
+    """`pdserve serve` (and local-cluster) on a port another server listens on: one line, exit 2,
+    no Ray started (Serve's proxy would fail to bind it later, with a controller's traceback)."""
+    import socket
+
+    import ray
+
+    from pdserve import cli
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for command in ("serve", "local-cluster"):
+            with pytest.raises(SystemExit) as exited:
+                cli.main([command, "--model", str(default_model_dir), "--host", "127.0.0.1", "--port", str(port)])
+            assert exited.value.code == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"pdserve: cannot listen on 127.0.0.1:{port}: ") and "--port N" in err, err
+            assert "Traceback" not in err and not ray.is_initialized()
+
+
 def test_cli_error_exits_2(capsys):
     assert models.main(["--model", "gpt2"]) == 2
     captured = capsys.readouterr()
