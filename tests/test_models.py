@@ -169,14 +169,15 @@ def test_an_architecture_the_engine_cannot_run_is_refused_before_anything_starts
         assert ("pdserve runs llama, mistral, qwen2" in err) == ("model type" in err and "multimodal" not in err)
 
 
-def test_a_port_already_taken_is_one_line_and_exit_2_before_ray_starts(default_model_dir, capsys):
+def test_a_port_already_taken_is_one_line_and_exit_2_before_ray_starts(default_model_dir, capsys, monkeypatch):
     """`pdserve serve` (and local-cluster) on a port another server listens on: one line, exit 2,
     no Ray started (Serve's proxy would fail to bind it later, with a controller's traceback)."""
     import socket
 
-    import ray
-
-    from pdserve import cli
+    from pdserve import cli, local_cluster, local_ray
+    started = []
+    monkeypatch.setattr(local_ray, "init", lambda *a, **k: started.append("ray"))
+    monkeypatch.setattr(local_cluster.LocalCluster, "start", classmethod(lambda *a, **k: started.append("cluster")))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -187,7 +188,7 @@ def test_a_port_already_taken_is_one_line_and_exit_2_before_ray_starts(default_m
             assert exited.value.code == 2
             err = capsys.readouterr().err
             assert err.startswith(f"pdserve: cannot listen on 127.0.0.1:{port}: ") and "--port N" in err, err
-            assert "Traceback" not in err and not ray.is_initialized()
+            assert "Traceback" not in err and not started
 
 
 def test_cli_error_exits_2(capsys):
