@@ -24,8 +24,8 @@ def _serve(args) -> int:
     from pdserve import local_ray
 
     cfg = _app_config(args)
-    _check_port(args.host, args.port)
     if args.address is None:                # one machine: Ray on loopback (pdserve/local_ray.py)
+        _check_port(args.host, args.port)   # (with --address, Serve's proxies may bind on other machines)
         try:
             local_ray.init()
         except local_ray.LocalRayError as exc:
