@@ -151,10 +151,13 @@ def test_response_store_killed_answers_still_go_out_and_its_replacement_starts_e
     status, text = http(app, "/v1/responses", body, timeout=60)      # the store's calls give up after 5 s
     assert status == 200, text
     after = json.loads(text)
-    assert http(app, f"/v1/responses/{after['id']}")[0] == (200 if after["store"] else 404)
     result = "stored" if after["store"] else "not_stored"            # and /metrics counts which
     assert _saves(app) == {**saved, result: saved[result] + 1}
     assert wait_until(lambda: running_replicas("ft", "ResponseStore") == 1, 90)
+    # a GET is a 503 (the store unavailable) until the replacement answers: then 200 or 404, as it was kept or not
+    codes = []
+    assert wait_until(lambda: codes.append(http(app, f"/v1/responses/{after['id']}")[0]) or codes[-1] != 503, 90)
+    assert codes[-1] == (200 if after["store"] else 404), codes
     status, text = http(app, "/v1/responses", {**body, "previous_response_id": kept})
     assert status == 404 and json.loads(text)["error"]["code"] == "previous_response_not_found"   # kept in memory only
     status, text = http(app, "/v1/responses", body)
