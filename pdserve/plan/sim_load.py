@@ -35,7 +35,7 @@ class Request:
     @property
     def kv_tokens(self) -> int:
         """The KV the request reserves in its decode (or colocated) replica."""
-        return self.input_len - self.cached + self.output_len
+        return self.new_tokens + self.output_len
 
     @property
     def ttft(self) -> float:
