@@ -62,6 +62,12 @@ class Admission:
             return error
         if any(t >= self.vocab_size for t, _ in params.logit_bias):
             return f"logit_bias: token id out of range (vocabulary size {self.vocab_size})"
+        if any(t >= self.vocab_size for t in params.allowed_token_ids):
+            return f"allowed_token_ids: token id out of range (vocabulary size {self.vocab_size})"
+        enders = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= enders:
+            return ("allowed_token_ids: every allowed token ends the output (EOS or a stop token), which "
+                    "min_tokens forbids at first")
         if params.structured is not None and params.structured.think is not None and any(
                 t >= self.vocab_size for t in params.structured.think[:2]):
             return f"structured output's think: token id out of range (vocabulary size {self.vocab_size})"
@@ -83,7 +89,8 @@ class Admission:
         seq = Sequence(request_id, [*prompt, *resumed], params, hold_blocks=hold_blocks, num_prompt_tokens=len(prompt))
         detok = None
         if params.detokenize:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output,
+                                           params.skip_special_tokens)
             for k, token in enumerate(resumed, 1):
                 detok.check_stop = k >= params.min_tokens
                 detok.add(token)

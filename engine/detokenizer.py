@@ -2,7 +2,8 @@
 
 Text is emitted only when the decoded tail no longer ends in a replacement character (a
 multi-byte character split across tokens) and never includes a possible beginning of a stop
-string; when a stop string appears, the text is cut before it. At the end the held-back tail is
+string; when a stop string appears, the text is cut before it (after it with `include_stop`,
+which then holds nothing back). At the end the held-back tail is
 flushed, a character the last tokens left unfinished included (as the tokenizer's `decode` of the
 whole output shows it: a replacement character).
 """
@@ -12,10 +13,10 @@ from __future__ import annotations
 from typing import Callable
 
 
-def fast_decoder(tokenizer) -> Callable[[list[int]], str] | None:
+def fast_decoder(tokenizer, skip_special_tokens: bool = True) -> Callable[[list[int]], str] | None:
     """The Rust tokenizer's own decode where the transformers tokenizer adds nothing to it (a
     `TokenizersBackend` overriding neither `decode` nor `_decode`; some models' tokenizers do):
-    then it returns what `tokenizer.decode(ids, skip_special_tokens=True,
+    then it returns what `tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
     clean_up_tokenization_spaces=False)` does, without the Python layers around it (1.1 against
     2.9 us a call for the default model's tokenizer here; `add` decodes twice a token). None
     otherwise."""
@@ -29,18 +30,21 @@ def fast_decoder(tokenizer) -> Callable[[list[int]], str] | None:
             or cls._decode is not TokenizersBackend._decode):
         return None
     backend = tokenizer.backend_tokenizer
-    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), include_stop: bool = False,
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self._fast = fast_decoder(tokenizer)
+        self.skip_special_tokens = skip_special_tokens
+        self._fast = fast_decoder(tokenizer, skip_special_tokens)
         self.ids = list(prompt_ids)
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
         self.stop = stop
-        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.include_stop = include_stop
+        self.holdback = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
         self.text = ""            # decoded output text so far (before stop truncation)
         self.emitted = 0          # characters of `text` already returned
         self.stopped = False
@@ -49,7 +53,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if self._fast is not None:
             return self._fast(ids)
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> None:
         """Add one generated token; sets `stopped` if a stop string has now appeared. After
@@ -68,10 +73,12 @@ class IncrementalDetokenizer:
             old_len = len(self.text)
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            search_from = max(old_len - self.holdback, 0)
-            cuts = [c for s in self.stop if (c := self.text.find(s, search_from)) != -1]
-            if cuts and self.check_stop:
-                self.text = self.text[:min(cuts)]
+            longest = max((len(s) for s in self.stop), default=1) - 1
+            search_from = max(old_len - longest, 0)
+            found = [(c, len(s)) for s in self.stop if (c := self.text.find(s, search_from)) != -1]
+            if found and self.check_stop:
+                at, length = min(found)        # the earliest stop string (the shorter where two start there)
+                self.text = self.text[:at + length if self.include_stop else at]
                 self.stopped = True
 
     def take(self, final: bool) -> str:

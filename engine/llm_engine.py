@@ -288,13 +288,14 @@ class LLMEngine:
     def _after_token(self, req: EngineRequest, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         seq, p = req.seq, req.seq.params
         k = seq.num_output_tokens
+        stop_token = k >= p.min_tokens and ((not p.ignore_eos and token in self.eos_token_ids)
+                                            or token in p.stop_token_ids)
         if req.detok is not None:
             req.detok.check_stop = k >= p.min_tokens
-            req.detok.add(token)
+            if not stop_token or p.include_stop_str_in_output:   # the token that ends it: not in the text
+                req.detok.add(token)
         reason = None
-        if k >= p.min_tokens and ((not p.ignore_eos and token in self.eos_token_ids)
-                                  or token in p.stop_token_ids
-                                  or (req.detok is not None and req.detok.stopped)):
+        if stop_token or (k >= p.min_tokens and req.detok is not None and req.detok.stopped):
             reason = "stop"
         elif k >= p.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"

@@ -1,7 +1,7 @@
 """Next-token sampling for a batch of sequences with per-request parameters.
 
 Order per row: log-probabilities of the raw logits (only when asked), penalties, logit bias,
-bans, the structured-output mask (tokens its grammar allows), then greedy rows take the argmax
+allowed_token_ids, bans, the structured-output mask (tokens its grammar allows), then greedy rows take the argmax
 and sampled rows apply temperature, top-k, top-p and min-p (vectorized over the rows that use
 them) and draw with the request's own generator, so a request with a seed gets the same tokens
 whatever else shares its batch.
@@ -123,6 +123,17 @@ def _apply_allowed(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         logits[i].masked_fill_(forbidden[j], float("-inf"))
 
 
+def _apply_allowed_ids(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """-inf for every token outside a row's `allowed_token_ids` (when it lists any)."""
+    for i, row in enumerate(rows):
+        ids = row.params.allowed_token_ids
+        if ids:
+            index = torch.tensor(ids, device=logits.device)
+            kept = logits[i, index]
+            logits[i].fill_(float("-inf"))
+            logits[i, index] = kept
+
+
 def _logprobs(raw: torch.Tensor, k: int, token: int) -> TokenLogprobs:
     """`raw`: one row of log-probabilities."""
     top = ()
@@ -171,6 +182,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     raw = logits[wants].log_softmax(dim=-1) if wants else None   # the model's own distribution
     _apply_penalties(logits, rows)
     _apply_logit_bias(logits, rows)
+    _apply_allowed_ids(logits, rows)
     for i, row in enumerate(rows):
         if row.banned:
             logits[i, row.banned] = float("-inf")

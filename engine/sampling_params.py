@@ -39,6 +39,12 @@ class SamplingParams:
     `structured`: a grammar the output must follow (engine/structured_output.py); tokens that
     would leave it are masked after the bias. Not with `min_tokens` or `ignore_eos` (a grammar
     that is complete allows only EOS).
+    `allowed_token_ids` (vLLM's): when not empty, the only tokens the output may hold (masked
+    after the bias; EOS too only if listed). Not with `structured`.
+    Text (vLLM's semantics): a stop string is cut from the text, and the token that ended the
+    output (EOS or one of `stop_token_ids`) is not in it, unless `include_stop_str_in_output`;
+    either way the token is among the output's token ids. `skip_special_tokens` false shows
+    special tokens (e.g. a template's markers) in the text.
     """
 
     temperature: float = 1.0
@@ -58,6 +64,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None
+    allowed_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     detokenize: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -107,7 +116,12 @@ class SamplingParams:
             return f"logit_bias maps token ids to biases in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
         if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
             return "logit_bias names a token id twice"
+        if any((not isinstance(t, int)) or t < 0 for t in self.allowed_token_ids):
+            return "allowed_token_ids must be non-negative integers"
         if self.structured is not None:
+            if self.allowed_token_ids:
+                return ("structured output (response_format, a forced tool call) cannot be combined with "
+                        "allowed_token_ids")
             if self.min_tokens or self.ignore_eos:
                 return "structured output (response_format) cannot be combined with min_tokens or ignore_eos"
             return self.structured.problem()

@@ -216,10 +216,13 @@ class Router:
                                       param="prompt")
             else:
                 prompts.append(list(p))
+        whole = prompts
+        prompts = [body.truncated(ids, self.max_model_len) for ids in prompts]
         echoes = None
-        if body.echo:
-            echoes = [(p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False), ids)
-                      for p, ids in zip(raw, prompts)]
+        if body.echo:      # a string prompt as given, unless truncated
+            echoes = [(p if isinstance(p, str) and ids is all_ids
+                       else self.tokenizer.decode(ids, skip_special_tokens=False), ids)
+                      for p, ids, all_ids in zip(raw, prompts, whole)]
         max_tokens = 1 if body.prompt_only else body.max_tokens_within(self.config.max_tokens_limit)
         return await self._generate(body, prompts, max_tokens, chat=False,
                                     prefix="cmpl", echoes=echoes)
@@ -233,6 +236,7 @@ class Router:
             ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, body, self.native_tools)
         except (ValueError, TemplateError) as exc:     # the template refused the conversation
             return error_response(400, str(exc), param="messages")
+        ids = body.truncated(ids, self.max_model_len)
         if body.max_completion_tokens is not None and (body.max_tokens or 0) > self.config.max_tokens_limit:
             return above_limit("max_tokens", body.max_tokens, self.config.max_tokens_limit)   # overridden, yet bounded
         reasoning = think = None
@@ -290,7 +294,8 @@ class Router:
         error = await asyncio.to_thread(params.validate) if params.structured is not None else params.validate()
         if error:
             return error_response(400, error)
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids)):
             if any(t >= len(self.tokenizer) for t in ids):
                 return error_response(400, f"{name}: token id out of range (vocabulary size {len(self.tokenizer)})",
                                       param=name)

@@ -106,7 +106,8 @@ def _limits(doc: dict, served: Served) -> None:
             properties[name]["description"] = properties[name].get("description", "") + note
             if properties[name].get("default") is not None:
                 properties[name]["default"] = min(properties[name]["default"], served.max_tokens_limit)
-        for integer in (*_integers(properties.get("prompt")), *_integers(properties.get("stop_token_ids"))):
+        for integer in (*_integers(properties.get("prompt")), *_integers(properties.get("stop_token_ids")),
+                        *_integers(properties.get("allowed_token_ids"))):
             integer["maximum"] = served.vocab_size - 1
         if "logit_bias" in properties:
             properties["logit_bias"]["description"] += f" Token ids are below {served.vocab_size}."

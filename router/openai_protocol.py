@@ -4,9 +4,13 @@ OpenAPI document (router/contract.py adds what depends on the configuration).
 Requests are validated strictly (JSON types as declared, no coercion, no text with a lone
 surrogate escape; unknown fields and out-of-range values are 400 errors in OpenAI's error
 format), and every bound lives on a field, so the document states it. The rules that span fields
-are model validators, stated in the model's description and, as if/then, in its JSON schema.
+are model validators, stated in the model's description and, as if/then, in its JSON schema
+(allowed_token_ids' exclusions in words only: one more rule and the chat schema is past what
+schemathesis' canonicalizer models, so the fuzzing tests could no longer generate from it).
 `sampling_params` maps a request to the engine's SamplingParams, adding vLLM's widely used
-extensions top_k, min_tokens, ignore_eos and repetition_penalty, and vLLM's `structured_outputs`
+extensions (top_k, min_p, min_tokens, ignore_eos, repetition_penalty, stop_token_ids,
+allowed_token_ids, include_stop_str_in_output, skip_special_tokens; truncate_prompt_tokens acts
+on the prompt's ids: `truncated`), and vLLM's `structured_outputs`
 (beside OpenAI's `response_format`; their models: router/structured_protocol.py). /tokenize's and
 /detokenize's: router/tokenize_protocol.py. Responses: router/openai_responses.py.
 """
@@ -33,6 +37,7 @@ MAX_CHOICES = 16   # most choices in one request (n, times the prompts of a batc
 MAX_PROMPTS = 16   # most prompts in one completion request
 MAX_STOPS = 16
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 2**18   # above any vocabulary served today
 MAX_TOP_K = 2**31 - 1
 # The engine samples in float32 (or bf16): a positive value below these would underflow there, or
 # overflow the logits it divides, and the step fails. Each clamp keeps the request's meaning:
@@ -84,9 +89,21 @@ class _Sampling(Strict):
     n: Int(ge=1, le=MAX_CHOICES) = Field(1, description=f"Choices per prompt (prompts x n at most {MAX_CHOICES}).")
     stream: bool = Field(False, description="Server-sent events (text/event-stream), ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = None
-    stop: Stop = Field(None, description=f"Up to {MAX_STOPS} non-empty strings that end the output (not included).")
+    stop: Stop = Field(None, description=f"Up to {MAX_STOPS} non-empty strings that end the output (not included, "
+                       "unless include_stop_str_in_output).")
     stop_token_ids: Annotated[list[Int(ge=0)], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
-        None, description="vLLM's: token ids that end the output (in it, as text unless special tokens).")
+        None, description="vLLM's: token ids that end the output (the last of its tokens; its text only with "
+                          "include_stop_str_in_output).")
+    include_stop_str_in_output: bool = Field(False, description="vLLM's: keep the stop string that ended the "
+                                             "output, or the text of the stop token (EOS or of stop_token_ids), "
+                                             "in the text.")
+    skip_special_tokens: bool = Field(True, description="vLLM's: false shows special tokens in the text.")
+    allowed_token_ids: Annotated[list[Int(ge=0)], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = (
+        Field(None, description="vLLM's: the only tokens the output may hold (EOS too only if listed); not with "
+                                "response_format, structured_outputs or a forced tool call."))
+    truncate_prompt_tokens: Int(ge=1) | Literal[-1] | None = Field(
+        None, description="vLLM's: keep only the prompt's last k tokens (after the chat template); -1: the "
+                          "model's context.")
     seed: Int(ge=0) | None = Field(None, description="Any non-negative integer, used modulo 2^63; choice j of a "
                                    "prompt uses seed + j.")
     user: Text | None = None
@@ -105,6 +122,8 @@ class _Sampling(Strict):
     def _one_structure(self):
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("give response_format or structured_outputs, not both")
+        if self.allowed_token_ids is not None and _Sampling.structured(self) is not None:
+            raise ValueError("allowed_token_ids cannot be combined with response_format or structured_outputs")
         return self
 
     def structured(self, syntax: CallSyntax = HERMES) -> StructuredOutput | None:
@@ -144,7 +163,15 @@ class _Sampling(Strict):
                               repetition_penalty=max(self.repetition_penalty, MIN_REPETITION_PENALTY),
                               logprobs=self.logprob_count(),
                               prompt_logprobs=self.prompt_logprob_count(),
-                              logit_bias=self.logit_bias_pairs(), structured=self.structured(syntax))
+                              logit_bias=self.logit_bias_pairs(), structured=self.structured(syntax),
+                              allowed_token_ids=tuple(self.allowed_token_ids or ()),
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens)
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's token ids after truncate_prompt_tokens (`ids` itself when nothing is cut)."""
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -162,8 +189,8 @@ def _as_prompts(v) -> list:
 
 
 class CompletionRequest(_Sampling):
-    """A completion of one prompt or a batch. Across fields: prompts x n is at most 16, and
-    max_tokens 0 needs echo."""
+    """A completion of one prompt or a batch. Across fields: prompts x n is at most 16,
+    max_tokens 0 needs echo, and allowed_token_ids takes no response_format or structured_outputs."""
     model_config = ConfigDict(json_schema_extra=COMPLETION_CROSS_FIELD)
     prompt: (NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
@@ -188,7 +215,7 @@ class CompletionRequest(_Sampling):
     @property
     def prompt_only(self) -> bool:
         """echo with max_tokens 0: the prompt (and its logprobs) and nothing generated; the pools
-        still run one token) | None = Field(Nonewhich the router drops."""
+        still run one token, which the router drops."""
         return self.echo and self.max_tokens == 0
 
     def max_tokens_within(self, limit: int) -> int | None:
@@ -264,7 +291,8 @@ CHAT_CROSS_FIELD["allOf"] += [
 class ChatCompletionRequest(_Sampling):
     """A chat completion. Across fields: top_logprobs above 0 needs logprobs true; a tool_choice
     other than "none" needs tools, a named one a function among them; a forced call ("required"
-    or named) takes neither response_format nor structured_outputs (both would shape the output);
+    or named) takes no response_format, structured_outputs or allowed_token_ids (each would shape
+    the output); allowed_token_ids takes no response_format or structured_outputs;
     continue_final_message needs add_generation_prompt false and an assistant's last message."""
     model_config = ConfigDict(json_schema_extra=CHAT_CROSS_FIELD)
     messages: list[ChatMessage] = Field(..., min_length=1)
@@ -328,9 +356,9 @@ class ChatCompletionRequest(_Sampling):
         if self.chosen_tools == "auto" and not self.parallel_tool_calls and len(super().stop_list()) >= MAX_STOPS:
             raise ValueError(f"with parallel_tool_calls false, at most {MAX_STOPS - 1} stop strings (the first "
                              "call ends the output through one more)")
-        if self.forces_call and super().structured() is not None:
-            raise ValueError("a forced tool call (tool_choice required or a function) takes no response_format "
-                             "or structured_outputs")
+        if self.forces_call and (super().structured() is not None or self.allowed_token_ids is not None):
+            raise ValueError("a forced tool call (tool_choice required or a function) takes no response_format, "
+                             "structured_outputs or allowed_token_ids")
         return self
 
     @property

@@ -43,6 +43,9 @@ class WireSamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: tuple | None = None     # StructuredOutput's kind, value and think (None or 3 values)
     min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
@@ -51,7 +54,8 @@ class WireSamplingParams:
         return cls(p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens, tuple(p.stop),
                    tuple(p.stop_token_ids), p.ignore_eos, p.seed, p.presence_penalty,
                    p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs,
-                   tuple(p.logit_bias), structured, p.min_p)
+                   tuple(p.logit_bias), structured, p.min_p, tuple(p.allowed_token_ids),
+                   p.include_stop_str_in_output, p.skip_special_tokens)
 
     def to_params(self) -> SamplingParams:
         fields = dataclasses.asdict(self)

@@ -16,6 +16,8 @@ P = m.WireSamplingParams.of(SamplingParams(temperature=0.7, top_p=0.9, top_k=40,
                                            repetition_penalty=1.2, logprobs=3, prompt_logprobs=1))
 P2 = m.WireSamplingParams.of(SamplingParams(logit_bias=((5, -100.0), (9, 2.5)),
                                             structured=StructuredOutput("json_schema", '{"type": "object"}')))
+P3 = m.WireSamplingParams.of(SamplingParams(allowed_token_ids=(3, 5, 8), include_stop_str_in_output=True,
+                                            skip_special_tokens=False))
 LP = TokenLogprobs(9, -0.5, ((9, -0.5), (4, -1.25)))
 
 EXAMPLES = [
@@ -29,6 +31,7 @@ EXAMPLES = [
     m.PrefillResult("b", first_token=9, first_text="x", first_logprobs=LP,
                     prompt_logprobs=(TokenLogprobs(3, -2.0), LP)),
     m.DecodeRequest("d", (1,), P),
+    m.DecodeRequest("d3", (1,), P3),
     m.Reserved("d", "10.0.0.2:4321", 3),
     m.Reserved("d2", "10.0.0.2:4321", 1, cached_blocks=2),
     m.Landed("d"),
@@ -51,7 +54,7 @@ def test_round_trip(msg):
     assert m.decode(m.encode(msg), expect=type(msg)) == msg
 
 
-@pytest.mark.parametrize("params", [P, P2])
+@pytest.mark.parametrize("params", [P, P2, P3])
 def test_params_round_trip_to_sampling_params(params):
     assert m.WireSamplingParams.of(params.to_params()) == params
     assert m.WireSamplingParams.of(m.decode(m.encode(m.DecodeRequest("d", (1,), params))).params.to_params()) == params

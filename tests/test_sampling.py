@@ -44,6 +44,61 @@ def test_max_tokens_min_tokens_and_stop_token_ids(engine):
     assert stop_at not in held.token_ids[:first + 2] and len(held.token_ids) >= first + 2
 
 
+def test_the_stop_token_s_text_is_left_out_unless_asked_for(engine):
+    # vLLM's semantics: the stop token ends the token ids, not the text, unless include_stop_str_in_output
+    decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    greedy = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_at = next(t for t in greedy.token_ids[2:] if decode([t]).strip())       # a token with visible text
+    first = greedy.token_ids.index(stop_at)
+    for include, shown in ((False, first), (True, first + 1)):
+        out = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop_at,),
+                                                       include_stop_str_in_output=include))[0]
+        assert out.token_ids == greedy.token_ids[:first + 1] and out.finish_reason == "stop"
+        assert out.text == decode(greedy.token_ids[:shown])
+    assert decode(greedy.token_ids[:first]) != decode(greedy.token_ids[:first + 1])
+
+
+def test_allowed_token_ids_are_all_the_output_holds(engine):
+    allowed = (300, 301, 5000)
+    for params in (SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed),
+                   SamplingParams(temperature=1.5, seed=3, max_tokens=30, ignore_eos=True, allowed_token_ids=allowed,
+                                  logit_bias=((7, 100.0),))):
+        out = engine.generate([PROMPT], params)[0]
+        assert set(out.token_ids) <= set(allowed) and len(out.token_ids) == params.max_tokens
+    sampled = engine.generate([PROMPT], SamplingParams(temperature=1.5, seed=3, max_tokens=30, ignore_eos=True,
+                                                       allowed_token_ids=allowed))[0]
+    assert len(set(sampled.token_ids)) > 1            # sampled among them, not one forced token
+    # the greedy pick is the likeliest allowed token: biasing one up makes it the whole output
+    biased = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                      allowed_token_ids=allowed, logit_bias=((5000, 100.0),)))[0]
+    assert biased.token_ids == [5000] * 5
+    assert engine.block_manager.all_free()
+
+
+def test_allowed_token_ids_that_only_end_the_output_before_min_tokens_are_refused(engine):
+    eos = min(engine.eos_token_ids)
+    for params, problem in ((SamplingParams(min_tokens=2, allowed_token_ids=(eos,)), "min_tokens"),
+                            (SamplingParams(min_tokens=2, allowed_token_ids=(9,), stop_token_ids=(9,)), "min_tokens"),
+                            (SamplingParams(allowed_token_ids=(10**6,)), "out of range")):
+        rejected = engine.add_request("r", PROMPT, params)
+        assert problem in rejected.reason, rejected
+    # EOS under ignore_eos does not end it: then it may be the only one
+    out = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, min_tokens=2, ignore_eos=True,
+                                                   allowed_token_ids=(eos,)))[0]
+    assert out.token_ids == [eos] * 4
+    assert engine.block_manager.all_free()
+
+
+def test_special_tokens_show_in_the_text_when_not_skipped(engine):
+    tok = engine.tokenizer
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    assert special in tok.all_special_ids and special not in engine.eos_token_ids
+    texts = {skip: engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=(special,),
+                                                            skip_special_tokens=skip))[0].text
+             for skip in (True, False)}
+    assert texts == {True: "", False: "<|im_start|>" * 3}
+
+
 def test_stop_string_cuts_the_text(default_model_dir):
     engine = LLMEngine(EngineConfig(model=str(default_model_dir), device="cpu", kv_cache_memory="16MiB"))
     prompt = engine.tokenizer.encode("The three primary colors are")
@@ -53,6 +108,10 @@ def test_stop_string_cuts_the_text(default_model_dir):
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop=(stop,), ignore_eos=True))[0]
     assert out.finish_reason == "stop" and out.text == greedy.text[:greedy.text.index(stop)]
     assert stop not in out.text
+    kept = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop=(stop,), ignore_eos=True,
+                                                    include_stop_str_in_output=True))[0]
+    assert kept.finish_reason == "stop" and kept.text == greedy.text[:greedy.text.index(stop) + len(stop)]
+    assert kept.token_ids == out.token_ids
 
 
 def test_top_k_and_top_p_filters():
@@ -114,6 +173,14 @@ def test_detokenizer_is_utf8_safe_and_holds_back_stop_prefixes(default_model_dir
         shown += d.take(final=False)
         assert "caf" not in shown or d.stopped
     assert d.stopped and shown + d.take(final=True) == "Voilà: 🙂 naïve "
+    # include_stop: the text runs to the stop string's end, and nothing is held back meanwhile
+    d = IncrementalDetokenizer(tok, [], stop=("café",), include_stop=True)
+    shown = ""
+    for i in ids:
+        d.add(i)
+        shown += d.take(final=False)
+        assert shown == d.text
+    assert d.stopped and shown + d.take(final=True) == "Voilà: 🙂 naïve café"
     # output cut inside a character (max_tokens): the end shows what the whole output decodes to
     cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
     d = IncrementalDetokenizer(tok, [], stop=())
@@ -134,10 +201,14 @@ def test_fast_decoder_gives_what_the_tokenizers_decode_gives(default_model_dir):
     text = tok.apply_chat_template([{"role": "user", "content": "Voilà:  🙂 naïve café — 東京 ,  x ."}], tokenize=False)
     ids = tok.encode(text, add_special_tokens=False)
     assert set(ids) & set(tok.all_special_ids)
+    shown = fast_decoder(tok, skip_special_tokens=False)
     for a in range(len(ids)):
         for b in range(a, min(len(ids), a + 7) + 1):
             assert fast(ids[a:b]) == tok.decode(ids[a:b], skip_special_tokens=True,
                                                 clean_up_tokenization_spaces=False), (a, b)
+            assert shown(ids[a:b]) == tok.decode(ids[a:b], skip_special_tokens=False,
+                                                 clean_up_tokenization_spaces=False), (a, b)
+    assert "<|im_start|>" in shown(ids) and "<|im_start|>" not in fast(ids)
 
     class Custom(type(tok)):                 # a tokenizer that adds to decode keeps its own
         def _decode(self, *args, **kwargs):

@@ -211,7 +211,8 @@ def test_penalties_reach_both_pools(disagg, colocated):
 def test_min_p_and_stop_token_ids_reach_the_engines(disagg, colocated, tokenizer):
     """vLLM's min_p and stop_token_ids through both pools: min_p 1 keeps only the likeliest token,
     so a sampled completion is the greedy one; a stop token ends the output at its first
-    occurrence, included, with finish_reason stop, split as in one engine."""
+    occurrence with finish_reason stop, its text left out unless include_stop_str_in_output (as
+    vLLM), split as in one engine."""
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 10, "ignore_eos": True}
     greedy = json.loads(http(disagg, "/v1/completions", {**body, "temperature": 0})[1])["choices"][0]
     sampled = json.loads(http(disagg, "/v1/completions", {**body, "temperature": 1.5, "min_p": 1.0,
@@ -220,11 +221,53 @@ def test_min_p_and_stop_token_ids_reach_the_engines(disagg, colocated, tokenizer
     ids = tokenizer.encode(greedy["text"], add_special_tokens=False)
     stop_at = ids[3]
     for base in (disagg, colocated):
-        status, text = http(base, "/v1/completions", {"model": MODEL, "prompt": body["prompt"], "max_tokens": 10,
-                                                     "temperature": 0, "stop_token_ids": [stop_at]})
-        choice = json.loads(text)["choices"][0]
-        assert status == 200 and choice["finish_reason"] == "stop", text
-        assert tokenizer.encode(choice["text"], add_special_tokens=False) == ids[:ids.index(stop_at) + 1]
+        for include in (False, True):
+            status, text = http(base, "/v1/completions", {"model": MODEL, "prompt": body["prompt"], "max_tokens": 10,
+                                                         "temperature": 0, "stop_token_ids": [stop_at],
+                                                         "include_stop_str_in_output": include})
+            choice = json.loads(text)["choices"][0]
+            assert status == 200 and choice["finish_reason"] == "stop", text
+            assert tokenizer.encode(choice["text"], add_special_tokens=False) == ids[:ids.index(stop_at) + include]
+
+
+def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, tokenizer):
+    """allowed_token_ids, skip_special_tokens and include_stop_str_in_output reach the decode
+    pool (the prefill pool samples only the first token); truncate_prompt_tokens keeps the prompt's
+    last tokens (usage and echo show the kept ones, chat's after the template)."""
+    prompt = "The capital of France is"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for base in (disagg, colocated):
+        texts = []
+        for skip in (True, False):
+            status, text = http(base, "/v1/completions", {**body, "allowed_token_ids": [im_start], "logprobs": 0,
+                                                         "skip_special_tokens": skip})
+            assert status == 200, text
+            choice = json.loads(text)["choices"][0]
+            assert choice["logprobs"]["tokens"] == ["<|im_start|>"] * 6, choice
+            texts.append(choice["text"])
+        assert texts == ["", "<|im_start|>" * 6]
+        greedy = json.loads(http(base, "/v1/completions", body)[1])["choices"][0]["text"]
+        stop = greedy[3:6]
+        cut = {include: json.loads(http(base, "/v1/completions", {**body, "stop": [stop], "include_stop_str_in_output":
+                                                                   include})[1])["choices"][0]["text"]
+               for include in (False, True)}
+        assert cut == {False: greedy[:greedy.index(stop)], True: greedy[:greedy.index(stop) + len(stop)]}
+    ids = tokenizer.encode("Once upon a time, in a land far away, there lived a king")
+    out = json.loads(http(disagg, "/v1/completions", {**body, "prompt": ids, "truncate_prompt_tokens": 5})[1])
+    alone = json.loads(http(disagg, "/v1/completions", {**body, "prompt": ids[-5:]})[1])
+    assert out["usage"]["prompt_tokens"] == 5 and out["choices"][0]["text"] == alone["choices"][0]["text"]
+    echoed = json.loads(http(disagg, "/v1/completions", {**body, "prompt": "Once upon a time, in a land far away",
+                                                         "truncate_prompt_tokens": 3, "echo": True})[1])
+    kept = tokenizer.decode(tokenizer.encode("Once upon a time, in a land far away")[-3:])
+    assert echoed["choices"][0]["text"].startswith(kept) and not echoed["choices"][0]["text"].startswith("Once")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story about the sea."}],
+            "max_tokens": 3}
+    whole = json.loads(http(disagg, "/v1/chat/completions", chat)[1])["usage"]["prompt_tokens"]
+    for k, expected_len in ((4, 4), (-1, whole), (10**6, whole)):
+        cut = json.loads(http(disagg, "/v1/chat/completions", {**chat, "truncate_prompt_tokens": k})[1])
+        assert cut["usage"]["prompt_tokens"] == expected_len, (k, cut)
+    assert pools_all_free(disagg, {"prefill", "decode"})
 
 
 def test_n_choices_share_the_prompt_and_have_their_own_seeds(disagg):
