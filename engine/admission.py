@@ -62,12 +62,17 @@ class Admission:
             return error
         if any(t >= self.vocab_size for t, _ in params.logit_bias):
             return f"logit_bias: token id out of range (vocabulary size {self.vocab_size})"
-        if any(t >= self.vocab_size for t in params.allowed_token_ids):
-            return f"allowed_token_ids: token id out of range (vocabulary size {self.vocab_size})"
-        enders = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= enders:
-            return ("allowed_token_ids: every allowed token ends the output (EOS or a stop token), which "
-                    "min_tokens forbids at first")
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids),
+                          ("bad_words", [t for word in params.bad_words for t in word])):
+            if any(t >= self.vocab_size for t in ids):
+                return f"{name}: token id out of range (vocabulary size {self.vocab_size})"
+        if params.allowed_token_ids:       # what the first token may not be (engine._banned)
+            banned = {word[0] for word in params.bad_words if len(word) == 1}
+            if params.min_tokens:
+                banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if set(params.allowed_token_ids) <= banned:
+                return ("allowed_token_ids: every allowed token is banned at first (by bad_words, or as EOS or a "
+                        "stop token before min_tokens)")
         if params.structured is not None and params.structured.think is not None and any(
                 t >= self.vocab_size for t in params.structured.think[:2]):
             return f"structured output's think: token id out of range (vocabulary size {self.vocab_size})"

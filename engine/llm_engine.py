@@ -238,8 +238,13 @@ class LLMEngine:
             if req.matcher is not None and req.matcher.problem() is not None:
                 self._add_output(outputs, self._grammar_failed(req))
                 continue
+            banned = self._banned(req.seq)
+            if req.seq.params.allowed_token_ids and not self._any_allowed(req.seq.params, banned):
+                self._add_output(outputs, self._fail(req, "no token may come next: bad_words ban every token of "
+                                                          "allowed_token_ids here", 400))
+                continue
             kept.append((req, first, draft))
-            rows.append(SampleRow(req.seq.params, req.generator, self._banned(req.seq), req.penalty, allowed))
+            rows.append(SampleRow(req.seq.params, req.generator, banned, req.penalty, allowed))
         if not rows:
             return []
         index = [first + j for _, first, _ in kept]
@@ -279,10 +284,22 @@ class LLMEngine:
         return out
 
     def _banned(self, seq: Sequence) -> list[int]:
+        """The tokens `seq` may not take next: EOS and stop tokens before min_tokens, and the last
+        token of each bad word whose other tokens end the output."""
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            return []
-        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+        banned = []
+        if seq.num_output_tokens < p.min_tokens:
+            banned += [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
+        for word in p.bad_words:
+            before = len(word) - 1
+            if before <= seq.num_output_tokens and tuple(seq.token_ids[len(seq.token_ids) - before:]) == word[:-1]:
+                banned.append(word[-1])
+        return banned
+
+    @staticmethod
+    def _any_allowed(p: SamplingParams, banned: list[int]) -> bool:
+        """Whether a token of `p.allowed_token_ids` is left after `banned`."""
+        return not banned or not set(p.allowed_token_ids) <= set(banned)
 
     # ---- 3. stop checks and outputs ------------------------------------------------------------
     def _after_token(self, req: EngineRequest, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:

@@ -41,6 +41,8 @@ class SamplingParams:
     that is complete allows only EOS).
     `allowed_token_ids` (vLLM's): when not empty, the only tokens the output may hold (masked
     after the bias; EOS too only if listed). Not with `structured`.
+    `bad_words` (vLLM's, as token sequences): a sequence's last token is banned wherever the
+    output's last tokens are the rest of it (a one-token sequence: always). Not with `structured`.
     Text (vLLM's semantics): a stop string is cut from the text, and the token that ended the
     output (EOS or one of `stop_token_ids`) is not in it, unless `include_stop_str_in_output`;
     either way the token is among the output's token ids. `skip_special_tokens` false shows
@@ -65,6 +67,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None
     allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -118,10 +121,12 @@ class SamplingParams:
             return "logit_bias names a token id twice"
         if any((not isinstance(t, int)) or t < 0 for t in self.allowed_token_ids):
             return "allowed_token_ids must be non-negative integers"
+        if any(not w or any((not isinstance(t, int)) or t < 0 for t in w) for w in self.bad_words):
+            return "bad_words must be non-empty sequences of non-negative token ids"
         if self.structured is not None:
-            if self.allowed_token_ids:
+            if self.allowed_token_ids or self.bad_words:
                 return ("structured output (response_format, a forced tool call) cannot be combined with "
-                        "allowed_token_ids")
+                        "allowed_token_ids or bad_words")
             if self.min_tokens or self.ignore_eos:
                 return "structured output (response_format) cannot be combined with min_tokens or ignore_eos"
             return self.structured.problem()

@@ -288,6 +288,9 @@ class Router:
                                   f"the prompt has {longest} tokens and max_tokens is {max_tokens}",
                                   param="max_tokens")
         params = body.sampling_params(max_tokens, self.tool_syntax)
+        if body.bad_words:
+            params = dataclasses.replace(params, bad_words=body.bad_word_ids(
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
         if think is not None and params.structured is not None:    # the grammar after the reasoning
             params = dataclasses.replace(params, structured=dataclasses.replace(params.structured, think=think))
         # a grammar's check compiles it (llguidance releases the GIL): off the event loop

@@ -5,19 +5,20 @@ Requests are validated strictly (JSON types as declared, no coercion, no text wi
 surrogate escape; unknown fields and out-of-range values are 400 errors in OpenAI's error
 format), and every bound lives on a field, so the document states it. The rules that span fields
 are model validators, stated in the model's description and, as if/then, in its JSON schema
-(allowed_token_ids' exclusions in words only: one more rule and the chat schema is past what
-schemathesis' canonicalizer models, so the fuzzing tests could no longer generate from it).
-`sampling_params` maps a request to the engine's SamplingParams, adding vLLM's widely used
+(allowed_token_ids' and bad_words' exclusions in words only: one more rule and the chat schema is
+past what schemathesis' canonicalizer models, so the fuzzing tests could no longer generate from
+it). `sampling_params` maps a request to the engine's SamplingParams, adding vLLM's widely used
 extensions (top_k, min_p, min_tokens, ignore_eos, repetition_penalty, stop_token_ids,
-allowed_token_ids, include_stop_str_in_output, skip_special_tokens; truncate_prompt_tokens acts
-on the prompt's ids: `truncated`), and vLLM's `structured_outputs`
+allowed_token_ids, include_stop_str_in_output, skip_special_tokens; bad_words through the
+tokenizer: `bad_word_ids`; truncate_prompt_tokens acts on the prompt's ids: `truncated`), and
+vLLM's `structured_outputs`
 (beside OpenAI's `response_format`; their models: router/structured_protocol.py). /tokenize's and
 /detokenize's: router/tokenize_protocol.py. Responses: router/openai_responses.py.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -38,6 +39,7 @@ MAX_PROMPTS = 16   # most prompts in one completion request
 MAX_STOPS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_ALLOWED_TOKEN_IDS = 2**18   # above any vocabulary served today
+MAX_BAD_WORDS = 64
 MAX_TOP_K = 2**31 - 1
 # The engine samples in float32 (or bf16): a positive value below these would underflow there, or
 # overflow the logits it divides, and the step fails. Each clamp keeps the request's meaning:
@@ -101,6 +103,10 @@ class _Sampling(Strict):
     allowed_token_ids: Annotated[list[Int(ge=0)], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = (
         Field(None, description="vLLM's: the only tokens the output may hold (EOS too only if listed); not with "
                                 "response_format, structured_outputs or a forced tool call."))
+    bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_BAD_WORDS)] | None = Field(
+        None, description=f"vLLM's: up to {MAX_BAD_WORDS} words (or phrases) the output may not contain, as they "
+                          "tokenize alone and after a space; not with response_format, structured_outputs or a "
+                          "forced tool call.")
     truncate_prompt_tokens: Int(ge=1) | Literal[-1] | None = Field(
         None, description="vLLM's: keep only the prompt's last k tokens (after the chat template); -1: the "
                           "model's context.")
@@ -122,8 +128,9 @@ class _Sampling(Strict):
     def _one_structure(self):
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("give response_format or structured_outputs, not both")
-        if self.allowed_token_ids is not None and _Sampling.structured(self) is not None:
-            raise ValueError("allowed_token_ids cannot be combined with response_format or structured_outputs")
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(self, name) is not None and _Sampling.structured(self) is not None:
+                raise ValueError(f"{name} cannot be combined with response_format or structured_outputs")
         return self
 
     def structured(self, syntax: CallSyntax = HERMES) -> StructuredOutput | None:
@@ -168,6 +175,13 @@ class _Sampling(Strict):
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               skip_special_tokens=self.skip_special_tokens)
 
+    def bad_word_ids(self, encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
+        """bad_words as the engine bans them: each word's tokens as `encode` (no special tokens)
+        gives them at the start of a text and after a space (vLLM's two spellings), each once."""
+        ids = dict.fromkeys(tuple(encode(prefix + word.lstrip())) for word in self.bad_words or ()
+                            for prefix in ("", " "))
+        return tuple(word for word in ids if word)
+
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's token ids after truncate_prompt_tokens (`ids` itself when nothing is cut)."""
         keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
@@ -190,7 +204,8 @@ def _as_prompts(v) -> list:
 
 class CompletionRequest(_Sampling):
     """A completion of one prompt or a batch. Across fields: prompts x n is at most 16,
-    max_tokens 0 needs echo, and allowed_token_ids takes no response_format or structured_outputs."""
+    max_tokens 0 needs echo, and allowed_token_ids and bad_words take no response_format or
+    structured_outputs."""
     model_config = ConfigDict(json_schema_extra=COMPLETION_CROSS_FIELD)
     prompt: (NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
@@ -291,8 +306,9 @@ CHAT_CROSS_FIELD["allOf"] += [
 class ChatCompletionRequest(_Sampling):
     """A chat completion. Across fields: top_logprobs above 0 needs logprobs true; a tool_choice
     other than "none" needs tools, a named one a function among them; a forced call ("required"
-    or named) takes no response_format, structured_outputs or allowed_token_ids (each would shape
-    the output); allowed_token_ids takes no response_format or structured_outputs;
+    or named) takes no response_format, structured_outputs, allowed_token_ids or bad_words (each
+    would shape the output); allowed_token_ids and bad_words take no response_format or
+    structured_outputs;
     continue_final_message needs add_generation_prompt false and an assistant's last message."""
     model_config = ConfigDict(json_schema_extra=CHAT_CROSS_FIELD)
     messages: list[ChatMessage] = Field(..., min_length=1)
@@ -356,9 +372,10 @@ class ChatCompletionRequest(_Sampling):
         if self.chosen_tools == "auto" and not self.parallel_tool_calls and len(super().stop_list()) >= MAX_STOPS:
             raise ValueError(f"with parallel_tool_calls false, at most {MAX_STOPS - 1} stop strings (the first "
                              "call ends the output through one more)")
-        if self.forces_call and (super().structured() is not None or self.allowed_token_ids is not None):
+        if self.forces_call and (super().structured() is not None or self.allowed_token_ids is not None
+                                 or self.bad_words is not None):
             raise ValueError("a forced tool call (tool_choice required or a function) takes no response_format, "
-                             "structured_outputs or allowed_token_ids")
+                             "structured_outputs, allowed_token_ids or bad_words")
         return self
 
     @property

@@ -46,6 +46,7 @@ class WireSamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
@@ -55,7 +56,7 @@ class WireSamplingParams:
                    tuple(p.stop_token_ids), p.ignore_eos, p.seed, p.presence_penalty,
                    p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs,
                    tuple(p.logit_bias), structured, p.min_p, tuple(p.allowed_token_ids),
-                   p.include_stop_str_in_output, p.skip_special_tokens)
+                   p.include_stop_str_in_output, p.skip_special_tokens, tuple(map(tuple, p.bad_words)))
 
     def to_params(self) -> SamplingParams:
         fields = dataclasses.asdict(self)
@@ -68,6 +69,8 @@ class WireSamplingParams:
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in body.items()}
         if "logit_bias" in fields:
             fields["logit_bias"] = tuple((int(t), float(b)) for t, b in fields["logit_bias"])
+        if "bad_words" in fields:
+            fields["bad_words"] = tuple(tuple(word) for word in fields["bad_words"])
         if fields.get("structured") is not None:
             kind, value, think = fields["structured"]
             if think is not None:

@@ -58,6 +58,11 @@ CASES = [
     ("allowed_token_ids only EOS before min_tokens", "/v1/completions",
      {**GOOD, "allowed_token_ids": [2], "min_tokens": 1}, 400),
     ("truncate_prompt_tokens zero", "/v1/completions", {**GOOD, "truncate_prompt_tokens": 0}, 400),
+    ("an empty bad word", "/v1/completions", {**GOOD, "bad_words": ["x", ""]}, 400),
+    ("65 bad words", "/v1/completions", {**GOOD, "bad_words": [f"w{i}" for i in range(65)]}, 400),
+    ("bad_words with a forced tool call", "/v1/chat/completions", {
+        **CHAT, "bad_words": ["x"], "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400),
     ("truncate_prompt_tokens -2", "/v1/chat/completions", {**CHAT, "truncate_prompt_tokens": -2}, 400),
     ("skip_special_tokens wrong type", "/v1/completions", {**GOOD, "skip_special_tokens": "no"}, 400),
     ("empty stop", "/v1/completions", {**GOOD, "stop": [""]}, 400),

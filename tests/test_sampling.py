@@ -1,6 +1,8 @@
 """Sampling parameters end to end through the engine (tiny random model, real tokenizer), and
 the incremental detokenizer on its own."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -86,6 +88,37 @@ def test_allowed_token_ids_that_only_end_the_output_before_min_tokens_are_refuse
     out = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, min_tokens=2, ignore_eos=True,
                                                    allowed_token_ids=(eos,)))[0]
     assert out.token_ids == [eos] * 4
+    assert engine.block_manager.all_free()
+
+
+def test_bad_words_ban_a_sequence_s_last_token_where_the_rest_ends_the_output(engine):
+    # seeded sampling (the tiny model's greedy output repeats one token): the same draws until a ban bites
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    run = lambda bad: engine.generate([PROMPT], dataclasses.replace(params, bad_words=bad))[0].token_ids
+    free = run(())
+    i = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    a, b = free[i - 1], free[i]
+    one = run(((b,),))
+    assert b not in one and one[:i] == free[:i]
+    pair = run(((a, b),))
+    assert pair[:i] == free[:i] and pair[i] != b
+    assert all((x, y) != (a, b) for x, y in zip(pair, pair[1:]))
+    # a sequence the prompt ends with bans nothing: bad words look at the output only
+    assert run(((PROMPT[-1], free[0]),)) == free
+
+
+def test_bad_words_that_leave_no_allowed_token_end_the_request_with_an_error(engine):
+    t = 300
+    assert "banned at first" in engine.add_request("r", PROMPT, SamplingParams(
+        allowed_token_ids=(t,), bad_words=((t,),))).reason
+    engine.add_request("r2", PROMPT, SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=(t,),
+                                                    bad_words=((t, t),)))
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    assert [o.new_token_ids for o in outputs if o.new_token_ids] == [[t]]
+    last = outputs[-1]
+    assert last.finished and last.error_code == 400 and "bad_words" in last.error
     assert engine.block_manager.all_free()
 
 
@@ -270,3 +303,14 @@ def test_penalty_state_kept_up_by_sample_equals_one_rebuilt_from_the_tokens():
     rebuilt = PenaltyState(history + token, 2, 5, torch.device("cpu"))
     assert token == [3]
     assert torch.equal(row.penalty.seen, rebuilt.seen) and torch.equal(row.penalty.counts, rebuilt.counts)
+
+
+def test_bad_words_are_banned_as_they_tokenize_alone_and_after_a_space(default_model_dir):
+    from router.openai_protocol import CompletionRequest
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    encode = lambda text: tok.encode(text, add_special_tokens=False)
+    body = CompletionRequest(prompt="x", bad_words=["Paris", " Paris", "hello world"])
+    assert body.bad_word_ids(encode) == (tuple(encode("Paris")), tuple(encode(" Paris")), tuple(encode("hello world")),
+                                         tuple(encode(" hello world")))
+    assert encode("Paris") != encode(" Paris")
+    assert CompletionRequest(prompt="x").bad_word_ids(encode) == ()

@@ -231,8 +231,8 @@ def test_min_p_and_stop_token_ids_reach_the_engines(disagg, colocated, tokenizer
 
 
 def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, tokenizer):
-    """allowed_token_ids, skip_special_tokens and include_stop_str_in_output reach the decode
-    pool (the prefill pool samples only the first token); truncate_prompt_tokens keeps the prompt's
+    """allowed_token_ids, skip_special_tokens, include_stop_str_in_output and bad_words reach the
+    decode pool (the prefill pool samples only the first token); truncate_prompt_tokens keeps the prompt's
     last tokens (usage and echo show the kept ones, chat's after the template)."""
     prompt = "The capital of France is"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -253,6 +253,11 @@ def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, toke
                                                                    include})[1])["choices"][0]["text"]
                for include in (False, True)}
         assert cut == {False: greedy[:greedy.index(stop)], True: greedy[:greedy.index(stop) + len(stop)]}
+        word = greedy.split()[0]          # the first token's (the prefill replica's) and later ones
+        unsaid = [json.loads(http(base, "/v1/completions", {**body, "max_tokens": 12, "bad_words": [w]})[1])
+                  for w in (word, greedy.split()[1])]
+        assert [word not in unsaid[0]["choices"][0]["text"], greedy.split()[1] not in unsaid[1]["choices"][0]["text"]
+                ] == [True, True], (greedy, unsaid)
     ids = tokenizer.encode("Once upon a time, in a land far away, there lived a king")
     out = json.loads(http(disagg, "/v1/completions", {**body, "prompt": ids, "truncate_prompt_tokens": 5})[1])
     alone = json.loads(http(disagg, "/v1/completions", {**body, "prompt": ids[-5:]})[1])
