@@ -229,7 +229,7 @@ class AppConfig(_Model):
         50.0, ge=0, le=1000, description="Least time between two messages of one stream from a decode (or "
         "colocated) replica: tokens made sooner go together in the next message (one SSE chunk). The first "
         "token and the last are never held. 0 = a message per engine step. Each message costs CPU in the "
-        "replica, the router and Serve's proxy, whatever its tokens (README: Serving overhead).")
+        "replica, the router and Serve's proxy, whatever its tokens (docs/benchmarks.md: Serving overhead).")
     share_idle_cpus: bool = Field(
         True, description="CPU replicas on one machine lend their torch threads while their engine is idle: a "
         "busy engine steps on its own `num_threads` plus its share of the idle replicas' (serving/cpu_share.py). "

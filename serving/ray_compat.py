@@ -34,7 +34,7 @@ turns on for every call), for the calls that carry each streamed token:
     start (pdserve/local_ray.py, local_cluster.py) and on the `ray start` lines of cluster.yaml. A
     value the caller set is kept. Without it (`--address` to a cluster started otherwise) the
     router's calls stay by reference (`direct_stream` checks the limit its process read).
-  Measured (`benchmarks/host_cpu.py`, README "Serving overhead"): CPU per streamed token in the
+  Measured (`benchmarks/host_cpu.py`, docs/benchmarks.md "Serving overhead"): CPU per streamed token in the
   router, the proxy and the decode replica's loop roughly halves.
 A driver joining a cluster that listens on loopback (`pdserve deploy` to a local `pdserve serve`):
   * `bootstrap_address`: the address `ray.init(address=...)` would join, found as Ray finds it
