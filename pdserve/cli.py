@@ -144,9 +144,15 @@ def _app_config(args, running_args: dict | None = None):
     takes as flags (FLAG_KEYS), those neither the file nor a flag sets are kept from it (the
     service keeps its model, its API key and where it prepared the model; a deploy without them
     would otherwise change them to the defaults)."""
+    import pydantic
+    import yaml
+
     from serving.config import AppConfig
 
-    cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
+    try:
+        cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
+    except (OSError, yaml.YAMLError, pydantic.ValidationError) as exc:
+        _config_error(args.config, exc)
     updates = {k: getattr(args, k, None) for k in FLAG_KEYS if getattr(args, k, None) is not None}
     data = cfg.model_dump()
     data.update(updates)
@@ -160,12 +166,29 @@ def _app_config(args, running_args: dict | None = None):
         n = getattr(args, f"{pool}_replicas", None)
         if n is not None:
             data[pool]["num_replicas"] = n
-    cfg = AppConfig.model_validate(data)
+    if getattr(args, "allowed_origin", None):
+        data["cors"]["allowed_origins"] = args.allowed_origin
+    try:
+        cfg = AppConfig.model_validate(data)
+    except pydantic.ValidationError as exc:
+        _config_error("the flags", exc)
     # stdout is the Serve config with `deploy --dry-run`
     print(f"preparing model {cfg.model} ...", file=sys.stderr if getattr(args, "dry_run", False) else sys.stdout,
           flush=True)
     _model_dir(cfg.model, cfg.model_cache)          # before Ray starts
     return cfg
+
+
+def _config_error(source: str, exc: Exception):
+    """A configuration that does not validate (or a file that does not read): what is wrong, one line a
+    problem, on stderr, and exit 2 before anything starts."""
+    import pydantic
+    if isinstance(exc, pydantic.ValidationError):
+        problems = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors()]
+    else:
+        problems = [str(exc).splitlines()[0] if str(exc) else type(exc).__name__]
+    print(f"pdserve: invalid configuration in {source}:", *(f"  {p}" for p in problems), sep="\n", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def _model_dir(spec: str, cache: str | None):
@@ -250,6 +273,9 @@ def _app_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-cache", help="where the default model is converted and cached")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--allowed-origin", action="append", metavar="ORIGIN",
+                   help="a web page origin that may call the API from a browser (CORS), e.g. http://localhost:3000, "
+                        "or '*' for any; repeat for more (sets cors.allowed_origins)")
     p.add_argument("--prefill-replicas", type=int)
     p.add_argument("--decode-replicas", type=int)
 

@@ -43,6 +43,7 @@ from router.chat_prompt import chat_prompt_ids
 from router.choice_view import choice_params
 from router.choices import Choices
 from router.contract import Served, openapi_document
+from router.cors import Cors, CorsSettings
 from router.guards import Guards, GuardSettings
 from router.logprobs import TokenStrings
 from router.metrics import RequestMetrics, render
@@ -66,8 +67,9 @@ log = logging.getLogger(__name__)
 # /openapi.json and /docs are the Router's own endpoints: the document depends on its configuration.
 app = FastAPI(title="pdserve", description="Disaggregated prefill/decode LLM serving (OpenAI-compatible)",
               openapi_url=None, docs_url=None, redoc_url=None)
-guard_settings = GuardSettings()
+guard_settings, cors_settings = GuardSettings(), CorsSettings()
 app.add_middleware(Guards, settings=guard_settings)
+app.add_middleware(Cors, settings=cors_settings)      # added last: outermost, a preflight never meets the guards
 
 
 @app.exception_handler(RequestValidationError)
@@ -95,6 +97,8 @@ class Router:
     def __init__(self, config: dict, prefill=None, decode=None, colocated=None, registry=None, store=None):
         self.config = AppConfig.model_validate(config)
         guard_settings.configure(self.config.api_key, self.config.max_body_bytes, self.config.max_inflight_requests)
+        cors = self.config.cors
+        cors_settings.configure(cors.allowed_origins, cors.allow_credentials, cors.max_age_s)
         model_dir = resolve_model(self.config.model, self.config.model_cache, progress=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.token_strings = TokenStrings(self.tokenizer)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -212,6 +213,26 @@ class ResponsesOptions(_Model):
                                   "and the conversation before it) at most.")
 
 
+class CorsOptions(_Model):
+    """Cross-origin calls from web pages (CORS; router/cors.py)."""
+    allowed_origins: list[str] = Field(
+        default_factory=list, description="Origins whose pages may call the API, as a browser sends them "
+        "('https://app.example.com', 'http://localhost:3000'; no path), or ['*'] for any; empty (the default): "
+        "none, browsers refuse cross-origin calls.")
+    allow_credentials: bool = Field(False, description="Let those pages send cookies or HTTP authentication "
+                                    "(not needed for an `Authorization: Bearer` header).")
+    max_age_s: int = Field(600, ge=0, le=86400, description="How long a browser may reuse a preflight's answer.")
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        for origin in origins:     # a browser's Origin header is compared as a string: no path, no slash
+            if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
+                raise ValueError(f"{origin!r} is not an origin: scheme://host[:port] with no path (e.g. "
+                                 "'https://app.example.com'), or '*' for any")
+        return origins
+
+
 class AppConfig(_Model):
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="Separate prefill/decode pools, or one engine pool doing both.")
@@ -239,6 +260,8 @@ class AppConfig(_Model):
     api_key: str = Field("", description="When set, every endpoint but /health needs 'Authorization: Bearer <key>'.")
     max_body_bytes: int = Field(4 * 2**20, gt=0, description="Largest accepted request body (413 above).")
     max_inflight_requests: int = Field(1024, gt=0, description="Requests the router holds at once (429 above).")
+    cors: CorsOptions = Field(default_factory=CorsOptions, description="Which web pages' origins may call the "
+                              "API from a browser; default: none.")
     route_prefix: str = Field("/", description="HTTP route prefix of the app.")
     autoscaling: SloAutoscalingOptions | None = Field(
         None, description="Application-level autoscaling of both pools (`policy: slo`); default: none, each "

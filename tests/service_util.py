@@ -23,6 +23,9 @@ def running_replicas(app: str, deployment: str) -> int:
     return serve.status().applications[app].deployments[deployment].replica_states.get("RUNNING", 0)
 
 
+CORS_ORIGIN = "https://app.example"      # the `disagg` app (conftest.py) lets pages from here call it
+
+
 def http(base: str, path: str, body=None, timeout=120, raw: bytes | None = None, headers=None,
          method: str | None = None):
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)

@@ -155,3 +155,37 @@ def test_deploy_keeps_the_running_services_flag_settings_the_file_leaves_out(tmp
     assert (cfg.api_key, cfg.mode, cfg.model_cache) == ("", "disaggregated", str(tmp_path / "cache"))
     flagged = config(tmp_path / "c.yaml", {}, model=str(tiny_llama_dir), api_key="L")
     assert cli._app_config(flagged, running).api_key == "L"
+
+
+def test_allowed_origin_flags_set_the_cors_origins(tmp_path, tiny_llama_dir):
+    """`pdserve serve --allowed-origin A --allowed-origin B` is `cors.allowed_origins: [A, B]`, over the
+    file's; a malformed origin is refused before anything starts."""
+    import types
+
+    import yaml
+
+    from pdserve import cli
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"applications": [{"name": "pdserve", "args": {
+        "model": str(tiny_llama_dir), "cors": {"allowed_origins": ["https://old.example"], "max_age_s": 5}}}]}))
+    args = lambda *origins: types.SimpleNamespace(config=str(path), allowed_origin=list(origins) or None)
+    assert cli._app_config(args()).cors.allowed_origins == ["https://old.example"]
+    cfg = cli._app_config(args("http://localhost:3000", "https://app.example"))
+    assert (cfg.cors.allowed_origins, cfg.cors.max_age_s) == (["http://localhost:3000", "https://app.example"], 5)
+    with pytest.raises(SystemExit):             # (the message: the next test)
+        cli._app_config(args("https://app.example/path"))
+
+
+def test_an_invalid_configuration_is_a_few_lines_and_exit_2_before_anything_starts(tmp_path, capsys):
+    from pdserve import cli
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: nonsense\n")
+    for argv, problem in ((["serve", "--config", str(bad)], "mode: Input should be 'disaggregated' or 'colocated'"),
+                          (["deploy", "--config", str(bad), "--dry-run"], "mode: Input should be"),
+                          (["serve", "--allowed-origin", "https://x.example/"], "is not an origin"),
+                          (["serve", "--config", str(tmp_path / "missing.yaml")], "No such file")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and "pdserve: invalid configuration in" in err and problem in err, err
+        assert "Traceback" not in err and len(err.splitlines()) == 2

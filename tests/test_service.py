@@ -8,12 +8,14 @@ session's Ray cluster. Greedy HTTP output is compared token for token with Huggi
 import http.client as httpclient
 import json
 import re
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from engine_prompts import max_tokens_for
-from service_util import http, metrics, pools_all_free, ray_metrics_url, sse_events, wait_until
+from service_util import CORS_ORIGIN, http, metrics, pools_all_free, ray_metrics_url, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -376,6 +378,34 @@ def test_echo_with_prompt_logprobs_as_evaluation_harnesses_ask(disagg, colocated
             ref["logprobs"]["token_logprobs"][1:len(p)], abs=1e-3)
     assert only["usage"]["completion_tokens"] == 0
     assert pools_all_free(disagg, {"prefill", "decode"})
+
+
+def test_a_browser_page_of_an_allowed_origin_may_call_the_api(disagg):
+    """CORS through Serve's proxy: the preflight is answered, the answer carries the page's origin;
+    another origin's preflight is refused and its answers carry none (the browser withholds them)."""
+
+    def call(method, path, origin, body=None, headers=()):
+        req = urllib.request.Request(disagg + path, data=body, method=method,
+                                     headers={"Origin": origin, "Content-Type": "application/json", **dict(headers)})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.headers, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    status, headers, _ = call("OPTIONS", "/v1/completions", CORS_ORIGIN, headers=preflight)
+    assert status == 200 and headers["access-control-allow-origin"] == CORS_ORIGIN, headers
+    assert "POST" in headers["access-control-allow-methods"]
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
+    status, headers, text = call("POST", "/v1/completions", CORS_ORIGIN, body)
+    assert status == 200 and headers["access-control-allow-origin"] == CORS_ORIGIN
+    assert json.loads(text)["choices"][0]["text"]
+    other = "https://elsewhere.example"
+    status, headers, _ = call("OPTIONS", "/v1/completions", other, headers=preflight)
+    assert status == 400 and "access-control-allow-origin" not in headers
+    status, headers, _ = call("POST", "/v1/completions", other, body)
+    assert status == 200 and "access-control-allow-origin" not in headers
 
 
 def test_health_models_and_errors(disagg):
