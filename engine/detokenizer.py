@@ -73,9 +73,8 @@ class IncrementalDetokenizer:
             old_len = len(self.text)
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            longest = max((len(s) for s in self.stop), default=1) - 1
-            search_from = max(old_len - longest, 0)
-            found = [(c, len(s)) for s in self.stop if (c := self.text.find(s, search_from)) != -1]
+            # a stop string that ends in the new text (one the text held before min_tokens does not count)
+            found = [(c, len(s)) for s in self.stop if (c := self.text.find(s, max(old_len - len(s) + 1, 0))) != -1]
             if found and self.check_stop:
                 at, length = min(found)        # the earliest stop string (the shorter where two start there)
                 self.text = self.text[:at + length if self.include_stop else at]

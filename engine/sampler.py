@@ -1,10 +1,10 @@
 """Next-token sampling for a batch of sequences with per-request parameters.
 
 Order per row: log-probabilities of the raw logits (only when asked), penalties, logit bias,
-allowed_token_ids, bans, the structured-output mask (tokens its grammar allows), then greedy rows take the argmax
-and sampled rows apply temperature, top-k, top-p and min-p (vectorized over the rows that use
-them) and draw with the request's own generator, so a request with a seed gets the same tokens
-whatever else shares its batch.
+allowed_token_ids, bans, the structured-output mask (tokens its grammar allows), then greedy
+rows take the argmax and sampled rows apply temperature, top-k, top-p and min-p (vectorized over
+the rows that use them) and draw with the request's own generator, so a request with a seed gets
+the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations

@@ -206,6 +206,15 @@ def test_detokenizer_is_utf8_safe_and_holds_back_stop_prefixes(default_model_dir
         shown += d.take(final=False)
         assert "caf" not in shown or d.stopped
     assert d.stopped and shown + d.take(final=True) == "Voilà: 🙂 naïve "
+    # a stop string the text held before min_tokens (check_stop off) does not stop it later, with a
+    # longer stop string beside it (the search looks back only as far as each stop string needs)
+    early = next(n for n in range(1, len(ids)) if "Vo" in tok.decode(ids[:n]))
+    d = IncrementalDetokenizer(tok, [], stop=("Vo", "a longer stop string"))
+    d.check_stop = False
+    for k, i in enumerate(ids):
+        d.check_stop = k >= early
+        d.add(i)
+    assert not d.stopped and d.take(final=True) == text
     # include_stop: the text runs to the stop string's end, and nothing is held back meanwhile
     d = IncrementalDetokenizer(tok, [], stop=("café",), include_stop=True)
     shown = ""
