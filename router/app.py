@@ -118,8 +118,10 @@ class Router:
                                               goodput=self.config.goodput_targets)
         self.orchestrator = Orchestrator(self.config.mode, prefill, decode, colocated,
                                          metrics=self.request_metrics)
-        self.responses_api = ResponsesApi(store, self.config.max_tokens_limit, self.model_name, self.chat_completions,
-                                          saved=self.request_metrics.response_saved)
+        self.responses_api = ResponsesApi(
+            store, self.config.max_tokens_limit, self.model_name, self.chat_completions,
+            saved=self.request_metrics.response_saved, max_model_len=self.max_model_len,
+            prompt_tokens=lambda chat: len(chat_prompt_ids(self.tokenizer, chat, self.native_tools)))
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's hook (collected when the SLO policy autoscales the router at 1 replica): the window."""

@@ -5,7 +5,9 @@ A response's life cycle here:
   1. chain    with `previous_response_id`, the stored response (router/response_store.py) gives
               the conversation so far (404 where it is not kept)
   2. run      the request becomes a chat completion (router/responses_protocol.py) and runs the
-              chat endpoint's whole path; a refusal there is this request's answer
+              chat endpoint's whole path; a refusal there is this request's answer. With
+              `truncation: auto` the conversation's oldest items are left out first, as few as
+              let it fit the context with max_output_tokens (`_fitting`, off the event loop)
   3. answer   the chat answer as a Response, or the chat stream as the Responses stream
               (router/responses_output.py)
   4. keep     a response that completed, its request not saying `store: false`, is stored before
@@ -15,10 +17,12 @@ A response's life cycle here:
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from router.openai_protocol import ChatCompletionRequest
@@ -31,12 +35,16 @@ from router.responses_protocol import ResponsesRequest
 class ResponsesApi:
     """`store`: the ResponseStore deployment's handle (None: responses.store is off); `chat`: the
     router's chat endpoint (a chat completion, its stream, or an error response); `saved(kept)`
-    is told of every save (router/metrics.py)."""
+    is told of every save (router/metrics.py); `prompt_tokens(chat)`: the tokens of a chat
+    completion's prompt (its template's errors raised), for `truncation: auto` within
+    `max_model_len`."""
 
     def __init__(self, store, max_tokens_limit: int, model_name: str,
-                 chat: Callable[[ChatCompletionRequest], Awaitable], saved: Callable[[bool], None]):
+                 chat: Callable[[ChatCompletionRequest], Awaitable], saved: Callable[[bool], None],
+                 prompt_tokens: Callable[[ChatCompletionRequest], int], max_model_len: int):
         self.stored = None if store is None else StoredResponses(store)
         self.max_tokens_limit, self.model_name, self.chat, self.saved = max_tokens_limit, model_name, chat, saved
+        self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
 
     async def create(self, body: ResponsesRequest):
         if (body.max_output_tokens or 0) > self.max_tokens_limit:
@@ -51,6 +59,8 @@ class ResponsesApi:
             chat = body.chat(history)
         except ValidationError as exc:
             return refused(exc)
+        if body.truncation == "auto":
+            chat = await asyncio.to_thread(self._fitting, body, history, chat)
         result = await self.chat(chat)
         if isinstance(result, JSONResponse):
             return result
@@ -64,6 +74,30 @@ class ResponsesApi:
         if keep:                                                   # 4. keep
             await self._save(response, context)
         return response
+
+    def _fitting(self, body: ResponsesRequest, history: list[dict], whole: ChatCompletionRequest):
+        """`whole` if its prompt and max_output_tokens fit the context, else the chat completion
+        without the fewest of the conversation's first items that fits (a binary search: the
+        prompt shrinks as more are left out), or without all but the last one (the chat endpoint
+        then says what does not fit). A template that refuses a shortened conversation counts as
+        not fitting; one that refuses the whole one is the chat endpoint's to report."""
+        room = self.max_model_len - (body.max_output_tokens or 1)
+
+        def fits(chat: ChatCompletionRequest) -> bool:
+            try:
+                return self.prompt_tokens(chat) <= room
+            except (ValueError, TemplateError):
+                return chat is whole
+        if fits(whole):
+            return whole
+        lo, hi = 1, body.item_count(history) - 1        # the least `skip` that fits lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(body.chat(history, skip=mid)):
+                hi = mid
+            else:
+                lo = mid + 1
+        return body.chat(history, skip=lo)
 
     async def _save(self, response: dict, context: list[dict]) -> None:
         kept = await self.stored.save(response, context)

@@ -49,7 +49,7 @@ class ResponseShape:
             "tool_choice": (request.tool_choice or "auto") if isinstance(request.tool_choice, str | None)
             else request.tool_choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in request.tools or ()],
-            "truncation": "disabled", "user": request.user,
+            "truncation": request.truncation or "disabled", "user": request.user,
             "reasoning": {"effort": None, "summary": None} if request.reasoning is None
             else request.reasoning.model_dump(),
         }

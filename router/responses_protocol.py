@@ -181,8 +181,10 @@ class ResponsesRequest(Strict):
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = Field(None, description="Accepted; prompts share a prefix cache anyway.")
     reasoning: ReasoningConfig | None = None
-    truncation: Literal["disabled"] | None = Field(None, description="Only disabled: an input beyond the "
-                                                   "context is a 400.")
+    truncation: Literal["disabled", "auto"] | None = Field(
+        None, description="disabled (the default): a conversation beyond the context is a 400; auto: its "
+                          "oldest items (after the instructions) are left out until it fits with "
+                          "max_output_tokens (the stored conversation keeps them).")
     include: Annotated[list[Text], Field(max_length=16)] | None = Field(None, description="Accepted; ignored.")
     service_tier: SERVICE_TIER | None = Field(None, description="Accepted; one tier here.")
     stream_options: dict[str, Any] | None = Field(None, description="Accepted; ignored.")
@@ -200,12 +202,22 @@ class ResponsesRequest(Strict):
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         return [item.stored() for item in items]
 
-    def chat(self, history: list[dict] = ()) -> ChatCompletionRequest:
+    def item_count(self, history: list[dict] = ()) -> int:
+        """The conversation's items: `history`'s and the input's."""
+        return len(history) + (1 if isinstance(self.input, str) else len(self.input))
+
+    def chat(self, history: list[dict] = (), skip: int = 0) -> ChatCompletionRequest:
         """The chat completion this response is, after `history` (a stored response's items:
         router/response_store.py) (ValidationError where the two disagree, e.g. a tool_choice
-        without tools)."""
+        without tools). `skip`: leave out the conversation's first `skip` items (truncation
+        auto), and with them the outputs of the calls left out; the last item always stays."""
         items = _HISTORY.validate_python(list(history)) if history else []
         items += [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        if skip:
+            items = items[min(skip, len(items) - 1):]
+            calls = {item.call_id for item in items if isinstance(item, FunctionCallItem)}
+            items = [item for item in items[:-1]
+                     if not isinstance(item, FunctionCallOutputItem) or item.call_id in calls] + items[-1:]
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(items), "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}     # for response.completed's usage

@@ -69,13 +69,65 @@ def test_tools_tool_choice_and_text_format_become_the_chats():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input_text"),
     ({"text": {"format": {"type": "json_schema", "schema": WEATHER}}}, "needs a name"),
     ({"tools": [{"type": "web_search"}]}, "function"),
-    ({"truncation": "auto"}, "disabled"),
+    ({"truncation": "middle"}, "disabled"),
     ({"seed": 3}, "Extra inputs"),
     ({"input": []}, "at least 1"),
 ])
 def test_what_a_text_server_cannot_do_is_refused(fields, words):
     with pytest.raises(ValidationError, match=words):
         request(**fields)
+
+
+def test_truncation_leaves_out_the_first_items_and_the_outputs_of_calls_left_out():
+    history = [{"type": "message", "role": "user", "content": "Weather?"},
+               {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+               {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+               {"type": "function_call_output", "call_id": "c1", "output": "18"},
+               {"type": "function_call_output", "call_id": "c2", "output": "19"}]
+    body = request(input="And tomorrow?", tools=[TOOL])
+    roles = lambda chat: [(m.role, m.tool_call_id) for m in chat.messages]
+    assert body.item_count(history) == 6
+    assert roles(body.chat(history, skip=1)) == [("assistant", None), ("tool", "c1"), ("tool", "c2"), ("user", None)]
+    assert roles(body.chat(history, skip=2)) == [("assistant", None), ("tool", "c2"), ("user", None)]   # c1's goes
+    assert roles(body.chat(history, skip=3)) == [("user", None)]
+    assert roles(body.chat(history, skip=99)) == [("user", None)]          # the last item always stays
+    assert request(instructions="Be brief.").chat(skip=5).messages[0].role == "system"
+
+
+def test_truncation_auto_leaves_out_the_fewest_first_items_that_let_it_fit(default_model_dir):
+    """Through the real template and tokenizer: the conversation the chat endpoint gets is the
+    longest tail of it whose prompt fits the context with max_output_tokens."""
+    import asyncio
+
+    from fastapi.responses import JSONResponse
+    from transformers import AutoTokenizer
+
+    from router.chat_prompt import chat_prompt_ids
+    from router.responses_api import ResponsesApi
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    count = lambda chat: len(chat_prompt_ids(tokenizer, chat, False))
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}: " + "word " * (20 + 7 * i)}
+             for i in range(11)]
+    sent = []
+
+    async def chat(c):           # the chat endpoint's place: what it was asked is what matters here
+        sent.append(c)
+        return JSONResponse({})
+
+    def create(**fields):
+        body = request(**{"input": turns, "instructions": "Be brief.", "max_output_tokens": 50, **fields})
+        api = ResponsesApi(None, 4096, "m", chat, lambda kept: None, prompt_tokens=count, max_model_len=limit)
+        asyncio.run(api.create(body))
+        return body, sent[-1]
+    limit = count(request(input=turns, instructions="Be brief.").chat()) - 200
+    body, got = create(truncation="auto")
+    kept = len(got.messages) - 1                                       # the instructions stay
+    assert got.messages[0].content == "Be brief." and got.messages[-1].content == turns[-1]["content"]
+    assert 1 < kept < len(turns)
+    assert count(got) + 50 <= limit < count(body.chat(skip=len(turns) - kept - 1)) + 50   # one more would not fit
+    assert count(create()[1]) == limit + 200                          # disabled: all of it (the endpoint's 400)
+    short, got = create(truncation="auto", input=turns[:3])            # what fits is sent whole
+    assert got == short.chat()
 
 
 def test_input_is_stored_as_items_in_openais_form_with_ids():
