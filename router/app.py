@@ -107,8 +107,9 @@ class Router:
         self.think_tokens = think_tokens(self.tokenizer) if self.reasoning else None
         hf = AutoConfig.from_pretrained(model_dir)
         self.max_model_len = min(self.config.engine.max_model_len or 10**9, context_limit(hf))
-        self.model_name = self.config.model_name
-        self.served = Served((self.model_name,), self.config.max_tokens_limit, len(self.tokenizer),
+        self.model_names = self.config.model_names          # a request may name any; the first is the default
+        self.model_name = self.model_names[0]
+        self.served = Served(self.model_names, self.config.max_tokens_limit, len(self.tokenizer),
                              self.max_model_len, api_key=bool(self.config.api_key))
         self._documents: dict[str, dict] = {}
         self.registry = registry
@@ -152,16 +153,16 @@ class Router:
 
     @app.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": [self._model_card(name) for name in self.model_names]}
 
     @app.get("/v1/models/{model:path}")
     async def model(self, model: str):
-        """OpenAI's model retrieval (`client.models.retrieve`): the served model (a name may hold
-        slashes), any other a 404."""
-        return self._model_card() if model == self.model_name else self._unknown_model(model)
+        """OpenAI's model retrieval (`client.models.retrieve`): the served model under any of its
+        names (a name may hold slashes), any other a 404."""
+        return self._model_card(model) if model in self.model_names else self._unknown_model(model)
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
                 "max_model_len": self.max_model_len}
 
     @app.get("/metrics")
@@ -177,7 +178,7 @@ class Router:
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
         """vLLM's: the token ids a prompt, or a chat's messages, become (what `usage` counts)."""
-        if body.model not in (None, self.model_name):
+        if body.model not in (None, *self.model_names):
             return self._unknown_model(body.model)
         if body.prompt is not None:
             ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)
@@ -197,7 +198,7 @@ class Router:
     @app.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest):
         """vLLM's: token ids back to text."""
-        if body.model not in (None, self.model_name):
+        if body.model not in (None, *self.model_names):
             return self._unknown_model(body.model)
         if any(t >= len(self.tokenizer) for t in body.tokens):
             return error_response(400, f"token id out of range (vocabulary size {len(self.tokenizer)})",
@@ -205,7 +206,8 @@ class Router:
         return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)}
 
     def _unknown_model(self, name: str):
-        return error_response(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+        served = ", ".join(repr(n) for n in self.model_names)
+        return error_response(404, f"model {name!r} does not exist; this server serves {served}",
                               param="model", code="model_not_found")
 
     # ---- generation -----------------------------------------------------------------------------
@@ -279,7 +281,7 @@ class Router:
     async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str,
                         echoes: list[tuple[str, list[int]]] | None = None, shape: ChatOutputShape | None = None,
                         think: tuple[int, int, bool] | None = None):
-        if body.model not in (None, self.model_name):
+        if body.model not in (None, *self.model_names):
             return self._unknown_model(body.model)
         if not all(prompts):
             return error_response(400, "the prompt is empty", param="prompt")
@@ -323,8 +325,8 @@ class Router:
             self.request_metrics.finish("error")
             return error_response(exc.code, exc.message, exc.kind,
                                   headers={"Retry-After": "1"} if exc.code in (429, 503) else None)
-        reply = Reply(body, rid, self.model_name, chat, choices, firsts, (start, first_at), self.request_metrics,
-                      self.token_strings, echoes, shape)
+        reply = Reply(body, rid, body.model or self.model_name, chat, choices, firsts, (start, first_at),   # as asked
+                      self.request_metrics, self.token_strings, echoes, shape)
         if body.stream:
             return StreamingResponse(reply.stream(), media_type="text/event-stream")
         return await reply.collect()

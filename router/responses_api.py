@@ -65,7 +65,7 @@ class ResponsesApi:
         if isinstance(result, JSONResponse):
             return result
         keep = self.stored is not None and body.store is not False
-        shape = ResponseShape(body, new_id("resp"), self.model_name, store=keep)
+        shape = ResponseShape(body, new_id("resp"), body.model or self.model_name, store=keep)
         context = unique_ids(history + body.input_items()) if keep else None
         if body.stream:                                            # 3. answer (4. in the stream)
             return StreamingResponse(self._events(shape, result.body_iterator, context),

@@ -237,7 +237,9 @@ class AppConfig(_Model):
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="Separate prefill/decode pools, or one engine pool doing both.")
     model: str = Field("SmolLM2-135M-Instruct", description="Default model id or a local HF model directory.")
-    served_model_name: str | None = Field(None, description="Model id in the API; default: the model's name.")
+    served_model_name: str | list[str] | None = Field(
+        None, description="Model id in the API, or several (aliases: a request may name any, its answer names "
+                          "the one it asked for; the first is the default); default: the model's name.")
     model_cache: str | None = Field(None, description="Where the default model is converted and cached.")
     engine: EngineOptions = Field(default_factory=EngineOptions, description="Engine options for every pool.")
     prefill: PoolConfig = Field(default_factory=PoolConfig, description="The prefill pool.")
@@ -311,9 +313,23 @@ class AppConfig(_Model):
         g = GoodputOptions()
         return g.ttft_s, g.tpot_s
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _names(cls, names):
+        if isinstance(names, list) and (not names or any(not n.strip() for n in names) or len(set(names)) < len(names)):
+            raise ValueError("a list of served model names must hold at least one, each non-empty and distinct")
+        return names
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names requests may use, the default first."""
+        names = self.served_model_name
+        return tuple(names) if isinstance(names, list) else (names or Path(self.model.rstrip("/")).name,)
+
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model.rstrip("/")).name
+        """The default name (answers to requests that name none; the KV transfer's fingerprint)."""
+        return self.model_names[0]
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":

@@ -17,7 +17,7 @@ VOCAB, CONTEXT = 49152, 2048
 
 def document(**config) -> dict:
     cfg = AppConfig(**config)
-    return openapi_document(app, Served((cfg.model_name,), cfg.max_tokens_limit, VOCAB, CONTEXT,
+    return openapi_document(app, Served(cfg.model_names, cfg.max_tokens_limit, VOCAB, CONTEXT,
                                         api_key=bool(cfg.api_key)))
 
 
@@ -27,14 +27,15 @@ def requests(doc: dict) -> tuple[dict, dict]:
 
 
 def test_model_enum_and_limits_follow_the_config():
-    for config, name, limit in (({}, "SmolLM2-135M-Instruct", 4096),
-                                ({"served_model_name": "m", "max_tokens_limit": 8}, "m", 8)):
+    for config, names, limit in (({}, ["SmolLM2-135M-Instruct"], 4096),
+                                 ({"served_model_name": "m", "max_tokens_limit": 8}, ["m"], 8),
+                                 ({"served_model_name": ["m", "gpt-x"], "max_tokens_limit": 8}, ["m", "gpt-x"], 8)):
         doc = document(**config)
         completion, chat = requests(doc)
         for request in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "TokenizeRequest",
                         "DetokenizeRequest"):    # the served name, or omitted / null: the served model
             schema = doc["components"]["schemas"][request]
-            assert schema["properties"]["model"]["anyOf"] == [{"type": "string", "enum": [name]}, {"type": "null"}]
+            assert schema["properties"]["model"]["anyOf"] == [{"type": "string", "enum": names}, {"type": "null"}]
             assert "model" not in schema.get("required", [])
         for schema, field in ((completion, "max_tokens"), (chat, "max_tokens"), (chat, "max_completion_tokens")):
             integer = next(s for s in schema["properties"][field]["anyOf"] if s["type"] == "integer")

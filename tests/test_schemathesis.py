@@ -41,9 +41,9 @@ def app(ray_serve, tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def other_app(ray_serve, tiny_llama_dir):
-    """The same model under another name and limit, colocated (one replica fewer to start), keeping
-    no responses."""
-    with tiny_app(ray_serve, tiny_llama_dir, "st2", served_model_name="tiny-b", max_tokens_limit=5,
+    """The same model under two other names (the first the default) and another limit, colocated
+    (one replica fewer to start), keeping no responses."""
+    with tiny_app(ray_serve, tiny_llama_dir, "st2", served_model_name=["tiny-b", "tiny-alias"], max_tokens_limit=5,
                   mode="colocated", responses={"store": False}) as base:
         yield base
 
@@ -181,21 +181,24 @@ def _request_schemas(doc: dict) -> tuple[dict, dict]:
 @pytest.mark.parametrize("which", ["app", "other_app"])
 def test_the_document_states_the_served_model_and_the_max_tokens_limit_of_each_config(which, request):
     base = request.getfixturevalue(which)
-    name, limit = {"app": ("tiny", 8), "other_app": ("tiny-b", 5)}[which]
+    names, limit = {"app": (["tiny"], 8), "other_app": (["tiny-b", "tiny-alias"], 5)}[which]
     status, text = http(base, "/openapi.json")
     assert status == 200
     completion, chat = _request_schemas(json.loads(text))
     for properties, fields in ((completion, ("max_tokens",)), (chat, ("max_tokens", "max_completion_tokens"))):
-        assert properties["model"]["anyOf"] == [{"type": "string", "enum": [name]}, {"type": "null"}]
+        assert properties["model"]["anyOf"] == [{"type": "string", "enum": names}, {"type": "null"}]
         for field in fields:
             assert [s["maximum"] for s in properties[field]["anyOf"] if s.get("type") == "integer"] == [limit]
-    assert json.loads(http(base, "/v1/models")[1])["data"][0]["id"] == name
-    assert json.loads(http(base, f"/v1/models/{name}")[1])["id"] == name
-    # and the server holds to it
-    body = {"model": name, "prompt": "Hi", "max_tokens": limit}
-    assert http(base, "/v1/completions", body)[0] == 200
-    assert http(base, "/v1/completions", {**body, "max_tokens": limit + 1})[0] == 400
-    assert http(base, "/v1/completions", {**body, "model": name + "x"})[0] == 404
+    assert [m["id"] for m in json.loads(http(base, "/v1/models")[1])["data"]] == names
+    # and the server holds to it: any of its names, the answer naming the one asked for (omitted: the first)
+    for name in names:
+        assert json.loads(http(base, f"/v1/models/{name}")[1])["id"] == name
+        body = {"model": name, "prompt": "Hi", "max_tokens": limit}
+        status, text = http(base, "/v1/completions", body)
+        assert status == 200 and json.loads(text)["model"] == name
+        assert http(base, "/v1/completions", {**body, "max_tokens": limit + 1})[0] == 400
+        assert http(base, "/v1/completions", {**body, "model": name + "x"})[0] == 404
+    assert json.loads(http(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 1})[1])["model"] == names[0]
 
 
 def test_a_server_that_keeps_no_responses_says_so(other_app):
