@@ -23,7 +23,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.ngram import NgramIndex
 from engine.outputs import Rejected, TokenLogprobs
 from engine.sampler import PenaltyState, make_generator, skip_draw
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, banned_next
 from engine.sequence import Sequence
 from engine.structured_output import GrammarCompiler, Matcher, StructuredOutput, ThinkFirst
 
@@ -66,11 +66,8 @@ class Admission:
                           ("bad_words", [t for word in params.bad_words for t in word])):
             if any(t >= self.vocab_size for t in ids):
                 return f"{name}: token id out of range (vocabulary size {self.vocab_size})"
-        if params.allowed_token_ids:       # what the first token may not be (engine._banned)
-            banned = {word[0] for word in params.bad_words if len(word) == 1}
-            if params.min_tokens:
-                banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            if set(params.allowed_token_ids) <= banned:
+        if params.allowed_token_ids:       # what the first token may not be
+            if set(params.allowed_token_ids) <= set(banned_next(params, self.eos_token_ids, [], 0)):
                 return ("allowed_token_ids: every allowed token is banned at first (by bad_words, or as EOS or a "
                         "stop token before min_tokens)")
         if params.structured is not None and params.structured.think is not None and any(

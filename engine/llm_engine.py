@@ -32,7 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.ngram import propose_drafts
 from engine.outputs import Completion, Rejected, RequestOutput, TokenLogprobs
 from engine.sampler import PenaltyState, SampleRow, prompt_logprobs, sample
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, banned_next
 from engine.scheduler import Scheduler
 from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
 
@@ -238,7 +238,7 @@ class LLMEngine:
             if req.matcher is not None and req.matcher.problem() is not None:
                 self._add_output(outputs, self._grammar_failed(req))
                 continue
-            banned = self._banned(req.seq)
+            banned = banned_next(req.seq.params, self.eos_token_ids, req.seq.token_ids, req.seq.num_output_tokens)
             if req.seq.params.allowed_token_ids and not self._any_allowed(req.seq.params, banned):
                 self._add_output(outputs, self._fail(req, "no token may come next: bad_words ban every token of "
                                                           "allowed_token_ids here", 400))
@@ -282,19 +282,6 @@ class LLMEngine:
         out = self.abort(req.seq.request_id)
         out.error, out.error_code = error, code
         return out
-
-    def _banned(self, seq: Sequence) -> list[int]:
-        """The tokens `seq` may not take next: EOS and stop tokens before min_tokens, and the last
-        token of each bad word whose other tokens end the output."""
-        p = seq.params
-        banned = []
-        if seq.num_output_tokens < p.min_tokens:
-            banned += [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
-        for word in p.bad_words:
-            before = len(word) - 1
-            if before <= seq.num_output_tokens and tuple(seq.token_ids[len(seq.token_ids) - before:]) == word[:-1]:
-                banned.append(word[-1])
-        return banned
 
     @staticmethod
     def _any_allowed(p: SamplingParams, banned: list[int]) -> bool:

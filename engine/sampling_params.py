@@ -131,3 +131,18 @@ class SamplingParams:
                 return "structured output (response_format) cannot be combined with min_tokens or ignore_eos"
             return self.structured.problem()
         return None
+
+
+def banned_next(p: SamplingParams, eos_token_ids, token_ids: list[int], num_output_tokens: int) -> list[int]:
+    """The tokens a sequence may not take next: EOS (unless ignore_eos) and stop tokens before
+    min_tokens, and the last token of each bad word whose other tokens end the output
+    (`token_ids`: the sequence's, prompt then output). Called each step by the engine, and by
+    admission for the first token (no output yet)."""
+    banned = []
+    if num_output_tokens < p.min_tokens:
+        banned += [*p.stop_token_ids, *([] if p.ignore_eos else eos_token_ids)]
+    for word in p.bad_words:
+        before = len(word) - 1
+        if before <= num_output_tokens and tuple(token_ids[len(token_ids) - before:]) == word[:-1]:
+            banned.append(word[-1])
+    return banned
