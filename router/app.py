@@ -102,7 +102,8 @@ class Router:
         model_dir = resolve_model(self.config.model, self.config.model_cache, progress=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.token_strings = TokenStrings(self.tokenizer)
-        self.tool_syntax, self.native_tools = template_tools(self.tokenizer)
+        self.tool_syntax, native = template_tools(self.tokenizer)
+        self.native_tools = self.tool_syntax if native else None    # the template writes calls itself
         self.reasoning = reasoning_template(self.tokenizer)
         self.think_tokens = think_tokens(self.tokenizer) if self.reasoning else None
         hf = AutoConfig.from_pretrained(model_dir)

@@ -36,9 +36,9 @@ def template_text(tokenizer) -> str:
     return "\n".join(template.values()) if isinstance(template, dict) else template
 
 
-def chat_prompt_ids(tokenizer, body, native_tools: bool) -> list[int]:
-    """The prompt of a ChatCompletionRequest `body`; `native_tools`: the template writes tool
-    calls itself (router/tools.py)."""
+def chat_prompt_ids(tokenizer, body, native_tools) -> list[int]:
+    """The prompt of a ChatCompletionRequest `body`; `native_tools`: the syntax of a template that
+    writes tool calls itself, or None (router/tools.py)."""
     conversation, tools = body.conversation(native_tools)
     variables = {"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {}
     ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=body.add_generation_prompt,

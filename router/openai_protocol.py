@@ -173,7 +173,12 @@ class _Sampling(Strict):
                               logit_bias=self.logit_bias_pairs(), structured=self.structured(syntax),
                               allowed_token_ids=tuple(self.allowed_token_ids or ()),
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skips_special_tokens(syntax))
+
+    def skips_special_tokens(self, syntax: CallSyntax) -> bool:
+        """skip_special_tokens as the engine applies it (chat: false where calls open with a special
+        token, as vLLM's Mistral parser has it, or they could not be found in the text)."""
+        return self.skip_special_tokens
 
     def bad_word_ids(self, encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
         """bad_words as the engine bans them: each word's tokens as `encode` (no special tokens)
@@ -418,7 +423,10 @@ class ChatCompletionRequest(_Sampling):
             return (*super().stop_list(), TOOL_CALL_END)
         return super().stop_list()
 
-    def conversation(self, native_tools: bool) -> tuple[list[dict], list[dict] | None]:
-        """The chat template's messages and tools (router/tools.py): `native_tools`, whether the
-        template writes tool calls itself."""
+    def skips_special_tokens(self, syntax: CallSyntax) -> bool:
+        return self.skip_special_tokens and not (self.parses_tool_calls and syntax.marker_id is not None)
+
+    def conversation(self, native_tools: CallSyntax | None) -> tuple[list[dict], list[dict] | None]:
+        """The chat template's messages and tools (router/tools.py): `native_tools`, the syntax of a
+        template that writes tool calls itself (None: it does not)."""
         return render_conversation(self.messages, self.tools if self.parses_tool_calls else None, native_tools)

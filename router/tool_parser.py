@@ -41,14 +41,9 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 
 from router.chat_prompt import partial_tag
-from router.tools import CLOSE, OPEN
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+from router.tools import CLOSE, HERMES, OPEN
 
 
 def _call(body: str) -> dict | None:
@@ -57,17 +52,18 @@ def _call(body: str) -> dict | None:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
-    return _call_of(obj)
+    return call_of(obj)
 
 
-def _call_of(obj) -> dict | None:
-    """A call from a decoded JSON value, or None."""
+def call_of(obj, call_id: str | None = None) -> dict | None:
+    """A call from a decoded JSON value, or None; `call_id`: its id (default: a new OpenAI one)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if not (isinstance(arguments, str) and _is_json(arguments)):   # some models write the JSON text
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": arguments}}
+    return {"id": call_id or HERMES.new_id(), "type": "function",
+            "function": {"name": obj["name"], "arguments": arguments}}
 
 
 def _is_json(text: str) -> bool:
@@ -78,10 +74,10 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def _held_back(text: str) -> int:
-    """How many characters at the end of content-so-far must wait: a prefix of <tool_call>, and
-    the whitespace before it."""
-    keep = partial_tag(text, OPEN)
+def held_back(text: str, tag: str = OPEN) -> int:
+    """How many characters at the end of content-so-far must wait: a prefix of `tag` (the calls'
+    opening), and the whitespace before it."""
+    keep = partial_tag(text, tag)
     while keep < len(text) and text[-keep - 1].isspace():
         keep += 1
     return keep
@@ -90,11 +86,11 @@ def _held_back(text: str) -> int:
 # the head of a call whose arguments stream: its name, then an object's opening brace (Hermes: in
 # a block; Llama 3: at the output's start, maybe after <|python_tag|>, or after ";")
 _HEAD_TEXT = r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
-_HEAD = re.compile(_HEAD_TEXT)
+HEAD = re.compile(_HEAD_TEXT)
 _JSON_HEAD = re.compile(r'\s*(?:<\|python_tag\|>)?' + _HEAD_TEXT)
 
 
-def _head_name(head: re.Match | None) -> str | None:
+def head_name(head: re.Match | None) -> str | None:
     """The function name a head matched, None when there is no head or its string is not JSON."""
     try:
         return json.loads(head.group(1)) if head else None
@@ -102,9 +98,10 @@ def _head_name(head: re.Match | None) -> str | None:
         return None
 
 
-def _begun(index: int, name: str) -> dict:
-    """A streamed call's first delta."""
-    return {"index": index, "id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+def begun(index: int, name: str, call_id: str | None = None) -> dict:
+    """A streamed call's first delta; `call_id`: its id (default: a new OpenAI one)."""
+    return {"index": index, "id": call_id or HERMES.new_id(), "type": "function",
+            "function": {"name": name, "arguments": ""}}
 
 
 def merge_calls(deltas: list[dict]) -> list[dict]:
@@ -179,7 +176,7 @@ class ToolCallStream:
             else:
                 start = self._held.find(OPEN)
                 if start < 0:
-                    keep = 0 if final else _held_back(self._held)
+                    keep = 0 if final else held_back(self._held)
                     content.append(self._content(self._held[:len(self._held) - keep]))
                     self._held = self._held[len(self._held) - keep:]
                     return "".join(content), calls
@@ -190,10 +187,10 @@ class ToolCallStream:
     def _block(self, final: bool, content: list[str], calls: list[dict]) -> bool:
         """A block not known to stream yet. False: wait for more text."""
         end = self._held.find(CLOSE)
-        head = _HEAD.match(self._held)
-        name = _head_name(head) if head and (end < 0 or head.end() <= end) else None
+        head = HEAD.match(self._held)
+        name = head_name(head) if head and (end < 0 or head.end() <= end) else None
         if name is not None:              # a call from here: its name now, its arguments as they come
-            extend_calls(calls, [_begun(self.count, name)])
+            extend_calls(calls, [begun(self.count, name)])
             self.count += 1
             self._held, self._mode, self._sent, self._after_call = self._held[head.end():], "arguments", [], True
             return True
@@ -248,7 +245,7 @@ def _json_calls(text: str) -> list[dict] | None:
             obj, at = _DECODER.raw_decode(text, at)
         except json.JSONDecodeError:
             return None
-        call = _call_of(obj)
+        call = call_of(obj)
         if call is None:
             return None
         calls.append(call)
@@ -260,11 +257,12 @@ def _json_calls(text: str) -> list[dict] | None:
         at = len(text) - len(rest) + 1
 
 
-class _ObjectEnd:
+class ObjectEnd:
     """Where a JSON object fed in pieces ends: strings and nesting followed."""
 
-    def __init__(self):
-        self.depth, self.in_string, self.escaped = 0, False, False
+    def __init__(self, depth: int = 0):
+        """`depth`: the nesting already open (1: find the end of an object whose "{" was read)."""
+        self.depth, self.in_string, self.escaped = depth, False, False
 
     def feed(self, text: str) -> int:
         """The length of `text` up to and with the object's closing brace, or -1 (not yet)."""
@@ -296,7 +294,7 @@ class JsonCallStream:
         # close (its own brace) -> after (";": head again; other text: content)
         self._held, self._state = "", "start"
         self._first_only = first_only
-        self._end: _ObjectEnd | None = None      # arguments: where the call's arguments end
+        self._end: ObjectEnd | None = None      # arguments: where the call's arguments end
         self._dropped = False                    # arguments: the call is one first_only drops
         self.count = 0
 
@@ -325,7 +323,7 @@ class JsonCallStream:
                 break
             elif state == "head":               # a call's head, or an output read whole at its end
                 head = _JSON_HEAD.match(held)
-                name = _head_name(head)
+                name = head_name(head)
                 if name is None:
                     if not final:
                         break
@@ -340,9 +338,9 @@ class JsonCallStream:
                     break
                 self._dropped = self._first_only and self.count > 0
                 if not self._dropped:
-                    extend_calls(calls, [_begun(self.count, name)])
+                    extend_calls(calls, [begun(self.count, name)])
                     self.count += 1
-                self._held, self._state, self._end = held[head.end():], "arguments", _ObjectEnd()
+                self._held, self._state, self._end = held[head.end():], "arguments", ObjectEnd()
             elif state == "arguments":          # every character goes out; the scanner says where they end
                 end = self._end.feed(held)
                 out = held if end < 0 else held[:end]

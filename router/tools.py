@@ -2,7 +2,7 @@
 to the model, and the grammar that makes it call one. (Finding the calls in the output:
 router/tool_parser.py.)
 
-Calls are written in one of two syntaxes (`CallSyntax`), read from the chat template
+Calls are written in one of three syntaxes (`CallSyntax`), read from the chat template
 (`template_tools`):
   - HERMES, which Qwen2.5, Qwen3 and Hermes models are trained on, and the one pdserve shows
     models whose template has no tools:
@@ -12,14 +12,19 @@ Calls are written in one of two syntaxes (`CallSyntax`), read from the chat temp
   - LLAMA3_JSON, Llama 3.1-3.3's: the whole output is the call, "parameters" for the arguments,
     one call per turn (their templates refuse a history turn of several):
         {"name": "get_weather", "parameters": {"city": "Paris"}}
+  - MISTRAL, Mistral's (7B-Instruct v0.3, Nemo, Small): the special token [TOOL_CALLS], then a
+    JSON array of calls, content allowed before it; call ids of 9 letters and digits (the
+    templates refuse others):
+        [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 Life of a chat request with tools (router/app.py's chat endpoint)
   1. render     `render_conversation`: a chat template that writes calls itself ("native": it
-                mentions <tool_call>, or writes Llama 3's {"name": ..., "parameters": ...})
-                receives the tools and the history's calls and results as transformers passes
-                them to templates. Any other template gets pdserve's own system text listing the
-                tools (Qwen2.5's words), the history's calls written out in the Hermes syntax and
-                tool results as a user turn of <tool_response> blocks, as Qwen2.5's template
-                writes them. tool_choice "none" shows no tools (the output is all content).
+                mentions <tool_call> or [TOOL_CALLS], or writes Llama 3's {"name": ...,
+                "parameters": ...}) receives the tools and the history's calls and results as
+                transformers passes them to templates (Mistral's: each call id as 9 letters and
+                digits, `CallSyntax.history_id`). Any other template gets pdserve's own system text
+                listing the tools (Qwen2.5's words), the history's calls written out in the Hermes
+                syntax and tool results as a user turn of <tool_response> blocks, as Qwen2.5's
+                template writes them. tool_choice "none" shows no tools (the output is all content).
   2. constrain  `tool_grammar`: tool_choice "required" or a named function is a Lark grammar
                 (llguidance, engine/structured_output.py) in the template's syntax: the output is
                 one call (or, with parallel_tool_calls and a syntax that has them, several) of the
@@ -30,7 +35,10 @@ Life of a chat request with tools (router/app.py's chat endpoint)
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -50,17 +58,46 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 @dataclass(frozen=True)
 class CallSyntax:
     """How a model family writes calls: each call's text is `open` + {"name": ..., <arguments_key>:
-    {...}} + `close`, several joined by `separator` where `parallel` (else one per turn)."""
+    {...}} + `close`, several joined by `separator` where `parallel` (else one per turn); the
+    calls of a turn are `marker` + `prefix` ... `suffix`. `marker` is a special token where the
+    tokenizer has it as one (`marker_id`, filled in by `template_tools`), else text. Call ids
+    have `id_length` letters and digits where the template insists (0: OpenAI's call_...)."""
     name: str
     arguments_key: str
     open: str
     close: str
     separator: str
     parallel: bool
+    marker: str = ""
+    marker_id: int | None = None
+    prefix: str = ""
+    suffix: str = ""
+    id_length: int = 0
+
+    def new_id(self) -> str:
+        """A new call's id."""
+        return uuid.uuid4().hex[:self.id_length] if self.id_length else f"call_{uuid.uuid4().hex[:24]}"
+
+    def lark_before(self) -> list[str]:
+        """A forced turn's Lark terms before its first call: the marker (a special token by its
+        id) and the prefix."""
+        if self.marker_id is not None:
+            return [f"<[{self.marker_id}]>", *[json.dumps(self.prefix)] * bool(self.prefix)]
+        text = self.marker + self.prefix
+        return [json.dumps(text)] if text else []
+
+    def history_id(self, call_id: str) -> str:
+        """A history call's id (and its result's tool_call_id) as the template takes it: the
+        same id always maps to the same one, so a call and its result stay paired."""
+        if not self.id_length or (len(call_id) == self.id_length and call_id.isalnum()):
+            return call_id
+        return hashlib.sha256(call_id.encode()).hexdigest()[:self.id_length]
 
 
 HERMES = CallSyntax("hermes", "arguments", OPEN + "\n", "\n" + CLOSE, "\n", True)
 LLAMA3_JSON = CallSyntax("llama3_json", "parameters", "", "", "; ", False)
+MISTRAL = CallSyntax("mistral", "arguments", "", "", ", ", True, marker="[TOOL_CALLS]", prefix=" [", suffix="]",
+                     id_length=9)
 
 
 class FunctionDef(StrictOpen):
@@ -106,6 +143,9 @@ def template_tools(tokenizer) -> tuple[CallSyntax, bool]:
     """The syntax the model writes calls in, and whether its chat template shows tools and writes
     calls itself (native; else pdserve's Hermes text is shown)."""
     text = template_text(tokenizer)
+    if "tools" in text and MISTRAL.marker in text:        # v0.3 writes "[TOOL_CALLS] [", Nemo "[TOOL_CALLS]["
+        prefix = "[" if MISTRAL.marker + "[" in text else MISTRAL.prefix
+        return dataclasses.replace(MISTRAL, marker_id=tokenizer.get_vocab().get(MISTRAL.marker), prefix=prefix), True
     if "tools" in text and OPEN in text:
         return HERMES, True
     if "tools" in text and '{"name": ' in text and '"parameters": ' in text:     # Llama 3.1-3.3
@@ -137,11 +177,14 @@ def _call_text(call: MessageToolCall) -> str:
     return f"{OPEN}\n{json.dumps(body, ensure_ascii=False)}\n{CLOSE}"
 
 
-def render_conversation(messages, tools: list[Tool] | None, native: bool) -> tuple[list[dict], list[dict] | None]:
+def render_conversation(messages, tools: list[Tool] | None,
+                        native: CallSyntax | None) -> tuple[list[dict], list[dict] | None]:
     """The chat template's `messages` and `tools` arguments for a request's messages (ChatMessage,
-    router/openai_protocol.py) and the tools to show (None: none)."""
-    if native:
-        return [_native_message(m) for m in messages], [t.model_dump(exclude_none=True) for t in tools or ()] or None
+    router/openai_protocol.py) and the tools to show (None: none); `native`: the syntax of a
+    template that writes calls itself, None for pdserve's Hermes text."""
+    if native is not None:
+        return ([_native_message(m, native) for m in messages],
+                [t.model_dump(exclude_none=True) for t in tools or ()] or None)
     out: list[dict] = []
     after_tool = False      # consecutive tool results share one user turn
     for m in messages:
@@ -166,13 +209,13 @@ def render_conversation(messages, tools: list[Tool] | None, native: bool) -> tup
     return out, None
 
 
-def _native_message(m) -> dict:
+def _native_message(m, syntax: CallSyntax) -> dict:
     out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
     if m.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+        out["tool_calls"] = [{"id": syntax.history_id(c.id), "type": "function", "function": {
             "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
     if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
+        out["tool_call_id"] = syntax.history_id(m.tool_call_id)
     if m.name is not None:
         out["name"] = m.name
     return _with_reasoning(out, m)
@@ -213,7 +256,9 @@ def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool,
         return None
     several = parallel and choice == "required" and syntax.parallel
     functions = " | ".join(f"f{i}" for i in range(len(tools)))
-    lines = ["%llguidance {}", "start: call" + f" ({json.dumps(syntax.separator)} call)*" * several,
+    calls = "call" + f" ({json.dumps(syntax.separator)} call)*" * several
+    lines = ["%llguidance {}", " ".join(["start:", *syntax.lark_before(), calls,
+                                         *[json.dumps(syntax.suffix)] * bool(syntax.suffix)]),
              " ".join(["call:", *[json.dumps(syntax.open)] * bool(syntax.open), f"({functions})",
                        *[json.dumps(syntax.close)] * bool(syntax.close)])]
     for i, tool in enumerate(tools):

@@ -33,9 +33,40 @@ Call a function by answering {"name": function name, "parameters": its arguments
 {% endif %}"""
 
 
-def tokenizer_with(default_model_dir, d, template: str):
-    """The default model's tokenizer with another chat template."""
+# Mistral 7B-Instruct v0.3's way (its template, shortened): the tools before the last user turn,
+# calls as [TOOL_CALLS] and a JSON array, results as [TOOL_RESULTS]; call ids of 9 characters only
+MISTRAL_TEMPLATE = """{{- bos_token }}
+{%- set user_messages = messages | selectattr("role", "equalto", "user") | list %}
+{%- for message in messages %}
+{%- if message.role == "user" %}
+{%- if tools and message == user_messages[-1] %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{{- "[INST] " + message.content + "[/INST]" }}
+{%- elif message.tool_calls %}
+{{- message.content or "" }}[TOOL_CALLS] [
+{%- for tool_call in message.tool_calls %}
+{%- if tool_call.id | length != 9 %}{{ raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}
+{{- (tool_call.function | tojson)[:-1] + ', "id": "' + tool_call.id + '"}' }}{{ ", " if not loop.last else "]" + eos_token }}
+{%- endfor %}
+{%- elif message.role == "tool" %}
+{%- if message.tool_call_id | length != 9 %}{{ raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}
+{{- '[TOOL_RESULTS] {"content": ' + message.content | string + ', "call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+{%- else %}
+{{- " " + message.content + eos_token }}
+{%- endif %}
+{%- endfor %}"""
+MISTRAL_TOKENS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                  "[/TOOL_RESULTS]"]
+
+
+def tokenizer_with(default_model_dir, d, template: str, special_tokens: list[str] = ()):
+    """The default model's tokenizer with another chat template (and `special_tokens` added, as
+    single special tokens)."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir / name, d / name)
     (d / "chat_template.jinja").write_text(template)
-    return AutoTokenizer.from_pretrained(d)
+    tokenizer = AutoTokenizer.from_pretrained(d)
+    if special_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+        tokenizer.save_pretrained(d)
+        tokenizer = AutoTokenizer.from_pretrained(d)
+    return tokenizer

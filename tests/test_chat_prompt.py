@@ -27,7 +27,7 @@ def tokenizer(default_model_dir):
 
 
 def text(tok, body) -> str:
-    return tok.decode(chat_prompt_ids(tok, body, native_tools=False))
+    return tok.decode(chat_prompt_ids(tok, body, native_tools=None))
 
 
 def test_the_last_message_left_open_or_closed_or_a_new_turn(tokenizer):
@@ -109,7 +109,7 @@ def test_a_prefilled_answer_is_continued_through_both_pools(disagg, tokenizer):
     status, out = http(disagg, "/v1/chat/completions", body)
     assert status == 200, out
     out = json.loads(out)
-    expected = chat_prompt_ids(tokenizer, ChatCompletionRequest.model_validate(body), native_tools=False)
+    expected = chat_prompt_ids(tokenizer, ChatCompletionRequest.model_validate(body), native_tools=None)
     assert out["usage"]["prompt_tokens"] == len(expected)
     # the same prompt as a completion gives the same tokens
     status, same = http(disagg, "/v1/completions", {"model": MODEL, "prompt": expected, "max_tokens": 8,

@@ -82,7 +82,7 @@ def test_a_turns_reasoning_reaches_the_template_as_reasoning_content():
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning": "greet back"},
         {"role": "assistant", "content": "again", "reasoning_content": "older name"},
         {"role": "user", "content": "bye"}]})
-    for native in (True, False):
+    for native in (HERMES, None):
         conversation, _ = body.conversation(native)
         assert [m.get("reasoning_content") for m in conversation][1:3] == ["greet back", "older name"]
 

@@ -150,7 +150,8 @@ def llama3_tokenizer(default_model_dir, tmp_path_factory):
 
 
 def render(tok, body: ChatCompletionRequest) -> str:
-    conversation, tools = body.conversation(template_tools(tok)[1])
+    syntax, native = template_tools(tok)
+    conversation, tools = body.conversation(syntax if native else None)
     return tok.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
 
 

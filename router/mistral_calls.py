@@ -1,0 +1,156 @@
+"""Tool calls in Mistral's syntax (router/tools.py's MISTRAL): the output's content, then the
+marker [TOOL_CALLS] and a JSON array of calls, as vLLM's mistral parser reads it:
+
+    Let me look that up.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+The marker is a special token: the router decodes these requests with special tokens kept
+(`skip_special_tokens` false, as vLLM does), or the parser would never see it.
+  - Content streams until the marker; what may be the start of the marker is held back, and the
+    whitespace before it (content before calls is trimmed at its end).
+  - A call that opens as `{"name": "<name>", "arguments": {` ("parameters" too) streams as a
+    Hermes block does: its name at once, its arguments as they arrive (a JSON scanner finds
+    where they end). Other keys after the arguments (a model copying the history's "id") are
+    skipped to the call's closing brace. "," opens the next call; "]" ends the array, and
+    text after it is content again.
+  - An array element that opens any other way is held to the output's end, then the rest of
+    the array is read whole: if any element is not a call (an object with a string "name"),
+    that rest is content (and, where no call came before it, the marker too).
+Call ids are the syntax's (9 letters and digits, as Mistral's templates want them back).
+"""
+
+from __future__ import annotations
+
+import json
+
+from router.chat_prompt import partial_tag
+from router.tool_parser import HEAD, ObjectEnd, begun, call_of, extend_calls, head_name, held_back
+from router.tools import CallSyntax
+
+_DECODER = json.JSONDecoder()
+
+
+def _rest_of_array(text: str, new_id) -> tuple[list[dict], str] | None:
+    """The calls of an array's remaining elements (`text`: after its "[" or a ","), and the text
+    after its "]"; None where an element is not a call or the array does not close."""
+    calls, at = [], 0
+    while True:
+        try:
+            obj, at = _DECODER.raw_decode(text, len(text) - len(text[at:].lstrip()))
+        except json.JSONDecodeError:
+            return None
+        call = call_of(obj, new_id())
+        if call is None:
+            return None
+        calls.append(call)
+        rest = text[at:].lstrip()
+        if rest[:1] == "]":
+            return calls, rest[1:]
+        if rest[:1] != ",":
+            return None
+        at = len(text) - len(rest) + 1
+
+
+class MistralCallStream:
+    """One choice's output in Mistral's syntax. `first_only` (parallel_tool_calls false): calls
+    after the first are dropped."""
+
+    def __init__(self, syntax: CallSyntax, first_only: bool = False):
+        self._marker, self._new_id, self._first_only = syntax.marker, syntax.new_id, first_only
+        # content -> open ("[") -> head -> arguments -> close (the call's own brace) -> after
+        # ("," -> head; "]" -> content)
+        self._held, self._state = "", "content"
+        self._end: ObjectEnd | None = None      # arguments, close: where they end
+        self._dropped = False                   # arguments: the call is one first_only drops
+        self._after_call = False                # content right after calls starts at its first character
+        self.count = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(content now certain, call deltas): each delta with its call's stream `index`."""
+        self._held += text
+        return self._take(final=False)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The same for whatever was held; the output has ended."""
+        return self._take(final=True)
+
+    def _take(self, final: bool) -> tuple[str, list[dict]]:
+        content, calls = [], []
+        while True:
+            state, held = self._state, self._held
+            if state == "content":
+                if self._after_call:
+                    held = self._held = held.lstrip()
+                    self._after_call = not held
+                at = held.find(self._marker)
+                if at < 0:
+                    keep = 0 if final else held_back(held, self._marker)
+                    content.append(held[:len(held) - keep])
+                    self._held = held[len(held) - keep:]
+                    break
+                content.append(held[:at].rstrip())
+                self._held, self._state = held[at + len(self._marker):], "open"
+            elif state == "open":
+                rest = held.lstrip()
+                if not rest:
+                    break
+                if rest[0] == "[":
+                    self._held, self._state = rest[1:], "head"
+                else:                       # not an array: the marker's text is content
+                    content.append(self._marker)
+                    self._state = "content"
+            elif state == "head":
+                if not self._head(final, content, calls):
+                    break
+            elif state == "arguments":       # every character goes out; the scanner says where they end
+                end = self._end.feed(held)
+                out = held if end < 0 else held[:end]
+                if out and not self._dropped:
+                    extend_calls(calls, [{"index": self.count - 1, "function": {"arguments": out}}])
+                self._held = held[len(out):]
+                if end < 0:
+                    break
+                self._state, self._end = "close", ObjectEnd(depth=1)
+            elif state == "close":           # the call's closing brace, past any other keys
+                end = self._end.feed(held)
+                if end < 0:
+                    self._held = ""
+                    break
+                self._held, self._state = held[end:], "after"
+            else:                            # after a call: "," or "]"
+                rest = held.lstrip()
+                if not rest:
+                    break
+                if rest[0] == ",":
+                    self._held, self._state = rest[1:], "head"
+                else:                        # "]" ends the array; anything else: content from here
+                    self._held, self._state = rest[1:] if rest[0] == "]" else rest, "content"
+                    self._after_call = True
+        return "".join(content), calls
+
+    def _head(self, final: bool, content: list[str], calls: list[dict]) -> bool:
+        """An array element: a call whose name goes out now, else (at the output's end) the rest of
+        the array read whole. False: wait for more text."""
+        head = HEAD.match(self._held)
+        name = head_name(head)
+        rest = self._held.lstrip()
+        if name is not None:
+            self._dropped = self._first_only and self.count > 0
+            if not self._dropped:
+                extend_calls(calls, [begun(self.count, name, self._new_id())])
+                self.count += 1
+            self._held, self._state, self._end = self._held[head.end():], "arguments", ObjectEnd()
+        elif rest[:1] == "]":                # the array ends (or was empty)
+            self._held, self._state, self._after_call = rest[1:], "content", True
+        elif not final and rest[:1] in ("", "{"):
+            return False                     # may still be a call's head; else read whole at the end
+        elif (whole := _rest_of_array(self._held, self._new_id)) is None:
+            # not calls: content from here (with the marker and "[", where no call came before)
+            content.append("" if self.count else self._marker + " [")
+            self._state = "content"
+        else:
+            for call in whole[0]:
+                if not (self._first_only and self.count):
+                    extend_calls(calls, [{"index": self.count, **call}])
+                    self.count += 1
+            self._held, self._state, self._after_call = whole[1], "content", True
+        return True
