@@ -146,7 +146,7 @@ class MistralCallStream:
         elif (whole := _rest_of_array(self._held, self._new_id)) is None:
             # not calls: content from here (with the marker and "[", where no call came before)
             content.append("" if self.count else self._marker + " [")
-            self._state = "content"
+            self._state, self._after_call = "content", bool(self.count)
         else:
             for call in whole[0]:
                 if not (self._first_only and self.count):

@@ -101,6 +101,7 @@ OUTPUTS = [
     ("[TOOL_CALLS] no array", "[TOOL_CALLS] no array", []),
     ("[TOOL_CALLS] []", "", []),
     (f"[TOOL_CALLS] [{CALL[:60]}", None, ["get_weather"]),                             # cut inside its arguments
+    (f'[TOOL_CALLS] [{PING}, {{"name": "pi', '{"name": "pi', ["ping"]),                 # cut before: content
 ]
 
 
