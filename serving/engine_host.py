@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 
 import ray
 
@@ -24,6 +25,7 @@ from serving.cpu_share import CpuShare
 from serving.histogram import REPLICA_HISTOGRAMS, Histogram
 from serving.models import resolve_model
 from serving.serve_metrics import ReplicaSeries
+from serving.stats_registry import HEARTBEAT_S
 
 log = logging.getLogger(__name__)
 STATS_PERIOD_S = 0.5
@@ -100,11 +102,17 @@ class EngineHost:
                 "running": s.running, "waiting_prompt_tokens": s.waiting_prompt_tokens}
 
     async def _push_stats(self) -> None:
+        """Every STATS_PERIOD_S: stats that changed go to the registry (and Ray's gauges); stats
+        that did not, only every HEARTBEAT_S (an idle replica costs its node little)."""
+        last, last_at = b"", 0.0
         while True:
             try:
                 stats = await self.stats()
-                self.series.load(stats)
-                await self._registry.report.remote(messages.encode(stats))
+                data, now = messages.encode(stats), time.monotonic()
+                if data != last or now - last_at >= HEARTBEAT_S:
+                    self.series.load(stats)
+                    await self._registry.report.remote(data)
+                    last, last_at = data, now
             except Exception as exc:  # noqa: BLE001 - the registry may be restarting
                 log.debug("stats push failed: %s", exc)
             await asyncio.sleep(STATS_PERIOD_S)
