@@ -82,7 +82,7 @@ def wait_healthy(base: str, timeout=300.0) -> None:
                 return
         except OSError:
             pass
-        time.sleep(1)
+        time.sleep(0.25)
     raise TimeoutError("service not healthy")
 
 

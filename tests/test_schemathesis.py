@@ -29,7 +29,7 @@ from service_util import http, metrics, pools_all_free, tiny_app
 
 pytestmark = pytest.mark.slow
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance]
-EXAMPLES = {GenerationMode.POSITIVE: 100, GenerationMode.NEGATIVE: 60}   # per POST operation
+EXAMPLES = {GenerationMode.POSITIVE: 70, GenerationMode.NEGATIVE: 45}   # per POST operation
 PATH_ONLY_EXAMPLES = 25      # a GET or DELETE of a stored response: only its id to draw (random ones are 404s)
 
 
