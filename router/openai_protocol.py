@@ -76,6 +76,8 @@ CHAT_CROSS_FIELD = {"allOf": [implies("top_logprobs", {"type": "integer", "minim
 
 class StreamOptions(Strict):
     include_usage: bool = Field(False, description="Send a last chunk with `usage` (and no choices) before [DONE].")
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk also carries "
+                                         "`usage` so far.")
 
 
 class _Sampling(Strict):
@@ -200,6 +202,11 @@ class _Sampling(Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk with `usage` so far (vLLM's continuous_usage_stats, only with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 def _as_prompts(v) -> list:

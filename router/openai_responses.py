@@ -141,7 +141,7 @@ class Completion(_Body):
 
 class CompletionChunk(_Body):
     """One event of a streamed completion; the last one (`stream_options.include_usage`) has no
-    choices and carries `usage`."""
+    choices and carries `usage` (with `continuous_usage_stats` every one carries the usage so far)."""
     object: Literal["text_completion"]
     choices: list[CompletionChunkChoice]
     usage: Usage | None = None
@@ -223,7 +223,7 @@ class ChatChunkChoice(BaseModel):
 
 class ChatCompletionChunk(_Body):
     """One event of a streamed chat completion; the last one (`stream_options.include_usage`) has
-    no choices and carries `usage`."""
+    no choices and carries `usage` (with `continuous_usage_stats` every one carries the usage so far)."""
     object: Literal["chat.completion.chunk"]
     choices: list[ChatChunkChoice]
     usage: Usage | None = None

@@ -99,11 +99,14 @@ class Reply:
         return completion_body(self.rid, self.model_name, out, self.chat, chunk=False, use=self._usage(lasts))
 
     async def stream(self):
-        """The server-sent events: a chat's role chunks, a chunk per event that shows something,
-        the usage chunk if asked for, an error event if the request failed, then [DONE]."""
+        """The server-sent events: a chat's role chunks, a chunk per event that shows something
+        (each with the usage so far, where continuous usage was asked for), the usage chunk if
+        asked for, an error event if the request failed, then [DONE]."""
         chat, firsts = self.chat, self.firsts
 
         def data(choice: dict | None = None, use: dict | None = None) -> str:
+            if choice and self.body.continuous_usage:
+                use = self._usage(lasts)
             obj = completion_body(self.rid, self.model_name, [choice] if choice else [], chat, chunk=True, use=use)
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 

@@ -306,6 +306,13 @@ def test_n_choices_share_the_prompt_and_have_their_own_seeds(disagg):
         for c in e["choices"]:
             streamed[c["index"]] += c["text"]
     assert streamed == texts and events[-2]["usage"]["completion_tokens"] == 18
+    # vLLM's continuous_usage_stats: every chunk with the usage so far, counting up to the whole
+    status, text = http(disagg, "/v1/completions", {**body, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    events = sse_events(text)[:-1]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert status == 200 and all(e["usage"]["prompt_tokens"] == use["prompt_tokens"] for e in events)
+    assert counts == sorted(counts) and counts[0] < counts[-1] == 18 and not events[-1]["choices"]
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
             "temperature": 0, "n": 2}
     out = json.loads(http(disagg, "/v1/chat/completions", chat)[1])
