@@ -20,6 +20,7 @@ cluster, not this one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -184,23 +185,33 @@ class LocalCluster:
         return found
 
     def stop(self, grace_s: float = 10, keep_logs: Path | None = None) -> list[int]:
-        """Step 4: SIGTERM every process of the cluster, SIGKILL what is left after `grace_s`, remove the
-        temp dir (its Ray logs copied to `keep_logs` first, if given). Returns the pids that were still
-        alive at the end (expected: none)."""
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5)):
-            for pid in self.pids():
-                try:
+        """Step 4: SIGTERM every process of the cluster but the GCS, then the GCS once they are gone (a
+        raylet told to stop while the GCS is also going waits out its grace for it), SIGKILL what is
+        left after `grace_s`; remove the temp dir (its Ray logs copied to `keep_logs` first, if given).
+        Returns the pids that were still alive at the end (expected: none)."""
+        deadline = time.monotonic() + grace_s
+        for sig, chosen in ((signal.SIGTERM, lambda pid: not _is_gcs(pid)), (signal.SIGTERM, lambda pid: True),
+                            (signal.SIGKILL, lambda pid: True)):
+            if sig == signal.SIGKILL:
+                deadline = time.monotonic() + 5
+            for pid in filter(chosen, self.pids()):
+                with contextlib.suppress(OSError):
                     os.kill(pid, sig)
-                except OSError:
-                    pass
-            deadline = time.monotonic() + wait_s
-            while self.pids() and time.monotonic() < deadline:
+            while any(map(chosen, self.pids())) and time.monotonic() < deadline:
                 time.sleep(0.2)
         left = self.pids()
         if keep_logs is not None:
             shutil.copytree(self.tmp_dir / "ray" / "session_latest" / "logs", keep_logs, dirs_exist_ok=True)
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
         return left
+
+
+def _is_gcs(pid: int) -> bool:
+    """The process is the cluster's GCS server."""
+    try:
+        return b"gcs_server" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except OSError:
+        return False
 
 
 def _ancestors() -> set[int]:
