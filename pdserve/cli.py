@@ -135,7 +135,8 @@ def _wait_deployed(name: str, app: dict, timeout: float) -> int:
     return 1
 
 
-FLAG_KEYS = ("model", "mode", "model_cache", "api_key")    # the AppConfig keys `pdserve serve` takes as flags
+# the AppConfig keys `pdserve serve` takes as flags
+FLAG_KEYS = ("model", "served_model_name", "mode", "model_cache", "api_key")
 
 
 def _app_config(args, running_args: dict | None = None):
@@ -154,6 +155,8 @@ def _app_config(args, running_args: dict | None = None):
     except (OSError, yaml.YAMLError, pydantic.ValidationError) as exc:
         _config_error(args.config, exc)
     updates = {k: getattr(args, k, None) for k in FLAG_KEYS if getattr(args, k, None) is not None}
+    if len(updates.get("served_model_name") or ()) == 1:       # --served-model-name NAME [NAME ...]
+        updates["served_model_name"] = updates["served_model_name"][0]
     data = cfg.model_dump()
     data.update(updates)
     kept = [k for k in FLAG_KEYS if running_args and k in running_args
@@ -270,6 +273,8 @@ def _app_arguments(p: argparse.ArgumentParser) -> None:
     """The application's options, shared by `serve` and `deploy` (`_app_config` reads them)."""
     p.add_argument("--config", help="Serve config YAML (see serve_config.yaml)")
     p.add_argument("--model", help="default model id or a local HF model directory")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model's id in the API; more names are aliases (as vLLM's flag)")
     p.add_argument("--model-cache", help="where the default model is converted and cached")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
@@ -280,11 +285,8 @@ def _app_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-replicas", type=int)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:                       # its own parser: see pdserve/bench.py
-        from pdserve import bench
-        return bench.main(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of every subcommand but `bench` (its own: pdserve/bench.py)."""
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="start the OpenAI-compatible service on Ray Serve")
@@ -328,7 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     sm = sub.add_parser("simulate", help="discrete-event simulation of a P/D or colocated fleet (pdserve/plan/sim_cli.py)")
     sim_cli.add_arguments(sm)
     sm.set_defaults(fn=sim_cli.run)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:                       # its own parser: see pdserve/bench.py
+        from pdserve import bench
+        return bench.main(argv[1:])
+    args = build_parser().parse_args(argv)
     return args.fn(args)
 
 

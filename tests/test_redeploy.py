@@ -157,6 +157,22 @@ def test_deploy_keeps_the_running_services_flag_settings_the_file_leaves_out(tmp
     assert cli._app_config(flagged, running).api_key == "L"
 
 
+def test_served_model_name_flag_takes_one_name_or_aliases_and_a_deploy_keeps_it(tmp_path, tiny_llama_dir):
+    """`--served-model-name NAME [NAME ...]` (vLLM's flag): one name is the name, more are aliases; a
+    later `pdserve deploy` that names none keeps the running service's (its clients' model names)."""
+    from pdserve import cli
+    path = tmp_path / "s.yaml"
+    path.write_text(f"model: {tiny_llama_dir}\n")
+    assert cli._app_config(cli.build_parser().parse_args(["serve", "--config", str(path),
+                                                          "--served-model-name", "m1"])).served_model_name == "m1"
+    both = cli._app_config(cli.build_parser().parse_args(["serve", "--config", str(path),
+                                                          "--served-model-name", "m1", "gpt-4o"]))
+    assert both.model_names == ("m1", "gpt-4o")
+    kept = cli._app_config(cli.build_parser().parse_args(["deploy", "--config", str(path), "--dry-run"]),
+                           {"served_model_name": ["m1", "gpt-4o"]})
+    assert kept.served_model_name == ["m1", "gpt-4o"]
+
+
 def test_allowed_origin_flags_set_the_cors_origins(tmp_path, tiny_llama_dir):
     """`pdserve serve --allowed-origin A --allowed-origin B` is `cors.allowed_origins: [A, B]`, over the
     file's; a malformed origin is refused before anything starts."""
