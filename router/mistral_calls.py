@@ -62,6 +62,8 @@ class MistralCallStream:
         self._end: ObjectEnd | None = None      # arguments, close: where they end
         self._dropped = False                   # arguments: the call is one first_only drops
         self._after_call = False                # content right after calls starts at its first character
+        self._opening = ""                      # head: the array's opening text, marker to "["
+
         self.count = 0
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
@@ -94,6 +96,7 @@ class MistralCallStream:
                 if not rest:
                     break
                 if rest[0] == "[":
+                    self._opening = self._marker + held[:len(held) - len(rest) + 1]
                     self._held, self._state = rest[1:], "head"
                 else:                       # not an array: the marker's text is content
                     content.append(self._marker)
@@ -145,7 +148,7 @@ class MistralCallStream:
             return False                     # may still be a call's head; else read whole at the end
         elif (whole := _rest_of_array(self._held, self._new_id)) is None:
             # not calls: content from here (with the marker and "[", where no call came before)
-            content.append("" if self.count else self._marker + " [")
+            content.append("" if self.count else self._opening)
             self._state, self._after_call = "content", bool(self.count)
         else:
             for call in whole[0]:

@@ -98,6 +98,7 @@ OUTPUTS = [
     (f"[TOOL_CALLS] [{CALL}]\n\nDone.", "Done.", ["get_weather"]),                    # content after the array
     ('[TOOL_CALLS] [{"arguments": {"city": "Paris", "unit": "celsius"}, "name": "g"}]', None, ["g"]),  # read whole
     ('[TOOL_CALLS] [{"city": "Paris"}]', '[TOOL_CALLS] [{"city": "Paris"}]', []),      # not a call: content
+    ('[TOOL_CALLS]\n[{"city": "Paris"}]', '[TOOL_CALLS]\n[{"city": "Paris"}]', []),
     ("[TOOL_CALLS] no array", "[TOOL_CALLS] no array", []),
     ("[TOOL_CALLS] []", "", []),
     (f"[TOOL_CALLS] [{CALL[:60]}", None, ["get_weather"]),                             # cut inside its arguments
