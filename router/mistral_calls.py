@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 
 from router.chat_prompt import partial_tag
-from router.tool_parser import HEAD, ObjectEnd, begun, call_of, extend_calls, head_name, held_back
+from router.tool_parser import HEAD, JsonCalls, ObjectEnd, call_of, head_name, held_back
 from router.tools import CallSyntax
 
 _DECODER = json.JSONDecoder()
@@ -50,30 +50,18 @@ def _rest_of_array(text: str, new_id) -> tuple[list[dict], str] | None:
         at = len(text) - len(rest) + 1
 
 
-class MistralCallStream:
+class MistralCallStream(JsonCalls):
     """One choice's output in Mistral's syntax. `first_only` (parallel_tool_calls false): calls
     after the first are dropped."""
 
     def __init__(self, syntax: CallSyntax, first_only: bool = False):
-        self._marker, self._new_id, self._first_only = syntax.marker, syntax.new_id, first_only
+        super().__init__(first_only, syntax.new_id)
+        self._marker = syntax.marker
         # content -> open ("[") -> head -> arguments -> close (the call's own brace) -> after
         # ("," -> head; "]" -> content)
-        self._held, self._state = "", "content"
-        self._end: ObjectEnd | None = None      # arguments, close: where they end
-        self._dropped = False                   # arguments: the call is one first_only drops
+        self._state = "content"
         self._after_call = False                # content right after calls starts at its first character
         self._opening = ""                      # head: the array's opening text, marker to "["
-
-        self.count = 0
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        """(content now certain, call deltas): each delta with its call's stream `index`."""
-        self._held += text
-        return self._take(final=False)
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """The same for whatever was held; the output has ended."""
-        return self._take(final=True)
 
     def _take(self, final: bool) -> tuple[str, list[dict]]:
         content, calls = [], []
@@ -104,13 +92,8 @@ class MistralCallStream:
             elif state == "head":
                 if not self._head(final, content, calls):
                     break
-            elif state == "arguments":       # every character goes out; the scanner says where they end
-                end = self._end.feed(held)
-                out = held if end < 0 else held[:end]
-                if out and not self._dropped:
-                    extend_calls(calls, [{"index": self.count - 1, "function": {"arguments": out}}])
-                self._held = held[len(out):]
-                if end < 0:
+            elif state == "arguments":
+                if not self._stream_arguments(calls):
                     break
                 self._state, self._end = "close", ObjectEnd(depth=1)
             elif state == "close":           # the call's closing brace, past any other keys
@@ -137,11 +120,8 @@ class MistralCallStream:
         name = head_name(head)
         rest = self._held.lstrip()
         if name is not None:
-            self._dropped = self._first_only and self.count > 0
-            if not self._dropped:
-                extend_calls(calls, [begun(self.count, name, self._new_id())])
-                self.count += 1
-            self._held, self._state, self._end = self._held[head.end():], "arguments", ObjectEnd()
+            self._begin(name, calls)
+            self._held, self._state = self._held[head.end():], "arguments"
         elif rest[:1] == "]":                # the array ends (or was empty)
             self._held, self._state, self._after_call = rest[1:], "content", True
         elif not final and rest[:1] in ("", "{"):
@@ -151,9 +131,6 @@ class MistralCallStream:
             content.append("" if self.count else self._opening)
             self._state, self._after_call = "content", bool(self.count)
         else:
-            for call in whole[0]:
-                if not (self._first_only and self.count):
-                    extend_calls(calls, [{"index": self.count, **call}])
-                    self.count += 1
+            self._add_whole(whole[0], calls)
             self._held, self._state, self._after_call = whole[1], "content", True
         return True

@@ -285,25 +285,66 @@ class ObjectEnd:
         return -1
 
 
-class JsonCallStream:
-    """One choice's output in Llama 3's JSON syntax. `first_only` (parallel_tool_calls false):
-    calls after the first are dropped (the template has no turn of several)."""
+class JsonCalls:
+    """What the streams of JSON calls (Llama 3's, Mistral's) share: the text held, calls begun and
+    counted (`first_only`, parallel_tool_calls false: calls after the first are dropped), a call's
+    arguments streamed as they arrive until a scanner finds their end. A subclass's `_take` is its
+    state machine."""
 
-    def __init__(self, first_only: bool = False):
-        # start -> content | head (a call's head; else held and read whole at the end) -> arguments ->
-        # close (its own brace) -> after (";": head again; other text: content)
-        self._held, self._state = "", "start"
-        self._first_only = first_only
+    def __init__(self, first_only: bool, new_id):
+        self._held = ""
+        self._first_only, self._new_id = first_only, new_id
         self._end: ObjectEnd | None = None      # arguments: where the call's arguments end
-        self._dropped = False                    # arguments: the call is one first_only drops
-        self.count = 0
+        self._dropped = False                   # arguments: the call is one first_only drops
+        self.count = 0                          # calls begun so far; the next one's stream index
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(content now certain, call deltas): each delta with its call's stream `index`."""
         self._held += text
         return self._take(final=False)
 
     def finish(self) -> tuple[str, list[dict]]:
+        """The same for whatever was held; the output has ended."""
         return self._take(final=True)
+
+    def _take(self, final: bool) -> tuple[str, list[dict]]:
+        raise NotImplementedError
+
+    def _begin(self, name: str, calls: list[dict]) -> None:
+        """A call whose head (its name) was read: its first delta, unless first_only drops it."""
+        self._dropped = self._first_only and self.count > 0
+        if not self._dropped:
+            extend_calls(calls, [begun(self.count, name, self._new_id())])
+            self.count += 1
+        self._end = ObjectEnd()
+
+    def _add_whole(self, whole: list[dict], calls: list[dict]) -> None:
+        """Calls read whole (at the output's end), but those first_only drops."""
+        for call in whole:
+            if not (self._first_only and self.count):
+                extend_calls(calls, [{"index": self.count, **call}])
+                self.count += 1
+
+    def _stream_arguments(self, calls: list[dict]) -> bool:
+        """Every held character of the current call's arguments goes out (unless the call is
+        dropped); True once the scanner found their end (the held text is what follows them)."""
+        end = self._end.feed(self._held)
+        out = self._held if end < 0 else self._held[:end]
+        if out and not self._dropped:
+            extend_calls(calls, [{"index": self.count - 1, "function": {"arguments": out}}])
+        self._held = self._held[len(out):]
+        return end >= 0
+
+
+class JsonCallStream(JsonCalls):
+    """One choice's output in Llama 3's JSON syntax. `first_only` (parallel_tool_calls false):
+    calls after the first are dropped (the template has no turn of several)."""
+
+    def __init__(self, first_only: bool = False):
+        super().__init__(first_only, HERMES.new_id)
+        # start -> content | head (a call's head; else held and read whole at the end) -> arguments ->
+        # close (its own brace) -> after (";": head again; other text: content)
+        self._state = "start"
 
     def _take(self, final: bool) -> tuple[str, list[dict]]:
         content, calls = [], []
@@ -330,24 +371,13 @@ class JsonCallStream:
                     whole = _json_calls(held) if held.strip() else []
                     if whole is None:              # after calls: content from its first character
                         content.append(held.lstrip() if self.count else held)
-                    for call in whole or ():
-                        if not (self._first_only and self.count):
-                            extend_calls(calls, [{"index": self.count, **call}])
-                            self.count += 1
+                    self._add_whole(whole or [], calls)
                     self._held, self._state = "", "content"
                     break
-                self._dropped = self._first_only and self.count > 0
-                if not self._dropped:
-                    extend_calls(calls, [begun(self.count, name)])
-                    self.count += 1
-                self._held, self._state, self._end = held[head.end():], "arguments", ObjectEnd()
-            elif state == "arguments":          # every character goes out; the scanner says where they end
-                end = self._end.feed(held)
-                out = held if end < 0 else held[:end]
-                if out and not self._dropped:
-                    extend_calls(calls, [{"index": self.count - 1, "function": {"arguments": out}}])
-                self._held = held[len(out):]
-                if end < 0:
+                self._begin(name, calls)
+                self._held, self._state = held[head.end():], "arguments"
+            elif state == "arguments":
+                if not self._stream_arguments(calls):
                     break
                 self._state = "close"
             else:                               # close: the call's own brace; after: ";" or the end
