@@ -14,6 +14,20 @@ from tiny_models import tiny_model_dir
 REPO_MODEL_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "models"
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_as_found():
+    """Each test leaves this process's torch threads as it found them. `torch.set_num_threads` on another
+    thread (an AsyncEngine's engine thread stepping on the threads a CPU share grants) changes state the
+    main thread's later OpenMP regions use, though `torch.get_num_threads()` here still reads the same: after
+    test_cpu_share's engine stepped on 3 threads, every later in-process engine test ran 3 threads on this
+    2-core machine, 2-2.5x slower (test_engine_exact 230 s instead of 100). Setting the count again here, on
+    the main thread, puts it back."""
+    import torch
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory (safetensors, tokenizer with chat template)."""
