@@ -14,6 +14,14 @@ from tiny_models import tiny_model_dir
 REPO_MODEL_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "models"
 
 
+def pytest_collection_modifyitems(items):
+    """The tests that need no session Ray cluster (no `ray_serve`, directly or through another fixture) run
+    first, in their usual order, then the rest: an in-process engine test then runs with no Ray processes
+    beside it (the session's apps, idle, cost ~30 % of a core, and any other runnable thread stalls a 2-thread
+    OpenMP step at its barrier). A module whose tests fall in both groups is set up once per group."""
+    items.sort(key=lambda item: "ray_serve" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture(autouse=True)
 def torch_threads_as_found():
     """Each test leaves this process's torch threads as it found them. `torch.set_num_threads` on another
