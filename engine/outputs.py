@@ -9,11 +9,15 @@ from dataclasses import dataclass, field
 class TokenLogprobs:
     """One output token's log-probability under the model and the `k` most likely tokens
     with theirs, most likely first (k = the request's `logprobs`; may or may not include the
-    chosen token). Also a wire type: the replicas send it to the router inside messages."""
+    chosen token). `rank`: the token's place in the model's distribution (1: the likeliest;
+    1 + the number of tokens more likely than it), computed for prompt tokens only (vLLM's
+    `prompt_logprobs` show it), else None. Also a wire type: the replicas send it to the router
+    inside messages."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

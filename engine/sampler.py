@@ -150,19 +150,21 @@ PROMPT_LOGPROB_SLICE = 256   # rows through the LM head at once
 def prompt_logprobs(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: list[int],
                     k: int) -> list[TokenLogprobs]:
     """Log-probability of each `targets[i]` (the prompt token after row i) under the model's
-    distribution at row i of `hidden` ([len(targets), hidden]), with the k most likely tokens;
-    computed PROMPT_LOGPROB_SLICE rows at a time."""
+    distribution at row i of `hidden` ([len(targets), hidden]), its rank there, and the k most
+    likely tokens; computed PROMPT_LOGPROB_SLICE rows at a time."""
     assert hidden.shape[0] == len(targets)
     out: list[TokenLogprobs] = []
     for a in range(0, len(targets), PROMPT_LOGPROB_SLICE):
         lp = lm_head(hidden[a:a + PROMPT_LOGPROB_SLICE]).float().log_softmax(dim=-1)
         tgt = torch.tensor(targets[a:a + PROMPT_LOGPROB_SLICE], device=lp.device)
-        chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()
-        tops = [()] * len(chosen)
+        chosen = lp.gather(1, tgt[:, None])
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        tops = [()] * len(ranks)
         if k:
             values, ids = lp.topk(k, dim=-1)
             tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        out += [TokenLogprobs(t, c, top) for t, c, top in zip(targets[a:a + PROMPT_LOGPROB_SLICE], chosen, tops)]
+        out += [TokenLogprobs(t, c, top, r) for t, c, top, r
+                in zip(targets[a:a + PROMPT_LOGPROB_SLICE], chosen[:, 0].tolist(), tops, ranks)]
     return out
 
 

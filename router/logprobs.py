@@ -3,7 +3,8 @@
 One `LogprobsFormatter` per choice: `chat(entries)` builds the chat API's
 `{"content": [{token, logprob, bytes, top_logprobs}]}` and `completion(entries)` the legacy
 completions API's `{tokens, token_logprobs, top_logprobs, text_offset}` (with `echo`, the prompt's
-tokens first); a streamed choice calls it once per chunk and `text_offset` runs on across chunks. A token's string is the tokenizer's
+tokens first); a streamed choice calls it once per chunk and `text_offset` runs on across chunks.
+`vllm_prompt_logprobs` builds vLLM's `prompt_logprobs` list. A token's string is the tokenizer's
 decoding of it alone (special tokens included); its `bytes` are the token's exact bytes when the
 tokenizer is byte-level (GPT-2 style), so a character split across tokens keeps its bytes, and
 the UTF-8 encoding of that string otherwise.
@@ -12,6 +13,8 @@ the UTF-8 encoding of that string otherwise.
 from __future__ import annotations
 
 from engine.outputs import TokenLogprobs
+
+MAX_SHOWN = 1 << 30
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -53,8 +56,11 @@ class TokenStrings:
 
 
 class LogprobsFormatter:
-    def __init__(self, strings: TokenStrings):
-        self.strings = strings
+    """`top`: the alternatives a token shows at most (the request's `logprobs`: an echoed prompt's
+    entries may carry more, computed for vLLM's `prompt_logprobs`)."""
+
+    def __init__(self, strings: TokenStrings, top: int = MAX_SHOWN):
+        self.strings, self.top = strings, top
         self.offset = 0   # characters of completion text before the next token
 
     def chat(self, entries: tuple[TokenLogprobs, ...]) -> dict:
@@ -87,7 +93,20 @@ class LogprobsFormatter:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             return
-        top = {self.strings(t)[0]: v for t, v in entry.top}
+        top = {self.strings(t)[0]: v for t, v in entry.top[:self.top]}
         top.setdefault(text, entry.logprob)   # as vLLM: the chosen token is always listed
         out["token_logprobs"].append(entry.logprob)
         out["top_logprobs"].append(top)
+
+
+def vllm_prompt_logprobs(strings: TokenStrings, entries: tuple[TokenLogprobs, ...], k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: null for the prompt's first token, then for each later token (the
+    engine's `entries`, in order) token id (a string) to {logprob, rank, decoded_token}: the prompt
+    token first, then the k likeliest (rank 1..k) that are not it."""
+    out: list[dict | None] = [None]
+    for e in entries:
+        item = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": strings(e.token_id)[0]}}
+        for rank, (t, v) in enumerate(e.top[:k], 1):
+            item.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": strings(t)[0]})
+        out.append(item)
+    return out

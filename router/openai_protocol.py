@@ -68,10 +68,13 @@ COMPLETION_CROSS_FIELD = {"allOf": [
 # response_format and structured_outputs, not both
 _ONE_STRUCTURE = {"not": {"properties": {"response_format": {"type": "object"}, "structured_outputs": {"type": "object"}},
                           "required": ["response_format", "structured_outputs"]}}
-COMPLETION_CROSS_FIELD["allOf"].append(_ONE_STRUCTURE)
+# prompt_logprobs above 0, not streamed (vLLM's rule)
+_PROMPT_LOGPROBS_UNSTREAMED = implies("prompt_logprobs", {"type": "integer", "minimum": 1},
+                                      {"properties": {"stream": {"const": False}}})
+COMPLETION_CROSS_FIELD["allOf"] += [_ONE_STRUCTURE, _PROMPT_LOGPROBS_UNSTREAMED]
 CHAT_CROSS_FIELD = {"allOf": [implies("top_logprobs", {"type": "integer", "minimum": 1},
                                        {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
-                              _ONE_STRUCTURE]}
+                              _ONE_STRUCTURE, _PROMPT_LOGPROBS_UNSTREAMED]}
 
 
 class StreamOptions(Strict):
@@ -125,11 +128,19 @@ class _Sampling(Strict):
     response_format: ResponseFormat | None = Field(None, description="JSON output: any object, or a value of a "
                                                    "schema (the output follows it token by token).")
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's; not with response_format.")
+    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description="vLLM's: the log-probability and rank of each prompt token after the first, with this "
+                          "many likeliest alternatives, as `prompt_logprobs` (a completion choice's; chat: the "
+                          "response's): null for the first token, then token id (a string) to {logprob, rank, "
+                          "decoded_token}. Not with stream above 0 (as vLLM; 0 with stream shows nothing); "
+                          "vLLM's -1 (the whole vocabulary) is not served.")
 
     @model_validator(mode="after")
     def _one_structure(self):
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("give response_format or structured_outputs, not both")
+        if self.prompt_logprobs and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true")
         for name in ("allowed_token_ids", "bad_words"):
             if getattr(self, name) is not None and _Sampling.structured(self) is not None:
                 raise ValueError(f"{name} cannot be combined with response_format or structured_outputs")
@@ -152,8 +163,13 @@ class _Sampling(Strict):
         raise NotImplementedError
 
     def prompt_logprob_count(self) -> int | None:
-        """The same for the prompt's tokens (completions with `echo`); None = none."""
-        return None
+        """The same for the prompt's tokens (vLLM's prompt_logprobs, and completions' `echo`), as
+        the engine computes them; None = none."""
+        return self.shown_prompt_logprobs()
+
+    def shown_prompt_logprobs(self) -> int | None:
+        """vLLM's `prompt_logprobs` where the response shows them (not streamed); None = not."""
+        return None if self.stream else self.prompt_logprobs
 
     @property
     def prompt_only(self) -> bool:
@@ -257,7 +273,8 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
     def prompt_logprob_count(self) -> int | None:
-        return self.logprobs if self.echo else None
+        counts = [k for k in (self.logprobs if self.echo else None, self.shown_prompt_logprobs()) if k is not None]
+        return max(counts) if counts else None
 
 
 class TextPart(StrictOpen):

@@ -116,15 +116,27 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class PromptTokenLogprob(BaseModel):
+    logprob: float
+    rank: int = Field(ge=1, description="1: the likeliest token there.")
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
+PROMPT_LOGPROBS = ("With vLLM's prompt_logprobs: null for the prompt's first token, then per token its id (a "
+                   "string) to its logprob, rank and text, and the same for the k likeliest tokens there.")
+
+
+class CompletionChunkChoice(BaseModel):
     index: int = Field(ge=0, description="prompt x n + j")
     text: str
     logprobs: CompletionLogprobs | None
-    finish_reason: FinishReason
-
-
-class CompletionChunkChoice(CompletionChoice):
     finish_reason: FinishReason | None = Field(description="Set on the choice's last chunk.")
+
+
+class CompletionChoice(CompletionChunkChoice):
+    finish_reason: FinishReason
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=PROMPT_LOGPROBS)
 
 
 class _Body(BaseModel):
@@ -205,6 +217,7 @@ class ChatCompletion(_Body):
     object: Literal["chat.completion"]
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=PROMPT_LOGPROBS)
 
 
 class Delta(BaseModel):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from router.chat_output import ChatOutputShape
 from router.choice_view import ChoiceView, extend_logprobs
 from router.choices import Choices
-from router.logprobs import LogprobsFormatter, TokenStrings
+from router.logprobs import LogprobsFormatter, TokenStrings, vllm_prompt_logprobs
 from router.metrics import RequestMetrics
 from router.openai_responses import choice_body, completion_body, error_body, error_response, usage
 from router.orchestrator import RequestFailed
@@ -49,9 +49,19 @@ class Reply:
     def _views(self) -> list[ChoiceView]:
         """One view per choice (prompt p's choices are p*n .. p*n + n-1)."""
         body = self.body
-        return [ChoiceView(LogprobsFormatter(self.token_strings) if body.logprob_count() is not None else None,
-                           self.chat, self.echoes[k // body.n] if self.echoes else None, body.prompt_only)
-                for k in range(len(self.firsts))]
+        k = body.logprob_count()
+        return [ChoiceView(LogprobsFormatter(self.token_strings, k) if k is not None else None,
+                           self.chat, self.echoes[i // body.n] if self.echoes else None, body.prompt_only)
+                for i in range(len(self.firsts))]
+
+    def _prompt_logprobs(self) -> list[list[dict | None]] | None:
+        """vLLM's `prompt_logprobs` of each prompt, when asked for: from its first choice's first
+        event (the engine that computed the prompt sent them; the prompt's other choices show the same)."""
+        k = self.body.shown_prompt_logprobs()
+        if k is None:
+            return None
+        return [vllm_prompt_logprobs(self.token_strings, self.firsts[g].prompt_logprobs, k)
+                for g in range(0, len(self.firsts), self.body.n)]
 
     def _usage(self, lasts: list[messages.TokenEvent]) -> dict:
         """Each prompt once, the completion tokens of every choice (none for a prompt-only echo),
@@ -87,16 +97,22 @@ class Reply:
             await self.choices.aclose()
         self.metrics.finish("ok")
         self._observe(lasts)
-        out = []
+        prompt_logprobs, out = self._prompt_logprobs(), []
         for i, last in enumerate(lasts):
             text, finish, reasoning, calls = texts[i], views[i].finish_reason(last), None, None
             if self.shape is not None and not self.shape.plain:    # reasoning and tool calls apart
                 output = self.shape.choice()
                 reasoning, text, calls = output.message(text)
                 finish = output.finish_reason(finish)
-            out.append(choice_body(i, text, finish, self.chat, chunk=False, logprobs=logprobs[i], tool_calls=calls,
-                                   reasoning=reasoning))
-        return completion_body(self.rid, self.model_name, out, self.chat, chunk=False, use=self._usage(lasts))
+            choice = choice_body(i, text, finish, self.chat, chunk=False, logprobs=logprobs[i], tool_calls=calls,
+                                 reasoning=reasoning)
+            if prompt_logprobs is not None and not self.chat:
+                choice["prompt_logprobs"] = prompt_logprobs[i // self.body.n]
+            out.append(choice)
+        whole = completion_body(self.rid, self.model_name, out, self.chat, chunk=False, use=self._usage(lasts))
+        if prompt_logprobs is not None and self.chat:
+            whole["prompt_logprobs"] = prompt_logprobs[0]
+        return whole
 
     async def stream(self):
         """The server-sent events: a chat's role chunks, a chunk per event that shows something

@@ -299,4 +299,6 @@ def _logprobs(body: dict) -> TokenLogprobs:
     top = tuple((int(t), float(v)) for t, v in lp.top)
     if not isinstance(lp.token_id, int) or not isinstance(lp.logprob, float):
         raise TypeError("logprobs: token_id must be an int and logprob a float")
-    return TokenLogprobs(lp.token_id, lp.logprob, top)
+    if lp.rank is not None and not isinstance(lp.rank, int):
+        raise TypeError("logprobs: rank must be an int or null")
+    return TokenLogprobs(lp.token_id, lp.logprob, top, lp.rank)

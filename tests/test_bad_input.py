@@ -84,6 +84,8 @@ CASES = [
     ("logprobs negative", "/v1/completions", {**GOOD, "logprobs": -1}, 400),
     ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 3}, 400),
     ("top_logprobs above 20", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400),
+    ("prompt_logprobs streamed", "/v1/completions", {**GOOD, "prompt_logprobs": 1, "stream": True}, 400),
+    ("prompt_logprobs of the whole vocabulary", "/v1/chat/completions", {**CHAT, "prompt_logprobs": -1}, 400),
     ("echo wrong type", "/v1/completions", {**GOOD, "echo": [1]}, 400),
     ("echo on chat", "/v1/chat/completions", {**CHAT, "echo": True}, 400),
     ("lone surrogate in the prompt", "/v1/completions", b'{"model": "%s", "prompt": "a\\udcf3"}' % M.encode(), 400),

@@ -366,5 +366,10 @@ def test_prompt_logprobs_match_hf_forward_across_chunks_and_with_a_cached_prefix
             assert [[t for t, _ in lp.top] for lp in got.prompt_logprobs[:5]] == top.indices[:5].tolist()
             assert [v for lp in got.prompt_logprobs for _, v in lp.top] == pytest.approx(
                 top.values.flatten().tolist(), abs=1e-3)
+            chosen = ref[torch.arange(len(p) - 1), torch.tensor(p[1:])][:, None]   # ranks: Hugging Face's, within 1e-3
+            low = ((ref[:-1] > chosen + 1e-3).sum(-1) + 1).tolist()
+            high = ((ref[:-1] > chosen - 1e-3).sum(-1) + 1).tolist()
+            assert all(lo <= lp.rank <= hi for lo, lp, hi in zip(low, got.prompt_logprobs, high))
+            assert len(set(low)) > 3, "every prompt token ranks alike: the test would not see a wrong rank"
             assert got.num_cached_tokens == 0
     assert engine.block_manager.all_free()

@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.outputs import TokenLogprobs
-from router.logprobs import LogprobsFormatter, TokenStrings
+from router.logprobs import LogprobsFormatter, TokenStrings, vllm_prompt_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +51,26 @@ def test_echo_puts_the_prompt_first_with_no_logprob_for_its_first_token(strings)
     assert got["top_logprobs"][0] is None and got["top_logprobs"][1] == {got["tokens"][1]: -1.0}
     assert got["text_offset"][:2] == [0, len(got["tokens"][0])]
     assert fmt.offset == len("".join(got["tokens"]))
+
+
+def test_vllm_prompt_logprobs_list_the_prompt_token_first_then_the_likeliest_with_their_ranks(strings):
+    prompt = strings.tokenizer.encode("The sky is blue")
+    a, b = prompt[1], prompt[2]
+    entries = (TokenLogprobs(a, -0.1, ((a, -0.1), (b, -2.5)), 1),          # the likeliest itself
+               TokenLogprobs(b, -4.0, ((a, -0.3), (7, -1.9)), 9))
+    got = vllm_prompt_logprobs(strings, entries, 2)
+    assert got[0] is None and len(got) == 3
+    assert got[1] == {str(a): {"logprob": -0.1, "rank": 1, "decoded_token": strings(a)[0]},
+                      str(b): {"logprob": -2.5, "rank": 2, "decoded_token": strings(b)[0]}}
+    assert list(got[2]) == [str(b), str(a), "7"]                         # the prompt token first
+    assert got[2][str(b)]["rank"] == 9 and got[2]["7"] == {"logprob": -1.9, "rank": 2, "decoded_token": strings(7)[0]}
+    assert vllm_prompt_logprobs(strings, entries, 0) == [None, {str(a): got[1][str(a)]}, {str(b): got[2][str(b)]}]
+    assert vllm_prompt_logprobs(strings, (), 3) == [None]                  # a one-token prompt
+
+
+def test_an_echoed_prompt_shows_no_more_alternatives_than_logprobs_asks(strings):
+    """prompt_logprobs 2 beside echo with logprobs 1: the engine computed two alternatives a token."""
+    prompt = strings.tokenizer.encode("The sky is")
+    entries = tuple(TokenLogprobs(t, -1.0, ((t, -1.0), (5, -2.0)), 1) for t in prompt[1:])
+    got = LogprobsFormatter(strings, 1).completion((), prompt=(prompt, entries))
+    assert got["top_logprobs"][1:] == [{strings(t)[0]: -1.0} for t in prompt[1:]]

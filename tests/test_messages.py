@@ -29,7 +29,7 @@ EXAMPLES = [
     m.PrefillResult("b", first_token=9, prefill_seconds=0.5, queue_seconds=0.25),
     m.PrefillResult("c", error="boom", error_code=503),
     m.PrefillResult("b", first_token=9, first_text="x", first_logprobs=LP,
-                    prompt_logprobs=(TokenLogprobs(3, -2.0), LP)),
+                    prompt_logprobs=(TokenLogprobs(3, -2.0, rank=12), LP)),
     m.DecodeRequest("d", (1,), P),
     m.DecodeRequest("d3", (1,), P3),
     m.Reserved("d", "10.0.0.2:4321", 3),

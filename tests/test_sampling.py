@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from engine.llm_engine import LLMEngine
+from engine import sampler
 from engine.sampler import PenaltyState, SampleRow, _apply_penalties, _filter_min_p, _filter_top_k_top_p, sample
 from engine.sampling_params import SamplingParams
 
@@ -323,3 +324,16 @@ def test_bad_words_are_banned_as_they_tokenize_alone_and_after_a_space(default_m
                                          tuple(encode(" hello world")))
     assert encode("Paris") != encode(" Paris")
     assert CompletionRequest(prompt="x").bad_word_ids(encode) == ()
+
+
+def test_prompt_logprobs_give_each_token_its_rank_across_slices(monkeypatch):
+    """The rank is 1 + the tokens more likely than the prompt token (1: it is the likeliest), in
+    every slice of rows the LM head sees."""
+    monkeypatch.setattr(sampler, "PROMPT_LOGPROB_SLICE", 3)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 4 + [[5.0, 1.0, 1.0, 0.0]] * 3)
+    targets = [1, 3, 2, 0, 0, 2, 3]
+    got = sampler.prompt_logprobs(lambda h: h, logits, targets, 2)
+    assert [e.rank for e in got] == [1, 2, 3, 4, 1, 2, 4]      # tokens 1 and 2 tie at row 5: rank 2
+    ref = logits.log_softmax(-1)
+    assert [e.logprob for e in got] == pytest.approx([float(ref[i, t]) for i, t in enumerate(targets)])
+    assert [[t for t, _ in e.top] for e in got[:4]] == [[1, 3]] * 4 and all(e.top[0][0] == 0 for e in got[4:])

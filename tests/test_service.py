@@ -384,7 +384,29 @@ def test_echo_with_prompt_logprobs_as_evaluation_harnesses_ask(disagg, colocated
         assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
             ref["logprobs"]["token_logprobs"][1:len(p)], abs=1e-3)
     assert only["usage"]["completion_tokens"] == 0
-    assert pools_all_free(disagg, {"prefill", "decode"})
+    # vLLM's prompt_logprobs beside echo: the same numbers with each token's rank and 2 alternatives (echo's
+    # logprobs still show 1); in either mode; chat's at the response's top level
+    for base in (disagg, colocated):
+        both = json.loads(http(base, "/v1/completions", {**body, "prompt_logprobs": 2})[1])
+        for p, choice, ref in zip(prompts, both["choices"], runs[0]["choices"]):
+            assert choice["logprobs"]["top_logprobs"] == ref["logprobs"]["top_logprobs"]
+            listed = choice["prompt_logprobs"]
+            assert listed[0] is None and len(listed) == len(p)
+            for k, entry in enumerate(listed[1:], 1):
+                own = entry[str(p[k])]
+                assert own["logprob"] == pytest.approx(ref["logprobs"]["token_logprobs"][k], abs=1e-3)
+                assert own["decoded_token"] == ref["logprobs"]["tokens"][k]
+                likeliest = max(ref["logprobs"]["top_logprobs"][k].values())
+                assert own["rank"] > 1 or likeliest == pytest.approx(own["logprob"], abs=1e-3)
+                assert own["rank"] == 1 or likeliest > own["logprob"]
+                ranks = sorted(v["rank"] for v in entry.values())
+                assert ranks[:2] == [1, 2] and len(entry) == (2 if own["rank"] <= 2 else 3), entry
+            assert any(entry[str(t)]["rank"] > 1 for entry, t in zip(listed[1:], p[1:]))
+    chat = json.loads(http(colocated, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "prompt_logprobs": 0,
+                                                               "messages": [{"role": "user", "content": "Hi"}]})[1])
+    listed = chat["prompt_logprobs"]
+    assert len(listed) == chat["usage"]["prompt_tokens"] and listed[0] is None and all(len(e) == 1 for e in listed[1:])
+    assert pools_all_free(disagg, {"prefill", "decode"}) and pools_all_free(colocated, {"colocated"})
 
 
 def test_a_browser_page_of_an_allowed_origin_may_call_the_api(disagg):
