@@ -15,11 +15,16 @@ REPO_MODEL_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "models"
 
 
 def pytest_collection_modifyitems(items):
-    """The tests that need no session Ray cluster (no `ray_serve`, directly or through another fixture) run
-    first, in their usual order, then the rest: an in-process engine test then runs with no Ray processes
-    beside it (the session's apps, idle, cost ~30 % of a core, and any other runnable thread stalls a 2-thread
-    OpenMP step at its barrier). A module whose tests fall in both groups is set up once per group."""
-    items.sort(key=lambda item: "ray_serve" in getattr(item, "fixturenames", ()))
+    """Tests run in three groups, each in its usual order: those that need no session Ray cluster (no
+    `ray_serve`, directly or through another fixture), then those on it that need neither of the session's
+    real-model apps (`disagg`, `colocated`: up from their first use to the session's end), then those that do.
+    So an in-process engine test runs with no Ray processes beside it, and the scaling scenarios without the
+    real-model apps (idle, the two cost ~30 % of a core; any other runnable thread stalls a 2-thread OpenMP
+    step at its barrier). A module whose tests fall in two groups is set up once per group."""
+    def group(item) -> int:
+        names = getattr(item, "fixturenames", ())
+        return 0 if "ray_serve" not in names else 2 if {"disagg", "colocated"} & set(names) else 1
+    items.sort(key=group)
 
 
 @pytest.fixture(autouse=True)
