@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from engine.outputs import TokenLogprobs
 
-MAX_SHOWN = 1 << 30
-
 
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's bytes_to_unicode, inverted: the character a byte-level BPE uses for each byte."""
@@ -57,9 +55,9 @@ class TokenStrings:
 
 class LogprobsFormatter:
     """`top`: the alternatives a token shows at most (the request's `logprobs`: an echoed prompt's
-    entries may carry more, computed for vLLM's `prompt_logprobs`)."""
+    entries may carry more, computed for vLLM's `prompt_logprobs`); None: all it carries."""
 
-    def __init__(self, strings: TokenStrings, top: int = MAX_SHOWN):
+    def __init__(self, strings: TokenStrings, top: int | None = None):
         self.strings, self.top = strings, top
         self.offset = 0   # characters of completion text before the next token
 
