@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 MAX_SHOWN = 5
 _SHOULD = "Input should be "
+_VALUE_ERROR = "Value error, "
 _OBJECT = re.compile(r"a valid dictionary or (instance of \w+|object to extract fields from)")
 Error = tuple[tuple, str, str]      # (location, message, pydantic's error type)
 
@@ -81,11 +82,16 @@ def _router_models() -> frozenset[str]:
     return frozenset(found)
 
 
+def _own(msg: str, kind: str) -> str:
+    """A model validator's message as it wrote it (pydantic prefixes "Value error, ")."""
+    return msg.removeprefix(_VALUE_ERROR) if kind == "value_error" else msg
+
+
 def describe(errors: list[dict], skip: int = 0) -> tuple[str, str | None]:
     """(message, param) for pydantic's `errors()` of a router request model; `skip` leading
     location segments are dropped (FastAPI's "body")."""
-    plain = _resolve([(tuple(e.get("loc", ()))[skip:], str(e.get("msg", "")), str(e.get("type", "")))
-                      for e in errors], _router_models())
+    plain = _resolve([(tuple(e.get("loc", ()))[skip:], _own(str(e.get("msg", "")), str(e.get("type", ""))),
+                       str(e.get("type", ""))) for e in errors], _router_models())
     if not plain:
         return "invalid request", None
     shown = [f"{'.'.join(str(s) for s in loc) or 'body'}: {_OBJECT.sub('an object', msg)}"

@@ -30,6 +30,9 @@ def _describe(cls, body) -> tuple[str, str | None]:
      "stop"),
     (CompletionRequest, {"model": "m", "prompt": ["a", [1, 2]]}, "prompt.1: Input should be a valid string",
      "prompt.1"),
+    # a model validator's own words, without pydantic's "Value error, "
+    (CompletionRequest, {"model": "m", "prompt": "x", "prompt_logprobs": 1, "stream": True},
+     "body: prompt_logprobs are not available when stream is true", None),
     (ChatCompletionRequest, {**GOOD[ChatCompletionRequest], "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type: Input should be 'text': this server's model reads text only, not 'image_url' parts; "
