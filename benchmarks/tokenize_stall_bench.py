@@ -16,7 +16,7 @@ import time
 from transformers import AutoTokenizer
 
 from router.chat_prompt import chat_prompt_ids
-from router.openai_protocol import ChatCompletionRequest
+from router.chat_protocol import ChatCompletionRequest
 from serving.models import DEFAULT_MODEL_ID, resolve_model
 
 TURN = "The quick brown fox jumps over the lazy dog near the river bank, and then it runs away. " * 10

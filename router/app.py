@@ -40,6 +40,7 @@ from transformers import AutoConfig, AutoTokenizer
 from engine.config import context_limit
 from router.chat_output import ChatOutputShape
 from router.chat_prompt import chat_prompt_ids
+from router.chat_protocol import ChatCompletionRequest
 from router.choice_view import choice_params
 from router.choices import Choices
 from router.contract import Served, openapi_document
@@ -47,7 +48,7 @@ from router.cors import Cors, CorsSettings
 from router.guards import Guards, GuardSettings
 from router.logprobs import TokenStrings
 from router.metrics import RequestMetrics, render
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_protocol import CompletionRequest
 from router.openai_responses import above_limit, error_response, refused
 from router.orchestrator import Orchestrator, RequestFailed
 from router.reasoning import grammar_think, reasoning_template, starts_inside, think_tokens

@@ -1,7 +1,7 @@
 """A chat request's prompt: its messages (and tools, router/tools.py) through the model's chat
 template, as token ids.
 
-Beside OpenAI's fields, vLLM's extensions that shape the prompt (router/openai_protocol.py
+Beside OpenAI's fields, vLLM's extensions that shape the prompt (router/chat_protocol.py
 validates them):
   - `add_generation_prompt` (default true): open the assistant's turn after the messages;
   - `continue_final_message`: leave the last message, an assistant's, open, so the output

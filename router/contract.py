@@ -1,7 +1,7 @@
 """The API contract: the OpenAPI document that GET /openapi.json serves, for one deployment.
 
-FastAPI writes the request half from the request models (router/openai_protocol.py, every
-bound on its field); `openapi_document` then adds what depends on the configuration and what
+FastAPI writes the request half from the request models (router/openai_protocol.py,
+router/chat_protocol.py, every bound on its field); `openapi_document` then adds what depends on the configuration and what
 FastAPI cannot know, in this order:
   1. limits     `model` is an enum of the served name(s) or null (the served model),
                 `max_tokens` (and chat's `max_completion_tokens`) has this server's

@@ -1,37 +1,35 @@
 """OpenAI-compatible request models: what the server accepts, and the request half of the
-OpenAPI document (router/contract.py adds what depends on the configuration).
+OpenAPI document (router/contract.py adds what depends on the configuration). Here the fields
+every completion request shares (`Sampling`) and the completions request; the chat request:
+router/chat_protocol.py.
 
 Requests are validated strictly (JSON types as declared, no coercion, no text with a lone
 surrogate escape; unknown fields and out-of-range values are 400 errors in OpenAI's error
 format), and every bound lives on a field, so the document states it. The rules that span fields
 are model validators, stated in the model's description and, as if/then, in its JSON schema
-(allowed_token_ids' and bad_words' exclusions in words only: one more rule and the chat schema is
-past what schemathesis' canonicalizer models, so the fuzzing tests could no longer generate from
-it). `sampling_params` maps a request to the engine's SamplingParams, adding vLLM's widely used
-extensions (top_k, min_p, min_tokens, ignore_eos, repetition_penalty, stop_token_ids,
-allowed_token_ids, include_stop_str_in_output, skip_special_tokens; bad_words through the
-tokenizer: `bad_word_ids`; truncate_prompt_tokens acts on the prompt's ids: `truncated`), and
-vLLM's `structured_outputs`
+(allowed_token_ids' and bad_words' exclusions, and prompt_logprobs' with stream, in words only: one
+more rule across two fields and either request's schema is past what schemathesis' canonicalizer
+models, so the fuzzing tests could no longer generate from it). `sampling_params` maps a request
+to the engine's SamplingParams, adding vLLM's widely used extensions (top_k, min_p, min_tokens,
+ignore_eos, repetition_penalty, stop_token_ids, allowed_token_ids, include_stop_str_in_output,
+skip_special_tokens, prompt_logprobs; bad_words through the tokenizer: `bad_word_ids`;
+truncate_prompt_tokens acts on the prompt's ids: `truncated`), and vLLM's `structured_outputs`
 (beside OpenAI's `response_format`; their models: router/structured_protocol.py). /tokenize's and
 /detokenize's: router/tokenize_protocol.py. Responses: router/openai_responses.py.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Callable, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
 from engine.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
                                     SamplingParams)
 from engine.structured_output import StructuredOutput
-from router.chat_prompt import RESERVED_TEMPLATE_KWARGS
-from router.protocol_types import (METADATA, MODEL_FIELD, REASONING_EFFORT, SERVICE_TIER, Int, NonEmptyText, Strict,
-                                   StrictOpen, Text, TextPartType, implies, present)
+from router.protocol_types import MODEL_FIELD, Int, NonEmptyText, Strict, Text, implies
 from router.structured_protocol import ResponseFormat, StructuredOutputs
-from router.tools import CLOSE as TOOL_CALL_END
-from router.tools import (HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool, ToolChoice,
-                          forced_tools, parameters_problem, render_conversation, tool_grammar)
+from router.tools import HERMES, CallSyntax
 
 MAX_TOKENS_DEFAULT_COMPLETION = 16
 MAX_CHOICES = 16   # most choices in one request (n, times the prompts of a batched completion)
@@ -66,14 +64,10 @@ COMPLETION_CROSS_FIELD = {"allOf": [
     implies("max_tokens", {"const": 0}, {"properties": {"echo": {"const": True}}, "required": ["echo"]}),
     *(implies("n", {"type": "integer", "minimum": n}, _batch_at_most(k)) for n, k in _BATCH_BOUNDS.items())]}
 # response_format and structured_outputs, not both
-_ONE_STRUCTURE = {"not": {"properties": {"response_format": {"type": "object"}, "structured_outputs": {"type": "object"}},
-                          "required": ["response_format", "structured_outputs"]}}
-# (prompt_logprobs above 0 not with stream is stated in the field's description only: with one more
-# condition across two fields in either request's schema, schemathesis' generator gives up on it)
-COMPLETION_CROSS_FIELD["allOf"].append(_ONE_STRUCTURE)
-CHAT_CROSS_FIELD = {"allOf": [implies("top_logprobs", {"type": "integer", "minimum": 1},
-                                       {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
-                              _ONE_STRUCTURE]}
+ONE_STRUCTURE = {"not": {"properties": {"response_format": {"type": "object"},
+                                        "structured_outputs": {"type": "object"}},
+                         "required": ["response_format", "structured_outputs"]}}
+COMPLETION_CROSS_FIELD["allOf"].append(ONE_STRUCTURE)
 
 
 class StreamOptions(Strict):
@@ -82,7 +76,7 @@ class StreamOptions(Strict):
                                          "`usage` so far.")
 
 
-class _Sampling(Strict):
+class Sampling(Strict):
     model: str | None = Field(None, description=MODEL_FIELD)
     temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 (or below {GREEDY_BELOW_TEMPERATURE:g}) is "
                                "greedy.")
@@ -141,7 +135,7 @@ class _Sampling(Strict):
         if self.prompt_logprobs and self.stream:
             raise ValueError("prompt_logprobs are not available when stream is true")
         for name in ("allowed_token_ids", "bad_words"):
-            if getattr(self, name) is not None and _Sampling.structured(self) is not None:
+            if getattr(self, name) is not None and Sampling.structured(self) is not None:
                 raise ValueError(f"{name} cannot be combined with response_format or structured_outputs")
         return self
 
@@ -229,7 +223,7 @@ def _as_prompts(v) -> list:
     return [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else list(v)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(Sampling):
     """A completion of one prompt or a batch. Across fields: prompts x n is at most 16,
     max_tokens 0 needs echo, and allowed_token_ids and bad_words take no response_format or
     structured_outputs."""
@@ -274,182 +268,3 @@ class CompletionRequest(_Sampling):
     def prompt_logprob_count(self) -> int | None:
         counts = [k for k in (self.logprobs if self.echo else None, self.shown_prompt_logprobs()) if k is not None]
         return max(counts) if counts else None
-
-
-class TextPart(StrictOpen):
-    """A text content part; other keys are ignored."""
-    type: TextPartType("text")
-    text: Text
-
-
-# content may be left out (or null) by an assistant turn that made calls; calls are an assistant's,
-# tool_call_id a tool result's
-MESSAGE_CROSS_FIELD = {"allOf": [
-    {"if": {"not": present("content")}, "then": {"properties": {"role": {"const": "assistant"}, "tool_calls": {
-        "type": "array", "minItems": 1}}, "required": ["role", "tool_calls"]}},
-    {"if": present("tool_calls"), "then": {"properties": {"role": {"const": "assistant"}}}},
-    {"if": present("tool_call_id"), "then": {"properties": {"role": {"const": "tool"}}}}]}
-
-
-class ChatMessage(Strict):
-    """A turn of the conversation. Across fields: content may be left out only by an assistant
-    turn with tool_calls; tool_calls only on assistant turns, tool_call_id only on tool turns."""
-    model_config = ConfigDict(json_schema_extra=MESSAGE_CROSS_FIELD)
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart] | None = Field(None, description="Text, or text parts (no images or audio).")
-    name: Text | None = None
-    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = Field(
-        None, description="The calls an assistant turn made.")
-    tool_call_id: Text | None = Field(None, description="The call a tool turn answers.")
-    reasoning: Text | None = Field(None, description="An assistant turn's reasoning, as this server returned it "
-                                   "(templates that show past reasoning get it as reasoning_content).")
-    reasoning_content: Text | None = Field(None, description="The same, by its older name.")
-    refusal: Text | None = Field(None, description="Accepted; not shown to the model.")
-
-    @model_validator(mode="after")
-    def _roles(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("a message needs content (only an assistant turn with tool_calls may leave it out)")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        if self.tool_call_id is not None and self.role != "tool":
-            raise ValueError("only tool messages carry tool_call_id")
-        return self
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(part.text for part in self.content)
-
-
-FORCED_TOOL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
-CHAT_CROSS_FIELD["allOf"] += [
-    implies("continue_final_message", {"const": True}, {"properties": {"add_generation_prompt": {"const": False}},
-                                                         "required": ["add_generation_prompt"]}),
-    implies("tool_choice", {"anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}, present("tools")),
-    implies("tool_choice", FORCED_TOOL, {"properties": {"response_format": {"type": "null"},
-                                                         "structured_outputs": {"type": "null"}}})]
-
-
-class ChatCompletionRequest(_Sampling):
-    """A chat completion. Across fields: top_logprobs above 0 needs logprobs true; a tool_choice
-    other than "none" needs tools, a named one a function among them; a forced call ("required"
-    or named) takes no response_format, structured_outputs, allowed_token_ids or bad_words (each
-    would shape the output); allowed_token_ids and bad_words take no response_format or
-    structured_outputs;
-    continue_final_message needs add_generation_prompt false and an assistant's last message."""
-    model_config = ConfigDict(json_schema_extra=CHAT_CROSS_FIELD)
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: Int(ge=1) | None = Field(None, description="Default: as many as the context allows.")
-    max_completion_tokens: Int(ge=1) | None = Field(None, description="Overrides max_tokens.")
-    logprobs: bool | None = None
-    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Alternatives per token (with logprobs).")
-    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(
-        None, description="Functions the model may call (distinct names).")
-    tool_choice: ToolChoice | None = Field(None, description='"none": no calls (the tools are not shown); "auto" '
-                                           '(the default with tools): the model chooses; "required": at least one '
-                                           "call; a named function: one call of it. Forced calls follow the "
-                                           "functions' schemas.")
-    parallel_tool_calls: bool = Field(True, description='With "required": one call or several (else exactly one).')
-    include_reasoning: bool = Field(True, description="vLLM's: with a template that has <think> blocks, return "
-                                    "their text as `reasoning` (false: drop it).")
-    add_generation_prompt: bool = Field(True, description="vLLM's: open the assistant's turn after the messages.")
-    continue_final_message: bool = Field(False, description="vLLM's: leave the last message (an assistant's) open "
-                                         "and continue it; needs add_generation_prompt false.")
-    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32, json_schema_extra={
-        "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}})] | None = Field(
-        None, description="vLLM's: more variables for the chat template (e.g. enable_thinking), not named "
-                          "as apply_chat_template's own arguments.")
-    reasoning_effort: REASONING_EFFORT | None = Field(None, description="The chat template's `reasoning_effort` "
-                                                      "(templates that read it act on it; chat_template_kwargs "
-                                                      "may set it too).")
-    store: bool | None = Field(None, description="Accepted; chat completions are not kept (Responses are).")
-    metadata: METADATA | None = Field(None, description="Accepted; ignored.")
-    service_tier: SERVICE_TIER | None = Field(None, description="Accepted; one tier here.")
-    modalities: list[Literal["text"]] | None = Field(None, description="Text only.")
-    safety_identifier: Text | None = None
-    prompt_cache_key: Text | None = Field(None, description="Accepted; prompts share a prefix cache anyway.")
-
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
-
-    @model_validator(mode="after")
-    def _prompt_shape(self):
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt false")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message needs the last message to be the assistant's")
-        reserved = sorted(set(self.chat_template_kwargs or ()) & set(RESERVED_TEMPLATE_KWARGS))
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-        return self
-
-    @model_validator(mode="after")
-    def _tools_agree(self):
-        names = [t.function.name for t in self.tools or ()]
-        if len(set(names)) < len(names):
-            raise ValueError("tools: function names must be distinct")
-        if self.tool_choice not in (None, "none") and not self.tools:
-            choice = repr(self.tool_choice) if isinstance(self.tool_choice, str) else "of a function"
-            raise ValueError(f"tool_choice {choice} needs tools")
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
-        if self.chosen_tools == "auto" and not self.parallel_tool_calls and len(super().stop_list()) >= MAX_STOPS:
-            raise ValueError(f"with parallel_tool_calls false, at most {MAX_STOPS - 1} stop strings (the first "
-                             "call ends the output through one more)")
-        if self.forces_call and (super().structured() is not None or self.allowed_token_ids is not None
-                                 or self.bad_words is not None):
-            raise ValueError("a forced tool call (tool_choice required or a function) takes no response_format, "
-                             "structured_outputs, allowed_token_ids or bad_words")
-        return self
-
-    @property
-    def forces_call(self) -> bool:
-        """tool_choice "required" or a function."""
-        return bool(forced_tools(self.tools or [], self.chosen_tools))
-
-    def tools_problem(self, syntax: CallSyntax = HERMES) -> str | None:
-        """Why a forced call cannot be shaped (a forced function's parameters, or the grammar of
-        them all in the template's `syntax`, do not compile), or None. It compiles grammars (up to
-        tens of ms for a new tool set): the router runs it off its event loop."""
-        for tool in forced_tools(self.tools or [], self.chosen_tools):
-            if problem := parameters_problem(tool):
-                return f"tools: {problem}"
-        forced = tool_grammar(self.tools or [], self.chosen_tools, self.parallel_tool_calls, syntax)
-        problem = forced and forced.problem()
-        return problem and f"tools: {problem.splitlines()[0]}"
-
-    @property
-    def chosen_tools(self):
-        """tool_choice, its default filled in."""
-        return self.tool_choice or ("auto" if self.tools else "none")
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        return self.chosen_tools != "none"
-
-    def structured(self, syntax: CallSyntax = HERMES) -> StructuredOutput | None:
-        forced = tool_grammar(self.tools, self.chosen_tools, self.parallel_tool_calls, syntax) if self.tools else None
-        return forced or super().structured()
-
-    def logprob_count(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def stop_list(self, syntax: CallSyntax = HERMES) -> tuple[str, ...]:
-        """The client's stop strings; with "auto", parallel_tool_calls false and the Hermes syntax
-        also </tool_call>: the output ends with its first call (the parser reads a block cut there
-        as a call). Llama 3's JSON parser keeps the first call itself."""
-        if self.chosen_tools == "auto" and not self.parallel_tool_calls and syntax == HERMES:
-            return (*super().stop_list(), TOOL_CALL_END)
-        return super().stop_list()
-
-    def skips_special_tokens(self, syntax: CallSyntax) -> bool:
-        return self.skip_special_tokens and not (self.parses_tool_calls and syntax.marker_id is not None)
-
-    def conversation(self, native_tools: CallSyntax | None) -> tuple[list[dict], list[dict] | None]:
-        """The chat template's messages and tools (router/tools.py): `native_tools`, the syntax of a
-        template that writes tool calls itself (None: it does not)."""
-        return render_conversation(self.messages, self.tools if self.parses_tool_calls else None, native_tools)

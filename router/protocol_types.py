@@ -1,5 +1,5 @@
 """The value types the request models are built from (router/openai_protocol.py,
-router/tools.py): strict JSON types, integers that accept integral floats, and text that any
+router/chat_protocol.py, router/tools.py): strict JSON types, integers that accept integral floats, and text that any
 tokenizer can take; and the JSON Schema pieces their cross-field rules are stated in."""
 
 from __future__ import annotations

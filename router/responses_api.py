@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
-from router.openai_protocol import ChatCompletionRequest
+from router.chat_protocol import ChatCompletionRequest
 from router.openai_responses import above_limit, error_response, refused
 from router.response_store import Found, StoredResponses, StoreUnavailable, page, unique_ids
 from router.responses_output import ResponseEvents, ResponseShape, new_id, response_from_chat

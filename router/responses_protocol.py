@@ -25,7 +25,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, TypeAdapter, model_validator
 
-from router.openai_protocol import FORCED_TOOL, GREEDY_BELOW_TEMPERATURE, ChatCompletionRequest
+from router.chat_protocol import FORCED_TOOL, ChatCompletionRequest
+from router.openai_protocol import GREEDY_BELOW_TEMPERATURE
 from router.protocol_types import (METADATA, MODEL_FIELD, REASONING_EFFORT, SERVICE_TIER, Int, Strict, StrictOpen, Text,
                                    TextPartType, implies)
 from router.responses_output import new_id

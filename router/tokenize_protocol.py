@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, model_validator
 
-from router.openai_protocol import ChatCompletionRequest, ChatMessage
+from router.chat_protocol import ChatCompletionRequest, ChatMessage
 from router.protocol_types import MODEL_FIELD, REASONING_EFFORT, Int, Strict, Text, present
 from router.tools import MAX_TOOLS, Tool, ToolChoice
 

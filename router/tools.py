@@ -180,7 +180,7 @@ def _call_text(call: MessageToolCall) -> str:
 def render_conversation(messages, tools: list[Tool] | None,
                         native: CallSyntax | None) -> tuple[list[dict], list[dict] | None]:
     """The chat template's `messages` and `tools` arguments for a request's messages (ChatMessage,
-    router/openai_protocol.py) and the tools to show (None: none); `native`: the syntax of a
+    router/chat_protocol.py) and the tools to show (None: none); `native`: the syntax of a
     template that writes calls itself, None for pdserve's Hermes text."""
     if native is not None:
         return ([_native_message(m, native) for m in messages],

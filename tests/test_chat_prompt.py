@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from router.chat_prompt import chat_prompt_ids
-from router.openai_protocol import ChatCompletionRequest
+from router.chat_protocol import ChatCompletionRequest
 from service_util import http, pools_all_free
 
 MODEL = "SmolLM2-135M-Instruct"

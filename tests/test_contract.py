@@ -7,8 +7,9 @@ import jsonschema
 import pytest
 
 from router.app import app
+from router.chat_protocol import ChatCompletionRequest
 from router.contract import ERRORS, Served, openapi_document
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_protocol import CompletionRequest
 from router.responses_protocol import ResponsesRequest
 from serving.config import AppConfig
 

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from router.chat_output import ChatOutputShape, Piece
-from router.openai_protocol import ChatCompletionRequest
+from router.chat_protocol import ChatCompletionRequest
 from router.reasoning import ReasoningStream, reasoning_template, starts_inside
 from router.tools import HERMES
 from service_util import http, pools_all_free, sse_events, tiny_app

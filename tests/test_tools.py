@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from chat_templates import LLAMA3_TEMPLATE, tokenizer_with
 from engine.structured_output import MAX_SPEC_CHARS, GrammarCompiler
 from router.chat_output import ChatOutputShape
-from router.openai_protocol import ChatCompletionRequest
+from router.chat_protocol import ChatCompletionRequest
 from router.tool_parser import JsonCallStream, ToolCallStream, merge_calls
 from router.tools import CLOSE, HERMES, LLAMA3_JSON, template_tools
 

@@ -4,7 +4,8 @@
 import pytest
 from pydantic import ValidationError
 
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.chat_protocol import ChatCompletionRequest
+from router.openai_protocol import CompletionRequest
 from router.responses_protocol import ResponsesRequest
 from router.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from router.validation_errors import _router_models, describe
