@@ -19,6 +19,7 @@ from router.tools import CLOSE as TOOL_CALL_END
 from router.tools import (HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool, ToolChoice,
                           forced_tools, parameters_problem, render_conversation, tool_grammar)
 
+
 class TextPart(StrictOpen):
     """A text content part; other keys are ignored."""
     type: TextPartType("text")
