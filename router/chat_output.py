@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.mistral_calls import MistralCallStream
+from router.array_calls import ArrayCallStream
 from router.reasoning import ReasoningStream
 from router.tool_parser import JsonCallStream, ToolCallStream, extend_calls, merge_calls
-from router.tools import HERMES, MISTRAL, CallSyntax
+from router.tools import HERMES, CallSyntax
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class ChoiceOutput:
         self._tools = None
         if shape.tools == HERMES:      # parallel_tool_calls false ends the output at the first call (a stop)
             self._tools = ToolCallStream()
-        elif shape.tools is not None and shape.tools.name == MISTRAL.name:
-            self._tools = MistralCallStream(shape.tools, first_only=not shape.parallel)
+        elif shape.tools is not None and shape.tools.marker:          # Mistral's, Granite's
+            self._tools = ArrayCallStream(shape.tools, first_only=not shape.parallel)
         elif shape.tools is not None:
             self._tools = JsonCallStream(first_only=not shape.parallel)
 

@@ -2,7 +2,7 @@
 to the model, and the grammar that makes it call one. (Finding the calls in the output:
 router/tool_parser.py.)
 
-Calls are written in one of three syntaxes (`CallSyntax`), read from the chat template
+Calls are written in one of four syntaxes (`CallSyntax`), read from the chat template
 (`template_tools`):
   - HERMES, which Qwen2.5, Qwen3 and Hermes models are trained on, and the one pdserve shows
     models whose template has no tools:
@@ -16,12 +16,17 @@ Calls are written in one of three syntaxes (`CallSyntax`), read from the chat te
     JSON array of calls, content allowed before it; call ids of 9 letters and digits (the
     templates refuse others):
         [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+  - GRANITE, IBM Granite 3.1-3.3's: the special token <|tool_call|>, then a JSON array of calls.
+    Their templates show the tools and ask for this syntax but write a history turn's content
+    only (no `tool_calls`), so pdserve writes a turn's calls into its content, as the model wrote
+    them:
+        <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]
 Life of a chat request with tools (router/app.py's chat endpoint)
   1. render     `render_conversation`: a chat template that writes calls itself ("native": it
-                mentions <tool_call> or [TOOL_CALLS], or writes Llama 3's {"name": ...,
-                "parameters": ...}) receives the tools and the history's calls and results as
-                transformers passes them to templates (Mistral's: each call id as 9 letters and
-                digits, `CallSyntax.history_id`). Any other template gets pdserve's own system text
+                mentions <tool_call>, [TOOL_CALLS] or <|tool_call|>, or writes Llama 3's {"name":
+                ..., "parameters": ...}) receives the tools and the history's calls and results
+                as transformers passes them to templates (Mistral's: each call id as 9 letters and
+                digits, `CallSyntax.history_id`; Granite's: the calls in the turn's content). Any other template gets pdserve's own system text
                 listing the tools (Qwen2.5's words), the history's calls written out in the Hermes
                 syntax and tool results as a user turn of <tool_response> blocks, as Qwen2.5's
                 template writes them. tool_choice "none" shows no tools (the output is all content).
@@ -61,7 +66,9 @@ class CallSyntax:
     {...}} + `close`, several joined by `separator` where `parallel` (else one per turn); the
     calls of a turn are `marker` + `prefix` ... `suffix`. `marker` is a special token where the
     tokenizer has it as one (`marker_id`, filled in by `template_tools`), else text. Call ids
-    have `id_length` letters and digits where the template insists (0: OpenAI's call_...)."""
+    have `id_length` letters and digits where the template insists (0: OpenAI's call_...).
+    `calls_in_content`: the template writes a history turn's content only, so its calls go into
+    the content in this syntax."""
     name: str
     arguments_key: str
     open: str
@@ -73,6 +80,7 @@ class CallSyntax:
     prefix: str = ""
     suffix: str = ""
     id_length: int = 0
+    calls_in_content: bool = False
 
     def new_id(self) -> str:
         """A new call's id."""
@@ -98,6 +106,8 @@ HERMES = CallSyntax("hermes", "arguments", OPEN + "\n", "\n" + CLOSE, "\n", True
 LLAMA3_JSON = CallSyntax("llama3_json", "parameters", "", "", "; ", False)
 MISTRAL = CallSyntax("mistral", "arguments", "", "", ", ", True, marker="[TOOL_CALLS]", prefix=" [", suffix="]",
                      id_length=9)
+GRANITE = CallSyntax("granite", "arguments", "", "", ", ", True, marker="<|tool_call|>", prefix="[", suffix="]",
+                     calls_in_content=True)
 
 
 class FunctionDef(StrictOpen):
@@ -146,6 +156,8 @@ def template_tools(tokenizer) -> tuple[CallSyntax, bool]:
     if "tools" in text and MISTRAL.marker in text:        # v0.3 writes "[TOOL_CALLS] [", Nemo "[TOOL_CALLS]["
         prefix = "[" if MISTRAL.marker + "[" in text else MISTRAL.prefix
         return dataclasses.replace(MISTRAL, marker_id=tokenizer.get_vocab().get(MISTRAL.marker), prefix=prefix), True
+    if "tools" in text and GRANITE.marker in text:        # Granite 3.1-3.3: "respond with <|tool_call|> ..."
+        return dataclasses.replace(GRANITE, marker_id=tokenizer.get_vocab().get(GRANITE.marker)), True
     if "tools" in text and OPEN in text:
         return HERMES, True
     if "tools" in text and '{"name": ' in text and '"parameters": ' in text:     # Llama 3.1-3.3
@@ -211,7 +223,11 @@ def render_conversation(messages, tools: list[Tool] | None,
 
 def _native_message(m, syntax: CallSyntax) -> dict:
     out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-    if m.tool_calls:
+    if m.tool_calls and syntax.calls_in_content:
+        calls = [{"name": c.function.name, syntax.arguments_key: _arguments(c.function.arguments)}
+                 for c in m.tool_calls]
+        out["content"] += syntax.marker + json.dumps(calls, ensure_ascii=False)
+    elif m.tool_calls:
         out["tool_calls"] = [{"id": syntax.history_id(c.id), "type": "function", "function": {
             "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
     if m.tool_call_id is not None:

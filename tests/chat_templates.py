@@ -57,6 +57,35 @@ MISTRAL_TEMPLATE = """{{- bos_token }}
 MISTRAL_TOKENS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
                   "[/TOOL_RESULTS]"]
 
+# IBM Granite 3.2's way (its template as granite-io quotes it, without the date, documents and
+# controls): the tools as indented JSON in a tools turn, the system text asking for <|tool_call|>
+# and a JSON list; every turn written as its role and content only (no tool_calls)
+GRANITE_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
+{%- set system_message = messages[0]['content'] %}
+{%- set loop_messages = messages[1:] %}
+{%- else %}
+{%- set system_message = "Knowledge Cutoff Date: April 2024.\nYou are Granite, developed by IBM." %}
+{%- if tools %}
+{%- set system_message = system_message + " You are a helpful AI assistant with access to the following tools. \
+When a tool is required to answer the user's query, respond with <|tool_call|> followed by a JSON list of tools \
+used. If a tool does not exist in the provided list of tools, notify the user that you do not have the ability \
+to fulfill the request." %}
+{%- else %}
+{%- set system_message = system_message + " You are a helpful AI assistant." %}
+{%- endif %}
+{%- set loop_messages = messages %}
+{%- endif %}
+{{- '<|start_of_role|>system<|end_of_role|>' + system_message + '<|end_of_text|>\n' }}
+{%- if tools %}
+{{- '<|start_of_role|>tools<|end_of_role|>' }}{{- tools | tojson(indent=4) }}{{- '<|end_of_text|>\n' }}
+{%- endif %}
+{%- for message in loop_messages %}
+{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + '<|end_of_text|>\n' }}
+{%- if loop.last and add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}
+{%- endfor %}"""
+GRANITE_TOKENS = ["<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>", "<|end_of_text|>"]
+
+
 
 def tokenizer_with(default_model_dir, d, template: str, special_tokens: list[str] = ()):
     """The default model's tokenizer with another chat template (and `special_tokens` added, as

@@ -1,10 +1,12 @@
-"""Tool calls in Mistral's syntax (router/tools.py's MISTRAL): the output's content, then the
-marker [TOOL_CALLS] and a JSON array of calls, as vLLM's mistral parser reads it:
+"""Tool calls as a marker and a JSON array (router/tools.py's MISTRAL and GRANITE): the output's
+content, then the marker and an array of calls, as vLLM's `mistral` and `granite` parsers read them:
 
     Let me look that up.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
-The marker is a special token: the router decodes these requests with special tokens kept
-(`skip_special_tokens` false, as vLLM does), or the parser would never see it.
+The marker is a special token where the tokenizer has it as one: the router then decodes these
+requests with special tokens kept (`skip_special_tokens` false, as vLLM does), or the parser would
+never see it.
   - Content streams until the marker; what may be the start of the marker is held back, and the
     whitespace before it (content before calls is trimmed at its end).
   - A call that opens as `{"name": "<name>", "arguments": {` ("parameters" too) streams as a
@@ -15,7 +17,7 @@ The marker is a special token: the router decodes these requests with special to
   - An array element that opens any other way is held to the output's end, then the rest of
     the array is read whole: if any element is not a call (an object with a string "name"),
     that rest is content (and, where no call came before it, the marker too).
-Call ids are the syntax's (9 letters and digits, as Mistral's templates want them back).
+Call ids are the syntax's (Mistral's: 9 letters and digits, as its templates want them back).
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ def _rest_of_array(text: str, new_id) -> tuple[list[dict], str] | None:
         at = len(text) - len(rest) + 1
 
 
-class MistralCallStream(JsonCalls):
-    """One choice's output in Mistral's syntax. `first_only` (parallel_tool_calls false): calls
-    after the first are dropped."""
+class ArrayCallStream(JsonCalls):
+    """One choice's output in a marker-and-array syntax (`syntax`). `first_only`
+    (parallel_tool_calls false): calls after the first are dropped."""
 
     def __init__(self, syntax: CallSyntax, first_only: bool = False):
         super().__init__(first_only, syntax.new_id)

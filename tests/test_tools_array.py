@@ -1,4 +1,4 @@
-"""Tool calls in Mistral's syntax (router/tools.py's MISTRAL, router/mistral_calls.py): the template
+"""Tool calls in Mistral's syntax (router/tools.py's MISTRAL, router/array_calls.py): the template
 read, the history's call ids made ones it takes, the forced-call grammar through its [TOOL_CALLS]
 token, the output parsed whole and streamed, and the whole path through one engine (the text
 decoded with the marker kept)."""
@@ -11,7 +11,7 @@ import pytest
 
 from chat_templates import MISTRAL_TEMPLATE, MISTRAL_TOKENS, tokenizer_with
 from engine.structured_output import GrammarCompiler
-from router.mistral_calls import MistralCallStream
+from router.array_calls import ArrayCallStream
 from router.tool_parser import merge_calls
 from router.tools import MISTRAL, template_tools
 from test_tools import HISTORY, SCHEMAS, request, split_tool_calls, stream_pieces, walk
@@ -115,20 +115,20 @@ def test_calls_streamed_split_anywhere_add_up_to_the_whole(syntax, text, content
         assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
     rng = random.Random(0)
     for cuts in ([1] * len(text), [rng.randint(1, 9) for _ in text]):
-        got, made = stream_pieces(MistralCallStream(syntax), text, cuts)
+        got, made = stream_pieces(ArrayCallStream(syntax), text, cuts)
         assert got == (content or "") and [c["function"] for c in merge_calls(made)] == [c["function"] for c in calls]
         assert [d["index"] for d in made if "id" in d] == list(range(len(names)))
         if cuts[0] == 1 and text.startswith(f"[TOOL_CALLS] [{CALL}"):
             assert len(made) > len(names) + 5       # the arguments went out in pieces
     # content that cannot be the marker is not held back
-    assert MistralCallStream(syntax).feed("Hello")[0] == "Hello"
+    assert ArrayCallStream(syntax).feed("Hello")[0] == "Hello"
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(syntax):
     two = f"[TOOL_CALLS] [{CALL}, {PING}]"
     content, calls = split_tool_calls(two, syntax, parallel=False)
     assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
-    got, made = stream_pieces(MistralCallStream(syntax, first_only=True), two, [1] * len(two))
+    got, made = stream_pieces(ArrayCallStream(syntax, first_only=True), two, [1] * len(two))
     assert got == "" and [c["function"] for c in merge_calls(made)] == [calls[0]["function"]]
 
 
