@@ -136,7 +136,7 @@ def _wait_deployed(name: str, app: dict, timeout: float) -> int:
 
 
 # the AppConfig keys `pdserve serve` takes as flags
-FLAG_KEYS = ("model", "served_model_name", "mode", "model_cache", "api_key")
+FLAG_KEYS = ("model", "served_model_name", "mode", "model_cache", "api_key", "chat_template")
 
 
 def _app_config(args, running_args: dict | None = None):
@@ -187,7 +187,8 @@ def _config_error(source: str, exc: Exception):
     problem, on stderr, and exit 2 before anything starts."""
     import pydantic
     if isinstance(exc, pydantic.ValidationError):
-        problems = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors()]
+        problems = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg'].removeprefix('Value error, ')}"
+                    for e in exc.errors()]        # a validator's message as written
     else:
         problems = [str(exc).splitlines()[0] if str(exc) else type(exc).__name__]
     print(f"pdserve: invalid configuration in {source}:", *(f"  {p}" for p in problems), sep="\n", file=sys.stderr)
@@ -276,6 +277,8 @@ def _app_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="the model's id in the API; more names are aliases (as vLLM's flag)")
     p.add_argument("--model-cache", help="where the default model is converted and cached")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template in place of the model's own: a file, or the template's text")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--allowed-origin", action="append", metavar="ORIGIN",

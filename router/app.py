@@ -102,6 +102,8 @@ class Router:
         cors_settings.configure(cors.allowed_origins, cors.allow_credentials, cors.max_age_s)
         model_dir = resolve_model(self.config.model, self.config.model_cache, progress=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if self.config.chat_template is not None:          # the config's, in place of the model's own
+            self.tokenizer.chat_template = self.config.chat_template
         self.token_strings = TokenStrings(self.tokenizer)
         self.tool_syntax, native = template_tools(self.tokenizer)
         self.native_tools = self.tool_syntax if native else None    # the template writes calls itself

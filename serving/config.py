@@ -11,9 +11,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from jinja2 import TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
+
+
+def _template_file(path: str) -> str:
+    """A chat template's text from its file (AppConfig.chat_template)."""
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"neither a template (no {{{{ or {{%) nor a file that reads: {path}: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
 
 
 class _Model(BaseModel):
@@ -241,6 +252,12 @@ class AppConfig(_Model):
         None, description="Model id in the API, or several (aliases: a request may name any, its answer names "
                           "the one it asked for; the first is the default); default: the model's name.")
     model_cache: str | None = Field(None, description="Where the default model is converted and cached.")
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template in place of the model's own (vLLM's --chat-template; e.g. one that "
+        "writes tool calls for a model whose own template has none): the template's text, or the path of a file "
+        "holding it (relative to the working directory), read when the config is validated where the app is built "
+        "(`pdserve serve`, `pdserve deploy`), so the text travels in the config and the replicas need not see the "
+        "file. Its tool-call syntax and reasoning tags are read from it as from the model's (README: Tools).")
     engine: EngineOptions = Field(default_factory=EngineOptions, description="Engine options for every pool.")
     prefill: PoolConfig = Field(default_factory=PoolConfig, description="The prefill pool.")
     decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode pool.")
@@ -312,6 +329,18 @@ class AppConfig(_Model):
             return self.autoscaling.ttft_slo, self.autoscaling.tpot_slo
         g = GoodputOptions()
         return g.ttft_s, g.tpot_s
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        text = value if "{{" in value or "{%" in value else _template_file(value)
+        try:        # as transformers compiles it (loop controls on); filters are checked when it renders
+            ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+        except TemplateSyntaxError as exc:
+            raise ValueError(f"the template does not parse: line {exc.lineno}: {exc.message}") from None
+        return text
 
     @field_validator("served_model_name")
     @classmethod

@@ -205,3 +205,31 @@ def test_an_invalid_configuration_is_a_few_lines_and_exit_2_before_anything_star
         err = capsys.readouterr().err
         assert exited.value.code == 2 and "pdserve: invalid configuration in" in err and problem in err, err
         assert "Traceback" not in err and len(err.splitlines()) == 2
+
+
+def test_chat_template_comes_from_a_file_or_the_text_and_travels_in_the_config(tmp_path, tiny_llama_dir, capsys):
+    """`--chat-template FILE` (vLLM's flag) or `chat_template:` in the file: the template's text is
+    read where the config is validated and goes to the replicas in the app's args; a deploy that
+    names none keeps the running one; a template that does not parse, or a file that is not there,
+    is two lines on stderr and exit 2."""
+    from pdserve import cli
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    path = tmp_path / "s.yaml"
+    path.write_text(f"model: {tiny_llama_dir}\n")
+    cfg = cli._app_config(cli.build_parser().parse_args(
+        ["serve", "--config", str(path), "--chat-template", str(tmp_path / "t.jinja")]))
+    assert cfg.chat_template == template and application_config(cfg)["args"]["chat_template"] == template
+    assert AppConfig(chat_template=template).chat_template == template        # the text itself
+    kept = cli._app_config(cli.build_parser().parse_args(["deploy", "--config", str(path), "--dry-run"]),
+                           {"chat_template": template})
+    assert kept.chat_template == template
+    capsys.readouterr()
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m.content }}")
+    for given, problem in ((str(tmp_path / "bad.jinja"), "the template does not parse: line 1: Unexpected end"),
+                           (str(tmp_path / "missing.jinja"), "nor a file that reads")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["serve", "--config", str(path), "--chat-template", given])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and "chat_template: Value error, " not in err and problem in err, err
+        assert len(err.splitlines()) == 2

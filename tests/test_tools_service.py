@@ -126,21 +126,22 @@ def test_requests_that_do_not_agree_are_openai_errors(disagg, extra, words):
 
 
 @pytest.fixture(scope="module")
-def llama3_app(ray_serve, default_model_dir, tmp_path_factory):
-    """A tiny model whose template writes calls in Llama 3's JSON syntax (tests/test_tools.py)."""
+def llama3_app(ray_serve, tiny_llama_dir, tmp_path_factory):
+    """A tiny model given a template that writes calls in Llama 3's JSON syntax (tests/test_tools.py)
+    by the config's `chat_template` (a file's path: the router reads the text from the config)."""
     from service_util import tiny_app
-    from chat_templates import LLAMA3_TEMPLATE, tokenizer_with
-    from tiny_models import tiny_model_dir
-    tokenizer_dir = tmp_path_factory.mktemp("llama3-tokenizer")
-    tokenizer_with(default_model_dir, tokenizer_dir, LLAMA3_TEMPLATE)
-    d = tiny_model_dir(tmp_path_factory.mktemp("llama3"), "llama", seed=0, tokenizer_dir=tokenizer_dir)
-    with tiny_app(ray_serve, d, "llama3") as base:
+    from chat_templates import LLAMA3_TEMPLATE
+    path = tmp_path_factory.mktemp("llama3-template") / "llama3.jinja"
+    path.write_text(LLAMA3_TEMPLATE)
+    with tiny_app(ray_serve, tiny_llama_dir, "llama3", chat_template=str(path)) as base:
+        path.unlink()                   # the replicas never read it
         yield base
 
 
 def test_a_llama3_template_gets_calls_in_its_syntax_through_both_pools(llama3_app):
     """The forced call is written as {"name": ..., "parameters": ...} (one, parallel or not) and
-    comes back as tool_calls, streamed as not; the next turn carries it back through the template."""
+    comes back as tool_calls, streamed as not; the next turn carries it back through the template
+    (the config's, in place of the model's own: /tokenize renders it)."""
     body = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 80, "temperature": 0,
             "tool_choice": "required"}
     status, text = http(llama3_app, "/v1/chat/completions", body)
@@ -158,4 +159,8 @@ def test_a_llama3_template_gets_calls_in_its_syntax_through_both_pools(llama3_ap
     status, text = http(llama3_app, "/v1/chat/completions",
                         {**body, "tool_choice": "auto", "max_tokens": 4, "messages": [*ASK, choice["message"], result]})
     assert status == 200, text
+    status, text = http(llama3_app, "/tokenize", {"messages": ASK, "tools": TOOLS})
+    status, prompt = http(llama3_app, "/detokenize", {"tokens": json.loads(text)["tokens"]})
+    prompt = json.loads(prompt)["prompt"]
+    assert "Environment: ipython" in prompt and "<|im_start|>system" not in prompt      # not the model's own
     assert pools_all_free(llama3_app, {"prefill", "decode"})
