@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.array_calls import ArrayCallStream
+from router.pythonic_calls import PythonicCallStream
 from router.reasoning import ReasoningStream
 from router.tool_parser import JsonCallStream, ToolCallStream, extend_calls, merge_calls
-from router.tools import HERMES, CallSyntax
+from router.tools import HERMES, PYTHONIC, CallSyntax
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class ChoiceOutput:
         self._tools = None
         if shape.tools == HERMES:      # parallel_tool_calls false ends the output at the first call (a stop)
             self._tools = ToolCallStream()
+        elif shape.tools is not None and shape.tools.name == PYTHONIC.name:
+            self._tools = PythonicCallStream(shape.tools.new_id, first_only=not shape.parallel)
         elif shape.tools is not None and shape.tools.marker:          # Mistral's, Granite's
             self._tools = ArrayCallStream(shape.tools, first_only=not shape.parallel)
         elif shape.tools is not None:

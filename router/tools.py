@@ -2,7 +2,7 @@
 to the model, and the grammar that makes it call one. (Finding the calls in the output:
 router/tool_parser.py.)
 
-Calls are written in one of four syntaxes (`CallSyntax`), read from the chat template
+Calls are written in one of five syntaxes (`CallSyntax`), read from the chat template
 (`template_tools`):
   - HERMES, which Qwen2.5, Qwen3 and Hermes models are trained on, and the one pdserve shows
     models whose template has no tools:
@@ -21,10 +21,13 @@ Calls are written in one of four syntaxes (`CallSyntax`), read from the chat tem
     only (no `tool_calls`), so pdserve writes a turn's calls into its content, as the model wrote
     them:
         <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]
+  - PYTHONIC, a Python list of calls with keyword arguments (vLLM's pythonic templates for Llama
+    3.2, Llama 4 and Gemma 3, given by the config's `chat_template`; router/pythonic_calls.py):
+        [get_weather(city="Paris")]
 Life of a chat request with tools (router/app.py's chat endpoint)
   1. render     `render_conversation`: a chat template that writes calls itself ("native": it
-                mentions <tool_call>, [TOOL_CALLS] or <|tool_call|>, or writes Llama 3's {"name":
-                ..., "parameters": ...}) receives the tools and the history's calls and results
+                mentions <tool_call>, [TOOL_CALLS] or <|tool_call|>, asks for "[func_name1(", or
+                writes Llama 3's {"name": ..., "parameters": ...}) receives the tools and the history's calls and results
                 as transformers passes them to templates (Mistral's: each call id as 9 letters and
                 digits, `CallSyntax.history_id`; Granite's: the calls in the turn's content). Any other template gets pdserve's own system text
                 listing the tools (Qwen2.5's words), the history's calls written out in the Hermes
@@ -35,7 +38,8 @@ Life of a chat request with tools (router/app.py's chat endpoint)
                 one call (or, with parallel_tool_calls and a syntax that has them, several) of the
                 allowed functions, each arguments object a value of its function's JSON schema,
                 then EOS. "auto": nothing is forced.
-  3. parse      router/tool_parser.py, as the output streams or whole.
+  3. parse      as the output streams or whole: router/tool_parser.py (Hermes, Llama 3),
+                router/array_calls.py (Mistral, Granite), router/pythonic_calls.py.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from pydantic import Field
 from engine.structured_output import JSON_OPTIONS, StructuredOutput, without_annotations
 from router.chat_prompt import template_text
 from router.protocol_types import Strict, StrictOpen, Text
+from router.pythonic_grammar import pythonic_lines
 
 MAX_TOOLS = 128
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -106,6 +111,7 @@ HERMES = CallSyntax("hermes", "arguments", OPEN + "\n", "\n" + CLOSE, "\n", True
 LLAMA3_JSON = CallSyntax("llama3_json", "parameters", "", "", "; ", False)
 MISTRAL = CallSyntax("mistral", "arguments", "", "", ", ", True, marker="[TOOL_CALLS]", prefix=" [", suffix="]",
                      id_length=9)
+PYTHONIC = CallSyntax("pythonic", "arguments", "", "", ", ", True, prefix="[", suffix="]")
 GRANITE = CallSyntax("granite", "arguments", "", "", ", ", True, marker="<|tool_call|>", prefix="[", suffix="]",
                      calls_in_content=True)
 
@@ -158,6 +164,8 @@ def template_tools(tokenizer) -> tuple[CallSyntax, bool]:
         return dataclasses.replace(MISTRAL, marker_id=tokenizer.get_vocab().get(MISTRAL.marker), prefix=prefix), True
     if "tools" in text and GRANITE.marker in text:        # Granite 3.1-3.3: "respond with <|tool_call|> ..."
         return dataclasses.replace(GRANITE, marker_id=tokenizer.get_vocab().get(GRANITE.marker)), True
+    if "tools" in text and "[func_name1(" in text:       # vLLM's pythonic templates: "[func_name1(params_name1=..."
+        return PYTHONIC, True
     if "tools" in text and OPEN in text:
         return HERMES, True
     if "tools" in text and '{"name": ' in text and '"parameters": ' in text:     # Llama 3.1-3.3
@@ -271,6 +279,12 @@ def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool,
     if not tools:
         return None
     several = parallel and choice == "required" and syntax.parallel
+    if syntax.name == PYTHONIC.name:
+        lines = ["%llguidance {}", "start: \"[\" call" + ' (", " call)*' * several + ' "]"',
+                 "call: " + " | ".join(f"f{i}" for i in range(len(tools)))]
+        for i, tool in enumerate(tools):
+            lines += pythonic_lines(i, tool.function.name, tool.function.parameters or NO_PARAMETERS)
+        return StructuredOutput("lark", "\n".join(lines))
     functions = " | ".join(f"f{i}" for i in range(len(tools)))
     calls = "call" + f" ({json.dumps(syntax.separator)} call)*" * several
     lines = ["%llguidance {}", " ".join(["start:", *syntax.lark_before(), calls,

@@ -86,6 +86,37 @@ to fulfill the request." %}
 GRANITE_TOKENS = ["<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>", "<|end_of_text|>"]
 
 
+# vLLM's pythonic template for Gemma 3 (examples/tool_chat_template_gemma3_pythonic.jinja, shortened):
+# the tools as JSON in the first user turn, asking for a Python list of calls; a turn's calls
+# written as [name(key=<JSON value>, ...)]; tool results in a user turn
+PYTHONIC_TEMPLATE = """{{ bos_token }}
+{%- for message in messages -%}
+{%- set role = "model" if message.role == "assistant" else ("user" if message.role == "tool" else message.role) -%}
+{{ '<start_of_turn>' + role + '\n' -}}
+{%- if loop.first and tools is defined and tools is not none -%}
+{{- "Tools (functions) are available. If you decide to invoke one or more of the tools, you must respond with a \
+python list of the function calls.\n" -}}
+{{- "Example Format: [func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)] \n" -}}
+{{- tools | tojson(indent=4) -}}{{- "\n\n" -}}
+{%- endif -%}
+{%- if 'tool_calls' in message -%}
+{{- '[' -}}
+{%- for tool_call in message.tool_calls -%}
+{%- set tool_call = tool_call.function -%}
+{{- tool_call.name + '(' -}}
+{%- for key, val in tool_call.arguments.items() -%}{{ key }}={{ val | tojson }}{%- if not loop.last %}, {% endif -%}
+{%- endfor -%}
+{{- ')' -}}{%- if not loop.last -%}, {% endif -%}
+{%- endfor -%}
+{{- ']' -}}
+{%- endif -%}
+{%- if message.role == 'tool' -%}{{ '<tool_response>\n' -}}{%- endif -%}
+{{ (message.content or '') | trim }}
+{%- if message.role == 'tool' -%}{{ '</tool_response>' -}}{%- endif -%}
+{{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"""
+
 
 def tokenizer_with(default_model_dir, d, template: str, special_tokens: list[str] = ()):
     """The default model's tokenizer with another chat template (and `special_tokens` added, as
