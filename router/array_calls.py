@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 
-from router.chat_prompt import partial_tag
 from router.tool_parser import HEAD, JsonCalls, ObjectEnd, call_of, head_name, held_back
 from router.tools import CallSyntax
 

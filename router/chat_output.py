@@ -1,5 +1,6 @@
 """How a chat choice's generated text becomes the assistant's message: its reasoning set apart
-(router/reasoning.py), then its tool calls parsed out of the rest (router/tool_parser.py).
+(router/reasoning.py), then its tool calls parsed out of the rest (router/tool_parser.py and one
+module per syntax).
 
 `ChatOutputShape` is decided once per request (router/app.py's chat endpoint: the template,
 the prompt's end, the request's tools); each choice gets its own `ChoiceOutput`, fed its text as
@@ -14,7 +15,9 @@ from dataclasses import dataclass, field
 from router.array_calls import ArrayCallStream
 from router.pythonic_calls import PythonicCallStream
 from router.reasoning import ReasoningStream
-from router.tool_parser import JsonCallStream, ToolCallStream, extend_calls, merge_calls
+from router.hermes_calls import ToolCallStream
+from router.llama3_calls import JsonCallStream
+from router.tool_parser import extend_calls, merge_calls
 from router.tools import HERMES, PYTHONIC, CallSyntax
 
 

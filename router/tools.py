@@ -1,6 +1,6 @@
 """Tools (function calling) in chat completions: the request's tools, the prompt that shows them
 to the model, and the grammar that makes it call one. (Finding the calls in the output:
-router/tool_parser.py.)
+router/tool_parser.py and a parser per syntax.)
 
 Calls are written in one of five syntaxes (`CallSyntax`), read from the chat template
 (`template_tools`):
@@ -38,8 +38,8 @@ Life of a chat request with tools (router/app.py's chat endpoint)
                 one call (or, with parallel_tool_calls and a syntax that has them, several) of the
                 allowed functions, each arguments object a value of its function's JSON schema,
                 then EOS. "auto": nothing is forced.
-  3. parse      as the output streams or whole: router/tool_parser.py (Hermes, Llama 3),
-                router/array_calls.py (Mistral, Granite), router/pythonic_calls.py.
+  3. parse      as the output streams or whole, one parser per syntax: router/hermes_calls.py,
+                llama3_calls.py, array_calls.py (Mistral, Granite), pythonic_calls.py.
 """
 
 from __future__ import annotations

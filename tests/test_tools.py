@@ -17,7 +17,9 @@ from chat_templates import LLAMA3_TEMPLATE, tokenizer_with
 from engine.structured_output import MAX_SPEC_CHARS, GrammarCompiler
 from router.chat_output import ChatOutputShape
 from router.chat_protocol import ChatCompletionRequest
-from router.tool_parser import JsonCallStream, ToolCallStream, merge_calls
+from router.hermes_calls import ToolCallStream
+from router.llama3_calls import JsonCallStream
+from router.tool_parser import merge_calls
 from router.tools import CLOSE, HERMES, LLAMA3_JSON, template_tools
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

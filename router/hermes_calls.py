@@ -1,0 +1,126 @@
+"""Tool calls in the Hermes syntax (router/tools.py's HERMES): each <tool_call> block whose JSON
+names a function is a call. The rules:
+  - A block that opens as `{"name": "<name>", "arguments": {` ("parameters" too) is a call from
+    there: its name goes out at once and its arguments' JSON text as it arrives, as the model
+    wrote it, held back only where it may be the object's closing brace or the </tool_call> tag
+    (so a long argument, a file's text, streams). It ends at </tool_call> or the output's end (a
+    block cut by max_tokens is a call whose arguments are cut).
+  - Any other block is held until its </tool_call> (or the output's end) and is a call if its
+    JSON is an object with a string "name"; its "arguments" (or "parameters") become the call's
+    arguments as JSON text. A block whose JSON is not that stays in the content, tags and all (as
+    vLLM's Hermes parser does).
+  - Content is held back while it could still be the start of <tool_call>, or is trailing
+    whitespace: content right before a call is trimmed at its end, and content right after a
+    call at its start (the newlines around blocks are not content).
+  - Output without calls comes out unchanged, whitespace included.
+"""
+
+from __future__ import annotations
+
+from router.chat_prompt import partial_tag
+from router.tool_parser import HEAD, begun, call_from_json, extend_calls, head_name, held_back, is_json
+from router.tools import CLOSE, OPEN
+
+
+def _arguments_end(text: str) -> str:
+    """A streamed block's arguments, from its text up to </tool_call> (or the output's end): the
+    object's closing brace dropped where what is before it is JSON."""
+    text = text.rstrip()
+    return text[:-1].rstrip() if text.endswith("}") and is_json(text[:-1]) else text
+
+
+def _streamable(text: str) -> int:
+    """How much of a streamed block's arguments text so far can go: all but an end that may be
+    the object's closing brace and </tool_call> (and the whitespace around them)."""
+    end = len(text) - partial_tag(text, CLOSE)
+    end = len(text[:end].rstrip())
+    if end and text[end - 1] == "}":
+        end = len(text[:end - 1].rstrip())
+    return end
+
+
+class ToolCallStream:
+    """One choice's output, split into content and call deltas as it arrives."""
+
+    def __init__(self):
+        self._held = ""          # outside a block: content not yet certain; in one: its text after <tool_call>
+        self._gap = ""           # in a block: the whitespace between the content and <tool_call>
+        self._mode = "content"   # content -> block (held whole) | arguments (streaming) -> content
+        self._sent: list[str] = []   # arguments: the block's arguments text already out
+        self._after_call = False
+        self.count = 0           # calls begun so far; the next one's stream index
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(content now certain, call deltas): each delta with its call's stream `index`."""
+        self._held += text
+        return self._take(final=False)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The same for whatever was held; the output has ended."""
+        return self._take(final=True)
+
+    def _take(self, final: bool) -> tuple[str, list[dict]]:
+        content, calls = [], []
+        while True:
+            if self._mode == "arguments":
+                if not self._arguments(final, calls):
+                    return "".join(content), calls
+            elif self._mode == "block":
+                if not self._block(final, content, calls):
+                    return "".join(content), calls
+            else:
+                start = self._held.find(OPEN)
+                if start < 0:
+                    keep = 0 if final else held_back(self._held)
+                    content.append(self._content(self._held[:len(self._held) - keep]))
+                    self._held = self._held[len(self._held) - keep:]
+                    return "".join(content), calls
+                cut = len(self._held[:start].rstrip())
+                content.append(self._content(self._held[:cut]))
+                self._gap, self._held, self._mode = self._held[cut:start], self._held[start + len(OPEN):], "block"
+
+    def _block(self, final: bool, content: list[str], calls: list[dict]) -> bool:
+        """A block not known to stream yet. False: wait for more text."""
+        end = self._held.find(CLOSE)
+        head = HEAD.match(self._held)
+        name = head_name(head) if head and (end < 0 or head.end() <= end) else None
+        if name is not None:              # a call from here: its name now, its arguments as they come
+            extend_calls(calls, [begun(self.count, name)])
+            self.count += 1
+            self._held, self._mode, self._sent, self._after_call = self._held[head.end():], "arguments", [], True
+            return True
+        if end < 0 and not final:
+            return False
+        stop = len(self._held) if end < 0 else end + len(CLOSE)
+        call = call_from_json(self._held[:stop - (len(CLOSE) if end >= 0 else 0)])
+        if call is None:
+            content.append(self._content(self._gap + OPEN + self._held[:stop]))
+        else:
+            extend_calls(calls, [{"index": self.count, **call}])
+            self.count += 1
+            self._after_call = True
+        self._held, self._mode = self._held[stop:], "content"
+        return True
+
+    def _arguments(self, final: bool, calls: list[dict]) -> bool:
+        """A streaming block's arguments (`_held`: the text not sent yet). False: wait for more."""
+        end = self._held.find(CLOSE)
+        if end < 0 and not final:
+            out = self._held[:_streamable(self._held)]
+            self._held = self._held[len(out):]
+        else:
+            text = self._held[:end] if end >= 0 else self._held[:len(self._held) - partial_tag(self._held, CLOSE)]
+            sent = "".join(self._sent)
+            out = _arguments_end(sent + text)[len(sent):]
+            self._held = self._held[end + len(CLOSE):] if end >= 0 else ""
+            self._mode = "content"
+        if out:
+            extend_calls(calls, [{"index": self.count - 1, "function": {"arguments": out}}])
+            self._sent.append(out)
+        return self._mode == "content"
+
+    def _content(self, text: str) -> str:
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        return text
