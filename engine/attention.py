@@ -24,6 +24,7 @@ the pool (KV transfer and the prefix cache see whole sequences); the window only
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -104,11 +105,12 @@ def fused_attention(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Attention of layer `layer` for a ragged step: query [T, H, D], key/value [T, Hkv, D]
-    (RoPE applied) -> [T, H * D]; `window` 0, or W for a sliding-window layer. K/V heads are never
-    repeated for GQA: decode queries of one KV head attend as a group (the group is sdpa's query
-    axis), prompt chunks use sdpa's `enable_gqa`."""
+    (RoPE applied) -> [T, H * D]; `window` 0, or W for a sliding-window layer; `softcap` 0, or C
+    for scores soft-capped to C * tanh(s / C) (Gemma 2: the torch backend only, `capped_sdpa`).
+    K/V heads are never repeated for GQA: decode queries of one KV head attend as a group (the
+    group is sdpa's query axis), prompt chunks use sdpa's `enable_gqa`."""
     head_dim = query.shape[2]
     pool = meta.kv_pool
     block_size, n_kv = pool.shape[3], pool.shape[4]
@@ -117,13 +119,15 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     # 1. store the new K/V
     flat.index_copy_(0, meta.slot_mapping + k_shift, key)
     flat.index_copy_(0, meta.slot_mapping + k_shift + block_size, value)
-    return _attend(layer, query, key, value, meta, scale, window)
+    return _attend(layer, query, key, value, meta, scale, window, softcap)
 
 
 def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-            meta: AttentionMetadata, scale: float, window: int) -> torch.Tensor:
+            meta: AttentionMetadata, scale: float, window: int, softcap: float = 0.0) -> torch.Tensor:
     """2. and 3. of the module docstring, the new K/V already in the pool; `key`/`value` (the
     step's own, RoPE applied) are read only by sdpa spans without a past."""
+    assert not (softcap and meta.kernels is not None), "the kernels do not soft-cap scores"
+    sdpa = functools.partial(capped_sdpa, softcap=softcap) if softcap else F.scaled_dot_product_attention
     n_tokens, n_heads, head_dim = query.shape
     pool = meta.kv_pool
     block_size, n_kv = pool.shape[3], pool.shape[4]
@@ -139,7 +143,7 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: to
         if meta.kernels is not None:
             o = meta.kernels.paged_decode_attention(q, pool, dec.tables, dec.lens, layer, scale, window)
         else:
-            o = gathered_decode(layer, q, pool, dec, scale, dec.window_masks[window] if window else dec.mask)
+            o = gathered_decode(layer, q, pool, dec, scale, dec.window_masks[window] if window else dec.mask, sdpa)
         if meta.all_decode:
             return o
         out[dec.rows] = o
@@ -157,17 +161,16 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: to
             k = flat[span.context_slots + k_shift]
             v = flat[span.context_slots + v_shift]
         mask = span.window_masks[window] if window else span.mask
-        o = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=mask, is_causal=mask is None,
-                                           scale=scale, enable_gqa=group > 1)
+        o = sdpa(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                 scale=scale, enable_gqa=group > 1)
         out[span.q_start:span.q_end] = o[0].transpose(0, 1).reshape(-1, n_heads * head_dim)
     return out
 
 
 def gathered_decode(layer: int, q: torch.Tensor, pool: torch.Tensor, dec: DecodeBatch, scale: float,
-                    mask: torch.Tensor):
+                    mask: torch.Tensor, sdpa=F.scaled_dot_product_attention):
     """The torch backend: keys gathered a whole block at a time, then one sdpa call under `mask`
-    (`dec.mask`, or a sliding window's).
+    (`dec.mask`, or a sliding window's; `sdpa`: torch's, or `capped_sdpa`).
     The query heads of one KV head attend as a group (sdpa's query axis), so K/V heads are
     never repeated for GQA."""
     b, n_heads, head_dim = q.shape
@@ -176,5 +179,26 @@ def gathered_decode(layer: int, q: torch.Tensor, pool: torch.Tensor, dec: Decode
     block_rows = pool.view(-1, block_size * n_kv * head_dim)
     kv = block_rows.index_select(0, dec.blocks + 2 * layer).view(2, b, -1, n_kv, head_dim)
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)                     # [B, Hkv, L, D]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    o = sdpa(q, k, v, attn_mask=mask, scale=scale)
     return o.reshape(b, n_heads * head_dim)
+
+
+def capped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                is_causal: bool = False, scale: float = 1.0, enable_gqa: bool = False,
+                softcap: float = 0.0) -> torch.Tensor:
+    """sdpa's math with the scores soft-capped (Gemma 2), written out as transformers' eager
+    attention computes it: s = (q @ k^T) * scale, then s / C, tanh, * C, masked, softmax in fp32
+    back to the model's dtype, @ v. q [B, H, n, D], k/v [B, Hkv, L, D]; `attn_mask` bool, True =
+    attend, broadcast to [B, H, n, L]; `is_causal`: top-left aligned, as sdpa's."""
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if is_causal:
+        n, length = s.shape[-2], s.shape[-1]
+        attn_mask = torch.ones(n, length, dtype=torch.bool, device=s.device).tril()
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, torch.finfo(s.dtype).min)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v)

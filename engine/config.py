@@ -131,8 +131,10 @@ class EngineConfig:
 
 # model types the engine's own forward runs (engine/decoder.py); Gemma 3's text models (270M, 1B:
 # `gemma3_text`) differ most: RMSNorm scaling by 1 + weight, a scaled embedding, norms before and
-# after attention and MLP, GELU-tanh, RoPE and a sliding window per layer type
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "gemma3_text")
+# after attention and MLP, GELU-tanh, RoPE and a sliding window per layer type; Gemma 2 as Gemma 3
+# without q/k norms or local RoPE, with soft-capped attention scores and logits
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "gemma2",
+                         "gemma3_text")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")          # of the gated MLP
 
 
@@ -149,9 +151,6 @@ def unsupported_model(config: dict) -> str | None:
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
     if activation not in ACTIVATIONS:
         return f"activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})"
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if config.get(key):
-            return f"{key} (soft-capped scores, as Gemma 2's) is not supported"
     if config.get("use_bidirectional_attention"):
         return "bidirectional attention (an embedding model) is not supported"
     return None

@@ -1,5 +1,5 @@
 """A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite,
-OLMo 2, Gemma 3 text): the engine's model code.
+OLMo 2, Gemma 2, Gemma 3 text): the engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -20,7 +20,10 @@ Gemma 3 (`gemma3_text`) by norms both before and after attention and MLP (`x + n
 RMSNorm scaling by 1 + weight (folded into the weights at load), an embedding scaled by
 sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated MLP,
 `query_pre_attn_scalar` as the attention's scale, and per layer type ("sliding_attention" /
-"full_attention") its own RoPE frequencies and a sliding window (see engine.attention).
+"full_attention") its own RoPE frequencies and a sliding window (see engine.attention); Gemma 2
+(`gemma2`) as Gemma 3 without the q/k norms and with one RoPE, plus soft caps, `cap * tanh(x /
+cap)`, on the attention's scores (`attn_logit_softcapping`: the torch attention backend, whose
+softmax is written out for it) and on the logits (`final_logit_softcapping`).
 """
 
 from __future__ import annotations
@@ -63,7 +66,10 @@ class DecoderModel:
         self.scale = float(getattr(cfg, "attention_multiplier", None) or (pre_attn or self.head_dim) ** -0.5)
         self.activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
         # Gemma's RMSNorm scales by 1 + weight: the 1 is added to the weights here
-        self.norm_offset = 1.0 if cfg.model_type == "gemma3_text" else 0.0
+        self.norm_offset = 1.0 if cfg.model_type in ("gemma2", "gemma3_text") else 0.0
+        # Gemma 2's soft caps (cap * tanh(x / cap)) of the attention scores and of the logits; 0: none
+        self.attn_softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
+        self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
         self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0))
         self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0))
         self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0))
@@ -145,7 +151,11 @@ class DecoderModel:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] in the model's dtype of final hidden states [n, hidden]."""
         logits = self._head(hidden)
-        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        if self.final_softcap:           # Gemma 2, as transformers: divide, tanh, multiply
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def _fused(self, module, fused_name: str, part_names: tuple[str, ...], fmt: str):
         """One linear: `module`'s fused projection where the checkpoint has one (Phi-3), else its
@@ -210,6 +220,7 @@ class DecoderModel:
         # bf16 steps whose attention all reads the pool in place (decode rows, and prompt chunks
         # through the prefill kernel): RoPE and the K/V store in one op per layer
         fused = self._kernels is not None and meta.in_place and self.rotary_dim == d
+        assert not (meta.kernels is not None and self.attn_softcap), "soft-capped scores run the torch backend"
         # per RoPE kind: cos/sin [T, 1, rotary_dim], broadcast over heads, in the model's dtype (OLMo
         # 2's rotary module returns float32), and as [T, rotary_dim] for the fused kernel
         ropes = {}
@@ -235,7 +246,8 @@ class DecoderModel:
                 if layer.rope:
                     qk = _rope(qk, cos, sin)                                   # q and k heads at once
                 v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
-                a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale, layer.window)
+                a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale, layer.window,
+                                    self.attn_softcap)
             out = layer.o(a)
             if self.post_norms:      # OLMo 2: x + norm(attention(x)), then x + norm(mlp(x))
                 x = x + self._rms_norm(out, layer.post_norm)

@@ -46,7 +46,6 @@ class ModelRunner:
         at_start = cuda_snapshot(self.device) if self.device.type == "cuda" else None
         self.dtype = resolve_dtype(config.dtype, self.device, config.cpu_gemv)
         self.weight_format = weight_format(config, self.device, self.dtype)
-        self.kernels, self.attention_backend = attention_kernels(config.attention_backend, self.device, self.dtype)
         # quantized formats start from fp32 weights; the others load in their own dtype
         load_dtype = torch.float32 if config.quantization else self.dtype
         hf_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=load_dtype).to(self.device).eval()
@@ -54,6 +53,8 @@ class ModelRunner:
         # cannot build)
         self.model = DecoderModel(hf_model, self.weight_format, self.dtype,
                                   cpu_kernels() if self.device.type == "cpu" else None, gemv=config.cpu_gemv)
+        self.kernels, self.attention_backend = attention_kernels(config.attention_backend, self.device, self.dtype,
+                                                                 softcap=bool(self.model.attn_softcap))
         self.generation_config = hf_model.generation_config
         self.hf_config = hf_config = hf_model.config
         del hf_model

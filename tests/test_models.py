@@ -144,10 +144,9 @@ def test_local_dir_is_checked(tmp_path):
 @pytest.mark.parametrize("config, why", [
     ({"model_type": "gemma", "hidden_act": "gelu"}, "'gemma' is not supported"),
     ({"model_type": "llama", "hidden_act": "gelu"}, "'gelu' is not supported"),
-    ({"model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh"}, "'gemma2' is not supported"),
-    # Gemma 3's text checkpoints run; soft-capped scores, bidirectional attention or the multimodal
+    ({"model_type": "gemma2", "hidden_activation": "gelu"}, "'gelu' is not supported"),
+    # Gemma 2's and Gemma 3's text checkpoints run; bidirectional attention or the multimodal
     # checkpoints (the 4B and larger) do not
-    ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "soft-capped scores, as Gemma 2"),
     ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "bidirectional attention"),
     ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}, "a multimodal checkpoint"),
     ({}, "None is not supported"), ([], "not a JSON object")])

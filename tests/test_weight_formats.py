@@ -104,14 +104,15 @@ def _with_partial_rotary(path, factor):
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.02)])
-@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3", "granite", "olmo2", "gemma3_text",
+@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text",
                                   "gemma3_text-256", "gemma3_text-torch"])
 def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, tolerance):
     """qwen3's per-head q/k norms, phi3 with RoPE on half of each head (Phi-4-mini's
     `partial_rotary_factor`), smollm3's layer without RoPE, granite's multipliers, olmo2's norms
     after each block and over all q/k heads at once, and gemma3_text's (norms before and after each
     block scaling by 1 + weight, random here; the embedding scale; GELU; a sliding first layer with
-    its own RoPE; also with Gemma 3's head size, 256), on every path (bf16 on a CPU with native bf16:
+    its own RoPE; also with Gemma 3's head size, 256), gemma2's soft caps (attention scores made
+    large enough for the cap to bite: the torch backend, whatever `auto` would pick), on every path (bf16 on a CPU with native bf16:
     the prefill and decode kernels and, for all but the partial-RoPE phi3, the fused RoPE + K/V
     store; gemma3_text-torch: bf16 without any kernel, as on CUDA, its fp32 norm scales through
     torch's ops): the log-probabilities of the prompt and of the greedy tokens are Hugging Face's fp32
@@ -121,9 +122,9 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
     path = _with_random_extras(tiny_model_dir(tmp_path / arch, arch.split("-")[0], seed=5, head_dim=head_dim))
     if arch == "phi3-partial":
         path = _with_partial_rotary(_with_sharp_attention(path), 0.5)
-    if arch in ("smollm3", "granite"):
+    if arch in ("smollm3", "granite", "gemma2"):
         path = _with_sharp_attention(path)
-    if arch.startswith(("olmo2", "gemma3_text")):
+    if arch.startswith(("olmo2", "gemma")):
         path = with_random_norms(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     torch_only = arch.endswith("-torch")
