@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.array_calls import ArrayCallStream
-from router.pythonic_calls import PythonicCallStream
-from router.reasoning import ReasoningStream
 from router.hermes_calls import ToolCallStream
 from router.llama3_calls import JsonCallStream
+from router.pythonic_calls import PythonicCallStream
+from router.reasoning import ReasoningStream
 from router.tool_parser import extend_calls, merge_calls
 from router.tools import HERMES, PYTHONIC, CallSyntax
 

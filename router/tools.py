@@ -27,9 +27,10 @@ Calls are written in one of five syntaxes (`CallSyntax`), read from the chat tem
 Life of a chat request with tools (router/app.py's chat endpoint)
   1. render     `render_conversation`: a chat template that writes calls itself ("native": it
                 mentions <tool_call>, [TOOL_CALLS] or <|tool_call|>, asks for "[func_name1(", or
-                writes Llama 3's {"name": ..., "parameters": ...}) receives the tools and the history's calls and results
-                as transformers passes them to templates (Mistral's: each call id as 9 letters and
-                digits, `CallSyntax.history_id`; Granite's: the calls in the turn's content). Any other template gets pdserve's own system text
+                writes Llama 3's {"name": ..., "parameters": ...}) receives the tools and the
+                history's calls and results as transformers passes them to templates (Mistral's:
+                each call id as 9 letters and digits, `CallSyntax.history_id`; Granite's: the
+                calls in the turn's content). Any other template gets pdserve's own system text
                 listing the tools (Qwen2.5's words), the history's calls written out in the Hermes
                 syntax and tool results as a user turn of <tool_response> blocks, as Qwen2.5's
                 template writes them. tool_choice "none" shows no tools (the output is all content).

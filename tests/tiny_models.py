@@ -68,8 +68,8 @@ def with_random_norms(path: Path) -> Path:
 
 
 def _tiny_config(arch: str, tokenizer, head_dim: int = 16):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config,
-                              Qwen2Config, Qwen3Config, SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config,
+                              Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config)
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "phi3": Phi3Config, "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config,
