@@ -92,7 +92,8 @@ def window_mask(q_pos: torch.Tensor, context: int, window: int) -> torch.Tensor:
 
 
 def fused_attention(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                    meta: AttentionMetadata, scale: float, rope_store, window: int = 0) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, rope_store, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """`paged_attention` for a step of the bf16 CPU decoder whose every attention reads the pool
     in place (`meta.in_place`: decode rows through the paged decode kernel, prompt chunks through
     the prefill kernel), RoPE included: qkv [T, (H + 2 Hkv) * D] un-rotated, cos/sin [T, D] ->
@@ -101,14 +102,15 @@ def fused_attention(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch
     assert meta.in_place and meta.kernels is not None
     n_kv = meta.kv_pool.shape[4]
     q = rope_store(qkv, cos, sin, meta.kv_pool, meta.slot_mapping, layer, num_heads, n_kv)
-    return _attend(layer, q, None, None, meta, scale, window)
+    return _attend(layer, q, None, None, meta, scale, window, softcap)
 
 
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Attention of layer `layer` for a ragged step: query [T, H, D], key/value [T, Hkv, D]
     (RoPE applied) -> [T, H * D]; `window` 0, or W for a sliding-window layer; `softcap` 0, or C
-    for scores soft-capped to C * tanh(s / C) (Gemma 2: the torch backend only, `capped_sdpa`).
+    for scores soft-capped to C * tanh(s / C) (Gemma 2: the kernels cap them, sdpa spans run
+    `capped_sdpa`).
     K/V heads are never repeated for GQA: decode queries of one KV head attend as a group (the
     group is sdpa's query axis), prompt chunks use sdpa's `enable_gqa`."""
     head_dim = query.shape[2]
@@ -126,7 +128,6 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: to
             meta: AttentionMetadata, scale: float, window: int, softcap: float = 0.0) -> torch.Tensor:
     """2. and 3. of the module docstring, the new K/V already in the pool; `key`/`value` (the
     step's own, RoPE applied) are read only by sdpa spans without a past."""
-    assert not (softcap and meta.kernels is not None), "the kernels do not soft-cap scores"
     sdpa = functools.partial(capped_sdpa, softcap=softcap) if softcap else F.scaled_dot_product_attention
     n_tokens, n_heads, head_dim = query.shape
     pool = meta.kv_pool
@@ -141,7 +142,7 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: to
     if dec is not None:
         q = query if meta.all_decode else query[dec.rows]
         if meta.kernels is not None:
-            o = meta.kernels.paged_decode_attention(q, pool, dec.tables, dec.lens, layer, scale, window)
+            o = meta.kernels.paged_decode_attention(q, pool, dec.tables, dec.lens, layer, scale, window, softcap)
         else:
             o = gathered_decode(layer, q, pool, dec, scale, dec.window_masks[window] if window else dec.mask, sdpa)
         if meta.all_decode:
@@ -151,7 +152,7 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: to
     for span in meta.prefills:
         if span.table is not None:
             out[span.q_start:span.q_end] = meta.kernels.paged_prefill_attention(
-                query[span.q_start:span.q_end], pool, span.table, span.past, layer, scale, window)
+                query[span.q_start:span.q_end], pool, span.table, span.past, layer, scale, window, softcap)
             continue
         q = query[span.q_start:span.q_end].transpose(0, 1)[None]             # [1, H, n, D]
         if span.context_slots is None:

@@ -78,16 +78,10 @@ def chunk_sdpa_from(kernels) -> int | None:
     return AMX_SDPA_FROM if kernels is not None and kernels.amx_available() else None
 
 
-def attention_kernels(spec: str, device: torch.device, dtype: torch.dtype, softcap: bool = False):
+def attention_kernels(spec: str, device: torch.device, dtype: torch.dtype):
     """(kernels, backend name) of decode attention: an object with `paged_decode_attention`
-    (the C++ op on CPU, Triton on CUDA) and "cpu_paged"/"triton_paged", or (None, "torch").
-    `softcap`: the model soft-caps its attention scores (Gemma 2), which only the torch backend does."""
+    (the C++ op on CPU, Triton on CUDA) and "cpu_paged"/"triton_paged", or (None, "torch")."""
     if spec == "torch":
-        return None, "torch"
-    if softcap:
-        if spec == "paged":
-            raise ValueError("attention_backend='paged': the kernels do not soft-cap attention scores (this "
-                             "model's attn_logit_softcapping); use auto or torch")
         return None, "torch"
     if device.type == "cpu":
         if dtype not in (torch.float32, torch.bfloat16):

@@ -22,8 +22,9 @@ sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated
 `query_pre_attn_scalar` as the attention's scale, and per layer type ("sliding_attention" /
 "full_attention") its own RoPE frequencies and a sliding window (see engine.attention); Gemma 2
 (`gemma2`) as Gemma 3 without the q/k norms and with one RoPE, plus soft caps, `cap * tanh(x /
-cap)`, on the attention's scores (`attn_logit_softcapping`: the torch attention backend, whose
-softmax is written out for it) and on the logits (`final_logit_softcapping`).
+cap)`, on the attention's scores (`attn_logit_softcapping`: in the decode kernels, and in sdpa's
+math written out for prompt chunks, engine.attention.capped_sdpa) and on the logits
+(`final_logit_softcapping`).
 """
 
 from __future__ import annotations
@@ -220,7 +221,6 @@ class DecoderModel:
         # bf16 steps whose attention all reads the pool in place (decode rows, and prompt chunks
         # through the prefill kernel): RoPE and the K/V store in one op per layer
         fused = self._kernels is not None and meta.in_place and self.rotary_dim == d
-        assert not (meta.kernels is not None and self.attn_softcap), "soft-capped scores run the torch backend"
         # per RoPE kind: cos/sin [T, 1, rotary_dim], broadcast over heads, in the model's dtype (OLMo
         # 2's rotary module returns float32), and as [T, rotary_dim] for the fused kernel
         ropes = {}
@@ -240,7 +240,7 @@ class DecoderModel:
             if fused:
                 c, s = (cos2, sin2) if layer.rope else no_rope
                 a = fused_attention(layer.index, qkv, c, s, nh, meta, self.scale, self._kernels.rope_store,
-                                    layer.window)
+                                    layer.window, self.attn_softcap)
             else:
                 qk = qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d)
                 if layer.rope:

@@ -46,6 +46,7 @@ class ModelRunner:
         at_start = cuda_snapshot(self.device) if self.device.type == "cuda" else None
         self.dtype = resolve_dtype(config.dtype, self.device, config.cpu_gemv)
         self.weight_format = weight_format(config, self.device, self.dtype)
+        self.kernels, self.attention_backend = attention_kernels(config.attention_backend, self.device, self.dtype)
         # quantized formats start from fp32 weights; the others load in their own dtype
         load_dtype = torch.float32 if config.quantization else self.dtype
         hf_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=load_dtype).to(self.device).eval()
@@ -53,8 +54,6 @@ class ModelRunner:
         # cannot build)
         self.model = DecoderModel(hf_model, self.weight_format, self.dtype,
                                   cpu_kernels() if self.device.type == "cpu" else None, gemv=config.cpu_gemv)
-        self.kernels, self.attention_backend = attention_kernels(config.attention_backend, self.device, self.dtype,
-                                                                 softcap=bool(self.model.attn_softcap))
         self.generation_config = hf_model.generation_config
         self.hf_config = hf_config = hf_model.config
         del hf_model
@@ -71,7 +70,8 @@ class ModelRunner:
         # bf16 on CPU with the paged backend: prompt chunks through the in-place prefill kernel
         self.prefill_kernel = prefill_kernel_applies(self.kernels, self.device, self.dtype, self.kv_shape.head_dim)
         # ... except chunks from this many tokens on, which run sdpa (None: none do)
-        self.sdpa_from = chunk_sdpa_from(self.kernels) if self.prefill_kernel else None
+        # (never with soft-capped scores, Gemma 2's: sdpa cannot cap them, its math written out is slower)
+        self.sdpa_from = chunk_sdpa_from(self.kernels) if self.prefill_kernel and not self.model.attn_softcap else None
         self.num_blocks = self._num_blocks(at_start)
         s = self.kv_shape
         # Block-major: one block is contiguous across layers (see attention.token_slots).

@@ -41,11 +41,13 @@
   chunk through it (its prompt log-probabilities within 0.05 of sdpa's), fp32 never.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, DecodeBatch, paged_attention
+from engine.attention import AttentionMetadata, DecodeBatch, capped_sdpa, paged_attention
 from engine import decoder, linear
 from engine.config import EngineConfig
 from engine.kernels import cpu_kernels
@@ -70,10 +72,10 @@ def _decode_case(dtype, batch, max_ctx, heads, kv_heads, dim, block_size, layers
     return pool, tables, lens, query
 
 
-def _both_backends(pool, tables, lens, query, layer, scale, window=0):
+def _both_backends(pool, tables, lens, query, layer, scale, window=0, softcap=0.0):
     """(kernel output, torch output) for one decode step of `layer` (a sliding-window layer of
-    `window` keys unless 0); the new token's K/V is the one already in the pool at the last
-    position, so the store step changes nothing."""
+    `window` keys unless 0; scores soft-capped at `softcap` unless 0); the new token's K/V is the
+    one already in the pool at the last position, so the store step changes nothing."""
     batch = query.shape[0]
     n_layers, block_size = pool.shape[1], pool.shape[3]
     last = lens - 1
@@ -90,9 +92,10 @@ def _both_backends(pool, tables, lens, query, layer, scale, window=0):
     gathered = DecodeBatch(rows, blocks=torch.stack((k_rows, k_rows + 1)).view(-1), mask=mask,
                            window_masks={window: in_window})
     in_place = DecodeBatch(rows, tables=tables.contiguous(), lens=lens.contiguous())
-    ref = paged_attention(layer, query, key, value, AttentionMetadata(pool, slots, gathered, [], True), scale, window)
+    ref = paged_attention(layer, query, key, value, AttentionMetadata(pool, slots, gathered, [], True), scale, window,
+                          softcap)
     out = paged_attention(layer, query, key, value,
-                          AttentionMetadata(pool, slots, in_place, [], True, KERNELS), scale, window)
+                          AttentionMetadata(pool, slots, in_place, [], True, KERNELS), scale, window, softcap)
     return out, ref
 
 
@@ -665,6 +668,12 @@ def test_kernel_matches_torch_backend(dtype, tol, heads, kv_heads, dim, block_si
         assert (out.float() - ref.float()).abs().max().item() <= tol
     full, _ = _both_backends(pool, tables, lens, query, 0, dim ** -0.5)
     assert (full.float() - out.float()).abs().max() > 10 * tol      # the window changed what rows saw
+    # Gemma 2's soft-capped scores (a cap far below these scores' spread, so it shows), also windowed
+    for layer, window in ((0, 0), (1, 7)):
+        out, ref = _both_backends(pool, tables, lens, query, layer, dim ** -0.5, window, softcap=0.3)
+        assert (out.float() - ref.float()).abs().max().item() <= tol
+    plain, _ = _both_backends(pool, tables, lens, query, 1, dim ** -0.5, 7)
+    assert (plain.float() - out.float()).abs().max() > 10 * tol     # the cap changed what rows saw
 
 
 @needs_kernel
@@ -840,9 +849,9 @@ def _prefill_case(n, past, heads, kv_heads, dim, block_size, layers=2, seed=0):
     return pool, table, query
 
 
-def _prefill_reference(pool, table, query, past, layer, scale, window=0):
+def _prefill_reference(pool, table, query, past, layer, scale, window=0, softcap=0.0):
     """The chunk's causal attention in fp32 over its context gathered from the pool (each query's
-    last `window` keys only, unless 0)."""
+    last `window` keys only, unless 0; scores soft-capped at `softcap` unless 0)."""
     n, heads, dim = query.shape
     block_size = pool.shape[3]
     pos = torch.arange(past + n)
@@ -850,8 +859,8 @@ def _prefill_reference(pool, table, query, past, layer, scale, window=0):
     v = pool[table[pos // block_size], layer, 1, pos % block_size].float().transpose(0, 1)[None]
     q_pos = past + torch.arange(n)[:, None]
     mask = (pos[None, :] <= q_pos) & ((pos[None, :] > q_pos - window) if window else True)
-    o = F.scaled_dot_product_attention(query.float().transpose(0, 1)[None], k, v, attn_mask=mask[None, None],
-                                       scale=scale, enable_gqa=True)
+    sdpa = functools.partial(capped_sdpa, softcap=softcap) if softcap else F.scaled_dot_product_attention
+    o = sdpa(query.float().transpose(0, 1)[None], k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1).reshape(n, heads * dim)
 
 
@@ -892,6 +901,19 @@ def test_prefill_kernel_attends_within_a_sliding_window(n, past, window):
         assert (full - ref).abs().max() > 0.1 * ref.abs().max()
     else:
         assert torch.equal(out, KERNELS.paged_prefill_attention(query, pool, table, past, 1, 0.125))
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("n,past,window,dim", [(37, 0, 0, 64), (45, 20, 16, 64), (40, 17, 0, 256)])
+def test_prefill_kernel_soft_caps_scores(n, past, window, dim):
+    """Gemma 2's attn_logit_softcapping: cap * tanh(scale * s / cap) before the softmax (a cap far
+    below these scores' spread, so it shows)."""
+    pool, table, query = _prefill_case(n, past, 4, 2, dim, 16)
+    out = KERNELS.paged_prefill_attention(query, pool, table, past, 1, dim ** -0.5, window, 0.3)
+    ref = _prefill_reference(pool, table, query, past, 1, dim ** -0.5, window, softcap=0.3)
+    assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    plain = _prefill_reference(pool, table, query, past, 1, dim ** -0.5, window)
+    assert (plain - ref).abs().max() > 0.1 * ref.abs().max()
 
 
 @needs_prefill_kernel
@@ -945,9 +967,9 @@ def _spy_on_prefill_kernel(eng) -> list:
             return getattr(KERNELS, attr)
 
         @staticmethod
-        def paged_prefill_attention(query, pool, table, past, layer, scale, window=0):
+        def paged_prefill_attention(query, pool, table, past, layer, scale, window=0, softcap=0.0):
             calls.append((query.shape[0], past))
-            return real(query, pool, table, past, layer, scale, window)
+            return real(query, pool, table, past, layer, scale, window, softcap)
     eng.runner.kernels = Spy()
     return calls
 

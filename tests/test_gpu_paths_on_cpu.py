@@ -90,8 +90,9 @@ def test_triton_kernel_under_the_interpreter(tmp_path):
             tables = torch.randperm(n, generator=g)[:B * nb].view(B, nb)
             lens = torch.tensor([ctx, 5, 20])
             q = torch.randn(B, heads, dim, generator=g)
-            for window in (0, 6, 19):          # full, and sliding windows (the last 6 / 19 keys)
-                out = TritonKernels.paged_decode_attention(q, pool, tables, lens, 1, dim ** -0.5, window)
+            # full, sliding windows (the last 6 / 19 keys), and Gemma 2's soft-capped scores
+            for window, cap in ((0, 0.0), (6, 0.0), (19, 0.0), (0, 0.3), (6, 0.3)):
+                out = TritonKernels.paged_decode_attention(q, pool, tables, lens, 1, dim ** -0.5, window, cap)
                 k_rows = tables * (2 * L)
                 keys = torch.arange(nb * bs)[None, :]
                 mask = (keys < lens[:, None])[:, None, None, :]
@@ -103,7 +104,8 @@ def test_triton_kernel_under_the_interpreter(tmp_path):
                 slots = tables[torch.arange(B), last // bs] * (L * 2 * bs) + last % bs
                 flat = pool.view(-1, kv_heads, dim)
                 k, v = flat[slots + 2 * bs].clone(), flat[slots + 3 * bs].clone()
-                ref = paged_attention(1, q, k, v, AttentionMetadata(pool, slots, dec, [], True), dim ** -0.5, window)
+                ref = paged_attention(1, q, k, v, AttentionMetadata(pool, slots, dec, [], True), dim ** -0.5, window,
+                                      cap)
                 err = (out - ref).abs().max().item()
                 assert err < 1e-5, (heads, kv_heads, dim, bs, window, err)
         prompts = [[5, 6, 7], list(range(10, 27)), list(range(30, 41))]

@@ -112,8 +112,8 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
     after each block and over all q/k heads at once, and gemma3_text's (norms before and after each
     block scaling by 1 + weight, random here; the embedding scale; GELU; a sliding first layer with
     its own RoPE; also with Gemma 3's head size, 256), gemma2's soft caps (attention scores made
-    large enough for the caps to bite; the torch backend, whatever `auto` would pick; without the
-    attention's cap the difference was 1.1, without the logits' 0.07), on every path (bf16 on a CPU
+    large enough for the caps to bite: without the attention's cap the difference was 1.1, without
+    the logits' 0.07; its prompt chunks run the capped sdpa, not the prefill kernel), on every path (bf16 on a CPU
     with native bf16: the prefill and decode kernels and, for all but the partial-RoPE phi3, the fused RoPE + K/V
     store; gemma3_text-torch: bf16 without any kernel, as on CUDA, its fp32 norm scales through
     torch's ops): the log-probabilities of the prompt and of the greedy tokens are Hugging Face's fp32

@@ -6,6 +6,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -41,6 +42,9 @@ inline bool nan1(float v) {
 // The first key a query at position len - 1 attends: 0, or with a sliding window of W keys
 // (transformers' `kv_idx > q_idx - W`) the W-th last
 inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
+// Gemma 2's soft cap of one attention score, cap * tanh(s / cap) (softcap16 / softcap8: of many)
+inline float softcap1(float s, float cap) { return cap * std::tanh(s / cap); }
 
 #ifdef PDSERVE_AVX512
 inline __m512 widen16(__m256i h) {          // 16 bf16 -> fp32 (exact)
@@ -98,6 +102,18 @@ inline float exp_and_sum(float* s, int64_t n, float max, float scale) {
     sum = _mm512_mask_add_ps(sum, valid, sum, e);
   }
   return _mm512_reduce_add_ps(sum);
+}
+
+// Gemma 2's soft cap of attention scores over s[0 .. n): s <- cap * tanh(s / cap), tanh(u) as
+// 1 - 2 / (e^{2u} + 1) with exp16 (e^{2u} overflowing to inf gives 1, underflowing to 0 gives -1)
+inline void softcap16(float* s, int64_t n, float cap) {
+  const __m512 c = _mm512_set1_ps(cap), to_2u = _mm512_set1_ps(2.f / cap), one = _mm512_set1_ps(1.f);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 valid = lanes16(n - j);
+    const __m512 e = exp16(_mm512_mul_ps(_mm512_maskz_loadu_ps(valid, s + j), to_2u));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+    _mm512_mask_storeu_ps(s + j, valid, _mm512_mul_ps(c, t));
+  }
 }
 #endif
 
@@ -171,6 +187,17 @@ inline float exp_and_sum8(float* s, int64_t n, float max, float scale) {
     sum = _mm256_add_ps(sum, e);
   }
   return sum8(sum);
+}
+
+// softcap16 on 8 lanes (exp8 saturates at e^88: tanh is 1 there all the same)
+inline void softcap8(float* s, int64_t n, float cap) {
+  const __m256 c = _mm256_set1_ps(cap), to_2u = _mm256_set1_ps(2.f / cap), one = _mm256_set1_ps(1.f);
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256i valid = lanes8(n - j);
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_maskload_ps(s + j, valid), to_2u));
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one)));
+    _mm256_maskstore_ps(s + j, valid, _mm256_mul_ps(c, t));
+  }
 }
 #endif
 

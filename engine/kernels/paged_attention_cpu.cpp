@@ -12,6 +12,8 @@
 //   lens    [B] int64                         (context length of each sequence, new token included)
 //   window  int                               (0: every key; W > 0: a sliding-window layer, each
 //                                              query attends its last W keys, itself included)
+//   softcap float                             (0: none; C > 0: scores capped to C * tanh(s / C) before
+//                                              the softmax, Gemma 2's attn_logit_softcapping)
 //   -> out  [B, H * D]                        (same dtype as query)
 // Softmax in fp32: the max as the scores are stored, then exp (kernel_common.h exp16) and sum.
 //
@@ -282,7 +284,7 @@ template <typename T, int64_t kDim>
 void attend_avx(const T* query, const T* pool, const int64_t* tables, const int64_t* lens, T* out,
                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
                 int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t token_stride, float scale,
-                int64_t window) {
+                int64_t window, float softcap) {
   using E = Elems<T, kDim>;
   constexpr int kVecs = kDim / 16, kRowBytes = kDim * sizeof(T);
   constexpr int kHeadChunk = 24 / kVecs;      // query heads whose outputs fit 24 registers
@@ -330,6 +332,10 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
       // 2. softmax per query head over the len scores: exp(s - max) and its sum here (the max came
       // with the scores), the division where step 3 reads them (bf16) or in place (fp32)
       for (int64_t g = 0; g < group; ++g) {
+        if (softcap > 0.f) {          // Gemma 2: capped scores (tanh is monotonic: the max's cap is theirs)
+          softcap16(scores.data() + g * padded, len, softcap);
+          maxes[g] = softcap1(maxes[g], softcap);
+        }
         inv[g] = 1.f / exp_and_sum(scores.data() + g * padded, len, maxes[g], 1.f);
         if constexpr (!std::is_same_v<T, bf16>)
           for (int64_t t = 0; t < len; ++t) scores[g * padded + t] *= inv[g];
@@ -489,7 +495,7 @@ template <typename T, int64_t kDim>
 void attend_avx2(const T* query, const T* pool, const int64_t* tables, const int64_t* lens, T* out,
                  int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
                  int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t token_stride, float scale,
-                 int64_t window) {
+                 int64_t window, float softcap) {
   constexpr int kScoreHeads = 8, kValueHeads = 3;   // query heads a pass of step 1 / step 3 takes
   const int64_t group = heads / kv_heads;
   const int64_t threads = at::get_num_threads();
@@ -528,8 +534,13 @@ void attend_avx2(const T* query, const T* pool, const int64_t* tables, const int
               part.data());
       }
       // 2. e[r, t] = exp(s - max) in place; 1 / their sum (in maxes) scales step 3's output
-      for (int64_t r = 0; r < rows; ++r)
+      for (int64_t r = 0; r < rows; ++r) {
+        if (softcap > 0.f) {          // Gemma 2: capped scores, as attend_avx
+          softcap8(scores.data() + r * padded, len, softcap);
+          maxes[r] = softcap1(maxes[r], softcap);
+        }
         maxes[r] = 1.f / exp_and_sum8(scores.data() + r * padded, len, maxes[r], 1.f);
+      }
       // 3. out_r = (sum_t e[r, t] v_t) / sum, `block` tokens at a time, every query head's passes
       // over them. fp32 rows are first copied into `staged` in the order they lie: the passes
       // read a head's 24 dims of every token, an order the cold pool streamed from memory slowly
@@ -570,7 +581,7 @@ template <typename T, int64_t kDim>
 void attend(const T* query, const T* pool, const int64_t* tables, const int64_t* lens, T* out,
             int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
             int64_t block_size, int64_t block_stride, int64_t k_offset, int64_t v_offset,
-            int64_t token_stride, float scale, int64_t window) {
+            int64_t token_stride, float scale, int64_t window, float softcap) {
   const int64_t group = heads / kv_heads;
   if (kDim > 0) dim = kDim;   // a compile-time head size lets the compiler unroll and vectorize
   // One sequence per work item; each token's K (then V) row of all KV heads is read once, in
@@ -600,7 +611,9 @@ void attend(const T* query, const T* pool, const int64_t* tables, const int64_t*
         }
         start += n;
       }
-      // 2. softmax per query head
+      // 2. softmax per query head (of the capped scores: Gemma 2)
+      if (softcap > 0.f)
+        for (float& s : scores) s = softcap1(s, softcap);
       for (int64_t head = 0; head < heads; ++head) softmax_in_place(scores.data() + head * len, len);
       // 3. out_head = sum_j p[head, j] v_j
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -625,9 +638,11 @@ void attend(const T* query, const T* pool, const int64_t* tables, const int64_t*
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& pool, const at::Tensor& tables,
-                                  const at::Tensor& lens, int64_t layer, double scale, int64_t window) {
+                                  const at::Tensor& lens, int64_t layer, double scale, int64_t window,
+                                  double softcap) {
   TORCH_CHECK(query.device().is_cpu() && pool.device().is_cpu(), "paged_decode_attention runs on CPU");
   TORCH_CHECK(window >= 0, "window: 0 (every key) or the number of keys each query attends");
+  TORCH_CHECK(softcap >= 0, "softcap: 0 (none) or the cap C of C * tanh(score / C)");
   TORCH_CHECK(query.dim() == 3 && pool.dim() == 6, "query [B, H, D], pool [blocks, layers, 2, bs, Hkv, D]");
   TORCH_CHECK(query.scalar_type() == pool.scalar_type(), "query and pool dtypes differ");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "tables and lens are int64");
@@ -648,7 +663,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
     constexpr int64_t kDim = decltype(dim_tag)::value;
     attend<T, kDim>(q.data_ptr<T>(), pool.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                     out.data_ptr<T>(), batch, heads, kv_heads, dim, tables.size(1), block_size, block_stride,
-                    k_offset, v_offset, token_stride, static_cast<float>(scale), window);
+                    k_offset, v_offset, token_stride, static_cast<float>(scale), window, static_cast<float>(softcap));
   };
 #if defined(PDSERVE_AVX512) || defined(PDSERVE_AVX2)
   if (dim == 64 || dim == 128 || dim == 256) {
@@ -661,7 +676,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
 #endif
       kernel(q.data_ptr<T>(), pool.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
              out.data_ptr<T>(), batch, heads, kv_heads, tables.size(1), block_size, block_stride, k_offset,
-             v_offset, token_stride, static_cast<float>(scale), window);
+             v_offset, token_stride, static_cast<float>(scale), window, static_cast<float>(softcap));
     };
     if (query.scalar_type() == at::kBFloat16) { fast(bf16{}); return out; }
     if (query.scalar_type() == at::kFloat) { fast(float{}); return out; }
@@ -686,7 +701,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
 
 TORCH_LIBRARY(pdserve, m) {
   m.def("paged_decode_attention(Tensor query, Tensor pool, Tensor tables, Tensor lens, int layer, float scale, "
-        "int window=0) -> Tensor");
+        "int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {

@@ -9,6 +9,7 @@
 //   table  [>= ceil((past + n) / bs)] int64, the sequence's block table
 //   past   tokens before the chunk (0: a fresh prompt)
 //   window 0, or W > 0 for a sliding-window layer: query i attends only its last W keys
+//   softcap 0, or C > 0: scores capped to C * tanh(scale * s / C) before the softmax (Gemma 2)
 //   -> out [n, H * D] bf16     query i attends keys 0 .. past + i (causal; with a window from
 //                              past + i - W + 1 on), GQA without repeats
 //
@@ -54,6 +55,20 @@ namespace {
 using namespace pdserve_cpu;
 
 #if defined(PDSERVE_AVX512) || defined(PDSERVE_AVX2)
+// Gemma 2's soft cap over a row's n raw scores s = q . k: s <- cap * tanh(scale * s / cap), and the
+// scale the softmax's exp then applies (1: the scores are scaled already); without a cap (0) the
+// scores stay raw and the exp scales them
+inline float capped(float* s, int64_t n, float scale, float softcap) {
+  if (softcap <= 0.f) return scale;
+  for (int64_t k = 0; k < n; ++k) s[k] *= scale;
+#ifdef PDSERVE_AVX512
+  softcap16(s, n, softcap);
+#else
+  softcap8(s, n, softcap);
+#endif
+  return 1.f;
+}
+
 struct Context {              // where one KV head's keys live, and the call's shapes
   const bf16* pool;
   const int64_t* table;
@@ -128,7 +143,7 @@ template <int kDim> struct ValueRows {
 
 template <int kDim>
 void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_t n, int64_t past, int64_t heads,
-                 int64_t kv_heads, float scale, int64_t window, bf16* out) {
+                 int64_t kv_heads, float scale, int64_t window, float softcap, bf16* out) {
   constexpr int kPairs = kDim / 2, kValueRows = kDim == 64 ? 4 : kDim == 128 ? 2 : 1;
   const int64_t group = heads / kv_heads, len = past + n, tiles = (len + 15) / 16;
   const int64_t seen_tile = first_key(past + 1, window) / 16;        // no row sees a key before it
@@ -193,9 +208,10 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = s.data() + r * width;
         const int64_t keys = keys_of(r), lo = first_key(keys, window);
+        const float exp_scale = capped(sr + lo, keys - lo, scale, softcap);
         float m = std::numeric_limits<float>::lowest();
         for (int64_t k = lo; k < keys; ++k) m = std::max(m, sr[k]);
-        inv_sum[r] = 1.f / exp_and_sum(sr + lo, keys - lo, m, scale);   // kernel_common.h (exp16, inline)
+        inv_sum[r] = 1.f / exp_and_sum(sr + lo, keys - lo, m, exp_scale);   // kernel_common.h (exp16, inline)
         for (int64_t k = ft * 16; k < lo; ++k) sr[k] = 0.f;      // before the window
         for (int64_t k = keys; k < width; ++k) sr[k] = 0.f;      // later rows of a tile read these
         uint16_t* pr = reinterpret_cast<uint16_t*>(probs.data() + r * width / 2);
@@ -293,7 +309,7 @@ template <int kDim> struct ValueRows8 {
 
 template <int kDim>
 void prefill_avx2(const bf16* query, int64_t q_stride, const Context& ctx, int64_t n, int64_t past, int64_t heads,
-                  int64_t kv_heads, float scale, int64_t window, bf16* out) {
+                  int64_t kv_heads, float scale, int64_t window, float softcap, bf16* out) {
   constexpr int64_t kTileBlock = 512 / kDim;     // key tiles whose K (or V) take 16 KB in fp32
   const int64_t group = heads / kv_heads, len = past + n, tiles = (len + 7) / 8;
   const int64_t seen_tile = first_key(past + 1, window) / 8;         // no row sees a key before it
@@ -362,6 +378,7 @@ void prefill_avx2(const bf16* query, int64_t q_stride, const Context& ctx, int64
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = s.data() + r * width;
         const int64_t keys = keys_of(r), lo = first_key(keys, window);
+        const float exp_scale = capped(sr + lo, keys - lo, scale, softcap);
         __m256 mv = _mm256_set1_ps(std::numeric_limits<float>::lowest());
         int64_t k = lo;
         for (; k + 8 <= keys; k += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sr + k));
@@ -369,7 +386,7 @@ void prefill_avx2(const bf16* query, int64_t q_stride, const Context& ctx, int64
         _mm256_store_ps(m8, mv);
         float m = *std::max_element(m8, m8 + 8);
         for (; k < keys; ++k) m = std::max(m, sr[k]);
-        inv_sum[r] = 1.f / exp_and_sum8(sr + lo, keys - lo, m, scale);   // kernel_common.h (exp8, inline)
+        inv_sum[r] = 1.f / exp_and_sum8(sr + lo, keys - lo, m, exp_scale);   // kernel_common.h (exp8, inline)
         for (int64_t j = ft * 8; j < lo; ++j) sr[j] = 0.f;      // before the window
         for (int64_t j = keys; j < width; ++j) sr[j] = 0.f;     // later rows of a tile read these
       }
@@ -411,7 +428,7 @@ bool prefill_attention_supported(int64_t head_dim) {
 }
 
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& pool, const at::Tensor& table,
-                                   int64_t past, int64_t layer, double scale, int64_t window) {
+                                   int64_t past, int64_t layer, double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.device().is_cpu() && pool.device().is_cpu(), "paged_prefill_attention runs on CPU");
   TORCH_CHECK(query.dim() == 3 && pool.dim() == 6, "query [n, H, D], pool [blocks, layers, 2, bs, Hkv, D]");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && pool.scalar_type() == at::kBFloat16,
@@ -419,6 +436,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
   TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1 && table.is_contiguous(), "table: [blocks] int64");
   TORCH_CHECK(pool.is_contiguous(), "a contiguous pool");
   TORCH_CHECK(window >= 0, "window: 0 (every key) or the number of keys each query attends");
+  TORCH_CHECK(softcap >= 0, "softcap: 0 (none) or the cap C of C * tanh(score / C)");
   const int64_t n = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t layers = pool.size(1), block_size = pool.size(3), kv_heads = pool.size(4);
   TORCH_CHECK(prefill_attention_supported(dim), "paged_prefill_attention: head size ", dim,
@@ -439,7 +457,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
   const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
   auto kernel = dim == 64 ? prefill_avx<64> : dim == 128 ? prefill_avx<128> : prefill_avx<256>;
-  kernel(qp, q.stride(0), ctx, n, past, heads, kv_heads, static_cast<float>(scale), window, op);
+  kernel(qp, q.stride(0), ctx, n, past, heads, kv_heads, static_cast<float>(scale), window,
+         static_cast<float>(softcap), op);
 #elif defined(PDSERVE_AVX2)
   const int64_t token_stride = kv_heads * dim, half = block_size * token_stride;
   const Context ctx{reinterpret_cast<const bf16*>(pool.data_ptr<at::BFloat16>()), tp, block_size,
@@ -447,7 +466,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
   const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
   auto kernel = dim == 64 ? prefill_avx2<64> : dim == 128 ? prefill_avx2<128> : prefill_avx2<256>;
-  kernel(qp, q.stride(0), ctx, n, past, heads, kv_heads, static_cast<float>(scale), window, op);
+  kernel(qp, q.stride(0), ctx, n, past, heads, kv_heads, static_cast<float>(scale), window,
+         static_cast<float>(softcap), op);
 #endif
   return out;
 }
@@ -456,7 +476,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor pool, Tensor table, int past, int layer, float scale, "
-        "int window=0) -> Tensor");
+        "int window=0, float softcap=0.0) -> Tensor");
   m.def("prefill_attention_supported(int head_dim) -> bool", &prefill_attention_supported);
 }
 

@@ -7,7 +7,7 @@ is read from `lens` on the device (with a sliding window of W keys, the loop sta
 of key `len - W`, and keys before it are masked), so a launch's shape depends only on the batch: CUDA graphs
 capture it once per batch bucket (engine.cuda_graphs).
 
-`TritonKernels().paged_decode_attention(query, pool, tables, lens, layer, scale, window)` has the
+`TritonKernels().paged_decode_attention(query, pool, tables, lens, layer, scale, window, softcap)` has the
 signature of `torch.ops.pdserve.paged_decode_attention`. Triton ships with CUDA builds of torch;
 on CPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the
 tests check it without a GPU.
@@ -22,7 +22,7 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode(Q, POOL, TABLES, LENS, OUT, scale, table_stride, block_stride, k_offset, v_offset,
-                  token_stride, WINDOW: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                  token_stride, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                   DIM: tl.constexpr, DIM_P: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -46,6 +46,8 @@ def _paged_decode(Q, POOL, TABLES, LENS, OUT, scale, table_stride, block_stride,
         kv_mask = valid[:, None] & (d < DIM)[None, :]
         k = tl.load(rows + k_offset, mask=kv_mask, other=0.0).to(tl.float32)        # [BLOCK, D]
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                            # [G, BLOCK]
+        if SOFTCAP > 0:                 # Gemma 2: C * tanh(s / C), tanh(u) = 1 - 2 / (e^2u + 1)
+            s = SOFTCAP * (1.0 - 2.0 / (tl.exp(s * (2.0 / SOFTCAP)) + 1.0))
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -63,7 +65,7 @@ class TritonKernels:
 
     @staticmethod
     def paged_decode_attention(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                               layer: int, scale: float, window: int = 0) -> torch.Tensor:
+                               layer: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         batch, heads, dim = query.shape
         layers, block_size, kv_heads = pool.shape[1], pool.shape[3], pool.shape[4]
         assert pool.is_contiguous() and tables.is_contiguous() and lens.is_contiguous()
@@ -75,6 +77,6 @@ class TritonKernels:
         group = heads // kv_heads
         _paged_decode[(batch, kv_heads)](
             q, pool, tables, lens, out, scale, tables.stride(0), layers * 2 * half, layer * 2 * half,
-            layer * 2 * half + half, token_stride, WINDOW=window, HEADS=heads, GROUP=group,
+            layer * 2 * half + half, token_stride, WINDOW=window, SOFTCAP=float(softcap), HEADS=heads, GROUP=group,
             GROUP_P=triton.next_power_of_2(group), DIM=dim, DIM_P=triton.next_power_of_2(dim), BLOCK=block_size)
         return out
