@@ -215,15 +215,17 @@ def test_triton_paged_attention_equals_the_torch_backend_on_cuda():
             k_rows = tables * (2 * layers)
             keys = torch.arange(nb * bs, device="cuda")[None, :]
             mask = (keys < lens[:, None])[:, None, None, :]
-            for window in (0, 40):           # full attention, and a sliding window of the last 40 keys
+            # full attention, a sliding window of the last 40 keys, Gemma 2's soft-capped scores
+            for window, cap in ((0, 0.0), (40, 0.0), (40, 0.3)):
                 in_window = mask & (keys >= lens[:, None] - window)[:, None, None, :]
                 gathered = DecodeBatch(torch.arange(batch, device="cuda"),
                                        blocks=torch.stack((k_rows, k_rows + 1)).view(-1), mask=mask,
                                        window_masks={window: in_window})
                 ref = paged_attention(1, q, k, v, AttentionMetadata(pool, slots, gathered, [], True), dim ** -0.5,
-                                      window)
-                out = TritonKernels.paged_decode_attention(q, pool, tables.contiguous(), lens, 1, dim ** -0.5, window)
-                assert (out.float() - ref.float()).abs().max().item() < tol, (dtype, heads, kv_heads, dim, window)
+                                      window, cap)
+                out = TritonKernels.paged_decode_attention(q, pool, tables.contiguous(), lens, 1, dim ** -0.5, window,
+                                                           cap)
+                assert (out.float() - ref.float()).abs().max().item() < tol, (dtype, heads, kv_heads, dim, window, cap)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
