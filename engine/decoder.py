@@ -22,9 +22,9 @@ sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated
 `query_pre_attn_scalar` as the attention's scale, and per layer type ("sliding_attention" /
 "full_attention") its own RoPE frequencies and a sliding window (see engine.attention); Gemma 2
 (`gemma2`) as Gemma 3 without the q/k norms and with one RoPE, plus soft caps, `cap * tanh(x /
-cap)`, on the attention's scores (`attn_logit_softcapping`: in the decode kernels, and in sdpa's
-math written out for prompt chunks, engine.attention.capped_sdpa) and on the logits
-(`final_logit_softcapping`).
+cap)`, on the attention's scores (`attn_logit_softcapping`: in the attention kernels, and in
+sdpa's math written out where a prompt chunk runs sdpa, engine.attention.capped_sdpa) and on the
+logits (`final_logit_softcapping`).
 """
 
 from __future__ import annotations
