@@ -257,9 +257,17 @@ def _generate(args) -> int:
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
+    from serving.config import chat_template_text
+
+    try:
+        template = None if args.chat_template is None else chat_template_text(args.chat_template)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve generate: --chat-template: {exc}") from None
     model_dir = _model_dir(args.model, args.model_cache)
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_threads=args.threads))
     tok = engine.tokenizer
+    if template is not None:
+        tok.chat_template = template
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                   tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -326,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--threads", type=int)
+    g.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template in place of the model's own")
     g.set_defaults(fn=_generate)
     pl = sub.add_parser("plan", help="prefill/decode roofline and replica ratio for a workload")
     plan_cli.add_arguments(pl)

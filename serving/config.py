@@ -18,13 +18,23 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.config import EngineConfig
 
 
-def _template_file(path: str) -> str:
-    """A chat template's text from its file (AppConfig.chat_template)."""
-    try:
-        return Path(path).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"neither a template (no {{{{ or {{%) nor a file that reads: {path}: "
-                         f"{getattr(exc, 'strerror', None) or exc}") from None
+def chat_template_text(value: str) -> str:
+    """A chat template's text from `value`, the text itself (it has {{ or {%) or its file's path;
+    ValueError where the file does not read or the template does not parse (AppConfig.chat_template,
+    `pdserve generate --chat-template`)."""
+    if "{{" in value or "{%" in value:
+        text = value
+    else:
+        try:
+            text = Path(value).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"neither a template (no {{{{ or {{%) nor a file that reads: {value}: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
+    try:        # as transformers compiles it (loop controls on); filters are checked when it renders
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"the template does not parse: line {exc.lineno}: {exc.message}") from None
+    return text
 
 
 class _Model(BaseModel):
@@ -333,14 +343,7 @@ class AppConfig(_Model):
     @field_validator("chat_template")
     @classmethod
     def _chat_template(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        text = value if "{{" in value or "{%" in value else _template_file(value)
-        try:        # as transformers compiles it (loop controls on); filters are checked when it renders
-            ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
-        except TemplateSyntaxError as exc:
-            raise ValueError(f"the template does not parse: line {exc.lineno}: {exc.message}") from None
-        return text
+        return None if value is None else chat_template_text(value)
 
     @field_validator("served_model_name")
     @classmethod

@@ -2,6 +2,8 @@
 changes in place and what makes it replace every replica, decided by Serve's own code version of the
 application config (serving/ray_compat.py `app_code_version`); no Ray cluster needed."""
 
+import json
+
 import pytest
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeApplicationSchema
@@ -224,7 +226,13 @@ def test_chat_template_comes_from_a_file_or_the_text_and_travels_in_the_config(t
     kept = cli._app_config(cli.build_parser().parse_args(["deploy", "--config", str(path), "--dry-run"]),
                            {"chat_template": template})
     assert kept.chat_template == template
+    # `pdserve generate --chat-template FILE` renders its prompt with it
     capsys.readouterr()
+    assert cli.main(["generate", "hi", "--model", str(tiny_llama_dir), "--chat-template", str(tmp_path / "t.jinja"),
+                     "--max-tokens", "2"]) == 0
+    from transformers import AutoTokenizer
+    rendered = AutoTokenizer.from_pretrained(tiny_llama_dir)("<user>hi", add_special_tokens=False)["input_ids"]
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["prompt_tokens"] == len(rendered)
     (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m.content }}")
     for given, problem in ((str(tmp_path / "bad.jinja"), "the template does not parse: line 1: Unexpected end"),
                            (str(tmp_path / "missing.jinja"), "nor a file that reads")):
