@@ -132,9 +132,10 @@ class EngineConfig:
 # model types the engine's own forward runs (engine/decoder.py); Gemma 3's text models (270M, 1B:
 # `gemma3_text`) differ most: RMSNorm scaling by 1 + weight, a scaled embedding, norms before and
 # after attention and MLP, GELU-tanh, RoPE and a sliding window per layer type; Gemma 2 as Gemma 3
-# without q/k norms or local RoPE, with soft-capped attention scores and logits
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "gemma2",
-                         "gemma3_text")
+# without q/k norms or local RoPE, with soft-capped attention scores and logits; OLMo 3 as OLMo 2
+# with Gemma 3's sliding layers and RoPE per layer type
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3",
+                         "gemma2", "gemma3_text")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")          # of the gated MLP
 
 
@@ -175,12 +176,15 @@ def context_limit(hf_config) -> int:
     Transformers switches those frequencies by the longest position in a forward, which in a batch
     of sequences would let one sequence change another's: up to the original length every sequence
     gets the same RoPE, Hugging Face's own for that length. (Sliding windows do not limit it: the
-    engine's attention implements them, see engine.attention.)"""
+    engine's attention implements them, see engine.attention.) Per layer type's RoPE (Gemma 3's,
+    OLMo 3's `rope_parameters` by layer type): each is checked."""
     positions = int(getattr(hf_config, "max_position_embeddings", 2048))
     limit = positions
     rope = getattr(hf_config, "rope_parameters", None) or {}
-    if rope.get("rope_type") in ("longrope", "dynamic"):
-        original = rope.get("original_max_position_embeddings") or \
-            getattr(hf_config, "original_max_position_embeddings", None)
-        limit = min(limit, int(original or positions))
+    kinds = [r for r in rope.values() if isinstance(r, dict)] if "rope_type" not in rope else [rope]
+    for params in kinds:
+        if params.get("rope_type") in ("longrope", "dynamic"):
+            original = params.get("original_max_position_embeddings") or \
+                getattr(hf_config, "original_max_position_embeddings", None)
+            limit = min(limit, int(original or positions))
     return limit

@@ -1,5 +1,5 @@
 """A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite,
-OLMo 2, Gemma 2, Gemma 3 text): the engine's model code.
+OLMo 2, OLMo 3, Gemma 2, Gemma 3 text): the engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -15,7 +15,8 @@ part of each head (`partial_rotary_factor`: the first `rotary_dim` dimensions); 
 without RoPE (`no_rope_layers`), which the fused RoPE + K/V store kernel runs with cos 1, sin 0;
 Granite by four constants: the embeddings, each block's output (before its residual add) and the
 logits scaled, and `attention_multiplier` as the attention's scale; OLMo 2 by norms after each block
-instead of before (`x + norm(attn(x))`, `x + norm(mlp(x))`) and q/k norms over all heads at once;
+instead of before (`x + norm(attn(x))`, `x + norm(mlp(x))`) and q/k norms over all heads at once
+(OLMo 3 too, with Gemma 3's sliding layers and RoPE per layer type);
 Gemma 3 (`gemma3_text`) by norms both before and after attention and MLP (`x + norm(attn(norm(x)))`),
 RMSNorm scaling by 1 + weight (folded into the weights at load), an embedding scaled by
 sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated MLP,
@@ -134,7 +135,8 @@ class DecoderModel:
         layer.q_norm = None if q_norm is None else self._norm_weight(q_norm)
         layer.k_norm = None if k_norm is None else self._norm_weight(k_norm)
         layer.rope = bool(getattr(attn, "use_rope", True))
-        layer.rope_kind = getattr(attn, "layer_type", None) if self.rope_kinds != [None] else None
+        kind = getattr(attn, "layer_type", None) or getattr(attn, "attention_type", None)     # OLMo 3's name
+        layer.rope_kind = kind if self.rope_kinds != [None] else None
         assert layer.rope_kind in self.rope_kinds
         layer.window = self.windows[i]
         return layer

@@ -104,8 +104,8 @@ def _with_partial_rotary(path, factor):
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.02)])
-@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text",
-                                  "gemma3_text-256", "gemma3_text-torch"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3", "granite", "olmo2", "olmo3", "gemma2",
+                                  "gemma3_text", "gemma3_text-256", "gemma3_text-torch"])
 def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, tolerance):
     """qwen3's per-head q/k norms, phi3 with RoPE on half of each head (Phi-4-mini's
     `partial_rotary_factor`), smollm3's layer without RoPE, granite's multipliers, olmo2's norms
@@ -123,9 +123,9 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
     path = _with_random_extras(tiny_model_dir(tmp_path / arch, arch.split("-")[0], seed=5, head_dim=head_dim))
     if arch == "phi3-partial":
         path = _with_partial_rotary(_with_sharp_attention(path), 0.5)
-    if arch in ("smollm3", "granite", "gemma2"):
+    if arch in ("smollm3", "granite", "gemma2", "olmo3"):
         path = _with_sharp_attention(path)
-    if arch.startswith(("olmo2", "gemma")):
+    if arch.startswith(("olmo", "gemma")):
         path = with_random_norms(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     torch_only = arch.endswith("-torch")

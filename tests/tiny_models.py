@@ -1,7 +1,7 @@
 """Tiny random-weight models for tests (test-only: the runtime never builds models).
 
 `tiny_model_dir` writes a small Hugging Face model directory (llama, qwen2, qwen3, phi3, smollm3,
-granite, olmo2, gemma2, gemma3_text or mistral shape) that
+granite, olmo2, olmo3, gemma2, gemma3_text or mistral shape) that
 loads like a real one, in about a second.
 """
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 from serving.models import CHATML_TEMPLATE, ModelError
 
-TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text")
+TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "gemma2",
+              "gemma3_text")
 
 
 def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir: Path | None = None,
@@ -23,8 +24,9 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     smollm3's second layer has no RoPE; granite has IBM Granite 3's multipliers; olmo2 its norms after
     each block; gemma3_text a first layer with a sliding window of 8 tokens and local RoPE, a second with
     global RoPE, and Gemma 3's norms, embedding scale and GELU; gemma2 the same windows and norms with
-    one RoPE and soft caps small enough to matter in a tiny model: scores at 2, logits at 3). The tokenizer is copied
-    from ``tokenizer_dir`` (e.g. the default model's directory, so prompts tokenize as for the real model);
+    one RoPE and soft caps small enough to matter in a tiny model: scores at 2, logits at 3; olmo3
+    olmo2's norms with the same windows and RoPE of its own per layer type, thetas 10^4 and 5 * 10^5).
+    The tokenizer is copied from ``tokenizer_dir`` (e.g. the default model's directory, so prompts tokenize as for the real model);
     without one, a small byte-level tokenizer with ChatML special tokens and a ChatML template is built.
     The weights depend only on (arch, seed, vocab size, head_dim); the global torch RNG is left as it was. ~1 s.
     """
@@ -69,17 +71,21 @@ def with_random_norms(path: Path) -> Path:
 
 def _tiny_config(arch: str, tokenizer, head_dim: int = 16):
     from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config,
-                              Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config)
+                              Olmo3Config, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config)
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "phi3": Phi3Config, "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config,
-           "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig}[arch]
+           "olmo3": Olmo3Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig}[arch]
     extra = {"smollm3": {"no_rope_layers": [1, 0]},
              "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
                          "attention_multiplier": 0.0078125},
              "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
              "gemma2": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
-                        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}}.get(arch, {})
+                        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},
+             "olmo3": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                       "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                           "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}},
+             }.get(arch, {})
     return cls(**extra, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
                tie_word_embeddings=arch != "mistral", bos_token_id=tokenizer.bos_token_id,
