@@ -26,7 +26,8 @@ from prefill_service.server import PrefillServer
 from router.app import Router
 from router.response_store import ResponseStore
 from pdserve.serve_config import pools_of, scaling_options, slo_bounds_config
-from serving.config import AppConfig, PoolBounds, PoolConfig, SloAutoscalingOptions
+from serving.config import AppConfig, PoolConfig
+from serving.scaling_config import PoolBounds, SloAutoscalingOptions
 from serving.placement import head_actor_options
 from serving.stats_registry import StatsRegistry
 

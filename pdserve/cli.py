@@ -257,7 +257,7 @@ def _generate(args) -> int:
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    from serving.config import chat_template_text
+    from serving.chat_template import chat_template_text
 
     try:
         template = None if args.chat_template is None else chat_template_text(args.chat_template)

@@ -22,7 +22,8 @@ from pdserve.plan import calibrate as plan_calibrate
 from pdserve.plan import roofline
 from pdserve.plan.model import resolve_spec
 from pdserve.plan.sim_report import step_model
-from serving.config import AppConfig, AutoscalingOptions, PoolBounds, PoolConfig, ScalingTargets, SloAutoscalingOptions
+from serving.config import AppConfig, PoolConfig
+from serving.scaling_config import AutoscalingOptions, PoolBounds, ScalingTargets, SloAutoscalingOptions
 from serving.models import resolve_model
 from serving.ray_compat import app_code_version
 

@@ -20,7 +20,8 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from serving import messages
 from serving.autoscaling import KV_METRIC, PREFILL_METRIC, RUNNING_METRIC, WAITING_METRIC, load_metrics
-from serving.config import AppConfig, EngineOptions, ScalingTargets
+from serving.config import AppConfig, EngineOptions
+from serving.scaling_config import ScalingTargets
 from serving.cpu_share import CpuShare
 from serving.histogram import REPLICA_HISTOGRAMS, Histogram
 from serving.models import resolve_model

@@ -11,7 +11,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from pdserve.serve_config import autoscaling_config
 from serving.autoscaling import KV_LOAD, QUEUED_LOAD, RUNNING_LOAD, DecodePolicy, PrefillPolicy, decide, load_metrics
-from serving.config import AutoscalingOptions, ScalingTargets
+from serving.scaling_config import AutoscalingOptions, ScalingTargets
 
 
 def ctx(metrics, replicas, state=None, now=100.0, min_r=1, max_r=4, target=None):

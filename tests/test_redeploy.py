@@ -9,7 +9,8 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeApplicationSchema
 
 from pdserve.serve_config import application_config, deploy_app, deployed_app_configs, update_summary, without_scaling
-from serving.config import AppConfig, PoolBounds, ScalingTargets
+from serving.config import AppConfig
+from serving.scaling_config import PoolBounds, ScalingTargets
 from serving.engine_host import EngineReplica
 from serving.ray_compat import app_code_version
 
