@@ -18,7 +18,8 @@ names a function is a call. The rules:
 from __future__ import annotations
 
 from router.chat_prompt import partial_tag
-from router.tool_parser import HEAD, begun, call_from_json, extend_calls, head_name, held_back, is_json
+from router.tool_parser import (HEAD, CallStream, begun, call_from_json, extend_calls, head_name, held_back,
+                                is_json)
 from router.tools import CLOSE, OPEN
 
 
@@ -39,25 +40,16 @@ def _streamable(text: str) -> int:
     return end
 
 
-class ToolCallStream:
-    """One choice's output, split into content and call deltas as it arrives."""
+class ToolCallStream(CallStream):
+    """One choice's output, split into content and call deltas as it arrives. `_held`: outside a
+    block, content not yet certain; in one, its text after <tool_call>."""
 
     def __init__(self):
-        self._held = ""          # outside a block: content not yet certain; in one: its text after <tool_call>
+        super().__init__()
         self._gap = ""           # in a block: the whitespace between the content and <tool_call>
         self._mode = "content"   # content -> block (held whole) | arguments (streaming) -> content
         self._sent: list[str] = []   # arguments: the block's arguments text already out
         self._after_call = False
-        self.count = 0           # calls begun so far; the next one's stream index
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        """(content now certain, call deltas): each delta with its call's stream `index`."""
-        self._held += text
-        return self._take(final=False)
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """The same for whatever was held; the output has ended."""
-        return self._take(final=True)
 
     def _take(self, final: bool) -> tuple[str, list[dict]]:
         content, calls = [], []

@@ -22,7 +22,7 @@ import ast
 import json
 import re
 
-from router.tool_parser import JsonCalls, extend_calls
+from router.tool_parser import JsonCalls, ObjectEnd
 
 _HEAD = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*\(")       # a call's name and its "("
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -72,32 +72,10 @@ def arguments_json(text: str) -> str | None:
         return None
 
 
-class _CallEnd:
-    """Where a call's arguments, fed in pieces after its "(", end: strings ('...', "...", escapes)
-    and nesting followed."""
-
-    def __init__(self):
-        self.depth, self.quote, self.escaped = 1, "", False
-
-    def feed(self, text: str) -> int:
-        """The length of `text` up to and with the call's closing parenthesis, or -1 (not yet)."""
-        for i, ch in enumerate(text):
-            if self.quote:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == self.quote:
-                    self.quote = ""
-            elif ch in "'\"":
-                self.quote = ch
-            elif ch in "([{":
-                self.depth += 1
-            elif ch in ")]}":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1
-        return -1
+def _call_end() -> ObjectEnd:
+    """Where a call's arguments, fed in pieces after its "(", end: strings ('...', "...",
+    escapes) and nesting followed."""
+    return ObjectEnd(depth=1, quotes="'\"", opens="([{", closes=")]}")
 
 
 def _may_become_head(text: str) -> bool:
@@ -118,7 +96,7 @@ class PythonicCallStream(JsonCalls):
         self._after_call = False                # content right after calls starts at its first character
         self._opening = ""                      # the text before the first call's name: "[" and whitespace
         self._name, self._call = "", ""         # arguments: the call's name, its text so far
-        self._scan = _CallEnd()
+        self._scan = _call_end()
 
     def _take(self, final: bool) -> tuple[str, list[dict]]:
         content, calls = [], []
@@ -140,7 +118,7 @@ class PythonicCallStream(JsonCalls):
                         break
                     self._unreadable()               # not a call: the text from here is content
                     continue
-                self._name, self._call, self._scan = head.group(1), held[:head.end()], _CallEnd()
+                self._name, self._call, self._scan = head.group(1), held[:head.end()], _call_end()
                 self._held, self._state = held[head.end():], "arguments"
             elif state == "arguments":               # to the call's ")", each piece scanned once
                 end = self._scan.feed(held)
@@ -153,7 +131,8 @@ class PythonicCallStream(JsonCalls):
                     self._held = self._call + self._held
                     self._unreadable()
                     continue
-                self._add(self._name, arguments, calls)
+                self._add_whole([{"id": self._new_id(), "type": "function",
+                                  "function": {"name": self._name, "arguments": arguments}}], calls)
                 self._state = "after"
             elif state == "after":
                 rest = held.lstrip()
@@ -183,9 +162,3 @@ class PythonicCallStream(JsonCalls):
             self._after_call = True
         else:
             self._held = self._opening + self._held
-
-    def _add(self, name: str, arguments: str, calls: list[dict]) -> None:
-        if not (self._first_only and self.count):
-            extend_calls(calls, [{"index": self.count, "id": self._new_id(), "type": "function",
-                                  "function": {"name": name, "arguments": arguments}}])
-            self.count += 1

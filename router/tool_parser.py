@@ -102,45 +102,44 @@ def extend_calls(deltas: list[dict], more: list[dict]) -> None:
 
 
 class ObjectEnd:
-    """Where a JSON object fed in pieces ends: strings and nesting followed."""
+    """Where a JSON object fed in pieces ends: strings and nesting followed. With other `quotes`
+    and brackets, where any such bracketed text ends (a pythonic call's arguments: ' and " strings,
+    parentheses too)."""
 
-    def __init__(self, depth: int = 0):
+    def __init__(self, depth: int = 0, quotes: str = '"', opens: str = "{[", closes: str = "}]"):
         """`depth`: the nesting already open (1: find the end of an object whose "{" was read)."""
-        self.depth, self.in_string, self.escaped = depth, False, False
+        self.depth, self.quote, self.escaped = depth, "", False
+        self.quotes, self.opens, self.closes = quotes, opens, closes
 
     def feed(self, text: str) -> int:
-        """The length of `text` up to and with the object's closing brace, or -1 (not yet)."""
+        """The length of `text` up to and with the closing bracket of the outermost nesting, or -1
+        (not yet)."""
         for i, ch in enumerate(text):
-            if self.in_string:
+            if self.quote:
                 if self.escaped:
                     self.escaped = False
                 elif ch == "\\":
                     self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
+                elif ch == self.quote:
+                    self.quote = ""
+            elif ch in self.quotes:
+                self.quote = ch
+            elif ch in self.opens:
                 self.depth += 1
-            elif ch in "}]":
+            elif ch in self.closes:
                 self.depth -= 1
                 if self.depth == 0:
                     return i + 1
         return -1
 
 
-class JsonCalls:
-    """What the streams of JSON calls (Llama 3's, Mistral's) share: the text held, calls begun and
-    counted (`first_only`, parallel_tool_calls false: calls after the first are dropped), a call's
-    arguments streamed as they arrive until a scanner finds their end. A subclass's `_take` is its
-    state machine."""
+class CallStream:
+    """What every syntax's parser shares: the text held back, the calls begun (`count`: the next
+    one's stream index), `feed` and `finish`. A subclass's `_take` is its state machine."""
 
-    def __init__(self, first_only: bool, new_id):
+    def __init__(self):
         self._held = ""
-        self._first_only, self._new_id = first_only, new_id
-        self._end: ObjectEnd | None = None      # arguments: where the call's arguments end
-        self._dropped = False                   # arguments: the call is one first_only drops
-        self.count = 0                          # calls begun so far; the next one's stream index
+        self.count = 0
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         """(content now certain, call deltas): each delta with its call's stream `index`."""
@@ -154,6 +153,18 @@ class JsonCalls:
     def _take(self, final: bool) -> tuple[str, list[dict]]:
         raise NotImplementedError
 
+
+class JsonCalls(CallStream):
+    """What the streams of JSON calls (Llama 3's, Mistral's, Granite's, pythonic ones) share: calls
+    begun and counted (`first_only`, parallel_tool_calls false: calls after the first are dropped),
+    a call's arguments streamed as they arrive until a scanner finds their end."""
+
+    def __init__(self, first_only: bool, new_id):
+        super().__init__()
+        self._first_only, self._new_id = first_only, new_id
+        self._end: ObjectEnd | None = None      # arguments: where the call's arguments end
+        self._dropped = False                   # arguments: the call is one first_only drops
+
     def _begin(self, name: str, calls: list[dict]) -> None:
         """A call whose head (its name) was read: its first delta, unless first_only drops it."""
         self._dropped = self._first_only and self.count > 0
@@ -163,7 +174,8 @@ class JsonCalls:
         self._end = ObjectEnd()
 
     def _add_whole(self, whole: list[dict], calls: list[dict]) -> None:
-        """Calls read whole (at the output's end), but those first_only drops."""
+        """Calls read whole (at the output's end, or a pythonic call at its ")"), but those first_only
+        drops."""
         for call in whole:
             if not (self._first_only and self.count):
                 extend_calls(calls, [{"index": self.count, **call}])
