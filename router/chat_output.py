@@ -35,6 +35,11 @@ class ChatOutputShape:
     def plain(self) -> bool:
         return not self.tools and self.reasoning is None
 
+    @property
+    def may_end_early(self) -> bool:
+        """Whether a choice may be complete before its output ends (`ChoiceOutput.done`)."""
+        return self.tools is not None and self.tools != HERMES and not self.parallel
+
     def choice(self) -> ChoiceOutput:
         return ChoiceOutput(self)
 
@@ -65,6 +70,12 @@ class ChoiceOutput:
             self._tools = ArrayCallStream(shape.tools, first_only=not shape.parallel)
         elif shape.tools is not None:
             self._tools = JsonCallStream(first_only=not shape.parallel)
+
+    @property
+    def done(self) -> bool:
+        """Whether the output needs no more text: its one call is complete (parallel_tool_calls
+        false; router/reply.py then stops the choice)."""
+        return self._tools is not None and self._tools.done
 
     @property
     def num_calls(self) -> int:

@@ -21,6 +21,9 @@ Life cycle (the router's `_generate` drives it):
               a choice that fails raises its RequestFailed here (the others are closed).
   3. aclose   always, at the end (finished, failed, client gone): every choice still running
               is cancelled, which aborts it in its replicas and frees its blocks.
+A choice whose output is complete before its run ends (router/reply.py: its one tool call with
+parallel_tool_calls false) is `stop`ped between 1 and 3: cancelled as aclose would, its events
+after that never yielded.
 Each choice is an async iterator of TokenEvents that raises only RequestFailed (the router's
 `_timed` wraps the orchestrator's run), made by calling its `Run` with its `ready` callback (which
 it may call any number of times); one task per choice pumps it into a queue.
@@ -37,6 +40,7 @@ from serving import messages
 Run = Callable[[Callable[[], None]], AsyncIterator[messages.TokenEvent]]
 
 _END = object()
+_STOPPED = object()
 
 
 class Choices:
@@ -48,9 +52,10 @@ class Choices:
             starts.append(starts[-1] + len(group))
         self._leaders = starts
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[int, asyncio.Task] = {}
         self._firsts: list[asyncio.Future] = []
         self._open = 0
+        self._stopped: set[int] = set()
 
     async def start(self) -> list[messages.TokenEvent]:
         """1. The first event of every choice, in index order; raises RequestFailed."""
@@ -80,7 +85,7 @@ class Choices:
         first: asyncio.Future = asyncio.get_running_loop().create_future()
         self._firsts.append(first)
         pump = asyncio.ensure_future(self._pump(index, first, ready))
-        self._tasks.append(pump)
+        self._tasks[index] = pump
         self._open += 1
         return await first, pump
 
@@ -109,18 +114,29 @@ class Choices:
         """2. (index, event) for every event after the first ones, until every choice ended."""
         while self._open:
             index, item = await self._queue.get()
-            if item is _END:
+            if index in self._stopped and item is not _STOPPED:
+                continue
+            if item is _END or item is _STOPPED:
                 self._open -= 1
             elif isinstance(item, RequestFailed):
                 raise item
             else:
                 yield index, item
 
+    def stop(self, index: int) -> None:
+        """End a started choice that needs no more events: it is cancelled (aborted in its
+        replicas, its blocks freed; `aclose` waits for it) and `events` yields nothing more of it,
+        nor its failure."""
+        assert index in self._tasks and index not in self._stopped
+        self._stopped.add(index)
+        self._tasks[index].cancel()
+        self._queue.put_nowait((index, _STOPPED))
+
     async def aclose(self) -> None:
         """3. Cancel whatever still runs and wait for it to wind down."""
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         for first in self._firsts:
             if not first.done():
                 first.cancel()      # whoever still waits for it wakes up

@@ -88,6 +88,8 @@ class PythonicCallStream(JsonCalls):
     """One choice's output in the pythonic syntax. `first_only` (parallel_tool_calls false): calls
     after the first are dropped."""
 
+    _IN_CALL = ()                               # a call is counted when it is whole
+
     def __init__(self, new_id, first_only: bool = False):
         super().__init__(first_only, new_id)
         # start ("[" and a head: calls; else content) -> head (a name and "(") -> arguments (to its

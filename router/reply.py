@@ -6,6 +6,9 @@ HTTP error). Then:
   1. each event becomes the choice's text and logprobs (router/choice_view.py); a chat choice
      with tools or reasoning is split into reasoning, content and tool calls
      (router/chat_output.py) as it streams, or whole;
+     A chat choice with one call allowed (parallel_tool_calls false) in a syntax with no stop
+     string for it is stopped once that call is complete (`Choices.stop`: aborted in the pools,
+     its blocks freed), as if it had finished there ("tool_calls");
   2. a failure after the first events is an error body (collected) or an error event before
      [DONE] (streamed): a stream is never cut;
   3. at the end, `usage` (each prompt once, every choice's tokens) and the request's metrics
@@ -15,11 +18,12 @@ HTTP error). Then:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
 
-from router.chat_output import ChatOutputShape
+from router.chat_output import ChatOutputShape, ChoiceOutput
 from router.choice_view import ChoiceView, extend_logprobs
 from router.choices import Choices
 from router.logprobs import LogprobsFormatter, TokenStrings, vllm_prompt_logprobs
@@ -79,17 +83,36 @@ class Reply:
         cached = sum(ev.num_cached_tokens for ev in self.firsts) / len(self.firsts)
         self.metrics.observe(*self.times, time.monotonic(), sum(tokens), max(tokens), cached)
 
+    def _ended_early(self, i: int, output: ChoiceOutput, ev: messages.TokenEvent) -> messages.TokenEvent:
+        """Choice i's event `ev` once its chat `output` was fed the event's text: where that
+        completed the output (ChoiceOutput.done), the choice is stopped and `ev` becomes its last."""
+        if ev.finished or not output.done:
+            return ev
+        self.choices.stop(i)
+        return dataclasses.replace(ev, finished=True, finish_reason="stop")
+
     async def collect(self):
         """The whole response, or the error that ended it (an OpenAI error response)."""
         views, lasts = self._views(), list(self.firsts)
-        pieces = [views[i].piece(ev) for i, ev in enumerate(self.firsts)]
-        texts, logprobs = [t for t, _ in pieces], [lp for _, lp in pieces]
+        early = [self.shape.choice() for _ in lasts] if self.shape is not None and self.shape.may_end_early else None
+        texts, logprobs = [""] * len(lasts), [None] * len(lasts)
+
+        def take(i: int, ev: messages.TokenEvent) -> None:
+            text, lp = views[i].piece(ev)
+            if early:          # its one tool call complete: stopped
+                early[i].feed(text)
+                ev = self._ended_early(i, early[i], ev)
+            texts[i] += text
+            if logprobs[i] is None:
+                logprobs[i] = lp
+            else:
+                extend_logprobs(logprobs[i], lp)
+            lasts[i] = ev
+        for i, ev in enumerate(self.firsts):
+            take(i, ev)
         try:
             async for i, ev in self.choices.events():
-                text, lp = views[i].piece(ev)
-                texts[i] += text
-                extend_logprobs(logprobs[i], lp)
-                lasts[i] = ev
+                take(i, ev)
         except RequestFailed as exc:
             self.metrics.finish("error")
             return error_response(exc.code, exc.message, exc.kind)
@@ -131,11 +154,13 @@ class Reply:
         outputs = [shape.choice() for _ in firsts] if shape is not None and not shape.plain else None
 
         def chunk(i: int, ev: messages.TokenEvent) -> str | None:
-            lasts[i] = ev
-            (text, lp), finish = views[i].piece(ev), views[i].finish_reason(ev)
+            text, lp = views[i].piece(ev)
             piece = None
             if outputs:      # the reasoning, content and calls certain so far (router/chat_output.py)
                 piece = outputs[i].feed(text)
+                ev = self._ended_early(i, outputs[i], ev)
+            lasts[i], finish = ev, views[i].finish_reason(ev)
+            if outputs:
                 if ev.finished:
                     piece += outputs[i].finish()
                     finish = outputs[i].finish_reason(finish)

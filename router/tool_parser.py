@@ -150,6 +150,12 @@ class CallStream:
         """The same for whatever was held; the output has ended."""
         return self._take(final=True)
 
+    @property
+    def done(self) -> bool:
+        """Whether no more output can change the message: its one call (parallel_tool_calls
+        false) is complete. Hermes' parser never says so: its syntax ends there by a stop string."""
+        return False
+
     def _take(self, final: bool) -> tuple[str, list[dict]]:
         raise NotImplementedError
 
@@ -159,11 +165,18 @@ class JsonCalls(CallStream):
     begun and counted (`first_only`, parallel_tool_calls false: calls after the first are dropped),
     a call's arguments streamed as they arrive until a scanner finds their end."""
 
+    _IN_CALL = ("arguments", "close")          # the states of a streamed call not yet complete
+
     def __init__(self, first_only: bool, new_id):
         super().__init__()
         self._first_only, self._new_id = first_only, new_id
+        self._state = ""
         self._end: ObjectEnd | None = None      # arguments: where the call's arguments end
         self._dropped = False                   # arguments: the call is one first_only drops
+
+    @property
+    def done(self) -> bool:
+        return self._first_only and self.count > 0 and self._state not in self._IN_CALL
 
     def _begin(self, name: str, calls: list[dict]) -> None:
         """A call whose head (its name) was read: its first delta, unless first_only drops it."""
