@@ -77,7 +77,7 @@ class DecodeServer(EngineReplica):
         params = req.params.to_params()
         grammar = asyncio.ensure_future(self.host.aengine.precompile(params))   # awaited at step 4
         # 1. reserve
-        reserved = await self._reserve(list(req.prompt_token_ids) + list(req.resumed_token_ids))
+        reserved = await self._reserve(list(req.prompt_token_ids) + list(req.resumed_token_ids), req.params.lora)
         if reserved is None:
             yield error_event(rid, "decode replica is out of KV blocks; retry later", 503, "overloaded")
             return
@@ -142,9 +142,9 @@ class DecodeServer(EngineReplica):
         except messages.MessageError as exc:
             return f"bad hand-off from the prefill replica: {exc}"
 
-    async def _reserve(self, token_ids: list[int]) -> tuple[list[int], int] | None:
+    async def _reserve(self, token_ids: list[int], lora: str | None) -> tuple[list[int], int] | None:
         """(blocks, how many lead blocks are cached) from the engine thread (`reserve_cached`)."""
-        fut = self.host.aengine.submit(lambda e: e.reserve_cached(token_ids))
+        fut = self.host.aengine.submit(lambda e: e.reserve_cached(token_ids, lora))
         try:
             return await asyncio.shield(asyncio.wrap_future(fut))
         except asyncio.CancelledError:

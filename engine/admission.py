@@ -43,11 +43,12 @@ class EngineRequest:
 
 class Admission:
     """`vocab_size`: the model's (logits' width); `seed`: the engine's, for the seeds of sampled
-    requests that bring none."""
+    requests that bring none; `loras`: the names of the LoRA adapters the engine serves."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 device: torch.device, seed: int | None):
+                 device: torch.device, seed: int | None, loras: frozenset[str] = frozenset()):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.loras = loras
         self.eos_token_ids, self.device = eos_token_ids, device
         self._rng = random.Random(seed)
         self.grammars: GrammarCompiler | None = None   # at the first structured-output request
@@ -60,6 +61,9 @@ class Admission:
         error = params.validate()
         if error:
             return error
+        if params.lora is not None and params.lora not in self.loras:
+            served = ', '.join(sorted(self.loras)) or 'none'
+            return f"LoRA adapter {params.lora!r} is not served here (adapters served: {served})"
         if any(t >= self.vocab_size for t, _ in params.logit_bias):
             return f"logit_bias: token id out of range (vocabulary size {self.vocab_size})"
         for name, ids in (("allowed_token_ids", params.allowed_token_ids),

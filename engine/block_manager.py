@@ -16,6 +16,7 @@ Only the engine thread calls into a `BlockManager`; it is not thread-safe.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 from engine.sequence import Sequence
@@ -32,8 +33,17 @@ class Block:
 
 
 def chain_hash(prev_hash: int, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given the hash of the block before it (-1 for the first)."""
+    """Hash of a full block given the hash of the block before it (for the first, its chain's
+    `chain_seed`)."""
     return hash((prev_hash, token_ids))
+
+
+def chain_seed(lora: str | None) -> int:
+    """Where a sequence's chain of block hashes starts: -1 for the base model; a LoRA adapter's
+    K/V differs from the base model's for the same tokens, so its chain starts from its name."""
+    if lora is None:
+        return -1
+    return int.from_bytes(hashlib.blake2b(lora.encode(), digest_size=8).digest(), "little")
 
 
 class BlockManager:
@@ -66,14 +76,15 @@ class BlockManager:
         prompt logprobs: every prompt position must be computed for its logits."""
         if seq.params.prompt_logprobs is not None:
             return []
-        return self._cached(seq.token_ids)
+        return self._cached(seq.token_ids, seq.params.lora)
 
-    def _cached(self, token_ids) -> list[int]:
-        """Cached blocks holding the K/V of the leading full blocks of `token_ids`, short of the
-        block with the last token (always left to compute, or to receive)."""
+    def _cached(self, token_ids, lora: str | None) -> list[int]:
+        """Cached blocks holding the K/V of the leading full blocks of `token_ids` (computed with
+        LoRA adapter `lora`), short of the block with the last token (always left to compute, or
+        to receive)."""
         if not self.enable_prefix_caching:
             return []
-        hits, prev, bs = [], -1, self.block_size
+        hits, prev, bs = [], chain_seed(lora), self.block_size
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(prev, tokens)
@@ -124,7 +135,7 @@ class BlockManager:
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed_tokens:
             i = len(seq.block_hashes)
             tokens = tuple(seq.block_tokens(i, bs))
-            h = chain_hash(seq.block_hashes[-1] if i else -1, tokens)
+            h = chain_hash(seq.block_hashes[-1] if i else chain_seed(seq.params.lora), tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self._hash_to_block and block.hash == -1:
@@ -139,13 +150,13 @@ class BlockManager:
             return None
         return [self._take_fresh() for _ in range(n)]
 
-    def reserve_cached(self, token_ids) -> tuple[list[int], int] | None:
-        """Blocks for the K/V of `token_ids`, the leading ones taken from the prefix cache where
-        it holds them: (block ids, how many of them are cached). Only the rest is to be received;
+    def reserve_cached(self, token_ids, lora: str | None = None) -> tuple[list[int], int] | None:
+        """Blocks for the K/V of `token_ids` (computed with LoRA adapter `lora`), the leading ones
+        taken from the prefix cache where it holds them: (block ids, how many of them are cached). Only the rest is to be received;
         the block with the last token always is. The caller owns every block (one reference
         each, a cached block perhaps shared with running sequences) until it `adopt`s them or
         `release`s them all. None (nothing changed) if not enough blocks are free."""
-        hits = self._cached(token_ids)
+        hits = self._cached(token_ids, lora)
         table = self._claim(hits, self.blocks_for(len(token_ids)))
         return None if table is None else (table, len(hits))
 

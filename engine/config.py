@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _QUANTIZATIONS = (None, "int8", "int4")
@@ -78,6 +78,8 @@ class EngineConfig:
         batch does). 0: off.
     speculative_max_batch: speculate only while at most this many sequences run (a larger batch
         is bound by compute, where draft rows cost what they save).
+    lora_modules: LoRA adapters served beside the base model, name -> a PEFT adapter directory
+        (engine.lora); a request runs one by naming it (SamplingParams.lora).
     """
 
     model: str
@@ -97,6 +99,7 @@ class EngineConfig:
     seed: int = 0
     speculative_tokens: int = 0
     speculative_max_batch: int = 8
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.model:
@@ -127,6 +130,8 @@ class EngineConfig:
             raise ValueError(f"speculative_tokens must be in [0, 16], got {self.speculative_tokens}")
         if self.speculative_max_batch < 1:
             raise ValueError("speculative_max_batch must be positive")
+        if any(not isinstance(name, str) or not name for name in self.lora_modules):
+            raise ValueError("lora_modules' names must be non-empty strings")
 
 
 # model types the engine's own forward runs (engine/decoder.py); Gemma 3's text models (270M, 1B:

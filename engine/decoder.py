@@ -37,6 +37,7 @@ from engine import weight_arena
 from engine.attention import AttentionMetadata, fused_attention, paged_attention
 from engine.config import layer_windows, unsupported_model
 from engine.linear import make_linear
+from engine.lora import LoraBatch
 
 class _Layer:
     # in_norm/post_norm: the norms before attention and before the MLP; OLMo 2 (post-norm) has none
@@ -51,8 +52,10 @@ class _Layer:
 
 
 class DecoderModel:
-    """`forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]` and
-    `lm_head(hidden [n, hidden]) -> logits [n, vocab]` in the model's dtype (Gemma 2's: fp32)."""
+    """`forward(input_ids [T], positions [T], meta, lora) -> hidden [T, hidden]` and
+    `lm_head(hidden [n, hidden]) -> logits [n, vocab]` in the model's dtype (Gemma 2's: fp32).
+    `lora` (engine.lora.LoraBatch, or None): the step's rows that run a LoRA adapter, whose update
+    each linear of theirs adds (the LM head has none)."""
 
     def __init__(self, hf_model, weight_format: str, dtype: torch.dtype, kernels=None, gemv: bool = True):
         cfg = hf_model.config
@@ -63,6 +66,7 @@ class DecoderModel:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.hidden_size, self.intermediate_size = cfg.hidden_size, cfg.intermediate_size
         # Granite's attention_multiplier, Gemma's query_pre_attn_scalar ** -0.5, else head_dim ** -0.5
         pre_attn = getattr(cfg, "query_pre_attn_scalar", None)
         self.scale = float(getattr(cfg, "attention_multiplier", None) or (pre_attn or self.head_dim) ** -0.5)
@@ -213,7 +217,8 @@ class DecoderModel:
         return x, self._rms_norm(x, weight)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                lora: LoraBatch | None = None) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
@@ -237,7 +242,7 @@ class DecoderModel:
             no_rope = torch.ones_like(cos2), torch.zeros_like(cos2)   # the kernel's RoPE as the identity
         h = x if self.post_norms else self._rms_norm(x, self.layers[0].in_norm)    # the attention's input
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(h)
+            qkv = _project(layer.qkv, h, lora, i, "qkv")
             if layer.q_norm is not None:
                 qkv = self._qk_norm(qkv, layer)
             cos, sin, cos2, sin2 = ropes[layer.rope_kind]
@@ -252,20 +257,32 @@ class DecoderModel:
                 v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
                 a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale, layer.window,
                                     self.attn_softcap)
-            out = layer.o(a)
+            out = _project(layer.o, a, lora, i, "o")
             if self.post_norms:      # OLMo 2: x + norm(attention(x)), then x + norm(mlp(x))
                 x = x + self._rms_norm(out, layer.post_norm)
-                x = h = x + self._rms_norm(layer.down(self._act_mul(layer.gate_up(x))), layer.ff_norm)
+                x = h = x + self._rms_norm(self._mlp(layer, x, lora), layer.ff_norm)
                 continue
             if self.sandwich:        # Gemma 3: the attention's and the MLP's outputs normalized too
                 out = self._rms_norm(out, layer.attn_norm)
             x, h = self._add_rms_norm(x, out if rm == 1.0 else out * rm, layer.post_norm)
             next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
-            out = layer.down(self._act_mul(layer.gate_up(h)))
+            out = self._mlp(layer, h, lora)
             if self.sandwich:
                 out = self._rms_norm(out, layer.ff_norm)
             x, h = self._add_rms_norm(x, out if rm == 1.0 else out * rm, next_norm)
         return self._rms_norm(x, self.norm) if self.post_norms else h
+
+    def _mlp(self, layer: _Layer, h: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        act = self._act_mul(_project(layer.gate_up, h, lora, layer.index, "gate_up"))
+        return _project(layer.down, act, lora, layer.index, "down")
+
+
+def _project(linear, x: torch.Tensor, lora: LoraBatch | None, layer: int, name: str) -> torch.Tensor:
+    """A linear of layer `layer` (`name`: engine.lora's name for it) with its LoRA updates added."""
+    out = linear(x)
+    if lora is not None:
+        lora.add(layer, name, x, out)
+    return out
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = self._eos_ids()
         self.admission = Admission(self.tokenizer, self.runner.vocab_size, self.max_model_len, self.eos_token_ids,
-                                   self.runner.device, config.seed)
+                                   self.runner.device, config.seed, frozenset(config.lora_modules))
         self._requests: dict[str, EngineRequest] = {}
         self.num_draft_tokens = 0        # speculative decoding: draft tokens fed, and those kept
         self.num_accepted_tokens = 0
@@ -345,12 +345,12 @@ class LLMEngine:
         or `release_reservation`."""
         return self.block_manager.reserve(num_tokens)
 
-    def reserve_cached(self, token_ids: list[int]) -> tuple[list[int], int] | None:
-        """Decode role: blocks for the incoming K/V of `token_ids`, the first of them cached
-        blocks that already hold it (this replica decoded or received those tokens before):
-        (block ids, how many are cached; only the rest is to be received). The caller owns them
+    def reserve_cached(self, token_ids: list[int], lora: str | None = None) -> tuple[list[int], int] | None:
+        """Decode role: blocks for the incoming K/V of `token_ids` (of LoRA adapter `lora`), the
+        first of them cached blocks that already hold it (this replica decoded or received those
+        tokens before): (block ids, how many are cached; only the rest is to be received). The caller owns them
         all until `add_prefilled` or `release_reservation`; None when too few blocks are free."""
-        return self.block_manager.reserve_cached(token_ids)
+        return self.block_manager.reserve_cached(token_ids, lora)
 
     def release_reservation(self, block_ids: list[int]) -> None:
         self.block_manager.release(block_ids)

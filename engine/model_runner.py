@@ -23,6 +23,7 @@ from engine.config import EngineConfig, context_limit, parse_kv_memory
 from engine.cuda_graphs import DecodeGraphs
 from engine.decoder import DecoderModel
 from engine.kernels import cpu_kernels
+from engine.lora import LoraSet
 from engine.memory import CudaUsage, cpu_kv_budget, cuda_kv_budget, return_freed_heap
 from engine.sequence import ScheduledChunk
 
@@ -54,6 +55,8 @@ class ModelRunner:
         # cannot build)
         self.model = DecoderModel(hf_model, self.weight_format, self.dtype,
                                   cpu_kernels() if self.device.type == "cpu" else None, gemv=config.cpu_gemv)
+        # LoRA adapters served beside the base model (engine.lora; None without any)
+        self.loras = LoraSet.load(config.lora_modules, self.model, self.dtype, self.device)
         self.generation_config = hf_model.generation_config
         self.hf_config = hf_config = hf_model.config
         del hf_model
@@ -191,10 +194,11 @@ class ModelRunner:
         hidden states of those rows (prompt logprobs: sampler.prompt_logprobs turns them into
         log-probabilities slice by slice, never a [tokens, vocab] tensor at once)."""
         input_ids, positions, sample_rows, meta = self._prepare(chunks)
-        if self.graphs is not None and not hidden_spans and self.graphs.fits(meta):
+        lora = self._lora_batch(chunks)
+        if self.graphs is not None and not hidden_spans and lora is None and self.graphs.fits(meta):
             states = self.graphs.run(input_ids, positions, meta)
         else:
-            states = self.model.forward(input_ids, positions, meta)
+            states = self.model.forward(input_ids, positions, meta, lora)
         hidden = {}
         if hidden_spans:
             offsets = [0]
@@ -205,6 +209,15 @@ class ModelRunner:
         if sample_rows:
             logits = self.model.lm_head(states[torch.tensor(sample_rows, device=self.device)]).float()
         return StepOutput(logits, hidden)
+
+    def _lora_batch(self, chunks: list[ScheduledChunk]):
+        """The step's rows by LoRA adapter (engine.lora), None when no chunk's request names one."""
+        if self.loras is None or all(ch.seq.params.lora is None for ch in chunks):
+            return None
+        slots = []
+        for ch in chunks:
+            slots.extend([self.loras.slot(ch.seq.params.lora)] * ch.num_tokens)
+        return self.loras.batch(slots, self.device)
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         bs = self.config.block_size

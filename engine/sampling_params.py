@@ -47,6 +47,9 @@ class SamplingParams:
     output (EOS or one of `stop_token_ids`) is not in it, unless `include_stop_str_in_output`;
     either way the token is among the output's token ids. `skip_special_tokens` false shows
     special tokens (e.g. a template's markers) in the text.
+    `lora`: the name of a LoRA adapter the engine serves (EngineConfig.lora_modules) to run the
+    request with, None for the base model (not a sampling choice, but the one per-request setting
+    every engine of a request needs, so it travels here).
     """
 
     temperature: float = 1.0
@@ -70,6 +73,7 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    lora: str | None = None
     detokenize: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 

@@ -47,6 +47,7 @@ class WireSamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     bad_words: tuple[tuple[int, ...], ...] = ()
+    lora: str | None = None             # the LoRA adapter's name (SamplingParams.lora)
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
@@ -56,7 +57,7 @@ class WireSamplingParams:
                    tuple(p.stop_token_ids), p.ignore_eos, p.seed, p.presence_penalty,
                    p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs,
                    tuple(p.logit_bias), structured, p.min_p, tuple(p.allowed_token_ids),
-                   p.include_stop_str_in_output, p.skip_special_tokens, tuple(map(tuple, p.bad_words)))
+                   p.include_stop_str_in_output, p.skip_special_tokens, tuple(map(tuple, p.bad_words)), p.lora)
 
     def to_params(self) -> SamplingParams:
         fields = dataclasses.asdict(self)

@@ -1,0 +1,172 @@
+"""LoRA adapters in the engine (engine/lora.py), against transformers with each adapted projection
+run as PEFT runs it (tests/lora_adapters.py): float32 greedy output token-identical, rows of
+several adapters and of the base model in one step, bf16 within its rounding; the prefix cache
+keeps an adapter's K/V apart from the base model's; adapters the engine cannot serve are refused
+with the reason."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.block_manager import BlockManager, chain_seed
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.lora_config import read_adapter
+from engine.sampling_params import SamplingParams
+from lora_adapters import ATTENTION, MLP, with_adapter, write_adapter
+from tiny_models import tiny_model_dir
+
+PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 23, 7, 200, 11], [9, 4, 150, 77, 3], list(range(30, 70, 3))]
+
+
+def _greedy(model, prompt: list[int], n: int = 10) -> list[int]:
+    x = torch.tensor([prompt])
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                         min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _engine(path, adapters: dict, dtype="float32", **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB", block_size=4,
+                                  lora_modules={k: str(v) for k, v in adapters.items()}, **kw))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny llama and two adapters: all projections at rank 4; attention only, layer 1, rank 8
+    with rsLoRA."""
+    root = tmp_path_factory.mktemp("lora")
+    path = tiny_model_dir(root / "llama", "llama", seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    a = write_adapter(root / "a", hf, seed=1)
+    b = write_adapter(root / "b", hf, ATTENTION, rank=8, alpha=16, seed=2, layers=[1], config={"use_rslora": True})
+    return path, {"a": a, "b": b}
+
+
+def _reference(path, adapter=None):
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return with_adapter(hf, adapter) if adapter is not None else hf
+
+
+def test_fp32_greedy_output_is_transformers_with_the_adapter_in_a_mixed_batch(tiny):
+    path, adapters = tiny
+    expected = {name: [_greedy(_reference(path, adapters.get(name)), p) for p in PROMPTS]
+                for name in (None, "a", "b")}
+    assert expected["a"] != expected[None] and expected["b"] != expected[None]     # the adapters matter
+    eng = _engine(path, adapters)
+    names = [None, "a", "b"]
+    # every prompt under every adapter and the base model, all in the same steps
+    jobs = [(p, names[(i + j) % 3]) for i, p in enumerate(PROMPTS) for j in range(3)]
+    got = eng.generate([p for p, _ in jobs],
+                       [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, lora=n) for _, n in jobs])
+    for (prompt, name), done in zip(jobs, got):
+        assert done.token_ids == expected[name][PROMPTS.index(prompt)], name
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["phi3", "qwen2"])
+def test_other_archs_fused_projections_and_biases(tmp_path, arch):
+    """phi3's checkpoints fuse qkv_proj and gate_up_proj (adapters name those), qwen2 has q/k/v
+    biases."""
+    path = tiny_model_dir(tmp_path / arch, arch, seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    modules = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if arch == "phi3" else ATTENTION + MLP
+    adapter = write_adapter(tmp_path / "adapter", hf, modules, seed=3)
+    expected = [_greedy(_reference(path, adapter), p) for p in PROMPTS]
+    eng = _engine(path, {"x": adapter})
+    got = eng.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, lora="x"))
+    assert [c.token_ids for c in got] == expected
+
+
+def test_bf16_logprobs_within_rounding(tiny):
+    path, adapters = tiny
+    ref = _reference(path, adapters["a"])
+    eng = _engine(path, adapters, dtype="bfloat16", max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0, lora="a")
+    base = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = eng.generate(PROMPTS + PROMPTS, [params] * len(PROMPTS) + [base] * len(PROMPTS))
+    for prompt, done in zip(PROMPTS, got):
+        ids = torch.tensor([prompt + done.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(ref(ids).logits[0].float(), dim=-1)
+        targets = ids[0, 1:]
+        expected = logp[torch.arange(len(targets)), targets]
+        mine = torch.tensor([lp.logprob for lp in [*done.prompt_logprobs, *done.logprobs]])
+        assert (mine - expected).abs().max() < 0.03, (mine - expected).abs().max()
+
+
+def test_the_prefix_cache_keeps_an_adapters_kv_apart(tiny):
+    path, adapters = tiny
+    eng = _engine(path, adapters)
+    prompt = list(range(100, 140))
+    greedy = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
+    base = eng.generate([prompt], SamplingParams(**greedy))[0]
+    first = eng.generate([prompt], SamplingParams(**greedy, lora="a"))[0]
+    again = eng.generate([prompt], SamplingParams(**greedy, lora="a"))[0]
+    other = eng.generate([prompt], SamplingParams(**greedy, lora="b"))[0]
+    assert first.num_cached_tokens == 0 and other.num_cached_tokens == 0     # not the base model's K/V
+    assert again.num_cached_tokens == 36 and again.token_ids == first.token_ids
+    assert first.token_ids != base.token_ids
+    fresh = _engine(path, adapters).generate([prompt], SamplingParams(**greedy, lora="b"))[0]
+    assert other.token_ids == fresh.token_ids
+
+
+def test_a_reservation_finds_only_its_adapters_blocks():
+    bm = BlockManager(16, 4)
+    tokens = list(range(12))
+    blocks, cached = bm.reserve_cached(tokens, "a")
+    assert cached == 0
+    from engine.sequence import Sequence
+    seq = Sequence("r", tokens, SamplingParams(lora="a"))
+    bm.adopt(seq, blocks, len(tokens))
+    assert bm.reserve_cached(tokens) is not None and bm.reserve_cached(tokens)[1] == 0
+    assert bm.reserve_cached(tokens, "b")[1] == 0
+    assert bm.reserve_cached(tokens, "a")[1] == 2        # the last block is always received
+    assert len({chain_seed(None), chain_seed("a"), chain_seed("b")}) == 3
+
+
+def test_unknown_adapter_is_rejected_at_admission(tiny):
+    path, adapters = tiny
+    eng = _engine(path, {"a": adapters["a"]})
+    rejected = eng.add_request("r1", [1, 2, 3], SamplingParams(lora="nope"))
+    assert rejected is not None and "'nope' is not served here (adapters served: a)" in rejected.reason
+    assert eng.add_request("r2", [1, 2, 3], SamplingParams(lora="a")) is None
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"use_dora": True}, "DoRA is not supported"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+    ({"peft_type": "IA3"}, "only LORA"),
+    ({"r": 0}, "positive integer"),
+])
+def test_adapters_it_cannot_serve_are_refused_with_the_reason(tiny, tmp_path, change, reason):
+    path, adapters = tiny
+    config = json.loads((adapters["a"] / "adapter_config.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_model.safetensors").write_bytes((adapters["a"] / "adapter_model.safetensors").read_bytes())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    assert reason in read_adapter(str(bad))
+    with pytest.raises(ValueError, match="LoRA adapter 'bad'"):
+        _engine(path, {"bad": bad})
+
+
+def test_tensors_that_do_not_fit_are_refused(tiny, tmp_path):
+    path, _ = tiny
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert "no adapter_config.json" in read_adapter(str(tmp_path / "missing"))
+    other = tiny_model_dir(tmp_path / "wide", "qwen2", seed=1, head_dim=32)      # other widths
+    wide = write_adapter(tmp_path / "wide-adapter", AutoModelForCausalLM.from_pretrained(other), ATTENTION)
+    with pytest.raises(ValueError, match="do not fit the model"):
+        _engine(path, {"w": wide})
+    head = write_adapter(tmp_path / "head", hf, ("q_proj",))
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(head / "adapter_model.safetensors"))
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 64)
+    save_file(tensors, str(head / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="only those are supported"):
+        _engine(path, {"h": head})
