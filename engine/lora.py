@@ -12,12 +12,15 @@ Supported: `peft_type` LORA on the attention's and the MLP's projections (q_proj
 o_proj, gate_proj, up_proj, down_proj, or Phi-3's fused qkv_proj and gate_up_proj), any rank per
 module, `lora_alpha` with `use_rslora`, adapters for some layers only. Refused with the reason:
 DoRA, `modules_to_save`, rank or alpha patterns, LoRA biases, other modules (embeddings, the LM
-head), tensors that do not fit the model. The update is PEFT's unmerged forward op for op
-(`F.linear(F.linear(x, A), B) * scaling`, added to the base output), so a float32 engine with an
-adapter computes what transformers with PEFT does.
+head), tensors that do not fit the model. The update is PEFT's unmerged forward, `base(x) + (x A^T) B^T * scaling`, in fewer ops: the A
+matrices of a fused linear's parts (q, k, v) stacked into one product, and each part's B product
+scaled and added to the base output in one (`addmm_`, or `index_add_` for some rows of a step), so
+a float32 engine agrees with transformers + PEFT to float32's rounding (tests/test_lora.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +28,28 @@ import torch.nn.functional as F
 from engine.lora_config import FUSED, MODULES, WHOLE, read_adapter, split_key
 
 
+@dataclass
+class LinearUpdate:
+    """An adapter's update of one fused linear. `a`: the A matrices of the parts it adapts stacked
+    [sum of ranks, in]; `b_t`: their B matrices transposed, scaled and laid out block-diagonally
+    [sum of ranks, the linear's width], so `(x a^T) b_t` is every part's update at once (bf16
+    models); `parts`: per part (first output column, its rows of `x a^T`, B transposed, scaling),
+    for PEFT's ops one part at a time (float32 models: the exact mode)."""
+    a: torch.Tensor
+    b_t: torch.Tensor
+    parts: list[tuple[int, slice, torch.Tensor, float]]
+
+
+FP32_BELOW = 64    # rows under which a bf16 model's update is computed in float32 (LoraBatch.add)
+
+
 class LoraSet:
     """The adapters an engine serves: slot i (1..n) is `names[i - 1]`; slot 0 is the base model.
-    `weights[slot][layer][linear]`: the parts of that fused linear the adapter updates, each
-    (first output column, A [r, in], B [width, r], scaling)."""
+    `weights[slot][layer]`: fused linear name -> the adapter's `LinearUpdate`s of it, in float32
+    and in the model's dtype (the same one for a float32 model)."""
 
-    def __init__(self, names: tuple[str, ...], weights: list[list[dict[str, list[tuple]]]]):
+    def __init__(self, names: tuple[str, ...],
+                 weights: list[list[dict[str, tuple[LinearUpdate, LinearUpdate]]]]):
         self.names = names
         self.weights = [[]] + weights
         self._slots = {name: i + 1 for i, name in enumerate(names)}
@@ -39,14 +58,14 @@ class LoraSet:
         return 0 if name is None else self._slots[name]
 
     @classmethod
-    def load(cls, modules: dict[str, str], model, dtype, device) -> LoraSet | None:
+    def load(cls, modules: dict[str, str], model, device) -> LoraSet | None:
         """Every adapter of `modules` (name -> directory) for `model` (engine.decoder's
-        DecoderModel: its layers and linears' widths), in `dtype` on `device`; None for none.
+        DecoderModel: its layers, linears' widths and dtype) on `device`; None for none.
         Raises ValueError when an adapter cannot be served."""
         if not modules:
             return None
         widths = _widths(model)
-        return cls(tuple(modules), [_load_one(name, path, widths, len(model.layers), dtype, device)
+        return cls(tuple(modules), [_load_one(name, path, widths, len(model.layers), model.dtype, device)
                                     for name, path in modules.items()])
 
     def batch(self, row_slots: list[int], device) -> LoraBatch | None:
@@ -57,26 +76,49 @@ class LoraSet:
                 groups.setdefault(slot, []).append(row)
         if not groups:
             return None
+        if len(groups) == 1 and len(next(iter(groups.values()))) == len(row_slots):
+            return LoraBatch(self, [(next(iter(groups)), None)])        # every row on one adapter
         return LoraBatch(self, [(slot, torch.tensor(rows, device=device)) for slot, rows in groups.items()])
 
 
 class LoraBatch:
-    """One step's rows by adapter: `groups` of (slot, row indices)."""
+    """One step's rows by adapter: `groups` of (slot, row indices, or None for every row)."""
 
     def __init__(self, loras: LoraSet, groups: list):
         self.loras, self.groups = loras, groups
 
     def add(self, layer: int, linear: str, x, out) -> None:
         """Add each group's update of `linear` (a key of FUSED) in layer `layer` to `out`, the base
-        linear's output [rows, width] of input `x` [rows, in], in place."""
+        linear's output [rows, width] of input `x` [rows, in], in place. A float32 model (the exact
+        mode) runs PEFT's ops, `base + (x A^T) B^T * scaling` part by part (q, k, v: one product
+        with their stacked A); a bf16 model one product with A and one with the block-diagonal B,
+        added, in float32 for groups of fewer than FP32_BELOW rows (products this small cost 20-30
+        us each in bf16 through oneDNN on a CPU, 3-5 in fp32; rounded once, where they are added),
+        in bf16 and added inside the product (`addmm_`) from there on (a 512-row chunk: 3x faster)."""
         for slot, rows in self.groups:
-            parts = self.loras.weights[slot][layer].get(linear)
-            if not parts:
+            updates = self.loras.weights[slot][layer].get(linear)
+            if updates is None:
                 continue
-            xs = x.index_select(0, rows)
-            for start, a, b, scaling in parts:
-                delta = F.linear(F.linear(xs, a), b) * scaling
-                out[:, start:start + b.shape[0]].index_add_(0, rows, delta)
+            xs = x if rows is None else x.index_select(0, rows)
+            if out.dtype == torch.float32:
+                update = updates[0]
+                xa = F.linear(xs, update.a)
+                for start, ranks, b_t, scaling in update.parts:
+                    target = out[:, start:start + b_t.shape[1]]
+                    if rows is None:
+                        target.addmm_(xa[:, ranks], b_t, alpha=scaling)
+                    else:
+                        target.index_add_(0, rows, xa[:, ranks] @ b_t, alpha=scaling)
+                continue
+            wide = xs.shape[0] < FP32_BELOW
+            update = updates[0] if wide else updates[1]
+            xa = F.linear(xs.float() if wide else xs, update.a)
+            if rows is not None:
+                out.index_add_(0, rows, (xa @ update.b_t).to(out.dtype))
+            elif wide:
+                out.add_(xa @ update.b_t)
+            else:
+                out.addmm_(xa, update.b_t)
 
 
 def _widths(model) -> dict[str, tuple[int, list[int]]]:
@@ -87,7 +129,7 @@ def _widths(model) -> dict[str, tuple[int, list[int]]]:
             "gate_up": (hidden, [inter, inter]), "down": (inter, [hidden])}
 
 
-def _load_one(name: str, path: str, widths: dict, num_layers: int, dtype, device) -> list[dict[str, list[tuple]]]:
+def _load_one(name: str, path: str, widths: dict, num_layers: int, dtype, device) -> list[dict[str, tuple]]:
     info = read_adapter(path)
     if isinstance(info, str):
         raise ValueError(f"LoRA adapter {name!r}: {info}")
@@ -102,7 +144,7 @@ def _load_one(name: str, path: str, widths: dict, num_layers: int, dtype, device
         if layer >= num_layers:
             raise ValueError(f"LoRA adapter {name!r}: {key!r} is for layer {layer}; the model has {num_layers}")
         pairs.setdefault((layer, module), {})[which] = tensor
-    layers: list[dict[str, list[tuple]]] = [{} for _ in range(num_layers)]
+    found: list[dict[str, list]] = [{} for _ in range(num_layers)]
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{''.join(ab)} only")
@@ -118,8 +160,25 @@ def _load_one(name: str, path: str, widths: dict, num_layers: int, dtype, device
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (width, rank):
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)} do not fit the model's [{width}, {fan_in}] projection")
-        layers[layer].setdefault(linear, []).append(
-            (start, a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous(), info.scaling(rank)))
+        found[layer].setdefault(linear, []).append((start, a, b, info.scaling(rank)))
+    layers: list[dict[str, tuple[LinearUpdate, LinearUpdate]]] = [{} for _ in range(num_layers)]
+    for layer, linears in enumerate(found):
+        for linear, parts in linears.items():
+            at, slices = 0, []
+            for _, a, _, _ in parts:
+                slices.append(slice(at, at + a.shape[0]))
+                at += a.shape[0]
+            stacked = torch.cat([a for _, a, _, _ in parts])
+            block = torch.zeros(at, sum(widths[linear][1]))
+            for (start, _, b, scaling), ranks in zip(parts, slices):
+                block[ranks, start:start + b.shape[0]] = b.t() * scaling
+
+            def update(to):
+                return LinearUpdate(stacked.to(device, to).contiguous(), block.to(device, to), [
+                    (start, ranks, b.to(device, to).t().contiguous(), scaling)
+                    for (start, _, b, scaling), ranks in zip(parts, slices)])
+            wide = update(torch.float32)
+            layers[layer][linear] = (wide, wide if dtype == torch.float32 else update(dtype))
     return layers
 
 

@@ -81,21 +81,29 @@ def test_other_archs_fused_projections_and_biases(tmp_path, arch):
     assert [c.token_ids for c in got] == expected
 
 
-def test_bf16_logprobs_within_rounding(tiny):
-    path, adapters = tiny
-    ref = _reference(path, adapters["a"])
-    eng = _engine(path, adapters, dtype="bfloat16", max_num_batched_tokens=8)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0, lora="a")
+def test_bf16_logprobs_within_rounding(tiny, tmp_path):
+    """bf16 (the kernels' paths on a CPU with native bf16), an adapter whose update is the size of
+    the base weights' (the fixture's are ten times that, where bf16's rounding of the inputs grows
+    with them): transformers' fp32 logprobs with the adapter within bf16's rounding, and far from the
+    base model's."""
+    path, _ = tiny
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    adapter = write_adapter(tmp_path / "small", hf, seed=6, scale=0.1)
+    with_lora, base_ref = _reference(path, adapter), _reference(path)
+    eng = _engine(path, {"s": adapter}, dtype="bfloat16", max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0, lora="s")
     base = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     got = eng.generate(PROMPTS + PROMPTS, [params] * len(PROMPTS) + [base] * len(PROMPTS))
     for prompt, done in zip(PROMPTS, got):
         ids = torch.tensor([prompt + done.token_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(ref(ids).logits[0].float(), dim=-1)
         targets = ids[0, 1:]
-        expected = logp[torch.arange(len(targets)), targets]
+        with torch.no_grad():
+            expected, without = (torch.log_softmax(m(ids).logits[0].float(), dim=-1)[torch.arange(len(targets)),
+                                                                                       targets]
+                                 for m in (with_lora, base_ref))
         mine = torch.tensor([lp.logprob for lp in [*done.prompt_logprobs, *done.logprobs]])
-        assert (mine - expected).abs().max() < 0.03, (mine - expected).abs().max()
+        assert (mine - expected).abs().max() < 0.02, (mine - expected).abs().max()
+        assert (without - expected).abs().max() > 0.2
 
 
 def test_the_prefix_cache_keeps_an_adapters_kv_apart(tiny):
@@ -170,3 +178,18 @@ def test_tensors_that_do_not_fit_are_refused(tiny, tmp_path):
     save_file(tensors, str(head / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="only those are supported"):
         _engine(path, {"h": head})
+
+
+def test_quantized_linears_take_the_update_too(tiny):
+    """int8 linears (int4's output is bf16 the same way): the adapter's update is added to their
+    output: greedy tokens begin as the fp32 engine's do, with the adapter and without, and the
+    adapter changes them."""
+    path, adapters = tiny
+    eng = _engine(path, {"a": adapters["a"]}, dtype="auto", quantization="int8")
+    exact = _engine(path, {"a": adapters["a"]})
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora=n) for n in (None, "a")]
+    for p in params:
+        q, f = eng.generate([PROMPTS[0]], p)[0], exact.generate([PROMPTS[0]], p)[0]
+        assert q.token_ids[:2] == f.token_ids[:2]
+    assert eng.generate([PROMPTS[0]], params[1])[0].token_ids != eng.generate([PROMPTS[0]], params[0])[0].token_ids
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
