@@ -136,7 +136,7 @@ def _wait_deployed(name: str, app: dict, timeout: float) -> int:
 
 
 # the AppConfig keys `pdserve serve` takes as flags
-FLAG_KEYS = ("model", "served_model_name", "mode", "model_cache", "api_key", "chat_template")
+FLAG_KEYS = ("model", "served_model_name", "mode", "model_cache", "api_key", "chat_template", "lora_modules")
 
 
 def _app_config(args, running_args: dict | None = None):
@@ -157,6 +157,8 @@ def _app_config(args, running_args: dict | None = None):
     updates = {k: getattr(args, k, None) for k in FLAG_KEYS if getattr(args, k, None) is not None}
     if len(updates.get("served_model_name") or ()) == 1:       # --served-model-name NAME [NAME ...]
         updates["served_model_name"] = updates["served_model_name"][0]
+    if "lora_modules" in updates:                               # --lora-modules NAME=PATH [NAME=PATH ...]
+        updates["lora_modules"] = dict(updates["lora_modules"])
     data = cfg.model_dump()
     data.update(updates)
     kept = [k for k in FLAG_KEYS if running_args and k in running_args
@@ -278,6 +280,13 @@ def _generate(args) -> int:
     return 0
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, eq, path = text.partition("=")
+    if not eq or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+    return name, path
+
+
 def _app_arguments(p: argparse.ArgumentParser) -> None:
     """The application's options, shared by `serve` and `deploy` (`_app_config` reads them)."""
     p.add_argument("--config", help="Serve config YAML (see serve_config.yaml)")
@@ -287,6 +296,9 @@ def _app_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-cache", help="where the default model is converted and cached")
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template in place of the model's own: a file, or the template's text")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", type=_lora_module,
+                   help="LoRA adapters (PEFT directories) served beside the model; a request names one as its "
+                        "model (as vLLM's flag; sets lora_modules)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--allowed-origin", action="append", metavar="ORIGIN",

@@ -1,7 +1,9 @@
 """The router: a FastAPI ingress deployment serving the OpenAI-compatible API.
 
 Life cycle of an HTTP request
-  1. validate  the body (pydantic, strict); errors are 400s in OpenAI's error format
+  1. validate  the body (pydantic, strict); errors are 400s in OpenAI's error format; its
+               `model` names the served model (any of its names) or a LoRA adapter
+               (`lora_modules`), which then runs in every pool (SamplingParams.lora)
   2. tokenize  the prompt or apply the chat template (tokenization lives here, not in pools),
                with the tools shown as router/tools.py says; in a worker thread, since the
                tokenizers' encode releases the GIL (a 16.5k-token chat took 24 ms, all of it a
@@ -113,7 +115,9 @@ class Router:
         self.max_model_len = min(self.config.engine.max_model_len or 10**9, context_limit(hf))
         self.model_names = self.config.model_names          # a request may name any; the first is the default
         self.model_name = self.model_names[0]
-        self.served = Served(self.model_names, self.config.max_tokens_limit, len(self.tokenizer),
+        self.lora_names = tuple(self.config.lora_modules)   # a request naming one runs that LoRA adapter
+        self.names = (*self.model_names, *self.lora_names)
+        self.served = Served(self.names, self.config.max_tokens_limit, len(self.tokenizer),
                              self.max_model_len, api_key=bool(self.config.api_key))
         self._documents: dict[str, dict] = {}
         self.registry = registry
@@ -157,17 +161,20 @@ class Router:
 
     @app.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [self._model_card(name) for name in self.model_names]}
+        return {"object": "list", "data": [self._model_card(name) for name in self.names]}
 
     @app.get("/v1/models/{model:path}")
     async def model(self, model: str):
         """OpenAI's model retrieval (`client.models.retrieve`): the served model under any of its
-        names (a name may hold slashes), any other a 404."""
-        return self._model_card(model) if model in self.model_names else self._unknown_model(model)
+        names (a name may hold slashes) or a LoRA adapter, any other a 404."""
+        return self._model_card(model) if model in self.names else self._unknown_model(model)
 
     def _model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
-                "max_model_len": self.max_model_len}
+        """A model's card; a LoRA adapter's names the model it adapts as its `parent` (vLLM's)."""
+        card = {"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": self.max_model_len}
+        if name in self.lora_names:
+            card["parent"] = self.model_name
+        return card
 
     @app.get("/metrics")
     async def metrics(self):
@@ -182,7 +189,7 @@ class Router:
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
         """vLLM's: the token ids a prompt, or a chat's messages, become (what `usage` counts)."""
-        if body.model not in (None, *self.model_names):
+        if body.model not in (None, *self.names):
             return self._unknown_model(body.model)
         if body.prompt is not None:
             ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)
@@ -202,7 +209,7 @@ class Router:
     @app.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest):
         """vLLM's: token ids back to text."""
-        if body.model not in (None, *self.model_names):
+        if body.model not in (None, *self.names):
             return self._unknown_model(body.model)
         if any(t >= len(self.tokenizer) for t in body.tokens):
             return error_response(400, f"token id out of range (vocabulary size {len(self.tokenizer)})",
@@ -210,7 +217,7 @@ class Router:
         return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)}
 
     def _unknown_model(self, name: str):
-        served = ", ".join(repr(n) for n in self.model_names)
+        served = ", ".join(repr(n) for n in self.names)
         return error_response(404, f"model {name!r} does not exist; this server serves {served}",
                               param="model", code="model_not_found")
 
@@ -285,7 +292,7 @@ class Router:
     async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str,
                         echoes: list[tuple[str, list[int]]] | None = None, shape: ChatOutputShape | None = None,
                         think: tuple[int, int, bool] | None = None):
-        if body.model not in (None, *self.model_names):
+        if body.model not in (None, *self.names):
             return self._unknown_model(body.model)
         if not all(prompts):
             return error_response(400, "the prompt is empty", param="prompt")
@@ -300,6 +307,8 @@ class Router:
                                   f"the prompt has {longest} tokens and max_tokens is {max_tokens}",
                                   param="max_tokens")
         params = body.sampling_params(max_tokens, self.tool_syntax)
+        if body.model in self.lora_names:
+            params = dataclasses.replace(params, lora=body.model)
         if body.bad_words:
             params = dataclasses.replace(params, bad_words=body.bad_word_ids(
                 lambda text: self.tokenizer.encode(text, add_special_tokens=False)))

@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from engine.config import EngineConfig
+from engine.lora_config import read_adapter
 from serving.chat_template import chat_template_text
 from serving.config_base import ConfigModel as _Model
 from serving.scaling_config import AutoscalingOptions, SloAutoscalingOptions
@@ -61,10 +62,11 @@ class EngineOptions(_Model):
     speculative_max_batch: int = Field(
         8, ge=1, description="Speculate only while at most this many sequences run in the replica.")
 
-    def engine_config(self, model_dir: str) -> EngineConfig:
-        """The engine's configuration (`num_threads` resolved: AppConfig.engine_for)."""
+    def engine_config(self, model_dir: str, lora_modules: dict[str, str] | None = None) -> EngineConfig:
+        """The engine's configuration (`num_threads` resolved: AppConfig.engine_for), serving
+        the LoRA adapters `lora_modules` (AppConfig's)."""
         assert self.num_threads != "auto", "resolve num_threads through AppConfig.engine_for"
-        return EngineConfig(model=model_dir, **self.model_dump())
+        return EngineConfig(model=model_dir, lora_modules=dict(lora_modules or {}), **self.model_dump())
 
 
 class PoolConfig(_Model):
@@ -181,6 +183,12 @@ class AppConfig(_Model):
         "holding it (relative to the working directory), read when the config is validated where the app is built "
         "(`pdserve serve`, `pdserve deploy`), so the text travels in the config and the replicas need not see the "
         "file. Its tool-call syntax and reasoning tags are read from it as from the model's (README: Tools).")
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters served beside the model (vLLM's --lora-modules): adapter name "
+        "-> a PEFT LoRA adapter's directory (adapter_config.json and adapter_model.safetensors), found at that path on "
+        "every node running a prefill, decode or colocated replica (relative paths are made absolute where the "
+        "config is validated). A request runs an adapter by naming it as its `model`; /v1/models lists them. "
+        "Adapters on the attention and MLP projections (engine/lora.py: what is supported).")
     engine: EngineOptions = Field(default_factory=EngineOptions, description="Engine options for every pool.")
     prefill: PoolConfig = Field(default_factory=PoolConfig, description="The prefill pool.")
     decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode pool.")
@@ -257,6 +265,27 @@ class AppConfig(_Model):
     @classmethod
     def _chat_template(cls, value: str | None) -> str | None:
         return None if value is None else chat_template_text(value)
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules(cls, modules: dict[str, str]) -> dict[str, str]:
+        checked = {}
+        for name, path in modules.items():
+            if not name.strip() or name != name.strip():
+                raise ValueError(f"lora_modules: adapter name {name!r} must be non-empty, without spaces around it")
+            info = read_adapter(str(Path(path).expanduser().absolute()))
+            if isinstance(info, str):
+                raise ValueError(f"lora_modules.{name}: {info}")
+            checked[name] = info.path
+        return checked
+
+    @model_validator(mode="after")
+    def _lora_names_are_not_the_models(self):
+        clash = sorted(set(self.lora_modules) & set(self.model_names))
+        if clash:
+            raise ValueError(f"lora_modules: {', '.join(map(repr, clash))} is also the model's name; a request names "
+                             "one or the other")
+        return self
 
     @field_validator("served_model_name")
     @classmethod

@@ -1,0 +1,85 @@
+"""LoRA adapters over HTTP through both pools (the tiny model, disaggregated): a request naming an
+adapter as its `model` runs it in the prefill replica (whose K/V is the adapter's) and in the decode
+replica, and gets what a local engine with the adapter gives; the base model's answer is its own;
+/v1/models lists the adapter with its parent; an unknown name is a 404 naming what is served; every
+block is free after. The configuration refuses adapters it cannot serve before anything starts."""
+
+import json
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from lora_adapters import write_adapter
+from serving.config import AppConfig
+from service_util import TINY_ENGINE, http, pools_all_free, sse_events, tiny_app
+
+pytestmark = pytest.mark.slow
+PROMPT = [1, 504, 3127, 314, 4110, 30, 2, 198, 25, 1029, 17, 88, 1944, 6000]
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory, tiny_llama_dir):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    return write_adapter(tmp_path_factory.mktemp("sql"), hf, seed=4, scale=0.5)
+
+
+def test_a_request_naming_an_adapter_runs_it_in_both_pools(ray_serve, tiny_llama_dir, adapter):
+    local = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                                   lora_modules={"sql": str(adapter)}))
+    greedy = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = {name: local.generate([PROMPT], SamplingParams(**greedy, lora=name))[0].text for name in (None, "sql")}
+    assert expected["sql"] != expected[None]
+    with tiny_app(ray_serve, tiny_llama_dir, "lora", lora_modules={"sql": str(adapter)}) as base:
+        status, body = http(base, "/v1/models")
+        cards = {c["id"]: c for c in json.loads(body)["data"]}
+        assert status == 200 and cards["sql"]["parent"] == "tiny" and "parent" not in cards["tiny"]
+        for name, model in ((None, "tiny"), ("sql", "sql"), ("sql", "sql")):     # the second: a prefix hit
+            status, body = http(base, "/v1/completions", {"model": model, "prompt": PROMPT, **greedy})
+            out = json.loads(body)
+            assert status == 200 and out["model"] == model and out["choices"][0]["text"] == expected[name], body
+        status, body = http(base, "/v1/completions", {"model": "sql", "prompt": PROMPT, **greedy, "stream": True})
+        events = sse_events(body)
+        assert status == 200 and "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == \
+            expected["sql"]
+        status, body = http(base, "/v1/chat/completions", {"model": "sql", "max_tokens": 4,
+                                                            "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200, body
+        status, body = http(base, "/v1/completions", {"model": "nope", "prompt": "x"})
+        assert status == 404 and "'tiny', 'sql'" in body and "model_not_found" in body
+        assert pools_all_free(base, {"prefill", "decode"})
+
+
+def test_the_config_refuses_adapters_it_cannot_serve(tmp_path, tiny_llama_dir, adapter):
+    fields = dict(model=str(tiny_llama_dir), served_model_name="tiny", engine=TINY_ENGINE)
+    with pytest.raises(ValidationError, match="lora_modules.x: .*no adapter_config.json"):
+        AppConfig(**fields, lora_modules={"x": str(tmp_path)})
+    with pytest.raises(ValidationError, match="'tiny' is also the model's name"):
+        AppConfig(**fields, lora_modules={"tiny": str(adapter)})
+    config = AppConfig(**fields, lora_modules={"sql": str(adapter)})
+    assert config.lora_modules == {"sql": str(adapter.absolute())}
+
+
+def test_the_cli_flag_sets_lora_modules_and_a_deploy_keeps_them(tmp_path, tiny_llama_dir, adapter, capsys):
+    """`--lora-modules NAME=PATH ...` (vLLM's flag); a deploy that names none keeps the running ones; a
+    directory that is no adapter is two lines on stderr and exit 2."""
+    from pdserve import cli
+    path = tmp_path / "s.yaml"
+    path.write_text(f"model: {tiny_llama_dir}\n")
+    cfg = cli._app_config(cli.build_parser().parse_args(
+        ["serve", "--config", str(path), "--lora-modules", f"sql={adapter}", f"sql2={adapter}"]))
+    assert cfg.lora_modules == {"sql": str(adapter), "sql2": str(adapter)}
+    kept = cli._app_config(cli.build_parser().parse_args(["deploy", "--config", str(path), "--dry-run"]),
+                           {"lora_modules": cfg.lora_modules})
+    assert kept.lora_modules == cfg.lora_modules
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "--config", str(path), "--lora-modules", f"x={tmp_path}"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "no adapter_config.json" in err, err
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--lora-modules", "no-equals-sign"])
+    assert "is not NAME=PATH" in capsys.readouterr().err
