@@ -92,9 +92,10 @@ class LoraBatch:
         linear's output [rows, width] of input `x` [rows, in], in place. A float32 model (the exact
         mode) runs PEFT's ops, `base + (x A^T) B^T * scaling` part by part (q, k, v: one product
         with their stacked A); a bf16 model one product with A and one with the block-diagonal B,
-        added, in float32 for groups of fewer than FP32_BELOW rows (products this small cost 20-30
-        us each in bf16 through oneDNN on a CPU, 3-5 in fp32; rounded once, where they are added),
-        in bf16 and added inside the product (`addmm_`) from there on (a 512-row chunk: 3x faster)."""
+        added: on a CPU in float32 for groups of fewer than FP32_BELOW rows (products this small
+        cost 20-30 us each in bf16 through oneDNN, 3-5 in fp32; rounded once, where they are
+        added), else in the model's dtype and added inside the product (`addmm_`; a 512-row chunk
+        on a CPU: 3x faster than in float32)."""
         for slot, rows in self.groups:
             updates = self.loras.weights[slot][layer].get(linear)
             if updates is None:
@@ -110,7 +111,7 @@ class LoraBatch:
                     else:
                         target.index_add_(0, rows, xa[:, ranks] @ b_t, alpha=scaling)
                 continue
-            wide = xs.shape[0] < FP32_BELOW
+            wide = xs.shape[0] < FP32_BELOW and xs.device.type == "cpu"
             update = updates[0] if wide else updates[1]
             xa = F.linear(xs.float() if wide else xs, update.a)
             if rows is not None:
