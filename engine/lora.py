@@ -31,25 +31,24 @@ from engine.lora_config import FUSED, MODULES, WHOLE, read_adapter, split_key
 @dataclass
 class LinearUpdate:
     """An adapter's update of one fused linear. `a`: the A matrices of the parts it adapts stacked
-    [sum of ranks, in]; `b_t`: their B matrices transposed, scaled and laid out block-diagonally
-    [sum of ranks, the linear's width], so `(x a^T) b_t` is every part's update at once (bf16
-    models); `parts`: per part (first output column, its rows of `x a^T`, B transposed, scaling),
-    for PEFT's ops one part at a time (float32 models: the exact mode)."""
+    [sum of ranks, in]. A float32 model (the exact mode) runs PEFT's ops one part at a time:
+    `parts`, per part (first output column, its rows of `x a^T`, B transposed, scaling), `b_t`
+    None. Other models: `b_t`, the parts' B matrices transposed, scaled and laid out
+    block-diagonally [sum of ranks, the linear's width], so `(x a^T) b_t` is every part's update
+    at once, `parts` empty. In float32 on a CPU (see LoraBatch.add), else in the model's dtype."""
     a: torch.Tensor
-    b_t: torch.Tensor
+    b_t: torch.Tensor | None
     parts: list[tuple[int, slice, torch.Tensor, float]]
 
 
-FP32_BELOW = 64    # rows under which a bf16 model's update is computed in float32 (LoraBatch.add)
+FP32_BELOW = 64    # rows under which a bf16 model's update is computed in float32 on a CPU (LoraBatch.add)
 
 
 class LoraSet:
     """The adapters an engine serves: slot i (1..n) is `names[i - 1]`; slot 0 is the base model.
-    `weights[slot][layer]`: fused linear name -> the adapter's `LinearUpdate`s of it, in float32
-    and in the model's dtype (the same one for a float32 model)."""
+    `weights[slot][layer]`: fused linear name -> the adapter's `LinearUpdate` of it."""
 
-    def __init__(self, names: tuple[str, ...],
-                 weights: list[list[dict[str, tuple[LinearUpdate, LinearUpdate]]]]):
+    def __init__(self, names: tuple[str, ...], weights: list[list[dict[str, LinearUpdate]]]):
         self.names = names
         self.weights = [[]] + weights
         self._slots = {name: i + 1 for i, name in enumerate(names)}
@@ -95,14 +94,14 @@ class LoraBatch:
         added: on a CPU in float32 for groups of fewer than FP32_BELOW rows (products this small
         cost 20-30 us each in bf16 through oneDNN, 3-5 in fp32; rounded once, where they are
         added), else in the model's dtype and added inside the product (`addmm_`; a 512-row chunk
-        on a CPU: 3x faster than in float32)."""
+        on a CPU: 3x faster than in float32; there the float32 weights are converted per call, a
+        few microseconds against the chunk's milliseconds, so a CPU keeps one copy)."""
         for slot, rows in self.groups:
-            updates = self.loras.weights[slot][layer].get(linear)
-            if updates is None:
+            update = self.loras.weights[slot][layer].get(linear)
+            if update is None:
                 continue
             xs = x if rows is None else x.index_select(0, rows)
-            if out.dtype == torch.float32:
-                update = updates[0]
+            if update.parts:                    # a float32 model: PEFT's ops
                 xa = F.linear(xs, update.a)
                 for start, ranks, b_t, scaling in update.parts:
                     target = out[:, start:start + b_t.shape[1]]
@@ -111,15 +110,20 @@ class LoraBatch:
                     else:
                         target.index_add_(0, rows, xa[:, ranks] @ b_t, alpha=scaling)
                 continue
-            wide = xs.shape[0] < FP32_BELOW and xs.device.type == "cpu"
-            update = updates[0] if wide else updates[1]
-            xa = F.linear(xs.float() if wide else xs, update.a)
-            if rows is not None:
-                out.index_add_(0, rows, (xa @ update.b_t).to(out.dtype))
-            elif wide:
-                out.add_(xa @ update.b_t)
+            a, b_t = update.a, update.b_t
+            if a.dtype != out.dtype and xs.shape[0] < FP32_BELOW:     # a CPU, few rows: in float32
+                delta = F.linear(xs.float(), a) @ b_t
+                if rows is None:
+                    out.add_(delta)
+                else:
+                    out.index_add_(0, rows, delta.to(out.dtype))
+                continue
+            if a.dtype != out.dtype:
+                a, b_t = a.to(out.dtype), b_t.to(out.dtype)
+            if rows is None:
+                out.addmm_(F.linear(xs, a), b_t)
             else:
-                out.addmm_(xa, update.b_t)
+                out.index_add_(0, rows, F.linear(xs, a) @ b_t)
 
 
 def _widths(model) -> dict[str, tuple[int, list[int]]]:
@@ -130,7 +134,7 @@ def _widths(model) -> dict[str, tuple[int, list[int]]]:
             "gate_up": (hidden, [inter, inter]), "down": (inter, [hidden])}
 
 
-def _load_one(name: str, path: str, widths: dict, num_layers: int, dtype, device) -> list[dict[str, tuple]]:
+def _load_one(name: str, path: str, widths: dict, num_layers: int, dtype, device) -> list[dict[str, LinearUpdate]]:
     info = read_adapter(path)
     if isinstance(info, str):
         raise ValueError(f"LoRA adapter {name!r}: {info}")
@@ -162,24 +166,25 @@ def _load_one(name: str, path: str, widths: dict, num_layers: int, dtype, device
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)} do not fit the model's [{width}, {fan_in}] projection")
         found[layer].setdefault(linear, []).append((start, a, b, info.scaling(rank)))
-    layers: list[dict[str, tuple[LinearUpdate, LinearUpdate]]] = [{} for _ in range(num_layers)]
+    # float32 on a CPU (a bf16 model's small groups compute in it, big ones convert: LoraBatch.add)
+    keep = torch.float32 if torch.device(device).type == "cpu" else dtype
+    layers: list[dict[str, LinearUpdate]] = [{} for _ in range(num_layers)]
     for layer, linears in enumerate(found):
         for linear, parts in linears.items():
             at, slices = 0, []
             for _, a, _, _ in parts:
                 slices.append(slice(at, at + a.shape[0]))
                 at += a.shape[0]
-            stacked = torch.cat([a for _, a, _, _ in parts])
+            stacked = torch.cat([a for _, a, _, _ in parts]).to(device, keep).contiguous()
+            if dtype == torch.float32:
+                layers[layer][linear] = LinearUpdate(stacked, None, [
+                    (start, ranks, b.to(device, keep).t().contiguous(), scaling)
+                    for (start, _, b, scaling), ranks in zip(parts, slices)])
+                continue
             block = torch.zeros(at, sum(widths[linear][1]))
             for (start, _, b, scaling), ranks in zip(parts, slices):
                 block[ranks, start:start + b.shape[0]] = b.t() * scaling
-
-            def update(to):
-                return LinearUpdate(stacked.to(device, to).contiguous(), block.to(device, to), [
-                    (start, ranks, b.to(device, to).t().contiguous(), scaling)
-                    for (start, _, b, scaling), ranks in zip(parts, slices)])
-            wide = update(torch.float32)
-            layers[layer][linear] = (wide, wide if dtype == torch.float32 else update(dtype))
+            layers[layer][linear] = LinearUpdate(stacked, block.to(device, keep), [])
     return layers
 
 
