@@ -12,10 +12,11 @@ Supported: `peft_type` LORA on the attention's and the MLP's projections (q_proj
 o_proj, gate_proj, up_proj, down_proj, or Phi-3's fused qkv_proj and gate_up_proj), any rank per
 module, `lora_alpha` with `use_rslora`, adapters for some layers only. Refused with the reason:
 DoRA, `modules_to_save`, rank or alpha patterns, LoRA biases, other modules (embeddings, the LM
-head), tensors that do not fit the model. The update is PEFT's unmerged forward, `base(x) + (x A^T) B^T * scaling`, in fewer ops: the A
-matrices of a fused linear's parts (q, k, v) stacked into one product, and each part's B product
-scaled and added to the base output in one (`addmm_`, or `index_add_` for some rows of a step), so
-a float32 engine agrees with transformers + PEFT to float32's rounding (tests/test_lora.py).
+head), tensors that do not fit the model. The update is PEFT's unmerged forward,
+`base(x) + (x A^T) B^T * scaling`: in a float32 model (the exact mode) PEFT's ops part by part (its
+greedy output is token-identical to transformers + PEFT's, tests/test_lora.py), in other models in
+fewer ops (`LoraBatch.add`). On CUDA a step with adapter rows runs eagerly (not from a captured
+graph: engine.model_runner).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from engine.block_manager import chain_hash
+from engine.block_manager import chain_hash, chain_seed
 
 OWNERS_PER_BLOCK = 4
 DECISIONS: Counter = Counter()   # (pool, decision) -> routing decisions in this process
@@ -37,9 +37,10 @@ def count_decision(pool: str, decision: str) -> None:
     DECISIONS[(pool, decision)] += 1
 
 
-def block_hashes(prompt: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks, as the engine's prefix cache keys them."""
-    hashes, prev = [], -1
+def block_hashes(prompt: Sequence[int], block_size: int, lora: str | None = None) -> list[int]:
+    """Chained hashes of the prompt's full blocks, as the engine's prefix cache keys them (a LoRA
+    adapter's chain starts from its name: its K/V is its own)."""
+    hashes, prev = [], chain_seed(lora)
     for start in range(0, len(prompt) - block_size + 1, block_size):
         prev = chain_hash(prev, tuple(prompt[start:start + block_size]))
         hashes.append(prev)

@@ -61,18 +61,21 @@ def test_choose_prefers_the_match_only_within_the_imbalance():
 
 def test_the_routers_match_a_resumed_requests_prompt_and_resumed_tokens():
     """A resumed request (router/orchestrator.py, migration) is computed, and then cached, as its
-    prompt followed by the tokens already out: affinity matches and records all of them."""
+    prompt followed by the tokens already out: affinity matches and records all of them, under the
+    request's LoRA adapter, whose blocks are its own (their hashes start from its name)."""
     from types import SimpleNamespace
 
     from router.routing import ColocatedRouter, DecodeRouter, QueuedPromptTokensRouter
     from serving import messages
-    wire = messages.WireSamplingParams.of(SamplingParams())
-    for cls, req in ((QueuedPromptTokensRouter, messages.PrefillRequest("r", (1, 2, 3), wire, "a:1", (7, 8), 4)),
-                     (ColocatedRouter, messages.GenerateRequest("r", (1, 2, 3), wire, (7, 8), 4)),
-                     (DecodeRouter, messages.DecodeRequest("r", (1, 2, 3), wire, (7, 8)))):
-        router = object.__new__(cls)
-        router.initialize_state()
-        assert router._prompt(SimpleNamespace(args=[messages.encode(req)])) == (1, 2, 3, 7, 8)
+    for lora in (None, "sql"):
+        wire = messages.WireSamplingParams.of(SamplingParams(lora=lora))
+        for cls, req in ((QueuedPromptTokensRouter, messages.PrefillRequest("r", (1, 2, 3), wire, "a:1", (7, 8), 4)),
+                         (ColocatedRouter, messages.GenerateRequest("r", (1, 2, 3), wire, (7, 8), 4)),
+                         (DecodeRouter, messages.DecodeRequest("r", (1, 2, 3), wire, (7, 8)))):
+            router = object.__new__(cls)
+            router.initialize_state()
+            assert router._prompt(SimpleNamespace(args=[messages.encode(req)])) == ((1, 2, 3, 7, 8), lora)
+    assert block_hashes([1, 2, 3, 4], 2, "sql") != block_hashes([1, 2, 3, 4], 2) != block_hashes([1, 2, 3, 4], 2, "x")
 
 
 def test_the_decode_router_sends_a_conversation_back_while_the_kv_it_holds_allows():
