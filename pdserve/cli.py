@@ -266,14 +266,19 @@ def _generate(args) -> int:
     except ValueError as exc:
         raise SystemExit(f"pdserve generate: --chat-template: {exc}") from None
     model_dir = _model_dir(args.model, args.model_cache)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_threads=args.threads))
+    loras = {} if args.lora is None else {"lora": args.lora}
+    try:
+        engine = LLMEngine(EngineConfig(model=str(model_dir), num_threads=args.threads, lora_modules=loras))
+    except ValueError as exc:           # an adapter it cannot serve
+        raise SystemExit(f"pdserve generate: {exc}") from None
     tok = engine.tokenizer
     if template is not None:
         tok.chat_template = template
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                   tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                            lora=None if args.lora is None else "lora")
     out = engine.generate([ids], params)[0]
     print(json.dumps({"text": out.text, "finish_reason": out.finish_reason,
                       "prompt_tokens": len(ids), "completion_tokens": len(out.token_ids)}, ensure_ascii=False))
@@ -347,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--threads", type=int)
     g.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template in place of the model's own")
+    g.add_argument("--lora", metavar="DIR", help="a PEFT LoRA adapter's directory to run the prompt with")
     g.set_defaults(fn=_generate)
     pl = sub.add_parser("plan", help="prefill/decode roofline and replica ratio for a workload")
     plan_cli.add_arguments(pl)

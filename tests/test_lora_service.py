@@ -83,3 +83,16 @@ def test_the_cli_flag_sets_lora_modules_and_a_deploy_keeps_them(tmp_path, tiny_l
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--lora-modules", "no-equals-sign"])
     assert "is not NAME=PATH" in capsys.readouterr().err
+
+
+def test_generate_runs_the_prompt_with_an_adapter(tmp_path, tiny_llama_dir, adapter, capsys):
+    """`pdserve generate --lora DIR`: the local engine with the adapter (other text than without);
+    a directory that is no adapter is one line and exit 1."""
+    from pdserve import cli
+    outs = []
+    for extra in ([], ["--lora", str(adapter)]):
+        assert cli.main(["generate", "hi", "--model", str(tiny_llama_dir), "--max-tokens", "8", *extra]) == 0
+        outs.append(json.loads(capsys.readouterr().out.splitlines()[-1])["text"])
+    assert outs[0] != outs[1]
+    with pytest.raises(SystemExit, match="pdserve generate: LoRA adapter 'lora': .*no adapter_config.json"):
+        cli.main(["generate", "hi", "--model", str(tiny_llama_dir), "--lora", str(tmp_path)])
