@@ -325,6 +325,8 @@ class Router:
                                       param=name)
         rid = f"{prefix}-{uuid.uuid4().hex}"
         start = time.monotonic()
+        if params.lora is not None:
+            self.request_metrics.lora_request(params.lora)
         for ids in prompts:
             for _ in range(body.n):
                 self.request_metrics.window.arrived(start, len(ids))

@@ -51,6 +51,7 @@ class RequestMetrics:
         self.outcomes: Counter = Counter()
         self.migrations = 0       # attempts that resumed a request after a replica died (orchestrator)
         self.responses_saved: Counter = Counter()    # "stored" / "not_stored" (router/responses_api.py)
+        self.lora_requests: Counter = Counter()      # adapter name -> requests that ran it
         self.export = export
         self.window = SloWindow(window_s)      # the SLO autoscaling policy's view (router/slo_window.py)
 
@@ -93,6 +94,12 @@ class RequestMetrics:
         if self.export is not None:
             self.export.response_saved(result)
 
+    def lora_request(self, adapter: str) -> None:
+        """One request that runs LoRA adapter `adapter` (counted when it starts)."""
+        self.lora_requests[adapter] += 1
+        if self.export is not None:
+            self.export.lora_request(adapter)
+
     def finish(self, outcome: str) -> None:
         """Count one request that ended as `outcome` (one of OUTCOMES)."""
         self.outcomes[outcome] += 1
@@ -114,7 +121,11 @@ class RequestMetrics:
                 "# HELP pdserve_responses_saved_total Responses API answers the router tried to store, by result",
                 "# TYPE pdserve_responses_saved_total counter",
                 *(f'pdserve_responses_saved_total{{result="{r}"}} {self.responses_saved[r]}'
-                  for r in ("stored", "not_stored"))]
+                  for r in ("stored", "not_stored")),
+                "# HELP pdserve_lora_requests_total Requests that ran a LoRA adapter, by adapter",
+                "# TYPE pdserve_lora_requests_total counter",
+                *(f'pdserve_lora_requests_total{{{label_text({"adapter": a})}}} {n}'
+                  for a, n in sorted(self.lora_requests.items()))]
         if self.export is not None:
             out += ["# HELP pdserve_router_ray_metrics_errors_total Errors exporting the router's series to "
                     "Ray's metrics port (the first one turns the export off)",

@@ -81,6 +81,8 @@ class RouterSeries(_Export):
                                           "Attempts that resumed a request after a replica died")
         m["responses_saved"] = metrics.Counter("pdserve_responses_saved_total", "Responses API answers the router "
                                                "tried to store, by result", tag_keys=("result",))
+        m["lora_requests"] = metrics.Counter("pdserve_lora_requests_total", "Requests that ran a LoRA adapter, by "
+                                             "adapter", tag_keys=("adapter",))
         return m
 
     def request(self, ttft: float, tpot: float | None, e2e: float, output_tokens: int, good: bool = False) -> None:
@@ -106,6 +108,9 @@ class RouterSeries(_Export):
 
     def response_saved(self, result: str) -> None:
         self._record(lambda m: m["responses_saved"].inc(1, tags={"result": result}))
+
+    def lora_request(self, adapter: str) -> None:
+        self._record(lambda m: m["lora_requests"].inc(1, tags={"adapter": adapter}))
 
 
 class ReplicaSeries(_Export):

@@ -2,7 +2,7 @@
 adapter as its `model` runs it in the prefill replica (whose K/V is the adapter's) and in the decode
 replica, and gets what a local engine with the adapter gives; the base model's answer is its own;
 /v1/models lists the adapter with its parent; an unknown name is a 404 naming what is served; every
-block is free after. The configuration refuses adapters it cannot serve before anything starts."""
+block is free after; /metrics counts the adapter's requests. The configuration refuses adapters it cannot serve before anything starts."""
 
 import json
 
@@ -52,6 +52,8 @@ def test_a_request_naming_an_adapter_runs_it_in_both_pools(ray_serve, tiny_llama
         status, body = http(base, "/v1/completions", {"model": "nope", "prompt": "x"})
         assert status == 404 and "'tiny', 'sql'" in body and "model_not_found" in body
         assert pools_all_free(base, {"prefill", "decode"})
+        status, text = http(base, "/metrics")
+        assert 'pdserve_lora_requests_total{adapter="sql"} 4' in text        # 2 + streamed + chat
 
 
 def test_the_config_refuses_adapters_it_cannot_serve(tmp_path, tiny_llama_dir, adapter):
