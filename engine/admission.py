@@ -43,12 +43,14 @@ class EngineRequest:
 
 class Admission:
     """`vocab_size`: the model's (logits' width); `seed`: the engine's, for the seeds of sampled
-    requests that bring none; `loras`: the names of the LoRA adapters the engine serves."""
+    requests that bring none; `loras`: the names of the LoRA adapters the engine serves;
+    `priorities`: whether the engine schedules by priority (else only priority 0 is served)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 device: torch.device, seed: int | None, loras: frozenset[str] = frozenset()):
+                 device: torch.device, seed: int | None, loras: frozenset[str] = frozenset(),
+                 priorities: bool = False):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        self.loras = loras
+        self.loras, self.priorities = loras, priorities
         self.eos_token_ids, self.device = eos_token_ids, device
         self._rng = random.Random(seed)
         self.grammars: GrammarCompiler | None = None   # at the first structured-output request
@@ -61,6 +63,8 @@ class Admission:
         error = params.validate()
         if error:
             return error
+        if params.priority and not self.priorities:
+            return "priority is only served with scheduling_policy priority (this engine's is fcfs)"
         if params.lora is not None and params.lora not in self.loras:
             served = ', '.join(sorted(self.loras)) or 'none'
             return f"LoRA adapter {params.lora!r} is not served here (adapters served: {served})"

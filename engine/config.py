@@ -80,6 +80,8 @@ class EngineConfig:
         is bound by compute, where draft rows cost what they save).
     lora_modules: LoRA adapters served beside the base model, name -> a PEFT adapter directory
         (engine.lora); a request runs one by naming it (SamplingParams.lora).
+    scheduling_policy: fcfs (first come, first served) or priority (vLLM's: by each request's
+        SamplingParams.priority, then arrival; engine/scheduler.py).
     """
 
     model: str
@@ -100,6 +102,7 @@ class EngineConfig:
     speculative_tokens: int = 0
     speculative_max_batch: int = 8
     lora_modules: dict[str, str] = field(default_factory=dict)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         if not self.model:
@@ -130,6 +133,8 @@ class EngineConfig:
             raise ValueError(f"speculative_tokens must be in [0, 16], got {self.speculative_tokens}")
         if self.speculative_max_batch < 1:
             raise ValueError("speculative_max_batch must be positive")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if any(not isinstance(name, str) or not name for name in self.lora_modules):
             raise ValueError("lora_modules' names must be non-empty strings")
 

@@ -44,11 +44,13 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.scheduling_policy)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = self._eos_ids()
         self.admission = Admission(self.tokenizer, self.runner.vocab_size, self.max_model_len, self.eos_token_ids,
-                                   self.runner.device, config.seed, frozenset(config.lora_modules))
+                                   self.runner.device, config.seed, frozenset(config.lora_modules),
+                                   config.scheduling_policy == "priority")
         self._requests: dict[str, EngineRequest] = {}
         self.num_draft_tokens = 0        # speculative decoding: draft tokens fed, and those kept
         self.num_accepted_tokens = 0

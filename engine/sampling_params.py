@@ -48,8 +48,10 @@ class SamplingParams:
     either way the token is among the output's token ids. `skip_special_tokens` false shows
     special tokens (e.g. a template's markers) in the text.
     `lora`: the name of a LoRA adapter the engine serves (EngineConfig.lora_modules) to run the
-    request with, None for the base model (not a sampling choice, but the one per-request setting
-    every engine of a request needs, so it travels here).
+    request with, None for the base model; `priority` (vLLM's): with the engine's `priority`
+    scheduling policy, lower values are scheduled first and preempted last (engine/scheduler.py),
+    with `fcfs` only 0 is accepted. (Not sampling choices, but per-request settings every engine
+    of a request needs, so they travel here.)
     """
 
     temperature: float = 1.0
@@ -74,6 +76,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     lora: str | None = None
+    priority: int = 0
     detokenize: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -88,6 +91,8 @@ class SamplingParams:
 
     def validate(self) -> str | None:
         """Return a human-readable error, or None when the parameters are usable."""
+        if not isinstance(self.priority, int) or not -2**31 <= self.priority < 2**31:
+            return "priority must be a 32-bit integer"
         if not 0.0 <= self.temperature <= 2.0:
             return f"temperature must be in [0, 2], got {self.temperature}"
         if not 0.0 < self.top_p <= 1.0:

@@ -7,6 +7,9 @@ Each step, in this order:
   2. waiting sequences, first come first served, while the token budget, the sequence cap
      and the free blocks allow; each gets blocks for all its tokens (prefix-cache hits
      included) and its first chunk.
+With the `priority` policy (vLLM's), "oldest" and "first come" read "by (priority, arrival)"
+(`SamplingParams.priority`, lower first) and the victim of a preemption is the running sequence
+last in that order; a waiting sequence does not preempt running ones to get blocks.
 Batching decisions count tokens: a step never feeds more than `max_num_batched_tokens`.
 A decoding sequence may carry proposed tokens (speculative decoding, `Sequence.num_draft`): they
 are fed with its token when the budget and the free blocks allow, and dropped (not preempting
@@ -17,18 +20,28 @@ The engine calls `schedule`, then after running the step `finish` for each ended
 from __future__ import annotations
 
 import time
+import bisect
 from collections import deque
 
 from engine.block_manager import BlockManager
 from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
 
 
+POLICIES = ("fcfs", "priority")
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    return seq.params.priority, seq.arrival
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        assert max_num_seqs > 0 and max_num_batched_tokens > 0
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs"):
+        assert max_num_seqs > 0 and max_num_batched_tokens > 0 and policy in POLICIES
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.by_priority = policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -36,7 +49,14 @@ class Scheduler:
     # ---- admission -----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._queue(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _queue(self, seq: Sequence) -> None:
+        """Into the waiting queue at its place by (priority, arrival)."""
+        self.waiting.insert(bisect.bisect(self.waiting, _order(seq), key=_order), seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Admit a sequence whose blocks already hold its computed K/V (imported KV)."""
@@ -61,7 +81,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted = False
         # 1. running sequences, oldest first
-        for seq in list(self.running):
+        for seq in sorted(self.running, key=_order) if self.by_priority else list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -70,7 +90,7 @@ class Scheduler:
                 if seq.num_draft:
                     seq.take_draft()
                     continue
-                victim = self.running[-1]
+                victim = max(self.running, key=_order) if self.by_priority else self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -114,4 +134,7 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._queue(seq)
+        else:
+            self.waiting.appendleft(seq)

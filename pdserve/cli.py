@@ -136,7 +136,8 @@ def _wait_deployed(name: str, app: dict, timeout: float) -> int:
 
 
 # the AppConfig keys `pdserve serve` takes as flags
-FLAG_KEYS = ("model", "served_model_name", "mode", "model_cache", "api_key", "chat_template", "lora_modules")
+FLAG_KEYS = ("model", "served_model_name", "mode", "model_cache", "api_key", "chat_template", "lora_modules",
+             "scheduling_policy")
 
 
 def _app_config(args, running_args: dict | None = None):
@@ -304,6 +305,8 @@ def _app_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", type=_lora_module,
                    help="LoRA adapters (PEFT directories) served beside the model; a request names one as its "
                         "model (as vLLM's flag; sets lora_modules)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
+                   help="fcfs (default) or priority: by each request's `priority`, lower first (as vLLM's flag)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--allowed-origin", action="append", metavar="ORIGIN",

@@ -118,7 +118,8 @@ class Router:
         self.lora_names = tuple(self.config.lora_modules)   # a request naming one runs that LoRA adapter
         self.names = (*self.model_names, *self.lora_names)
         self.served = Served(self.names, self.config.max_tokens_limit, len(self.tokenizer),
-                             self.max_model_len, api_key=bool(self.config.api_key))
+                             self.max_model_len, api_key=bool(self.config.api_key),
+                             priorities=self.config.scheduling_policy == "priority")
         self._documents: dict[str, dict] = {}
         self.registry = registry
         slo = self.config.autoscaling
@@ -307,6 +308,9 @@ class Router:
                                   f"the prompt has {longest} tokens and max_tokens is {max_tokens}",
                                   param="max_tokens")
         params = body.sampling_params(max_tokens, self.tool_syntax)
+        if params.priority and self.config.scheduling_policy != "priority":
+            return error_response(400, "priority needs the server's scheduling_policy priority (it schedules first "
+                                  "come, first served)", param="priority")
         if body.model in self.lora_names:
             params = dataclasses.replace(params, lora=body.model)
         if body.bad_words:

@@ -58,6 +58,7 @@ class Served:
     vocab_size: int
     max_model_len: int
     api_key: bool = False
+    priorities: bool = False     # scheduling_policy priority: a request's `priority` may be other than 0
 
 
 def openapi_document(app, served: Served, root_path: str = "") -> dict:
@@ -111,6 +112,10 @@ def _limits(doc: dict, served: Served) -> None:
             integer["maximum"] = served.vocab_size - 1
         if "logit_bias" in properties:
             properties["logit_bias"]["description"] += f" Token ids are below {served.vocab_size}."
+        if "priority" in properties and not served.priorities:
+            for integer in _integers(properties["priority"]):
+                integer["minimum"] = integer["maximum"] = 0
+            properties["priority"]["description"] += " This server schedules first come, first served: 0."
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
         for branch in _request_schema(doc, path)["properties"]["model"]["anyOf"]:
             if branch.get("type") == "string":

@@ -111,6 +111,9 @@ class Sampling(Strict):
     seed: Int(ge=0) | None = Field(None, description="Any non-negative integer, used modulo 2^63; choice j of a "
                                    "prompt uses seed + j.")
     user: Text | None = None
+    priority: Int(ge=-2**31, le=2**31 - 1) = Field(
+        0, description="vLLM's: with the server's scheduling_policy priority, lower values are scheduled first "
+                       "(and preempted last); with fcfs (the default) only 0.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY,
@@ -184,7 +187,7 @@ class Sampling(Strict):
                               logit_bias=self.logit_bias_pairs(), structured=self.structured(syntax),
                               allowed_token_ids=tuple(self.allowed_token_ids or ()),
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skips_special_tokens(syntax))
+                              skip_special_tokens=self.skips_special_tokens(syntax), priority=self.priority)
 
     def skips_special_tokens(self, syntax: CallSyntax) -> bool:
         """skip_special_tokens as the engine applies it (chat: false where calls open with a special

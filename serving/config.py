@@ -62,11 +62,11 @@ class EngineOptions(_Model):
     speculative_max_batch: int = Field(
         8, ge=1, description="Speculate only while at most this many sequences run in the replica.")
 
-    def engine_config(self, model_dir: str, lora_modules: dict[str, str] | None = None) -> EngineConfig:
-        """The engine's configuration (`num_threads` resolved: AppConfig.engine_for), serving
-        the LoRA adapters `lora_modules` (AppConfig's)."""
+    def engine_config(self, model_dir: str, **app_wide) -> EngineConfig:
+        """The engine's configuration (`num_threads` resolved: AppConfig.engine_for), with the
+        settings every pool shares (`app_wide`: AppConfig's lora_modules, scheduling_policy)."""
         assert self.num_threads != "auto", "resolve num_threads through AppConfig.engine_for"
-        return EngineConfig(model=model_dir, lora_modules=dict(lora_modules or {}), **self.model_dump())
+        return EngineConfig(model=model_dir, **app_wide, **self.model_dump())
 
 
 class PoolConfig(_Model):
@@ -189,6 +189,10 @@ class AppConfig(_Model):
         "every node running a prefill, decode or colocated replica (relative paths are made absolute where the "
         "config is validated). A request runs an adapter by naming it as its `model`; /v1/models lists them. "
         "Adapters on the attention and MLP projections (engine/lora.py: what is supported).")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="How each engine replica orders its requests (vLLM's --scheduling-policy): fcfs, first "
+        "come first served; priority, by each request's `priority` (lower first, then arrival; the last in that "
+        "order is preempted first). With fcfs a request's priority other than 0 is a 400.")
     engine: EngineOptions = Field(default_factory=EngineOptions, description="Engine options for every pool.")
     prefill: PoolConfig = Field(default_factory=PoolConfig, description="The prefill pool.")
     decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode pool.")
@@ -242,6 +246,11 @@ class AppConfig(_Model):
         for pool in ("prefill", "decode", "colocated"):
             self.engine_for(pool).engine_config("<model>")   # EngineConfig validates the rest
         return self
+
+    def engine_config(self, pool: str, model_dir: str) -> EngineConfig:
+        """Pool `pool`'s EngineConfig for the model at `model_dir`."""
+        return self.engine_for(pool).engine_config(model_dir, lora_modules=dict(self.lora_modules),
+                                                   scheduling_policy=self.scheduling_policy)
 
     def engine_for(self, pool: str) -> EngineOptions:
         """Pool `pool`'s engine options: the shared ones, its overrides, `num_threads: auto` resolved

@@ -47,7 +47,7 @@ class EngineHost:
         self.replica_id = replica_id()
         model_dir = resolve_model(config.model, config.model_cache, progress=False)
         opts = config.engine_for(pool)
-        engine_config = opts.engine_config(str(model_dir), config.lora_modules)
+        engine_config = config.engine_config(pool, str(model_dir))
         self.cpu_share = _cpu_share(config, pool, opts)
         # built on its own thread, where it steps (AsyncEngine: one OpenMP pool a process)
         try:

@@ -48,6 +48,7 @@ class WireSamplingParams:
     skip_special_tokens: bool = True
     bad_words: tuple[tuple[int, ...], ...] = ()
     lora: str | None = None             # the LoRA adapter's name (SamplingParams.lora)
+    priority: int = 0
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
@@ -57,7 +58,8 @@ class WireSamplingParams:
                    tuple(p.stop_token_ids), p.ignore_eos, p.seed, p.presence_penalty,
                    p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs,
                    tuple(p.logit_bias), structured, p.min_p, tuple(p.allowed_token_ids),
-                   p.include_stop_str_in_output, p.skip_special_tokens, tuple(map(tuple, p.bad_words)), p.lora)
+                   p.include_stop_str_in_output, p.skip_special_tokens, tuple(map(tuple, p.bad_words)), p.lora,
+                   p.priority)
 
     def to_params(self) -> SamplingParams:
         fields = dataclasses.asdict(self)

@@ -27,6 +27,7 @@ CASES = [
     ("missing messages", "/v1/chat/completions", {"model": M}, 400),
     ("unknown field", "/v1/completions", {**GOOD, "frobnicate": 1}, 400),
     ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-17"}, 404),
+    ("priority on a first-come-first-served server", "/v1/chat/completions", {**CHAT, "priority": -1}, 400),
     ("empty prompt", "/v1/completions", {**GOOD, "prompt": ""}, 400),
     ("empty token prompt", "/v1/completions", {**GOOD, "prompt": []}, 400),
     ("token id out of range", "/v1/completions", {**GOOD, "prompt": [10**9]}, 400),

@@ -18,8 +18,8 @@ VOCAB, CONTEXT = 49152, 2048
 
 def document(**config) -> dict:
     cfg = AppConfig(**config)
-    return openapi_document(app, Served(cfg.model_names, cfg.max_tokens_limit, VOCAB, CONTEXT,
-                                        api_key=bool(cfg.api_key)))
+    return openapi_document(app, Served((*cfg.model_names, *cfg.lora_modules), cfg.max_tokens_limit, VOCAB, CONTEXT,
+                                        api_key=bool(cfg.api_key), priorities=cfg.scheduling_policy == "priority"))
 
 
 def requests(doc: dict) -> tuple[dict, dict]:
@@ -44,6 +44,13 @@ def test_model_enum_and_limits_follow_the_config():
         assert completion["properties"]["max_tokens"]["default"] == min(16, limit)
         tokens = json.dumps(completion["properties"]["prompt"])
         assert tokens.count(f'"maximum": {VOCAB - 1}') == 2     # a token list, and a batch of them
+
+
+def test_priority_is_zero_unless_the_server_schedules_by_priority():
+    for policy, bounds in (("fcfs", (0, 0)), ("priority", (-2**31, 2**31 - 1))):
+        for schema in requests(document(scheduling_policy=policy)):
+            priority = schema["properties"]["priority"]
+            assert (priority["minimum"], priority["maximum"]) == bounds and priority["default"] == 0
 
 
 def test_every_operation_declares_its_bodies_and_every_error_status():

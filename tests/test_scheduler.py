@@ -129,3 +129,47 @@ def test_waiting_prompt_tokens_counts_queued_and_partial_prefill():
     assert sched.num_waiting_tokens == 4
     fake_step(sched, bm)    # the rest, then a sampled token: decoding, no prefill load
     assert sched.running[0].num_output_tokens == 9 and sched.num_waiting_tokens == 0
+
+
+def test_the_priority_policy_orders_the_queue_and_preempts_the_last_in_its_order():
+    """vLLM's priority policy: waiting sequences by (priority, arrival), lower first; running ones
+    fed in that order; the one last in it preempted (not the newest, as first come first served
+    would), and queued back at its place."""
+    bm = BlockManager(6, 4)
+    sched = Scheduler(bm, 8, 8, policy="priority")
+
+    def prio(n, rid, p, max_tokens=6):
+        return Sequence(rid, list(range(2000, 2000 + n)), SamplingParams(max_tokens=max_tokens, priority=p))
+    low, mid, high = prio(7, "low", 5), prio(7, "mid", 0), prio(7, "high", -3)
+    for s in (low, mid, high):          # arriving lowest priority first
+        sched.add(s)
+    assert [s.request_id for s in sched.waiting] == ["high", "mid", "low"]
+    chunks = fake_step(sched, bm)       # 8 tokens a step: high's prompt first, then mid's first token
+    assert [(c.seq.request_id, c.num_tokens) for c in chunks] == [("high", 7), ("mid", 1)]
+    sched.finish(high, "abort")
+    while low.status is SequenceStatus.WAITING:
+        fake_step(sched, bm)
+    urgent = prio(7, "urgent", -9)      # arrives last, runs beside low and mid
+    sched.add(urgent)
+    while urgent.status is SequenceStatus.WAITING:
+        fake_step(sched, bm)
+    while not sched.num_preemptions:    # 6 blocks: the three outgrow them
+        fake_step(sched, bm)
+    assert low.status is SequenceStatus.WAITING and urgent.status is SequenceStatus.RUNNING
+    late = prio(3, "late", 9)
+    sched.add(late)
+    assert list(sched.waiting).index(low) < list(sched.waiting).index(late)
+    steps = 0
+    while sched.has_work():
+        fake_step(sched, bm)
+        steps += 1
+        assert steps < 200
+    assert all(s.num_output_tokens == 6 for s in (low, mid, urgent)) and bm.all_free()
+
+
+def test_fcfs_ignores_priority():
+    bm, sched = make(budget=8)
+    a = Sequence("a", list(range(7)), SamplingParams(priority=5))
+    b = Sequence("b", list(range(7)), SamplingParams(priority=-5))
+    sched.add(a), sched.add(b)
+    assert [c.seq.request_id for c in fake_step(sched, bm)] == ["a", "b"]
