@@ -2,7 +2,8 @@
 adapter as its `model` runs it in the prefill replica (whose K/V is the adapter's) and in the decode
 replica, and gets what a local engine with the adapter gives; the base model's answer is its own;
 /v1/models lists the adapter with its parent; an unknown name is a 404 naming what is served; every
-block is free after; /metrics counts the adapter's requests. The configuration refuses adapters it cannot serve before anything starts."""
+block is free after; /metrics counts the adapter's requests. The configuration refuses adapters it
+cannot serve before anything starts."""
 
 import json
 
