@@ -53,7 +53,7 @@ def _rest_of_array(text: str, new_id) -> tuple[list[dict], str] | None:
 
 class ArrayCallStream(JsonCalls):
     """One choice's output in a marker-and-array syntax (`syntax`). `first_only`
-    (parallel_tool_calls false): calls after the first are dropped."""
+    (parallel_tool_calls false): the output ends with its first call (JsonCalls)."""
 
     def __init__(self, syntax: CallSyntax, first_only: bool = False):
         super().__init__(first_only, syntax.new_id)
@@ -67,6 +67,9 @@ class ArrayCallStream(JsonCalls):
     def _take(self, final: bool) -> tuple[str, list[dict]]:
         content, calls = [], []
         while True:
+            if self.done:                       # its one call complete: nothing after it shows
+                self._held = ""
+                break
             state, held = self._state, self._held
             if state == "content":
                 if self._after_call:

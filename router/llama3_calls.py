@@ -47,7 +47,7 @@ def _json_calls(text: str) -> list[dict] | None:
 
 class JsonCallStream(JsonCalls):
     """One choice's output in Llama 3's JSON syntax. `first_only` (parallel_tool_calls false):
-    calls after the first are dropped (the template has no turn of several)."""
+    the output ends with its first call (JsonCalls; the template has no turn of several)."""
 
     def __init__(self, first_only: bool = False):
         super().__init__(first_only, HERMES.new_id)
@@ -58,6 +58,9 @@ class JsonCallStream(JsonCalls):
     def _take(self, final: bool) -> tuple[str, list[dict]]:
         content, calls = [], []
         while True:
+            if self.done:                       # its one call complete: nothing after it shows
+                self._held = ""
+                break
             state, held = self._state, self._held
             if state == "start":
                 head = held.lstrip()

@@ -85,8 +85,8 @@ def _may_become_head(text: str) -> bool:
 
 
 class PythonicCallStream(JsonCalls):
-    """One choice's output in the pythonic syntax. `first_only` (parallel_tool_calls false): calls
-    after the first are dropped."""
+    """One choice's output in the pythonic syntax. `first_only` (parallel_tool_calls false): the
+    output ends with its first call (JsonCalls)."""
 
     _IN_CALL = ()                               # a call is counted when it is whole
 
@@ -103,6 +103,9 @@ class PythonicCallStream(JsonCalls):
     def _take(self, final: bool) -> tuple[str, list[dict]]:
         content, calls = [], []
         while True:
+            if self.done:                       # its one call complete: nothing after it shows
+                self._held = ""
+                break
             state, held = self._state, self._held
             if state == "start":
                 rest = held.lstrip()

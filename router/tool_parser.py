@@ -162,8 +162,9 @@ class CallStream:
 
 class JsonCalls(CallStream):
     """What the streams of JSON calls (Llama 3's, Mistral's, Granite's, pythonic ones) share: calls
-    begun and counted (`first_only`, parallel_tool_calls false: calls after the first are dropped),
-    a call's arguments streamed as they arrive until a scanner finds their end."""
+    begun and counted (`first_only`, parallel_tool_calls false: the output ends with the first call,
+    what follows it is dropped, as Hermes' stop string ends it there), a call's arguments streamed
+    as they arrive until a scanner finds their end."""
 
     _IN_CALL = ("arguments", "close")          # the states of a streamed call not yet complete
 
@@ -172,34 +173,31 @@ class JsonCalls(CallStream):
         self._first_only, self._new_id = first_only, new_id
         self._state = ""
         self._end: ObjectEnd | None = None      # arguments: where the call's arguments end
-        self._dropped = False                   # arguments: the call is one first_only drops
 
     @property
     def done(self) -> bool:
         return self._first_only and self.count > 0 and self._state not in self._IN_CALL
 
     def _begin(self, name: str, calls: list[dict]) -> None:
-        """A call whose head (its name) was read: its first delta, unless first_only drops it."""
-        self._dropped = self._first_only and self.count > 0
-        if not self._dropped:
-            extend_calls(calls, [begun(self.count, name, self._new_id())])
-            self.count += 1
+        """A call whose head (its name) was read: its first delta."""
+        extend_calls(calls, [begun(self.count, name, self._new_id())])
+        self.count += 1
         self._end = ObjectEnd()
 
     def _add_whole(self, whole: list[dict], calls: list[dict]) -> None:
-        """Calls read whole (at the output's end, or a pythonic call at its ")"), but those first_only
-        drops."""
+        """Calls read whole (at the output's end, or a pythonic call at its ")"); with first_only
+        the first only."""
         for call in whole:
             if not (self._first_only and self.count):
                 extend_calls(calls, [{"index": self.count, **call}])
                 self.count += 1
 
     def _stream_arguments(self, calls: list[dict]) -> bool:
-        """Every held character of the current call's arguments goes out (unless the call is
-        dropped); True once the scanner found their end (the held text is what follows them)."""
+        """Every held character of the current call's arguments goes out; True once the scanner
+        found their end (the held text is what follows them)."""
         end = self._end.feed(self._held)
         out = self._held if end < 0 else self._held[:end]
-        if out and not self._dropped:
+        if out:
             extend_calls(calls, [{"index": self.count - 1, "function": {"arguments": out}}])
         self._held = self._held[len(out):]
         return end >= 0

@@ -111,6 +111,20 @@ def test_a_streamed_choice_stops_at_its_one_call(name):
     assert logs[0]["closed"] and logs[0]["yielded"] < first_call_tokens(text) + 5
 
 
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_a_second_call_cut_off_by_the_stop_is_not_content(name):
+    """The event that completes the call may carry the start of the next one (several tokens in one
+    event): it is dropped with the rest, streamed or whole."""
+    syntax, text = CALLS[name]
+    cut = text[:first_call_tokens(text) * PIECE + 9]            # the call, then 9 characters of the next
+    shape = ChatOutputShape(tools=syntax, parallel=False)
+    _, content, calls = shape.choice().message(cut)
+    assert content is None and len(calls) == 1
+    streamed = shape.choice()
+    pieces = [streamed.feed(cut[k:k + 3]) for k in range(0, len(cut), 3)] + [streamed.finish()]
+    assert not "".join(p.content for p in pieces) and streamed.done
+
+
 def test_only_the_choice_with_a_call_stops():
     syntax, text = CALLS["mistral"]
     out, logs = reply(syntax, False, [text, "Plain words, no call at all."], stream=False, tail=False)
