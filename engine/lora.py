@@ -43,30 +43,33 @@ class LinearUpdate:
 
 
 FP32_BELOW = 64    # rows under which a bf16 model's update is computed in float32 on a CPU (LoraBatch.add)
+KERNEL_BELOW = 16  # ... and through the engine's kernel (lora_cpu.cpp) rather than torch's ops
 
 
 class LoraSet:
     """The adapters an engine serves: slot i (1..n) is `names[i - 1]`; slot 0 is the base model.
     `weights[slot][layer]`: fused linear name -> the adapter's `LinearUpdate` of it."""
 
-    def __init__(self, names: tuple[str, ...], weights: list[list[dict[str, LinearUpdate]]]):
+    def __init__(self, names: tuple[str, ...], weights: list[list[dict[str, LinearUpdate]]], kernels=None):
         self.names = names
         self.weights = [[]] + weights
         self._slots = {name: i + 1 for i, name in enumerate(names)}
+        self.kernels = kernels          # engine.kernels (CPU), for LoraBatch.add; None: torch's ops only
 
     def slot(self, name: str | None) -> int:
         return 0 if name is None else self._slots[name]
 
     @classmethod
-    def load(cls, modules: dict[str, str], model, device) -> LoraSet | None:
+    def load(cls, modules: dict[str, str], model, device, kernels=None) -> LoraSet | None:
         """Every adapter of `modules` (name -> directory) for `model` (engine.decoder's
-        DecoderModel: its layers, linears' widths and dtype) on `device`; None for none.
-        Raises ValueError when an adapter cannot be served."""
+        DecoderModel: its layers, linears' widths and dtype) on `device`; None for none; `kernels`:
+        engine.kernels' ops where they built (CPU). Raises ValueError when an adapter cannot be
+        served."""
         if not modules:
             return None
         widths = _widths(model)
         return cls(tuple(modules), [_load_one(name, path, widths, len(model.layers), model.dtype, device)
-                                    for name, path in modules.items()])
+                                    for name, path in modules.items()], kernels)
 
     def batch(self, row_slots: list[int], device) -> LoraBatch | None:
         """The adapters of a step whose row r runs `row_slots[r]`; None when none runs one."""
@@ -94,12 +97,20 @@ class LoraBatch:
         with their stacked A); a bf16 model one product with A and one with the block-diagonal B,
         added: on a CPU in float32 for groups of fewer than FP32_BELOW rows (products this small
         cost 20-30 us each in bf16 through oneDNN, 3-5 in fp32; rounded once, where they are
-        added), else in the model's dtype and added inside the product (`addmm_`; a 512-row chunk
-        on a CPU: 3x faster than in float32; there the float32 weights are converted per call, a
-        few microseconds against the chunk's milliseconds, so a CPU keeps one copy)."""
+        added; under KERNEL_BELOW rows all of it, the group's rows gathered and scattered too, in
+        one op of the engine's kernels where they built, `lora_add_`), else in the model's dtype
+        and added inside the product (`addmm_`; a 512-row chunk on a CPU: 3x faster than in
+        float32; there the float32 weights are converted per call, a few microseconds against the
+        chunk's milliseconds, so a CPU keeps one copy)."""
         for slot, rows in self.groups:
             update = self.loras.weights[slot][layer].get(linear)
             if update is None:
+                continue
+            n = x.shape[0] if rows is None else rows.shape[0]
+            few = n < FP32_BELOW
+            if not update.parts and update.a.dtype != out.dtype and n < KERNEL_BELOW and self.loras.kernels \
+                    is not None and out.is_contiguous() and x.is_contiguous():      # a CPU, few rows: one op
+                self.loras.kernels.lora_add_(out, x, update.a, update.b_t, rows)
                 continue
             xs = x if rows is None else x.index_select(0, rows)
             if update.parts:                    # a float32 model: PEFT's ops
@@ -112,7 +123,7 @@ class LoraBatch:
                         target.index_add_(0, rows, xa[:, ranks] @ b_t, alpha=scaling)
                 continue
             a, b_t = update.a, update.b_t
-            if a.dtype != out.dtype and xs.shape[0] < FP32_BELOW:     # a CPU, few rows: in float32
+            if a.dtype != out.dtype and few:     # a CPU, few rows: in float32
                 delta = F.linear(xs.float(), a) @ b_t
                 if rows is None:
                     out.add_(delta)

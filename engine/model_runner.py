@@ -56,7 +56,8 @@ class ModelRunner:
         self.model = DecoderModel(hf_model, self.weight_format, self.dtype,
                                   cpu_kernels() if self.device.type == "cpu" else None, gemv=config.cpu_gemv)
         # LoRA adapters served beside the base model (engine.lora; None without any)
-        self.loras = LoraSet.load(config.lora_modules, self.model, self.device)
+        self.loras = LoraSet.load(config.lora_modules, self.model, self.device,
+                                  cpu_kernels() if self.device.type == "cpu" else None)
         self.generation_config = hf_model.generation_config
         self.hf_config = hf_config = hf_model.config
         del hf_model

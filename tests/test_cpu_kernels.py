@@ -144,6 +144,31 @@ def test_silu_mul_matches_torch(rows, inter):
         KERNELS.silu_mul(gate_up[:, 1:])
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, width, rank, some", [(1, 960, 48, False), (5, 300, 7, True), (12, 3072, 32, True),
+                                                     (3, 1, 1, False)])
+def test_lora_add_matches_torch(dtype, rows, width, rank, some):
+    """lora_add_ (engine/lora.py's update of a bf16 linear's few rows): out[rows] += (a x) b_t in
+    fp32, rounded once; the rows not named are left as they were."""
+    g = torch.Generator().manual_seed(rows * width + rank)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    a, b_t = torch.randn(rank, 576, generator=g) * 0.1, torch.randn(rank, width, generator=g) * 0.1
+    out = torch.randn(rows, width, generator=g).to(dtype)
+    picked = torch.tensor([r for r in range(rows) if r % 2 == 0]) if some else None
+    want = out.float().clone()
+    idx = torch.arange(rows) if picked is None else picked
+    want[idx] += (x[idx].float() @ a.t()) @ b_t
+    KERNELS.lora_add_(out, x, a, b_t, picked)
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-4
+    assert ((out.float() - want).abs() <= tolerance * want.abs().clamp(min=1)).all()
+    if some:
+        untouched = [r for r in range(rows) if r % 2]
+        assert torch.equal(out[untouched].float(), want[untouched])
+    with pytest.raises(RuntimeError, match="must fit"):
+        KERNELS.lora_add_(out, x, a[:, 1:].contiguous(), b_t, None)
+
+
 def _quantized_layer(quantize, out_f: int, in_f: int, with_bias: bool):
     """(generator, w, bias, layer, dequantized w) of engine.linear's `_int8` / `_int4` on a random
     weight, with the engine's kernels."""

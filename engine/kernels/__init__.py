@@ -9,7 +9,7 @@ linears' few-row kernels, `fp32_gemv` / `bf16_gemv` (dense_gemv_cpu.cpp) the den
 (engine.attention.fused_attention), and `paged_prefill_attention`
 (prefill_attention_cpu.cpp) a bf16 prompt chunk's causal attention over its blocks in place;
 `silu_mul` (silu_mul_cpu.cpp) the bf16 MLP's activation, `argmax_rows` (argmax_cpu.cpp) greedy
-sampling's argmax, `bf16_gemm_amx` (amx_bf16_cpu.cpp) the bf16 GEMM on AMX tiles that `bf16_gemv`
+sampling's argmax, `lora_add_` (lora_cpu.cpp) a LoRA adapter's update of a bf16 linear's few rows, `bf16_gemm_amx` (amx_bf16_cpu.cpp) the bf16 GEMM on AMX tiles that `bf16_gemv`
 runs from 2 rows where the CPU has AMX-BF16 (`amx_available()`), and `int4_gemv` from
 `int4_gemv_amx_from()` rows on its weight widened to bf16 (`int4_gemm_amx` alone); `int8_gemv` runs
 on AMX-INT8 tiles (amx_int8_cpu.cpp) from `int8_gemv_amx_from()` rows where the CPU has them
@@ -19,7 +19,7 @@ extension cache (`~/.cache/torch_extensions`, or `TORCH_EXTENSIONS_DIR`), keyed 
 (ninja also rebuilds on a changed header), the flags, this CPU's instruction set and the
 checkout's path (two checkouts sharing the cache would otherwise rebuild each other's build
 under one lock: a replica of one waited minutes for the other's compiler), so a
-later start loads it in well under a second; a first build took 31-46 s here (10 sources), and a lock
+later start loads it in well under a second; a first build took 31-46 s here (with 10 sources), and a lock
 makes concurrent replicas wait for one build. `make install` builds it ahead
 (`python -m engine.kernels.build`). The lock is an OS file lock (`flock`, released when its holder
 dies), taken around torch's own: torch's is a file that a build killed midway (Ctrl-C during a first
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("paged_attention_cpu.cpp", "norm_cpu.cpp", "int8_gemv_cpu.cpp", "int4_gemv_cpu.cpp",
               "dense_gemv_cpu.cpp", "rope_store_cpu.cpp", "prefill_attention_cpu.cpp",
-              "silu_mul_cpu.cpp", "argmax_cpu.cpp", "amx_bf16_cpu.cpp", "amx_int8_cpu.cpp")]
+              "silu_mul_cpu.cpp", "argmax_cpu.cpp", "amx_bf16_cpu.cpp", "amx_int8_cpu.cpp", "lora_cpu.cpp")]
 # -march=native: the build is keyed by this CPU's flags (below), so the cache never runs code
 # built for another CPU. -mno-amx-*: the compiler emits no AMX instruction of its own accord; the
 # AMX kernels (amx_bf16_cpu.cpp, amx_int8_cpu.cpp) enable it for their own functions and run only
