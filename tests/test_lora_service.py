@@ -1,9 +1,9 @@
 """LoRA adapters over HTTP through both pools (the tiny model, disaggregated): a request naming an
 adapter as its `model` runs it in the prefill replica (whose K/V is the adapter's) and in the decode
 replica, and gets what a local engine with the adapter gives; the base model's answer is its own;
-/v1/models lists the adapter with its parent; an unknown name is a 404 naming what is served; every
-block is free after; /metrics counts the adapter's requests. The configuration refuses adapters it
-cannot serve before anything starts."""
+/v1/models lists the adapter with its parent; each of `n` choices runs it; an unknown name is a 404
+naming what is served; every block is free after; /metrics counts the adapter's
+requests. The configuration refuses adapters it cannot serve before anything starts."""
 
 import json
 
@@ -43,6 +43,8 @@ def test_a_request_naming_an_adapter_runs_it_in_both_pools(ray_serve, tiny_llama
             status, body = http(base, "/v1/completions", {"model": model, "prompt": PROMPT, **greedy})
             out = json.loads(body)
             assert status == 200 and out["model"] == model and out["choices"][0]["text"] == expected[name], body
+        status, body = http(base, "/v1/completions", {"model": "sql", "prompt": PROMPT, **greedy, "n": 2})
+        assert status == 200 and [c["text"] for c in json.loads(body)["choices"]] == [expected["sql"]] * 2, body
         status, body = http(base, "/v1/completions", {"model": "sql", "prompt": PROMPT, **greedy, "stream": True})
         events = sse_events(body)
         assert status == 200 and "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == \
@@ -54,7 +56,7 @@ def test_a_request_naming_an_adapter_runs_it_in_both_pools(ray_serve, tiny_llama
         assert status == 404 and "'tiny', 'sql'" in body and "model_not_found" in body
         assert pools_all_free(base, {"prefill", "decode"})
         status, text = http(base, "/metrics")
-        assert 'pdserve_lora_requests_total{adapter="sql"} 4' in text        # 2 + streamed + chat
+        assert 'pdserve_lora_requests_total{adapter="sql"} 5' in text        # 2 + n=2 + streamed + chat
 
 
 def test_the_config_refuses_adapters_it_cannot_serve(tmp_path, tiny_llama_dir, adapter):
