@@ -153,10 +153,10 @@ class BlockManager:
     def reserve_cached(self, token_ids, lora: str | None = None) -> tuple[list[int], int] | None:
         """Blocks for the K/V of `token_ids` (computed with LoRA adapter `lora`), the leading ones
         taken from the prefix cache where it holds them: (block ids, how many of them are cached).
-        Only the rest is to be received;
-        the block with the last token always is. The caller owns every block (one reference
-        each, a cached block perhaps shared with running sequences) until it `adopt`s them or
-        `release`s them all. None (nothing changed) if not enough blocks are free."""
+        Only the rest is to be received; the block with the last token always is. The caller owns
+        every block (one reference each, a cached block perhaps shared with running sequences)
+        until it `adopt`s them or `release`s them all. None (nothing changed) if not enough blocks
+        are free."""
         hits = self._cached(token_ids, lora)
         table = self._claim(hits, self.blocks_for(len(token_ids)))
         return None if table is None else (table, len(hits))

@@ -350,8 +350,9 @@ class LLMEngine:
     def reserve_cached(self, token_ids: list[int], lora: str | None = None) -> tuple[list[int], int] | None:
         """Decode role: blocks for the incoming K/V of `token_ids` (of LoRA adapter `lora`), the
         first of them cached blocks that already hold it (this replica decoded or received those
-        tokens before): (block ids, how many are cached; only the rest is to be received). The caller owns them
-        all until `add_prefilled` or `release_reservation`; None when too few blocks are free."""
+        tokens before): (block ids, how many are cached; only the rest is to be received). The
+        caller owns them all until `add_prefilled` or `release_reservation`; None when too few
+        blocks are free."""
         return self.block_manager.reserve_cached(token_ids, lora)
 
     def release_reservation(self, block_ids: list[int]) -> None:

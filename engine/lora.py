@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from engine.lora_config import FUSED, MODULES, WHOLE, read_adapter, split_key
 
@@ -51,7 +52,6 @@ class LoraSet:
     `weights[slot][layer]`: fused linear name -> the adapter's `LinearUpdate` of it."""
 
     def __init__(self, names: tuple[str, ...], weights: list[list[dict[str, LinearUpdate]]], kernels=None):
-        self.names = names
         self.weights = [[]] + weights
         self._slots = {name: i + 1 for i, name in enumerate(names)}
         self.kernels = kernels          # engine.kernels (CPU), for LoraBatch.add; None: torch's ops only
@@ -202,6 +202,5 @@ def _load_one(name: str, path: str, widths: dict, num_layers: int, dtype, device
 
 def _read_tensors(path: str) -> dict:
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
         return load_file(path)
     return torch.load(path, map_location="cpu", weights_only=True)

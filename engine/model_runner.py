@@ -53,11 +53,10 @@ class ModelRunner:
         hf_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=load_dtype).to(self.device).eval()
         # on CPU: the engine's GEMV (unless cpu_gemv is off) and bf16 norm kernels (None where they
         # cannot build)
-        self.model = DecoderModel(hf_model, self.weight_format, self.dtype,
-                                  cpu_kernels() if self.device.type == "cpu" else None, gemv=config.cpu_gemv)
+        kernels = cpu_kernels() if self.device.type == "cpu" else None
+        self.model = DecoderModel(hf_model, self.weight_format, self.dtype, kernels, gemv=config.cpu_gemv)
         # LoRA adapters served beside the base model (engine.lora; None without any)
-        self.loras = LoraSet.load(config.lora_modules, self.model, self.device,
-                                  cpu_kernels() if self.device.type == "cpu" else None)
+        self.loras = LoraSet.load(config.lora_modules, self.model, self.device, kernels)
         self.generation_config = hf_model.generation_config
         self.hf_config = hf_config = hf_model.config
         del hf_model

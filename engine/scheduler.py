@@ -19,8 +19,8 @@ The engine calls `schedule`, then after running the step `finish` for each ended
 
 from __future__ import annotations
 
-import time
 import bisect
+import time
 from collections import deque
 
 from engine.block_manager import BlockManager

@@ -103,8 +103,7 @@ class PythonicCallStream(JsonCalls):
     def _take(self, final: bool) -> tuple[str, list[dict]]:
         content, calls = [], []
         while True:
-            if self.done:                       # its one call complete: nothing after it shows
-                self._held = ""
+            if self._ended():
                 break
             state, held = self._state, self._held
             if state == "start":

@@ -178,6 +178,13 @@ class JsonCalls(CallStream):
     def done(self) -> bool:
         return self._first_only and self.count > 0 and self._state not in self._IN_CALL
 
+    def _ended(self) -> bool:
+        """Checked before each state of `_take`: with its one call complete (`done`), whatever is
+        held or comes after is dropped."""
+        if self.done:
+            self._held = ""
+        return self.done
+
     def _begin(self, name: str, calls: list[dict]) -> None:
         """A call whose head (its name) was read: its first delta."""
         extend_calls(calls, [begun(self.count, name, self._new_id())])

@@ -9,7 +9,8 @@ linears' few-row kernels, `fp32_gemv` / `bf16_gemv` (dense_gemv_cpu.cpp) the den
 (engine.attention.fused_attention), and `paged_prefill_attention`
 (prefill_attention_cpu.cpp) a bf16 prompt chunk's causal attention over its blocks in place;
 `silu_mul` (silu_mul_cpu.cpp) the bf16 MLP's activation, `argmax_rows` (argmax_cpu.cpp) greedy
-sampling's argmax, `lora_add_` (lora_cpu.cpp) a LoRA adapter's update of a bf16 linear's few rows, `bf16_gemm_amx` (amx_bf16_cpu.cpp) the bf16 GEMM on AMX tiles that `bf16_gemv`
+sampling's argmax, `lora_add_` (lora_cpu.cpp) a LoRA adapter's update of a bf16 linear's few
+rows, `bf16_gemm_amx` (amx_bf16_cpu.cpp) the bf16 GEMM on AMX tiles that `bf16_gemv`
 runs from 2 rows where the CPU has AMX-BF16 (`amx_available()`), and `int4_gemv` from
 `int4_gemv_amx_from()` rows on its weight widened to bf16 (`int4_gemm_amx` alone); `int8_gemv` runs
 on AMX-INT8 tiles (amx_int8_cpu.cpp) from `int8_gemv_amx_from()` rows where the CPU has them
