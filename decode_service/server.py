@@ -17,7 +17,8 @@ Life cycle of a request here (`generate`, a streaming call the router makes befo
               reporting a failed push, drops the reservation at once instead of waiting out the
               lease); a failure frees the reservation -> error event
   4. admit    `add_prefilled` with that first token, one engine call that checks the request
-              first (a bad one releases the reservation -> 400 event); from here the engine owns
+              first (a bad one releases the reservation -> 400 event; a LoRA adapter loaded at
+              run time with no room among max_loras -> 503); from here the engine owns
               the blocks, even when the first token already ends the request. A structured-output
               request's grammar was compiled meanwhile, on a worker thread, from step 1 on
               (`AsyncEngine.precompile`): the engine thread only copies it
@@ -77,7 +78,7 @@ class DecodeServer(EngineReplica):
         params = req.params.to_params()
         grammar = asyncio.ensure_future(self.host.aengine.precompile(params))   # awaited at step 4
         # 1. reserve
-        reserved = await self._reserve(list(req.prompt_token_ids) + list(req.resumed_token_ids), req.params.lora)
+        reserved = await self._reserve(list(req.prompt_token_ids) + list(req.resumed_token_ids), params.lora_key)
         if reserved is None:
             yield error_event(rid, "decode replica is out of KV blocks; retry later", 503, "overloaded")
             return
@@ -142,7 +143,7 @@ class DecodeServer(EngineReplica):
         except messages.MessageError as exc:
             return f"bad hand-off from the prefill replica: {exc}"
 
-    async def _reserve(self, token_ids: list[int], lora: str | None) -> tuple[list[int], int] | None:
+    async def _reserve(self, token_ids: list[int], lora: tuple[str, int] | None) -> tuple[list[int], int] | None:
         """(blocks, how many lead blocks are cached) from the engine thread (`reserve_cached`)."""
         fut = self.host.aengine.submit(lambda e: e.reserve_cached(token_ids, lora))
         try:

@@ -43,7 +43,8 @@ class EngineRequest:
 
 class Admission:
     """`vocab_size`: the model's (logits' width); `seed`: the engine's, for the seeds of sampled
-    requests that bring none; `loras`: the names of the LoRA adapters the engine serves;
+    requests that bring none; `loras`: the names of the LoRA adapters the engine serves from its
+    configuration (a request may also bring one's path: LLMEngine loads it);
     `priorities`: whether the engine schedules by priority (else only priority 0 is served)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
@@ -65,7 +66,7 @@ class Admission:
             return error
         if params.priority and not self.priorities:
             return "priority is only served with scheduling_policy priority (this engine's is fcfs)"
-        if params.lora is not None and params.lora not in self.loras:
+        if params.lora is not None and params.lora_path is None and params.lora not in self.loras:
             served = ', '.join(sorted(self.loras)) or 'none'
             return f"LoRA adapter {params.lora!r} is not served here (adapters served: {served})"
         if any(t >= self.vocab_size for t, _ in params.logit_bias):

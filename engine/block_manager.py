@@ -38,12 +38,15 @@ def chain_hash(prev_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((prev_hash, token_ids))
 
 
-def chain_seed(lora: str | None) -> int:
+def chain_seed(lora: tuple[str, int] | None) -> int:
     """Where a sequence's chain of block hashes starts: -1 for the base model; a LoRA adapter's
-    K/V differs from the base model's for the same tokens, so its chain starts from its name."""
+    K/V differs from the base model's for the same tokens, so its chain starts from its key
+    (SamplingParams.lora_key: its name, and for one loaded at run time its load id)."""
     if lora is None:
         return -1
-    return int.from_bytes(hashlib.blake2b(lora.encode(), digest_size=8).digest(), "little")
+    name, lora_id = lora
+    text = name if not lora_id else f"{name}\0{lora_id}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 class BlockManager:
@@ -76,9 +79,9 @@ class BlockManager:
         prompt logprobs: every prompt position must be computed for its logits."""
         if seq.params.prompt_logprobs is not None:
             return []
-        return self._cached(seq.token_ids, seq.params.lora)
+        return self._cached(seq.token_ids, seq.params.lora_key)
 
-    def _cached(self, token_ids, lora: str | None) -> list[int]:
+    def _cached(self, token_ids, lora: tuple[str, int] | None) -> list[int]:
         """Cached blocks holding the K/V of the leading full blocks of `token_ids` (computed with
         LoRA adapter `lora`), short of the block with the last token (always left to compute, or
         to receive)."""
@@ -135,7 +138,7 @@ class BlockManager:
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed_tokens:
             i = len(seq.block_hashes)
             tokens = tuple(seq.block_tokens(i, bs))
-            h = chain_hash(seq.block_hashes[-1] if i else chain_seed(seq.params.lora), tokens)
+            h = chain_hash(seq.block_hashes[-1] if i else chain_seed(seq.params.lora_key), tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self._hash_to_block and block.hash == -1:
@@ -150,7 +153,7 @@ class BlockManager:
             return None
         return [self._take_fresh() for _ in range(n)]
 
-    def reserve_cached(self, token_ids, lora: str | None = None) -> tuple[list[int], int] | None:
+    def reserve_cached(self, token_ids, lora: tuple[str, int] | None = None) -> tuple[list[int], int] | None:
         """Blocks for the K/V of `token_ids` (computed with LoRA adapter `lora`), the leading ones
         taken from the prefix cache where it holds them: (block ids, how many of them are cached).
         Only the rest is to be received; the block with the last token always is. The caller owns

@@ -80,6 +80,9 @@ class EngineConfig:
         is bound by compute, where draft rows cost what they save).
     lora_modules: LoRA adapters served beside the base model, name -> a PEFT adapter directory
         (engine.lora); a request runs one by naming it (SamplingParams.lora).
+    max_loras: LoRA adapters loaded at run time (a request brings the path of one:
+        SamplingParams.lora_path) the engine holds at once; the least recently used that no
+        request runs makes room for the next (engine.lora.LoraSet.use).
     scheduling_policy: fcfs (first come, first served) or priority (vLLM's: by each request's
         SamplingParams.priority, then arrival; engine/scheduler.py).
     """
@@ -102,6 +105,7 @@ class EngineConfig:
     speculative_tokens: int = 0
     speculative_max_batch: int = 8
     lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 8
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
@@ -137,6 +141,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if any(not isinstance(name, str) or not name for name in self.lora_modules):
             raise ValueError("lora_modules' names must be non-empty strings")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
 
 
 # model types the engine's own forward runs (engine/decoder.py); Gemma 3's text models (270M, 1B:

@@ -5,7 +5,8 @@ Life cycle of a request in the engine
      role) admits a prompt whose K/V was imported into reserved blocks, with its first token.
      Both check the request first (`check_request`) and return a `Rejected` instead of
      admitting one that cannot be served: check and admit are one engine call
-     (engine/admission.py checks and builds the request's state). Both also take a
+     (engine/admission.py checks and builds the request's state; a request bringing the path
+     of a LoRA adapter loaded at run time has it loaded here, engine/lora.py). Both also take a
      resumed request: the prompt plus the output tokens a client already has (`resumed`; the
      router moves a request whose replica died this way), which count as output (max_tokens,
      min_tokens, penalties, stop strings, structured output) and whose text is not shown again.
@@ -87,6 +88,10 @@ class LLMEngine:
         if in_use := self._id_in_use(request_id):
             return Rejected(request_id, in_use)
         req = self.admission.admit(request_id, prompt, params, hold_blocks, resumed, shown_chars, draws)
+        if isinstance(req, EngineRequest) and params.lora_path is not None:     # loaded at run time
+            busy = {r.seq.params.lora_key for r in self._requests.values()}
+            if refused := self.runner.loras.use(params.lora, params.lora_id, params.lora_path, busy):
+                return Rejected(request_id, *refused)
         if isinstance(req, EngineRequest):
             self._requests[request_id] = req
         return req
@@ -347,8 +352,9 @@ class LLMEngine:
         or `release_reservation`."""
         return self.block_manager.reserve(num_tokens)
 
-    def reserve_cached(self, token_ids: list[int], lora: str | None = None) -> tuple[list[int], int] | None:
-        """Decode role: blocks for the incoming K/V of `token_ids` (of LoRA adapter `lora`), the
+    def reserve_cached(self, token_ids: list[int],
+                       lora: tuple[str, int] | None = None) -> tuple[list[int], int] | None:
+        """Decode role: blocks for the incoming K/V of `token_ids` (of LoRA adapter `lora`, its key), the
         first of them cached blocks that already hold it (this replica decoded or received those
         tokens before): (block ids, how many are cached; only the rest is to be received). The
         caller owns them all until `add_prefilled` or `release_reservation`; None when too few

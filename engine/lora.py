@@ -3,10 +3,12 @@
 `x W^T + s * (x A^T) B^T`, the base weights untouched, so one step mixes rows of several adapters
 and of the base model (as vLLM's multi-LoRA does).
 
-Who calls: the model runner loads a `LoraSet` from `EngineConfig.lora_modules` at start (each
-directory read by engine/lora_config.py, which a configuration's validation also runs, torch-free),
-gives each step's rows a `LoraBatch` (`LoraSet.batch`), and the decoder calls `LoraBatch.add`
-after each linear. The engine's admission refuses a request naming an adapter it does not serve.
+Who calls: the model runner holds a `LoraSet`, loaded with `EngineConfig.lora_modules` at start
+(each directory read by engine/lora_config.py, which a configuration's validation also runs,
+torch-free), gives each step's rows a `LoraBatch` (`LoraSet.batch`), and the decoder calls
+`LoraBatch.add` after each linear. The engine's admission refuses a request naming an adapter it
+does not serve, and loads one a request brings the path of (an adapter the router loaded at run
+time: `LoraSet.use`).
 
 Supported: `peft_type` LORA on the attention's and the MLP's projections (q_proj, k_proj, v_proj,
 o_proj, gate_proj, up_proj, down_proj, or Phi-3's fused qkv_proj and gate_up_proj), any rank per
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engine.lora_config import FUSED, MODULES, WHOLE, read_adapter, split_key
+from engine.lora_config import Dims, plan, read_adapter
 
 
 @dataclass
@@ -48,28 +50,82 @@ KERNEL_BELOW = 16  # ... and through the engine's kernel (lora_cpu.cpp) rather t
 
 
 class LoraSet:
-    """The adapters an engine serves: slot i (1..n) is `names[i - 1]`; slot 0 is the base model.
-    `weights[slot][layer]`: fused linear name -> the adapter's `LinearUpdate` of it."""
+    """The adapters an engine holds, by key (name, load id: 0 for the configuration's, the
+    router's id for one loaded at run time). Slot 0 is the base model; `weights[slot][layer]`:
+    fused linear name -> the adapter's `LinearUpdate` of it (None: a free slot).
 
-    def __init__(self, names: tuple[str, ...], weights: list[list[dict[str, LinearUpdate]]], kernels=None):
-        self.weights = [[]] + weights
-        self._slots = {name: i + 1 for i, name in enumerate(names)}
+    The configuration's adapters (`EngineConfig.lora_modules`) are loaded at start and kept; one
+    loaded at run time (a request carrying its path: SamplingParams.lora_path) is loaded by the
+    engine's admission at the first request that runs it (`use`) and kept while at most
+    `max_loras` such are held: the next one evicts the least recently used that no request of the
+    engine runs, and is refused (busy) when every one is in use. Only the engine's thread calls
+    it, between steps (a step's LoraBatch reads slots no admission can free: they are in use)."""
+
+    def __init__(self, model, device, kernels=None, max_loras: int = 8):
+        """`model`: engine.decoder's DecoderModel (its widths and dtype)."""
+        self.weights: list[list[dict[str, LinearUpdate]] | None] = [[]]
+        self._slots: dict[tuple[str, int], int] = {}
+        self._last_use: dict[tuple[str, int], int] = {}      # run-time adapters: the admission tick
+        self._tick = 0
+        self.dtype, self.device, self.max_loras = model.dtype, device, max_loras
         self.kernels = kernels          # engine.kernels (CPU), for LoraBatch.add; None: torch's ops only
+        self.dims = Dims(model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads,
+                         model.head_dim, len(model.layers))
 
-    def slot(self, name: str | None) -> int:
-        return 0 if name is None else self._slots[name]
+    @property
+    def empty(self) -> bool:
+        return not self._slots
 
-    @classmethod
-    def load(cls, modules: dict[str, str], model, device, kernels=None) -> LoraSet | None:
-        """Every adapter of `modules` (name -> directory) for `model` (engine.decoder's
-        DecoderModel: its layers, linears' widths and dtype) on `device`; None for none; `kernels`:
-        engine.kernels' ops where they built (CPU). Raises ValueError when an adapter cannot be
-        served."""
-        if not modules:
+    def slot(self, key: tuple[str, int] | None) -> int:
+        return 0 if key is None else self._slots[key]
+
+    def held(self) -> list[tuple[str, int]]:
+        """The keys of the adapters loaded now, the configuration's first."""
+        return list(self._slots)
+
+    def add_configured(self, modules: dict[str, str]) -> None:
+        """At start: every adapter of `modules` (name -> directory). Raises ValueError when one
+        cannot be served."""
+        for name, path in modules.items():
+            self._place((name, 0), _load_one(name, path, self.dims, self.dtype, self.device))
+
+    def use(self, name: str, lora_id: int, path: str, busy: set) -> tuple[str, int] | None:
+        """Admission of a request running run-time adapter `name` (load `lora_id`, at `path`):
+        loads it unless held, evicting the least recently used run-time adapter whose key is not
+        in `busy` (those the engine's requests run) when `max_loras` are held. None, or why not
+        with an HTTP status: 400 (the adapter cannot be served), 503 (every slot is in use)."""
+        key = (name, lora_id)
+        self._tick += 1
+        if key in self._slots:
+            self._last_use[key] = self._tick
             return None
-        widths = _widths(model)
-        return cls(tuple(modules), [_load_one(name, path, widths, len(model.layers), model.dtype, device)
-                                    for name, path in modules.items()], kernels)
+        if len(self._last_use) >= self.max_loras:
+            idle = [k for k in self._last_use if k not in busy]
+            if not idle:
+                return (f"LoRA adapter {name!r}: this replica holds max_loras {self.max_loras} adapters loaded at "
+                        "run time, each run by a request now; retry later", 503)
+            self._drop(min(idle, key=self._last_use.__getitem__))
+        try:
+            weights = _load_one(name, path, self.dims, self.dtype, self.device)
+        except ValueError as exc:
+            return str(exc), 400
+        except Exception as exc:  # noqa: BLE001 - an unreadable file, whatever its reader raises
+            return f"LoRA adapter {name!r}: {path}: {type(exc).__name__}: {exc}", 400
+        self._place(key, weights)
+        self._last_use[key] = self._tick
+        return None
+
+    def _place(self, key: tuple[str, int], weights: list[dict[str, LinearUpdate]]) -> None:
+        free = next((i for i, w in enumerate(self.weights) if w is None), None)
+        if free is None:
+            free = len(self.weights)
+            self.weights.append(None)
+        self.weights[free] = weights
+        self._slots[key] = free
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        self.weights[self._slots.pop(key)] = None
+        del self._last_use[key]
 
     def batch(self, row_slots: list[int], device) -> LoraBatch | None:
         """The adapters of a step whose row r runs `row_slots[r]`; None when none runs one."""
@@ -138,46 +194,21 @@ class LoraBatch:
                 out.index_add_(0, rows, F.linear(xs, a) @ b_t)
 
 
-def _widths(model) -> dict[str, tuple[int, list[int]]]:
-    """Per fused linear: (input width, output width of each of its FUSED parts)."""
-    d, nh, nkv = model.head_dim, model.num_heads, model.num_kv_heads
-    hidden, inter = model.hidden_size, model.intermediate_size
-    return {"qkv": (hidden, [nh * d, nkv * d, nkv * d]), "o": (nh * d, [hidden]),
-            "gate_up": (hidden, [inter, inter]), "down": (inter, [hidden])}
-
-
-def _load_one(name: str, path: str, widths: dict, num_layers: int, dtype, device) -> list[dict[str, LinearUpdate]]:
+def _load_one(name: str, path: str, dims: Dims, dtype, device) -> list[dict[str, LinearUpdate]]:
+    """Adapter `name` at `path` for a model of `dims` computing in `dtype` on `device`, per layer;
+    raises ValueError (the reason) when it cannot be served."""
     info = read_adapter(path)
     if isinstance(info, str):
         raise ValueError(f"LoRA adapter {name!r}: {info}")
     tensors = _read_tensors(info.weights)
-    pairs: dict[tuple[int, str], dict[str, object]] = {}
-    for key, tensor in tensors.items():
-        where = split_key(key)
-        if where is None or where[1] not in MODULES:
-            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA matrix of an attention or MLP "
-                             f"projection ({', '.join(MODULES)}); only those are supported")
-        layer, module, which = where
-        if layer >= num_layers:
-            raise ValueError(f"LoRA adapter {name!r}: {key!r} is for layer {layer}; the model has {num_layers}")
-        pairs.setdefault((layer, module), {})[which] = tensor
+    placed = plan({key: tuple(t.shape) for key, t in tensors.items()}, dims)
+    if isinstance(placed, str):
+        raise ValueError(f"LoRA adapter {name!r}: {placed}")
+    widths, num_layers = dims.widths(), dims.num_layers
     found: list[dict[str, list]] = [{} for _ in range(num_layers)]
-    for (layer, module), ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{''.join(ab)} only")
-        linear = MODULES[module]
-        fan_in, parts = widths[linear]
-        if module in WHOLE:
-            start, width = 0, sum(parts)
-        else:
-            k = FUSED[linear].index(module)
-            start, width = sum(parts[:k]), parts[k]
-        a, b = ab["A"], ab["B"]
-        rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (width, rank):
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B "
-                             f"{tuple(b.shape)} do not fit the model's [{width}, {fan_in}] projection")
-        found[layer].setdefault(linear, []).append((start, a, b, info.scaling(rank)))
+    for part in placed:
+        found[part.layer].setdefault(part.linear, []).append(
+            (part.start, tensors[part.a], tensors[part.b], info.scaling(part.rank)))
     # float32 on a CPU (a bf16 model's small groups compute in it, big ones convert: LoraBatch.add)
     keep = torch.float32 if torch.device(device).type == "cpu" else dtype
     layers: list[dict[str, LinearUpdate]] = [{} for _ in range(num_layers)]

@@ -1,6 +1,8 @@
 """A LoRA adapter's directory (PEFT's format) read and checked, torch-free: `pdserve serve`
-validates its configuration's `lora_modules` with `read_adapter` before it starts anything, and
-engine/lora.py loads the tensors with it. What is supported and what refused: engine/lora.py.
+validates its configuration's `lora_modules` with `read_adapter` before it starts anything, the
+router checks an adapter loaded at run time with `check_adapter` (its tensors' shapes too, from
+the safetensors header), and engine/lora.py loads the tensors with both. What is supported and
+what refused: engine/lora.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,44 @@ WHOLE = {"qkv_proj": "qkv", "gate_up_proj": "gate_up"}     # Phi-3's checkpoints
 MODULES = {part: name for name, parts in FUSED.items() for part in parts} | WHOLE
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+MAX_HEADER_BYTES = 64 << 20        # a safetensors header beyond this is not an adapter's
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The shapes of a model's projections an adapter must fit."""
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+
+    @classmethod
+    def of_config(cls, cfg) -> Dims:
+        """From a transformers config (as engine/decoder.py reads it)."""
+        heads = cfg.num_attention_heads
+        return cls(cfg.hidden_size, cfg.intermediate_size, heads, getattr(cfg, "num_key_value_heads", None) or heads,
+                   getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, cfg.num_hidden_layers)
+
+    def widths(self) -> dict[str, tuple[int, list[int]]]:
+        """Per fused linear: (input width, output width of each of its FUSED parts)."""
+        d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        return {"qkv": (self.hidden_size, [nh * d, nkv * d, nkv * d]), "o": (nh * d, [self.hidden_size]),
+                "gate_up": (self.hidden_size, [self.intermediate_size] * 2), "down": (self.intermediate_size,
+                                                                                      [self.hidden_size])}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One adapted projection: in layer `layer`, fused linear `linear` (a key of FUSED) from its
+    output column `start`, by the tensors named `a` [rank, in] and `b` [width, rank]."""
+    layer: int
+    linear: str
+    start: int
+    a: str
+    b: str
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -63,3 +103,63 @@ def split_key(key: str) -> tuple[int, str, str] | None:
     """(layer, PEFT module, "A" or "B") of a tensor's name, or None when it is not one of ours."""
     m = _KEY.search(key)
     return None if m is None else (int(m.group(1)), m.group(2), m.group(3))
+
+
+def plan(shapes: dict[str, tuple[int, ...]], dims: Dims) -> list[Part] | str:
+    """Where each A/B pair of an adapter (tensor name -> shape) goes in a model of `dims`, or why
+    the adapter does not fit it."""
+    widths = dims.widths()
+    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    for key in shapes:
+        where = split_key(key)
+        if where is None or where[1] not in MODULES:
+            return (f"tensor {key!r} is not a LoRA matrix of an attention or MLP projection "
+                    f"({', '.join(MODULES)}); only those are supported")
+        layer, module, which = where
+        if layer >= dims.num_layers:
+            return f"{key!r} is for layer {layer}; the model has {dims.num_layers}"
+        pairs.setdefault((layer, module), {})[which] = key
+    parts = []
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            return f"layer {layer} {module} has lora_{''.join(ab)} only"
+        linear = MODULES[module]
+        fan_in, outs = widths[linear]
+        if module in WHOLE:
+            start, width = 0, sum(outs)
+        else:
+            k = FUSED[linear].index(module)
+            start, width = sum(outs[:k]), outs[k]
+        a, b = tuple(shapes[ab["A"]]), tuple(shapes[ab["B"]])
+        if len(a) != 2 or len(b) != 2 or a[1] != fan_in or b != (width, a[0]):
+            return (f"layer {layer} {module}: lora_A {a} and lora_B {b} do not fit the model's "
+                    f"[{width}, {fan_in}] projection")
+        parts.append(Part(layer, linear, start, ab["A"], ab["B"], a[0]))
+    return parts
+
+
+def safetensors_shapes(path: str) -> dict[str, tuple[int, ...]] | str:
+    """Each tensor's shape in a safetensors file, from its header (no tensor is read), or why not."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= MAX_HEADER_BYTES:
+                return f"{path}: not a safetensors file (header of {size} bytes)"
+            header = json.loads(f.read(size))
+        return {key: tuple(int(n) for n in value["shape"]) for key, value in header.items() if key != "__metadata__"}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        return f"{path}: not a safetensors file ({type(exc).__name__}: {exc})"
+
+
+def check_adapter(path: str, dims: Dims) -> AdapterInfo | str:
+    """The adapter at `path` when a model of `dims` can serve it, or why not: its configuration
+    (read_adapter) and, in a safetensors file, its tensors' names and shapes (a PyTorch .bin
+    file's tensors are checked only when an engine loads them)."""
+    info = read_adapter(path)
+    if isinstance(info, str) or not info.weights.endswith(".safetensors"):
+        return info
+    shapes = safetensors_shapes(info.weights)
+    if isinstance(shapes, str):
+        return shapes
+    where = plan(shapes, dims)
+    return f"{path}: {where}" if isinstance(where, str) else info

@@ -55,8 +55,10 @@ class ModelRunner:
         # cannot build)
         kernels = cpu_kernels() if self.device.type == "cpu" else None
         self.model = DecoderModel(hf_model, self.weight_format, self.dtype, kernels, gemv=config.cpu_gemv)
-        # LoRA adapters served beside the base model (engine.lora; None without any)
-        self.loras = LoraSet.load(config.lora_modules, self.model, self.device, kernels)
+        # LoRA adapters served beside the base model (engine.lora): the configuration's now, those
+        # loaded at run time at their first request (LoraSet.use)
+        self.loras = LoraSet(self.model, self.device, kernels, config.max_loras)
+        self.loras.add_configured(config.lora_modules)
         self.generation_config = hf_model.generation_config
         self.hf_config = hf_config = hf_model.config
         del hf_model
@@ -212,11 +214,11 @@ class ModelRunner:
 
     def _lora_batch(self, chunks: list[ScheduledChunk]):
         """The step's rows by LoRA adapter (engine.lora), None when no chunk's request names one."""
-        if self.loras is None or all(ch.seq.params.lora is None for ch in chunks):
+        if self.loras.empty or all(ch.seq.params.lora is None for ch in chunks):
             return None
         slots = []
         for ch in chunks:
-            slots.extend([self.loras.slot(ch.seq.params.lora)] * ch.num_tokens)
+            slots.extend([self.loras.slot(ch.seq.params.lora_key)] * ch.num_tokens)
         return self.loras.batch(slots, self.device)
 
     def _prepare(self, chunks: list[ScheduledChunk]):

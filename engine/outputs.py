@@ -25,10 +25,12 @@ class Rejected:
     """A request the engine refused at admission (`LLMEngine.check_request`'s reason, e.g. a
     prompt longer than the context): nothing was allocated and the caller still owns whatever it
     passed in (a decode replica's reservation). A value, not an exception, so a replica turns it
-    into a 400 without a second engine round trip."""
+    into an error (`code`, an HTTP status: 400, or 503 for a refusal to retry) without a second
+    engine round trip."""
 
     request_id: str
     reason: str
+    code: int = 400
 
 
 @dataclass

@@ -48,10 +48,12 @@ class SamplingParams:
     either way the token is among the output's token ids. `skip_special_tokens` false shows
     special tokens (e.g. a template's markers) in the text.
     `lora`: the name of a LoRA adapter the engine serves (EngineConfig.lora_modules) to run the
-    request with, None for the base model; `priority` (vLLM's): with the engine's `priority`
-    scheduling policy, lower values are scheduled first and preempted last (engine/scheduler.py),
-    with `fcfs` only 0 is accepted. (Not sampling choices, but per-request settings every engine
-    of a request needs, so they travel here.)
+    request with, None for the base model; or, with `lora_path` (the adapter's directory) and
+    `lora_id` (its load's id: a name loaded again is another adapter), one the router loaded at run
+    time, which the engine loads at its first request (engine.lora.LoraSet.use); `priority`
+    (vLLM's): with the engine's `priority` scheduling policy, lower values are scheduled first and
+    preempted last (engine/scheduler.py), with `fcfs` only 0 is accepted. (Not sampling choices, but
+    per-request settings every engine of a request needs, so they travel here.)
     """
 
     temperature: float = 1.0
@@ -76,9 +78,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     lora: str | None = None
+    lora_path: str | None = None
+    lora_id: int = 0
     priority: int = 0
     detokenize: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def lora_key(self) -> tuple[str, int] | None:
+        """The adapter's identity in an engine (LoraSet) and its prefix cache (chain_seed)."""
+        return None if self.lora is None else (self.lora, self.lora_id)
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +102,9 @@ class SamplingParams:
         """Return a human-readable error, or None when the parameters are usable."""
         if not isinstance(self.priority, int) or not -2**31 <= self.priority < 2**31:
             return "priority must be a 32-bit integer"
+        if (self.lora_path is not None or self.lora_id) and (self.lora is None or self.lora_path is None
+                                                             or not 0 < self.lora_id < 2**63):
+            return "a LoRA adapter loaded at run time needs its name, its path and a positive 64-bit lora_id"
         if not 0.0 <= self.temperature <= 2.0:
             return f"temperature must be in [0, 2], got {self.temperature}"
         if not 0.0 < self.top_p <= 1.0:

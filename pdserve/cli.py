@@ -137,7 +137,7 @@ def _wait_deployed(name: str, app: dict, timeout: float) -> int:
 
 # the AppConfig keys `pdserve serve` takes as flags
 FLAG_KEYS = ("model", "served_model_name", "mode", "model_cache", "api_key", "chat_template", "lora_modules",
-             "scheduling_policy")
+             "runtime_lora_updating", "max_loras", "scheduling_policy")
 
 
 def _app_config(args, running_args: dict | None = None):
@@ -305,6 +305,11 @@ def _app_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", type=_lora_module,
                    help="LoRA adapters (PEFT directories) served beside the model; a request names one as its "
                         "model (as vLLM's flag; sets lora_modules)")
+    p.add_argument("--runtime-lora-updating", action="store_true", default=None,
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM with "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING; sets runtime_lora_updating)")
+    p.add_argument("--max-loras", type=int, metavar="N",
+                   help="LoRA adapters loaded at run time each replica holds at once (as vLLM's flag; sets max_loras)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
                    help="fcfs (default) or priority: by each request's `priority`, lower first (as vLLM's flag)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])

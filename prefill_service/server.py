@@ -87,7 +87,7 @@ class PrefillServer(EngineReplica):
             yield messages.encode(messages.PrefillResult(rid, error=str(exc), error_code=500))
             return
         if isinstance(first, Rejected):
-            yield messages.encode(messages.PrefillResult(rid, error=first.reason, error_code=400))
+            yield messages.encode(messages.PrefillResult(rid, error=first.reason, error_code=first.code))
             return
         if first.error is not None:           # failed on its own; the engine freed its blocks
             yield messages.encode(messages.PrefillResult(rid, error=first.error, error_code=first.error_code))

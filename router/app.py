@@ -3,7 +3,8 @@
 Life cycle of an HTTP request
   1. validate  the body (pydantic, strict); errors are 400s in OpenAI's error format; its
                `model` names the served model (any of its names) or a LoRA adapter
-               (`lora_modules`), which then runs in every pool (SamplingParams.lora)
+               (`lora_modules`, or one loaded at run time: router/runtime_lora.py), which then
+               runs in every pool (SamplingParams.lora)
   2. tokenize  the prompt or apply the chat template (tokenization lives here, not in pools),
                with the tools shown as router/tools.py says; in a worker thread, since the
                tokenizers' encode releases the GIL (a 16.5k-token chat took 24 ms, all of it a
@@ -40,6 +41,7 @@ from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import context_limit
+from engine.lora_config import Dims
 from router.chat_output import ChatOutputShape
 from router.chat_prompt import chat_prompt_ids
 from router.chat_protocol import ChatCompletionRequest
@@ -58,6 +60,7 @@ from router.reply import Reply
 from router.response_store import MAX_PAGE
 from router.responses_api import ResponsesApi
 from router.responses_protocol import ResponsesRequest
+from router.runtime_lora import LoadLoraAdapterRequest, RuntimeLoras, UnloadLoraAdapterRequest
 from router.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from router.tools import template_tools
 from router.validation_errors import describe
@@ -116,10 +119,12 @@ class Router:
         self.model_names = self.config.model_names          # a request may name any; the first is the default
         self.model_name = self.model_names[0]
         self.lora_names = tuple(self.config.lora_modules)   # a request naming one runs that LoRA adapter
-        self.names = (*self.model_names, *self.lora_names)
+        # ... as it does one loaded at run time (runtime_lora_updating)
+        self.runtime_loras = RuntimeLoras(Dims.of_config(hf), (*self.model_names, *self.lora_names))
         self.served = Served(self.names, self.config.max_tokens_limit, len(self.tokenizer),
                              self.max_model_len, api_key=bool(self.config.api_key),
-                             priorities=self.config.scheduling_policy == "priority")
+                             priorities=self.config.scheduling_policy == "priority",
+                             runtime_loras=self.config.runtime_lora_updating)
         self._documents: dict[str, dict] = {}
         self.registry = registry
         slo = self.config.autoscaling
@@ -132,6 +137,11 @@ class Router:
             store, self.config.max_tokens_limit, self.model_name, self.chat_completions,
             saved=self.request_metrics.response_saved, max_model_len=self.max_model_len,
             prompt_tokens=lambda chat: len(chat_prompt_ids(self.tokenizer, chat, self.native_tools)))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What a request's `model` may name: the model, and the LoRA adapters."""
+        return (*self.model_names, *self.lora_names, *self.runtime_loras.names)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's hook (collected when the SLO policy autoscales the router at 1 replica): the window."""
@@ -173,7 +183,7 @@ class Router:
     def _model_card(self, name: str) -> dict:
         """A model's card; a LoRA adapter's names the model it adapts as its `parent` (vLLM's)."""
         card = {"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": self.max_model_len}
-        if name in self.lora_names:
+        if name in self.lora_names or name in self.runtime_loras.loaded:
             card["parent"] = self.model_name
         return card
 
@@ -221,6 +231,38 @@ class Router:
         served = ", ".join(repr(n) for n in self.names)
         return error_response(404, f"model {name!r} does not exist; this server serves {served}",
                               param="model", code="model_not_found")
+
+    # ---- LoRA adapters loaded at run time (router/runtime_lora.py) ---------------------------------
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: LoadLoraAdapterRequest):
+        """vLLM's: serve the PEFT adapter at `lora_path` as `lora_name` (with runtime_lora_updating)."""
+        if not self.config.runtime_lora_updating:
+            return self._runtime_lora_off()
+        loras, name = self.runtime_loras, body.lora_name
+        if problem := loras.name_problem(name, body.load_inplace):
+            return error_response(400, problem, param="lora_name")
+        info = await asyncio.to_thread(loras.check_path, body.lora_path)
+        if isinstance(info, str):
+            return error_response(400, info, param="lora_path")
+        if problem := loras.name_problem(name, body.load_inplace):      # loaded meanwhile
+            return error_response(400, problem, param="lora_name")
+        loras.add(name, info.path)
+        log.info("LoRA adapter %r loaded from %s", name, info.path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: UnloadLoraAdapterRequest):
+        """vLLM's: stop serving the adapter loaded as `lora_name` (with runtime_lora_updating)."""
+        if not self.config.runtime_lora_updating:
+            return self._runtime_lora_off()
+        if refused := self.runtime_loras.remove(body.lora_name):
+            return error_response(refused[0], refused[1], param="lora_name")
+        log.info("LoRA adapter %r unloaded", body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @staticmethod
+    def _runtime_lora_off():
+        return error_response(404, "loading LoRA adapters at run time is off on this server (runtime_lora_updating)")
 
     # ---- generation -----------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -313,6 +355,8 @@ class Router:
                                   "come, first served)", param="priority")
         if body.model in self.lora_names:
             params = dataclasses.replace(params, lora=body.model)
+        elif (loaded := self.runtime_loras.loaded.get(body.model)) is not None:
+            params = dataclasses.replace(params, lora=body.model, lora_path=loaded.path, lora_id=loaded.lora_id)
         if body.bad_words:
             params = dataclasses.replace(params, bad_words=body.bad_word_ids(
                 lambda text: self.tokenizer.encode(text, add_special_tokens=False)))

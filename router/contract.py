@@ -3,7 +3,8 @@
 FastAPI writes the request half from the request models (router/openai_protocol.py,
 router/chat_protocol.py, every bound on its field); `openapi_document` then adds what depends on the configuration and what
 FastAPI cannot know, in this order:
-  1. limits     `model` is an enum of the served name(s) or null (the served model),
+  1. limits     `model` is an enum of the served name(s) or null (the served model; any
+                string where adapters are loaded at run time),
                 `max_tokens` (and chat's `max_completion_tokens`) has this server's
                 `max_tokens_limit` as its maximum, token ids lie below the vocabulary size
   2. responses  each operation's bodies (router/openai_responses.py): JSON, for the generation
@@ -33,7 +34,8 @@ REF = "#/components/schemas/{model}"
 ERRORS = {
     400: "Invalid request: a body that breaks the schema, a prompt beyond the context, or a bad token id.",
     401: "Missing or wrong API key.",
-    404: "Unknown model (or route), or no such stored response.",
+    404: "Unknown model (or route), no such stored response, or no such LoRA adapter loaded at run time (or "
+         "`runtime_lora_updating` is off).",
     413: "Request body above `max_body_bytes`.",
     429: "Overloaded: too many requests in flight, or a pool's queue is full (see Retry-After).",
     500: "Internal error.",
@@ -47,6 +49,8 @@ GENERATION = (400, 404, 502, 503, 504)
 TOKENIZING = (400, 404)     # /tokenize and /detokenize: no pool is involved
 STORED = (404, 503)         # a stored response's routes (router/response_store.py)
 STORED_PATH = "/v1/responses/{response_id}"
+LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")     # router/runtime_lora.py
+LORA_CODES = (400, 404)
 MODEL_PATH = "/v1/models/{model}"
 
 
@@ -59,6 +63,7 @@ class Served:
     max_model_len: int
     api_key: bool = False
     priorities: bool = False     # scheduling_policy priority: a request's `priority` may be other than 0
+    runtime_loras: bool = False  # runtime_lora_updating: adapters (model names) come and go
 
 
 def openapi_document(app, served: Served, root_path: str = "") -> dict:
@@ -116,12 +121,13 @@ def _limits(doc: dict, served: Served) -> None:
             for integer in _integers(properties["priority"]):
                 integer["minimum"] = integer["maximum"] = 0
             properties["priority"]["description"] += " This server schedules first come, first served: 0."
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
-        for branch in _request_schema(doc, path)["properties"]["model"]["anyOf"]:
-            if branch.get("type") == "string":
-                branch["enum"] = list(served.model_names)
-    for parameter in doc["paths"][MODEL_PATH]["get"]["parameters"]:
-        parameter["schema"]["enum"] = list(served.model_names)
+    if not served.runtime_loras:     # else an adapter loaded at run time is named too (an unknown name: 404)
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
+            for branch in _request_schema(doc, path)["properties"]["model"]["anyOf"]:
+                if branch.get("type") == "string":
+                    branch["enum"] = list(served.model_names)
+        for parameter in doc["paths"][MODEL_PATH]["get"]["parameters"]:
+            parameter["schema"]["enum"] = list(served.model_names)
     for path in ("/tokenize", "/detokenize"):
         properties = _request_schema(doc, path)["properties"]
         for integer in _integers(properties.get("tokens")):
@@ -177,6 +183,8 @@ def _ok(path: str, method: str) -> dict:
         return {"description": "The served model.", "content": _json("ModelCard")}
     if path == "/health":
         return {"description": "Every pool has a ready replica.", "content": _json("Health")}
+    if path in LORA_PATHS:
+        return {"description": "Done (vLLM's text).", "content": {"text/plain": {"schema": {"type": "string"}}}}
     assert path == "/metrics", path
     return {"description": "Prometheus text exposition format 0.0.4.",
             "content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -196,6 +204,8 @@ def _responses(doc: dict, served: Served) -> None:
     for path, item in doc["paths"].items():
         for method, operation in item.items():
             codes = set(GUARDED) | (set(GENERATION) if path.startswith("/v1/") and method == "post" else set())
+            if path in LORA_PATHS:
+                codes = set(GUARDED) | set(LORA_CODES)
             if path in ("/tokenize", "/detokenize"):
                 codes |= set(TOKENIZING)
             if path == MODEL_PATH:

@@ -37,9 +37,9 @@ def count_decision(pool: str, decision: str) -> None:
     DECISIONS[(pool, decision)] += 1
 
 
-def block_hashes(prompt: Sequence[int], block_size: int, lora: str | None = None) -> list[int]:
+def block_hashes(prompt: Sequence[int], block_size: int, lora: tuple[str, int] | None = None) -> list[int]:
     """Chained hashes of the prompt's full blocks, as the engine's prefix cache keys them (a LoRA
-    adapter's chain starts from its name: its K/V is its own)."""
+    adapter's chain starts from its key, SamplingParams.lora_key: its K/V is its own)."""
     hashes, prev = [], chain_seed(lora)
     for start in range(0, len(prompt) - block_size + 1, block_size):
         prev = chain_hash(prev, tuple(prompt[start:start + block_size]))

@@ -72,16 +72,16 @@ class _PrefixAffinity:
         self._max_imbalance_tokens = max_imbalance_tokens
         self._mean_prompt_tokens = 0.0   # running mean, to turn requests in flight into tokens
 
-    def _prompt(self, pending_request: Optional[PendingRequest]) -> tuple[tuple[int, ...], str | None] | None:
+    def _prompt(self, pending_request: Optional[PendingRequest]) -> tuple[tuple[int, ...], tuple | None] | None:
         """The tokens the replica computes (and then caches): the prompt, and a resumed request's
-        output tokens after it; and the LoRA adapter they run with (its K/V is its own)."""
+        output tokens after it; and the LoRA adapter they run with, its key (its K/V is its own)."""
         if getattr(self, "_table", None) is None or pending_request is None or not pending_request.args:
             return None
         try:
             req = messages.decode(pending_request.args[0], expect=self.REQUEST)
         except messages.MessageError:
             return None
-        return req.prompt_token_ids + req.resumed_token_ids, req.params.lora
+        return req.prompt_token_ids + req.resumed_token_ids, req.params.lora_key
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:

@@ -64,7 +64,8 @@ class EngineOptions(_Model):
 
     def engine_config(self, model_dir: str, **app_wide) -> EngineConfig:
         """The engine's configuration (`num_threads` resolved: AppConfig.engine_for), with the
-        settings every pool shares (`app_wide`: AppConfig's lora_modules, scheduling_policy)."""
+        settings every pool shares (`app_wide`: AppConfig's lora_modules, max_loras,
+        scheduling_policy)."""
         assert self.num_threads != "auto", "resolve num_threads through AppConfig.engine_for"
         return EngineConfig(model=model_dir, **app_wide, **self.model_dump())
 
@@ -189,6 +190,15 @@ class AppConfig(_Model):
         "every node running a prefill, decode or colocated replica (relative paths are made absolute where the "
         "config is validated). A request runs an adapter by naming it as its `model`; /v1/models lists them. "
         "Adapters on the attention and MLP projections (engine/lora.py: what is supported).")
+    runtime_lora_updating: bool = Field(
+        False, description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, which it turns on "
+        "with VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters loaded while the app runs, remembered by the router (a "
+        "router that restarts forgets them) and loaded by each replica at the first request that runs one. Whoever "
+        "holds the API key may then make every replica read any adapter directory its nodes can see.")
+    max_loras: int = Field(
+        8, ge=1, description="LoRA adapters loaded at run time (runtime_lora_updating) each engine replica holds at "
+        "once; the least recently used that no request runs makes room for the next, and a request whose adapter "
+        "finds every one in use gets a 503 to retry (the configuration's lora_modules are always held).")
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="How each engine replica orders its requests (vLLM's --scheduling-policy): fcfs, first "
         "come first served; priority, by each request's `priority` (lower first, then arrival; the last in that "
@@ -250,7 +260,7 @@ class AppConfig(_Model):
     def engine_config(self, pool: str, model_dir: str) -> EngineConfig:
         """Pool `pool`'s EngineConfig for the model at `model_dir`."""
         return self.engine_for(pool).engine_config(model_dir, lora_modules=dict(self.lora_modules),
-                                                   scheduling_policy=self.scheduling_policy)
+                                                   max_loras=self.max_loras, scheduling_policy=self.scheduling_policy)
 
     def engine_for(self, pool: str) -> EngineOptions:
         """Pool `pool`'s engine options: the shared ones, its overrides, `num_threads: auto` resolved

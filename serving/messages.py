@@ -49,6 +49,8 @@ class WireSamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()
     lora: str | None = None             # the LoRA adapter's name (SamplingParams.lora)
     priority: int = 0
+    lora_path: str | None = None        # one loaded at run time: its directory and load id
+    lora_id: int = 0
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
@@ -59,7 +61,12 @@ class WireSamplingParams:
                    p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs,
                    tuple(p.logit_bias), structured, p.min_p, tuple(p.allowed_token_ids),
                    p.include_stop_str_in_output, p.skip_special_tokens, tuple(map(tuple, p.bad_words)), p.lora,
-                   p.priority)
+                   p.priority, p.lora_path, p.lora_id)
+
+    @property
+    def lora_key(self) -> tuple[str, int] | None:
+        """SamplingParams.lora_key, without building the parameters."""
+        return None if self.lora is None else (self.lora, self.lora_id)
 
     def to_params(self) -> SamplingParams:
         fields = dataclasses.asdict(self)

@@ -25,11 +25,12 @@ def error_event(request_id: str, message: str, code: int = 500, kind: str = "ser
 
 
 def engine_event(out: RequestOutput | Rejected) -> bytes:
-    """What an engine stream yields, as a replica's event: a token event, a 400 error event
-    for a request the engine rejected at admission, or its own status (RequestOutput.error_code)
-    for one that failed on its own."""
+    """What an engine stream yields, as a replica's event: a token event, an error event with
+    the status of a request the engine rejected at admission (Rejected.code: 400, or 503 to
+    retry), or its own status (RequestOutput.error_code) for one that failed on its own."""
     if isinstance(out, Rejected):
-        return error_event(out.request_id, out.reason, 400, "invalid_request_error")
+        return error_event(out.request_id, out.reason, out.code,
+                           "invalid_request_error" if out.code == 400 else "overloaded")
     if out.error is not None:
         return error_event(out.request_id, out.error, out.error_code,
                            "invalid_request_error" if out.error_code == 400 else "server_error")

@@ -46,6 +46,16 @@ def test_model_enum_and_limits_follow_the_config():
         assert tokens.count(f'"maximum": {VOCAB - 1}') == 2     # a token list, and a batch of them
 
 
+def test_model_is_any_string_where_adapters_are_loaded_at_run_time():
+    doc = openapi_document(app, Served(("m",), 8, VOCAB, CONTEXT, runtime_loras=True))
+    for request in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest"):
+        assert doc["components"]["schemas"][request]["properties"]["model"]["anyOf"] == [{"type": "string"},
+                                                                                       {"type": "null"}]
+    assert "enum" not in doc["paths"]["/v1/models/{model}"]["get"]["parameters"][0]["schema"]
+    load = doc["components"]["schemas"]["LoadLoraAdapterRequest"]
+    assert set(load["required"]) == {"lora_name", "lora_path"} and load["additionalProperties"] is False
+
+
 def test_priority_is_zero_unless_the_server_schedules_by_priority():
     for policy, bounds in (("fcfs", (0, 0)), ("priority", (-2**31, 2**31 - 1))):
         for schema in requests(document(scheduling_policy=policy)):
@@ -65,7 +75,10 @@ def test_every_operation_declares_its_bodies_and_every_error_status():
                     assert int(code) in ERRORS
                     assert response["content"] == {"application/json": {"schema": {
                         "$ref": "#/components/schemas/ErrorResponse"}}}
-            if method == "post" and path.startswith("/v1/"):
+            if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):     # no pool involved
+                assert set(responses) == {"200", "400", "404", "413", "429", "500"}
+                assert set(responses["200"]["content"]) == {"text/plain"}
+            elif method == "post" and path.startswith("/v1/"):
                 assert {"400", "404", "413", "429", "500", "502", "503", "504"} <= set(responses)
                 assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
             elif method == "post":       # /tokenize, /detokenize: no pool involved

@@ -3,7 +3,9 @@ adapter as its `model` runs it in the prefill replica (whose K/V is the adapter'
 replica, and gets what a local engine with the adapter gives; the base model's answer is its own;
 /v1/models lists the adapter with its parent; each of `n` choices runs it; an unknown name is a 404
 naming what is served; every block is free after; /metrics counts the adapter's
-requests. The configuration refuses adapters it cannot serve before anything starts."""
+requests. An adapter loaded at run time (/v1/load_lora_adapter) runs the same way in both pools,
+and replaced under its name it runs its new weights (none of the old one's cached K/V); unloaded,
+its name is a 404. The configuration refuses adapters it cannot serve before anything starts."""
 
 import json
 
@@ -29,13 +31,21 @@ def adapter(tmp_path_factory, tiny_llama_dir):
     return write_adapter(tmp_path_factory.mktemp("sql"), hf, seed=4, scale=0.5)
 
 
-def test_a_request_naming_an_adapter_runs_it_in_both_pools(ray_serve, tiny_llama_dir, adapter):
+@pytest.fixture(scope="module")
+def other_adapter(tmp_path_factory, tiny_llama_dir):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    return write_adapter(tmp_path_factory.mktemp("chat"), hf, seed=9, scale=0.5)
+
+
+def test_a_request_naming_an_adapter_runs_it_in_both_pools(ray_serve, tiny_llama_dir, adapter, other_adapter):
     local = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_memory="16MiB",
-                                   lora_modules={"sql": str(adapter)}))
+                                   lora_modules={"sql": str(adapter), "chat": str(other_adapter)}))
     greedy = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
-    expected = {name: local.generate([PROMPT], SamplingParams(**greedy, lora=name))[0].text for name in (None, "sql")}
-    assert expected["sql"] != expected[None]
-    with tiny_app(ray_serve, tiny_llama_dir, "lora", lora_modules={"sql": str(adapter)}) as base:
+    expected = {name: local.generate([PROMPT], SamplingParams(**greedy, lora=name))[0].text
+                for name in (None, "sql", "chat")}
+    assert len(set(expected.values())) == 3
+    with tiny_app(ray_serve, tiny_llama_dir, "lora", lora_modules={"sql": str(adapter)},
+                  runtime_lora_updating=True) as base:
         status, body = http(base, "/v1/models")
         cards = {c["id"]: c for c in json.loads(body)["data"]}
         assert status == 200 and cards["sql"]["parent"] == "tiny" and "parent" not in cards["tiny"]
@@ -57,6 +67,39 @@ def test_a_request_naming_an_adapter_runs_it_in_both_pools(ray_serve, tiny_llama
         assert pools_all_free(base, {"prefill", "decode"})
         status, text = http(base, "/metrics")
         assert 'pdserve_lora_requests_total{adapter="sql"} 5' in text        # 2 + n=2 + streamed + chat
+        _load_at_run_time(base, adapter, other_adapter, greedy, expected)
+
+
+def _load_at_run_time(base, adapter, other_adapter, greedy, expected):
+    def complete(model):
+        status, body = http(base, "/v1/completions", {"model": model, "prompt": PROMPT, **greedy})
+        return status, json.loads(body)["choices"][0]["text"] if status == 200 else body
+
+    status, body = http(base, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(other_adapter)})
+    assert (status, body) == (200, "Success: LoRA adapter 'chat' added successfully.")
+    status, body = http(base, "/v1/models")
+    assert status == 200 and {"id": "chat", "parent": "tiny"}.items() <= \
+        next(c for c in json.loads(body)["data"] if c["id"] == "chat").items()
+    assert complete("chat") == (200, expected["chat"])
+    for request, param, reason in (({"lora_name": "chat", "lora_path": str(adapter)}, "lora_name",
+                                    "already been loaded"),
+                                   ({"lora_name": "sql", "lora_path": str(adapter)}, "lora_name", "served already"),
+                                   ({"lora_name": "x", "lora_path": "/nowhere"}, "lora_path", "no adapter_config.json"),
+                                   ({"lora_name": "x"}, "lora_path", "Field required")):
+        status, body = http(base, "/v1/load_lora_adapter", request)
+        error = json.loads(body)["error"]
+        assert status == 400 and error["param"] == param and reason in error["message"], body
+    # replaced under its name: the new weights, not the old adapter's prefix blocks (a new load id)
+    status, _ = http(base, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(adapter),
+                                                     "load_inplace": True})
+    assert status == 200 and complete("chat") == (200, expected["sql"])
+    status, body = http(base, "/v1/unload_lora_adapter", {"lora_name": "chat"})
+    assert (status, body) == (200, "Success: LoRA adapter 'chat' removed successfully.")
+    status, body = complete("chat")
+    assert status == 404 and "model_not_found" in body
+    assert http(base, "/v1/unload_lora_adapter", {"lora_name": "chat"})[0] == 404
+    assert http(base, "/v1/unload_lora_adapter", {"lora_name": "sql"})[0] == 400
+    assert complete("sql") == (200, expected["sql"]) and pools_all_free(base, {"prefill", "decode"})
 
 
 def test_the_config_refuses_adapters_it_cannot_serve(tmp_path, tiny_llama_dir, adapter):
@@ -70,14 +113,20 @@ def test_the_config_refuses_adapters_it_cannot_serve(tmp_path, tiny_llama_dir, a
 
 
 def test_the_cli_flag_sets_lora_modules_and_a_deploy_keeps_them(tmp_path, tiny_llama_dir, adapter, capsys):
-    """`--lora-modules NAME=PATH ...` (vLLM's flag); a deploy that names none keeps the running ones; a
-    directory that is no adapter is two lines on stderr and exit 2."""
+    """`--lora-modules NAME=PATH ...` (vLLM's flag); `--runtime-lora-updating`, `--max-loras N`; a
+    deploy that names none keeps the running ones; a directory that is no adapter is two lines on
+    stderr and exit 2."""
     from pdserve import cli
     path = tmp_path / "s.yaml"
     path.write_text(f"model: {tiny_llama_dir}\n")
     cfg = cli._app_config(cli.build_parser().parse_args(
         ["serve", "--config", str(path), "--lora-modules", f"sql={adapter}", f"sql2={adapter}"]))
     assert cfg.lora_modules == {"sql": str(adapter), "sql2": str(adapter)}
+    assert (cfg.runtime_lora_updating, cfg.max_loras) == (False, 8)
+    runtime = cli._app_config(cli.build_parser().parse_args(
+        ["serve", "--config", str(path), "--runtime-lora-updating", "--max-loras", "2"]))
+    assert (runtime.runtime_lora_updating, runtime.max_loras) == (True, 2)
+    assert runtime.engine_config("decode", str(tiny_llama_dir)).max_loras == 2
     kept = cli._app_config(cli.build_parser().parse_args(["deploy", "--config", str(path), "--dry-run"]),
                            {"lora_modules": cfg.lora_modules})
     assert kept.lora_modules == cfg.lora_modules

@@ -67,15 +67,17 @@ def test_the_routers_match_a_resumed_requests_prompt_and_resumed_tokens():
 
     from router.routing import ColocatedRouter, DecodeRouter, QueuedPromptTokensRouter
     from serving import messages
-    for lora in (None, "sql"):
-        wire = messages.WireSamplingParams.of(SamplingParams(lora=lora))
+    for lora, key in ((None, None), ("sql", ("sql", 0)), ("sql", ("sql", 7))):
+        wire = messages.WireSamplingParams.of(SamplingParams(lora=lora, lora_id=key[1] if key else 0,
+                                                             lora_path="/a" if key and key[1] else None))
         for cls, req in ((QueuedPromptTokensRouter, messages.PrefillRequest("r", (1, 2, 3), wire, "a:1", (7, 8), 4)),
                          (ColocatedRouter, messages.GenerateRequest("r", (1, 2, 3), wire, (7, 8), 4)),
                          (DecodeRouter, messages.DecodeRequest("r", (1, 2, 3), wire, (7, 8)))):
             router = object.__new__(cls)
             router.initialize_state()
-            assert router._prompt(SimpleNamespace(args=[messages.encode(req)])) == ((1, 2, 3, 7, 8), lora)
-    assert block_hashes([1, 2, 3, 4], 2, "sql") != block_hashes([1, 2, 3, 4], 2) != block_hashes([1, 2, 3, 4], 2, "x")
+            assert router._prompt(SimpleNamespace(args=[messages.encode(req)])) == ((1, 2, 3, 7, 8), key)
+    hashes = [block_hashes([1, 2, 3, 4], 2, key) for key in (None, ("sql", 0), ("x", 0), ("sql", 7), ("sql", 8))]
+    assert len({tuple(h) for h in hashes}) == 5
 
 
 def test_the_decode_router_sends_a_conversation_back_while_the_kv_it_holds_allows():

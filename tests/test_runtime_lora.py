@@ -1,0 +1,134 @@
+"""LoRA adapters loaded at run time, without Ray: an engine loads one at the first request that
+brings its path (the output is the configured adapter's), holds at most `max_loras` of them
+(the least recently used idle one goes; a request finding every slot in use gets a 503 to retry),
+treats a name loaded again as a new adapter (its own output, none of the old one's cached K/V),
+and refuses an adapter it cannot serve with the reason and keeps serving; the router's side
+checks an adapter's tensors against the model from the safetensors header alone."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.lora_config import Dims, check_adapter, safetensors_shapes
+from engine.sampling_params import SamplingParams
+from lora_adapters import ATTENTION, write_adapter
+from router.runtime_lora import LoadLoraAdapterRequest, RuntimeLoras
+from tiny_models import tiny_model_dir
+
+PROMPT = list(range(100, 140))
+GREEDY = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runtime-lora")
+    path = tiny_model_dir(root / "llama", "llama", seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return path, {name: write_adapter(root / name, hf, seed=seed) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+
+
+def _engine(path, adapters=None, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                                  block_size=4, lora_modules={k: str(v) for k, v in (adapters or {}).items()}, **kw))
+
+
+def _runtime(name, directory, lora_id, **kw) -> SamplingParams:
+    return SamplingParams(**GREEDY, lora=name, lora_path=str(directory), lora_id=lora_id, **kw)
+
+
+def _finish(eng: LLMEngine) -> None:
+    while eng.has_work():
+        eng.step()
+
+
+def test_an_adapter_loaded_at_the_first_request_runs_as_a_configured_one(tiny):
+    path, adapters = tiny
+    configured = _engine(path, adapters)
+    expected = {name: configured.generate([PROMPT], SamplingParams(**GREEDY, lora=name))[0].token_ids
+                for name in (None, "a", "b")}
+    eng = _engine(path)
+    assert eng.runner.loras.empty
+    outs = eng.generate([PROMPT] * 3, [SamplingParams(**GREEDY), _runtime("a", adapters["a"], 11),
+                                       _runtime("b", adapters["b"], 12)])      # one batch: base and two adapters
+    assert [out.token_ids for out in outs] == [expected[None], expected["a"], expected["b"]]
+    assert eng.runner.loras.held() == [("a", 11), ("b", 12)] and eng.block_manager.all_free()
+
+
+def test_max_loras_evicts_the_least_recently_used_idle_adapter_and_refuses_when_all_are_busy(tiny):
+    path, adapters = tiny
+    eng = _engine(path, max_loras=2)
+    for name, lora_id in (("a", 1), ("b", 2)):
+        assert eng.add_request(name, PROMPT, _runtime(name, adapters[name], lora_id)) is None
+    refused = eng.add_request("c", PROMPT, _runtime("c", adapters["c"], 3))       # a and b are queued
+    assert refused is not None and refused.code == 503 and "max_loras 2" in refused.reason
+    _finish(eng)
+    assert eng.generate([PROMPT], _runtime("a", adapters["a"], 1))[0].finish_reason == "length"   # a: used last
+    out = eng.generate([PROMPT], _runtime("c", adapters["c"], 3))[0]
+    assert eng.runner.loras.held() == [("a", 1), ("c", 3)]      # b went: idle and least recently used
+    assert out.token_ids == _engine(path, {"c": adapters["c"]}).generate(
+        [PROMPT], SamplingParams(**GREEDY, lora="c"))[0].token_ids      # c's weights in b's slot
+    assert eng.block_manager.all_free()
+
+
+def test_a_name_loaded_again_is_a_new_adapter(tiny):
+    """The router gives every load a new id: same name, other weights, none of the old K/V."""
+    path, adapters = tiny
+    eng = _engine(path)
+    first = eng.generate([PROMPT], _runtime("x", adapters["a"], 1))[0]
+    again = eng.generate([PROMPT], _runtime("x", adapters["a"], 1))[0]
+    reloaded = eng.generate([PROMPT], _runtime("x", adapters["b"], 2))[0]
+    assert again.num_cached_tokens == 36 and again.token_ids == first.token_ids       # a prefix hit
+    assert reloaded.num_cached_tokens == 0 and reloaded.token_ids != first.token_ids
+    assert reloaded.token_ids == eng.generate([PROMPT], _runtime("b", adapters["b"], 3))[0].token_ids
+
+
+def test_an_adapter_it_cannot_serve_is_refused_and_the_engine_serves_on(tiny, tmp_path):
+    path, adapters = tiny
+    eng = _engine(path)
+    missing = eng.add_request("r1", PROMPT, _runtime("m", tmp_path / "nowhere", 1))
+    assert missing.code == 400 and "no adapter_config.json" in missing.reason
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((adapters["a"] / "adapter_config.json").read_text())
+    (broken / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    bad = eng.add_request("r2", PROMPT, _runtime("b", broken, 2))
+    assert bad.code == 400 and "LoRA adapter 'b'" in bad.reason
+    assert eng.runner.loras.empty and not eng.has_work()
+    assert eng.generate([PROMPT], _runtime("a", adapters["a"], 3))[0].finish_reason == "length"
+    assert SamplingParams(lora="a", lora_id=3).validate() is not None     # an id needs its path
+    assert SamplingParams(lora_path="/x").validate() is not None          # a path needs its name and id
+
+
+def test_the_router_checks_tensors_from_the_header_alone(tiny, tmp_path):
+    path, adapters = tiny
+    dims = Dims.of_config(AutoConfig.from_pretrained(path))
+    runner = _engine(path).runner
+    assert dims == runner.loras.dims
+    assert check_adapter(str(adapters["a"]), dims).path == str(adapters["a"])
+    shapes = safetensors_shapes(str(adapters["a"] / "adapter_model.safetensors"))
+    assert len(shapes) == 2 * 7 * runner.hf_config.num_hidden_layers and all(len(s) == 2 for s in shapes.values())
+    other = tiny_model_dir(tmp_path / "wide", "qwen2", seed=1, head_dim=32)
+    wide = write_adapter(tmp_path / "wide-adapter", AutoModelForCausalLM.from_pretrained(other), ATTENTION)
+    assert "do not fit the model" in check_adapter(str(wide), dims)
+    config = json.loads((adapters["a"] / "adapter_config.json").read_text())
+    (wide / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    assert "DoRA is not supported" in check_adapter(str(wide), dims)
+
+
+def test_the_routers_memory_of_loaded_adapters():
+    loras = RuntimeLoras(Dims(8, 16, 2, 1, 4, 2), ("model", "configured"))
+    assert "served already" in loras.name_problem("model", False)
+    assert "served already" in loras.name_problem("configured", True)
+    loras.add("x", "/a")
+    first = loras.loaded["x"].lora_id
+    assert "already been loaded" in loras.name_problem("x", False) and loras.name_problem("x", True) is None
+    loras.add("x", "/b")
+    assert loras.loaded["x"].path == "/b" and loras.loaded["x"].lora_id not in (0, first)
+    assert loras.remove("configured")[0] == 400 and loras.remove("nope")[0] == 404
+    assert loras.remove("x") is None and loras.names == ()
+    with pytest.raises(ValueError):
+        LoadLoraAdapterRequest(lora_name=" padded", lora_path="/a")
