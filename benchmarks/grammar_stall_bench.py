@@ -2,7 +2,7 @@
 through one `AsyncEngine` while structured-output requests with new grammars (a forced call over
 N tools, each a new tool set: a cache miss) arrive; the same run with the grammars compiled where
 admission compiles them (on the engine thread), ahead on the grammar thread
-(`AsyncEngine.precompile`, as the replicas do), with one tool set every request sends (an agent's
+(`AsyncEngine.prepare`, as the replicas do), with one tool set every request sends (an agent's
 next turns: compiled before the run, each request copies it), and with the same requests without
 a grammar (the reference: what their prompts' prefill alone costs the streams), alternated.
 
@@ -76,7 +76,7 @@ async def run(aengine: AsyncEngine, args, prompt: list[int], mode: str, nonce: s
         params = params_of(k)
         t0 = time.perf_counter()
         if mode == "ahead":
-            await aengine.precompile(params)
+            await aengine.prepare(params)
         async for _ in aengine.stream(rid, lambda e: e.add_request(rid, prompt, params)):
             return time.perf_counter() - t0
         return float("nan")
@@ -90,7 +90,7 @@ async def run(aengine: AsyncEngine, args, prompt: list[int], mode: str, nonce: s
         return await asyncio.gather(*tasks)
 
     if mode == "cached":
-        await aengine.precompile(params_of(0))
+        await aengine.prepare(params_of(0))
     t0 = time.perf_counter()
     streams = [asyncio.ensure_future(stream(f"p{nonce}-{i}")) for i in range(args.streams)]
     ttfts = await arrivals()
@@ -122,7 +122,7 @@ def main() -> None:
     aengine = AsyncEngine(lambda: LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, quantization=quant,
                                                          num_threads=args.threads, kv_cache_memory="512MiB")))
     prompt = aengine.engine.tokenizer.encode("Write a long story about a dragon who learns to fly. " * 3)
-    asyncio.run(aengine.precompile(SamplingParams(structured=StructuredOutput("json_object"))))  # the tokenizer view
+    asyncio.run(aengine.prepare(SamplingParams(structured=StructuredOutput("json_object"))))  # the tokenizer view
     asyncio.run(run(aengine, argparse.Namespace(**{**vars(args), "arrivals": 1, "tokens": 16}), prompt, "ahead", "warm"))
     print(f"{args.format}, {args.threads} thread(s): {args.streams} plain streams of {args.tokens} tokens; "
           f"{args.arrivals} forced calls over {args.tools} new tools, one every {args.gap_ms:.0f} ms")

@@ -1,8 +1,10 @@
 """What a LoRA adapter costs the engine: decode step time at several batch sizes with every row on
 the base model, every row on one adapter, and the rows split between two adapters and the base
-model, one engine, alternated in one run; and a prompt chunk's prefill with and without. The
-adapters are random, in PEFT's format, on every attention and MLP projection (`--rank`), written
-for the model to a temporary directory.
+model, one engine, alternated in one run; a prompt chunk's prefill with and without; and what
+loading an adapter at run time costs (the router's check of the directory; a replica's read at the
+adapter's first request, ahead on a worker thread, and then its admission on the engine thread).
+The adapters are random, in PEFT's format, on every attention and MLP projection (`--rank`),
+written for the model to a temporary directory.
 
   .venv/bin/python benchmarks/lora_bench.py [--format bf16] [--threads 2] [--rank 16]
       [--batches 1,8,32] [--steps 16] [--rounds 2] [--prefill 512]
@@ -27,6 +29,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.lora_config import check_adapter  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine_bench import DEFAULT_MODEL, FORMATS, _drain_until_decoding  # noqa: E402
 
@@ -122,6 +125,24 @@ def main() -> None:
         base = min(prefill[None])
         print(f"  prefill {args.prefill} tokens: base {base:.1f} ms, one adapter {min(prefill['a']):.1f} ms "
               f"({min(prefill['a']) / base:.2f}x)")
+        loras, times = eng.runner.loras, {"check": [], "read": [], "place": [], "unread": []}
+        for i in range(args.rounds + 3):        # a new load id each time: read and laid out again
+
+            def timed(what, fn, *fn_args):
+                t0 = time.perf_counter()
+                result = fn(*fn_args)
+                times[what].append(time.perf_counter() - t0)
+                return result
+
+            assert not isinstance(timed("check", check_adapter, adapters["b"], loras.dims), str)
+            timed("read", loras.prepare, "runtime", 2 * i + 1, adapters["b"])      # a worker thread's part
+            assert timed("place", loras.use, "runtime", 2 * i + 1, adapters["b"], set()) is None
+            assert timed("unread", loras.use, "runtime", 2 * i + 2, adapters["b"], set()) is None
+        size = (Path(adapters["b"]) / "adapter_model.safetensors").stat().st_size / 2**20
+        ms = {what: statistics.median(t) * 1e3 for what, t in times.items()}
+        print(f"  loaded at run time ({size:.1f} MiB file, medians of {len(times['read'])}): the router's check "
+              f"{ms['check']:.2f} ms; a replica's read ahead (worker thread) {ms['read']:.1f} ms, then its "
+              f"admission {ms['place']:.2f} ms (engine thread; {ms['unread']:.1f} ms without the read ahead)")
 
 
 if __name__ == "__main__":

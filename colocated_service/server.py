@@ -34,7 +34,7 @@ class ColocatedServer(EngineReplica):
             return
         rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
         resumed = list(req.resumed_token_ids)
-        await self.host.aengine.precompile(params)
+        await self.host.aengine.prepare(params)
         try:
             async for out in self.host.aengine.stream(
                     rid, lambda e: e.add_request(rid, ids, params, resumed=resumed, shown_chars=req.shown_chars),

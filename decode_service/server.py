@@ -21,7 +21,8 @@ Life cycle of a request here (`generate`, a streaming call the router makes befo
               run time with no room among max_loras -> 503); from here the engine owns
               the blocks, even when the first token already ends the request. A structured-output
               request's grammar was compiled meanwhile, on a worker thread, from step 1 on
-              (`AsyncEngine.precompile`): the engine thread only copies it
+              (`AsyncEngine.prepare`, which also reads a LoRA adapter loaded at run time): the
+              engine thread only copies it
   5. stream   TokenEvents until the request finishes, at most one per `stream_interval_ms` (the
               first, which repeats the prefill's token, waits like the rest); leaving early
               (client gone, router cancelled) aborts the request in the engine, which frees its blocks
@@ -76,7 +77,7 @@ class DecodeServer(EngineReplica):
             return
         rid = req.request_id
         params = req.params.to_params()
-        grammar = asyncio.ensure_future(self.host.aengine.precompile(params))   # awaited at step 4
+        prepared = asyncio.ensure_future(self.host.aengine.prepare(params))   # awaited at step 4
         # 1. reserve
         reserved = await self._reserve(list(req.prompt_token_ids) + list(req.resumed_token_ids), params.lora_key)
         if reserved is None:
@@ -110,7 +111,7 @@ class DecodeServer(EngineReplica):
         self.host.count("kv_blocks_reused", cached)
         try:
             yield messages.encode(messages.Landed(rid))
-            await grammar
+            await prepared
         except BaseException:        # the router left (GeneratorExit, cancelled): the blocks are still ours
             self._release(blocks)
             raise

@@ -3,7 +3,7 @@ request's Sequence once it does.
 
 Who calls: `LLMEngine.add_request` and `add_prefilled`, once per request, through `admit`
 (`LLMEngine.check_request` through `check`); both on the engine's thread. `precompile` (any
-thread, through `LLMEngine.precompile`) compiles a request's grammar ahead, so that `admit` finds
+thread, through `LLMEngine.prepare`) compiles a request's grammar ahead, so that `admit` finds
 it compiled. Admission allocates no
 blocks (the scheduler allocates a queued prompt's, a decode-role request comes with its
 reservation) and keeps nothing of a request it rejects. A request admitted here is rebuilt to

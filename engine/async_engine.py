@@ -30,9 +30,10 @@ Contract
   * With a `share` (serving.cpu_share: the machine's idle replicas lend their CPU threads) the
     engine thread calls `share.busy()` before each step and steps with the threads it returns,
     and `share.idle()` whenever it has no work; the engine starts on its own configured threads.
-  * `precompile(params)` compiles a structured-output request's grammar on a worker thread
-    (`LLMEngine.precompile`), before the request's `stream`: the engine thread then copies the
-    compiled matcher instead of compiling it while every running request waits.
+  * `prepare(params)` compiles a structured-output request's grammar and reads a LoRA adapter
+    loaded at run time on a worker thread (`LLMEngine.prepare`), before the request's `stream`:
+    the engine thread then copies the compiled matcher and places the adapter's tensors instead
+    of compiling and reading while every running request waits.
   * `health()` says why the engine can no longer serve ('' while it can): its thread is dead or
     stopped, or its last MAX_STEP_FAILURES steps in a row all raised.
 The loop: 1. run queued calls, 2. step if there is work (on the threads `share` allows), 3. hand
@@ -80,7 +81,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
         self._step_failures = 0    # consecutive failed steps; written by the engine thread only
-        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-grammar")
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-prepare")
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(make_engine, built), name="pdserve-engine",
                                         daemon=True)
@@ -99,15 +100,16 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], object]):
         return await asyncio.wrap_future(self.submit(fn))
 
-    async def precompile(self, params: SamplingParams) -> None:
-        """Compile `params`' grammar, if any, off the engine thread (a failure is left for the
-        request's admission to report). A grammar compiled already is not queued behind others'."""
-        if not self.engine.needs_compile(params):
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compile `params`' grammar and read its LoRA adapter, if any, off the engine thread (a
+        failure is left for the request's admission to report). Parameters with nothing left to
+        prepare are not queued behind others'."""
+        if not self.engine.needs_prepare(params):
             return
         try:
-            await asyncio.wrap_future(self._grammar_pool.submit(self.engine.precompile, params))
-        except Exception:  # noqa: BLE001 - admission compiles again and reports it
-            log.exception("compiling a grammar ahead failed")
+            await asyncio.wrap_future(self._prepare_pool.submit(self.engine.prepare, params))
+        except Exception:  # noqa: BLE001 - admission does it again and reports it
+            log.exception("preparing a request ahead failed")
 
     async def stream(self, request_id: str, admit: Callable[[LLMEngine], RequestOutput | Rejected | None],
                      min_interval_s: float = 0.0, hold_first: bool = False
@@ -198,7 +200,7 @@ class AsyncEngine:
         return ""
 
     def shutdown(self) -> None:
-        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
         self._calls.put((None, None))
         self._thread.join(timeout=10)

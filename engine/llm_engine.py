@@ -18,7 +18,8 @@ Life cycle of a request in the engine
   3. A finished request's blocks are freed in the same step, except in the prefill role
      (`hold_blocks`), where they stay held for export until `release`.
   4. `abort` ends a request at any stage and frees whatever it holds.
-Only one thread may call an `LLMEngine` (the async wrapper owns that thread), `precompile` excepted.
+Only one thread may call an `LLMEngine` (the async wrapper owns that thread), `prepare` and
+`needs_prepare` excepted.
 """
 
 from __future__ import annotations
@@ -70,15 +71,20 @@ class LLMEngine:
         call it before admitting anything (engine/admission.py)."""
         return self._id_in_use(request_id) or self.admission.check(num_prompt_tokens, params)
 
-    def precompile(self, params: SamplingParams) -> None:
-        """Any thread, before `add_request`/`add_prefilled`: compile a structured-output
-        request's grammar ahead (`Admission.precompile`), so the engine thread does not."""
+    def prepare(self, params: SamplingParams) -> None:
+        """Any thread, before `add_request`/`add_prefilled`: what admission would do on the
+        engine thread while every running request waits, done ahead: compile a structured-output
+        request's grammar (`Admission.precompile`) and read a LoRA adapter loaded at run time
+        (`LoraSet.prepare`). A failure is left for admission to report."""
         if params.structured is not None:
             self.admission.precompile(params.structured)
+        if params.lora_path is not None:
+            self.runner.loras.prepare(params.lora, params.lora_id, params.lora_path)
 
-    def needs_compile(self, params: SamplingParams) -> bool:
-        """Any thread: whether `precompile` has work to do for these parameters."""
-        return params.structured is not None and not self.admission.compiled(params.structured)
+    def needs_prepare(self, params: SamplingParams) -> bool:
+        """Any thread: whether `prepare` has work to do for these parameters."""
+        return ((params.structured is not None and not self.admission.compiled(params.structured))
+                or (params.lora_path is not None and self.runner.loras.needs(params.lora_key)))
 
     def _id_in_use(self, request_id: str) -> str | None:
         return f"request id {request_id!r} is already in use" if request_id in self._requests else None

@@ -23,6 +23,8 @@ graph: engine.model_runner).
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +60,10 @@ class LoraSet:
     loaded at run time (a request carrying its path: SamplingParams.lora_path) is loaded by the
     engine's admission at the first request that runs it (`use`) and kept while at most
     `max_loras` such are held: the next one evicts the least recently used that no request of the
-    engine runs, and is refused (busy) when every one is in use. Only the engine's thread calls
-    it, between steps (a step's LoraBatch reads slots no admission can free: they are in use)."""
+    engine runs, and is refused (busy) when every one is in use. Its file is read ahead on a worker
+    thread where the replica can (`prepare`, through LLMEngine.prepare), so admission only places
+    it. Only the engine's thread calls the rest, between steps (a step's LoraBatch reads slots no
+    admission can free: they are in use)."""
 
     def __init__(self, model, device, kernels=None, max_loras: int = 8):
         """`model`: engine.decoder's DecoderModel (its widths and dtype)."""
@@ -67,6 +71,8 @@ class LoraSet:
         self._slots: dict[tuple[str, int], int] = {}
         self._last_use: dict[tuple[str, int], int] = {}      # run-time adapters: the admission tick
         self._tick = 0
+        self._prepared: OrderedDict[tuple[str, int], list] = OrderedDict()      # read ahead, not yet used
+        self._prepared_lock = threading.Lock()
         self.dtype, self.device, self.max_loras = model.dtype, device, max_loras
         self.kernels = kernels          # engine.kernels (CPU), for LoraBatch.add; None: torch's ops only
         self.dims = Dims(model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads,
@@ -89,6 +95,27 @@ class LoraSet:
         for name, path in modules.items():
             self._place((name, 0), _load_one(name, path, self.dims, self.dtype, self.device))
 
+    def needs(self, key: tuple[str, int]) -> bool:
+        """Any thread: whether the run-time adapter `key` is neither held nor read ahead."""
+        with self._prepared_lock:
+            return key not in self._slots and key not in self._prepared
+
+    def prepare(self, name: str, lora_id: int, path: str) -> None:
+        """Any thread: read run-time adapter `name` (load `lora_id`) at `path` ahead, for `use` to
+        place; the last `max_loras` read ahead are kept (a request that left before its admission
+        leaves one behind). A failure is left for `use` to report."""
+        key = (name, lora_id)
+        if not self.needs(key):
+            return
+        try:
+            weights = _load_one(name, path, self.dims, self.dtype, self.device)
+        except Exception:  # noqa: BLE001 - use() reads it again and reports why
+            return
+        with self._prepared_lock:
+            self._prepared[key] = weights
+            while len(self._prepared) > self.max_loras:
+                self._prepared.popitem(last=False)
+
     def use(self, name: str, lora_id: int, path: str, busy: set) -> tuple[str, int] | None:
         """Admission of a request running run-time adapter `name` (load `lora_id`, at `path`):
         loads it unless held, evicting the least recently used run-time adapter whose key is not
@@ -105,8 +132,10 @@ class LoraSet:
                 return (f"LoRA adapter {name!r}: this replica holds max_loras {self.max_loras} adapters loaded at "
                         "run time, each run by a request now; retry later", 503)
             self._drop(min(idle, key=self._last_use.__getitem__))
+        with self._prepared_lock:
+            weights = self._prepared.pop(key, None)
         try:
-            weights = _load_one(name, path, self.dims, self.dtype, self.device)
+            weights = weights or _load_one(name, path, self.dims, self.dtype, self.device)
         except ValueError as exc:
             return str(exc), 400
         except Exception as exc:  # noqa: BLE001 - an unreadable file, whatever its reader raises

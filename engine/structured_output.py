@@ -16,7 +16,7 @@ Who calls what
     (`CACHED_GRAMMARS`) and gives each request a copy (agents send the same tools every turn:
     a copy takes ~0.02 ms where compiling 32 tools' grammar takes ~30 ms). Thread-safe: a
     replica compiles a request's grammar on a worker thread before the engine thread admits it
-    (`LLMEngine.precompile`).
+    (`LLMEngine.prepare`).
   - `Matcher`: one per request, alive as long as the request: `bitmask` before each step that
     samples the request, `accept` with the token sampled. Its state is a function of the output
     tokens alone, so the decode engine rebuilds it from the prefill engine's first token (and a

@@ -6,7 +6,8 @@ reserved blocks for the K/V under the request's id at `kv_address`)
               a 400 result) and queues the prompt (a resumed request's: with the output tokens
               the client already has, whose K/V is computed and pushed with the prompt's); a
               structured-output request's grammar is compiled first, on a worker thread, so the
-              engine thread only copies it (`AsyncEngine.precompile`)
+              engine thread only copies it (`AsyncEngine.prepare`; so is a LoRA adapter loaded at run
+              time read there)
   2. prefill  the engine batches waiting prompts under its token budget with chunked
               prefill, samples the first token, and holds the prompt's blocks
   3. push     a hand-off task starts sending the blocks into the reservation at once, with the
@@ -76,7 +77,7 @@ class PrefillServer(EngineReplica):
         rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
         resumed = list(req.resumed_token_ids)
         # 1. admit, 2. prefill
-        await self.host.aengine.precompile(params)
+        await self.host.aengine.prepare(params)
         first = None
         try:
             async for out in self.host.aengine.stream(

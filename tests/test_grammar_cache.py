@@ -1,6 +1,6 @@
 """Grammars compiled once and off the engine thread: `GrammarCompiler` keeps the latest compiled
-grammars and hands each request a copy; `LLMEngine.precompile` (any thread) fills that cache, and
-`AsyncEngine.precompile` runs it on its grammar thread, so admission on the engine thread only
+grammars and hands each request a copy; `LLMEngine.prepare` (any thread) fills that cache, and
+`AsyncEngine.prepare` runs it on its grammar thread, so admission on the engine thread only
 copies (tiny random model, the default model's tokenizer)."""
 
 import asyncio
@@ -81,7 +81,7 @@ def test_a_precompiled_grammar_gives_what_compiling_at_admission_gives(engine, s
     engine.admission.grammars = None               # a fresh compiler: admission compiles the grammar itself
     inline = engine.generate([PROMPT], params)[0]
     engine.admission.grammars = None
-    worker = threading.Thread(target=engine.precompile, args=(params,))
+    worker = threading.Thread(target=engine.prepare, args=(params,))
     worker.start()
     worker.join()
     key = ("json_schema", params.structured.value)
@@ -93,16 +93,16 @@ def test_a_precompiled_grammar_gives_what_compiling_at_admission_gives(engine, s
 
 
 def test_a_bad_spec_precompiled_is_still_rejected_at_admission(engine):
-    engine.precompile(SamplingParams(max_tokens=8, structured=SELF_REFERENCE))
-    engine.precompile(SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "a(b")))
+    engine.prepare(SamplingParams(max_tokens=8, structured=SELF_REFERENCE))
+    engine.prepare(SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "a(b")))
     for spec, words in ((SELF_REFERENCE, "structured output"), (StructuredOutput("regex", "a(b"), "invalid regex")):
         rejected = engine.add_request("bad", PROMPT, SamplingParams(max_tokens=8, structured=spec))
         assert rejected is not None and words in rejected.reason
     assert engine.live_request_ids() == []
 
 
-def test_the_async_engine_compiles_on_its_grammar_thread(tiny_llama_dir, monkeypatch):
-    """The compile (a cache miss) happens on the grammar thread; the engine thread's admission
+def test_the_async_engine_compiles_on_its_worker_thread(tiny_llama_dir, monkeypatch):
+    """The compile (a cache miss) happens on the worker thread; the engine thread's admission
     finds the grammar compiled."""
     misses: list[str] = []
     real = GrammarCompiler.compile
@@ -118,8 +118,8 @@ def test_the_async_engine_compiles_on_its_grammar_thread(tiny_llama_dir, monkeyp
     params = SamplingParams(temperature=0, max_tokens=30, structured=schema(7))
 
     async def run():
-        await aengine.precompile(params)
-        await aengine.precompile(SamplingParams(max_tokens=4))     # no grammar: nothing to do
+        await aengine.prepare(params)
+        await aengine.prepare(SamplingParams(max_tokens=4))     # no grammar: nothing to do
         return [out async for out in aengine.stream("r", lambda e: e.add_request("r", PROMPT, params))]
 
     try:
@@ -127,6 +127,6 @@ def test_the_async_engine_compiles_on_its_grammar_thread(tiny_llama_dir, monkeyp
     finally:
         aengine.shutdown()
     assert outs[-1].finished and outs[-1].error is None
-    assert len(misses) == 1 and misses[0].startswith("pdserve-grammar"), misses
-    assert not aengine.engine.needs_compile(params) and aengine.engine.needs_compile(
-        SamplingParams(structured=schema(8))) and not aengine.engine.needs_compile(SamplingParams())
+    assert len(misses) == 1 and misses[0].startswith("pdserve-prepare"), misses
+    assert not aengine.engine.needs_prepare(params) and aengine.engine.needs_prepare(
+        SamplingParams(structured=schema(8))) and not aengine.engine.needs_prepare(SamplingParams())

@@ -1,16 +1,21 @@
 """LoRA adapters loaded at run time, without Ray: an engine loads one at the first request that
-brings its path (the output is the configured adapter's), holds at most `max_loras` of them
-(the least recently used idle one goes; a request finding every slot in use gets a 503 to retry),
-treats a name loaded again as a new adapter (its own output, none of the old one's cached K/V),
-and refuses an adapter it cannot serve with the reason and keeps serving; the router's side
-checks an adapter's tensors against the model from the safetensors header alone."""
+brings its path (the output is the configured adapter's), holds at most `max_loras` of them (the
+least recently used idle one goes; a request finding every slot in use gets a 503 to retry), treats
+a name loaded again as a new adapter (its own output, none of the old one's cached K/V), reads the
+adapter ahead on the async engine's worker thread (admission only places it), and refuses an adapter
+it cannot serve with the reason and keeps serving; the router's side checks an adapter's tensors
+against the model from the safetensors header alone."""
 
+import asyncio
 import json
+import threading
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import engine.lora
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora_config import Dims, check_adapter, safetensors_shapes
@@ -84,6 +89,34 @@ def test_a_name_loaded_again_is_a_new_adapter(tiny):
     assert again.num_cached_tokens == 36 and again.token_ids == first.token_ids       # a prefix hit
     assert reloaded.num_cached_tokens == 0 and reloaded.token_ids != first.token_ids
     assert reloaded.token_ids == eng.generate([PROMPT], _runtime("b", adapters["b"], 3))[0].token_ids
+
+
+def test_the_async_engine_reads_the_adapter_on_its_worker_thread(tiny, monkeypatch):
+    path, adapters = tiny
+    reads: list[str] = []
+    real = engine.lora._load_one
+
+    def load_and_record(*args):
+        reads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(engine.lora, "_load_one", load_and_record)
+    aengine = AsyncEngine(lambda: _engine(path))
+    params = _runtime("a", adapters["a"], 5)
+
+    async def run():
+        await aengine.prepare(params)
+        return [out async for out in aengine.stream("r", lambda e: e.add_request("r", PROMPT, params))]
+
+    try:
+        outs = asyncio.run(run())
+        assert not aengine.engine.needs_prepare(params) and aengine.engine.needs_prepare(
+            _runtime("a", adapters["a"], 6))        # another load id: another adapter
+    finally:
+        aengine.shutdown()
+    assert outs[-1].finished and outs[-1].error is None
+    assert len(reads) == 1 and reads[0].startswith("pdserve-prepare"), reads
+    assert aengine.engine.runner.loras.held() == [("a", 5)]
 
 
 def test_an_adapter_it_cannot_serve_is_refused_and_the_engine_serves_on(tiny, tmp_path):
