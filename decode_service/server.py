@@ -5,7 +5,8 @@ Life cycle of a request here (`generate`, a streaming call the router makes befo
               engine thread, the leading full blocks this replica's prefix cache still holds
               (an earlier turn of the conversation, a shared system prompt, the same prompt's
               other choices) taken from there, shared with any sequence using them; too few
-              free -> a 503 event at once (the prefill never runs)
+              free (with the priority policy: after preempting running requests of a lower
+              priority) -> a 503 event at once (the prefill never runs)
   2. expect   hand the blocks still to be filled to the KV receiver, then yield `Reserved` (its
               identity: the request id at this replica's KV address; and how many leading
               blocks are cached, which the prefill replica does not push), which the router
@@ -79,7 +80,7 @@ class DecodeServer(EngineReplica):
         params = req.params.to_params()
         prepared = asyncio.ensure_future(self.host.aengine.prepare(params))   # awaited at step 4
         # 1. reserve
-        reserved = await self._reserve(list(req.prompt_token_ids) + list(req.resumed_token_ids), params.lora_key)
+        reserved = await self._reserve(list(req.prompt_token_ids) + list(req.resumed_token_ids), params)
         if reserved is None:
             yield error_event(rid, "decode replica is out of KV blocks; retry later", 503, "overloaded")
             return
@@ -144,9 +145,10 @@ class DecodeServer(EngineReplica):
         except messages.MessageError as exc:
             return f"bad hand-off from the prefill replica: {exc}"
 
-    async def _reserve(self, token_ids: list[int], lora: tuple[str, int] | None) -> tuple[list[int], int] | None:
-        """(blocks, how many lead blocks are cached) from the engine thread (`reserve_cached`)."""
-        fut = self.host.aengine.submit(lambda e: e.reserve_cached(token_ids, lora))
+    async def _reserve(self, token_ids: list[int], params) -> tuple[list[int], int] | None:
+        """(blocks, how many lead blocks are cached) from the engine thread (`reserve_cached`:
+        with the priority policy, running requests of a lower priority preempted for them)."""
+        fut = self.host.aengine.submit(lambda e: e.reserve_cached(token_ids, params.lora_key, params.priority))
         try:
             return await asyncio.shield(asyncio.wrap_future(fut))
         except asyncio.CancelledError:

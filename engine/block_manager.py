@@ -98,6 +98,14 @@ class BlockManager:
             prev = h
         return hits
 
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether `allocate` would succeed now (nothing changes)."""
+        return self._fits(self._prefix_hits(seq), self.blocks_for(len(seq)))
+
+    def can_reserve(self, token_ids, lora: tuple[str, int] | None = None) -> bool:
+        """Whether `reserve_cached` would succeed now (nothing changes)."""
+        return self._fits(self._cached(token_ids, lora), self.blocks_for(len(token_ids)))
+
     def allocate(self, seq: Sequence) -> bool:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
 
@@ -185,13 +193,17 @@ class BlockManager:
     def _claim(self, hits: list[int], num_blocks: int) -> list[int] | None:
         """A table of `num_blocks`: the cached `hits` (one more reference each), then fresh
         blocks; None (nothing changed) when too few are free."""
-        needed_new = num_blocks - len(hits)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        if needed_new > self.num_free_blocks - revived:
+        if not self._fits(hits, num_blocks):
             return None
         for block_id in hits:
             self._ref(block_id)
-        return hits + [self._take_fresh() for _ in range(needed_new)]
+        return hits + [self._take_fresh() for _ in range(num_blocks - len(hits))]
+
+    def _fits(self, hits: list[int], num_blocks: int) -> bool:
+        """Whether a table of `num_blocks` starting with the cached `hits` can be claimed: the
+        fresh blocks come from the free ones but the hits that are free themselves (revived)."""
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return num_blocks - len(hits) <= self.num_free_blocks - revived
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]

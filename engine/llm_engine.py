@@ -358,14 +358,19 @@ class LLMEngine:
         or `release_reservation`."""
         return self.block_manager.reserve(num_tokens)
 
-    def reserve_cached(self, token_ids: list[int],
-                       lora: tuple[str, int] | None = None) -> tuple[list[int], int] | None:
-        """Decode role: blocks for the incoming K/V of `token_ids` (of LoRA adapter `lora`, its key), the
-        first of them cached blocks that already hold it (this replica decoded or received those
-        tokens before): (block ids, how many are cached; only the rest is to be received). The
-        caller owns them all until `add_prefilled` or `release_reservation`; None when too few
-        blocks are free."""
-        return self.block_manager.reserve_cached(token_ids, lora)
+    def reserve_cached(self, token_ids: list[int], lora: tuple[str, int] | None = None,
+                       priority: int = 0) -> tuple[list[int], int] | None:
+        """Decode role: blocks for the incoming K/V of `token_ids` (of LoRA adapter `lora`, its
+        key), the first of them cached blocks that already hold it (this replica decoded or
+        received those tokens before): (block ids, how many are cached; only the rest is to be
+        received). The caller owns them all until `add_prefilled` or `release_reservation`; None
+        when too few blocks are free, even after the `priority` policy preempted the running
+        requests of a lower priority than `priority` (Scheduler.make_room)."""
+        bm = self.block_manager
+        reserved = bm.reserve_cached(token_ids, lora)
+        if reserved is None and self.scheduler.make_room(priority, lambda: bm.can_reserve(token_ids, lora)):
+            reserved = bm.reserve_cached(token_ids, lora)       # running requests of a lower priority preempted
+        return reserved
 
     def release_reservation(self, block_ids: list[int]) -> None:
         self.block_manager.release(block_ids)

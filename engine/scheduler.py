@@ -9,7 +9,10 @@ Each step, in this order:
      included) and its first chunk.
 With the `priority` policy (vLLM's), "oldest" and "first come" read "by (priority, arrival)"
 (`SamplingParams.priority`, lower first) and the victim of a preemption is the running sequence
-last in that order; a waiting sequence does not preempt running ones to get blocks.
+last in that order; and before step 1 the first waiting sequence, when it cannot be admitted (too
+few free blocks, or `max_num_seqs` running), preempts running sequences of a lower priority (a
+larger value), the last in that order first, until it can (`make_room`; as vLLM's V0 priority
+preemption). A decode-role engine's reservation makes room the same way (LLMEngine.reserve_cached).
 Batching decisions count tokens: a step never feeds more than `max_num_batched_tokens`.
 A decoding sequence may carry proposed tokens (speculative decoding, `Sequence.num_draft`): they
 are fed with its token when the budget and the free blocks allow, and dropped (not preempting
@@ -22,6 +25,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable
 
 from engine.block_manager import BlockManager
 from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
@@ -75,11 +79,27 @@ class Scheduler:
         return (sum(s.num_uncomputed_tokens for s in self.waiting)
                 + sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens - s.num_draft > 1))
 
+    def make_room(self, priority: int, fits: Callable[[], bool]) -> bool:
+        """Whether a request of `priority` fits (`fits()`), once the `priority` policy has
+        preempted running sequences of a lower priority (a larger value), the last in (priority,
+        arrival) order first, until it does; with fcfs nothing is preempted. The caller admits it
+        (a waiting sequence in `schedule`, a decode reservation in LLMEngine.reserve_cached)."""
+        while not fits():
+            victim = max(self.running, key=_order, default=None) if self.by_priority else None
+            if victim is None or victim.params.priority <= priority:
+                return False
+            self._preempt(victim)
+        return True
+
     # ---- the step ------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
+        if self.by_priority and self.waiting:       # 0. room for the first waiting sequence
+            head = self.waiting[0]
+            self.make_room(head.params.priority,
+                           lambda: len(self.running) < self.max_num_seqs and self.bm.can_allocate(head))
         # 1. running sequences, oldest first
         for seq in sorted(self.running, key=_order) if self.by_priority else list(self.running):
             if budget == 0:

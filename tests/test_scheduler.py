@@ -167,6 +167,57 @@ def test_the_priority_policy_orders_the_queue_and_preempts_the_last_in_its_order
     assert all(s.num_output_tokens == 6 for s in (low, mid, urgent)) and bm.all_free()
 
 
+def _prio(n, rid, p, max_tokens=6):
+    return Sequence(rid, list(range(3000 + 100 * p, 3000 + 100 * p + n)), SamplingParams(max_tokens=max_tokens,
+                                                                                       priority=p))
+
+
+def test_a_waiting_sequence_preempts_lower_priorities_for_blocks_and_seats():
+    """The priority policy's admission: the first waiting sequence, short of free blocks or of a
+    seat under max_num_seqs, preempts running sequences of a lower priority (the last in order
+    first) until it fits, and none of its own or a higher priority; fcfs preempts no one for it."""
+    for policy, max_seqs, blocks in (("priority", 8, 4), ("priority", 2, 64), ("fcfs", 8, 4), ("fcfs", 2, 64)):
+        bm = BlockManager(blocks, 4)
+        sched = Scheduler(bm, max_seqs, 16, policy=policy)
+        by_priority = policy == "priority"
+        low, lower = _prio(6, "low", 3 if by_priority else 0), _prio(6, "lower", 5 if by_priority else 0)
+        for s in (lower, low):
+            sched.add(s)
+        fake_step(sched, bm)
+        assert {s.request_id for s in sched.running} == {"low", "lower"}
+        peer = _prio(6, "peer", lower.params.priority)    # no lower priority runs: it waits
+        sched.add(peer)
+        fake_step(sched, bm)
+        assert peer.status is SequenceStatus.WAITING and sched.num_preemptions == 0
+        urgent = _prio(6, "urgent", -1 if by_priority else 0)
+        sched.add(urgent)
+        fake_step(sched, bm)
+        if not by_priority:
+            assert urgent.status is SequenceStatus.WAITING and sched.num_preemptions == 0
+            continue
+        assert urgent.status is SequenceStatus.RUNNING and lower.status is SequenceStatus.WAITING
+        assert low.status is SequenceStatus.RUNNING and sched.num_preemptions == 1
+        assert [s.request_id for s in sched.waiting] == ["lower", "peer"]      # by (priority, arrival)
+        while sched.has_work():
+            fake_step(sched, bm)
+        assert all(s.num_output_tokens == 6 for s in (low, lower, peer, urgent)) and bm.all_free()
+
+
+def test_a_reservation_makes_room_by_priority():
+    """A decode-role reservation (LLMEngine.reserve_cached) asks `make_room` the same way."""
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, 8, 16, policy="priority")
+    running = _prio(14, "running", 2)
+    sched.add(running)
+    fake_step(sched, bm)
+    tokens = list(range(500, 508))
+    assert not bm.can_reserve(tokens) and not sched.make_room(2, lambda: bm.can_reserve(tokens))
+    assert running.status is SequenceStatus.RUNNING
+    assert sched.make_room(1, lambda: bm.can_reserve(tokens)) and running.status is SequenceStatus.WAITING
+    blocks, cached = bm.reserve_cached(tokens)
+    assert len(blocks) == 2 and cached == 0
+
+
 def test_fcfs_ignores_priority():
     bm, sched = make(budget=8)
     a = Sequence("a", list(range(7)), SamplingParams(priority=5))
