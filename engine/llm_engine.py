@@ -413,4 +413,5 @@ class LLMEngine:
                 "waiting_prompt_tokens": self.scheduler.num_waiting_tokens,
                 "preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_hit_tokens": bm.prefix_hits, "prefix_cache_query_tokens": bm.prefix_queries,
-                "spec_draft_tokens": self.num_draft_tokens, "spec_accepted_tokens": self.num_accepted_tokens}
+                "spec_draft_tokens": self.num_draft_tokens, "spec_accepted_tokens": self.num_accepted_tokens,
+                "lora_loads": self.runner.loras.loads, "lora_evictions": self.runner.loras.evictions}

@@ -71,6 +71,7 @@ class LoraSet:
         self._slots: dict[tuple[str, int], int] = {}
         self._last_use: dict[tuple[str, int], int] = {}      # run-time adapters: the admission tick
         self._tick = 0
+        self.loads = self.evictions = 0          # of run-time adapters, for the replica's metrics
         self._prepared: OrderedDict[tuple[str, int], list] = OrderedDict()      # read ahead, not yet used
         self._prepared_lock = threading.Lock()
         self.dtype, self.device, self.max_loras = model.dtype, device, max_loras
@@ -142,6 +143,7 @@ class LoraSet:
             return f"LoRA adapter {name!r}: {path}: {type(exc).__name__}: {exc}", 400
         self._place(key, weights)
         self._last_use[key] = self._tick
+        self.loads += 1
         return None
 
     def _place(self, key: tuple[str, int], weights: list[dict[str, LinearUpdate]]) -> None:
@@ -155,6 +157,7 @@ class LoraSet:
     def _drop(self, key: tuple[str, int]) -> None:
         self.weights[self._slots.pop(key)] = None
         del self._last_use[key]
+        self.evictions += 1
 
     def batch(self, row_slots: list[int], device) -> LoraBatch | None:
         """The adapters of a step whose row r runs `row_slots[r]`; None when none runs one."""

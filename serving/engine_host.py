@@ -79,7 +79,7 @@ class EngineHost:
     async def stats(self) -> messages.ReplicaStats:
         s = await self.aengine.call(lambda e: e.stats())
         extra = {k: s[k] for k in ("preemptions", "prefix_cache_hit_tokens", "prefix_cache_query_tokens",
-                                   "spec_draft_tokens", "spec_accepted_tokens")}
+                                   "spec_draft_tokens", "spec_accepted_tokens", "lora_loads", "lora_evictions")}
         extra.update(self.counters)
         extra["ray_metrics_errors"] = self.series.errors
         return messages.ReplicaStats(self.pool, self.replica_id, s["kv_blocks_total"], s["kv_blocks_free"],

@@ -74,6 +74,7 @@ def test_max_loras_evicts_the_least_recently_used_idle_adapter_and_refuses_when_
     assert eng.generate([PROMPT], _runtime("a", adapters["a"], 1))[0].finish_reason == "length"   # a: used last
     out = eng.generate([PROMPT], _runtime("c", adapters["c"], 3))[0]
     assert eng.runner.loras.held() == [("a", 1), ("c", 3)]      # b went: idle and least recently used
+    assert (eng.stats()["lora_loads"], eng.stats()["lora_evictions"]) == (3, 1)
     assert out.token_ids == _engine(path, {"c": adapters["c"]}).generate(
         [PROMPT], SamplingParams(**GREEDY, lora="c"))[0].token_ids      # c's weights in b's slot
     assert eng.block_manager.all_free()
