@@ -329,8 +329,13 @@ class Router:
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str):
-        """Forget a stored response."""
+        """Forget a stored response (a background one still running is cancelled)."""
         return await self.responses_api.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, response_id: str):
+        """Cancel a background response."""
+        return await self.responses_api.cancel(response_id)
 
     async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str,
                         echoes: list[tuple[str, list[int]]] | None = None, shape: ChatOutputShape | None = None,
@@ -388,6 +393,9 @@ class Router:
             self.request_metrics.finish("error")
             return error_response(exc.code, exc.message, exc.kind,
                                   headers={"Retry-After": "1"} if exc.code in (429, 503) else None)
+        except asyncio.CancelledError:      # the client left before the first tokens
+            self.request_metrics.finish("aborted")
+            raise
         reply = Reply(body, rid, body.model or self.model_name, chat, choices, firsts, (start, first_at),   # as asked
                       self.request_metrics, self.token_strings, echoes, shape)
         if body.stream:

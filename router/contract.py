@@ -161,6 +161,9 @@ def _ok(path: str, method: str) -> dict:
         if method == "delete":
             return {"description": "The response is forgotten.", "content": _json("ResponseDeleted")}
         return {"description": "The stored response.", "content": _json("ResponseObject")}
+    if path == STORED_PATH + "/cancel":
+        return {"description": "The background response, cancelled (or as it ended, where it ended before).",
+                "content": _json("ResponseObject")}
     if path == STORED_PATH + "/input_items":
         return {"description": "A page of the items the model saw before the response's output.",
                 "content": _json("ResponseItemList")}
@@ -210,8 +213,8 @@ def _responses(doc: dict, served: Served) -> None:
                 codes |= set(TOKENIZING)
             if path == MODEL_PATH:
                 codes.add(404)
-            if path.startswith(STORED_PATH):
-                codes |= set(STORED) | ({400} if path.endswith("/input_items") else set())
+            if path.startswith(STORED_PATH):       # no pool involved
+                codes = set(GUARDED) | set(STORED) | ({400} if path.endswith(("/input_items", "/cancel")) else set())
             if path == "/health":
                 codes = (codes - {401}) | {503}
             elif not served.api_key:

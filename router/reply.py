@@ -18,6 +18,7 @@ HTTP error). Then:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -116,6 +117,9 @@ class Reply:
         except RequestFailed as exc:
             self.metrics.finish("error")
             return error_response(exc.code, exc.message, exc.kind)
+        except asyncio.CancelledError:      # the client left (or a background response was cancelled)
+            self.metrics.finish("aborted")
+            raise
         finally:
             await self.choices.aclose()
         self.metrics.finish("ok")

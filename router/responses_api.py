@@ -1,5 +1,5 @@
 """The Responses API's endpoints behind the router's routes (router/app.py): create, retrieve,
-list input items, delete.
+list input items, delete, cancel.
 
 A response's life cycle here:
   1. chain    with `previous_response_id`, the stored response (router/response_store.py) gives
@@ -13,13 +13,22 @@ A response's life cycle here:
   4. keep     a response that completed, its request not saying `store: false`, is stored before
               the Response (or the stream's last event) goes out; where the store does not take
               it, the answer says `store: false`
+With `background` the answer comes first: the response is stored `queued` and answered, then a
+task of this router runs steps 2-4 (stored `in_progress`, then as it ended: completed,
+incomplete, or failed with the error the chat path answered, e.g. a prompt beyond the context).
+`cancel` cancels the task (its requests are aborted in the pools, as a client that leaves, which
+frees their blocks) and stores the response `cancelled`; `delete` cancels it too. The tasks live
+in this router: one that restarts leaves its background responses `in_progress` in the store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
@@ -30,6 +39,8 @@ from router.openai_responses import above_limit, error_response, refused
 from router.response_store import Found, StoredResponses, StoreUnavailable, page, unique_ids
 from router.responses_output import ResponseEvents, ResponseShape, new_id, response_from_chat
 from router.responses_protocol import ResponsesRequest
+
+log = logging.getLogger("pdserve.router")
 
 
 class ResponsesApi:
@@ -45,6 +56,7 @@ class ResponsesApi:
         self.stored = None if store is None else StoredResponses(store)
         self.max_tokens_limit, self.model_name, self.chat, self.saved = max_tokens_limit, model_name, chat, saved
         self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
+        self.background: dict[str, Background] = {}       # running background responses, by id
 
     async def create(self, body: ResponsesRequest):
         if (body.max_output_tokens or 0) > self.max_tokens_limit:
@@ -59,6 +71,8 @@ class ResponsesApi:
             chat = body.chat(history)
         except ValidationError as exc:
             return refused(exc)
+        if body.background:
+            return await self._start(body, history, chat)
         if body.truncation == "auto":
             chat = await asyncio.to_thread(self._fitting, body, history, chat)
         result = await self.chat(chat)
@@ -99,10 +113,77 @@ class ResponsesApi:
                 lo = mid + 1
         return body.chat(history, skip=lo)
 
-    async def _save(self, response: dict, context: list[dict]) -> None:
+    async def _save(self, response: dict, context: list[dict], final: bool = True) -> None:
+        """Store `response`; `final`: its last save, counted (a background response is saved as
+        it starts too)."""
         kept = await self.stored.save(response, context)
         response["store"] = kept
-        self.saved(kept)
+        if final:
+            self.saved(kept)
+
+    # ---- background responses ---------------------------------------------------------------
+    async def _start(self, body: ResponsesRequest, history: list[dict], chat: ChatCompletionRequest):
+        """Store the response `queued`, start its task, answer it."""
+        if self.stored is None:
+            return error_response(400, "background: this server keeps no responses (its responses.store is off), "
+                                  "and a background response is polled from the store", param="background")
+        shape = ResponseShape(body, new_id("resp"), body.model or self.model_name, store=True)
+        context = unique_ids(history + body.input_items())
+        queued = shape.body([], "queued")
+        await self._save(queued, context, final=False)
+        if not queued["store"]:              # nowhere to poll it from
+            return _unavailable(RuntimeError("it did not keep the background response"))
+        task = asyncio.ensure_future(self._run(body, history, chat, shape, context))
+        self.background[shape.rid] = Background(task, shape, context)
+        task.add_done_callback(lambda _: self.background.pop(shape.rid, None))
+        return queued
+
+    async def _run(self, body: ResponsesRequest, history: list[dict], chat: ChatCompletionRequest,
+                   shape: ResponseShape, context: list[dict]) -> dict:
+        """A background response's steps 2-4; the response as stored last."""
+        try:
+            await self._save(shape.body([], "in_progress"), context, final=False)
+            if body.truncation == "auto":
+                chat = await asyncio.to_thread(self._fitting, body, history, chat)
+            result = await self.chat(chat)
+            if isinstance(result, JSONResponse):          # refused: the error the answer would have been
+                error = json.loads(result.body)["error"]
+                response = shape.body([], "failed", error={"code": error.get("code") or error["type"],
+                                                           "message": error["message"]})
+            else:
+                response = response_from_chat(shape, result)
+            await self._save(response, context)
+            return response
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store gone, or a bug: logged, stored failed where it can be
+            log.exception("background response %s failed", shape.rid)
+            response = shape.body([], "failed", error={"code": "server_error",
+                                                       "message": f"internal error: {type(exc).__name__}"})
+            with contextlib.suppress(Exception):
+                await self._save(response, context)
+            return response
+
+    async def cancel(self, response_id: str):
+        """Cancel a background response: the response `cancelled` (as stored), or as it ended
+        where it ended before; a 400 for a response that did not run in the background."""
+        running = self.background.get(response_id)
+        if running is None:
+            found = await self._find(response_id)
+            if isinstance(found, JSONResponse):
+                return found
+            if not json.loads(found.response).get("background"):
+                return error_response(400, f"Response {response_id!r} did not run in the background: only a "
+                                      "background response can be cancelled.")
+            return Response(found.response, media_type="application/json")
+        running.task.cancel()
+        try:
+            return await running.task          # it ended before the cancel reached it
+        except asyncio.CancelledError:
+            pass
+        response = running.shape.body([], "cancelled")
+        await self._save(response, running.context)
+        return response
 
     async def _events(self, shape: ResponseShape, chat_events, context: list[dict] | None):
         """The chat stream's chunks (text/event-stream lines) as the Responses stream's events; a
@@ -138,6 +219,9 @@ class ResponsesApi:
         return found if isinstance(found, JSONResponse) else page(found.context(), limit, order, after)
 
     async def delete(self, response_id: str):
+        if (running := self.background.get(response_id)) is not None:
+            running.task.cancel()       # its requests leave the pools; nothing is stored after
+            await asyncio.gather(running.task, return_exceptions=True)
         try:
             deleted = self.stored is not None and await self.stored.delete(response_id)
         except StoreUnavailable as exc:
@@ -165,6 +249,14 @@ class ResponsesApi:
                                   param="previous_response_id", code="previous_response_not_found")
         why = "" if self.stored is not None else " (this server keeps no responses: its responses.store is off)"
         return error_response(404, f"Response with id {response_id!r} not found.{why}")
+
+
+@dataclass
+class Background:
+    """A background response running: its task, and what its cancelled body is built from."""
+    task: asyncio.Future
+    shape: ResponseShape
+    context: list[dict]
 
 
 def _unavailable(exc: Exception) -> JSONResponse:

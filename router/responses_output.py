@@ -50,6 +50,7 @@ class ResponseShape:
             else request.tool_choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in request.tools or ()],
             "truncation": request.truncation or "disabled", "user": request.user,
+            "background": bool(request.background),
             "reasoning": {"effort": None, "summary": None} if request.reasoning is None
             else request.reasoning.model_dump(),
         }
@@ -239,7 +240,7 @@ class ResponseObject(BaseModel):
     object: Literal["response"]
     created_at: int
     model: str
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     error: dict[str, Any] | None
     incomplete_details: dict[str, Any] | None
     output: list[OutputItem]

@@ -3,7 +3,8 @@
 A request carries its conversation as `input` (messages, earlier function calls and their outputs,
 reasoning items), as a client does with `store: false`, or continues a stored response
 (`previous_response_id`: router/response_store.py finds it; its context and output come first).
-`background` is refused with a 400. The request becomes a `ChatCompletionRequest` (`chat`) and runs
+With `background` the response runs after the answer (router/responses_api.py: poll it, cancel
+it), which needs it stored and not streamed. The request becomes a `ChatCompletionRequest` (`chat`) and runs
 the chat endpoint's whole path (template, tools, reasoning, grammar, pools);
 router/responses_output.py turns its answer into a Response object or the Responses stream's events.
 
@@ -142,10 +143,11 @@ class ReasoningConfig(StrictOpen):
 
 
 def _refusals(schema: dict) -> None:
-    """What the validators refuse, in the JSON schema: no background; a forced call needs tools and
-    takes no JSON text format."""
-    schema["properties"]["background"] = {"enum": [False, None]}
+    """What the validators refuse, in the JSON schema: background with stream or without store; a
+    forced call needs tools and takes no JSON text format."""
     schema["allOf"] = [
+        implies("background", {"const": True}, {"properties": {"stream": {"const": False},
+                                                               "store": {"not": {"const": False}}}}),
         implies("tool_choice", FORCED_TOOL, {"properties": {"tools": {"type": "array", "minItems": 1}},
                                               "required": ["tools"]}),
         implies("tool_choice", FORCED_TOOL, {"properties": {"text": {"anyOf": [{"type": "null"}, {
@@ -176,7 +178,10 @@ class ResponsesRequest(Strict):
     previous_response_id: Text | None = Field(None, description="A stored response this one continues: its "
                                               "input and output come before this input (its instructions and "
                                               "tools do not).")
-    background: bool | None = Field(None, description="Refused when true.")
+    background: bool | None = Field(None, description="Answer at once with the response `queued` and run it after: "
+                                    "GET /v1/responses/{id} shows it (in_progress, then completed, incomplete or "
+                                    "failed), POST /v1/responses/{id}/cancel cancels it. Needs store (not false, and "
+                                    "the server's responses.store on); not with stream.")
     metadata: METADATA | None = None
     user: Text | None = None
     safety_identifier: Text | None = None
@@ -192,8 +197,9 @@ class ResponsesRequest(Strict):
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.background:
-            raise ValueError("background: not supported (a response is answered while its request waits)")
+        if self.background and (self.stream or self.store is False):
+            raise ValueError("background: a background response is stored and polled, not streamed (not with stream "
+                             "or store: false)")
         if self.text is not None and self.text.format.type == "json_schema" and self.text.format.name is None:
             raise ValueError("text.format: a json_schema format needs a name")
         return self

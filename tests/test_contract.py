@@ -75,7 +75,9 @@ def test_every_operation_declares_its_bodies_and_every_error_status():
                     assert int(code) in ERRORS
                     assert response["content"] == {"application/json": {"schema": {
                         "$ref": "#/components/schemas/ErrorResponse"}}}
-            if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):     # no pool involved
+            if path == "/v1/responses/{response_id}/cancel":
+                assert set(responses) == {"200", "400", "404", "413", "429", "500", "503"}
+            elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):     # no pool involved
                 assert set(responses) == {"200", "400", "404", "413", "429", "500"}
                 assert set(responses["200"]["content"]) == {"text/plain"}
             elif method == "post" and path.startswith("/v1/"):
@@ -166,7 +168,10 @@ TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
     {"input": "x", "previous_response_id": "resp_1"},
     {"input": "x", "previous_response_id": None},
     {"input": "x", "background": True},
-    {"input": "x", "background": False},
+    {"input": "x", "background": True, "stream": True},
+    {"input": "x", "background": True, "store": False},
+    {"input": "x", "background": True, "store": True, "stream": False},
+    {"input": "x", "background": False, "stream": True},
     {"input": "x", "tool_choice": "required"},
     {"input": "x", "tool_choice": "required", "tools": []},
     {"input": "x", "tool_choice": "required", "tools": [TOOL]},

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from router.response_store import Found, ResponseLog, StoredResponses, StoreUnavailable, page, unique_ids
-from serving.messages import StoredResponse, decode, encode
+from fake_store import FakeHandle, log_handle
+from serving.messages import StoredResponse
 
 
 def stored(rid: str, size: int = 10) -> StoredResponse:
@@ -70,45 +71,20 @@ def test_a_chain_starts_with_the_context_then_the_output():
     assert [i["id"] for i in found.history()] == ["i0", "i1", "msg_2"]
 
 
-class _Method:
-    def __init__(self, answer):
-        self.answer = answer
-
-    def remote(self, arg):
-        async def call():
-            if self.answer == "hang":
-                await asyncio.Event().wait()
-            if isinstance(self.answer, Exception):
-                raise self.answer
-            return self.answer(arg) if callable(self.answer) else self.answer
-        return call()
-
-
-class _Handle:
-    """A deployment handle's shape: `options(...)` and `method.remote(arg)` awaitable."""
-    def __init__(self, **methods):
-        self.__dict__.update({name: _Method(answer) for name, answer in methods.items()})
-
-    def options(self, **_):
-        return self
-
-
 def test_the_router_side_gives_up_on_a_store_that_does_not_answer():
     async def run():
         log = ResponseLog(10, 10**6)
-        live = StoredResponses(_Handle(put=lambda data: log.put(decode(data)),
-                                       get=lambda rid: (lambda s: s and encode(s))(log.get(rid)),
-                                       delete=log.delete))
+        live = StoredResponses(log_handle(log))
         response = {"id": "resp_1", "output": [{"id": "msg_1", "type": "message"}], "store": True}
         assert await live.save(response, [{"id": "i0", "type": "message"}])
         found = await live.find("resp_1")
         assert json.loads(found.response) == response and [i["id"] for i in found.history()] == ["i0", "msg_1"]
         assert await live.find("resp_2") is None and await live.delete("resp_1") and not await live.delete("resp_1")
-        hung = StoredResponses(_Handle(put="hang", get="hang", delete="hang"), timeout_s=0.05)
+        hung = StoredResponses(FakeHandle(put="hang", get="hang", delete="hang"), timeout_s=0.05)
         assert not await hung.save(response, [])              # the answer goes out unstored
         with pytest.raises(StoreUnavailable, match="no answer in 0.05 s"):
             await hung.find("resp_1")
-        broken = StoredResponses(_Handle(put=RuntimeError("replica died"), get=RuntimeError("replica died"),
+        broken = StoredResponses(FakeHandle(put=RuntimeError("replica died"), get=RuntimeError("replica died"),
                                          delete=RuntimeError("replica died")))
         assert not await broken.save(response, [])
         with pytest.raises(StoreUnavailable, match="replica died"):

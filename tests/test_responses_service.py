@@ -2,7 +2,8 @@
 to the chat endpoint's for the same conversation, streamed as not (the SDK's own stream helper
 accumulates the events into the same response), a forced function call and the next turn carrying
 it back, stored responses (retrieved, chained with previous_response_id as their stateless twin,
-listed, deleted), a JSON schema, max_output_tokens, refusals, and a client that leaves mid-stream;
+listed, deleted), a JSON schema, max_output_tokens, refusals, a client that leaves mid-stream, and
+background responses (polled to the same text; one cancelled mid-generation, its requests aborted);
 every block is free after."""
 
 import json
@@ -11,7 +12,7 @@ import re
 import jsonschema
 import pytest
 
-from service_util import http, leave_at_first_token, pools_all_free, wait_until
+from service_util import http, leave_at_first_token, metrics, pools_all_free, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -146,3 +147,29 @@ def test_a_client_that_leaves_mid_stream_aborts_the_request_and_frees_its_blocks
                                   "max_output_tokens": 1500, "stream": True}, path="/v1/responses")
     assert wait_until(lambda: _aborted(disagg) == before + 1, 30)
     assert pools_all_free(disagg, {"prefill", "decode"})
+
+
+def test_background_responses_are_polled_and_cancelled(client, disagg):
+    ask = dict(model=MODEL, input="What is the capital of France?", max_output_tokens=16, temperature=0)
+    expected = client.responses.create(**ask)
+    queued = client.responses.create(**ask, background=True)
+    assert queued.status == "queued" and queued.background and queued.output == [] and queued.store
+    ended = []
+    assert wait_until(lambda: ended.append(client.responses.retrieve(queued.id)) or
+                      ended[-1].status not in ("queued", "in_progress"), timeout=60)
+    assert ended[-1].status == expected.status and ended[-1].output_text == expected.output_text
+    assert ended[-1].usage.output_tokens == expected.usage.output_tokens
+    assert client.responses.cancel(queued.id).status == expected.status       # it ended before: as it ended
+    code, text = http(disagg, f"/v1/responses/{expected.id}/cancel", {})
+    assert code == 400 and "background" in json.loads(text)["error"]["message"]
+    before = _aborted(disagg)
+    story = client.responses.create(model=MODEL, input="Write a very long story about a dragon, in ten chapters.",
+                                    max_output_tokens=2000, background=True)
+    assert wait_until(lambda: any(v > 0 for (name, pool, _), v in metrics(disagg).items()
+                                  if name == "pdserve_running_requests" and pool == "decode"), timeout=60)
+    cancelled = client.responses.cancel(story.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(story.id).status == "cancelled"
+    assert wait_until(lambda: _aborted(disagg) > before, timeout=10)
+    assert pools_all_free(disagg, {"prefill", "decode"})
+    code, text = http(disagg, "/v1/responses", {"model": MODEL, "input": "Hi", "background": True, "stream": True})
+    assert code == 400 and "not streamed" in text

@@ -30,7 +30,7 @@ from service_util import http, metrics, pools_all_free, tiny_app
 pytestmark = pytest.mark.slow
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance]
 EXAMPLES = {GenerationMode.POSITIVE: 70, GenerationMode.NEGATIVE: 45}   # per POST operation
-PATH_ONLY_EXAMPLES = 25      # a GET or DELETE of a stored response: only its id to draw (random ones are 404s)
+PATH_ONLY_EXAMPLES = 25      # no body (a stored response's GET, DELETE, cancel): only its id to draw (random: 404s)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +54,12 @@ def fuzz(base: str, mode: GenerationMode, extra_checks=()) -> tuple[dict, list[s
     schema = schemathesis.openapi.from_url(base + "/openapi.json")
     counts, failures = {}, []
     for operation in (result.ok() for result in schema.get_all_operations()):
-        if mode == GenerationMode.NEGATIVE and operation.method.upper() != "POST":
+        if mode == GenerationMode.NEGATIVE and (operation.method.upper() != "POST" or not len(operation.body)):
             continue      # no body to break (input_items' query bounds: tests/test_responses_service.py)
         count = counts[operation.label] = collections.Counter()
 
         @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=EXAMPLES[mode] if operation.method.upper() == "POST" else PATH_ONLY_EXAMPLES,
+        @settings(max_examples=EXAMPLES[mode] if len(operation.body) else PATH_ONLY_EXAMPLES,
                   deadline=None, suppress_health_check=list(HealthCheck),
                   database=None, phases=[Phase.generate])
         def run(case):
@@ -109,16 +109,22 @@ def streamed_cases(base: str) -> list[str]:
 
 
 def stored_cases(base: str) -> list[str]:
-    """A stored response's three operations as cases of the document, on a response just made; their failures."""
+    """A stored response's operations as cases of the document, on responses just made (cancel: a
+    background one's); their failures."""
     schema = schemathesis.openapi.from_url(base + "/openapi.json")
-    status, text = http(base, "/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 3})
-    if status != 200:
-        return [f"POST /v1/responses: {status} {text[:300]}"]
-    rid, ok = json.loads(text)["id"], lambda r: None if r.status_code == 200 else "not a 200"
-    return [failure for path, method, query in (
-        ("/v1/responses/{response_id}", "GET", None),
-        ("/v1/responses/{response_id}/input_items", "GET", {"limit": 1, "order": "asc"}),
-        ("/v1/responses/{response_id}", "DELETE", None))  # last: the others need the response
+    rids = {}
+    for background in (False, True):
+        status, text = http(base, "/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 3,
+                                                    "background": background})
+        if status != 200:
+            return [f"POST /v1/responses: {status} {text[:300]}"]
+        rids[background] = json.loads(text)["id"]
+    ok = lambda r: None if r.status_code == 200 else "not a 200"
+    return [failure for path, method, query, rid in (
+        ("/v1/responses/{response_id}", "GET", None, rids[False]),
+        ("/v1/responses/{response_id}/input_items", "GET", {"limit": 1, "order": "asc"}, rids[False]),
+        ("/v1/responses/{response_id}/cancel", "POST", None, rids[True]),
+        ("/v1/responses/{response_id}", "DELETE", None, rids[False]))  # last: the others need the response
         for failure in _checked(schema[path][method].Case(path_parameters={"response_id": rid}, query=query),
                                 base, f"{method} {path}", ok)]
 

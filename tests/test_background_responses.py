@@ -1,0 +1,101 @@
+"""Background responses (router/responses_api.py) without Ray: the answer is the response `queued`,
+the store shows it `in_progress` while its chat completion runs and then as it ended (completed,
+or failed with the error the chat path answered); a cancel cancels the running chat (the pools'
+requests are aborted through that cancellation) and stores `cancelled`; a delete cancels too; a
+response that ended keeps its end; one that did not run in the background cannot be cancelled;
+without a store it is a 400. Over HTTP, with the pools, in tests/test_responses_service.py."""
+
+import asyncio
+import json
+
+from fake_store import log_handle
+from router.openai_responses import error_response
+from router.response_store import ResponseLog
+from router.responses_api import ResponsesApi
+from router.responses_protocol import ResponsesRequest
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+
+
+class Chat:
+    """The router's chat endpoint, held at `gate`: answers "Paris." (or a 400 for a prompt that
+    says "too long"), and records whether it was cancelled."""
+
+    def __init__(self):
+        self.gate, self.cancelled = asyncio.Event(), 0
+
+    async def __call__(self, request):
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if "too long" in request.messages[-1].content:
+            return error_response(400, "this model's maximum context length is 8 tokens", param="messages")
+        return {"choices": [{"message": {"role": "assistant", "content": "Paris."}, "finish_reason": "stop"}],
+                "usage": USAGE}
+
+
+def _api(chat, store=True):
+    log = ResponseLog(100, 10**6)
+    saves = []
+    api = ResponsesApi(log_handle(log) if store else None, 100, "m", chat, saves.append,
+                       prompt_tokens=lambda _: 1, max_model_len=100)
+    return api, log, saves
+
+
+def _status(log: ResponseLog, rid: str) -> str:
+    return json.loads(log.get(rid).response)["status"]
+
+
+def _body(response) -> dict:
+    return response if isinstance(response, dict) else json.loads(response.body)
+
+
+def test_a_background_response_is_answered_queued_and_stored_as_it_ends():
+    async def run():
+        chat = Chat()
+        api, log, saves = _api(chat)
+        queued = await api.create(ResponsesRequest(input="The capital of France?", background=True))
+        assert queued["status"] == "queued" and queued["background"] and queued["output"] == [] and queued["store"]
+        await asyncio.sleep(0.01)
+        assert _status(log, queued["id"]) == "in_progress" and saves == []    # not counted until its end
+        refused = await api.create(ResponsesRequest(input="too long", background=True))
+        chat.gate.set()
+        await asyncio.sleep(0.01)
+        done = json.loads(log.get(queued["id"]).response)
+        assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == "Paris."
+        assert done["usage"]["output_tokens"] == 2 and saves == [True, True] and not api.background
+        failed = json.loads(log.get(refused["id"]).response)
+        assert failed["status"] == "failed" and "maximum context length" in failed["error"]["message"]
+        assert _body(await api.cancel(queued["id"]))["status"] == "completed"      # it ended: as it ended
+        plain = await api.create(ResponsesRequest(input="The capital of France?"))
+        cancel = await api.cancel(plain["id"])
+        assert cancel.status_code == 400 and "background" in _body(cancel)["error"]["message"]
+        assert (await api.cancel("resp_nope")).status_code == 404
+    asyncio.run(run())
+
+
+def test_cancel_and_delete_cancel_the_running_chat():
+    async def run():
+        chat = Chat()
+        api, log, saves = _api(chat)
+        first = await api.create(ResponsesRequest(input="Hi", background=True))
+        second = await api.create(ResponsesRequest(input="Hi", background=True))
+        await asyncio.sleep(0.01)
+        cancelled = await api.cancel(first["id"])
+        assert cancelled["status"] == "cancelled" and _status(log, first["id"]) == "cancelled"
+        assert chat.cancelled == 1 and saves == [True]
+        deleted = await api.delete(second["id"])
+        assert deleted["deleted"] and chat.cancelled == 2 and log.get(second["id"]) is None
+        await asyncio.sleep(0.01)
+        assert log.get(second["id"]) is None and not api.background     # nothing stored after the delete
+    asyncio.run(run())
+
+
+def test_without_a_store_background_is_a_400():
+    async def run():
+        api, _, _ = _api(Chat(), store=False)
+        refused = await api.create(ResponsesRequest(input="Hi", background=True))
+        assert refused.status_code == 400 and "responses.store is off" in _body(refused)["error"]["message"]
+    asyncio.run(run())
