@@ -19,7 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from lora_adapters import write_adapter
 from serving.config import AppConfig
-from service_util import TINY_ENGINE, http, metrics, pools_all_free, sse_events, tiny_app
+from service_util import TINY_ENGINE, http, metrics, pools_all_free, sse_events, tiny_app, wait_until
 
 pytestmark = pytest.mark.slow
 PROMPT = [1, 504, 3127, 314, 4110, 30, 2, 198, 25, 1029, 17, 88, 1944, 6000]
@@ -100,10 +100,12 @@ def _load_at_run_time(base, adapter, other_adapter, greedy, expected):
     assert http(base, "/v1/unload_lora_adapter", {"lora_name": "chat"})[0] == 404
     assert http(base, "/v1/unload_lora_adapter", {"lora_name": "sql"})[0] == 400
     assert complete("sql") == (200, expected["sql"]) and pools_all_free(base, {"prefill", "decode"})
-    loads = {(pool, name): value for (name, pool, _), value in metrics(base).items()
-             if name in ("pdserve_lora_loads", "pdserve_lora_evictions")}
-    assert loads == {(pool, name): value for pool in ("prefill", "decode")       # chat, then chat replaced
-                     for name, value in (("pdserve_lora_loads", 2), ("pdserve_lora_evictions", 0))}, loads
+    expected = {(pool, name): value for pool in ("prefill", "decode")       # chat, then chat replaced
+                for name, value in (("pdserve_lora_loads", 2), ("pdserve_lora_evictions", 0))}
+    loads = []       # the replicas push their counters every 0.5-2 s: wait for the last requests' push
+    assert wait_until(lambda: loads.append({(pool, name): value for (name, pool, _), value in metrics(base).items()
+                                            if name in ("pdserve_lora_loads", "pdserve_lora_evictions")})
+                      or loads[-1] == expected, timeout=15), loads[-1]
 
 
 def test_the_config_refuses_adapters_it_cannot_serve(tmp_path, tiny_llama_dir, adapter):
