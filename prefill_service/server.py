@@ -6,8 +6,8 @@ reserved blocks for the K/V under the request's id at `kv_address`)
               a 400 result) and queues the prompt (a resumed request's: with the output tokens
               the client already has, whose K/V is computed and pushed with the prompt's); a
               structured-output request's grammar is compiled first, on a worker thread, so the
-              engine thread only copies it (`AsyncEngine.prepare`; so is a LoRA adapter loaded at run
-              time read there)
+              engine thread only copies it (`AsyncEngine.prepare`, which also reads a LoRA adapter
+              loaded at run time)
   2. prefill  the engine batches waiting prompts under its token budget with chunked
               prefill, samples the first token, and holds the prompt's blocks
   3. push     a hand-off task starts sending the blocks into the reservation at once, with the

@@ -32,7 +32,8 @@ from router.responses_output import ResponseDeleted, ResponseEvent, ResponseItem
 REF = "#/components/schemas/{model}"
 
 ERRORS = {
-    400: "Invalid request: a body that breaks the schema, a prompt beyond the context, or a bad token id.",
+    400: "Invalid request: a body that breaks the schema, a prompt beyond the context, a bad token id, a LoRA "
+         "adapter that cannot be served, or a cancel of a response that did not run in the background.",
     401: "Missing or wrong API key.",
     404: "Unknown model (or route), no such stored response, or no such LoRA adapter loaded at run time (or "
          "`runtime_lora_updating` is off).",
