@@ -82,7 +82,8 @@ class EngineConfig:
         (engine.lora); a request runs one by naming it (SamplingParams.lora).
     max_loras: LoRA adapters loaded at run time (a request brings the path of one:
         SamplingParams.lora_path) the engine holds at once; the least recently used that no
-        request runs makes room for the next (engine.lora.LoraSet.use).
+        request runs makes room for the next, and with none idle the request is refused (503),
+        unless its K/V has landed (decode role): then the bound gives way (engine.lora.LoraSet.use).
     scheduling_policy: fcfs (first come, first served) or priority (vLLM's: by each request's
         SamplingParams.priority, then arrival; engine/scheduler.py).
     """

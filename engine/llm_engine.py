@@ -90,13 +90,15 @@ class LLMEngine:
         return f"request id {request_id!r} is already in use" if request_id in self._requests else None
 
     def _new_request(self, request_id, prompt, params, hold_blocks, resumed=(), shown_chars=0,
-                     draws=0) -> EngineRequest | Rejected:
+                     draws=0, landed=False) -> EngineRequest | Rejected:
+        """`landed`: the request's K/V is here already (decode role): a LoRA adapter loaded at run
+        time is loaded even past max_loras rather than the request refused (LoraSet.use)."""
         if in_use := self._id_in_use(request_id):
             return Rejected(request_id, in_use)
         req = self.admission.admit(request_id, prompt, params, hold_blocks, resumed, shown_chars, draws)
         if isinstance(req, EngineRequest) and params.lora_path is not None:     # loaded at run time
             busy = {r.seq.params.lora_key for r in self._requests.values()}
-            if refused := self.runner.loras.use(params.lora, params.lora_id, params.lora_path, busy):
+            if refused := self.runner.loras.use(params.lora, params.lora_id, params.lora_path, busy, landed):
                 return Rejected(request_id, *refused)
         if isinstance(req, EngineRequest):
             self._requests[request_id] = req
@@ -132,7 +134,7 @@ class LLMEngine:
         text too."""
         # the prefill engine drew `first_token` (after the resumed ones) from this seed
         req = self._new_request(request_id, list(prompt_token_ids), params, False, list(resumed), shown_chars,
-                                draws=len(resumed) + 1)
+                                draws=len(resumed) + 1, landed=True)
         if isinstance(req, Rejected):
             return req
         seq = req.seq

@@ -60,7 +60,9 @@ class LoraSet:
     loaded at run time (a request carrying its path: SamplingParams.lora_path) is loaded by the
     engine's admission at the first request that runs it (`use`) and kept while at most
     `max_loras` such are held: the next one evicts the least recently used that no request of the
-    engine runs, and is refused (busy) when every one is in use. Its file is read ahead on a worker
+    engine runs, and is refused (busy) when every one is in use, unless its request's K/V has
+    landed already (decode role): then it is loaded past the bound, which the next loads restore
+    by evicting idle ones. Its file is read ahead on a worker
     thread where the replica can (`prepare`, through LLMEngine.prepare), so admission only places
     it. Only the engine's thread calls the rest, between steps (a step's LoraBatch reads slots no
     admission can free: they are in use)."""
@@ -117,22 +119,23 @@ class LoraSet:
             while len(self._prepared) > self.max_loras:
                 self._prepared.popitem(last=False)
 
-    def use(self, name: str, lora_id: int, path: str, busy: set) -> tuple[str, int] | None:
+    def use(self, name: str, lora_id: int, path: str, busy: set, over: bool = False) -> tuple[str, int] | None:
         """Admission of a request running run-time adapter `name` (load `lora_id`, at `path`):
-        loads it unless held, evicting the least recently used run-time adapter whose key is not
-        in `busy` (those the engine's requests run) when `max_loras` are held. None, or why not
-        with an HTTP status: 400 (the adapter cannot be served), 503 (every slot is in use)."""
+        loads it unless held, first evicting the least recently used run-time adapters whose keys
+        are not in `busy` (those the engine's requests run) while `max_loras` or more are held.
+        None, or why not with an HTTP status: 400 (the adapter cannot be served), 503 (every one
+        held is in use; with `over`, a request that cannot wait, it is loaded past the bound)."""
         key = (name, lora_id)
         self._tick += 1
         if key in self._slots:
             self._last_use[key] = self._tick
             return None
-        if len(self._last_use) >= self.max_loras:
-            idle = [k for k in self._last_use if k not in busy]
-            if not idle:
-                return (f"LoRA adapter {name!r}: this replica holds max_loras {self.max_loras} adapters loaded at "
-                        "run time, each run by a request now; retry later", 503)
-            self._drop(min(idle, key=self._last_use.__getitem__))
+        idle = sorted((k for k in self._last_use if k not in busy), key=self._last_use.__getitem__)
+        while len(self._last_use) >= self.max_loras and idle:
+            self._drop(idle.pop(0))
+        if len(self._last_use) >= self.max_loras and not over:
+            return (f"LoRA adapter {name!r}: this replica holds max_loras {self.max_loras} adapters loaded at "
+                    "run time, each run by a request now; retry later", 503)
         with self._prepared_lock:
             weights = self._prepared.pop(key, None)
         try:

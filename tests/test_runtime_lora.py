@@ -1,6 +1,7 @@
 """LoRA adapters loaded at run time, without Ray: an engine loads one at the first request that
 brings its path (the output is the configured adapter's), holds at most `max_loras` of them (the
-least recently used idle one goes; a request finding every slot in use gets a 503 to retry), treats
+least recently used idle one goes; a request finding every slot in use gets a 503 to retry, unless
+its K/V has landed in a decode engine: then the bound gives way), treats
 a name loaded again as a new adapter (its own output, none of the old one's cached K/V), reads the
 adapter ahead on the async engine's worker thread (admission only places it), and refuses an adapter
 it cannot serve with the reason and keeps serving; the router's side checks an adapter's tensors
@@ -18,6 +19,7 @@ import engine.lora
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.outputs import Rejected
 from engine.lora_config import Dims, check_adapter, safetensors_shapes
 from engine.sampling_params import SamplingParams
 from lora_adapters import ATTENTION, write_adapter
@@ -78,6 +80,35 @@ def test_max_loras_evicts_the_least_recently_used_idle_adapter_and_refuses_when_
     assert out.token_ids == _engine(path, {"c": adapters["c"]}).generate(
         [PROMPT], SamplingParams(**GREEDY, lora="c"))[0].token_ids      # c's weights in b's slot
     assert eng.block_manager.all_free()
+
+
+def test_a_decode_engine_loads_past_max_loras_rather_than_refuse_a_landed_request(tiny):
+    """A request whose K/V has landed in a decode engine is never refused for room: its adapter is
+    loaded past max_loras, and the next load evicts idle ones back under the bound."""
+    path, adapters = tiny
+    prefill, decode = _engine(path), _engine(path, max_loras=1)
+    expected = {name: _engine(path, {name: adapters[name]}).generate(
+        [PROMPT], SamplingParams(**GREEDY, lora=name))[0].token_ids for name in ("a", "b", "c")}
+    tokens = {}
+    for lora_id, name in enumerate(("a", "b"), 1):          # both decoding at once
+        params = _runtime(name, adapters[name], lora_id)
+        prefill.add_request(name, PROMPT, params, hold_blocks=True)
+        first = [t for _ in iter(prefill.has_work, False) for out in prefill.step() for t in out.new_token_ids]
+        blocks, cached = decode.reserve_cached(PROMPT, params.lora_key)
+        assert cached == 0 and len(first) == 1
+        decode.import_kv(blocks, prefill.runner.export_blocks(prefill.held_blocks(name)))
+        prefill.release(name)
+        out = decode.add_prefilled(name, PROMPT, first[0], params, blocks)
+        assert not isinstance(out, Rejected), out.reason
+        tokens[name] = first
+    assert decode.runner.loras.held() == [("a", 1), ("b", 2)]           # past max_loras 1
+    while decode.has_work():
+        for out in decode.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert tokens == {"a": expected["a"], "b": expected["b"]}
+    assert decode.generate([PROMPT], _runtime("c", adapters["c"], 3))[0].token_ids == expected["c"]
+    assert decode.runner.loras.held() == [("c", 3)] and decode.stats()["lora_evictions"] == 2
+    assert decode.block_manager.all_free()
 
 
 def test_a_name_loaded_again_is_a_new_adapter(tiny):
