@@ -397,7 +397,7 @@ class Router:
             self.request_metrics.finish("aborted")
             raise
         reply = Reply(body, rid, body.model or self.model_name, chat, choices, firsts, (start, first_at),   # as asked
-                      self.request_metrics, self.token_strings, echoes, shape)
+                      self.request_metrics, self.token_strings, echoes, shape, params.lora)
         if body.stream:
             return StreamingResponse(reply.stream(), media_type="text/event-stream")
         return await reply.collect()

@@ -52,6 +52,7 @@ class RequestMetrics:
         self.migrations = 0       # attempts that resumed a request after a replica died (orchestrator)
         self.responses_saved: Counter = Counter()    # "stored" / "not_stored" (router/responses_api.py)
         self.lora_requests: Counter = Counter()      # adapter name -> requests that ran it
+        self.lora_tokens: Counter = Counter()        # adapter name -> output tokens of its finished requests
         self.export = export
         self.window = SloWindow(window_s)      # the SLO autoscaling policy's view (router/slo_window.py)
 
@@ -100,6 +101,12 @@ class RequestMetrics:
         if self.export is not None:
             self.export.lora_request(adapter)
 
+    def lora_output(self, adapter: str, tokens: int) -> None:
+        """The output tokens of a finished request that ran LoRA adapter `adapter`."""
+        self.lora_tokens[adapter] += tokens
+        if self.export is not None:
+            self.export.lora_output(adapter, tokens)
+
     def finish(self, outcome: str) -> None:
         """Count one request that ended as `outcome` (one of OUTCOMES)."""
         self.outcomes[outcome] += 1
@@ -125,7 +132,11 @@ class RequestMetrics:
                 "# HELP pdserve_lora_requests_total Requests that ran a LoRA adapter, by adapter",
                 "# TYPE pdserve_lora_requests_total counter",
                 *(f'pdserve_lora_requests_total{{{label_text({"adapter": a})}}} {n}'
-                  for a, n in sorted(self.lora_requests.items()))]
+                  for a, n in sorted(self.lora_requests.items())),
+                "# HELP pdserve_lora_output_tokens_total Output tokens of finished requests that ran a LoRA "
+                "adapter, by adapter", "# TYPE pdserve_lora_output_tokens_total counter",
+                *(f'pdserve_lora_output_tokens_total{{{label_text({"adapter": a})}}} {n}'
+                  for a, n in sorted(self.lora_tokens.items()))]
         if self.export is not None:
             out += ["# HELP pdserve_router_ray_metrics_errors_total Errors exporting the router's series to "
                     "Ray's metrics port (the first one turns the export off)",

@@ -38,7 +38,8 @@ from serving import messages
 class Reply:
     """The answer to one request (`body`: its CompletionRequest or ChatCompletionRequest) whose
     choices have started; `firsts`: each choice's first event; `times`: (arrival, first events)
-    on the monotonic clock; `echoes`: a completion's echoed prompts (text, ids), one per prompt."""
+    on the monotonic clock; `echoes`: a completion's echoed prompts (text, ids), one per prompt;
+    `adapter`: the LoRA adapter it runs (its output tokens are counted apart too)."""
     body: object
     rid: str
     model_name: str
@@ -50,6 +51,7 @@ class Reply:
     token_strings: TokenStrings
     echoes: list[tuple[str, list[int]]] | None = None
     shape: ChatOutputShape | None = None
+    adapter: str | None = None
 
     def _views(self) -> list[ChoiceView]:
         """One view per choice (prompt p's choices are p*n .. p*n + n-1)."""
@@ -83,6 +85,8 @@ class Reply:
         tokens = [0 if self.body.prompt_only else ev.num_output_tokens for ev in lasts]
         cached = sum(ev.num_cached_tokens for ev in self.firsts) / len(self.firsts)
         self.metrics.observe(*self.times, time.monotonic(), sum(tokens), max(tokens), cached)
+        if self.adapter is not None:
+            self.metrics.lora_output(self.adapter, sum(tokens))
 
     def _ended_early(self, i: int, output: ChoiceOutput, ev: messages.TokenEvent) -> messages.TokenEvent:
         """Choice i's event `ev` once its chat `output` was fed the event's text: where that

@@ -83,6 +83,8 @@ class RouterSeries(_Export):
                                                "tried to store, by result", tag_keys=("result",))
         m["lora_requests"] = metrics.Counter("pdserve_lora_requests_total", "Requests that ran a LoRA adapter, by "
                                              "adapter", tag_keys=("adapter",))
+        m["lora_tokens"] = metrics.Counter("pdserve_lora_output_tokens_total", "Output tokens of finished requests "
+                                           "that ran a LoRA adapter, by adapter", tag_keys=("adapter",))
         return m
 
     def request(self, ttft: float, tpot: float | None, e2e: float, output_tokens: int, good: bool = False) -> None:
@@ -111,6 +113,10 @@ class RouterSeries(_Export):
 
     def lora_request(self, adapter: str) -> None:
         self._record(lambda m: m["lora_requests"].inc(1, tags={"adapter": adapter}))
+
+    def lora_output(self, adapter: str, tokens: int) -> None:
+        if tokens > 0:
+            self._record(lambda m: m["lora_tokens"].inc(tokens, tags={"adapter": adapter}))
 
 
 class ReplicaSeries(_Export):

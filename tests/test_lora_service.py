@@ -62,11 +62,13 @@ def test_a_request_naming_an_adapter_runs_it_in_both_pools(ray_serve, tiny_llama
         status, body = http(base, "/v1/chat/completions", {"model": "sql", "max_tokens": 4,
                                                             "messages": [{"role": "user", "content": "hi"}]})
         assert status == 200, body
+        chat_tokens = json.loads(body)["usage"]["completion_tokens"]
         status, body = http(base, "/v1/completions", {"model": "nope", "prompt": "x"})
         assert status == 404 and "'tiny', 'sql'" in body and "model_not_found" in body
         assert pools_all_free(base, {"prefill", "decode"})
         status, text = http(base, "/metrics")
         assert 'pdserve_lora_requests_total{adapter="sql"} 5' in text        # 2 + n=2 + streamed + chat
+        assert f'pdserve_lora_output_tokens_total{{adapter="sql"}} {5 * 12 + chat_tokens}' in text, text
         _load_at_run_time(base, adapter, other_adapter, greedy, expected)
 
 

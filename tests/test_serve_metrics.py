@@ -15,6 +15,9 @@ def test_router_and_replica_series_record_without_errors():
     router.migrated()
     router.response_saved("stored")
     router.response_saved("not_stored")
+    router.lora_request("sql")
+    router.lora_output("sql", 12)
+    router.lora_output("sql", 0)             # none: no inc
     replica = ReplicaSeries("prefill")
     replica.load(ReplicaStats("prefill", "p1", 100, 60, 3, 2, 50))
     replica.observe("kv_transfer_seconds", 0.01)
