@@ -85,18 +85,30 @@ class Scheduler:
         arrival) order first, until it does; with fcfs nothing is preempted. The caller admits it
         (a waiting sequence in `schedule`, a decode reservation in LLMEngine.reserve_cached)."""
         while not fits():
-            victim = max(self.running, key=_order, default=None) if self.by_priority else None
-            if victim is None or victim.params.priority <= priority:
+            if not self._outranked_by(priority):
                 return False
-            self._preempt(victim)
+            self._preempt(self._last_running())
         return True
+
+    def _last_running(self) -> Sequence | None:
+        """The running sequence a preemption takes: the last in (priority, arrival) order with the
+        priority policy, the newest with fcfs."""
+        if not self.running:
+            return None
+        return max(self.running, key=_order) if self.by_priority else self.running[-1]
+
+    def _outranked_by(self, priority: int) -> bool:
+        """Whether the priority policy would preempt a running sequence for one of `priority`."""
+        return self.by_priority and bool(self.running) and self._last_running().params.priority > priority
 
     # ---- the step ------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
-        if self.by_priority and self.waiting:       # 0. room for the first waiting sequence
+        # 0. room for the first waiting sequence (its prefix hits are looked up only where a lower
+        # priority runs: this is on every step)
+        if self.waiting and self._outranked_by(self.waiting[0].params.priority):
             head = self.waiting[0]
             self.make_room(head.params.priority,
                            lambda: len(self.running) < self.max_num_seqs and self.bm.can_allocate(head))
@@ -110,7 +122,7 @@ class Scheduler:
                 if seq.num_draft:
                     seq.take_draft()
                     continue
-                victim = max(self.running, key=_order) if self.by_priority else self.running[-1]
+                victim = self._last_running()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
