@@ -2,7 +2,8 @@
 the base model, every row on one adapter, and the rows split between two adapters and the base
 model, one engine, alternated in one run; a prompt chunk's prefill with and without; and what
 loading an adapter at run time costs (the router's check of the directory; a replica's read at the
-adapter's first request, ahead on a worker thread, and then its admission on the engine thread).
+adapter's first request, ahead on a worker thread, and then its placement on the engine thread,
+before the step that starts the request).
 The adapters are random, in PEFT's format, on every attention and MLP projection (`--rank`),
 written for the model to a temporary directory.
 
@@ -142,7 +143,7 @@ def main() -> None:
         ms = {what: statistics.median(t) * 1e3 for what, t in times.items()}
         print(f"  loaded at run time ({size:.1f} MiB file, medians of {len(times['read'])}): the router's check "
               f"{ms['check']:.2f} ms; a replica's read ahead (worker thread) {ms['read']:.1f} ms, then its "
-              f"admission {ms['place']:.2f} ms (engine thread; {ms['unread']:.1f} ms without the read ahead)")
+              f"placement {ms['place']:.2f} ms (engine thread; {ms['unread']:.1f} ms without the read ahead)")
 
 
 if __name__ == "__main__":

@@ -81,9 +81,10 @@ class EngineConfig:
     lora_modules: LoRA adapters served beside the base model, name -> a PEFT adapter directory
         (engine.lora); a request runs one by naming it (SamplingParams.lora).
     max_loras: LoRA adapters loaded at run time (a request brings the path of one:
-        SamplingParams.lora_path) the engine holds at once; the least recently used that no
-        request runs makes room for the next, and with none idle the request is refused (503),
-        unless its K/V has landed (decode role): then the bound gives way (engine.lora.LoraSet.use).
+        SamplingParams.lora_path) the engine holds, and runs in one step, at once; the least
+        recently used that no request runs makes room for the next, and with none idle the request
+        waits in the queue (and the queue behind it), unless its K/V has landed (decode role): then
+        the bound gives way (engine.lora.LoraSet.use).
     scheduling_policy: fcfs (first come, first served) or priority (vLLM's: by each request's
         SamplingParams.priority, then arrival; engine/scheduler.py).
     """

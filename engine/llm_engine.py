@@ -6,11 +6,13 @@ Life cycle of a request in the engine
      Both check the request first (`check_request`) and return a `Rejected` instead of
      admitting one that cannot be served: check and admit are one engine call
      (engine/admission.py checks and builds the request's state; a request bringing the path
-     of a LoRA adapter loaded at run time has it loaded here, engine/lora.py). Both also take a
+     of a LoRA adapter loaded at run time has it read here, engine/lora.py). Both also take a
      resumed request: the prompt plus the output tokens a client already has (`resumed`; the
      router moves a request whose replica died this way), which count as output (max_tokens,
      min_tokens, penalties, stop strings, structured output) and whose text is not shown again.
-  2. `step` drafts tokens when it speculates (prompt lookup, engine/ngram.py), schedules
+  2. `step` places the LoRA adapters loaded at run time of the waiting requests it may start
+     (`_place_loras`: a request whose adapter finds `max_loras` in use waits, and so do the
+     requests of such adapters behind it), drafts tokens when it speculates (prompt lookup, engine/ngram.py), schedules
      chunks under the token budget, runs one ragged forward (collecting the
      prompt logprobs of requests that ask for them), samples the chunks that reached their
      last token (a structured-output request among the tokens its grammar allows next), and
@@ -24,12 +26,15 @@ Only one thread may call an `LLMEngine` (the async wrapper owns that thread), `p
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers import AutoTokenizer
 
 from engine.admission import Admission, EngineRequest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.lora import NO_ROOM
 from engine.model_runner import ModelRunner
 from engine.ngram import propose_drafts
 from engine.outputs import Completion, Rejected, RequestOutput, TokenLogprobs
@@ -47,13 +52,14 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, gate=self._lora_placed)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = self._eos_ids()
         self.admission = Admission(self.tokenizer, self.runner.vocab_size, self.max_model_len, self.eos_token_ids,
                                    self.runner.device, config.seed, frozenset(config.lora_modules),
                                    config.scheduling_policy == "priority")
         self._requests: dict[str, EngineRequest] = {}
+        self._runtime_loras = False      # a request ran a LoRA adapter loaded at run time (_place_loras)
         self.num_draft_tokens = 0        # speculative decoding: draft tokens fed, and those kept
         self.num_accepted_tokens = 0
 
@@ -91,15 +97,21 @@ class LLMEngine:
 
     def _new_request(self, request_id, prompt, params, hold_blocks, resumed=(), shown_chars=0,
                      draws=0, landed=False) -> EngineRequest | Rejected:
-        """`landed`: the request's K/V is here already (decode role): a LoRA adapter loaded at run
-        time is loaded even past max_loras rather than the request refused (LoraSet.use)."""
+        """A LoRA adapter loaded at run time is read here (placed before the step that starts the
+        request: `_place_loras`); `landed`: the request's K/V is here already and it runs at once
+        (decode role): its adapter is placed now, past max_loras where every place is in use."""
         if in_use := self._id_in_use(request_id):
             return Rejected(request_id, in_use)
         req = self.admission.admit(request_id, prompt, params, hold_blocks, resumed, shown_chars, draws)
         if isinstance(req, EngineRequest) and params.lora_path is not None:     # loaded at run time
-            busy = {r.seq.params.lora_key for r in self._requests.values()}
-            if refused := self.runner.loras.use(params.lora, params.lora_id, params.lora_path, busy, landed):
-                return Rejected(request_id, *refused)
+            self._runtime_loras = True
+            loras = self.runner.loras
+            if landed:
+                why = loras.use(params.lora, params.lora_id, params.lora_path, self._running_loras(), over=True)
+            else:
+                why = loras.check(params.lora, params.lora_id, params.lora_path)
+            if why is not None:
+                return Rejected(request_id, why)
         if isinstance(req, EngineRequest):
             self._requests[request_id] = req
         return req
@@ -173,6 +185,7 @@ class LLMEngine:
         return [rid for rid, req in self._requests.items() if not req.seq.is_finished]
 
     def step(self) -> list[RequestOutput]:
+        failed = self._place_loras()
         drafted = propose_drafts(self.scheduler.running, self._requests, self.config.speculative_tokens,
                                  self.config.speculative_max_batch, self.max_model_len)
         try:
@@ -180,7 +193,7 @@ class LLMEngine:
             if not chunks:
                 for seq in drafted:
                     seq.take_draft()
-                return []
+                return failed
             spans = self._prompt_logprob_spans(chunks)
             out = self.runner.run(chunks, spans)
         except BaseException:
@@ -192,7 +205,38 @@ class LLMEngine:
             targets = ch.seq.token_ids[ch.start + a + 1:ch.start + b + 1]
             self._requests[ch.seq.request_id].prompt_logprobs += prompt_logprobs(
                 self.runner.lm_head, out.hidden[i], targets, ch.seq.params.prompt_logprobs)
-        return self._postprocess(chunks, out.logits, drafted)
+        return failed + self._postprocess(chunks, out.logits, drafted)
+
+    def _place_loras(self) -> list[RequestOutput]:
+        """Before scheduling: place the run-time LoRA adapters of the waiting sequences the step may
+        start (as many as `max_num_seqs` leaves seats), in queue order; the first that finds every
+        place in use (`NO_ROOM`) waits, and the scheduler starts no request of a run-time adapter
+        behind it (`_lora_placed`).
+        The outputs of requests whose adapter can no longer be read (a 400; blocks freed)."""
+        seats = self.scheduler.max_num_seqs - len(self.scheduler.running)
+        if not self._runtime_loras or seats <= 0 or not self.scheduler.waiting:
+            return []
+        busy, failed = self._running_loras(), []
+        for seq in list(itertools.islice(self.scheduler.waiting, seats)):
+            p = seq.params
+            if p.lora_path is None:
+                continue
+            why = self.runner.loras.use(p.lora, p.lora_id, p.lora_path, busy)
+            if why is NO_ROOM:
+                break
+            if why is not None:
+                failed.append(self._fail(self._requests[seq.request_id], why, 400))
+                continue
+            busy.add(p.lora_key)
+        return failed
+
+    def _running_loras(self) -> set:
+        return {seq.params.lora_key for seq in self.scheduler.running if seq.params.lora_path is not None}
+
+    def _lora_placed(self, seq: Sequence) -> bool | None:
+        """The scheduler's gate: None where `seq` runs no adapter loaded at run time, else whether
+        its adapter is placed."""
+        return None if seq.params.lora_path is None else self.runner.loras.holds(seq.params.lora_key)
 
     def _prompt_logprob_spans(self, chunks: list[ScheduledChunk]) -> dict[int, tuple[int, int]]:
         """{chunk index: (first, last) row offsets} of the prompt positions in this step whose

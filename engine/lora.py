@@ -8,7 +8,7 @@ Who calls: the model runner holds a `LoraSet`, loaded with `EngineConfig.lora_mo
 torch-free), gives each step's rows a `LoraBatch` (`LoraSet.batch`), and the decoder calls
 `LoraBatch.add` after each linear. The engine's admission refuses a request naming an adapter it
 does not serve, and loads one a request brings the path of (an adapter the router loaded at run
-time: `LoraSet.use`).
+time: `LoraSet.check`, then `LoraSet.use` when the scheduler may start it).
 
 Supported: `peft_type` LORA on the attention's and the MLP's projections (q_proj, k_proj, v_proj,
 o_proj, gate_proj, up_proj, down_proj, or Phi-3's fused qkv_proj and gate_up_proj), any rank per
@@ -47,6 +47,7 @@ class LinearUpdate:
     parts: list[tuple[int, slice, torch.Tensor, float]]
 
 
+NO_ROOM = "no room"  # LoraSet.use: every place is taken by an adapter that a request runs
 FP32_BELOW = 64    # rows under which a bf16 model's update is computed in float32 on a CPU (LoraBatch.add)
 KERNEL_BELOW = 16  # ... and through the engine's kernel (lora_cpu.cpp) rather than torch's ops
 
@@ -56,16 +57,18 @@ class LoraSet:
     router's id for one loaded at run time). Slot 0 is the base model; `weights[slot][layer]`:
     fused linear name -> the adapter's `LinearUpdate` of it (None: a free slot).
 
-    The configuration's adapters (`EngineConfig.lora_modules`) are loaded at start and kept; one
-    loaded at run time (a request carrying its path: SamplingParams.lora_path) is loaded by the
-    engine's admission at the first request that runs it (`use`) and kept while at most
-    `max_loras` such are held: the next one evicts the least recently used that no request of the
-    engine runs, and is refused (busy) when every one is in use, unless its request's K/V has
-    landed already (decode role): then it is loaded past the bound, which the next loads restore
-    by evicting idle ones. Its file is read ahead on a worker
-    thread where the replica can (`prepare`, through LLMEngine.prepare), so admission only places
-    it. Only the engine's thread calls the rest, between steps (a step's LoraBatch reads slots no
-    admission can free: they are in use)."""
+    The configuration's adapters (`EngineConfig.lora_modules`) are loaded at start and kept. One
+    loaded at run time (a request carrying its path: SamplingParams.lora_path) is read when the
+    engine admits its first request (`check`: ahead on a worker thread where the replica can,
+    `prepare` through LLMEngine.prepare, so admission only finds it read), and placed when the
+    scheduler may start that request (`use`, called by the engine before each step): at most
+    `max_loras` such are held, the next one evicting the least recently used that no running or
+    starting request runs; when every one is in use there is no room (`NO_ROOM`) and the request
+    waits in the queue until one goes idle, as vLLM's scheduler keeps a request waiting past
+    `max_loras` adapters. A request whose K/V has landed already (decode role) does not wait: its
+    adapter is loaded past the bound (`over`), which the next loads restore by evicting idle ones.
+    Only the engine's thread calls the rest, between steps (a step's LoraBatch reads slots no
+    placement can free: they are in use)."""
 
     def __init__(self, model, device, kernels=None, max_loras: int = 8):
         """`model`: engine.decoder's DecoderModel (its widths and dtype)."""
@@ -84,6 +87,9 @@ class LoraSet:
     @property
     def empty(self) -> bool:
         return not self._slots
+
+    def holds(self, key: tuple[str, int]) -> bool:
+        return key in self._slots
 
     def slot(self, key: tuple[str, int] | None) -> int:
         return 0 if key is None else self._slots[key]
@@ -106,25 +112,43 @@ class LoraSet:
     def prepare(self, name: str, lora_id: int, path: str) -> None:
         """Any thread: read run-time adapter `name` (load `lora_id`) at `path` ahead, for `use` to
         place; the last `max_loras` read ahead are kept (a request that left before its admission
-        leaves one behind). A failure is left for `use` to report."""
+        leaves one behind; with more adapters waiting, the first ones are read again when placed).
+        A failure is left for `check` to report."""
         key = (name, lora_id)
         if not self.needs(key):
             return
         try:
             weights = _load_one(name, path, self.dims, self.dtype, self.device)
-        except Exception:  # noqa: BLE001 - use() reads it again and reports why
+        except Exception:  # noqa: BLE001 - check() reads it again and reports why
             return
+        self._keep_prepared(key, weights)
+
+    def _keep_prepared(self, key: tuple[str, int], weights: list) -> None:
         with self._prepared_lock:
             self._prepared[key] = weights
             while len(self._prepared) > self.max_loras:
                 self._prepared.popitem(last=False)
 
-    def use(self, name: str, lora_id: int, path: str, busy: set, over: bool = False) -> tuple[str, int] | None:
-        """Admission of a request running run-time adapter `name` (load `lora_id`, at `path`):
-        loads it unless held, first evicting the least recently used run-time adapters whose keys
-        are not in `busy` (those the engine's requests run) while `max_loras` or more are held.
-        None, or why not with an HTTP status: 400 (the adapter cannot be served), 503 (every one
-        held is in use; with `over`, a request that cannot wait, it is loaded past the bound)."""
+    def check(self, name: str, lora_id: int, path: str) -> str | None:
+        """Admission of a request running run-time adapter `name` (load `lora_id`, at `path`): None
+        where it is held or read (read now, on this thread, where `prepare` did not), else why it
+        cannot be served (a 400)."""
+        key = (name, lora_id)
+        if not self.needs(key):
+            return None
+        weights = self._read(name, path)
+        if isinstance(weights, str):
+            return weights
+        self._keep_prepared(key, weights)
+        return None
+
+    def use(self, name: str, lora_id: int, path: str, busy: set, over: bool = False) -> str | None:
+        """Place run-time adapter `name` (load `lora_id`, at `path`) for a request to start: held
+        already, or loaded once the least recently used run-time adapters whose keys are not in
+        `busy` (those of the requests running or starting) are evicted while `max_loras` or more
+        are held. None when held; `NO_ROOM` when every one held is in use (the request waits; with
+        `over`, a request that cannot wait, it is loaded past the bound instead); else why it cannot
+        be served (a 400: its file, read again where it was not kept read, no longer serves)."""
         key = (name, lora_id)
         self._tick += 1
         if key in self._slots:
@@ -134,20 +158,25 @@ class LoraSet:
         while len(self._last_use) >= self.max_loras and idle:
             self._drop(idle.pop(0))
         if len(self._last_use) >= self.max_loras and not over:
-            return (f"LoRA adapter {name!r}: this replica holds max_loras {self.max_loras} adapters loaded at "
-                    "run time, each run by a request now; retry later", 503)
+            return NO_ROOM
         with self._prepared_lock:
             weights = self._prepared.pop(key, None)
-        try:
-            weights = weights or _load_one(name, path, self.dims, self.dtype, self.device)
-        except ValueError as exc:
-            return str(exc), 400
-        except Exception as exc:  # noqa: BLE001 - an unreadable file, whatever its reader raises
-            return f"LoRA adapter {name!r}: {path}: {type(exc).__name__}: {exc}", 400
+        weights = weights or self._read(name, path)
+        if isinstance(weights, str):
+            return weights
         self._place(key, weights)
         self._last_use[key] = self._tick
         self.loads += 1
         return None
+
+    def _read(self, name: str, path: str) -> list[dict[str, LinearUpdate]] | str:
+        """Adapter `name`'s weights from `path`, or why it cannot be served."""
+        try:
+            return _load_one(name, path, self.dims, self.dtype, self.device)
+        except ValueError as exc:
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - an unreadable file, whatever its reader raises
+            return f"LoRA adapter {name!r}: {path}: {type(exc).__name__}: {exc}"
 
     def _place(self, key: tuple[str, int], weights: list[dict[str, LinearUpdate]]) -> None:
         free = next((i for i, w in enumerate(self.weights) if w is None), None)

@@ -14,6 +14,10 @@ few free blocks, or `max_num_seqs` running), preempts running sequences of a low
 larger value), the last in that order first, until it can (`make_room`; as vLLM's V0 priority
 preemption). A decode-role engine's reservation makes room the same way (LLMEngine.reserve_cached).
 Batching decisions count tokens: a step never feeds more than `max_num_batched_tokens`.
+A waiting sequence may also have to wait for something outside the blocks, a place for its LoRA
+adapter loaded at run time (engine/lora.py): `gate(seq)` says None (it needs none), True (it has one)
+or False (none is free). One that finds none waits, and so does every sequence behind it that needs
+a place (they would keep the places busy and starve it); those that need none may go past it.
 A decoding sequence may carry proposed tokens (speculative decoding, `Sequence.num_draft`): they
 are fed with its token when the budget and the free blocks allow, and dropped (not preempting
 anyone) when they do not.
@@ -40,9 +44,10 @@ def _order(seq: Sequence) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs"):
+                 policy: str = "fcfs", gate: Callable[[Sequence], bool | None] | None = None):
         assert max_num_seqs > 0 and max_num_batched_tokens > 0 and policy in POLICIES
         self.bm = block_manager
+        self.gate = gate
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.by_priority = policy == "priority"
@@ -108,7 +113,7 @@ class Scheduler:
         preempted = False
         # 0. room for the first waiting sequence (its prefix hits are looked up only where a lower
         # priority runs: this is on every step)
-        if self.waiting and self._outranked_by(self.waiting[0].params.priority):
+        if self.waiting and self._outranked_by(self.waiting[0].params.priority) and self._may_start(self.waiting[0], 0):
             head = self.waiting[0]
             self.make_room(head.params.priority,
                            lambda: len(self.running) < self.max_num_seqs and self.bm.can_allocate(head))
@@ -131,13 +136,17 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk.next_for(seq, budget))
             budget -= chunks[-1].num_tokens
-        # 2. waiting sequences, first come first served
-        while (self.waiting and budget > 0 and not preempted
+        # 2. waiting sequences, first come first served (past those the gate holds back)
+        held_back = 0
+        while (len(self.waiting) > held_back and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[held_back]
+            if not self._may_start(seq, held_back):
+                held_back += 1
+                continue
             if not self.bm.allocate(seq):
                 break
-            self.waiting.popleft()
+            del self.waiting[held_back]
             if seq.first_scheduled_time is None:  # not again after a preemption: queue time
                 seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
@@ -145,6 +154,13 @@ class Scheduler:
             chunks.append(ScheduledChunk.next_for(seq, budget))
             budget -= chunks[-1].num_tokens
         return chunks
+
+    def _may_start(self, seq: Sequence, held_back: int) -> bool:
+        """Whether the gate lets `seq` start, `held_back` sequences ahead of it held back."""
+        if self.gate is None:
+            return True
+        placed = self.gate(seq)
+        return placed is None or (placed and not held_back)
 
     # ---- leaving ---------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str | None, keep_blocks: bool = False) -> None:

@@ -7,7 +7,8 @@ Life cycle of an adapter loaded at run time
               safetensors header, torch-free) and remembers it under its name with a new load id
   2. serve    a request naming it carries its path and load id to every pool
               (SamplingParams.lora_path, lora_id); each replica loads it at the first such
-              request and keeps it while its `max_loras` allow (engine/lora.py `LoraSet.use`)
+              request and keeps it while its `max_loras` allow; a request finding them all in
+              use waits in the replica's queue (engine/lora.py `LoraSet.use`)
   3. unload   the router forgets the name: new requests naming it are 404s; those running keep
               it to their end, and the replicas drop it when it is their least recently used
               and another needs the room. Loaded again, even from the same directory, it is a new

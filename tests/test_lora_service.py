@@ -4,7 +4,8 @@ replica, and gets what a local engine with the adapter gives; the base model's a
 /v1/models lists the adapter with its parent; each of `n` choices runs it; an unknown name is a 404
 naming what is served; every block is free after; /metrics counts the adapter's
 requests. An adapter loaded at run time (/v1/load_lora_adapter) runs the same way in both pools,
-and replaced under its name it runs its new weights (none of the old one's cached K/V); unloaded,
+and replaced under its name it runs its new weights (none of the old one's cached K/V; with
+`max_loras` 1 the old one is evicted for it in both pools); unloaded,
 its name is a 404. The configuration refuses adapters it cannot serve before anything starts."""
 
 import json
@@ -45,7 +46,7 @@ def test_a_request_naming_an_adapter_runs_it_in_both_pools(ray_serve, tiny_llama
                 for name in (None, "sql", "chat")}
     assert len(set(expected.values())) == 3
     with tiny_app(ray_serve, tiny_llama_dir, "lora", lora_modules={"sql": str(adapter)},
-                  runtime_lora_updating=True) as base:
+                  runtime_lora_updating=True, max_loras=1) as base:
         status, body = http(base, "/v1/models")
         cards = {c["id"]: c for c in json.loads(body)["data"]}
         assert status == 200 and cards["sql"]["parent"] == "tiny" and "parent" not in cards["tiny"]
@@ -102,8 +103,8 @@ def _load_at_run_time(base, adapter, other_adapter, greedy, expected):
     assert http(base, "/v1/unload_lora_adapter", {"lora_name": "chat"})[0] == 404
     assert http(base, "/v1/unload_lora_adapter", {"lora_name": "sql"})[0] == 400
     assert complete("sql") == (200, expected["sql"]) and pools_all_free(base, {"prefill", "decode"})
-    expected = {(pool, name): value for pool in ("prefill", "decode")       # chat, then chat replaced
-                for name, value in (("pdserve_lora_loads", 2), ("pdserve_lora_evictions", 0))}
+    expected = {(pool, name): value for pool in ("prefill", "decode")       # chat, then chat replaced (max_loras 1)
+                for name, value in (("pdserve_lora_loads", 2), ("pdserve_lora_evictions", 1))}
     loads = []       # the replicas push their counters every 0.5-2 s: wait for the last requests' push
     assert wait_until(lambda: loads.append({(pool, name): value for (name, pool, _), value in metrics(base).items()
                                             if name in ("pdserve_lora_loads", "pdserve_lora_evictions")})

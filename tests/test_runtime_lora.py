@@ -1,14 +1,15 @@
 """LoRA adapters loaded at run time, without Ray: an engine loads one at the first request that
 brings its path (the output is the configured adapter's), holds at most `max_loras` of them (the
-least recently used idle one goes; a request finding every slot in use gets a 503 to retry, unless
-its K/V has landed in a decode engine: then the bound gives way), treats
-a name loaded again as a new adapter (its own output, none of the old one's cached K/V), reads the
-adapter ahead on the async engine's worker thread (admission only places it), and refuses an adapter
-it cannot serve with the reason and keeps serving; the router's side checks an adapter's tensors
-against the model from the safetensors header alone."""
+least recently used idle one goes; a request finding every slot in use waits in the queue, and so
+do requests of run-time adapters behind it, unless its K/V has landed in a decode engine: then the
+bound gives way), treats a name loaded again as a new adapter (its own output, none of the old
+one's cached K/V), reads the adapter ahead on the async engine's worker thread (admission only
+finds it read), and refuses an adapter it cannot serve with the reason and keeps serving; the router's
+side checks an adapter's tensors against the model from the safetensors header alone."""
 
 import asyncio
 import json
+import shutil
 import threading
 
 import pytest
@@ -65,21 +66,51 @@ def test_an_adapter_loaded_at_the_first_request_runs_as_a_configured_one(tiny):
     assert eng.runner.loras.held() == [("a", 11), ("b", 12)] and eng.block_manager.all_free()
 
 
-def test_max_loras_evicts_the_least_recently_used_idle_adapter_and_refuses_when_all_are_busy(tiny):
+def test_max_loras_evicts_the_least_recently_used_idle_adapter_and_queues_when_all_are_busy(tiny):
+    """c finds max_loras 2 adapters running (a, b): it waits, and so does a2 behind it (another
+    request of a: starting would keep a busy), while the base model's request goes past; c starts in
+    a's place once a and b are done, and a2 then takes b's."""
     path, adapters = tiny
+    configured = _engine(path, adapters)
+    expected = {name: configured.generate([PROMPT], SamplingParams(**GREEDY, lora=name))[0].token_ids
+                for name in ("a", "b", "c")}
     eng = _engine(path, max_loras=2)
-    for name, lora_id in (("a", 1), ("b", 2)):
-        assert eng.add_request(name, PROMPT, _runtime(name, adapters[name], lora_id)) is None
-    refused = eng.add_request("c", PROMPT, _runtime("c", adapters["c"], 3))       # a and b are queued
-    assert refused is not None and refused.code == 503 and "max_loras 2" in refused.reason
-    _finish(eng)
-    assert eng.generate([PROMPT], _runtime("a", adapters["a"], 1))[0].finish_reason == "length"   # a: used last
-    out = eng.generate([PROMPT], _runtime("c", adapters["c"], 3))[0]
-    assert eng.runner.loras.held() == [("a", 1), ("c", 3)]      # b went: idle and least recently used
-    assert (eng.stats()["lora_loads"], eng.stats()["lora_evictions"]) == (3, 1)
-    assert out.token_ids == _engine(path, {"c": adapters["c"]}).generate(
-        [PROMPT], SamplingParams(**GREEDY, lora="c"))[0].token_ids      # c's weights in b's slot
+    for rid, name, lora_id in (("a", "a", 1), ("b", "b", 2), ("c", "c", 3), ("a2", "a", 1)):
+        assert eng.add_request(rid, PROMPT, _runtime(name, adapters[name], lora_id)) is None
+    assert eng.add_request("base", PROMPT, SamplingParams(**GREEDY)) is None
+    first, tokens, step = {}, {}, 0
+    while eng.has_work():
+        step += 1
+        for out in eng.step():
+            assert out.error is None
+            first.setdefault(out.request_id, step)
+            tokens[out.request_id] = tokens.get(out.request_id, []) + out.new_token_ids
+    assert first["a"] == first["b"] == first["base"] == 1 and first["c"] == first["a2"] == 1 + GREEDY["max_tokens"]
+    assert {name: tokens[name] for name in expected} == expected and tokens["a2"] == expected["a"]
+    # c took the place of a (idle, least recently used), then a2 brought a back in b's
+    assert eng.runner.loras.held() == [("c", 3), ("a", 1)]
+    assert (eng.stats()["lora_loads"], eng.stats()["lora_evictions"]) == (4, 2)
     assert eng.block_manager.all_free()
+
+
+def test_a_waiting_request_whose_adapter_is_gone_when_placed_fails_alone(tiny, tmp_path):
+    """Read at admission, c is not kept read while it waits (more adapters waiting than max_loras
+    read ahead): its directory gone by the time it is placed, it fails with a 400 and frees its
+    blocks; the rest run on."""
+    path, adapters = tiny
+    gone = shutil.copytree(adapters["c"], tmp_path / "c")
+    eng = _engine(path, max_loras=1)
+    assert eng.add_request("a", PROMPT, _runtime("a", adapters["a"], 1)) is None
+    eng.step()                                       # a runs: c waits for its place
+    assert eng.add_request("c", PROMPT, _runtime("c", gone, 3)) is None
+    assert eng.add_request("b", PROMPT, _runtime("b", adapters["b"], 2)) is None     # read last: c's dropped
+    shutil.rmtree(gone)
+    outs = [out for _ in iter(eng.has_work, False) for out in eng.step()]
+    failed = [out for out in outs if out.error is not None]
+    assert [(out.request_id, out.error_code) for out in failed] == [("c", 400)]
+    assert "LoRA adapter 'c'" in failed[0].error
+    assert {out.request_id for out in outs if out.finish_reason == "length"} == {"a", "b"}
+    assert eng.runner.loras.held() == [("b", 2)] and eng.block_manager.all_free()
 
 
 def test_a_decode_engine_loads_past_max_loras_rather_than_refuse_a_landed_request(tiny):

@@ -224,3 +224,23 @@ def test_fcfs_ignores_priority():
     b = Sequence("b", list(range(7)), SamplingParams(priority=-5))
     sched.add(a), sched.add(b)
     assert [c.seq.request_id for c in fake_step(sched, bm)] == ["a", "b"]
+
+
+def test_a_gated_sequence_holds_back_the_gated_ones_behind_it():
+    """The gate (the engine's: a LoRA adapter placed) keeps "held" waiting, and "placed" behind it
+    (it needs a place too: starting would keep its adapter busy), while "b", which needs none,
+    goes past; once the gate opens, both start in the same step."""
+    open_for: set[str] = set()
+    gate = {"held": lambda: "held" in open_for, "placed": lambda: True}
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, 8, 64, gate=lambda s: gate[s.request_id]() if s.request_id in gate else None)
+    a, held, placed, b = seq(5, "a"), seq(5, "held"), seq(5, "placed"), seq(5, "b")
+    for s in (a, held, placed, b):
+        sched.add(s)
+    assert [c.seq.request_id for c in fake_step(sched, bm)] == ["a", "b"]
+    assert list(sched.waiting) == [held, placed] and not held.block_table and not placed.block_table
+    open_for.add("held")
+    assert [c.seq.request_id for c in fake_step(sched, bm)] == ["a", "b", "held", "placed"]
+    while sched.has_work():
+        fake_step(sched, bm)
+    assert bm.all_free()
