@@ -136,7 +136,8 @@ class Router:
         self.responses_api = ResponsesApi(
             store, self.config.max_tokens_limit, self.model_name, self.chat_completions,
             saved=self.request_metrics.response_saved, max_model_len=self.max_model_len,
-            prompt_tokens=lambda chat: len(chat_prompt_ids(self.tokenizer, chat, self.native_tools)))
+            prompt_tokens=lambda chat: len(chat_prompt_ids(self.tokenizer, chat, self.native_tools)),
+            lease_s=self.config.responses.background_lease_s)
 
     @property
     def names(self) -> tuple[str, ...]:

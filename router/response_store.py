@@ -13,6 +13,11 @@ A stored response's life cycle:
   4. drop    past `responses.max_stored` responses or `max_stored_bytes`, the least recently
              saved or read go first; a restart of the store (any change to the app's `args`)
              loses them all
+A background response (router/responses_api.py) is saved `queued` and `in_progress` with its
+router's `owner` id, and that router renews its lease while it runs any (`renew`, every third of
+`responses.background_lease_s`); one read after its owner was silent a whole lease (the router
+failed or was replaced, and its task with it) is stored `failed` then, so a client polling it
+gets an end.
 
 `ResponseLog` is the bookkeeping (no Ray, unit-tested); `ResponseStore` is the one-replica Serve
 deployment holding it on the head node, shared by every router replica; `StoredResponses` is the
@@ -24,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -40,21 +47,34 @@ MAX_PAGE = 100
 STORE_TIMEOUT_S = 5.0     # a call to the store, at most (StoredResponses)
 
 
+ORPHANED = ("The server stopped running this background response before it ended (its router failed or was "
+            "replaced); create the response again.")
+
+
 class ResponseLog:
     """Responses by id, least recently used first out past `max_stored` entries or `max_bytes`
-    characters (their JSON is ASCII: characters are bytes)."""
+    characters (their JSON is ASCII: characters are bytes); background responses whose owner's
+    lease (`lease_s` on `clock`) ran out are failed as they are read."""
 
-    def __init__(self, max_stored: int, max_bytes: int):
+    def __init__(self, max_stored: int, max_bytes: int, lease_s: float = 30.0, clock=time.monotonic):
         self.max_stored, self.max_bytes = max_stored, max_bytes
         self._entries: OrderedDict[str, messages.StoredResponse] = OrderedDict()
         self.bytes = 0
+        self.lease_s, self._clock = lease_s, clock
+        self._renewed: dict[str, float] = {}     # owner (a router instance) -> when it last renewed
+
+    def renew(self, owner: str) -> None:
+        """`owner` is alive: its background responses are not orphans for another `lease_s`."""
+        self._renewed[owner] = self._clock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def put(self, stored: messages.StoredResponse) -> bool:
         """Keep `stored` (replacing one of the same id); False, keeping nothing, where it alone is
-        larger than `max_bytes`."""
+        larger than `max_bytes`. Saving one's owner renews it."""
+        if stored.owner:
+            self.renew(stored.owner)
         self.delete(stored.response_id)
         size = _size(stored)
         if size > self.max_bytes:
@@ -68,8 +88,12 @@ class ResponseLog:
 
     def get(self, response_id: str) -> messages.StoredResponse | None:
         stored = self._entries.get(response_id)
-        if stored is not None:
-            self._entries.move_to_end(response_id)
+        if stored is None:
+            return None
+        self._entries.move_to_end(response_id)
+        if stored.owner and self._clock() - self._renewed.get(stored.owner, -math.inf) > self.lease_s:
+            stored = orphaned(stored)
+            self.put(stored)
         return stored
 
     def delete(self, response_id: str) -> bool:
@@ -77,6 +101,13 @@ class ResponseLog:
         if stored is not None:
             self.bytes -= _size(stored)
         return stored is not None
+
+
+def orphaned(stored: messages.StoredResponse) -> messages.StoredResponse:
+    """A background response whose router stopped running it, as failed."""
+    response = {**json.loads(stored.response), "status": "failed",
+                "error": {"code": "server_error", "message": ORPHANED}}
+    return messages.StoredResponse(stored.response_id, json.dumps(response), stored.context)
 
 
 def _size(stored: messages.StoredResponse) -> int:
@@ -91,7 +122,7 @@ class ResponseStore:
 
     def __init__(self, options: dict):
         opts = ResponsesOptions.model_validate(options)
-        self._log = ResponseLog(opts.max_stored, opts.max_stored_bytes)
+        self._log = ResponseLog(opts.max_stored, opts.max_stored_bytes, opts.background_lease_s)
 
     async def put(self, data: bytes) -> bool:
         return self._log.put(messages.decode(data, expect=messages.StoredResponse))
@@ -102,6 +133,9 @@ class ResponseStore:
 
     async def delete(self, response_id: str) -> bool:
         return self._log.delete(response_id)
+
+    async def renew(self, owner: str) -> None:
+        self._log.renew(owner)
 
 
 class StoreUnavailable(RuntimeError):
@@ -140,9 +174,10 @@ class StoredResponses:
         except Exception as exc:  # noqa: BLE001 - one error for the caller to answer
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from None
 
-    async def save(self, response: dict, context: list[dict]) -> bool:
-        """Keep `response` (its `store` already true); False where it was not kept (logged)."""
-        stored = messages.StoredResponse(response["id"], json.dumps(response), json.dumps(context))
+    async def save(self, response: dict, context: list[dict], owner: str = "") -> bool:
+        """Keep `response` (its `store` already true; `owner`: the router instance running it in the
+        background, while it runs); False where it was not kept (logged)."""
+        stored = messages.StoredResponse(response["id"], json.dumps(response), json.dumps(context), owner)
         try:
             kept = await self._call("put", messages.encode(stored))
         except StoreUnavailable as exc:     # the answer goes out anyway, unstored
@@ -161,6 +196,9 @@ class StoredResponses:
 
     async def delete(self, response_id: str) -> bool:
         return await self._call("delete", response_id)
+
+    async def renew(self, owner: str) -> None:
+        await self._call("renew", owner)
 
 
 def unique_ids(items: list[dict]) -> list[dict]:

@@ -18,7 +18,9 @@ task of this router runs steps 2-4 (stored `in_progress`, then as it ended: comp
 incomplete, or failed with the error the chat path answered, e.g. a prompt beyond the context).
 `cancel` cancels the task (its requests are aborted in the pools, as a client that leaves, which
 frees their blocks) and stores the response `cancelled`; `delete` cancels it too. The tasks live
-in this router: one that restarts leaves its background responses `in_progress` in the store.
+in this router, which renews its lease in the store while it runs any: after one that failed or was
+replaced, its background responses read as `failed` once the lease runs out
+(`responses.background_lease_s`; router/response_store.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -48,15 +51,18 @@ class ResponsesApi:
     router's chat endpoint (a chat completion, its stream, or an error response); `saved(kept)`
     is told of every save (router/metrics.py); `prompt_tokens(chat)`: the tokens of a chat
     completion's prompt (its template's errors raised), for `truncation: auto` within
-    `max_model_len`."""
+    `max_model_len`; `lease_s`: the store's lease on this router's background responses."""
 
     def __init__(self, store, max_tokens_limit: int, model_name: str,
                  chat: Callable[[ChatCompletionRequest], Awaitable], saved: Callable[[bool], None],
-                 prompt_tokens: Callable[[ChatCompletionRequest], int], max_model_len: int):
+                 prompt_tokens: Callable[[ChatCompletionRequest], int], max_model_len: int,
+                 lease_s: float = 30.0):
         self.stored = None if store is None else StoredResponses(store)
         self.max_tokens_limit, self.model_name, self.chat, self.saved = max_tokens_limit, model_name, chat, saved
         self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
         self.background: dict[str, Background] = {}       # running background responses, by id
+        self.owner, self.lease_s = uuid.uuid4().hex, lease_s  # this router instance, in the store's leases
+        self._renewing: asyncio.Task | None = None
 
     async def create(self, body: ResponsesRequest):
         if (body.max_output_tokens or 0) > self.max_tokens_limit:
@@ -115,8 +121,8 @@ class ResponsesApi:
 
     async def _save(self, response: dict, context: list[dict], final: bool = True) -> None:
         """Store `response`; `final`: its last save, counted (a background response is saved as
-        it starts too)."""
-        kept = await self.stored.save(response, context)
+        it starts too, owned by this router)."""
+        kept = await self.stored.save(response, context, owner="" if final else self.owner)
         response["store"] = kept
         if final:
             self.saved(kept)
@@ -136,7 +142,17 @@ class ResponsesApi:
         task = asyncio.ensure_future(self._run(body, history, chat, shape, context))
         self.background[shape.rid] = Background(task, shape, context)
         task.add_done_callback(lambda _: self.background.pop(shape.rid, None))
+        if self._renewing is None or self._renewing.done():
+            self._renewing = asyncio.ensure_future(self._renew())
         return queued
+
+    async def _renew(self) -> None:
+        """While this router runs background responses, renew its lease every third of it (a
+        store that does not answer is tried again at the next)."""
+        while self.background:
+            await asyncio.sleep(self.lease_s / 3)
+            with contextlib.suppress(StoreUnavailable):
+                await self.stored.renew(self.owner)
 
     async def _run(self, body: ResponsesRequest, history: list[dict], chat: ChatCompletionRequest,
                    shape: ResponseShape, context: list[dict]) -> dict:

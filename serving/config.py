@@ -148,6 +148,10 @@ class ResponsesOptions(_Model):
     max_stored: int = Field(10_000, ge=1, description="Responses kept at most.")
     max_stored_bytes: int = Field(256 * 2**20, ge=2**20, description="Bytes of kept responses (their JSON: output "
                                   "and the conversation before it) at most.")
+    background_lease_s: float = Field(
+        30.0, ge=0.5, le=3600, description="A router running background responses tells the store it is alive "
+        "every third of this; a background response whose router stayed silent this long (it failed or was "
+        "replaced) is stored failed at its next read, rather than in_progress for good.")
 
 
 class CorsOptions(_Model):

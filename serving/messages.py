@@ -248,10 +248,13 @@ class ReplicaStats:
 class StoredResponse:
     """Router <-> ResponseStore (router/response_store.py): a response of the Responses API as kept.
     `response`: the Response object, JSON; `context`: the input items the model saw before its
-    output (an earlier response's context and output, then this request's input), a JSON list."""
+    output (an earlier response's context and output, then this request's input), a JSON list.
+    `owner`: while a background response runs (queued, in_progress), the router instance running
+    it, whose lease the store keeps (ResponseLog.renew); empty once it ended, or for any other."""
     response_id: str
     response: str
     context: str
+    owner: str = ""
 
 
 MESSAGES = {cls.__name__: cls for cls in (GenerateRequest, PrefillRequest, PrefillResult, DecodeRequest,

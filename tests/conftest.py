@@ -123,11 +123,12 @@ def disagg(ray_serve, default_model_dir):
     """The real model, disaggregated: 1 prefill + 2 decode replicas, at <ray_serve>/pd. The decode
     replicas speculate (prompt lookup, engine.speculative_tokens), which must change no output: every
     service test's exact comparison (Hugging Face `generate`, the colocated replica) holds through it.
-    Pages from CORS_ORIGIN may call it (browsers' CORS)."""
+    Pages from CORS_ORIGIN may call it (browsers' CORS). A router's lease on its background
+    responses is 3 s, so one running longer shows the renewals work through Serve."""
     from service_util import CORS_ORIGIN, deployed_app
     with deployed_app(ray_serve, "pd", default_model_dir, SERVED, SERVICE_ENGINE,
                       decode={"num_replicas": 2, "engine": {"speculative_tokens": 3}},
-                      cors={"allowed_origins": [CORS_ORIGIN]}) as base:
+                      cors={"allowed_origins": [CORS_ORIGIN]}, responses={"background_lease_s": 3}) as base:
         yield base
 
 

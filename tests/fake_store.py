@@ -39,4 +39,4 @@ class FakeHandle:
 def log_handle(log: ResponseLog) -> FakeHandle:
     """A handle whose store is `log` (what the ResponseStore deployment does with it)."""
     return FakeHandle(put=lambda data: log.put(decode(data)),
-                      get=lambda rid: (lambda s: s and encode(s))(log.get(rid)), delete=log.delete)
+                      get=lambda rid: (lambda s: s and encode(s))(log.get(rid)), delete=log.delete, renew=log.renew)

@@ -36,11 +36,11 @@ class Chat:
                 "usage": USAGE}
 
 
-def _api(chat, store=True):
-    log = ResponseLog(100, 10**6)
+def _api(chat, store=True, log=None, lease_s=30.0):
+    log = log or ResponseLog(100, 10**6, lease_s=lease_s)
     saves = []
     api = ResponsesApi(log_handle(log) if store else None, 100, "m", chat, saves.append,
-                       prompt_tokens=lambda _: 1, max_model_len=100)
+                       prompt_tokens=lambda _: 1, max_model_len=100, lease_s=lease_s)
     return api, log, saves
 
 
@@ -90,6 +90,24 @@ def test_cancel_and_delete_cancel_the_running_chat():
         assert deleted["deleted"] and chat.cancelled == 2 and log.get(second["id"]) is None
         await asyncio.sleep(0.01)
         assert log.get(second["id"]) is None and not api.background     # nothing stored after the delete
+    asyncio.run(run())
+
+
+def test_a_router_that_stops_leaves_its_background_responses_failed_not_in_progress():
+    """A router renews its lease while it runs background responses; when it stops (its task and
+    renewals gone with it), a new router reading the response after a lease finds it failed."""
+    async def run():
+        api, log, _ = _api(Chat(), lease_s=0.3)
+        running = await api.create(ResponsesRequest(input="Hi", background=True))
+        await asyncio.sleep(0.6)                       # two leases: renewed all along
+        assert _status(log, running["id"]) == "in_progress"
+        for task in (api.background[running["id"]].task, api._renewing):       # the router dies
+            task.cancel()
+        await asyncio.sleep(0.4)
+        after, _, _ = _api(Chat(), log=log, lease_s=0.3)
+        failed = _body(await after.retrieve(running["id"]))
+        assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+        assert _body(await after.cancel(running["id"]))["status"] == "failed"        # it ended
     asyncio.run(run())
 
 

@@ -25,6 +25,26 @@ def test_least_recently_used_go_first_past_the_count():
     assert log.get("b") is None and [r for r in "acd" if log.get(r)] == ["a", "c", "d"] and len(log) == 3
 
 
+def test_a_background_response_whose_owner_stopped_renewing_reads_as_failed():
+    now = [0.0]
+    log = ResponseLog(max_stored=10, max_bytes=10**6, lease_s=30, clock=lambda: now[0])
+    running = json.dumps({"id": "resp_a", "status": "in_progress", "error": None, "background": True})
+    assert log.put(StoredResponse("resp_a", running, "[]", owner="router-1"))        # renews router-1
+    assert log.put(StoredResponse("resp_b", running.replace("_a", "_b"), "[]", owner="router-2"))
+    assert log.put(stored("resp_c"))                  # no owner: never expires
+    now[0] = 25.0
+    log.renew("router-1")
+    now[0] = 45.0                                      # router-1 renewed 20 s ago, router-2 last 45 s ago
+    assert json.loads(log.get("resp_a").response)["status"] == "in_progress"
+    failed = log.get("resp_b")
+    body = json.loads(failed.response)
+    assert body["status"] == "failed" and body["error"]["code"] == "server_error" and body["background"]
+    assert "create the response again" in body["error"]["message"] and failed.owner == ""
+    assert log.get("resp_b") == failed and log.get("resp_c") is not None     # stored failed: read again, the same
+    now[0] = 1000.0
+    assert json.loads(log.get("resp_a").response)["status"] == "failed"
+
+
 def test_bytes_are_bounded_and_counted_through_replace_and_delete():
     log = ResponseLog(max_stored=100, max_bytes=100)
     for i in range(5):

@@ -166,9 +166,10 @@ def test_background_responses_are_polled_and_cancelled(client, disagg):
     before = _aborted(disagg)
     story = client.responses.create(model=MODEL, input="Write a very long story about a dragon, in ten chapters.",
                                     max_output_tokens=2000, background=True)
-    # in_progress: its chat completion is called; a second on, its request decodes (2000 tokens to go)
+    # in_progress: its chat completion is called; past the router's 3 s lease (renewed), its request decodes
     assert wait_until(lambda: client.responses.retrieve(story.id).status == "in_progress", timeout=10)
-    time.sleep(1.0)
+    time.sleep(3.5)
+    assert client.responses.retrieve(story.id).status == "in_progress"
     assert wait_until(lambda: any(v > 0 for (name, pool, _), v in metrics(disagg).items()
                                   if name == "pdserve_running_requests" and pool == "decode"), timeout=60)
     cancelled = client.responses.cancel(story.id)
