@@ -460,4 +460,11 @@ class LLMEngine:
                 "preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_hit_tokens": bm.prefix_hits, "prefix_cache_query_tokens": bm.prefix_queries,
                 "spec_draft_tokens": self.num_draft_tokens, "spec_accepted_tokens": self.num_accepted_tokens,
-                "lora_loads": self.runner.loras.loads, "lora_evictions": self.runner.loras.evictions}
+                "lora_loads": self.runner.loras.loads, "lora_evictions": self.runner.loras.evictions,
+                "lora_waiting": self._lora_waiting()}
+
+    def _lora_waiting(self) -> int:
+        """Queued requests whose LoRA adapter loaded at run time has no place yet."""
+        if not self._runtime_loras:
+            return 0
+        return sum(1 for seq in self.scheduler.waiting if self._lora_placed(seq) is False)

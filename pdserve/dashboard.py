@@ -68,8 +68,10 @@ ROWS = [
          "Fraction of KV blocks in use per pool, and of its fullest replica."),
         ("Engine queues", "short",
          [(f"sum by (pool) (pdserve_running_requests{PD})", "{{pool}} running"),
-          (f"sum by (pool) (pdserve_waiting_requests{PD})", "{{pool}} waiting")],
-         "Sequences in the engines' running batches and queues."),
+          (f"sum by (pool) (pdserve_waiting_requests{PD})", "{{pool}} waiting"),
+          (f"sum by (pool) (pdserve_lora_waiting_requests{PD})", "{{pool}} waiting for a LoRA place")],
+         "Sequences in the engines' running batches and queues; of the queued, those whose LoRA adapter "
+         "loaded at run time waits for a place (max_loras)."),
         ("Queued prompt tokens", "short",
          [(f"sum by (pool) (pdserve_waiting_prompt_tokens{PD})", "{{pool}}")],
          "Prompt tokens queued or mid-prefill (the prefill pool's scaling signal)."),

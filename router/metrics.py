@@ -29,6 +29,8 @@ _GAUGES = [
     ("pdserve_running_requests", "Sequences in the running batch", "running"),
     ("pdserve_waiting_requests", "Sequences queued in the engine", "waiting"),
     ("pdserve_waiting_prompt_tokens", "Prompt tokens queued or mid-prefill", "waiting_prompt_tokens"),
+    ("pdserve_lora_waiting_requests", "Sequences queued whose LoRA adapter loaded at run time has no place yet "
+     "(max_loras all in use)", "lora_waiting"),
 ]
 OUTCOMES = ("ok", "error", "aborted")
 

@@ -84,7 +84,7 @@ class EngineHost:
         extra["ray_metrics_errors"] = self.series.errors
         return messages.ReplicaStats(self.pool, self.replica_id, s["kv_blocks_total"], s["kv_blocks_free"],
                                      s["running"], s["waiting"], s["waiting_prompt_tokens"], extra,
-                                     {k: h.to_wire() for k, h in self.histograms.items()})
+                                     {k: h.to_wire() for k, h in self.histograms.items()}, s["lora_waiting"])
 
     def count(self, name: str, amount: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + amount

@@ -232,7 +232,8 @@ class ErrorEvent:
 @dataclass(frozen=True)
 class ReplicaStats:
     """Replica -> stats registry, periodically: what /metrics and the routers read.
-    `extra`: counters by name; `histograms`: name -> `serving.histogram.Histogram.to_wire()`."""
+    `extra`: counters by name; `histograms`: name -> `serving.histogram.Histogram.to_wire()`;
+    `lora_waiting`: of the `waiting`, those whose LoRA adapter loaded at run time has no place yet."""
     pool: str
     replica_id: str
     kv_blocks_total: int
@@ -242,6 +243,7 @@ class ReplicaStats:
     waiting_prompt_tokens: int
     extra: dict = field(default_factory=dict)
     histograms: dict = field(default_factory=dict)
+    lora_waiting: int = 0
 
 
 @dataclass(frozen=True)

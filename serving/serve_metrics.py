@@ -28,6 +28,8 @@ REPLICA_GAUGES = {
     "kv_blocks_free": ("pdserve_kv_blocks_free", "KV blocks free (cached-but-unused included)"),
     "running": ("pdserve_running_requests", "Sequences in the running batch"),
     "waiting": ("pdserve_waiting_requests", "Sequences queued in the engine"),
+    "lora_waiting": ("pdserve_lora_waiting_requests", "Sequences queued whose LoRA adapter loaded at run time has "
+                     "no place yet (max_loras all in use)"),
 }
 
 
@@ -144,6 +146,7 @@ class ReplicaSeries(_Export):
             m["kv_blocks_free"].set(stats.kv_blocks_free)
             m["running"].set(stats.running)
             m["waiting"].set(stats.waiting)
+            m["lora_waiting"].set(stats.lora_waiting)
         self._record(record)
 
     def observe(self, key: str, value: float) -> None:

@@ -85,6 +85,9 @@ def test_max_loras_evicts_the_least_recently_used_idle_adapter_and_queues_when_a
             assert out.error is None
             first.setdefault(out.request_id, step)
             tokens[out.request_id] = tokens.get(out.request_id, []) + out.new_token_ids
+        if step == 1:            # c waits for a place; a2 behind it has one (a) but waits too
+            assert (eng.stats()["waiting"], eng.stats()["lora_waiting"]) == (2, 1)
+    assert eng.stats()["lora_waiting"] == 0
     assert first["a"] == first["b"] == first["base"] == 1 and first["c"] == first["a2"] == 1 + GREEDY["max_tokens"]
     assert {name: tokens[name] for name in expected} == expected and tokens["a2"] == expected["a"]
     # c took the place of a (idle, least recently used), then a2 brought a back in b's
