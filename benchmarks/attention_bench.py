@@ -250,9 +250,10 @@ def rss_child(args) -> None:
 
 def eng_bytes_per_block(model: str, block_size: int) -> int:
     from transformers import AutoConfig
-    c = AutoConfig.from_pretrained(model)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return c.num_hidden_layers * 2 * block_size * c.num_key_value_heads * head_dim * 2
+
+    from engine.model_dims import Dims
+    d = Dims.of_config(AutoConfig.from_pretrained(model))
+    return d.num_layers * 2 * block_size * d.num_kv_heads * d.head_dim * 2
 
 
 def rss(args) -> None:

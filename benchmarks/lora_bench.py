@@ -31,6 +31,7 @@ from safetensors.torch import save_file  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.lora_config import check_adapter  # noqa: E402
+from engine.model_dims import Dims  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine_bench import DEFAULT_MODEL, FORMATS, _drain_until_decoding  # noqa: E402
 
@@ -38,9 +39,9 @@ from engine_bench import DEFAULT_MODEL, FORMATS, _drain_until_decoding  # noqa: 
 def random_adapter(path: Path, model_dir: str, rank: int, seed: int) -> Path:
     """A PEFT LoRA adapter on every projection of the model at `model_dir` (its config's shapes)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    d = cfg.get("head_dim") or hidden // heads
+    dims = Dims.of_config(cfg)
+    hidden, inter, heads, kv, d = dims.hidden_size, dims.intermediate_size, dims.num_heads, dims.num_kv_heads, \
+        dims.head_dim
     shapes = {"self_attn.q_proj": (hidden, heads * d), "self_attn.k_proj": (hidden, kv * d),
               "self_attn.v_proj": (hidden, kv * d), "self_attn.o_proj": (heads * d, hidden),
               "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden)}

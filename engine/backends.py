@@ -15,6 +15,7 @@ from engine.attention import DecodeBatch, gathered_decode, window_mask
 from engine.config import EngineConfig
 from engine.kernels import cpu_kernels
 from engine.linear import cpu_serves_bf16
+from engine.model_dims import Dims
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -160,7 +161,6 @@ class KVShape:
 
 
 def kv_shape_of(hf_config, block_size: int, dtype: torch.dtype) -> KVShape:
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    dims = Dims.of_config(hf_config)
     name = {v: k for k, v in _TORCH_DTYPES.items()}[dtype]
-    return KVShape(hf_config.num_hidden_layers, n_kv, head_dim, block_size, name)
+    return KVShape(dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, name)

@@ -38,6 +38,7 @@ from engine.attention import AttentionMetadata, fused_attention, paged_attention
 from engine.config import layer_windows, unsupported_model
 from engine.linear import make_linear
 from engine.lora import LoraBatch
+from engine.model_dims import Dims
 
 class _Layer:
     # in_norm/post_norm: the norms before attention and before the MLP; OLMo 2 (post-norm) has none
@@ -63,9 +64,8 @@ class DecoderModel:
         if problem:
             raise ValueError(problem)
         self.dtype = dtype
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        dims = Dims.of_config(cfg)
+        self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
         self.hidden_size, self.intermediate_size = cfg.hidden_size, cfg.intermediate_size
         # Granite's attention_multiplier, Gemma's query_pre_attn_scalar ** -0.5, else head_dim ** -0.5
         pre_attn = getattr(cfg, "query_pre_attn_scalar", None)

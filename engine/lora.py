@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engine.lora_config import Dims, plan, read_adapter
+from engine.lora_config import plan, read_adapter
+from engine.model_dims import Dims
 
 
 @dataclass

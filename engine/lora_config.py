@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.model_dims import Dims
+
 # the decoder's fused linears and the PEFT modules each is made of, in its output's order
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}
@@ -21,31 +23,6 @@ MODULES = {part: name for name, parts in FUSED.items() for part in parts} | WHOL
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 MAX_HEADER_BYTES = 64 << 20        # a safetensors header beyond this is not an adapter's
-
-
-@dataclass(frozen=True)
-class Dims:
-    """The shapes of a model's projections an adapter must fit."""
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_layers: int
-
-    @classmethod
-    def of_config(cls, cfg) -> Dims:
-        """From a transformers config (as engine/decoder.py reads it)."""
-        heads = cfg.num_attention_heads
-        return cls(cfg.hidden_size, cfg.intermediate_size, heads, getattr(cfg, "num_key_value_heads", None) or heads,
-                   getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, cfg.num_hidden_layers)
-
-    def widths(self) -> dict[str, tuple[int, list[int]]]:
-        """Per fused linear: (input width, output width of each of its FUSED parts)."""
-        d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        return {"qkv": (self.hidden_size, [nh * d, nkv * d, nkv * d]), "o": (nh * d, [self.hidden_size]),
-                "gate_up": (self.hidden_size, [self.intermediate_size] * 2), "down": (self.intermediate_size,
-                                                                                      [self.hidden_size])}
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import context_limit
-from engine.lora_config import Dims
+from engine.model_dims import Dims
 from router.chat_output import ChatOutputShape
 from router.chat_prompt import chat_prompt_ids
 from router.chat_protocol import ChatCompletionRequest

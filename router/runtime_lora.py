@@ -27,7 +27,8 @@ from typing import Annotated
 
 from pydantic import Field
 
-from engine.lora_config import AdapterInfo, Dims, check_adapter
+from engine.lora_config import AdapterInfo, check_adapter
+from engine.model_dims import Dims
 from router.protocol_types import Strict
 
 Name = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^\S(.*\S)?$",

@@ -21,7 +21,8 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import Rejected
-from engine.lora_config import Dims, check_adapter, safetensors_shapes
+from engine.lora_config import check_adapter, safetensors_shapes
+from engine.model_dims import Dims
 from engine.sampling_params import SamplingParams
 from lora_adapters import ATTENTION, write_adapter
 from router.runtime_lora import LoadLoraAdapterRequest, RuntimeLoras

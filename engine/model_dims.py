@@ -1,0 +1,37 @@
+"""A decoder's dimensions from its transformers config, torch-free, read one way everywhere: the
+decoder (engine/decoder.py), the KV pool's shape (engine/backends.py), LoRA adapters' shapes
+(engine/lora_config.py, which the router also runs) and the benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The projections' shapes: `num_kv_heads` is `num_key_value_heads`, or the query heads' count
+    where the config has none (no GQA); `head_dim` the config's, else hidden_size / heads."""
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+
+    @classmethod
+    def of_config(cls, cfg) -> Dims:
+        """From a transformers config, or its config.json as a dict."""
+        def get(key):
+            return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+        heads = get("num_attention_heads")
+        return cls(get("hidden_size"), get("intermediate_size"), heads, get("num_key_value_heads") or heads,
+                   get("head_dim") or get("hidden_size") // heads, get("num_hidden_layers"))
+
+    def widths(self) -> dict[str, tuple[int, list[int]]]:
+        """Per fused linear of the decoder: (input width, output width of each of its parts, in
+        engine/lora_config.py's FUSED order)."""
+        d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        return {"qkv": (self.hidden_size, [nh * d, nkv * d, nkv * d]), "o": (nh * d, [self.hidden_size]),
+                "gate_up": (self.hidden_size, [self.intermediate_size] * 2), "down": (self.intermediate_size,
+                                                                                      [self.hidden_size])}
