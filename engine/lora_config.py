@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("g
 WHOLE = {"qkv_proj": "qkv", "gate_up_proj": "gate_up"}     # Phi-3's checkpoints fuse them already
 MODULES = {part: name for name, parts in FUSED.items() for part in parts} | WHOLE
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+NAME_PATTERN = r"^\S(.*\S)?$"     # an adapter name, configured or loaded at run time: one line, no spaces around
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 MAX_HEADER_BYTES = 64 << 20        # a safetensors header beyond this is not an adapter's
 
@@ -126,6 +128,12 @@ def safetensors_shapes(path: str) -> dict[str, tuple[int, ...]] | str:
         return {key: tuple(int(n) for n in value["shape"]) for key, value in header.items() if key != "__metadata__"}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         return f"{path}: not a safetensors file ({type(exc).__name__}: {exc})"
+
+
+def adapter_dir(path: str) -> str:
+    """An adapter's directory as a configuration or a load names it: `~` expanded, made absolute
+    on this node (every replica's node reads it at that path)."""
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def check_adapter(path: str, dims: Dims) -> AdapterInfo | str:

@@ -20,18 +20,17 @@ restarts forgets it (as a vLLM server does) and the replicas' copies go idle.
 
 from __future__ import annotations
 
-import os
 import secrets
 from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import Field
 
-from engine.lora_config import AdapterInfo, check_adapter
+from engine.lora_config import NAME_PATTERN, AdapterInfo, adapter_dir, check_adapter
 from engine.model_dims import Dims
 from router.protocol_types import Strict
 
-Name = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^\S(.*\S)?$",
+Name = Annotated[str, Field(min_length=1, max_length=256, pattern=NAME_PATTERN,
                             description="The adapter's name: a request runs it by naming it as its `model`.")]
 
 
@@ -40,7 +39,7 @@ class LoadLoraAdapterRequest(Strict):
     lora_name: Name
     lora_path: Annotated[str, Field(min_length=1, max_length=4096, description=(
         "The adapter's directory (adapter_config.json and adapter_model.safetensors or .bin), at that path on "
-        "every node running a replica; a relative path is made absolute on the router's node."))]
+        "every node running a replica; `~` is expanded and a relative path made absolute on the router's node."))]
     load_inplace: bool = Field(False, description="Replace an adapter already loaded under this name (vLLM's).")
 
 
@@ -76,9 +75,9 @@ class RuntimeLoras:
         return None
 
     def check_path(self, path: str) -> AdapterInfo | str:
-        """Any thread: the adapter at `path` (made absolute) when the model can serve it, or why
-        not (a 400)."""
-        return check_adapter(os.path.abspath(path), self.dims)
+        """Any thread: the adapter at `path` (`~` expanded, made absolute) when the model can serve
+        it, or why not (a 400)."""
+        return check_adapter(adapter_dir(path), self.dims)
 
     def add(self, name: str, path: str) -> None:
         """Serve the checked adapter at `path` as `name` (replacing one of that name) under a new

@@ -16,7 +16,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from engine.config import EngineConfig
-from engine.lora_config import read_adapter
+from engine.lora_config import NAME_PATTERN, adapter_dir, read_adapter
 from serving.chat_template import chat_template_text
 from serving.config_base import ConfigModel as _Model
 from serving.scaling_config import AutoscalingOptions, SloAutoscalingOptions
@@ -296,9 +296,9 @@ class AppConfig(_Model):
     def _lora_modules(cls, modules: dict[str, str]) -> dict[str, str]:
         checked = {}
         for name, path in modules.items():
-            if not name.strip() or name != name.strip():
-                raise ValueError(f"lora_modules: adapter name {name!r} must be non-empty, without spaces around it")
-            info = read_adapter(str(Path(path).expanduser().absolute()))
+            if not re.fullmatch(NAME_PATTERN, name):
+                raise ValueError(f"lora_modules: adapter name {name!r} must be non-empty, one line, without spaces around it")
+            info = read_adapter(adapter_dir(path))
             if isinstance(info, str):
                 raise ValueError(f"lora_modules.{name}: {info}")
             checked[name] = info.path

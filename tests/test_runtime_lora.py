@@ -9,6 +9,7 @@ side checks an adapter's tensors against the model from the safetensors header a
 
 import asyncio
 import json
+import os
 import shutil
 import threading
 
@@ -232,3 +233,4 @@ def test_the_routers_memory_of_loaded_adapters():
     assert loras.remove("x") is None and loras.names == ()
     with pytest.raises(ValueError):
         LoadLoraAdapterRequest(lora_name=" padded", lora_path="/a")
+    assert loras.check_path("~/nowhere").startswith(os.path.expanduser("~/nowhere") + ":")    # as the config reads it
