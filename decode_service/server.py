@@ -18,8 +18,9 @@ Life cycle of a request here (`generate`, a streaming call the router makes befo
               reporting a failed push, drops the reservation at once instead of waiting out the
               lease); a failure frees the reservation -> error event
   4. admit    `add_prefilled` with that first token, one engine call that checks the request
-              first (a bad one releases the reservation -> 400 event; a LoRA adapter loaded at
-              run time is loaded here even past max_loras: the K/V is here); from here the
+              first (a bad one releases the reservation -> 400 event; a request whose LoRA
+              adapter loaded at run time finds max_loras in use is parked, its blocks held,
+              until one is free); from here the
               engine owns the blocks, even when the first token already ends the request. A
               structured-output request's grammar was compiled meanwhile, on a worker thread,
               from step 1 on (`AsyncEngine.prepare`, which also reads a LoRA adapter loaded at

@@ -83,8 +83,8 @@ class EngineConfig:
     max_loras: LoRA adapters loaded at run time (a request brings the path of one:
         SamplingParams.lora_path) the engine holds, and runs in one step, at once; the least
         recently used that no request runs makes room for the next, and with none idle the request
-        waits in the queue (and the queue behind it), unless its K/V has landed (decode role): then
-        the bound gives way (engine.lora.LoraSet.use).
+        waits in the queue (and so do the requests of run-time adapters behind it), or, its K/V
+        landed (decode role), parked with its blocks (engine.lora.LoraSet.use, engine/scheduler.py).
     scheduling_policy: fcfs (first come, first served) or priority (vLLM's: by each request's
         SamplingParams.priority, then arrival; engine/scheduler.py).
     """

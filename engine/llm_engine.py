@@ -97,20 +97,19 @@ class LLMEngine:
 
     def _new_request(self, request_id, prompt, params, hold_blocks, resumed=(), shown_chars=0,
                      draws=0, landed=False) -> EngineRequest | Rejected:
-        """A LoRA adapter loaded at run time is read here (placed before the step that starts the
-        request: `_place_loras`); `landed`: the request's K/V is here already and it runs at once
-        (decode role): its adapter is placed now, past max_loras where every place is in use."""
+        """A LoRA adapter loaded at run time is read here and placed before the step that starts the
+        request (`_place_loras`); `landed`: the request's K/V is here already (decode role): its
+        adapter is placed now where a place is free (else the request is parked: add_prefilled)."""
         if in_use := self._id_in_use(request_id):
             return Rejected(request_id, in_use)
         req = self.admission.admit(request_id, prompt, params, hold_blocks, resumed, shown_chars, draws)
         if isinstance(req, EngineRequest) and params.lora_path is not None:     # loaded at run time
             self._runtime_loras = True
             loras = self.runner.loras
-            if landed:
-                why = loras.use(params.lora, params.lora_id, params.lora_path, self._running_loras(), over=True)
-            else:
-                why = loras.check(params.lora, params.lora_id, params.lora_path)
-            if why is not None:
+            why = loras.check(params.lora, params.lora_id, params.lora_path)
+            if why is None and landed:
+                why = loras.use(params.lora, params.lora_id, params.lora_path, self._running_loras())
+            if why is not None and why is not NO_ROOM:
                 return Rejected(request_id, why)
         if isinstance(req, EngineRequest):
             self._requests[request_id] = req
@@ -143,7 +142,8 @@ class LLMEngine:
         request continues its random stream after the first token's draw, so the split draws
         what one engine draws. `resumed` (a resumed request, see `add_request`): the output tokens
         before `first_token`, whose K/V came with the prompt's; `shown_chars` then counts their
-        text too."""
+        text too. A request whose LoRA adapter loaded at run time finds `max_loras` in use is parked
+        with its blocks (Scheduler.add_running) and decodes once one is free."""
         # the prefill engine drew `first_token` (after the resumed ones) from this seed
         req = self._new_request(request_id, list(prompt_token_ids), params, False, list(resumed), shown_chars,
                                 draws=len(resumed) + 1, landed=True)
@@ -208,15 +208,24 @@ class LLMEngine:
         return failed + self._postprocess(chunks, out.logits, drafted)
 
     def _place_loras(self) -> list[RequestOutput]:
-        """Before scheduling: place the run-time LoRA adapters of the waiting sequences the step may
-        start (as many as `max_num_seqs` leaves seats), in queue order; the first that finds every
-        place in use (`NO_ROOM`) waits, and the scheduler starts no request of a run-time adapter
-        behind it (`_lora_placed`).
+        """Before scheduling: place the run-time LoRA adapters of the parked sequences (decode role),
+        then of the waiting ones the step may start (as many as `max_num_seqs` leaves seats), in
+        order; the first that finds every place in use (`NO_ROOM`) waits, and the scheduler starts
+        no request of a run-time adapter behind it (`_lora_placed`).
         The outputs of requests whose adapter can no longer be read (a 400; blocks freed)."""
         seats = self.scheduler.max_num_seqs - len(self.scheduler.running)
-        if not self._runtime_loras or seats <= 0 or not self.scheduler.waiting:
+        if not self._runtime_loras or not (self.scheduler.waiting and seats > 0 or self.scheduler.parked):
             return []
         busy, failed = self._running_loras(), []
+        for seq in list(self.scheduler.parked):          # first those whose K/V is here (decode role)
+            p = seq.params
+            why = self.runner.loras.use(p.lora, p.lora_id, p.lora_path, busy)
+            if why is NO_ROOM:
+                return failed
+            if why is not None:
+                failed.append(self._fail(self._requests[seq.request_id], why, 400))
+                continue
+            busy.add(p.lora_key)
         for seq in list(itertools.islice(self.scheduler.waiting, seats)):
             p = seq.params
             if p.lora_path is None:
@@ -455,7 +464,8 @@ class LLMEngine:
     def stats(self) -> dict:
         bm = self.block_manager
         return {"kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free_blocks,
-                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting) + len(self.scheduler.parked),
                 "waiting_prompt_tokens": self.scheduler.num_waiting_tokens,
                 "preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_hit_tokens": bm.prefix_hits, "prefix_cache_query_tokens": bm.prefix_queries,
@@ -467,4 +477,4 @@ class LLMEngine:
         """Queued requests whose LoRA adapter loaded at run time has no place yet."""
         if not self._runtime_loras:
             return 0
-        return sum(1 for seq in self.scheduler.waiting if self._lora_placed(seq) is False)
+        return sum(1 for seq in (*self.scheduler.parked, *self.scheduler.waiting) if self._lora_placed(seq) is False)

@@ -66,9 +66,8 @@ class LoraSet:
     `max_loras` such are held, the next one evicting the least recently used that no running or
     starting request runs; when every one is in use there is no room (`NO_ROOM`) and the request
     waits in the queue until one goes idle, as vLLM's scheduler keeps a request waiting past
-    `max_loras` adapters. A request whose K/V has landed already (decode role) does not wait: its
-    adapter is loaded past the bound (`over`), which the next loads restore by evicting idle ones.
-    Only the engine's thread calls the rest, between steps (a step's LoraBatch reads slots no
+    `max_loras` adapters (a request whose K/V has landed already, decode role, waits parked with
+    its blocks: engine/scheduler.py). Only the engine's thread calls the rest, between steps (a step's LoraBatch reads slots no
     placement can free: they are in use)."""
 
     def __init__(self, model, device, kernels=None, max_loras: int = 8):
@@ -143,13 +142,13 @@ class LoraSet:
         self._keep_prepared(key, weights)
         return None
 
-    def use(self, name: str, lora_id: int, path: str, busy: set, over: bool = False) -> str | None:
+    def use(self, name: str, lora_id: int, path: str, busy: set) -> str | None:
         """Place run-time adapter `name` (load `lora_id`, at `path`) for a request to start: held
         already, or loaded once the least recently used run-time adapters whose keys are not in
         `busy` (those of the requests running or starting) are evicted while `max_loras` or more
-        are held. None when held; `NO_ROOM` when every one held is in use (the request waits; with
-        `over`, a request that cannot wait, it is loaded past the bound instead); else why it cannot
-        be served (a 400: its file, read again where it was not kept read, no longer serves)."""
+        are held. None when held; `NO_ROOM` when every one held is in use (the request waits);
+        else why it cannot be served (a 400: its file, read again where it was not kept read, no
+        longer serves)."""
         key = (name, lora_id)
         self._tick += 1
         if key in self._slots:
@@ -158,7 +157,7 @@ class LoraSet:
         idle = sorted((k for k in self._last_use if k not in busy), key=self._last_use.__getitem__)
         while len(self._last_use) >= self.max_loras and idle:
             self._drop(idle.pop(0))
-        if len(self._last_use) >= self.max_loras and not over:
+        if len(self._last_use) >= self.max_loras:
             return NO_ROOM
         with self._prepared_lock:
             weights = self._prepared.pop(key, None)

@@ -17,7 +17,9 @@ Batching decisions count tokens: a step never feeds more than `max_num_batched_t
 A waiting sequence may also have to wait for something outside the blocks, a place for its LoRA
 adapter loaded at run time (engine/lora.py): `gate(seq)` says None (it needs none), True (it has one)
 or False (none is free). One that finds none waits, and so does every sequence behind it that needs
-a place (they would keep the places busy and starve it); those that need none may go past it.
+a place (they would keep the places busy and starve it); those that need none may go past it. A
+sequence admitted with its K/V computed (`add_running`, a decode replica's) that finds none is
+parked, holding its blocks, and joins the running batch, first parked first, once it has one.
 A decoding sequence may carry proposed tokens (speculative decoding, `Sequence.num_draft`): they
 are fed with its token when the budget and the free blocks allow, and dropped (not preempting
 anyone) when they do not.
@@ -53,6 +55,7 @@ class Scheduler:
         self.by_priority = policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.parked: deque[Sequence] = deque()      # K/V computed, waiting for the gate (add_running)
         self.num_preemptions = 0
 
     # ---- admission -----------------------------------------------------------------------
@@ -68,13 +71,14 @@ class Scheduler:
         self.waiting.insert(bisect.bisect(self.waiting, _order(seq), key=_order), seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """Admit a sequence whose blocks already hold its computed K/V (imported KV)."""
+        """Admit a sequence whose blocks already hold its computed K/V (imported KV): running, or
+        parked while the gate is closed to it."""
         assert seq.block_table and seq.num_uncomputed_tokens >= 1
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        (self.parked if self.gate is not None and self.gate(seq) is False else self.running).append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -111,6 +115,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
+        while self.parked and self.gate(self.parked[0]):        # parked, first in first: the gate opened
+            self.running.append(self.parked.popleft())
         # 0. room for the first waiting sequence (its prefix hits are looked up only where a lower
         # priority runs: this is on every step)
         if self.waiting and self._outranked_by(self.waiting[0].params.priority) and self._may_start(self.waiting[0], 0):
@@ -167,7 +173,7 @@ class Scheduler:
         """End a sequence (finished or aborted) and free its blocks, unless `keep_blocks`
         (the prefill role keeps them for export; the engine frees them on `release`)."""
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            (self.parked if seq in self.parked else self.running).remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED

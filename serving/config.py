@@ -202,9 +202,9 @@ class AppConfig(_Model):
     max_loras: int = Field(
         8, ge=1, description="LoRA adapters loaded at run time (runtime_lora_updating) each engine replica holds at "
         "once (as vLLM's --max-loras); the least recently used that no request runs makes room for the next, and a "
-        "request whose adapter finds every one in use waits in the replica's queue until one is idle (a decode "
-        "replica, where the request's K/V has landed, loads it past the bound instead); the configuration's "
-        "lora_modules are always held.")
+        "request whose adapter finds every one in use waits in the replica's queue until one is idle (in a decode "
+        "replica, where its K/V has landed, parked with its KV blocks); the configuration's lora_modules are "
+        "always held.")
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="How each engine replica orders its requests (vLLM's --scheduling-policy): fcfs, first "
         "come first served; priority, by each request's `priority` (lower first, then arrival; the last in that "

@@ -1,8 +1,8 @@
 """LoRA adapters loaded at run time, without Ray: an engine loads one at the first request that
 brings its path (the output is the configured adapter's), holds at most `max_loras` of them (the
 least recently used idle one goes; a request finding every slot in use waits in the queue, and so
-do requests of run-time adapters behind it, unless its K/V has landed in a decode engine: then the
-bound gives way), treats a name loaded again as a new adapter (its own output, none of the old
+do requests of run-time adapters behind it; one whose K/V has landed in a decode engine waits
+parked with its blocks), treats a name loaded again as a new adapter (its own output, none of the old
 one's cached K/V), reads the adapter ahead on the async engine's worker thread (admission only
 finds it read), and refuses an adapter it cannot serve with the reason and keeps serving; the router's
 side checks an adapter's tensors against the model from the safetensors header alone."""
@@ -118,16 +118,16 @@ def test_a_waiting_request_whose_adapter_is_gone_when_placed_fails_alone(tiny, t
     assert eng.runner.loras.held() == [("b", 2)] and eng.block_manager.all_free()
 
 
-def test_a_decode_engine_loads_past_max_loras_rather_than_refuse_a_landed_request(tiny):
-    """A request whose K/V has landed in a decode engine is never refused for room: its adapter is
-    loaded past max_loras, and the next load evicts idle ones back under the bound."""
+def test_a_decode_engine_parks_a_landed_request_until_its_adapter_has_a_place(tiny):
+    """Landed in a decode engine of max_loras 1 while a runs: b and c are parked with their blocks
+    (their first tokens out); c, aborted there, frees them; b decodes once a is done."""
     path, adapters = tiny
     prefill, decode = _engine(path), _engine(path, max_loras=1)
     expected = {name: _engine(path, {name: adapters[name]}).generate(
-        [PROMPT], SamplingParams(**GREEDY, lora=name))[0].token_ids for name in ("a", "b", "c")}
+        [PROMPT], SamplingParams(**GREEDY, lora=name))[0].token_ids for name in ("a", "b")}
     tokens = {}
-    for lora_id, name in enumerate(("a", "b"), 1):          # both decoding at once
-        params = _runtime(name, adapters[name], lora_id)
+    for lora_id, name in enumerate(("a", "b", "c"), 1):
+        params = _runtime(name, adapters[name] if name != "c" else adapters["a"], lora_id)
         prefill.add_request(name, PROMPT, params, hold_blocks=True)
         first = [t for _ in iter(prefill.has_work, False) for out in prefill.step() for t in out.new_token_ids]
         blocks, cached = decode.reserve_cached(PROMPT, params.lora_key)
@@ -135,15 +135,21 @@ def test_a_decode_engine_loads_past_max_loras_rather_than_refuse_a_landed_reques
         decode.import_kv(blocks, prefill.runner.export_blocks(prefill.held_blocks(name)))
         prefill.release(name)
         out = decode.add_prefilled(name, PROMPT, first[0], params, blocks)
-        assert not isinstance(out, Rejected), out.reason
+        assert not isinstance(out, Rejected) and out.new_token_ids == first, out
         tokens[name] = first
-    assert decode.runner.loras.held() == [("a", 1), ("b", 2)]           # past max_loras 1
+    assert decode.runner.loras.held() == [("a", 1)] and [s.request_id for s in decode.scheduler.parked] == ["b", "c"]
+    assert (decode.stats()["waiting"], decode.stats()["lora_waiting"]) == (2, 2)
+    free = decode.block_manager.num_free_blocks
+    assert decode.abort("c").finish_reason == "abort" and decode.block_manager.num_free_blocks > free
+    last_step, step = {}, 0
     while decode.has_work():
+        step += 1
         for out in decode.step():
             tokens[out.request_id] += out.new_token_ids
-    assert tokens == {"a": expected["a"], "b": expected["b"]}
-    assert decode.generate([PROMPT], _runtime("c", adapters["c"], 3))[0].token_ids == expected["c"]
-    assert decode.runner.loras.held() == [("c", 3)] and decode.stats()["lora_evictions"] == 2
+            last_step[out.request_id] = step
+    assert {name: tokens[name] for name in expected} == expected
+    assert last_step["b"] - last_step["a"] == GREEDY["max_tokens"] - 1      # b's tokens after a's last one
+    assert decode.runner.loras.held() == [("b", 2)] and decode.stats()["lora_evictions"] == 1
     assert decode.block_manager.all_free()
 
 

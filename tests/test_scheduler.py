@@ -244,3 +244,28 @@ def test_a_gated_sequence_holds_back_the_gated_ones_behind_it():
     while sched.has_work():
         fake_step(sched, bm)
     assert bm.all_free()
+
+
+def test_a_sequence_with_its_kv_is_parked_while_the_gate_is_closed():
+    """add_running (a decode replica's landed K/V): parked, first in first out, while the gate is
+    closed to it; finishing a parked one frees its blocks."""
+    placed: set[str] = set()
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, 8, 64, gate=lambda s: s.request_id in placed)
+    landed = []
+    for rid in ("x", "y"):
+        s = seq(6, rid)
+        blocks = bm.reserve(6)
+        bm.adopt(s, blocks, 6)
+        s.num_computed_tokens = 5           # the prefill computed all but the last (sampled) token
+        sched.add_running(s)
+        landed.append(s)
+    assert list(sched.parked) == landed and sched.running == [] and sched.has_work()
+    assert fake_step(sched, bm) == []
+    placed.add("x")
+    assert [c.seq.request_id for c in fake_step(sched, bm)] == ["x"] and list(sched.parked) == [landed[1]]
+    sched.finish(landed[1], "abort")
+    assert not sched.parked and landed[1].status is SequenceStatus.FINISHED
+    while sched.has_work():
+        fake_step(sched, bm)
+    assert bm.all_free()
