@@ -3,7 +3,9 @@ the base model, every row on one adapter, and the rows split between two adapter
 model, one engine, alternated in one run; a prompt chunk's prefill with and without; and what
 loading an adapter at run time costs (the router's check of the directory; a replica's read at the
 adapter's first request, ahead on a worker thread, and then its placement on the engine thread,
-before the step that starts the request).
+before the step that starts the request); and what `max_loras` trades (`--queue-adapters`): two
+requests for each of that many adapters loaded at run time, queued at once in engines of several
+`max_loras`, a smaller one running fewer adapters a step and queueing the rest.
 The adapters are random, in PEFT's format, on every attention and MLP projection (`--rank`),
 written for the model to a temporary directory.
 
@@ -87,6 +89,27 @@ def prefill_ms(eng: LLMEngine, tokens: int, lora: str | None) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def queue_run(args, dtype, quant, paths: list[str], max_loras: int) -> dict:
+    """Two requests for each adapter of `paths` (loaded at run time, read ahead as a replica's
+    worker thread does) queued at once in an engine of `max_loras`, run to their ends: seconds to the
+    last token, each request's seconds to its end (mean), steps, the mean running batch and the
+    adapters placed (loads; an adapter evicted and placed again counts again)."""
+    eng = LLMEngine(EngineConfig(model=args.model, dtype=dtype, quantization=quant, num_threads=args.threads,
+                                 enable_prefix_caching=False, max_loras=max_loras))
+    params = [SamplingParams(temperature=0.0, max_tokens=args.queue_tokens, ignore_eos=True, lora=f"q{i}",
+                             lora_path=path, lora_id=i + 1) for i, path in enumerate(paths)]
+    for r in range(2 * len(paths)):
+        eng.prepare(params[r % len(paths)])
+        prompt = [100 + (r * 31 + k * 7) % 20000 for k in range(64)]
+        assert eng.add_request(f"q{r}", prompt, params[r % len(paths)]) is None
+    t0, ends, steps, batch = time.perf_counter(), [], 0, 0
+    while eng.has_work():
+        ends += [time.perf_counter() - t0 for out in eng.step() if out.finished]
+        steps, batch = steps + 1, batch + len(eng.scheduler.running)
+    return {"s": time.perf_counter() - t0, "mean_s": statistics.mean(ends), "steps": steps,
+            "batch": batch / steps, "loads": eng.runner.loras.loads}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -97,6 +120,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill timing (one chunk)")
+    ap.add_argument("--queue-adapters", type=int, default=8, help="adapters of the max_loras runs (0: none)")
+    ap.add_argument("--queue-max-loras", default="8,4,2")
+    ap.add_argument("--queue-tokens", type=int, default=32, help="output tokens of each request there")
     args = ap.parse_args()
     dtype, quant = FORMATS[args.format]
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,6 +171,16 @@ def main() -> None:
         print(f"  loaded at run time ({size:.1f} MiB file, medians of {len(times['read'])}): the router's check "
               f"{ms['check']:.2f} ms; a replica's read ahead (worker thread) {ms['read']:.1f} ms, then its "
               f"placement {ms['place']:.2f} ms (engine thread; {ms['unread']:.1f} ms without the read ahead)")
+        if args.queue_adapters:
+            paths = [str(random_adapter(Path(tmp) / f"q{i}", args.model, args.rank, 10 + i))
+                     for i in range(args.queue_adapters)]
+            print(f"  {2 * len(paths)} requests over {len(paths)} adapters loaded at run time, 64 -> "
+                  f"{args.queue_tokens} tokens each, queued at once:")
+            for max_loras in map(int, args.queue_max_loras.split(",")):
+                r = queue_run(args, dtype, quant, paths, max_loras)
+                print(f"    max_loras {max_loras}: {r['s']:.2f} s to the last token (a request's end "
+                      f"{r['mean_s']:.2f} s on average), {r['steps']} steps of {r['batch']:.1f} running on "
+                      f"average, {r['loads']} adapters placed")
 
 
 if __name__ == "__main__":

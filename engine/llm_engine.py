@@ -11,8 +11,8 @@ Life cycle of a request in the engine
      router moves a request whose replica died this way), which count as output (max_tokens,
      min_tokens, penalties, stop strings, structured output) and whose text is not shown again.
   2. `step` places the LoRA adapters loaded at run time of the waiting requests it may start
-     (`_place_loras`: a request whose adapter finds `max_loras` in use waits, and so do the
-     requests of such adapters behind it), drafts tokens when it speculates (prompt lookup, engine/ngram.py), schedules
+     (`_place_loras`: a request whose adapter finds `max_loras` in use waits while one of them
+     drains), drafts tokens when it speculates (prompt lookup, engine/ngram.py), schedules
      chunks under the token budget, runs one ragged forward (collecting the
      prompt logprobs of requests that ask for them), samples the chunks that reached their
      last token (a structured-output request among the tokens its grammar allows next), and
@@ -27,6 +27,7 @@ Only one thread may call an `LLMEngine` (the async wrapper owns that thread), `p
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import torch
 from transformers import AutoTokenizer
@@ -52,7 +53,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy, gate=self._lora_placed)
+                                   config.scheduling_policy, gate=self._lora_gate)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = self._eos_ids()
         self.admission = Admission(self.tokenizer, self.runner.vocab_size, self.max_model_len, self.eos_token_ids,
@@ -60,6 +61,7 @@ class LLMEngine:
                                    config.scheduling_policy == "priority")
         self._requests: dict[str, EngineRequest] = {}
         self._runtime_loras = False      # a request ran a LoRA adapter loaded at run time (_place_loras)
+        self._draining: tuple[Sequence, tuple[str, int]] | None = None     # (waiting for a place, adapter: _drain_for)
         self.num_draft_tokens = 0        # speculative decoding: draft tokens fed, and those kept
         self.num_accepted_tokens = 0
 
@@ -210,42 +212,52 @@ class LLMEngine:
     def _place_loras(self) -> list[RequestOutput]:
         """Before scheduling: place the run-time LoRA adapters of the parked sequences (decode role),
         then of the waiting ones the step may start (as many as `max_num_seqs` leaves seats), in
-        order; the first that finds every place in use (`NO_ROOM`) waits, and the scheduler starts
-        no request of a run-time adapter behind it (`_lora_placed`).
-        The outputs of requests whose adapter can no longer be read (a 400; blocks freed)."""
+        order, until one finds every place in use (`NO_ROOM`): it waits, and one adapter is drained
+        for it (`_drain_for`). The outputs of requests whose adapter can no longer be read (a 400;
+        blocks freed)."""
         seats = self.scheduler.max_num_seqs - len(self.scheduler.running)
         if not self._runtime_loras or not (self.scheduler.waiting and seats > 0 or self.scheduler.parked):
+            self._draining = None
             return []
         busy, failed = self._running_loras(), []
-        for seq in list(self.scheduler.parked):          # first those whose K/V is here (decode role)
-            p = seq.params
-            why = self.runner.loras.use(p.lora, p.lora_id, p.lora_path, busy)
-            if why is NO_ROOM:
-                return failed
-            if why is not None:
-                failed.append(self._fail(self._requests[seq.request_id], why, 400))
-                continue
-            busy.add(p.lora_key)
-        for seq in list(itertools.islice(self.scheduler.waiting, seats)):
+        parked = list(self.scheduler.parked)         # first those whose K/V is here (decode role)
+        for seq in parked + list(itertools.islice(self.scheduler.waiting, seats)):
             p = seq.params
             if p.lora_path is None:
                 continue
             why = self.runner.loras.use(p.lora, p.lora_id, p.lora_path, busy)
             if why is NO_ROOM:
-                break
+                self._drain_for(seq)
+                return failed
             if why is not None:
                 failed.append(self._fail(self._requests[seq.request_id], why, 400))
                 continue
             busy.add(p.lora_key)
+        self._draining = None
         return failed
+
+    def _drain_for(self, blocked: Sequence) -> None:
+        """`blocked` found every place in use: one running adapter takes no new request (the gate)
+        until its running ones end and its place goes to `blocked`, so requests of the adapters
+        held cannot keep the places busy for good; the others still take theirs. The one with the
+        fewest running, least recently used first, and the same one while `blocked` waits."""
+        running = Counter(s.params.lora_key for s in self.scheduler.running if s.params.lora_path is not None)
+        if self._draining is not None and self._draining[0] is blocked and self._draining[1] in running:
+            return
+        loras = self.runner.loras
+        victim = min(running, key=lambda key: (running[key], loras.last_used(key)), default=None)
+        self._draining = None if victim is None else (blocked, victim)
 
     def _running_loras(self) -> set:
         return {seq.params.lora_key for seq in self.scheduler.running if seq.params.lora_path is not None}
 
-    def _lora_placed(self, seq: Sequence) -> bool | None:
-        """The scheduler's gate: None where `seq` runs no adapter loaded at run time, else whether
-        its adapter is placed."""
-        return None if seq.params.lora_path is None else self.runner.loras.holds(seq.params.lora_key)
+    def _lora_gate(self, seq: Sequence) -> bool | None:
+        """The scheduler's gate: None where `seq` runs no adapter loaded at run time, else whether it
+        may start: its adapter placed, and not the one drained for a request waiting for a place."""
+        if seq.params.lora_path is None:
+            return None
+        key = seq.params.lora_key
+        return self.runner.loras.holds(key) and (self._draining is None or self._draining[1] != key)
 
     def _prompt_logprob_spans(self, chunks: list[ScheduledChunk]) -> dict[int, tuple[int, int]]:
         """{chunk index: (first, last) row offsets} of the prompt positions in this step whose
@@ -477,4 +489,4 @@ class LLMEngine:
         """Queued requests whose LoRA adapter loaded at run time has no place yet."""
         if not self._runtime_loras:
             return 0
-        return sum(1 for seq in (*self.scheduler.parked, *self.scheduler.waiting) if self._lora_placed(seq) is False)
+        return sum(1 for seq in (*self.scheduler.parked, *self.scheduler.waiting) if self._lora_gate(seq) is False)

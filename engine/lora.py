@@ -65,10 +65,11 @@ class LoraSet:
     scheduler may start that request (`use`, called by the engine before each step): at most
     `max_loras` such are held, the next one evicting the least recently used that no running or
     starting request runs; when every one is in use there is no room (`NO_ROOM`) and the request
-    waits in the queue until one goes idle, as vLLM's scheduler keeps a request waiting past
-    `max_loras` adapters (a request whose K/V has landed already, decode role, waits parked with
-    its blocks: engine/scheduler.py). Only the engine's thread calls the rest, between steps (a step's LoraBatch reads slots no
-    placement can free: they are in use)."""
+    waits in the queue until one goes idle (the engine drains one for it: LLMEngine._drain_for), as
+    vLLM's scheduler keeps a request waiting past `max_loras` adapters (a request whose K/V has
+    landed already, decode role, waits parked with its blocks: engine/scheduler.py). Only the
+    engine's thread calls the rest, between steps (a step's LoraBatch reads slots no placement can
+    free: they are in use)."""
 
     def __init__(self, model, device, kernels=None, max_loras: int = 8):
         """`model`: engine.decoder's DecoderModel (its widths and dtype)."""
@@ -90,6 +91,10 @@ class LoraSet:
 
     def holds(self, key: tuple[str, int]) -> bool:
         return key in self._slots
+
+    def last_used(self, key: tuple[str, int]) -> int:
+        """When run-time adapter `key` (held) was last placed or used, in `use` calls."""
+        return self._last_use[key]
 
     def slot(self, key: tuple[str, int] | None) -> int:
         return 0 if key is None else self._slots[key]

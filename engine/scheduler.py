@@ -15,11 +15,11 @@ larger value), the last in that order first, until it can (`make_room`; as vLLM'
 preemption). A decode-role engine's reservation makes room the same way (LLMEngine.reserve_cached).
 Batching decisions count tokens: a step never feeds more than `max_num_batched_tokens`.
 A waiting sequence may also have to wait for something outside the blocks, a place for its LoRA
-adapter loaded at run time (engine/lora.py): `gate(seq)` says None (it needs none), True (it has one)
-or False (none is free). One that finds none waits, and so does every sequence behind it that needs
-a place (they would keep the places busy and starve it); those that need none may go past it. A
-sequence admitted with its K/V computed (`add_running`, a decode replica's) that finds none is
-parked, holding its blocks, and joins the running batch, first parked first, once it has one.
+adapter loaded at run time (the engine's `gate(seq)`: None, it needs none; True, it may start;
+False, not yet): one the gate holds back keeps its place in the queue and those behind it may go
+past it (at most `max_num_seqs` are passed over in a step). A sequence admitted with its K/V
+computed (`add_running`, a decode replica's) that the gate holds back is parked, holding its
+blocks, and joins the running batch, first parked first, once the gate lets it.
 A decoding sequence may carry proposed tokens (speculative decoding, `Sequence.num_draft`): they
 are fed with its token when the budget and the free blocks allow, and dropped (not preempting
 anyone) when they do not.
@@ -119,7 +119,7 @@ class Scheduler:
             self.running.append(self.parked.popleft())
         # 0. room for the first waiting sequence (its prefix hits are looked up only where a lower
         # priority runs: this is on every step)
-        if self.waiting and self._outranked_by(self.waiting[0].params.priority) and self._may_start(self.waiting[0], 0):
+        if self.waiting and self._outranked_by(self.waiting[0].params.priority) and self._may_start(self.waiting[0]):
             head = self.waiting[0]
             self.make_room(head.params.priority,
                            lambda: len(self.running) < self.max_num_seqs and self.bm.can_allocate(head))
@@ -145,9 +145,9 @@ class Scheduler:
         # 2. waiting sequences, first come first served (past those the gate holds back)
         held_back = 0
         while (len(self.waiting) > held_back and budget > 0 and not preempted
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) < self.max_num_seqs and held_back < self.max_num_seqs):
             seq = self.waiting[held_back]
-            if not self._may_start(seq, held_back):
+            if not self._may_start(seq):
                 held_back += 1
                 continue
             if not self.bm.allocate(seq):
@@ -161,12 +161,8 @@ class Scheduler:
             budget -= chunks[-1].num_tokens
         return chunks
 
-    def _may_start(self, seq: Sequence, held_back: int) -> bool:
-        """Whether the gate lets `seq` start, `held_back` sequences ahead of it held back."""
-        if self.gate is None:
-            return True
-        placed = self.gate(seq)
-        return placed is None or (placed and not held_back)
+    def _may_start(self, seq: Sequence) -> bool:
+        return self.gate is None or self.gate(seq) is not False
 
     # ---- leaving ---------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str | None, keep_blocks: bool = False) -> None:

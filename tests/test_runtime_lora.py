@@ -68,10 +68,24 @@ def test_an_adapter_loaded_at_the_first_request_runs_as_a_configured_one(tiny):
     assert eng.runner.loras.held() == [("a", 11), ("b", 12)] and eng.block_manager.all_free()
 
 
+def _run(eng: LLMEngine, arrivals: dict[int, list] = None) -> tuple[dict, dict]:
+    """Step `eng` to the end, adding `arrivals[step]` (request id, params) before that step: each
+    request's first step with output and its tokens."""
+    first, tokens, step = {}, {}, 0
+    while eng.has_work() or step < max(arrivals or [0]):
+        step += 1
+        for rid, params in (arrivals or {}).get(step, []):
+            assert eng.add_request(rid, PROMPT, params) is None
+        for out in eng.step():
+            assert out.error is None
+            first.setdefault(out.request_id, step)
+            tokens[out.request_id] = tokens.get(out.request_id, []) + out.new_token_ids
+    return first, tokens
+
+
 def test_max_loras_evicts_the_least_recently_used_idle_adapter_and_queues_when_all_are_busy(tiny):
-    """c finds max_loras 2 adapters running (a, b): it waits, and so does a2 behind it (another
-    request of a: starting would keep a busy), while the base model's request goes past; c starts in
-    a's place once a and b are done, and a2 then takes b's."""
+    """c finds max_loras 2 adapters running (a, b): it waits, while a2 behind it (a is placed) and
+    the base model's request go past; c starts in a's place once a and b are done."""
     path, adapters = tiny
     configured = _engine(path, adapters)
     expected = {name: configured.generate([PROMPT], SamplingParams(**GREEDY, lora=name))[0].token_ids
@@ -80,21 +94,26 @@ def test_max_loras_evicts_the_least_recently_used_idle_adapter_and_queues_when_a
     for rid, name, lora_id in (("a", "a", 1), ("b", "b", 2), ("c", "c", 3), ("a2", "a", 1)):
         assert eng.add_request(rid, PROMPT, _runtime(name, adapters[name], lora_id)) is None
     assert eng.add_request("base", PROMPT, SamplingParams(**GREEDY)) is None
-    first, tokens, step = {}, {}, 0
-    while eng.has_work():
-        step += 1
-        for out in eng.step():
-            assert out.error is None
-            first.setdefault(out.request_id, step)
-            tokens[out.request_id] = tokens.get(out.request_id, []) + out.new_token_ids
-        if step == 1:            # c waits for a place; a2 behind it has one (a) but waits too
-            assert (eng.stats()["waiting"], eng.stats()["lora_waiting"]) == (2, 1)
-    assert eng.stats()["lora_waiting"] == 0
-    assert first["a"] == first["b"] == first["base"] == 1 and first["c"] == first["a2"] == 1 + GREEDY["max_tokens"]
-    assert {name: tokens[name] for name in expected} == expected and tokens["a2"] == expected["a"]
-    # c took the place of a (idle, least recently used), then a2 brought a back in b's
-    assert eng.runner.loras.held() == [("c", 3), ("a", 1)]
-    assert (eng.stats()["lora_loads"], eng.stats()["lora_evictions"]) == (4, 2)
+    eng.step()
+    assert (eng.stats()["running"], eng.stats()["waiting"], eng.stats()["lora_waiting"]) == (4, 1, 1)
+    first, tokens = _run(eng)
+    assert eng.stats()["lora_waiting"] == 0 and first["c"] == GREEDY["max_tokens"]   # after the first step's 1
+    assert {name: tokens[name] for name in expected} == {name: expected[name][1:] for name in ("a", "b")} | \
+        {"c": expected["c"]} and tokens["a2"] == expected["a"][1:]
+    assert eng.runner.loras.held() == [("b", 2), ("c", 3)]      # c took the place of a, the least recently used
+    assert (eng.stats()["lora_loads"], eng.stats()["lora_evictions"]) == (3, 1)
+    assert eng.block_manager.all_free()
+
+
+def test_a_request_waiting_for_a_place_is_not_starved_by_new_requests_of_the_adapters_held(tiny):
+    """max_loras 1: a1 runs, c waits; a2 and a3 arrive while a1 runs. a is drained for c (a2 and a3
+    wait), so c starts when a1 ends, and a2 and a3 after c."""
+    path, adapters = tiny
+    eng = _engine(path, max_loras=1)
+    a = _runtime("a", adapters["a"], 1)
+    first, _ = _run(eng, {1: [("a1", a), ("c", _runtime("c", adapters["c"], 3))], 2: [("a2", a)], 4: [("a3", a)]})
+    n = GREEDY["max_tokens"]
+    assert first == {"a1": 1, "c": 1 + n, "a2": 1 + 2 * n, "a3": 1 + 2 * n}, first
     assert eng.block_manager.all_free()
 
 
