@@ -101,7 +101,8 @@ class LLMEngine:
                      draws=0, landed=False) -> EngineRequest | Rejected:
         """A LoRA adapter loaded at run time is read here and placed before the step that starts the
         request (`_place_loras`); `landed`: the request's K/V is here already (decode role): its
-        adapter is placed now where a place is free (else the request is parked: add_prefilled)."""
+        adapter is placed now where a place is free and none is parked (else the request is parked:
+        add_prefilled)."""
         if in_use := self._id_in_use(request_id):
             return Rejected(request_id, in_use)
         req = self.admission.admit(request_id, prompt, params, hold_blocks, resumed, shown_chars, draws)
@@ -109,7 +110,7 @@ class LLMEngine:
             self._runtime_loras = True
             loras = self.runner.loras
             why = loras.check(params.lora, params.lora_id, params.lora_path)
-            if why is None and landed:
+            if why is None and landed and not self.scheduler.parked:     # else behind those parked first
                 why = loras.use(params.lora, params.lora_id, params.lora_path, self._running_loras())
             if why is not None and why is not NO_ROOM:
                 return Rejected(request_id, why)

@@ -139,23 +139,28 @@ def test_a_waiting_request_whose_adapter_is_gone_when_placed_fails_alone(tiny, t
 
 def test_a_decode_engine_parks_a_landed_request_until_its_adapter_has_a_place(tiny):
     """Landed in a decode engine of max_loras 1 while a runs: b and c are parked with their blocks
-    (their first tokens out); c, aborted there, frees them; b decodes once a is done."""
+    (their first tokens out); c, aborted there, frees them; b decodes once a is done, before d,
+    which lands between a's end and the next step (it parks behind b rather than take the place)."""
     path, adapters = tiny
     prefill, decode = _engine(path), _engine(path, max_loras=1)
     expected = {name: _engine(path, {name: adapters[name]}).generate(
-        [PROMPT], SamplingParams(**GREEDY, lora=name))[0].token_ids for name in ("a", "b")}
+        [PROMPT], SamplingParams(**GREEDY, lora=name))[0].token_ids for name in ("a", "b", "c")}
     tokens = {}
-    for lora_id, name in enumerate(("a", "b", "c"), 1):
-        params = _runtime(name, adapters[name] if name != "c" else adapters["a"], lora_id)
-        prefill.add_request(name, PROMPT, params, hold_blocks=True)
+
+    def land(rid, name, lora_id):
+        params = _runtime(name, adapters[name], lora_id)
+        prefill.add_request(rid, PROMPT, params, hold_blocks=True)
         first = [t for _ in iter(prefill.has_work, False) for out in prefill.step() for t in out.new_token_ids]
         blocks, cached = decode.reserve_cached(PROMPT, params.lora_key)
         assert cached == 0 and len(first) == 1
-        decode.import_kv(blocks, prefill.runner.export_blocks(prefill.held_blocks(name)))
-        prefill.release(name)
-        out = decode.add_prefilled(name, PROMPT, first[0], params, blocks)
+        decode.import_kv(blocks, prefill.runner.export_blocks(prefill.held_blocks(rid)))
+        prefill.release(rid)
+        out = decode.add_prefilled(rid, PROMPT, first[0], params, blocks)
         assert not isinstance(out, Rejected) and out.new_token_ids == first, out
-        tokens[name] = first
+        tokens[rid] = first
+
+    for lora_id, name in enumerate(("a", "b", "c"), 1):
+        land(name, name, lora_id)
     assert decode.runner.loras.held() == [("a", 1)] and [s.request_id for s in decode.scheduler.parked] == ["b", "c"]
     assert (decode.stats()["waiting"], decode.stats()["lora_waiting"]) == (2, 2)
     free = decode.block_manager.num_free_blocks
@@ -166,9 +171,13 @@ def test_a_decode_engine_parks_a_landed_request_until_its_adapter_has_a_place(ti
         for out in decode.step():
             tokens[out.request_id] += out.new_token_ids
             last_step[out.request_id] = step
-    assert {name: tokens[name] for name in expected} == expected
-    assert last_step["b"] - last_step["a"] == GREEDY["max_tokens"] - 1      # b's tokens after a's last one
-    assert decode.runner.loras.held() == [("b", 2)] and decode.stats()["lora_evictions"] == 1
+            if out.request_id == "a" and out.finished:
+                land("d", "c", 4)      # a new load id: none of c's cached K/V
+    assert {name: tokens[name] for name in ("a", "b")} == {name: expected[name] for name in ("a", "b")}
+    assert tokens["d"] == expected["c"]
+    n = GREEDY["max_tokens"]
+    assert last_step["b"] - last_step["a"] == n - 1 and last_step["d"] - last_step["b"] == n - 1    # one after another
+    assert decode.runner.loras.held() == [("c", 4)] and decode.stats()["lora_evictions"] == 2
     assert decode.block_manager.all_free()
 
 
