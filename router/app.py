@@ -33,7 +33,7 @@ from typing import Annotated, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinja2 import TemplateError
 from pydantic import ValidationError
@@ -137,7 +137,7 @@ class Router:
             store, self.config.max_tokens_limit, self.model_name, self.chat_completions,
             saved=self.request_metrics.response_saved, max_model_len=self.max_model_len,
             prompt_tokens=lambda chat: len(chat_prompt_ids(self.tokenizer, chat, self.native_tools)),
-            lease_s=self.config.responses.background_lease_s)
+            lease_s=self.config.responses.background_lease_s, refusal=self.chat_refusal)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -292,6 +292,16 @@ class Router:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
+        prepared = await self._chat_prompt(body)
+        if isinstance(prepared, JSONResponse):
+            return prepared
+        ids, shape, think = prepared
+        return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,
+                                    prefix="chatcmpl", shape=shape, think=think)
+
+    async def _chat_prompt(self, body: ChatCompletionRequest):
+        """A chat completion's prompt ids, output shape and grammar start (`think`), or the error
+        answering it."""
         # a forced call's grammars compile (tens of ms for a new tool set): off the event loop
         if body.forces_call and (problem := await asyncio.to_thread(body.tools_problem, self.tool_syntax)):
             return error_response(400, problem, param="tools")
@@ -308,8 +318,17 @@ class Router:
             reasoning, think = starts_inside(tail), grammar_think(self.think_tokens, tail)
         shape = ChatOutputShape(self.tool_syntax if body.parses_tool_calls else None, reasoning,
                                 body.include_reasoning, body.parallel_tool_calls)
-        return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,
-                                    prefix="chatcmpl", shape=shape, think=think)
+        return ids, shape, think
+
+    async def chat_refusal(self, body: ChatCompletionRequest) -> JSONResponse | None:
+        """What the chat endpoint would refuse `body` with before it runs (its prompt, model, limits
+        and parameters), or None: a background response's checks before it is answered `queued`."""
+        prepared = await self._chat_prompt(body)
+        if isinstance(prepared, JSONResponse):
+            return prepared
+        ids, _, think = prepared
+        checked = await self._checked(body, [ids], body.max_completion_tokens or body.max_tokens, think)
+        return checked if isinstance(checked, JSONResponse) else None
 
     # ---- the Responses API (router/responses_api.py) ------------------------------------------------
     @app.post("/v1/responses")
@@ -341,6 +360,15 @@ class Router:
     async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str,
                         echoes: list[tuple[str, list[int]]] | None = None, shape: ChatOutputShape | None = None,
                         think: tuple[int, int, bool] | None = None):
+        params = await self._checked(body, prompts, max_tokens, think)
+        if isinstance(params, JSONResponse):
+            return params
+        return await self._run(body, f"{prefix}-{uuid.uuid4().hex}", prompts, params, chat, echoes, shape)
+
+    async def _checked(self, body, prompts: list[list[int]], max_tokens: int | None,
+                       think: tuple[int, int, bool] | None):
+        """The request's sampling parameters, or the error refusing it (its model, prompts, limits
+        and parameters)."""
         if body.model not in (None, *self.names):
             return self._unknown_model(body.model)
         if not all(prompts):
@@ -377,7 +405,11 @@ class Router:
             if any(t >= len(self.tokenizer) for t in ids):
                 return error_response(400, f"{name}: token id out of range (vocabulary size {len(self.tokenizer)})",
                                       param=name)
-        rid = f"{prefix}-{uuid.uuid4().hex}"
+        return params
+
+    async def _run(self, body, rid: str, prompts: list[list[int]], params, chat: bool,
+                   echoes: list[tuple[str, list[int]]] | None, shape: ChatOutputShape | None):
+        """Run a checked request (`_checked`'s parameters) through the pools and answer it."""
         start = time.monotonic()
         if params.lora is not None:
             self.request_metrics.lora_request(params.lora)

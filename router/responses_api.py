@@ -13,9 +13,11 @@ A response's life cycle here:
   4. keep     a response that completed, its request not saying `store: false`, is stored before
               the Response (or the stream's last event) goes out; where the store does not take
               it, the answer says `store: false`
-With `background` the answer comes first: the response is stored `queued` and answered, then a
-task of this router runs steps 2-4 (stored `in_progress`, then as it ended: completed,
-incomplete, or failed with the error the chat path answered, e.g. a prompt beyond the context).
+With `background` the request is first checked as the chat endpoint would check it (a prompt
+beyond the context, an unknown model: that refusal is the answer, nothing is stored); then the
+answer comes first: the response is stored `queued` and answered, and a task of this router runs
+steps 2-4 (stored `in_progress`, then as it ended: completed, incomplete, or failed with the
+error the chat path answered, e.g. a replica out of KV blocks).
 `cancel` cancels the task (its requests are aborted in the pools, as a client that leaves, which
 frees their blocks) and stores the response `cancelled`; `delete` cancels it too. The tasks live
 in this router, which renews its lease in the store while it runs any: after one that failed or was
@@ -51,15 +53,17 @@ class ResponsesApi:
     router's chat endpoint (a chat completion, its stream, or an error response); `saved(kept)`
     is told of every save (router/metrics.py); `prompt_tokens(chat)`: the tokens of a chat
     completion's prompt (its template's errors raised), for `truncation: auto` within
-    `max_model_len`; `lease_s`: the store's lease on this router's background responses."""
+    `max_model_len`; `lease_s`: the store's lease on this router's background responses;
+    `refusal(chat)`: what the chat endpoint would refuse a chat completion with before running it
+    (None: nothing), checked before a background response is answered."""
 
     def __init__(self, store, max_tokens_limit: int, model_name: str,
                  chat: Callable[[ChatCompletionRequest], Awaitable], saved: Callable[[bool], None],
                  prompt_tokens: Callable[[ChatCompletionRequest], int], max_model_len: int,
-                 lease_s: float = 30.0):
+                 lease_s: float = 30.0, refusal: Callable[[ChatCompletionRequest], Awaitable] | None = None):
         self.stored = None if store is None else StoredResponses(store)
         self.max_tokens_limit, self.model_name, self.chat, self.saved = max_tokens_limit, model_name, chat, saved
-        self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
+        self.prompt_tokens, self.max_model_len, self.refusal = prompt_tokens, max_model_len, refusal
         self.background: dict[str, Background] = {}       # running background responses, by id
         self.owner, self.lease_s = uuid.uuid4().hex, lease_s  # this router instance, in the store's leases
         self._renewing: asyncio.Task | None = None
@@ -129,17 +133,21 @@ class ResponsesApi:
 
     # ---- background responses ---------------------------------------------------------------
     async def _start(self, body: ResponsesRequest, history: list[dict], chat: ChatCompletionRequest):
-        """Store the response `queued`, start its task, answer it."""
+        """Check the request, store the response `queued`, start its task, answer it."""
         if self.stored is None:
             return error_response(400, "background: this server keeps no responses (its responses.store is off), "
                                   "and a background response is polled from the store", param="background")
+        if body.truncation == "auto":
+            chat = await asyncio.to_thread(self._fitting, body, history, chat)
+        if self.refusal is not None and (refused := await self.refusal(chat)) is not None:
+            return refused
         shape = ResponseShape(body, new_id("resp"), body.model or self.model_name, store=True)
         context = unique_ids(history + body.input_items())
         queued = shape.body([], "queued")
         await self._save(queued, context, final=False)
         if not queued["store"]:              # nowhere to poll it from
             return _unavailable(RuntimeError("it did not keep the background response"))
-        task = asyncio.ensure_future(self._run(body, history, chat, shape, context))
+        task = asyncio.ensure_future(self._run(chat, shape, context))
         self.background[shape.rid] = Background(task, shape, context)
         task.add_done_callback(lambda _: self.background.pop(shape.rid, None))
         if self._renewing is None or self._renewing.done():
@@ -154,13 +162,11 @@ class ResponsesApi:
             with contextlib.suppress(StoreUnavailable):
                 await self.stored.renew(self.owner)
 
-    async def _run(self, body: ResponsesRequest, history: list[dict], chat: ChatCompletionRequest,
-                   shape: ResponseShape, context: list[dict]) -> dict:
-        """A background response's steps 2-4; the response as stored last."""
+    async def _run(self, chat: ChatCompletionRequest, shape: ResponseShape, context: list[dict]) -> dict:
+        """A background response's steps 2-4 (`chat`: its chat completion, checked); the response as
+        stored last."""
         try:
             await self._save(shape.body([], "in_progress"), context, final=False)
-            if body.truncation == "auto":
-                chat = await asyncio.to_thread(self._fitting, body, history, chat)
             result = await self.chat(chat)
             if isinstance(result, JSONResponse):          # refused: the error the answer would have been
                 error = json.loads(result.body)["error"]

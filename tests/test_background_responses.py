@@ -1,4 +1,5 @@
-"""Background responses (router/responses_api.py) without Ray: the answer is the response `queued`,
+"""Background responses (router/responses_api.py) without Ray: a request the chat endpoint would
+refuse is refused at once (nothing stored); else the answer is the response `queued`,
 the store shows it `in_progress` while its chat completion runs and then as it ended (completed,
 or failed with the error the chat path answered); a cancel cancels the running chat (the pools'
 requests are aborted through that cancellation) and stores `cancelled`; a delete cancels too; a
@@ -36,11 +37,11 @@ class Chat:
                 "usage": USAGE}
 
 
-def _api(chat, store=True, log=None, lease_s=30.0):
+def _api(chat, store=True, log=None, lease_s=30.0, refusal=None):
     log = log or ResponseLog(100, 10**6, lease_s=lease_s)
     saves = []
     api = ResponsesApi(log_handle(log) if store else None, 100, "m", chat, saves.append,
-                       prompt_tokens=lambda _: 1, max_model_len=100, lease_s=lease_s)
+                       prompt_tokens=lambda _: 1, max_model_len=100, lease_s=lease_s, refusal=refusal)
     return api, log, saves
 
 
@@ -108,6 +109,26 @@ def test_a_router_that_stops_leaves_its_background_responses_failed_not_in_progr
         failed = _body(await after.retrieve(running["id"]))
         assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
         assert _body(await after.cancel(running["id"]))["status"] == "failed"        # it ended
+    asyncio.run(run())
+
+
+def test_a_request_the_chat_endpoint_would_refuse_is_refused_before_it_is_queued():
+    """The refusal (here a prompt beyond the context) is the create call's answer; nothing stored."""
+    async def refusal(chat):
+        if "too long" in chat.messages[-1].content:
+            return error_response(400, "this model's maximum context length is 8 tokens", param="messages")
+        return None
+
+    async def run():
+        chat = Chat()
+        api, log, _ = _api(chat, refusal=refusal)
+        refused = await api.create(ResponsesRequest(input="too long", background=True))
+        assert refused.status_code == 400 and "maximum context length" in _body(refused)["error"]["message"]
+        assert len(log) == 0 and not api.background
+        queued = await api.create(ResponsesRequest(input="Hi", background=True))
+        chat.gate.set()
+        await asyncio.sleep(0.01)
+        assert queued["status"] == "queued" and _status(log, queued["id"]) == "completed"
     asyncio.run(run())
 
 

@@ -3,7 +3,8 @@ to the chat endpoint's for the same conversation, streamed as not (the SDK's own
 accumulates the events into the same response), a forced function call and the next turn carrying
 it back, stored responses (retrieved, chained with previous_response_id as their stateless twin,
 listed, deleted), a JSON schema, max_output_tokens, refusals, a client that leaves mid-stream, and
-background responses (polled to the same text; one cancelled mid-generation, its requests aborted);
+background responses (polled to the same text; one cancelled mid-generation, its requests aborted;
+refusals answered at once);
 every block is free after."""
 
 import json
@@ -178,3 +179,8 @@ def test_background_responses_are_polled_and_cancelled(client, disagg):
     assert pools_all_free(disagg, {"prefill", "decode"})
     code, text = http(disagg, "/v1/responses", {"model": MODEL, "input": "Hi", "background": True, "stream": True})
     assert code == 400 and "not streamed" in text
+    # what the chat endpoint refuses is the create call's answer, not a failed response
+    code, text = http(disagg, "/v1/responses", {"model": "nope", "input": "Hi", "background": True})
+    assert code == 404 and json.loads(text)["error"]["code"] == "model_not_found"
+    code, text = http(disagg, "/v1/responses", {"model": MODEL, "input": "Paris " * 9000, "background": True})
+    assert code == 400 and "maximum context length" in text, text
