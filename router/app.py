@@ -57,7 +57,7 @@ from router.openai_responses import above_limit, error_response, refused
 from router.orchestrator import Orchestrator, RequestFailed
 from router.reasoning import grammar_think, reasoning_template, starts_inside, think_tokens
 from router.reply import Reply
-from router.response_store import MAX_PAGE
+from router.response_store import MAX_PAGE, StoreUnavailable
 from router.responses_api import ResponsesApi
 from router.responses_protocol import ResponsesRequest
 from router.runtime_lora import LoadLoraAdapterRequest, RuntimeLoras, UnloadLoraAdapterRequest
@@ -121,6 +121,9 @@ class Router:
         self.lora_names = tuple(self.config.lora_modules)   # a request naming one runs that LoRA adapter
         # ... as it does one loaded at run time (runtime_lora_updating)
         self.runtime_loras = RuntimeLoras(Dims.of_config(hf), (*self.model_names, *self.lora_names))
+        # ... restored from the ResponseStore at the first request (a router that restarted)
+        self._loras_restored = not self.config.runtime_lora_updating or store is None
+        self._restoring, self._keeping = asyncio.Lock(), asyncio.Lock()
         self.served = Served(self.names, self.config.max_tokens_limit, len(self.tokenizer),
                              self.max_model_len, api_key=bool(self.config.api_key),
                              priorities=self.config.scheduling_policy == "priority",
@@ -171,14 +174,44 @@ class Router:
             return error_response(503, f"no ready replica yet in: {', '.join(sorted(missing))}", "unavailable")
         return {"status": "ok"}
 
+    async def _restore_loras(self) -> None:
+        """Before a new router answers its first request naming models: the adapters loaded at run
+        time before it (kept in the ResponseStore), so that one that restarted serves them again
+        under the same load ids. Tried once: with the store unavailable they are forgotten."""
+        if self._loras_restored:
+            return
+        async with self._restoring:
+            if self._loras_restored:
+                return
+            try:
+                if (registry := await self.responses_api.stored.runtime_loras()) is not None:
+                    self.runtime_loras.restore(registry)
+                    log.info("LoRA adapters loaded at run time, restored: %s", ", ".join(registry.names) or "none")
+            except StoreUnavailable as exc:
+                log.warning("the LoRA adapters loaded at run time before this router are forgotten: %s", exc)
+            finally:
+                self._loras_restored = True
+
+    async def _keep_loras(self) -> None:
+        """After a load or an unload: the registry to the ResponseStore, for a router that restarts."""
+        if (stored := self.responses_api.stored) is None:
+            return
+        async with self._keeping:         # one at a time: the last kept is the last change
+            try:
+                await stored.keep_runtime_loras(self.runtime_loras.registry())
+            except StoreUnavailable as exc:
+                log.warning("the LoRA adapters loaded at run time are not kept for a router restart: %s", exc)
+
     @app.get("/v1/models")
     async def models(self):
+        await self._restore_loras()
         return {"object": "list", "data": [self._model_card(name) for name in self.names]}
 
     @app.get("/v1/models/{model:path}")
     async def model(self, model: str):
         """OpenAI's model retrieval (`client.models.retrieve`): the served model under any of its
         names (a name may hold slashes) or a LoRA adapter, any other a 404."""
+        await self._restore_loras()
         return self._model_card(model) if model in self.names else self._unknown_model(model)
 
     def _model_card(self, name: str) -> dict:
@@ -201,6 +234,7 @@ class Router:
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
         """vLLM's: the token ids a prompt, or a chat's messages, become (what `usage` counts)."""
+        await self._restore_loras()
         if body.model not in (None, *self.names):
             return self._unknown_model(body.model)
         if body.prompt is not None:
@@ -221,6 +255,7 @@ class Router:
     @app.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest):
         """vLLM's: token ids back to text."""
+        await self._restore_loras()
         if body.model not in (None, *self.names):
             return self._unknown_model(body.model)
         if any(t >= len(self.tokenizer) for t in body.tokens):
@@ -239,6 +274,7 @@ class Router:
         """vLLM's: serve the PEFT adapter at `lora_path` as `lora_name` (with runtime_lora_updating)."""
         if not self.config.runtime_lora_updating:
             return self._runtime_lora_off()
+        await self._restore_loras()
         loras, name = self.runtime_loras, body.lora_name
         if problem := loras.name_problem(name, body.load_inplace):
             return error_response(400, problem, param="lora_name")
@@ -248,6 +284,7 @@ class Router:
         if problem := loras.name_problem(name, body.load_inplace):      # loaded meanwhile
             return error_response(400, problem, param="lora_name")
         loras.add(name, info.path)
+        await self._keep_loras()
         log.info("LoRA adapter %r loaded from %s", name, info.path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
@@ -256,8 +293,10 @@ class Router:
         """vLLM's: stop serving the adapter loaded as `lora_name` (with runtime_lora_updating)."""
         if not self.config.runtime_lora_updating:
             return self._runtime_lora_off()
+        await self._restore_loras()
         if refused := self.runtime_loras.remove(body.lora_name):
             return error_response(refused[0], refused[1], param="lora_name")
+        await self._keep_loras()
         log.info("LoRA adapter %r unloaded", body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
@@ -369,6 +408,7 @@ class Router:
                        think: tuple[int, int, bool] | None):
         """The request's sampling parameters, or the error refusing it (its model, prompts, limits
         and parameters)."""
+        await self._restore_loras()
         if body.model not in (None, *self.names):
             return self._unknown_model(body.model)
         if not all(prompts):

@@ -17,11 +17,13 @@ A background response (router/responses_api.py) is saved `queued` and `in_progre
 router's `owner` id, and that router renews its lease while it runs any (`renew`, every third of
 `responses.background_lease_s`); one read after its owner was silent a whole lease (the router
 failed or was replaced, and its task with it) is stored `failed` then, so a client polling it
-gets an end.
+gets an end. The store also keeps the router's registry of LoRA adapters loaded at run time
+(router/runtime_lora.py), for a router that restarts: the app's head-node state lives here.
 
 `ResponseLog` is the bookkeeping (no Ray, unit-tested); `ResponseStore` is the one-replica Serve
 deployment holding it on the head node, shared by every router replica; `StoredResponses` is the
-router's side. Who frees what: nothing here holds KV or engine state, only JSON text.
+router's side. Who frees what: nothing here holds KV or engine state, only JSON text and the
+registry's message.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ class ResponseStore:
     def __init__(self, options: dict):
         opts = ResponsesOptions.model_validate(options)
         self._log = ResponseLog(opts.max_stored, opts.max_stored_bytes, opts.background_lease_s)
+        self._runtime_loras: bytes | None = None
 
     async def put(self, data: bytes) -> bool:
         return self._log.put(messages.decode(data, expect=messages.StoredResponse))
@@ -136,6 +139,16 @@ class ResponseStore:
 
     async def renew(self, owner: str) -> None:
         self._log.renew(owner)
+
+    async def runtime_loras(self) -> bytes | None:
+        """The routers' registry of LoRA adapters loaded at run time (router/runtime_lora.py), kept
+        here, beside the responses and as long as they are, so that a router that restarts finds
+        it; None before any load."""
+        return self._runtime_loras
+
+    async def keep_runtime_loras(self, data: bytes) -> None:
+        messages.decode(data, expect=messages.RuntimeLoraRegistry)
+        self._runtime_loras = data
 
 
 class StoreUnavailable(RuntimeError):
@@ -166,9 +179,9 @@ class StoredResponses:
     def __init__(self, handle, timeout_s: float = STORE_TIMEOUT_S):
         self.handle, self.timeout_s = direct_stream(handle, messages.MAX_MESSAGE_BYTES), timeout_s
 
-    async def _call(self, method: str, arg):
+    async def _call(self, method: str, *args):
         try:
-            return await asyncio.wait_for(getattr(self.handle, method).remote(arg), self.timeout_s)
+            return await asyncio.wait_for(getattr(self.handle, method).remote(*args), self.timeout_s)
         except asyncio.TimeoutError:
             raise StoreUnavailable(f"no answer in {self.timeout_s:g} s") from None
         except Exception as exc:  # noqa: BLE001 - one error for the caller to answer
@@ -199,6 +212,13 @@ class StoredResponses:
 
     async def renew(self, owner: str) -> None:
         await self._call("renew", owner)
+
+    async def runtime_loras(self) -> messages.RuntimeLoraRegistry | None:
+        data = await self._call("runtime_loras")
+        return None if data is None else messages.decode(data, expect=messages.RuntimeLoraRegistry)
+
+    async def keep_runtime_loras(self, registry: messages.RuntimeLoraRegistry) -> None:
+        await self._call("keep_runtime_loras", messages.encode(registry))
 
 
 def unique_ids(items: list[dict]) -> list[dict]:

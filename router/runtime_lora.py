@@ -14,8 +14,11 @@ Life cycle of an adapter loaded at run time
               and another needs the room. Loaded again, even from the same directory, it is a new
               adapter (a new load id): no replica's copy or cached K/V of the old one is used.
 Who calls: the Router (router/app.py), on its event loop; the directory check on a worker thread.
-The router is one replica (pdserve/app_builder.py), so this memory is the app's; a router that
-restarts forgets it (as a vLLM server does) and the replicas' copies go idle.
+The router is one replica (pdserve/app_builder.py), so this memory is the app's. It is also kept
+in the ResponseStore deployment (`registry`, after every change), so a router that fails and is
+replaced restores it (`restore`: the same load ids, the replicas' copies stay good); where the store
+is off (`responses.store: false`) or replaced with it (a redeploy with new `args`), a new router
+forgets the adapters (as a restarted vLLM server does) and the replicas' copies go idle.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pydantic import Field
 from engine.lora_config import NAME_PATTERN, AdapterInfo, adapter_dir, check_adapter
 from engine.model_dims import Dims
 from router.protocol_types import Strict
+from serving.messages import RuntimeLoraRegistry
 
 Name = Annotated[str, Field(min_length=1, max_length=256, pattern=NAME_PATTERN,
                             description="The adapter's name: a request runs it by naming it as its `model`.")]
@@ -85,6 +89,18 @@ class RuntimeLoras:
         # random rather than counted: the replicas outlive a restarted router, whose count would
         # start again and give a new adapter an old one's id (and K/V)
         self.loaded[name] = Loaded(path, secrets.randbits(62) + 1)
+
+    def registry(self) -> RuntimeLoraRegistry:
+        """What a restarted router restores (`restore`): every adapter loaded, with its load id."""
+        return RuntimeLoraRegistry(tuple(self.loaded), tuple(x.path for x in self.loaded.values()),
+                                   tuple(x.lora_id for x in self.loaded.values()))
+
+    def restore(self, registry: RuntimeLoraRegistry) -> None:
+        """A new router's memory from its predecessor's: the same adapters under the same load ids
+        (the replicas' copies and cached K/V stay theirs), but for names it serves otherwise now."""
+        for name, path, lora_id in zip(registry.names, registry.paths, registry.lora_ids):
+            if name not in self.taken:
+                self.loaded.setdefault(name, Loaded(path, lora_id))
 
     def remove(self, name: str) -> tuple[int, str] | None:
         """Forget `name`; why not, with the HTTP status: 400 for the model's name or an adapter of

@@ -196,9 +196,10 @@ class AppConfig(_Model):
         "Adapters on the attention and MLP projections (engine/lora.py: what is supported).")
     runtime_lora_updating: bool = Field(
         False, description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, which it turns on "
-        "with VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters loaded while the app runs, remembered by the router (a "
-        "router that restarts forgets them) and loaded by each replica at the first request that runs one. Whoever "
-        "holds the API key may then make every replica read any adapter directory its nodes can see.")
+        "with VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters loaded while the app runs, remembered by the router (and "
+        "kept in the ResponseStore where responses.store is on, so a router that fails and is replaced serves them "
+        "still) and loaded by each replica at the first request that runs one. Whoever holds the API key may then "
+        "make every replica read any adapter directory its nodes can see.")
     max_loras: int = Field(
         8, ge=1, description="LoRA adapters loaded at run time (runtime_lora_updating) each engine replica holds at "
         "once (as vLLM's --max-loras); the least recently used that no request runs makes room for the next, and a "

@@ -259,9 +259,19 @@ class StoredResponse:
     owner: str = ""
 
 
+@dataclass(frozen=True)
+class RuntimeLoraRegistry:
+    """Router <-> ResponseStore (router/runtime_lora.py): the LoRA adapters loaded at run time, so
+    a router that restarts serves them again. Entry i: `names[i]` at `paths[i]` under load id
+    `lora_ids[i]`."""
+    names: tuple[str, ...]
+    paths: tuple[str, ...]
+    lora_ids: tuple[int, ...]
+
+
 MESSAGES = {cls.__name__: cls for cls in (GenerateRequest, PrefillRequest, PrefillResult, DecodeRequest,
                                            Reserved, Landed, KVHandoff, HandoffDone, TokenEvent, ErrorEvent,
-                                           ReplicaStats, StoredResponse)}
+                                           ReplicaStats, StoredResponse, RuntimeLoraRegistry)}
 
 
 def encode(msg) -> bytes:

@@ -16,13 +16,13 @@ class Method:
     def __init__(self, answer):
         self.answer = answer
 
-    def remote(self, arg):
+    def remote(self, *args):
         async def call():
             if self.answer == "hang":
                 await asyncio.Event().wait()
             if isinstance(self.answer, Exception):
                 raise self.answer
-            return self.answer(arg) if callable(self.answer) else self.answer
+            return self.answer(*args) if callable(self.answer) else self.answer
         return call()
 
 

@@ -210,3 +210,30 @@ def reaches(peak: dict[str, int], count, target: dict[str, int], timeout: float)
             peak[name] = max(peak[name], count(name))
         return all(peak[name] >= n for name, n in target.items())
     return wait_until(done, timeout)
+
+
+def kill_replica(deployment: str, replica_id: str | None = None, app_name: str = "ft") -> str:
+    """Kill a replica's process and return once it is gone (`ray.kill` only asks for it: a request
+    sent right after it could otherwise still reach the replica and die with it mid-way)."""
+    import os
+
+    import ray
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        if (name.startswith(f"SERVE_REPLICA::{app_name}#{deployment}#")
+                and (replica_id is None or name.endswith(replica_id))):
+            handle = ray.get_actor(name, namespace=actor["namespace"])
+            pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
+            ray.kill(handle, no_restart=True)
+            assert wait_until(lambda: not _running(pid), 30), f"{name} (pid {pid}) still runs after ray.kill"
+            return name
+    raise LookupError(f"no live replica of {deployment} {replica_id or ''}")
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    import psutil
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

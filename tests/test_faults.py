@@ -5,15 +5,12 @@ still go out (saying whether they were kept), and its replacement starts empty."
 
 import http.client as httpclient
 import json
-import os
 import re
 import threading
 
-import psutil
 import pytest
-import ray
 
-from service_util import http, metrics, pools_all_free, running_replicas, tiny_app, wait_until
+from service_util import http, kill_replica, metrics, pools_all_free, running_replicas, tiny_app, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -28,29 +25,6 @@ def app(ray_serve, tiny_llama_dir):
 def colocated_app(ray_serve, tiny_llama_dir):
     with tiny_app(ray_serve, tiny_llama_dir, "ftc", mode="colocated", colocated={"num_replicas": 2}) as base:
         yield base
-
-
-def kill_replica(deployment: str, replica_id: str | None = None, app_name: str = "ft") -> str:
-    """Kill a replica's process and return once it is gone (`ray.kill` only asks for it: a request
-    sent right after it could otherwise still reach the replica and die with it mid-way)."""
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        name = actor["name"]
-        if (name.startswith(f"SERVE_REPLICA::{app_name}#{deployment}#")
-                and (replica_id is None or name.endswith(replica_id))):
-            handle = ray.get_actor(name, namespace=actor["namespace"])
-            pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
-            ray.kill(handle, no_restart=True)
-            assert wait_until(lambda: not _running(pid), 30), f"{name} (pid {pid}) still runs after ray.kill"
-            return name
-    raise LookupError(f"no live replica of {deployment} {replica_id or ''}")
-
-
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def migrations(base) -> float:

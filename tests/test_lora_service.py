@@ -5,7 +5,8 @@ replica, and gets what a local engine with the adapter gives; the base model's a
 naming what is served; every block is free after; /metrics counts the adapter's
 requests. An adapter loaded at run time (/v1/load_lora_adapter) runs the same way in both pools,
 and replaced under its name it runs its new weights (none of the old one's cached K/V; with
-`max_loras` 1 the old one is evicted for it in both pools); unloaded,
+`max_loras` 1 the old one is evicted for it in both pools); a router that restarts serves it
+still (the ResponseStore kept the registry; same load id: no replica reads it again); unloaded,
 its name is a 404. The configuration refuses adapters it cannot serve before anything starts."""
 
 import json
@@ -20,7 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from lora_adapters import write_adapter
 from serving.config import AppConfig
-from service_util import TINY_ENGINE, http, metrics, pools_all_free, sse_events, tiny_app, wait_until
+from service_util import TINY_ENGINE, http, kill_replica, metrics, pools_all_free, sse_events, tiny_app, wait_until
 
 pytestmark = pytest.mark.slow
 PROMPT = [1, 504, 3127, 314, 4110, 30, 2, 198, 25, 1029, 17, 88, 1944, 6000]
@@ -96,6 +97,9 @@ def _load_at_run_time(base, adapter, other_adapter, greedy, expected):
     status, _ = http(base, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(adapter),
                                                      "load_inplace": True})
     assert status == 200 and complete("chat") == (200, expected["sql"])
+    kill_replica("Router", app_name="lora")       # its successor serves what it loaded (the store kept it)
+    assert wait_until(lambda: http(base, "/health")[0] == 200, timeout=60)
+    assert complete("chat") == (200, expected["sql"]) and "chat" in http(base, "/v1/models")[1]
     status, body = http(base, "/v1/unload_lora_adapter", {"lora_name": "chat"})
     assert (status, body) == (200, "Success: LoRA adapter 'chat' removed successfully.")
     status, body = complete("chat")

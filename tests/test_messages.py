@@ -46,6 +46,8 @@ EXAMPLES = [
     m.ReplicaStats("prefill", "p1", 100, 90, 0, 1, 7, {}, {"kv_transfer_seconds": {
         "buckets": [0.1, 1.0], "counts": [1, 2], "sum": 0.6, "count": 2}}),
     m.StoredResponse("resp_1", '{"id": "resp_1", "output": []}', '[{"type": "message", "role": "user"}]'),
+    m.StoredResponse("resp_2", '{"id": "resp_2", "status": "in_progress"}', "[]", owner="4f2a"),
+    m.RuntimeLoraRegistry(("sql", "chat"), ("/a/sql", "/a/chat"), (7, 2**61)),
 ]
 
 

@@ -27,6 +27,7 @@ from engine.model_dims import Dims
 from engine.sampling_params import SamplingParams
 from lora_adapters import ATTENTION, write_adapter
 from router.runtime_lora import LoadLoraAdapterRequest, RuntimeLoras
+from serving import messages
 from tiny_models import tiny_model_dir
 
 PROMPT = list(range(100, 140))
@@ -252,6 +253,16 @@ def test_the_router_checks_tensors_from_the_header_alone(tiny, tmp_path):
     config = json.loads((adapters["a"] / "adapter_config.json").read_text())
     (wide / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     assert "DoRA is not supported" in check_adapter(str(wide), dims)
+
+
+def test_a_restarted_router_restores_its_predecessors_memory():
+    before = RuntimeLoras(Dims(8, 16, 2, 1, 4, 2), ("model",))
+    before.add("x", "/a")
+    before.add("y", "/b")
+    kept = messages.encode(before.registry())          # in the ResponseStore
+    after = RuntimeLoras(Dims(8, 16, 2, 1, 4, 2), ("model", "y"))      # y is in the configuration now
+    after.restore(messages.decode(kept, expect=messages.RuntimeLoraRegistry))
+    assert after.loaded == {"x": before.loaded["x"]}   # the same load id: the replicas' copies stay good
 
 
 def test_the_routers_memory_of_loaded_adapters():
