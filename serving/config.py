@@ -298,7 +298,8 @@ class AppConfig(_Model):
         checked = {}
         for name, path in modules.items():
             if not re.fullmatch(NAME_PATTERN, name):
-                raise ValueError(f"lora_modules: adapter name {name!r} must be non-empty, one line, without spaces around it")
+                raise ValueError(f"lora_modules: adapter name {name!r} must be non-empty, one line, without "
+                                 "spaces around it")
             info = read_adapter(adapter_dir(path))
             if isinstance(info, str):
                 raise ValueError(f"lora_modules.{name}: {info}")
