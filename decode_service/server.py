@@ -20,11 +20,10 @@ Life cycle of a request here (`generate`, a streaming call the router makes befo
   4. admit    `add_prefilled` with that first token, one engine call that checks the request
               first (a bad one releases the reservation -> 400 event; a request whose LoRA
               adapter loaded at run time finds max_loras in use is parked, its blocks held,
-              until one is free); from here the
-              engine owns the blocks, even when the first token already ends the request. A
-              structured-output request's grammar was compiled meanwhile, on a worker thread,
-              from step 1 on (`AsyncEngine.prepare`, which also reads a LoRA adapter loaded at
-              run time): the engine thread only copies it
+              until one is free); from here the engine owns the blocks, even when the first
+              token already ends the request. A structured-output request's grammar was compiled
+              meanwhile, on a worker thread, from step 1 on (`AsyncEngine.prepare`, which also
+              reads a LoRA adapter loaded at run time): the engine thread only copies it
   5. stream   TokenEvents until the request finishes, at most one per `stream_interval_ms` (the
               first, which repeats the prefill's token, waits like the rest); leaving early
               (client gone, router cancelled) aborts the request in the engine, which frees its blocks

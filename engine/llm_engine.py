@@ -242,7 +242,7 @@ class LLMEngine:
         until its running ones end and its place goes to `blocked`, so requests of the adapters
         held cannot keep the places busy for good; the others still take theirs. The one with the
         fewest running, least recently used first, and the same one while `blocked` waits."""
-        running = Counter(s.params.lora_key for s in self.scheduler.running if s.params.lora_path is not None)
+        running = Counter(self._running_lora_keys())
         if self._draining is not None and self._draining[0] is blocked and self._draining[1] in running:
             return
         loras = self.runner.loras
@@ -250,7 +250,11 @@ class LLMEngine:
         self._draining = None if victim is None else (blocked, victim)
 
     def _running_loras(self) -> set:
-        return {seq.params.lora_key for seq in self.scheduler.running if seq.params.lora_path is not None}
+        return set(self._running_lora_keys())
+
+    def _running_lora_keys(self):
+        """The run-time adapter of each running sequence that runs one."""
+        return (seq.params.lora_key for seq in self.scheduler.running if seq.params.lora_path is not None)
 
     def _lora_gate(self, seq: Sequence) -> bool | None:
         """The scheduler's gate: None where `seq` runs no adapter loaded at run time, else whether it

@@ -149,9 +149,8 @@ class LoraSet:
 
     def use(self, name: str, lora_id: int, path: str, busy: set) -> str | None:
         """Place run-time adapter `name` (load `lora_id`, at `path`) for a request to start: held
-        already, or loaded once the least recently used run-time adapters whose keys are not in
-        `busy` (those of the requests running or starting) are evicted while `max_loras` or more
-        are held. None when held; `NO_ROOM` when every one held is in use (the request waits);
+        already, or loaded once the least recently used run-time adapter whose key is not in `busy`
+        (those of the requests running or starting) is evicted where `max_loras` are held. None when held; `NO_ROOM` when every one held is in use (the request waits);
         else why it cannot be served (a 400: its file, read again where it was not kept read, no
         longer serves)."""
         key = (name, lora_id)
@@ -159,11 +158,11 @@ class LoraSet:
         if key in self._slots:
             self._last_use[key] = self._tick
             return None
-        idle = sorted((k for k in self._last_use if k not in busy), key=self._last_use.__getitem__)
-        while len(self._last_use) >= self.max_loras and idle:
-            self._drop(idle.pop(0))
-        if len(self._last_use) >= self.max_loras:
-            return NO_ROOM
+        if len(self._last_use) >= self.max_loras:        # never more: nothing places past the bound
+            idle = [k for k in self._last_use if k not in busy]
+            if not idle:
+                return NO_ROOM
+            self._drop(min(idle, key=self._last_use.__getitem__))
         with self._prepared_lock:
             weights = self._prepared.pop(key, None)
         weights = weights or self._read(name, path)
