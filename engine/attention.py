@@ -18,8 +18,10 @@ sequences) into one row of tokens and builds an `AttentionMetadata`; the decoder
 A sliding-window layer (`window` W > 0: Mistral v0.1, Qwen2/3 with `use_sliding_window`, Gemma 3's
 local layers) attends each query's last W keys, itself included (transformers' `kv_idx > q_idx - W`):
 the kernels take W and start at the window's first key; the torch paths use the step's masks for W
-(`DecodeBatch.window_masks`, `PrefillSpan.window_masks`, built by the runner). Every block stays in
-the pool (KV transfer and the prefix cache see whole sequences); the window only bounds what is read.
+(`DecodeBatch.window_masks`, `PrefillSpan.window_masks`, built by the runner). Where every layer has
+a window, the blocks a sequence's window has passed go back to the pool (BlockManager.mark_computed)
+and their entries in its table are stale: the kernels never read them, and a torch path reads
+whatever K/V they now hold (finite, another sequence's or zeros) under a mask that weighs it 0.
 """
 
 from __future__ import annotations

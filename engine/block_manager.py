@@ -11,6 +11,13 @@ Ownership contract
   blocks that already hold its leading full blocks (the decode role: they are not sent again)
   and fresh ones for the rest; the caller owns them until it `adopt`s them into a sequence or
   `release`s them.
+* A model whose every layer attends a sliding window (`window` W > 0: Mistral v0.1, Phi-3-mini-4k)
+  needs no key more than W - 1 positions before the query: once a sequence's next query is past
+  a block's last key by W, `mark_computed` gives the block back (vLLM frees such blocks too). The
+  table keeps its entry (`Sequence.num_released_blocks` counts them, always the leading ones):
+  a stale id that attention never weighs (the kernels start at the window's first key; the torch
+  paths mask it), and `free` drops only the blocks after them. A prefill-role sequence
+  (`hold_blocks`) keeps all its blocks: they are exported whole.
 Only the engine thread calls into a `BlockManager`; it is not thread-safe.
 """
 
@@ -50,9 +57,12 @@ def chain_seed(lora: tuple[str, int] | None) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        assert num_blocks > 0 and block_size > 0
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int = 0):
+        """`window`: 0, or W when every layer attends only its last W keys (the largest window
+        of the model's layers; see the contract above)."""
+        assert num_blocks > 0 and block_size > 0 and window >= 0
         self.block_size = block_size
+        self.window = window
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -132,16 +142,24 @@ class BlockManager:
         return True
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's hold on its blocks. Called exactly once per allocation."""
-        self.release(reversed(seq.block_table))
+        """Drop the sequence's hold on its blocks (those not given back already as they left the
+        window). Called exactly once per allocation."""
+        self.release(reversed(seq.block_table[seq.num_released_blocks:]))
         seq.block_table = []
+        seq.num_released_blocks = 0
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
     def mark_computed(self, seq: Sequence) -> None:
-        """Register every full block whose K/V is now computed in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
+        """The sequence's K/V is computed up to `num_computed_tokens`: register every full block in
+        the prefix cache, then (a sliding-window model) give back the blocks its next query's window
+        has passed. The engine calls it whenever `num_computed_tokens` grows."""
+        if self.enable_prefix_caching:
+            self._register(seq)
+        if self.window and not seq.hold_blocks:
+            self._slide(seq)
+
+    def _register(self, seq: Sequence) -> None:
         bs = self.block_size
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed_tokens:
             i = len(seq.block_hashes)
@@ -152,6 +170,16 @@ class BlockManager:
             if h not in self._hash_to_block and block.hash == -1:
                 block.hash, block.token_ids = h, tokens
                 self._hash_to_block[h] = block.block_id
+
+    def _slide(self, seq: Sequence) -> None:
+        """Release the leading blocks wholly before the window of the next query (position
+        `num_computed_tokens`, whose first key is `num_computed_tokens + 1 - window`). Registered
+        first (`mark_computed`), so a released block stays findable in the prefix cache until it is
+        handed out again."""
+        passed = max(0, seq.num_computed_tokens + 1 - self.window) // self.block_size
+        if passed > seq.num_released_blocks:
+            self.release(seq.block_table[seq.num_released_blocks:passed])
+            seq.num_released_blocks = passed
 
     # ---- reservations for incoming KV ---------------------------------------------------
     def reserve(self, num_tokens: int) -> list[int] | None:

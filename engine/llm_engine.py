@@ -50,8 +50,9 @@ class LLMEngine:
         self.config = config
         self.runner = ModelRunner(config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        windows = self.runner.model.windows       # per layer: 0 (every key) or its sliding window
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          window=max(windows) if all(windows) else 0)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy, gate=self._lora_gate)
         self.max_model_len = self.runner.max_model_len
@@ -413,7 +414,7 @@ class LLMEngine:
         """Prefill role: the blocks holding a finished request's prompt K/V (in order; a resumed
         request's resumed tokens' too: every token before the first one sampled)."""
         seq = self._requests[request_id].seq
-        assert seq.hold_blocks and seq.is_finished
+        assert seq.hold_blocks and seq.is_finished and not seq.num_released_blocks
         return seq.block_table[:self.block_manager.blocks_for(seq.num_computed_tokens)]
 
     def export_kv(self, request_id: str) -> torch.Tensor:

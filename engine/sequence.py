@@ -46,6 +46,9 @@ class Sequence:
         self.hold_blocks = hold_blocks
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        # the leading blocks of the table already given back, past every layer's sliding window
+        # (BlockManager.mark_computed): their entries are stale and attention never weighs them
+        self.num_released_blocks = 0
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0     # prefix-cache hits at the last allocation
         self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks

@@ -177,3 +177,49 @@ def test_double_free_is_caught():
     bm.release(ids)
     with pytest.raises(AssertionError):
         bm.release(ids)
+
+
+def test_a_sliding_window_gives_back_the_blocks_it_has_passed():
+    """Window 6, blocks of 4: the query at position p reads keys p - 5 .. p, so a block goes back
+    once the next query is 6 past its last key; it stays in the prefix cache while free, and
+    `free` drops only the rest of the table."""
+    bm = BlockManager(8, 4, window=6)
+    s = seq(range(10))
+    assert bm.allocate(s) and bm.num_free_blocks == 5
+    s.num_computed_tokens = 9            # next query 9: keys 4 .. 9, block 0 (keys 0-3) passed
+    bm.mark_computed(s)
+    assert s.num_released_blocks == 1 and bm.num_free_blocks == 6
+    s.num_computed_tokens = 10           # next query 10: keys 5 .. 10, block 1 still read
+    bm.mark_computed(s)
+    assert s.num_released_blocks == 1
+    for _ in range(4):                   # decode to 14 tokens, 13 computed: keys 8 .. 13
+        s.token_ids.append(7)
+        assert bm.append_slots(s)
+        s.num_computed_tokens += 1
+        bm.mark_computed(s)
+    assert s.num_released_blocks == 2 and len(s.block_table) == 4 and bm.num_free_blocks == 6
+    # the passed blocks are still cached: the same prompt finds them (and holds them until its
+    # own first step has passed them too)
+    again = seq(range(10), "again")
+    assert bm.allocate(again) and again.num_cached_tokens == 8 and again.block_table[:2] == s.block_table[:2]
+    bm.free(s)
+    bm.free(again)
+    assert bm.all_free() and s.num_released_blocks == 0
+
+
+def test_without_a_window_or_for_a_held_prefill_sequence_nothing_is_given_back():
+    for bm, hold in ((BlockManager(8, 4), False), (BlockManager(8, 4, window=2), True)):
+        s = Sequence("r", list(range(16)), P, hold_blocks=hold)
+        assert bm.allocate(s)
+        compute_all(bm, s)
+        assert s.num_released_blocks == 0 and bm.num_free_blocks == 4
+        bm.free(s)
+        assert bm.all_free()
+    # without prefix caching the window still gives blocks back
+    bm = BlockManager(8, 4, enable_prefix_caching=False, window=2)
+    s = seq(range(16))
+    assert bm.allocate(s)
+    compute_all(bm, s)                   # next query 16: keys 15, 16: blocks 0-2 passed
+    assert s.num_released_blocks == 3 and bm.num_free_blocks == 7 and not bm._hash_to_block
+    bm.free(s)
+    assert bm.all_free()

@@ -370,6 +370,59 @@ def test_a_sliding_window_model_matches_hf_past_its_window(tmp_path, arch, dtype
             assert out.token_ids == greedy[0, len(prompt):].tolist()
 
 
+def _blocks_in_use(eng) -> int:
+    return eng.block_manager.num_blocks - eng.block_manager.num_free_blocks
+
+
+@pytest.mark.parametrize("mode", ["colocated", "speculative", "split"])
+def test_a_sliding_window_model_gives_back_the_blocks_its_window_passed(tmp_path, mode):
+    """Mistral with a window of 6 keys on every layer, blocks of 4: a 21-token prompt (chunks of 16)
+    and 30 greedy tokens hold at most 3 blocks while decoding (the window's keys and the next
+    token's slot; without giving back they grow to 13), and the tokens are still Hugging Face's
+    fp32 `generate`'s: in one engine, with prompt-lookup drafts (a repetitive prompt, so drafts are
+    fed and some accepted), and prefilled in one engine and decoded in another (the decode engine
+    receives the whole prompt and gives back what its window has passed as it lands)."""
+    path = _with_window(_with_sharp_attention(tiny_model_dir(tmp_path / "m", "mistral", seed=5, head_dim=64), 4.0),
+                        "mistral", 6)
+    prompt = PROMPTS[1] if mode != "speculative" else [5, 6, 7, 8, 9] * 4 + [5]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    x = torch.tensor([prompt])
+    want = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=30, min_new_tokens=30,
+                       pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+
+    def engine(**kw):
+        return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="4MiB",
+                                      block_size=4, max_num_batched_tokens=16, **kw))
+
+    eng = engine(speculative_tokens=3 if mode == "speculative" else 0)
+    assert eng.block_manager.window == 6
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    in_use, tokens = [], []
+    if mode == "split":
+        eng.add_request("r", prompt, params, hold_blocks=True)
+        while eng.has_work():
+            tokens += [t for out in eng.step() for t in out.new_token_ids]
+        assert len(eng.held_blocks("r")) == 6            # the prefill role keeps (and sends) them all
+        decode = engine()
+        blocks = decode.reserve(len(prompt))
+        decode.import_kv(blocks, eng.export_kv("r"))
+        eng.release("r")
+        assert decode.add_prefilled("r", prompt, tokens[0], params, blocks).new_token_ids == tokens
+        in_use.append(_blocks_in_use(decode))
+        eng = decode
+    else:
+        eng.add_request("r", prompt, params)
+    while eng.has_work():
+        for out in eng.step():
+            tokens += out.new_token_ids
+        in_use.append(_blocks_in_use(eng))
+    assert tokens == want
+    decoding = in_use[1:] if mode != "split" else in_use
+    assert max(decoding) <= 3 and eng.block_manager.all_free()
+    if mode == "speculative":
+        assert eng.num_accepted_tokens > 0
+
+
 def test_an_unsupported_architecture_is_refused_at_load(tmp_path):
     from transformers import GemmaConfig
     config = GemmaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
