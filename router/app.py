@@ -376,8 +376,12 @@ class Router:
         return await self.responses_api.create(body)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(self, response_id: str):
-        """A stored response."""
+    async def get_response(self, response_id: str, stream: bool = False,
+                           starting_after: Annotated[int | None, Query(ge=0)] = None):
+        """A stored response; with `stream`, a background stream's events again (after sequence
+        number `starting_after`), live to its end."""
+        if stream:
+            return await self.responses_api.stream_again(response_id, starting_after)
         return await self.responses_api.retrieve(response_id)
 
     @app.get("/v1/responses/{response_id}/input_items")

@@ -161,7 +161,8 @@ def _ok(path: str, method: str) -> dict:
     if path == STORED_PATH:
         if method == "delete":
             return {"description": "The response is forgotten.", "content": _json("ResponseDeleted")}
-        return {"description": "The stored response.", "content": _json("ResponseObject")}
+        return {"description": "The stored response, or with `stream` a background stream's events again (after "
+                "`starting_after`), live to its end.", "content": {**_json("ResponseObject"), **_events("ResponseEvent")}}
     if path == STORED_PATH + "/cancel":
         return {"description": "The background response, cancelled (or as it ended, where it ended before).",
                 "content": _json("ResponseObject")}
@@ -215,7 +216,8 @@ def _responses(doc: dict, served: Served) -> None:
             if path == MODEL_PATH:
                 codes.add(404)
             if path.startswith(STORED_PATH):       # no pool involved
-                codes = set(GUARDED) | set(STORED) | ({400} if path.endswith(("/input_items", "/cancel")) else set())
+                codes = set(GUARDED) | set(STORED) | ({400} if path.endswith(("/input_items", "/cancel"))
+                                                      or (path == STORED_PATH and method == "get") else set())
             if path == "/health":
                 codes = (codes - {401}) | {503}
             elif not served.api_key:

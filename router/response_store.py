@@ -17,7 +17,10 @@ A background response (router/responses_api.py) is saved `queued` and `in_progre
 router's `owner` id, and that router renews its lease while it runs any (`renew`, every third of
 `responses.background_lease_s`); one read after its owner was silent a whole lease (the router
 failed or was replaced, and its task with it) is stored `failed` then, so a client polling it
-gets an end. The store also keeps the router's registry of LoRA adapters loaded at run time
+gets an end. A background response created with `stream` also has its stream's events here
+(`add_events`, as its router makes them): any router replica can replay them to a client that
+comes back (`events`, waiting for the next while none is there), until the response is dropped;
+they count in its bytes. The store also keeps the router's registry of LoRA adapters loaded at run time
 (router/runtime_lora.py), for a router that restarts: the app's head-node state lives here.
 
 `ResponseLog` is the bookkeeping (no Ray, unit-tested); `ResponseStore` is the one-replica Serve
@@ -29,13 +32,14 @@ registry's message.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ray import serve
 
@@ -47,6 +51,8 @@ from serving.ray_compat import direct_stream
 log = logging.getLogger("pdserve.router")
 MAX_PAGE = 100
 STORE_TIMEOUT_S = 5.0     # a call to the store, at most (StoredResponses)
+EVENT_PAGE_BYTES = 4 * 2**20    # a page of stream events (ResponseLog.events), at most (one event more)
+RUNNING = ("queued", "in_progress")
 
 
 ORPHANED = ("The server stopped running this background response before it ended (its router failed or was "
@@ -61,6 +67,7 @@ class ResponseLog:
     def __init__(self, max_stored: int, max_bytes: int, lease_s: float = 30.0, clock=time.monotonic):
         self.max_stored, self.max_bytes = max_stored, max_bytes
         self._entries: OrderedDict[str, messages.StoredResponse] = OrderedDict()
+        self._streams: dict[str, _Stream] = {}   # a background stream's events, by its response's id
         self.bytes = 0
         self.lease_s, self._clock = lease_s, clock
         self._renewed: dict[str, float] = {}     # owner (a router instance) -> when it last renewed
@@ -77,16 +84,25 @@ class ResponseLog:
         larger than `max_bytes`. Saving one's owner renews it."""
         if stored.owner:
             self.renew(stored.owner)
-        self.delete(stored.response_id)
+        rid = stored.response_id
+        if (old := self._entries.pop(rid, None)) is not None:
+            self.bytes -= _size(old)
         size = _size(stored)
         if size > self.max_bytes:
+            self.delete(rid)
             return False
-        self._entries[stored.response_id] = stored
+        self._entries[rid] = stored
         self.bytes += size
-        while len(self._entries) > self.max_stored or self.bytes > self.max_bytes:
-            _, dropped = self._entries.popitem(last=False)
-            self.bytes -= _size(dropped)
+        stream = self._streams.get(rid)
+        if stream is not None and not stream.ended and json.loads(stored.response)["status"] not in RUNNING:
+            stream.ended, stream.final = True, stored.response    # ended without its last event
+        self._bound()
         return True
+
+    def _bound(self) -> None:
+        """Drop the least recently used responses (with their events) past either bound."""
+        while len(self._entries) > self.max_stored or self.bytes > self.max_bytes:
+            self.delete(next(iter(self._entries)))
 
     def get(self, response_id: str) -> messages.StoredResponse | None:
         stored = self._entries.get(response_id)
@@ -102,7 +118,57 @@ class ResponseLog:
         stored = self._entries.pop(response_id, None)
         if stored is not None:
             self.bytes -= _size(stored)
+        if (stream := self._streams.pop(response_id, None)) is not None:
+            self.bytes -= stream.bytes
         return stored is not None
+
+    def add_events(self, batch: messages.ResponseEventBatch) -> bool:
+        """Append the next events of a stored response's stream (the last ones with the response
+        as it ended, kept then); False (nothing kept) where the response is not kept (dropped,
+        deleted), its stream ended, or `batch` does not start where the stream is (a lost batch:
+        the rest would not follow on). A stream also ends, without its last event, where its
+        response is saved as ended (cancelled, failed by the lease, or saved alone by a router
+        whose events stopped reaching the store)."""
+        rid = batch.response_id
+        if rid not in self._entries:
+            return False
+        stream = self._streams.setdefault(rid, _Stream())
+        if stream.ended or batch.first != len(stream.events):
+            return False
+        size = sum(len(event.encode()) for event in batch.events)
+        stream.events += batch.events
+        stream.ended, stream.bytes = batch.end, stream.bytes + size
+        self.bytes += size
+        self._entries.move_to_end(rid)
+        self._bound()
+        if batch.response and rid in self._entries:
+            return self.put(messages.StoredResponse(rid, batch.response, batch.context))
+        return rid in self._entries
+
+    def events(self, response_id: str, after: int) -> messages.ResponseEventPage | None:
+        """The stream's events after sequence number `after` (a page: at most EVENT_PAGE_BYTES but
+        one event); None where the response or its stream is not kept. It has `ended` once no
+        event follows them, and the stored Response where the stream ended without its last event
+        (see `add_events`; a router that failed: `get` reads it as failed)."""
+        stored, stream = self.get(response_id), self._streams.get(response_id)
+        if stored is None or stream is None:
+            return None
+        out, size, first = [], 0, max(after + 1, 0)
+        for event in itertools.islice(stream.events, first, None):
+            if out and size + len(event) > EVENT_PAGE_BYTES:
+                return messages.ResponseEventPage(tuple(out), False)
+            out.append(event)
+            size += len(event)
+        return messages.ResponseEventPage(tuple(out), stream.ended, stream.final)
+
+
+@dataclass
+class _Stream:
+    """A background response's stream events (server-sent event text), sequence number = index."""
+    events: list[str] = field(default_factory=list)
+    ended: bool = False
+    bytes: int = 0
+    final: str = ""       # the response as it ended, where the stream ended without its last event
 
 
 def orphaned(stored: messages.StoredResponse) -> messages.StoredResponse:
@@ -116,26 +182,56 @@ def _size(stored: messages.StoredResponse) -> int:
     return len(stored.response) + len(stored.context)
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options=head_actor_options(),
-                  logging_config={"enable_access_log": False})
-class ResponseStore:
-    """Called by router replicas only (StoredResponses); each call is one message, no state
-    outside the log. Methods are coroutines: they run on the replica's loop, one at a time."""
+class ResponseKeeper:
+    """The store's calls over a `ResponseLog` (the ResponseStore deployment below is this on the
+    head node; tests call it directly). Each call is one message, no state outside the log and
+    the registry. Methods are coroutines on one event loop: `events` may wait there for the next
+    event (a long poll), woken by every save and every batch."""
 
-    def __init__(self, options: dict):
-        opts = ResponsesOptions.model_validate(options)
-        self._log = ResponseLog(opts.max_stored, opts.max_stored_bytes, opts.background_lease_s)
+    def __init__(self, log: ResponseLog):
+        self._log = log
         self._runtime_loras: bytes | None = None
+        self._changed = asyncio.Condition()
+
+    async def _changed_now(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
 
     async def put(self, data: bytes) -> bool:
-        return self._log.put(messages.decode(data, expect=messages.StoredResponse))
+        kept = self._log.put(messages.decode(data, expect=messages.StoredResponse))
+        await self._changed_now()
+        return kept
+
+    async def add_events(self, data: bytes) -> bool:
+        kept = self._log.add_events(messages.decode(data, expect=messages.ResponseEventBatch))
+        await self._changed_now()
+        return kept
+
+    async def events(self, data: bytes) -> bytes | None:
+        """`ResponseLog.events`, waiting up to the query's `wait_s` while there is no event after
+        `after` and the stream has not ended."""
+        query = messages.decode(data, expect=messages.ResponseEventQuery)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + query.wait_s
+        async with self._changed:
+            while True:
+                page = self._log.events(query.response_id, query.after)
+                if page is None or page.events or page.ended or loop.time() >= deadline:
+                    break
+                try:
+                    await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
+                except asyncio.TimeoutError:
+                    pass
+        return None if page is None else messages.encode(page)
 
     async def get(self, response_id: str) -> bytes | None:
         stored = self._log.get(response_id)
         return None if stored is None else messages.encode(stored)
 
     async def delete(self, response_id: str) -> bool:
-        return self._log.delete(response_id)
+        deleted = self._log.delete(response_id)
+        await self._changed_now()
+        return deleted
 
     async def renew(self, owner: str) -> None:
         self._log.renew(owner)
@@ -149,6 +245,16 @@ class ResponseStore:
     async def keep_runtime_loras(self, data: bytes) -> None:
         messages.decode(data, expect=messages.RuntimeLoraRegistry)
         self._runtime_loras = data
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options=head_actor_options(),
+                  logging_config={"enable_access_log": False})
+class ResponseStore(ResponseKeeper):
+    """The one store, called by router replicas only (StoredResponses)."""
+
+    def __init__(self, options: dict):
+        opts = ResponsesOptions.model_validate(options)
+        super().__init__(ResponseLog(opts.max_stored, opts.max_stored_bytes, opts.background_lease_s))
 
 
 class StoreUnavailable(RuntimeError):
@@ -212,6 +318,21 @@ class StoredResponses:
 
     async def renew(self, owner: str) -> None:
         await self._call("renew", owner)
+
+    async def add_events(self, response_id: str, first: int, events: list[str], end: bool = False,
+                         response: dict | None = None, context: list[dict] | None = None) -> bool:
+        """Append a background stream's events (`first`: the first one's sequence number; `end`:
+        the last ones, with `response` and its `context` to keep in the same call); False where the
+        store did not keep them (see ResponseLog.add_events)."""
+        final = ("", "") if response is None else (json.dumps(response), json.dumps(context or []))
+        batch = messages.ResponseEventBatch(response_id, first, tuple(events), end, *final)
+        return await self._call("add_events", messages.encode(batch))
+
+    async def events(self, response_id: str, after: int, wait_s: float = 0.0) -> messages.ResponseEventPage | None:
+        """The stream's events after sequence number `after`, waiting up to `wait_s` (under the
+        call's timeout) for one; None where the response or its stream is not kept."""
+        data = await self._call("events", messages.encode(messages.ResponseEventQuery(response_id, after, wait_s)))
+        return None if data is None else messages.decode(data, expect=messages.ResponseEventPage)
 
     async def runtime_loras(self) -> messages.RuntimeLoraRegistry | None:
         data = await self._call("runtime_loras")

@@ -1,5 +1,5 @@
-"""The Responses API's endpoints behind the router's routes (router/app.py): create, retrieve,
-list input items, delete, cancel.
+"""The Responses API's endpoints behind the router's routes (router/app.py): create, retrieve (or
+stream again), list input items, delete, cancel.
 
 A response's life cycle here:
   1. chain    with `previous_response_id`, the stored response (router/response_store.py) gives
@@ -17,7 +17,13 @@ With `background` the request is first checked as the chat endpoint would check 
 beyond the context, an unknown model: that refusal is the answer, nothing is stored); then the
 answer comes first: the response is stored `queued` and answered, and a task of this router runs
 steps 2-4 (stored `in_progress`, then as it ended: completed, incomplete, or failed with the
-error the chat path answered, e.g. a replica out of KV blocks).
+error the chat path answered, e.g. a replica out of KV blocks). With `stream` too, the task turns
+the chat stream into the Responses events, kept in this router and sent on to the store
+(`EventWriter`: response.created and response.queued before the answer; the last events in the
+same call as the response as it ended), and the answer is those events as they come (`_tail`); a
+client that leaves stops reading, not the response, and GET
+/v1/responses/{id}?stream=true&starting_after=N reads them again, from sequence number N + 1, live
+to the end: from the writer in this router, from the store in any other.
 `cancel` cancels the task (its requests are aborted in the pools, as a client that leaves, which
 frees their blocks) and stores the response `cancelled`; `delete` cancels it too. The tasks live
 in this router, which renews its lease in the store while it runs any: after one that failed or was
@@ -31,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -42,10 +49,12 @@ from pydantic import ValidationError
 from router.chat_protocol import ChatCompletionRequest
 from router.openai_responses import above_limit, error_response, refused
 from router.response_store import Found, StoredResponses, StoreUnavailable, page, unique_ids
-from router.responses_output import ResponseEvents, ResponseShape, new_id, response_from_chat
+from router.responses_output import ResponseEvents, ResponseShape, new_id, response_from_chat, sse_event
 from router.responses_protocol import ResponsesRequest
 
 log = logging.getLogger("pdserve.router")
+TAIL_WAIT_S = 2.0         # a stream's reader waits this long in the store for the next event, per call
+SEND_INTERVAL_S = 0.25    # a background stream's events go to the store at most this often (EventWriter)
 
 
 class ResponsesApi:
@@ -147,11 +156,21 @@ class ResponsesApi:
         await self._save(queued, context, final=False)
         if not queued["store"]:              # nowhere to poll it from
             return _unavailable(RuntimeError("it did not keep the background response"))
-        task = asyncio.ensure_future(self._run(chat, shape, context))
-        self.background[shape.rid] = Background(task, shape, context)
+        events = writer = None
+        if body.stream:
+            events, writer = ResponseEvents(shape), EventWriter(self.stored, shape.rid)
+            writer.add(events.queued())
+            if not await writer.sent_all():          # nowhere to read it again from
+                return _unavailable(RuntimeError("it did not keep the background response's events"))
+            task = asyncio.ensure_future(self._run_streamed(chat, shape, context, events, writer))
+        else:
+            task = asyncio.ensure_future(self._run(chat, shape, context))
+        self.background[shape.rid] = Background(task, shape, context, writer)
         task.add_done_callback(lambda _: self.background.pop(shape.rid, None))
         if self._renewing is None or self._renewing.done():
             self._renewing = asyncio.ensure_future(self._renew())
+        if writer is not None:
+            return StreamingResponse(self._tail(shape.rid, -1), media_type="text/event-stream")
         return queued
 
     async def _renew(self) -> None:
@@ -179,12 +198,52 @@ class ResponsesApi:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the store gone, or a bug: logged, stored failed where it can be
-            log.exception("background response %s failed", shape.rid)
-            response = shape.body([], "failed", error={"code": "server_error",
-                                                       "message": f"internal error: {type(exc).__name__}"})
-            with contextlib.suppress(Exception):
+            return await self._failed(shape, context, exc)
+
+    async def _run_streamed(self, chat: ChatCompletionRequest, shape: ResponseShape, context: list[dict],
+                            events: ResponseEvents, writer: "EventWriter") -> dict:
+        """`_run` with the Responses events of its chat stream written as they come (`events`: its
+        stream so far, response.created and response.queued written); the last ones go to the
+        store in the same call as the response as it ended, so no reader has the one without the
+        other (here or on another router)."""
+        try:
+            await self._save(shape.body([], "in_progress"), context, final=False)
+            writer.add(events.running())
+            result = await self.chat(chat)
+            if isinstance(result, JSONResponse):          # refused: the error the answer would have been
+                writer.add(events.chunk({"error": json.loads(result.body)["error"]}))
+            else:
+                async for batch in self._converted(events, result.body_iterator):
+                    writer.add(batch)
+            if events.failed is None:
+                closing = events.closing()
+                response = events.result()
+                last = [*closing, events.last(response)]
+            else:
+                response, last = events.failed, []
+            if await writer.end(last, response, context):     # kept with its last event
+                self.saved(True)
+            else:                                             # the response alone, where it can be
                 await self._save(response, context)
             return response
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as in _run, its stream ended with response.failed
+            if not writer.ended:
+                error = {"type": "server_error", "message": f"internal error: {type(exc).__name__}"}
+                with contextlib.suppress(Exception):
+                    await writer.end(events.chunk({"error": error}))
+            return await self._failed(shape, context, exc)
+
+    async def _failed(self, shape: ResponseShape, context: list[dict], exc: Exception) -> dict:
+        """A background response's task failed (the store gone, or a bug): logged, stored failed
+        where it can be."""
+        log.error("background response %s failed", shape.rid, exc_info=exc)
+        response = shape.body([], "failed", error={"code": "server_error",
+                                                   "message": f"internal error: {type(exc).__name__}"})
+        with contextlib.suppress(Exception):
+            await self._save(response, context)
+        return response
 
     async def cancel(self, response_id: str):
         """Cancel a background response: the response `cancelled` (as stored), or as it ended
@@ -205,32 +264,93 @@ class ResponsesApi:
             pass
         response = running.shape.body([], "cancelled")
         await self._save(response, running.context)
+        if running.writer is not None:              # its readers end (with no event: none is cancelled)
+            await running.writer.end([])
         return response
 
     async def _events(self, shape: ResponseShape, chat_events, context: list[dict] | None):
         """The chat stream's chunks (text/event-stream lines) as the Responses stream's events; a
         response that completes is stored (with `context`, unless None) before its last event."""
         events = ResponseEvents(shape)
-        try:
-            for event in events.start():
+        for event in events.start():
+            yield event
+        async for batch in self._converted(events, chat_events):
+            for event in batch:
                 yield event
+        if events.failed is not None:          # response.failed went out: nothing to keep
+            return
+        for event in events.closing():
+            yield event
+        response = events.result()
+        if context is not None:
+            await self._save(response, context)
+        yield events.last(response)
+
+    @staticmethod
+    async def _converted(events: ResponseEvents, chat_events):
+        """The Responses events of each of the chat stream's chunks (text/event-stream lines), a
+        list per chunk, to the stream's end or its error (response.failed, `events.failed` set)."""
+        try:
             async for line in chat_events:
                 data = line.removeprefix("data: ").strip()
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
-                for event in events.chunk(chunk):
-                    yield event
-                if "error" in chunk:           # response.failed went out: nothing to keep
+                yield events.chunk(chunk)
+                if "error" in chunk:
                     return
-            for event in events.closing():
-                yield event
-            response = events.result()
-            if context is not None:
-                await self._save(response, context)
-            yield events.last(response)
         finally:
             await chat_events.aclose()
+
+    async def stream_again(self, response_id: str, starting_after: int | None):
+        """GET /v1/responses/{id}?stream=true: a background stream's events after sequence number
+        `starting_after` (all where None), those to come as they come."""
+        after, running = -1 if starting_after is None else starting_after, self.background.get(response_id)
+        if running is not None and running.writer is not None:          # running here: read here
+            return StreamingResponse(self._tail(response_id, after), media_type="text/event-stream")
+        found = await self._find(response_id)
+        if isinstance(found, JSONResponse):
+            return found
+        try:
+            first = await self.stored.events(response_id, after)
+        except StoreUnavailable as exc:
+            return _unavailable(exc)
+        if first is None:
+            return error_response(400, f"Response {response_id!r} was not created with background and stream: only "
+                                  "such a response's events can be streamed again; GET it without stream.",
+                                  param="stream")
+        return StreamingResponse(self._tail(response_id, after, first), media_type="text/event-stream")
+
+    async def _tail(self, response_id: str, after: int, page=None):
+        """The stream's events after sequence number `after` as they come, to its end: from its
+        writer where it runs in this router, else from the store (`page`: the first, read already).
+        One that ended without its last event ends with response.failed where it failed (its router
+        stopped), or just ends (cancelled); where the store stops answering, or drops the response,
+        the stream ends (an `error` event first for the former)."""
+        running = self.background.get(response_id)
+        if running is not None and running.writer is not None:
+            async for batch in running.writer.read(after):
+                for event in batch:
+                    yield event
+            return
+        while True:
+            if page is None:
+                try:
+                    page = await self.stored.events(response_id, after, TAIL_WAIT_S)
+                except StoreUnavailable as exc:
+                    yield sse_event("error", after + 1, code="unavailable", param=None,
+                                    message=f"the response store is unavailable: {exc}")
+                    return
+                if page is None:                        # deleted, or dropped past the store's bounds
+                    return
+            for event in page.events:
+                yield event
+            after += len(page.events)
+            if page.ended:
+                if page.response and (response := json.loads(page.response))["status"] == "failed":
+                    yield sse_event("response.failed", after + 1, response=response)
+                return
+            page = None
 
     async def retrieve(self, response_id: str):
         found = await self._find(response_id)
@@ -244,6 +364,8 @@ class ResponsesApi:
         if (running := self.background.get(response_id)) is not None:
             running.task.cancel()       # its requests leave the pools; nothing is stored after
             await asyncio.gather(running.task, return_exceptions=True)
+            if running.writer is not None:          # its readers end
+                await running.writer.end([])
         try:
             deleted = self.stored is not None and await self.stored.delete(response_id)
         except StoreUnavailable as exc:
@@ -275,10 +397,102 @@ class ResponsesApi:
 
 @dataclass
 class Background:
-    """A background response running: its task, and what its cancelled body is built from."""
+    """A background response running: its task, what its cancelled body is built from, and its
+    stream's writer (with `stream`)."""
     task: asyncio.Future
     shape: ResponseShape
     context: list[dict]
+    writer: EventWriter | None = None
+
+
+class EventWriter:
+    """A background response's stream: its events in order, kept here for the readers on this
+    router (`read`) and sent to the store for those on any other (or after this router is gone):
+    one call at a time, at most every SEND_INTERVAL_S, sends all that came meanwhile (the readers
+    here do not wait for it). `end` adds the last ones and sends the rest at once.
+    A batch the store did not keep (unavailable, or the response dropped) stops the sending
+    (logged): the readers here still get every event, those reading the store end where the
+    response ends (ResponseLog.events)."""
+
+    def __init__(self, stored: StoredResponses, response_id: str):
+        self.stored, self.rid = stored, response_id
+        self.events: list[str] = []
+        self.ended = self.done = False      # ended: nothing more is added; done: the last events are in
+        self.sent, self.broken = 0, False
+        self._sending: asyncio.Future | None = None
+        self._changed, self._hurry = asyncio.Event(), asyncio.Event()
+        self._last_send = -math.inf
+
+    def add(self, events: list[str]) -> None:
+        if self.ended or not events:
+            return
+        self.events += events
+        self._changed.set()
+        self._send_soon()
+
+    async def end(self, events: list[str], response: dict | None = None, context: list[dict] | None = None) -> bool:
+        """Add `events`, the stream's last, with `response` (as it ended, and its `context`) kept in
+        the store in the same call; the readers here get them after that call. Whether the store
+        kept them (False: it did not, or the stream had ended)."""
+        if self.ended:
+            return False
+        self.ended = True          # nothing is added after this; the sender stops (or ends its call)
+        self._hurry.set()
+        kept, last = False, []
+        try:
+            if await self.sent_all():
+                kept = await self.stored.add_events(self.rid, self.sent, self.events[self.sent:] + events, True,
+                                                    response, context)
+            last = events
+        except StoreUnavailable as exc:
+            log.warning("background response %s: its stream's end not stored: %s", self.rid, exc)
+            last = events
+        finally:                   # cancelled meanwhile: the readers here end without the last events
+            self.broken, self.done = True, True
+            self.events += last
+            self._changed.set()
+        return kept
+
+    async def sent_all(self) -> bool:
+        """Whether every event so far reached the store (waits for the call out)."""
+        if self._sending is not None:
+            await asyncio.shield(self._sending)
+        return not self.broken
+
+    async def read(self, after: int):
+        """The events after sequence number `after`, a list at a time as they come, to the end."""
+        i = after + 1
+        while True:
+            if i < len(self.events):
+                batch = self.events[i:]
+                i += len(batch)
+                yield batch
+            elif self.done:
+                return
+            else:
+                self._changed.clear()
+                await self._changed.wait()
+
+    def _send_soon(self) -> None:
+        if not self.broken and (self._sending is None or self._sending.done()):
+            self._sending = asyncio.ensure_future(self._send())
+
+    async def _send(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self.broken and self.sent < len(self.events):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._hurry.wait(), self._last_send + SEND_INTERVAL_S - loop.time())
+            if self.ended:                  # `end` sends the rest with the last events
+                return
+            self._last_send = loop.time()
+            batch = self.events[self.sent:]
+            try:
+                kept = await self.stored.add_events(self.rid, self.sent, batch)
+            except StoreUnavailable as exc:
+                kept = False
+                log.warning("background response %s: its stream's events not stored: %s", self.rid, exc)
+            self.sent += len(batch)
+            self.broken = not kept
 
 
 def _unavailable(exc: Exception) -> JSONResponse:

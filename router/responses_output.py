@@ -15,7 +15,8 @@ stream's tool call deltas bring them), and the item closes with response.output_
 the next opens; the stream ends with response.completed or response.incomplete, carrying the
 whole response (usage included), or with response.failed where the request failed after it
 started. Every event has a `sequence_number` from 0. The same builders make both, so the events
-add up to the response.
+add up to the response. A background response's stream opens with response.created and
+response.queued (status queued), then response.in_progress as its run starts.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def sse_event(kind: str, seq: int, **fields) -> str:
+    """One event of the Responses stream as server-sent event text."""
+    event = {"type": kind, "sequence_number": seq, **fields}
+    return f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 class ResponseShape:
@@ -113,21 +120,31 @@ class ResponseEvents:
         self.open: str | None = None        # the kind of the item now open: "reasoning", "message" or "call"
         self.finish: str | None = None
         self.usage: dict | None = None
+        self.failed: dict | None = None     # the response as response.failed carried it
 
     def _event(self, kind: str, **fields) -> str:
-        event = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+        return sse_event(kind, self.seq - 1, **fields)
 
     def start(self) -> list[str]:
-        return [self._event(kind, response=self.shape.body([], "in_progress"))
-                for kind in ("response.created", "response.in_progress")]
+        """The stream's first events: response.created and response.in_progress."""
+        return [self._event("response.created", response=self.shape.body([], "in_progress")), *self.running()]
+
+    def queued(self) -> list[str]:
+        """A background response's first events: response.created and response.queued."""
+        return [self._event(kind, response=self.shape.body([], "queued"))
+                for kind in ("response.created", "response.queued")]
+
+    def running(self) -> list[str]:
+        """response.in_progress: the run started."""
+        return [self._event("response.in_progress", response=self.shape.body([], "in_progress"))]
 
     def chunk(self, chunk: dict) -> list[str]:
         if "error" in chunk:
-            return self._close() + [self._event("response.failed", response=self.shape.body(
-                self.output, "failed", error={"code": chunk["error"].get("type"),
-                                              "message": chunk["error"]["message"]}))]
+            events = self._close()
+            self.failed = self.shape.body(self.output, "failed", error={"code": chunk["error"].get("type"),
+                                                                        "message": chunk["error"]["message"]})
+            return events + [self._event("response.failed", response=self.failed)]
         if not chunk["choices"]:
             self.usage = response_usage(chunk.get("usage"))
             return []

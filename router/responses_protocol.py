@@ -4,7 +4,7 @@ A request carries its conversation as `input` (messages, earlier function calls 
 reasoning items), as a client does with `store: false`, or continues a stored response
 (`previous_response_id`: router/response_store.py finds it; its context and output come first).
 With `background` the response runs after the answer (router/responses_api.py: poll it, cancel
-it), which needs it stored and not streamed. The request becomes a `ChatCompletionRequest` (`chat`) and runs
+it, or with `stream` follow its events and come back to them), which needs it stored. The request becomes a `ChatCompletionRequest` (`chat`) and runs
 the chat endpoint's whole path (template, tools, reasoning, grammar, pools);
 router/responses_output.py turns its answer into a Response object or the Responses stream's events.
 
@@ -143,11 +143,10 @@ class ReasoningConfig(StrictOpen):
 
 
 def _refusals(schema: dict) -> None:
-    """What the validators refuse, in the JSON schema: background with stream or without store; a
-    forced call needs tools and takes no JSON text format."""
+    """What the validators refuse, in the JSON schema: background without store; a forced call needs
+    tools and takes no JSON text format."""
     schema["allOf"] = [
-        implies("background", {"const": True}, {"properties": {"stream": {"const": False},
-                                                               "store": {"not": {"const": False}}}}),
+        implies("background", {"const": True}, {"properties": {"store": {"not": {"const": False}}}}),
         implies("tool_choice", FORCED_TOOL, {"properties": {"tools": {"type": "array", "minItems": 1}},
                                               "required": ["tools"]}),
         implies("tool_choice", FORCED_TOOL, {"properties": {"text": {"anyOf": [{"type": "null"}, {
@@ -180,8 +179,10 @@ class ResponsesRequest(Strict):
                                               "tools do not).")
     background: bool | None = Field(None, description="Answer at once with the response `queued` and run it after: "
                                     "GET /v1/responses/{id} shows it (in_progress, then completed, incomplete or "
-                                    "failed), POST /v1/responses/{id}/cancel cancels it. Needs store (not false, and "
-                                    "the server's responses.store on); not with stream.")
+                                    "failed), POST /v1/responses/{id}/cancel cancels it. With stream, the answer is its "
+                                    "events as they come, and GET /v1/responses/{id}?stream=true&starting_after=N "
+                                    "sends them again from the one after N (a client that lost its stream). Needs "
+                                    "store (not false, and the server's responses.store on).")
     metadata: METADATA | None = None
     user: Text | None = None
     safety_identifier: Text | None = None
@@ -197,9 +198,8 @@ class ResponsesRequest(Strict):
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.background and (self.stream or self.store is False):
-            raise ValueError("background: a background response is stored and polled, not streamed (not with stream "
-                             "or store: false)")
+        if self.background and self.store is False:
+            raise ValueError("background: a background response is stored to be polled (not with store: false)")
         if self.text is not None and self.text.format.type == "json_schema" and self.text.format.name is None:
             raise ValueError("text.format: a json_schema format needs a name")
         return self

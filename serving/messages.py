@@ -269,9 +269,45 @@ class RuntimeLoraRegistry:
     lora_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class ResponseEventBatch:
+    """Router -> ResponseStore: the next events of a background response's stream (server-sent
+    event text, sequence numbers `first` on, in order; router/responses_api.py's EventWriter);
+    `end`: the stream has no more (its last event is among these, or it was cancelled), and with
+    it `response` (JSON, with its `context`, JSON): the response as it ended, kept in the same
+    call as the last event (so no reader sees one without the other)."""
+    response_id: str
+    first: int
+    events: tuple[str, ...]
+    end: bool = False
+    response: str = ""
+    context: str = ""
+
+
+@dataclass(frozen=True)
+class ResponseEventQuery:
+    """Router -> ResponseStore: the events of a background response's stream after sequence number
+    `after` (-1: from the first), waiting up to `wait_s` for one where there is none yet."""
+    response_id: str
+    after: int
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ResponseEventPage:
+    """ResponseStore -> router: the events asked for (as many as one page holds: ask again from the
+    last); `ended`: none will follow these. `response`: where the stream ended without its last
+    event (its router failed, it was cancelled, or its events stopped reaching the store), the
+    Response as stored then, JSON; else empty."""
+    events: tuple[str, ...]
+    ended: bool
+    response: str = ""
+
+
 MESSAGES = {cls.__name__: cls for cls in (GenerateRequest, PrefillRequest, PrefillResult, DecodeRequest,
                                            Reserved, Landed, KVHandoff, HandoffDone, TokenEvent, ErrorEvent,
-                                           ReplicaStats, StoredResponse, RuntimeLoraRegistry)}
+                                           ReplicaStats, StoredResponse, RuntimeLoraRegistry, ResponseEventBatch,
+                                           ResponseEventQuery, ResponseEventPage)}
 
 
 def encode(msg) -> bytes:

@@ -1,12 +1,13 @@
 """Test helper: a stand-in for the ResponseStore deployment's handle (router/response_store.py),
-answering as told, or from a real `ResponseLog` (`log_handle`)."""
+answering as told, or the store's own calls over a real `ResponseLog` (`log_handle`)."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import weakref
 
-from router.response_store import ResponseLog
-from serving.messages import decode, encode
+from router.response_store import ResponseKeeper, ResponseLog
 
 
 class Method:
@@ -22,7 +23,8 @@ class Method:
                 await asyncio.Event().wait()
             if isinstance(self.answer, Exception):
                 raise self.answer
-            return self.answer(*args) if callable(self.answer) else self.answer
+            answer = self.answer(*args) if callable(self.answer) else self.answer
+            return await answer if inspect.isawaitable(answer) else answer
         return call()
 
 
@@ -36,7 +38,13 @@ class FakeHandle:
         return self
 
 
+_KEEPERS: "weakref.WeakKeyDictionary[ResponseLog, ResponseKeeper]" = weakref.WeakKeyDictionary()
+
+
 def log_handle(log: ResponseLog) -> FakeHandle:
-    """A handle whose store is `log` (what the ResponseStore deployment does with it)."""
-    return FakeHandle(put=lambda data: log.put(decode(data)),
-                      get=lambda rid: (lambda s: s and encode(s))(log.get(rid)), delete=log.delete, renew=log.renew)
+    """A handle whose store is `log`, called as the ResponseStore deployment calls it (Serve aside):
+    one store per log, whichever router's handle calls it."""
+    keeper = _KEEPERS.setdefault(log, ResponseKeeper(log))
+    return FakeHandle(**{name: getattr(keeper, name) for name in
+                         ("put", "get", "delete", "renew", "add_events", "events", "runtime_loras",
+                          "keep_runtime_loras")})

@@ -4,10 +4,14 @@ the store shows it `in_progress` while its chat completion runs and then as it e
 or failed with the error the chat path answered); a cancel cancels the running chat (the pools'
 requests are aborted through that cancellation) and stores `cancelled`; a delete cancels too; a
 response that ended keeps its end; one that did not run in the background cannot be cancelled;
-without a store it is a 400. Over HTTP, with the pools, in tests/test_responses_service.py."""
+without a store it is a 400. With `stream` too, the answer is the response's events read back from the
+store: a client that stops reading does not stop it, and the events are read again from any
+sequence number, live to the end (a cancel ends them; a router that stopped, with response.failed).
+Over HTTP, with the pools, in tests/test_responses_service.py."""
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 from fake_store import log_handle
 from router.openai_responses import error_response
@@ -23,7 +27,7 @@ class Chat:
     says "too long"), and records whether it was cancelled."""
 
     def __init__(self):
-        self.gate, self.cancelled = asyncio.Event(), 0
+        self.gate, self.more, self.cancelled = asyncio.Event(), asyncio.Event(), 0
 
     async def __call__(self, request):
         try:
@@ -33,8 +37,21 @@ class Chat:
             raise
         if "too long" in request.messages[-1].content:
             return error_response(400, "this model's maximum context length is 8 tokens", param="messages")
+        if request.stream:
+            return SimpleNamespace(body_iterator=self._stream())
         return {"choices": [{"message": {"role": "assistant", "content": "Paris."}, "finish_reason": "stop"}],
                 "usage": USAGE}
+
+
+    async def _stream(self):
+        """The chat stream of "Paris." in two pieces, the second once `more` is set."""
+        def line(chunk):
+            return f"data: {json.dumps(chunk)}\n\n"
+        yield line({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Par"}, "finish_reason": None}]})
+        await self.more.wait()
+        yield line({"choices": [{"index": 0, "delta": {"content": "is."}, "finish_reason": "stop"}]})
+        yield line({"choices": [], "usage": USAGE})
+        yield "data: [DONE]\n\n"
 
 
 def _api(chat, store=True, log=None, lease_s=30.0, refusal=None):
@@ -137,4 +154,85 @@ def test_without_a_store_background_is_a_400():
         api, _, _ = _api(Chat(), store=False)
         refused = await api.create(ResponsesRequest(input="Hi", background=True))
         assert refused.status_code == 400 and "responses.store is off" in _body(refused)["error"]["message"]
+    asyncio.run(run())
+
+
+async def _read(stream, until: str | None = None) -> list[dict]:
+    """The events of a Responses stream (its body), all, or up to the first of type `until` (the
+    reader then leaves)."""
+    events = []
+    async for text in stream.body_iterator:
+        events.append(json.loads(text.split("data: ", 1)[1]))
+        if events[-1]["type"] == until:
+            break
+    await stream.body_iterator.aclose()
+    return events
+
+
+def test_a_background_stream_goes_on_without_its_reader_and_is_read_again_from_any_event():
+    async def run():
+        chat = Chat()
+        api, log, saves = _api(chat)
+        chat.gate.set()
+        stream = await api.create(ResponsesRequest(input="The capital of France?", background=True, stream=True))
+        first = await _read(stream, until="response.output_text.delta")      # then the client leaves
+        assert [e["type"] for e in first[:3]] == ["response.created", "response.queued", "response.in_progress"]
+        assert first[0]["response"]["status"] == "queued" and first[-1]["delta"] == "Par"
+        rid = first[0]["response"]["id"]
+        await asyncio.sleep(0.05)
+        assert _status(log, rid) == "in_progress" and rid in api.background       # it goes on without a reader
+        # the client comes back through another router replica: it reads the store, live
+        other, _, _ = _api(Chat(), log=log)
+        reading = asyncio.ensure_future(_read(await other.stream_again(rid, first[-1]["sequence_number"])))
+        await asyncio.sleep(0.05)
+        chat.more.set()
+        rest = await asyncio.wait_for(reading, 5)
+        events = first + rest
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Paris."
+        assert events[-1]["type"] == "response.completed" and events[-1]["response"]["usage"]["output_tokens"] == 2
+        stored = json.loads(log.get(rid).response)
+        assert stored["status"] == "completed" and stored["output"] == events[-1]["response"]["output"]
+        await asyncio.sleep(0.01)              # the last event reached the store before the final save
+        assert saves == [True] and not api.background
+        # read again after its end: every event, the same; from the last one on: nothing
+        assert await _read(await api.stream_again(rid, None)) == events
+        assert await _read(await api.stream_again(rid, len(events) - 1)) == []
+        # one not streamed cannot be streamed again
+        polled = await api.create(ResponsesRequest(input="Hi", background=True))
+        refused = await api.stream_again(polled["id"], None)
+        assert refused.status_code == 400 and "background and stream" in _body(refused)["error"]["message"]
+        assert (await api.stream_again("resp_nope", None)).status_code == 404
+    asyncio.run(run())
+
+
+def test_a_background_stream_ends_for_its_readers_when_cancelled_deleted_or_orphaned():
+    async def run():
+        chat = Chat()
+        api, log, _ = _api(chat, lease_s=0.3)
+        chat.gate.set()
+        ids, last = [], 0
+        for _ in range(3):
+            stream = await api.create(ResponsesRequest(input="Hi", background=True, stream=True))
+            events = await _read(stream, until="response.output_text.delta")
+            ids.append(events[0]["response"]["id"])
+            last = events[-1]["sequence_number"]
+        cancelled, deleted, orphan = ids
+        # readers on this router (reading its writers) and on another one (reading the store)
+        other, _, _ = _api(Chat(), log=log, lease_s=0.3)
+        readers = [asyncio.ensure_future(_read(await router.stream_again(rid, last)))
+                   for rid in ids for router in (api, other)]
+        await asyncio.sleep(0.05)
+        assert (await api.cancel(cancelled))["status"] == "cancelled"
+        for reader in readers[:2]:                     # it ends: no event says cancelled
+            assert (await asyncio.wait_for(reader, 1)) == []
+        assert (await api.delete(deleted))["deleted"]
+        for reader in readers[2:4]:
+            assert (await asyncio.wait_for(reader, 1)) == []
+        for task in (api.background[orphan].task, api._renewing):      # the router dies (its readers too)
+            task.cancel()
+        readers[4].cancel()
+        failed = await asyncio.wait_for(readers[5], 5)                 # within a lease and a poll
+        assert [e["type"] for e in failed] == ["response.failed"] and failed[0]["sequence_number"] == last + 1
+        assert failed[0]["response"]["error"]["code"] == "server_error" and chat.cancelled == 0
     asyncio.run(run())

@@ -93,8 +93,12 @@ def test_every_operation_declares_its_bodies_and_every_error_status():
     assert card["parameters"][0]["schema"]["enum"] == ["SmolLM2-135M-Instruct"]
     stored = doc["paths"]["/v1/responses/{response_id}"]
     for method, model in (("get", "ResponseObject"), ("delete", "ResponseDeleted")):
-        assert set(stored[method]["responses"]) == {"200", "404", "413", "429", "500", "503"}
+        # a GET with stream: 400 for a response whose events are not kept, or a bad starting_after
+        assert set(stored[method]["responses"]) == {"200", "404", "413", "429", "500", "503"} | (
+            {"400"} if method == "get" else set())
         assert stored[method]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(model)
+    assert set(stored["get"]["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert {p["name"] for p in stored["get"]["parameters"]} == {"response_id", "stream", "starting_after"}
     items = doc["paths"]["/v1/responses/{response_id}/input_items"]["get"]
     assert set(items["responses"]) == {"200", "400", "404", "413", "429", "500", "503"}
     assert {p["name"] for p in items["parameters"]} == {"response_id", "limit", "order", "after"}

@@ -9,7 +9,7 @@ import pytest
 
 from router.response_store import Found, ResponseLog, StoredResponses, StoreUnavailable, page, unique_ids
 from fake_store import FakeHandle, log_handle
-from serving.messages import StoredResponse
+from serving.messages import ResponseEventBatch, StoredResponse
 
 
 def stored(rid: str, size: int = 10) -> StoredResponse:
@@ -54,6 +54,44 @@ def test_bytes_are_bounded_and_counted_through_replace_and_delete():
     assert log.get("4") is None and log.bytes == 80 and [len(log.get(r).response) for r in "23"] == [28, 48]
     assert log.delete("3") and not log.delete("3") and log.bytes == 30
     assert not log.put(stored("huge", 101)) and log.get("huge") is None and log.bytes == 30
+
+
+def test_a_streams_events_are_kept_in_order_with_its_response_and_paged(monkeypatch):
+    log = ResponseLog(max_stored=100, max_bytes=200)
+    running = StoredResponse("a", json.dumps({"status": "in_progress"}), "[]")
+    assert not log.add_events(ResponseEventBatch("a", 0, ("e0",)))      # no such response
+    assert log.put(running) and log.events("a", -1) is None              # not streamed (yet)
+    assert log.add_events(ResponseEventBatch("a", 0, ("e0", "e1")))
+    assert not log.add_events(ResponseEventBatch("a", 3, ("e3",)))       # a batch lost before it: refused
+    assert log.add_events(ResponseEventBatch("a", 2, ("e2",))) and log.bytes == len(running.response) + 2 + 6
+    monkeypatch.setattr("router.response_store.EVENT_PAGE_BYTES", 4)
+    assert log.events("a", -1) == messages_page(("e0", "e1"), False)   # a page: then ask from e1 on
+    assert log.events("a", 1) == messages_page(("e2",), False)
+    assert log.events("a", 2) == messages_page((), False)
+    assert log.put(running)                                               # saved again, running: events kept
+    # the last events come with the response as it ended, kept in the same call
+    done = json.dumps({"status": "completed"})
+    assert log.add_events(ResponseEventBatch("a", 3, ("e3",), end=True, response=done, context="[1]"))
+    assert log.get("a") == StoredResponse("a", done, "[1]")
+    assert log.events("a", 0) == messages_page(("e1", "e2"), False) and log.events("a", 2) == messages_page(("e3",), True)
+    assert not log.add_events(ResponseEventBatch("a", 4, ("e4",)))       # ended: nothing after
+    # a response saved as ended (cancelled, failed by its lease) ends its stream without a last event
+    assert log.put(StoredResponse("b", json.dumps({"status": "in_progress"}), "[]"))
+    assert log.add_events(ResponseEventBatch("b", 0, ("f0",)))
+    cancelled = json.dumps({"status": "cancelled"})
+    assert log.put(StoredResponse("b", cancelled, "[]")) and log.events("b", 0) == messages_page((), True, cancelled)
+    assert not log.add_events(ResponseEventBatch("b", 1, (), end=True))
+    # the events count in the bytes bound and go with their response: a's 26 + 8 bytes, b's 25 + 2 and
+    # c's 145 are over 200 (without a's events a would stay)
+    assert log.get("b") and log.bytes == 26 + 8 + 25 + 2
+    big = StoredResponse("c", "y" * 143, "[]")
+    assert log.put(big) and log.get("a") is None and log.events("a", -1) is None and log.get("b")
+    assert log.bytes == 27 + 145
+
+
+def messages_page(events, ended, response=""):
+    from serving.messages import ResponseEventPage
+    return ResponseEventPage(events, ended, response)
 
 
 ITEMS = [{"id": f"i{k}", "type": "message"} for k in range(5)]

@@ -65,8 +65,7 @@ def test_tools_tool_choice_and_text_format_become_the_chats():
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"background": True, "stream": True}, "not streamed"),
-    ({"background": True, "store": False}, "not streamed"),
+    ({"background": True, "store": False}, "stored to be polled"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input_text"),
     ({"text": {"format": {"type": "json_schema", "schema": WEATHER}}}, "needs a name"),
     ({"tools": [{"type": "web_search"}]}, "function"),

@@ -3,8 +3,9 @@ to the chat endpoint's for the same conversation, streamed as not (the SDK's own
 accumulates the events into the same response), a forced function call and the next turn carrying
 it back, stored responses (retrieved, chained with previous_response_id as their stateless twin,
 listed, deleted), a JSON schema, max_output_tokens, refusals, a client that leaves mid-stream, and
-background responses (polled to the same text; one cancelled mid-generation, its requests aborted;
-refusals answered at once);
+background responses (polled to the same text; streamed, left and streamed again from where the
+client left, to the same text; one cancelled mid-generation, its requests aborted; refusals
+answered at once);
 every block is free after."""
 
 import json
@@ -177,8 +178,20 @@ def test_background_responses_are_polled_and_cancelled(client, disagg):
     assert cancelled.status == "cancelled" and client.responses.retrieve(story.id).status == "cancelled"
     assert wait_until(lambda: _aborted(disagg) > before, timeout=10)
     assert pools_all_free(disagg, {"prefill", "decode"})
-    code, text = http(disagg, "/v1/responses", {"model": MODEL, "input": "Hi", "background": True, "stream": True})
-    assert code == 400 and "not streamed" in text
+    # with stream: the client leaves after the first text, comes back from there (GET ?stream=true), and
+    # the events add up to the same response
+    first = []
+    for event in client.responses.create(**ask, background=True, stream=True):
+        first.append(event)
+        if event.type == "response.output_text.delta":
+            break                                    # the SDK's stream closes: the client leaves
+    assert [e.type for e in first[:2]] == ["response.created", "response.queued"]
+    rest = list(client.responses.retrieve(first[0].response.id, stream=True,
+                                          starting_after=first[-1].sequence_number))
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected.output_text
+    assert events[-1].type == f"response.{expected.status}" and events[-1].response.output_text == expected.output_text
     # what the chat endpoint refuses is the create call's answer, not a failed response
     code, text = http(disagg, "/v1/responses", {"model": "nope", "input": "Hi", "background": True})
     assert code == 404 and json.loads(text)["error"]["code"] == "model_not_found"
