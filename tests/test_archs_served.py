@@ -6,6 +6,9 @@ have (head_dim 128 beside hidden 1024 / 16 heads): the KV pool, its transfer and
 take the head size from the config. Its per-head q/k norm weights are random around 3, which makes
 its attention sharp enough that the greedy tokens depend on it (with all norm weights 1 instead,
 all 24 tokens of the two prompts change; around 1 they do not): K/V that arrived wrong would show.
+Its every layer attends a sliding window of 16 tokens (`use_sliding_window` from layer 0), shorter
+than the second prompt: the decode replica gives back the blocks the window passed as the K/V lands
+and as it decodes (engine/block_manager.py), and the tokens after stay Hugging Face's.
 And a tiny Gemma 3 (head size 256, as its real checkpoints; a first layer with a sliding window of 8
 tokens, shorter than the second prompt, and its own RoPE), q/k norms likewise sharpened.
 Greedy HTTP output, streamed and not, is Hugging Face `generate`'s, with its log-probabilities, and
@@ -36,12 +39,19 @@ def model_dir(request, tmp_path_factory):
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(3, 1)
     model.save_pretrained(path)
+    if arch == "qwen3":                # every layer windowed: the decode replica frees passed blocks
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.update(sliding_window=16, use_sliding_window=True, max_window_layers=0)
+        cfg.pop("layer_types", None)    # recomputed from the keys above at load
+        (path / "config.json").write_text(json.dumps(cfg))
     return path
 
 
 def test_served_disaggregated_matches_hf_generate(ray_serve, model_dir):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert hf.config.head_dim * hf.config.num_attention_heads != hf.config.hidden_size
+    if hf.config.model_type == "qwen3":
+        assert hf.config.layer_types == ["sliding_attention"] * 2
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     expected = []                      # (text, log-probability of each greedy token) per prompt
     for p in PROMPTS:

@@ -1,4 +1,4 @@
-"""Block manager: allocation, ref counts, prefix caching, reservations (no torch)."""
+"""Block manager: allocation, ref counts, prefix caching, reservations, sliding windows (no torch)."""
 
 import pytest
 
