@@ -38,17 +38,20 @@ class Chat:
         if "too long" in request.messages[-1].content:
             return error_response(400, "this model's maximum context length is 8 tokens", param="messages")
         if request.stream:
-            return SimpleNamespace(body_iterator=self._stream())
+            return SimpleNamespace(body_iterator=self._stream("fail" in request.messages[-1].content))
         return {"choices": [{"message": {"role": "assistant", "content": "Paris."}, "finish_reason": "stop"}],
                 "usage": USAGE}
 
-
-    async def _stream(self):
-        """The chat stream of "Paris." in two pieces, the second once `more` is set."""
+    async def _stream(self, fail: bool):
+        """The chat stream of "Paris." in two pieces, the second once `more` is set (or, `fail`, an
+        error event instead of the second)."""
         def line(chunk):
             return f"data: {json.dumps(chunk)}\n\n"
         yield line({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Par"}, "finish_reason": None}]})
         await self.more.wait()
+        if fail:
+            yield line({"error": {"message": "the decode replica failed", "type": "server_error"}})
+            return
         yield line({"choices": [{"index": 0, "delta": {"content": "is."}, "finish_reason": "stop"}]})
         yield line({"choices": [], "usage": USAGE})
         yield "data: [DONE]\n\n"
@@ -235,4 +238,24 @@ def test_a_background_stream_ends_for_its_readers_when_cancelled_deleted_or_orph
         failed = await asyncio.wait_for(readers[5], 5)                 # within a lease and a poll
         assert [e["type"] for e in failed] == ["response.failed"] and failed[0]["sequence_number"] == last + 1
         assert failed[0]["response"]["error"]["code"] == "server_error" and chat.cancelled == 0
+    asyncio.run(run())
+
+
+def test_a_background_stream_that_fails_ends_with_response_failed_and_is_stored_failed():
+    """Refused when it runs (here a prompt beyond the context), or failed mid-stream: its last event
+    is response.failed, with the response as stored."""
+    async def run():
+        chat = Chat()
+        api, log, saves = _api(chat)
+        chat.gate.set()
+        chat.more.set()
+        for prompt, words in (("too long", "maximum context length"), ("fail mid-way", "decode replica failed")):
+            events = await _read(await api.create(ResponsesRequest(input=prompt, background=True, stream=True)))
+            assert events[-1]["type"] == "response.failed" and words in events[-1]["response"]["error"]["message"]
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            rid = events[0]["response"]["id"]
+            await asyncio.sleep(0.01)
+            assert json.loads(log.get(rid).response) == events[-1]["response"]
+            assert await _read(await api.stream_again(rid, None)) == events       # the same from the store
+        assert saves == [True, True]
     asyncio.run(run())
