@@ -98,6 +98,9 @@ class Sampling(Strict):
                                              "output, or the text of the stop token (EOS or of stop_token_ids), "
                                              "in the text.")
     skip_special_tokens: bool = Field(True, description="vLLM's: false shows special tokens in the text.")
+    spaces_between_special_tokens: bool = Field(True, description="vLLM's; accepted, not applied (as vLLM V1 with a "
+                                                "fast tokenizer): special tokens shown are written as the tokenizer "
+                                                "decodes them.")
     allowed_token_ids: Annotated[list[Int(ge=0)], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = (
         Field(None, description="vLLM's: the only tokens the output may hold (EOS too only if listed); not with "
                                 "response_format, structured_outputs or a forced tool call."))

@@ -131,6 +131,12 @@ def test_special_tokens_show_in_the_text_when_not_skipped(engine):
                                                             skip_special_tokens=skip))[0].text
              for skip in (True, False)}
     assert texts == {True: "", False: "<|im_start|>" * 3}
+    # vLLM's spaces_between_special_tokens is accepted (either value) and, as vLLM V1 with a fast
+    # tokenizer, not applied: the text is written as the tokenizer decodes it, no spaces between
+    from router.openai_protocol import CompletionRequest
+    for spaces in (True, False):
+        assert CompletionRequest(prompt="x", skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    assert tok.decode([special] * 3, skip_special_tokens=False, spaces_between_special_tokens=True) == texts[False]
 
 
 def test_stop_string_cuts_the_text(default_model_dir):
