@@ -20,18 +20,14 @@ from router.prefix_affinity import DECISIONS
 from router.slo_window import SloWindow
 from serving import messages
 from serving.histogram import LATENCY_BUCKETS, QUEUE_BUCKETS, REPLICA_HISTOGRAMS, Histogram, label_text
+from serving.serve_metrics import GAUGE_HELP
 
 __all__ = ["Histogram", "RequestMetrics", "render"]
 
-_GAUGES = [
-    ("pdserve_kv_blocks_total", "KV blocks in the replica's pool", "kv_blocks_total"),
-    ("pdserve_kv_blocks_free", "KV blocks free (cached-but-unused included)", "kv_blocks_free"),
-    ("pdserve_running_requests", "Sequences in the running batch", "running"),
-    ("pdserve_waiting_requests", "Sequences queued in the engine", "waiting"),
-    ("pdserve_waiting_prompt_tokens", "Prompt tokens queued or mid-prefill", "waiting_prompt_tokens"),
-    ("pdserve_lora_waiting_requests", "Sequences queued whose LoRA adapter loaded at run time has no place yet "
-     "(max_loras all in use)", "lora_waiting"),
-]
+_GAUGES = [(name, GAUGE_HELP[name], attr) for name, attr in (   # (name, help, ReplicaStats field)
+    ("pdserve_kv_blocks_total", "kv_blocks_total"), ("pdserve_kv_blocks_free", "kv_blocks_free"),
+    ("pdserve_running_requests", "running"), ("pdserve_waiting_requests", "waiting"),
+    ("pdserve_waiting_prompt_tokens", "waiting_prompt_tokens"), ("pdserve_lora_waiting_requests", "lora_waiting"))]
 OUTCOMES = ("ok", "error", "aborted")
 
 

@@ -23,14 +23,23 @@ ROUTER_HISTOGRAMS = {
     "queue": ("pdserve_queue_seconds", "Time from arrival until the prefill engine first scheduled the request"),
     "prefill": ("pdserve_prefill_seconds", "Prefill time, first scheduling to first token"),
 }
-REPLICA_GAUGES = {
-    "kv_blocks_used": ("pdserve_kv_blocks_used", "KV blocks in use (total minus free)"),
-    "kv_blocks_free": ("pdserve_kv_blocks_free", "KV blocks free (cached-but-unused included)"),
-    "running": ("pdserve_running_requests", "Sequences in the running batch"),
-    "waiting": ("pdserve_waiting_requests", "Sequences queued in the engine"),
-    "lora_waiting": ("pdserve_lora_waiting_requests", "Sequences queued whose LoRA adapter loaded at run time has "
-                     "no place yet (max_loras all in use)"),
+# Every replica gauge's help text, written once: the router's GET /metrics (router/metrics.py) and
+# Ray's port (REPLICA_GAUGES below) show them.
+GAUGE_HELP = {
+    "pdserve_kv_blocks_total": "KV blocks in the replica's pool",
+    "pdserve_kv_blocks_used": "KV blocks in use (total minus free)",
+    "pdserve_kv_blocks_free": "KV blocks free (cached-but-unused included)",
+    "pdserve_running_requests": "Sequences in the running batch",
+    "pdserve_waiting_requests": "Sequences queued in the engine",
+    "pdserve_waiting_prompt_tokens": "Prompt tokens queued or mid-prefill",
+    "pdserve_lora_waiting_requests": "Sequences queued whose LoRA adapter loaded at run time has no place yet "
+                                     "(max_loras all in use)",
 }
+# Those exported to Ray's port: ReplicaStats field (kv_blocks_used: total minus free) -> (name, help).
+REPLICA_GAUGES = {key: (name, GAUGE_HELP[name]) for key, name in (
+    ("kv_blocks_used", "pdserve_kv_blocks_used"), ("kv_blocks_free", "pdserve_kv_blocks_free"),
+    ("running", "pdserve_running_requests"), ("waiting", "pdserve_waiting_requests"),
+    ("lora_waiting", "pdserve_lora_waiting_requests"))}
 
 
 class _Export:
