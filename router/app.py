@@ -474,7 +474,8 @@ class Router:
             self.request_metrics.finish("aborted")
             raise
         reply = Reply(body, rid, body.model or self.model_name, chat, choices, firsts, (start, first_at),   # as asked
-                      self.request_metrics, self.token_strings, echoes, shape, params.lora)
+                      self.request_metrics, self.token_strings, echoes, shape, params.lora,
+                      prompts if body.return_token_ids else None)
         if body.stream:
             return StreamingResponse(reply.stream(), media_type="text/event-stream")
         return await reply.collect()

@@ -125,6 +125,8 @@ class PromptTokenLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
 PROMPT_LOGPROBS = ("With vLLM's prompt_logprobs: null for the prompt's first token, then per token its id (a "
                    "string) to its logprob, rank and text, and the same for the k likeliest tokens there.")
+TOKEN_IDS = "With vLLM's return_token_ids: the choice's output token ids (a chunk's: those since its last chunk)."
+PROMPT_IDS = "With vLLM's return_token_ids: the prompt's token ids (streamed: on the first chunk only)."
 
 
 class CompletionChunkChoice(BaseModel):
@@ -132,6 +134,8 @@ class CompletionChunkChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None = Field(description="Set on the choice's last chunk.")
+    token_ids: list[int] | None = Field(None, description=TOKEN_IDS)
+    prompt_token_ids: list[int] | None = Field(None, description=PROMPT_IDS)
 
 
 class CompletionChoice(CompletionChunkChoice):
@@ -211,6 +215,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: ChatFinishReason
+    token_ids: list[int] | None = Field(None, description=TOKEN_IDS)
 
 
 class ChatCompletion(_Body):
@@ -218,6 +223,7 @@ class ChatCompletion(_Body):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = Field(None, description=PROMPT_LOGPROBS)
+    prompt_token_ids: list[int] | None = Field(None, description=PROMPT_IDS)
 
 
 class Delta(BaseModel):
@@ -232,6 +238,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: ChatLogprobs | None
     finish_reason: ChatFinishReason | None
+    token_ids: list[int] | None = Field(None, description=TOKEN_IDS)
 
 
 class ChatCompletionChunk(_Body):
@@ -240,6 +247,7 @@ class ChatCompletionChunk(_Body):
     object: Literal["chat.completion.chunk"]
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Field(None, description=PROMPT_IDS)
 
 
 class ModelCard(BaseModel):

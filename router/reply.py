@@ -14,6 +14,10 @@ HTTP error). Then:
   3. at the end, `usage` (each prompt once, every choice's tokens) and the request's metrics
      (outcome, latencies) are recorded; the choices are always closed, which aborts any still
      running in the pools (a client that left mid-stream).
+With vLLM's `return_token_ids`, each choice's output token ids come too (`token_ids`; streamed, each
+chunk the choice's since its last chunk: an event that shows nothing passes its ids on), and the
+prompt's (`prompt_token_ids`: a chat response's, on its stream's first chunk; a completion choice's,
+on its first chunk).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class Reply:
     """The answer to one request (`body`: its CompletionRequest or ChatCompletionRequest) whose
     choices have started; `firsts`: each choice's first event; `times`: (arrival, first events)
     on the monotonic clock; `echoes`: a completion's echoed prompts (text, ids), one per prompt;
-    `adapter`: the LoRA adapter it runs (its output tokens are counted apart too)."""
+    `adapter`: the LoRA adapter it runs (its output tokens are counted apart too); `prompt_ids`: the
+    prompts' token ids, one per prompt, where the request asked for them (`return_token_ids`)."""
     body: object
     rid: str
     model_name: str
@@ -52,6 +57,11 @@ class Reply:
     echoes: list[tuple[str, list[int]]] | None = None
     shape: ChatOutputShape | None = None
     adapter: str | None = None
+    prompt_ids: list[list[int]] | None = None
+
+    def _ids(self, ev: messages.TokenEvent) -> tuple[int, ...]:
+        """The output token ids of an event as the client sees them (none for a prompt-only echo)."""
+        return () if self.body.prompt_only else ev.token_ids
 
     def _views(self) -> list[ChoiceView]:
         """One view per choice (prompt p's choices are p*n .. p*n + n-1)."""
@@ -100,10 +110,11 @@ class Reply:
         """The whole response, or the error that ended it (an OpenAI error response)."""
         views, lasts = self._views(), list(self.firsts)
         early = [self.shape.choice() for _ in lasts] if self.shape is not None and self.shape.may_end_early else None
-        texts, logprobs = [""] * len(lasts), [None] * len(lasts)
+        texts, logprobs, ids = [""] * len(lasts), [None] * len(lasts), [[] for _ in lasts]
 
         def take(i: int, ev: messages.TokenEvent) -> None:
             text, lp = views[i].piece(ev)
+            ids[i] += self._ids(ev)
             if early:          # its one tool call complete: stopped
                 early[i].feed(text)
                 ev = self._ended_early(i, early[i], ev)
@@ -139,23 +150,41 @@ class Reply:
                                  reasoning=reasoning)
             if prompt_logprobs is not None and not self.chat:
                 choice["prompt_logprobs"] = prompt_logprobs[i // self.body.n]
+            if self.prompt_ids is not None:
+                choice["token_ids"] = ids[i]
+                if not self.chat:
+                    choice["prompt_token_ids"] = self.prompt_ids[i // self.body.n]
             out.append(choice)
         whole = completion_body(self.rid, self.model_name, out, self.chat, chunk=False, use=self._usage(lasts))
         if prompt_logprobs is not None and self.chat:
             whole["prompt_logprobs"] = prompt_logprobs[0]
+        if self.prompt_ids is not None and self.chat:
+            whole["prompt_token_ids"] = self.prompt_ids[0]
         return whole
 
     async def stream(self):
         """The server-sent events: a chat's role chunks, a chunk per event that shows something
         (each with the usage so far, where continuous usage was asked for), the usage chunk if
         asked for, an error event if the request failed, then [DONE]."""
-        chat, firsts = self.chat, self.firsts
+        chat, firsts, want_ids = self.chat, self.firsts, self.prompt_ids is not None
+        pending: list[list[int]] = [[] for _ in firsts]   # output ids not yet in a chunk, per choice
+        opened = [False] * len(firsts)                    # a completion choice's first chunk went out
 
-        def data(choice: dict | None = None, use: dict | None = None) -> str:
+        def data(choice: dict | None = None, use: dict | None = None, prompt_ids: list[int] | None = None) -> str:
             if choice and self.body.continuous_usage:
                 use = self._usage(lasts)
             obj = completion_body(self.rid, self.model_name, [choice] if choice else [], chat, chunk=True, use=use)
+            if prompt_ids is not None:                    # a chat stream's first chunk
+                obj["prompt_token_ids"] = prompt_ids
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        def with_ids(i: int, choice: dict) -> dict:
+            """A choice's chunk with its output ids since its last (and, a completion's first, the prompt's)."""
+            if want_ids:
+                choice["token_ids"], pending[i] = pending[i], []
+                if not chat and not opened[i]:
+                    choice["prompt_token_ids"], opened[i] = self.prompt_ids[i // self.body.n], True
+            return choice
 
         views, lasts, outcome = self._views(), list(firsts), "aborted"
         shape = self.shape
@@ -163,6 +192,7 @@ class Reply:
 
         def chunk(i: int, ev: messages.TokenEvent) -> str | None:
             text, lp = views[i].piece(ev)
+            pending[i] += self._ids(ev)
             piece = None
             if outputs:      # the reasoning, content and calls certain so far (router/chat_output.py)
                 piece = outputs[i].feed(text)
@@ -175,12 +205,13 @@ class Reply:
                 text = piece.content
             if not (text or piece and (piece.calls or piece.reasoning) or ev.finished or (lp and any(lp.values()))):
                 return None
-            return data(choice_body(i, text, finish, chat, chunk=True, logprobs=lp, tool_calls=piece and piece.calls,
-                                    reasoning=piece and piece.reasoning))
+            return data(with_ids(i, choice_body(i, text, finish, chat, chunk=True, logprobs=lp,
+                                                tool_calls=piece and piece.calls, reasoning=piece and piece.reasoning)))
         try:
             if chat:
                 for i in range(len(firsts)):
-                    yield data(choice_body(i, "", None, True, chunk=True, first=True))
+                    yield data(choice_body(i, "", None, True, chunk=True, first=True),
+                               prompt_ids=self.prompt_ids[0] if want_ids and i == 0 else None)
             for i, ev in enumerate(firsts):
                 if (text := chunk(i, ev)) is not None:
                     yield text

@@ -235,7 +235,8 @@ def test_min_p_and_stop_token_ids_reach_the_engines(disagg, colocated, tokenizer
 def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, tokenizer):
     """allowed_token_ids, skip_special_tokens, include_stop_str_in_output and bad_words reach the
     decode pool (the prefill pool samples only the first token); truncate_prompt_tokens keeps the prompt's
-    last tokens (usage and echo show the kept ones, chat's after the template)."""
+    last tokens (usage and echo show the kept ones, chat's after the template); return_token_ids gives
+    the prompt's and the output's token ids, the streamed chunks' adding up to the whole answer's."""
     prompt = "The capital of France is"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -274,6 +275,16 @@ def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, toke
     for k, expected_len in ((4, 4), (-1, whole), (10**6, whole)):
         cut = json.loads(http(disagg, "/v1/chat/completions", {**chat, "truncate_prompt_tokens": k})[1])
         assert cut["usage"]["prompt_tokens"] == expected_len, (k, cut)
+    asked = {**body, "return_token_ids": True}
+    out = json.loads(http(disagg, "/v1/completions", asked)[1])["choices"][0]
+    assert out["prompt_token_ids"] == tokenizer.encode(prompt) and len(out["token_ids"]) == 6
+    assert tokenizer.decode(out["token_ids"]) == out["text"]
+    streamed = [e["choices"][0] for e in sse_events(http(disagg, "/v1/completions", {**asked, "stream": True})[1])[:-1]]
+    assert streamed[0]["prompt_token_ids"] == out["prompt_token_ids"]
+    assert sum((c["token_ids"] for c in streamed), []) == out["token_ids"]
+    answer = json.loads(http(disagg, "/v1/chat/completions", {**chat, "temperature": 0, "return_token_ids": True})[1])
+    assert len(answer["prompt_token_ids"]) == answer["usage"]["prompt_tokens"] == whole
+    assert tokenizer.decode(answer["choices"][0]["token_ids"]) == answer["choices"][0]["message"]["content"]
     assert pools_all_free(disagg, {"prefill", "decode"})
 
 

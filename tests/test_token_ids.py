@@ -1,0 +1,89 @@
+"""vLLM's `return_token_ids` (router/reply.py) over scripted runs (no Ray): each choice's output token
+ids (`token_ids`) and the prompt's (`prompt_token_ids`: the chat response's, each completion choice's),
+whole and streamed; streamed, the ids of an event that shows nothing (its text held back) come with
+the choice's next chunk, a chat stream's prompt ids on its first chunk and a completion choice's on
+its first, and the chunks' ids add up to the whole response's; a prompt-only echo has none; a request
+that does not ask has none of these fields."""
+
+import asyncio
+import json
+
+from router.chat_protocol import ChatCompletionRequest
+from router.choices import Choices
+from router.logprobs import TokenStrings
+from router.metrics import RequestMetrics
+from router.openai_protocol import CompletionRequest
+from router.reply import Reply
+from serving.messages import TokenEvent
+
+PROMPTS = [[11, 12, 13], [21, 22]]
+
+
+class Run:
+    """A choice's run: events of (token ids, text), the last one finished."""
+
+    def __init__(self, events: list[tuple[tuple[int, ...], str]]):
+        self.events = events
+
+    async def __call__(self, ready):
+        for k, (ids, text) in enumerate(self.events):
+            done = k == len(self.events) - 1
+            yield TokenEvent("r", ids, text, done, "stop" if done else None, num_prompt_tokens=3,
+                             num_output_tokens=sum(len(i) for i, _ in self.events[:k + 1]))
+            ready()
+            await asyncio.sleep(0.001)
+
+
+def run_reply(body, chat: bool, runs: list[list[Run]], prompts):
+    async def main():
+        choices = Choices(runs)
+        firsts = await choices.start()
+        r = Reply(body, "rid", "m", chat, choices, firsts, (0.0, 0.0), RequestMetrics(), TokenStrings(None),
+                  prompt_ids=prompts if body.return_token_ids else None)
+        if not body.stream:
+            return await asyncio.wait_for(r.collect(), 10)
+        chunks = [c async for c in r.stream()]
+        assert chunks[-1] == "data: [DONE]\n\n"
+        return [json.loads(c.removeprefix("data: ")) for c in chunks[:-1]]
+    return asyncio.run(main())
+
+
+# a choice's events: the second shows nothing (its text held back, as a stop string's start would be)
+EVENTS = [[((5,), "Hel"), ((6,), ""), ((7, 8), "lo!")], [((9,), "Hi"), ((10,), " there")]]
+
+
+def test_a_chat_response_carries_its_prompt_ids_and_each_choice_its_output_ids_whole_and_streamed():
+    body = dict(model="m", messages=[{"role": "user", "content": "hi"}], n=2, return_token_ids=True)
+    whole = run_reply(ChatCompletionRequest(**body), True, [[Run(e) for e in EVENTS]], PROMPTS[:1])
+    assert whole["prompt_token_ids"] == PROMPTS[0]
+    assert [c["token_ids"] for c in whole["choices"]] == [[5, 6, 7, 8], [9, 10]]
+    assert [c["message"]["content"] for c in whole["choices"]] == ["Hello!", "Hi there"]
+    chunks = run_reply(ChatCompletionRequest(**body, stream=True), True, [[Run(e) for e in EVENTS]], PROMPTS[:1])
+    assert chunks[0]["prompt_token_ids"] == PROMPTS[0] and all("prompt_token_ids" not in c for c in chunks[1:])
+    for i, expected in enumerate(([5, 6, 7, 8], [9, 10])):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert sum((c.get("token_ids", []) for c in mine), []) == expected
+        assert all(c["delta"]["content"] or c["finish_reason"] or "role" in c["delta"] for c in mine)
+    # the held-back event's id came with the next chunk of its choice
+    assert [c["choices"][0]["token_ids"] for c in chunks if c["choices"] and c["choices"][0]["index"] == 0
+            and "token_ids" in c["choices"][0]] == [[5], [6, 7, 8]]
+    plain = run_reply(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}]), True,
+                      [[Run(EVENTS[0])]], PROMPTS[:1])
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_completion_choices_carry_their_prompts_ids_and_their_output_ids_whole_and_streamed():
+    body = dict(model="m", prompt=PROMPTS, n=1, return_token_ids=True, max_tokens=4)
+    runs = [[Run(EVENTS[0])], [Run(EVENTS[1])]]
+    whole = run_reply(CompletionRequest(**body), False, runs, PROMPTS)
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in whole["choices"]] == [
+        (PROMPTS[0], [5, 6, 7, 8]), (PROMPTS[1], [9, 10])]
+    chunks = run_reply(CompletionRequest(**body, stream=True), False, [[Run(EVENTS[0])], [Run(EVENTS[1])]], PROMPTS)
+    for i, (prompt, expected) in enumerate(zip(PROMPTS, ([5, 6, 7, 8], [9, 10]))):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in mine[1:])
+        assert sum((c["token_ids"] for c in mine), []) == expected
+    # echo with max_tokens 0: the prompt only, no output ids
+    echo = run_reply(CompletionRequest(model="m", prompt=PROMPTS[0], echo=True, max_tokens=0, return_token_ids=True),
+                     False, [[Run([((5,), "x")])]], PROMPTS[:1])
+    assert echo["choices"][0]["token_ids"] == [] and echo["choices"][0]["prompt_token_ids"] == PROMPTS[0]
