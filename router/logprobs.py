@@ -7,7 +7,9 @@ tokens first); a streamed choice calls it once per chunk and `text_offset` runs 
 `vllm_prompt_logprobs` builds vLLM's `prompt_logprobs` list. A token's string is the tokenizer's
 decoding of it alone (special tokens included); its `bytes` are the token's exact bytes when the
 tokenizer is byte-level (GPT-2 style), so a character split across tokens keeps its bytes, and
-the UTF-8 encoding of that string otherwise.
+the UTF-8 encoding of that string otherwise. With vLLM's `return_tokens_as_token_ids` a token shows
+as `token_id:{id}` instead (its bytes that string's), so a token no string can stand for alone (a
+piece of a multi-byte character) is still identified.
 """
 
 from __future__ import annotations
@@ -55,15 +57,24 @@ class TokenStrings:
 
 class LogprobsFormatter:
     """`top`: the alternatives a token shows at most (the request's `logprobs`: an echoed prompt's
-    entries may carry more, computed for vLLM's `prompt_logprobs`); None: all it carries."""
+    entries may carry more, computed for vLLM's `prompt_logprobs`); None: all it carries. `as_ids`:
+    tokens shown as `token_id:{id}` (vLLM's `return_tokens_as_token_ids`; text offsets still count
+    the text)."""
 
-    def __init__(self, strings: TokenStrings, top: int | None = None):
-        self.strings, self.top = strings, top
+    def __init__(self, strings: TokenStrings, top: int | None = None, as_ids: bool = False):
+        self.strings, self.top, self.as_ids = strings, top, as_ids
         self.offset = 0   # characters of completion text before the next token
+
+    def _shown(self, token_id: int) -> tuple[str, list[int]]:
+        """A token as it is shown: (string, bytes)."""
+        if self.as_ids:
+            shown = f"token_id:{token_id}"
+            return shown, list(shown.encode())
+        return self.strings(token_id)
 
     def chat(self, entries: tuple[TokenLogprobs, ...]) -> dict:
         def item(token_id: int, logprob: float) -> dict:
-            text, data = self.strings(token_id)
+            text, data = self._shown(token_id)
             return {"token": text, "logprob": logprob, "bytes": data}
         return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
                             for e in entries], "refusal": None}
@@ -83,16 +94,16 @@ class LogprobsFormatter:
         return out
 
     def _add(self, out: dict, token_id: int, entry: TokenLogprobs | None) -> None:
-        text = self.strings(token_id)[0]
-        out["tokens"].append(text)
+        shown = self._shown(token_id)[0]
+        out["tokens"].append(shown)
         out["text_offset"].append(self.offset)
-        self.offset += len(text)
+        self.offset += len(self.strings(token_id)[0])
         if entry is None:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             return
-        top = {self.strings(t)[0]: v for t, v in entry.top[:self.top]}
-        top.setdefault(text, entry.logprob)   # as vLLM: the chosen token is always listed
+        top = {self._shown(t)[0]: v for t, v in entry.top[:self.top]}
+        top.setdefault(shown, entry.logprob)   # as vLLM: the chosen token is always listed
         out["token_logprobs"].append(entry.logprob)
         out["top_logprobs"].append(top)
 

@@ -133,6 +133,9 @@ class Sampling(Strict):
                           "response's): null for the first token, then token id (a string) to {logprob, rank, "
                           "decoded_token}. Not with stream above 0 (as vLLM; 0 with stream shows nothing); "
                           "vLLM's -1 (the whole vocabulary) is not served.")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="vLLM's: with logprobs, each token (and alternative) shown as `token_id:{id}`, so "
+                          "that a token no string stands for alone (a piece of a character) is identified.")
     return_token_ids: bool | None = Field(
         None, description="vLLM's: the prompt's token ids as `prompt_token_ids` (chat: the response's, on a stream's "
                           "first chunk; completions: each choice's, on its first chunk) and each choice's output "

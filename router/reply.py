@@ -67,7 +67,8 @@ class Reply:
         """One view per choice (prompt p's choices are p*n .. p*n + n-1)."""
         body = self.body
         k = body.logprob_count()
-        return [ChoiceView(LogprobsFormatter(self.token_strings, k) if k is not None else None,
+        as_ids = bool(body.return_tokens_as_token_ids)
+        return [ChoiceView(LogprobsFormatter(self.token_strings, k, as_ids) if k is not None else None,
                            self.chat, self.echoes[i // body.n] if self.echoes else None, body.prompt_only)
                 for i in range(len(self.firsts))]
 

@@ -1,5 +1,6 @@
 """OpenAI logprobs objects built by the router (router/logprobs.py) with the default model's
-byte-level tokenizer: exact bytes for characters split across tokens, running text offsets."""
+byte-level tokenizer: exact bytes for characters split across tokens, running text offsets, vLLM's
+tokens as `token_id:{id}`."""
 
 import pytest
 from transformers import AutoTokenizer
@@ -38,6 +39,20 @@ def test_completion_and_chat_objects(strings):
     assert bytes(item["bytes"]).decode() == tokens[1]
     assert [t["token"] for t in item["top_logprobs"]] == [tokens[1], tokens[0]]
     assert item["top_logprobs"][1] == {"token": tokens[0], "logprob": -3.0, "bytes": list(tokens[0].encode())}
+
+
+def test_tokens_as_token_ids_show_each_token_by_its_id_with_offsets_still_in_the_text(strings):
+    """vLLM's return_tokens_as_token_ids: `token_id:{id}` for the token and its alternatives (their
+    bytes that string's); text offsets count the text the tokens write."""
+    ids = strings.tokenizer.encode("Hello there")
+    entries = tuple(TokenLogprobs(t, -0.5, ((t, -0.5), (ids[0], -3.0))) for t in ids)
+    got = LogprobsFormatter(strings, as_ids=True).completion(entries)
+    assert got["tokens"] == [f"token_id:{t}" for t in ids]
+    assert got["text_offset"] == [sum(len(strings(t)[0]) for t in ids[:k]) for k in range(len(ids))]
+    assert got["top_logprobs"][1] == {f"token_id:{ids[1]}": -0.5, f"token_id:{ids[0]}": -3.0}
+    item = LogprobsFormatter(strings, as_ids=True).chat(entries[1:2])["content"][0]
+    assert item["token"] == f"token_id:{ids[1]}" and bytes(item["bytes"]).decode() == item["token"]
+    assert [t["token"] for t in item["top_logprobs"]] == [f"token_id:{ids[1]}", f"token_id:{ids[0]}"]
 
 
 def test_echo_puts_the_prompt_first_with_no_logprob_for_its_first_token(strings):

@@ -236,7 +236,8 @@ def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, toke
     """allowed_token_ids, skip_special_tokens, include_stop_str_in_output and bad_words reach the
     decode pool (the prefill pool samples only the first token); truncate_prompt_tokens keeps the prompt's
     last tokens (usage and echo show the kept ones, chat's after the template); return_token_ids gives
-    the prompt's and the output's token ids, the streamed chunks' adding up to the whole answer's."""
+    the prompt's and the output's token ids, the streamed chunks' adding up to the whole answer's, and
+    return_tokens_as_token_ids shows the logprobs' tokens by those ids."""
     prompt = "The capital of France is"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -279,6 +280,8 @@ def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, toke
     out = json.loads(http(disagg, "/v1/completions", asked)[1])["choices"][0]
     assert out["prompt_token_ids"] == tokenizer.encode(prompt) and len(out["token_ids"]) == 6
     assert tokenizer.decode(out["token_ids"]) == out["text"]
+    by_id = json.loads(http(disagg, "/v1/completions", {**asked, "logprobs": 0, "return_tokens_as_token_ids": True})[1])
+    assert by_id["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in out["token_ids"]]
     streamed = [e["choices"][0] for e in sse_events(http(disagg, "/v1/completions", {**asked, "stream": True})[1])[:-1]]
     assert streamed[0]["prompt_token_ids"] == out["prompt_token_ids"]
     assert sum((c["token_ids"] for c in streamed), []) == out["token_ids"]
