@@ -148,7 +148,7 @@ class DecodeServer(EngineReplica):
     async def _reserve(self, token_ids: list[int], params) -> tuple[list[int], int] | None:
         """(blocks, how many lead blocks are cached) from the engine thread (`reserve_cached`:
         with the priority policy, running requests of a lower priority preempted for them)."""
-        fut = self.host.aengine.submit(lambda e: e.reserve_cached(token_ids, params.lora_key, params.priority))
+        fut = self.host.aengine.submit(lambda e: e.reserve_cached(token_ids, params.cache_key, params.priority))
         try:
             return await asyncio.shield(asyncio.wrap_future(fut))
         except asyncio.CancelledError:

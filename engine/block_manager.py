@@ -45,14 +45,16 @@ def chain_hash(prev_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((prev_hash, token_ids))
 
 
-def chain_seed(lora: tuple[str, int] | None) -> int:
-    """Where a sequence's chain of block hashes starts: -1 for the base model; a LoRA adapter's
-    K/V differs from the base model's for the same tokens, so its chain starts from its key
-    (SamplingParams.lora_key: its name, and for one loaded at run time its load id)."""
-    if lora is None:
+def chain_seed(key: tuple | None) -> int:
+    """Where a sequence's chain of block hashes starts: -1 for the base model, unsalted; else from
+    its SamplingParams.cache_key, (LoRA adapter's key, cache salt): an adapter's K/V differs from the
+    base model's for the same tokens (its key: its name, and for one loaded at run time its load
+    id), and a salted request shares cached blocks only with requests of the same salt."""
+    if key is None:
         return -1
-    name, lora_id = lora
-    text = name if not lora_id else f"{name}\0{lora_id}"
+    lora, salt = key
+    name, lora_id = lora or ("", 0)
+    text = (name if not lora_id else f"{name}\0{lora_id}") + ("" if salt is None else f"\0\0{salt}")
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
@@ -89,15 +91,15 @@ class BlockManager:
         prompt logprobs: every prompt position must be computed for its logits."""
         if seq.params.prompt_logprobs is not None:
             return []
-        return self._cached(seq.token_ids, seq.params.lora_key)
+        return self._cached(seq.token_ids, seq.params.cache_key)
 
-    def _cached(self, token_ids, lora: tuple[str, int] | None) -> list[int]:
-        """Cached blocks holding the K/V of the leading full blocks of `token_ids` (computed with
-        LoRA adapter `lora`), short of the block with the last token (always left to compute, or
-        to receive)."""
+    def _cached(self, token_ids, key: tuple | None) -> list[int]:
+        """Cached blocks holding the K/V of the leading full blocks of `token_ids` (of cache key
+        `key`: SamplingParams.cache_key), short of the block with the last token (always left to
+        compute, or to receive)."""
         if not self.enable_prefix_caching:
             return []
-        hits, prev, bs = [], chain_seed(lora), self.block_size
+        hits, prev, bs = [], chain_seed(key), self.block_size
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(prev, tokens)
@@ -112,9 +114,9 @@ class BlockManager:
         """Whether `allocate` would succeed now (nothing changes)."""
         return self._fits(self._prefix_hits(seq), self.blocks_for(len(seq)))
 
-    def can_reserve(self, token_ids, lora: tuple[str, int] | None = None) -> bool:
+    def can_reserve(self, token_ids, key: tuple | None = None) -> bool:
         """Whether `reserve_cached` would succeed now (nothing changes)."""
-        return self._fits(self._cached(token_ids, lora), self.blocks_for(len(token_ids)))
+        return self._fits(self._cached(token_ids, key), self.blocks_for(len(token_ids)))
 
     def allocate(self, seq: Sequence) -> bool:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
@@ -164,7 +166,7 @@ class BlockManager:
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed_tokens:
             i = len(seq.block_hashes)
             tokens = tuple(seq.block_tokens(i, bs))
-            h = chain_hash(seq.block_hashes[-1] if i else chain_seed(seq.params.lora_key), tokens)
+            h = chain_hash(seq.block_hashes[-1] if i else chain_seed(seq.params.cache_key), tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self._hash_to_block and block.hash == -1:
@@ -189,14 +191,14 @@ class BlockManager:
             return None
         return [self._take_fresh() for _ in range(n)]
 
-    def reserve_cached(self, token_ids, lora: tuple[str, int] | None = None) -> tuple[list[int], int] | None:
-        """Blocks for the K/V of `token_ids` (computed with LoRA adapter `lora`), the leading ones
+    def reserve_cached(self, token_ids, key: tuple | None = None) -> tuple[list[int], int] | None:
+        """Blocks for the K/V of `token_ids` (of cache key `key`: SamplingParams.cache_key), the leading ones
         taken from the prefix cache where it holds them: (block ids, how many of them are cached).
         Only the rest is to be received; the block with the last token always is. The caller owns
         every block (one reference each, a cached block perhaps shared with running sequences)
         until it `adopt`s them or `release`s them all. None (nothing changed) if not enough blocks
         are free."""
-        hits = self._cached(token_ids, lora)
+        hits = self._cached(token_ids, key)
         table = self._claim(hits, self.blocks_for(len(token_ids)))
         return None if table is None else (table, len(hits))
 

@@ -431,18 +431,18 @@ class LLMEngine:
         or `release_reservation`."""
         return self.block_manager.reserve(num_tokens)
 
-    def reserve_cached(self, token_ids: list[int], lora: tuple[str, int] | None = None,
+    def reserve_cached(self, token_ids: list[int], key: tuple | None = None,
                        priority: int = 0) -> tuple[list[int], int] | None:
-        """Decode role: blocks for the incoming K/V of `token_ids` (of LoRA adapter `lora`, its
-        key), the first of them cached blocks that already hold it (this replica decoded or
+        """Decode role: blocks for the incoming K/V of `token_ids` (of cache key `key`, the request's
+        SamplingParams.cache_key: its LoRA adapter and cache salt), the first of them cached blocks that already hold it (this replica decoded or
         received those tokens before): (block ids, how many are cached; only the rest is to be
         received). The caller owns them all until `add_prefilled` or `release_reservation`; None
         when too few blocks are free, even after the `priority` policy preempted the running
         requests of a lower priority than `priority` (Scheduler.make_room)."""
         bm = self.block_manager
-        reserved = bm.reserve_cached(token_ids, lora)
-        if reserved is None and self.scheduler.make_room(priority, lambda: bm.can_reserve(token_ids, lora)):
-            reserved = bm.reserve_cached(token_ids, lora)       # running requests of a lower priority preempted
+        reserved = bm.reserve_cached(token_ids, key)
+        if reserved is None and self.scheduler.make_room(priority, lambda: bm.can_reserve(token_ids, key)):
+            reserved = bm.reserve_cached(token_ids, key)       # running requests of a lower priority preempted
         return reserved
 
     def release_reservation(self, block_ids: list[int]) -> None:

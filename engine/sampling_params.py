@@ -81,13 +81,21 @@ class SamplingParams:
     lora_path: str | None = None
     lora_id: int = 0
     priority: int = 0
+    cache_salt: str | None = None
     detokenize: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def lora_key(self) -> tuple[str, int] | None:
-        """The adapter's identity in an engine (LoraSet) and its prefix cache (chain_seed)."""
+        """The adapter's identity in an engine (LoraSet)."""
         return None if self.lora is None else (self.lora, self.lora_id)
+
+    @property
+    def cache_key(self) -> tuple | None:
+        """Whose prefix cache the request's K/V joins (BlockManager's chain_seed): its LoRA adapter's
+        (its K/V differs from the base model's) and its `cache_salt`'s (vLLM's: only requests with
+        the same salt share cached prefixes); None for the base model, unsalted."""
+        return None if self.lora is None and self.cache_salt is None else (self.lora_key, self.cache_salt)
 
     @property
     def greedy(self) -> bool:

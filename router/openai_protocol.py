@@ -133,6 +133,10 @@ class Sampling(Strict):
                           "response's): null for the first token, then token id (a string) to {logprob, rank, "
                           "decoded_token}. Not with stream above 0 (as vLLM; 0 with stream shows nothing); "
                           "vLLM's -1 (the whole vocabulary) is not served.")
+    cache_salt: NonEmptyText | None = Field(
+        None, description="vLLM's: prompts share cached prefixes (the prefix cache, here and in the decode pool's "
+                          "K/V it keeps) only with requests of the same salt, so no other client can tell from "
+                          "the timing what was asked before. Use a long random secret per tenant.")
     return_tokens_as_token_ids: bool | None = Field(
         None, description="vLLM's: with logprobs, each token (and alternative) shown as `token_id:{id}`, so "
                           "that a token no string stands for alone (a piece of a character) is identified.")
@@ -197,7 +201,8 @@ class Sampling(Strict):
                               logit_bias=self.logit_bias_pairs(), structured=self.structured(syntax),
                               allowed_token_ids=tuple(self.allowed_token_ids or ()),
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skips_special_tokens(syntax), priority=self.priority)
+                              skip_special_tokens=self.skips_special_tokens(syntax), priority=self.priority,
+                              cache_salt=self.cache_salt)
 
     def skips_special_tokens(self, syntax: CallSyntax) -> bool:
         """skip_special_tokens as the engine applies it (chat: false where calls open with a special

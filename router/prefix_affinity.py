@@ -37,10 +37,11 @@ def count_decision(pool: str, decision: str) -> None:
     DECISIONS[(pool, decision)] += 1
 
 
-def block_hashes(prompt: Sequence[int], block_size: int, lora: tuple[str, int] | None = None) -> list[int]:
-    """Chained hashes of the prompt's full blocks, as the engine's prefix cache keys them (a LoRA
-    adapter's chain starts from its key, SamplingParams.lora_key: its K/V is its own)."""
-    hashes, prev = [], chain_seed(lora)
+def block_hashes(prompt: Sequence[int], block_size: int, key: tuple | None = None) -> list[int]:
+    """Chained hashes of the prompt's full blocks, as the engine's prefix cache keys them (the chain
+    starts from the request's SamplingParams.cache_key: a LoRA adapter's K/V is its own, a cache
+    salt's prefixes are shared only with its own)."""
+    hashes, prev = [], chain_seed(key)
     for start in range(0, len(prompt) - block_size + 1, block_size):
         prev = chain_hash(prev, tuple(prompt[start:start + block_size]))
         hashes.append(prev)

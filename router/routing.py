@@ -74,22 +74,23 @@ class _PrefixAffinity:
 
     def _prompt(self, pending_request: Optional[PendingRequest]) -> tuple[tuple[int, ...], tuple | None] | None:
         """The tokens the replica computes (and then caches): the prompt, and a resumed request's
-        output tokens after it; and the LoRA adapter they run with, its key (its K/V is its own)."""
+        output tokens after it; and their cache key, SamplingParams.cache_key (a LoRA adapter's K/V is
+        its own, a cache salt's prefixes are shared only with its own)."""
         if getattr(self, "_table", None) is None or pending_request is None or not pending_request.args:
             return None
         try:
             req = messages.decode(pending_request.args[0], expect=self.REQUEST)
         except messages.MessageError:
             return None
-        return req.prompt_token_ids + req.resumed_token_ids, req.params.lora_key
+        return req.prompt_token_ids + req.resumed_token_ids, req.params.cache_key
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
-        prompt, lora = self._prompt(pending_request) or ((), None)
+        prompt, key = self._prompt(pending_request) or ((), None)
         if not prompt:
             return await super().choose_replicas(candidate_replicas, pending_request)
         back_off_when_full(pending_request)
-        matched = self._table.matches(block_hashes(prompt, self._table.block_size, lora),
+        matched = self._table.matches(block_hashes(prompt, self._table.block_size, key),
                                       [r.replica_id for r in candidate_replicas])
         candidates = [Candidate(r.replica_id, self._load_tokens(r), (self.score(r), random.random()))
                       for r in candidate_replicas]
@@ -104,10 +105,10 @@ class _PrefixAffinity:
         return stats.get("waiting_prompt_tokens", 0) + self._in_flight(replica) * self._mean_prompt_tokens
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        prompt, lora = self._prompt(pending_request) or ((), None)
+        prompt, key = self._prompt(pending_request) or ((), None)
         if prompt:
             self._mean_prompt_tokens += (len(prompt) - self._mean_prompt_tokens) * 0.05
-            self._table.record(replica_id, block_hashes(prompt, self._table.block_size, lora))
+            self._table.record(replica_id, block_hashes(prompt, self._table.block_size, key))
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)

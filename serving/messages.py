@@ -51,6 +51,7 @@ class WireSamplingParams:
     priority: int = 0
     lora_path: str | None = None        # one loaded at run time: its directory and load id
     lora_id: int = 0
+    cache_salt: str | None = None
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
@@ -61,12 +62,13 @@ class WireSamplingParams:
                    p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs,
                    tuple(p.logit_bias), structured, p.min_p, tuple(p.allowed_token_ids),
                    p.include_stop_str_in_output, p.skip_special_tokens, tuple(map(tuple, p.bad_words)), p.lora,
-                   p.priority, p.lora_path, p.lora_id)
+                   p.priority, p.lora_path, p.lora_id, p.cache_salt)
 
     @property
-    def lora_key(self) -> tuple[str, int] | None:
-        """SamplingParams.lora_key, without building the parameters."""
-        return None if self.lora is None else (self.lora, self.lora_id)
+    def cache_key(self) -> tuple | None:
+        """SamplingParams.cache_key, without building the parameters."""
+        lora = None if self.lora is None else (self.lora, self.lora_id)
+        return None if lora is None and self.cache_salt is None else (lora, self.cache_salt)
 
     def to_params(self) -> SamplingParams:
         fields = dataclasses.asdict(self)

@@ -223,3 +223,20 @@ def test_without_a_window_or_for_a_held_prefill_sequence_nothing_is_given_back()
     assert s.num_released_blocks == 3 and bm.num_free_blocks == 7 and not bm._hash_to_block
     bm.free(s)
     assert bm.all_free()
+
+
+def test_a_cache_salt_shares_cached_prefixes_only_with_its_own():
+    """vLLM's cache_salt: a salted request's blocks chain from its salt, so requests of another salt,
+    or none, find none of them (no timing tells them a prompt was seen), and those of the same salt do."""
+    bm = BlockManager(32, 4)
+    first = Sequence("s1", list(range(12)), SamplingParams(cache_salt="tenant-1"))
+    assert bm.allocate(first)
+    compute_all(bm, first)
+    hits = {}
+    for salt in (None, "tenant-2", "tenant-1"):
+        s = Sequence(str(salt), list(range(12)) + [99], SamplingParams(cache_salt=salt))
+        assert bm.allocate(s)
+        hits[salt] = s.num_cached_tokens
+        bm.free(s)
+    assert hits == {None: 0, "tenant-2": 0, "tenant-1": 12}
+    assert bm.reserve_cached(list(range(12)) + [99], SamplingParams(cache_salt="tenant-1").cache_key)[1] == 3

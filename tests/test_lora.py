@@ -125,15 +125,16 @@ def test_the_prefix_cache_keeps_an_adapters_kv_apart(tiny):
 def test_a_reservation_finds_only_its_adapters_blocks():
     bm = BlockManager(16, 4)
     tokens = list(range(12))
-    blocks, cached = bm.reserve_cached(tokens, ("a", 0))
+    a, b, a1 = (SamplingParams(lora=name, lora_id=k).cache_key for name, k in (("a", 0), ("b", 0), ("a", 1)))
+    blocks, cached = bm.reserve_cached(tokens, a)
     assert cached == 0
     from engine.sequence import Sequence
     seq = Sequence("r", tokens, SamplingParams(lora="a"))
     bm.adopt(seq, blocks, len(tokens))
     assert bm.reserve_cached(tokens) is not None and bm.reserve_cached(tokens)[1] == 0
-    assert bm.reserve_cached(tokens, ("b", 0))[1] == 0
-    assert bm.reserve_cached(tokens, ("a", 0))[1] == 2        # the last block is always received
-    assert len({chain_seed(None), chain_seed(("a", 0)), chain_seed(("b", 0)), chain_seed(("a", 1))}) == 4
+    assert bm.reserve_cached(tokens, b)[1] == 0
+    assert bm.reserve_cached(tokens, a)[1] == 2        # the last block is always received
+    assert len({chain_seed(None), chain_seed(a), chain_seed(b), chain_seed(a1)}) == 4
 
 
 def test_unknown_adapter_is_rejected_at_admission(tiny):

@@ -62,22 +62,27 @@ def test_choose_prefers_the_match_only_within_the_imbalance():
 def test_the_routers_match_a_resumed_requests_prompt_and_resumed_tokens():
     """A resumed request (router/orchestrator.py, migration) is computed, and then cached, as its
     prompt followed by the tokens already out: affinity matches and records all of them, under the
-    request's LoRA adapter, whose blocks are its own (their hashes start from its name)."""
+    request's cache key, its LoRA adapter's and cache salt's (their blocks are their own: their hashes
+    start from it)."""
     from types import SimpleNamespace
 
     from router.routing import ColocatedRouter, DecodeRouter, QueuedPromptTokensRouter
     from serving import messages
-    for lora, key in ((None, None), ("sql", ("sql", 0)), ("sql", ("sql", 7))):
-        wire = messages.WireSamplingParams.of(SamplingParams(lora=lora, lora_id=key[1] if key else 0,
-                                                             lora_path="/a" if key and key[1] else None))
+    for lora, salt, key in ((None, None, None), ("sql", None, (("sql", 0), None)), ("sql", None, (("sql", 7), None)),
+                            (None, "s1", (None, "s1")), ("sql", "s1", (("sql", 0), "s1"))):
+        lora_id = key[0][1] if key and key[0] else 0
+        wire = messages.WireSamplingParams.of(SamplingParams(lora=lora, lora_id=lora_id, cache_salt=salt,
+                                                             lora_path="/a" if lora_id else None))
         for cls, req in ((QueuedPromptTokensRouter, messages.PrefillRequest("r", (1, 2, 3), wire, "a:1", (7, 8), 4)),
                          (ColocatedRouter, messages.GenerateRequest("r", (1, 2, 3), wire, (7, 8), 4)),
                          (DecodeRouter, messages.DecodeRequest("r", (1, 2, 3), wire, (7, 8)))):
             router = object.__new__(cls)
             router.initialize_state()
             assert router._prompt(SimpleNamespace(args=[messages.encode(req)])) == ((1, 2, 3, 7, 8), key)
-    hashes = [block_hashes([1, 2, 3, 4], 2, key) for key in (None, ("sql", 0), ("x", 0), ("sql", 7), ("sql", 8))]
-    assert len({tuple(h) for h in hashes}) == 5
+    keys = (None, (("sql", 0), None), (("x", 0), None), (("sql", 7), None), (("sql", 8), None), (None, "s1"),
+            (None, "s2"), (("sql", 0), "s1"))
+    hashes = [block_hashes([1, 2, 3, 4], 2, key) for key in keys]
+    assert len({tuple(h) for h in hashes}) == len(keys)
 
 
 def test_the_decode_router_sends_a_conversation_back_while_the_kv_it_holds_allows():

@@ -152,7 +152,7 @@ def test_a_decode_engine_parks_a_landed_request_until_its_adapter_has_a_place(ti
         params = _runtime(name, adapters[name], lora_id)
         prefill.add_request(rid, PROMPT, params, hold_blocks=True)
         first = [t for _ in iter(prefill.has_work, False) for out in prefill.step() for t in out.new_token_ids]
-        blocks, cached = decode.reserve_cached(PROMPT, params.lora_key)
+        blocks, cached = decode.reserve_cached(PROMPT, params.cache_key)
         assert cached == 0 and len(first) == 1
         decode.import_kv(blocks, prefill.runner.export_blocks(prefill.held_blocks(rid)))
         prefill.release(rid)

@@ -237,7 +237,8 @@ def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, toke
     decode pool (the prefill pool samples only the first token); truncate_prompt_tokens keeps the prompt's
     last tokens (usage and echo show the kept ones, chat's after the template); return_token_ids gives
     the prompt's and the output's token ids, the streamed chunks' adding up to the whole answer's, and
-    return_tokens_as_token_ids shows the logprobs' tokens by those ids."""
+    return_tokens_as_token_ids shows the logprobs' tokens by those ids; a cache_salt's prompts find
+    cached prefixes only of the same salt."""
     prompt = "The capital of France is"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -285,6 +286,12 @@ def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, toke
     streamed = [e["choices"][0] for e in sse_events(http(disagg, "/v1/completions", {**asked, "stream": True})[1])[:-1]]
     assert streamed[0]["prompt_token_ids"] == out["prompt_token_ids"]
     assert sum((c["token_ids"] for c in streamed), []) == out["token_ids"]
+    story = {**body, "prompt": "A salted prompt about the lighthouse keeper, the gulls and the sea, told twice. " * 3}
+    cached = {}
+    for salt in ("tenant-1", "tenant-2", "tenant-1"):
+        use = json.loads(http(disagg, "/v1/completions", {**story, "cache_salt": salt})[1])["usage"]
+        cached.setdefault(salt, []).append(use["prompt_tokens_details"]["cached_tokens"])
+    assert cached["tenant-1"][0] == 0 and cached["tenant-2"] == [0] and cached["tenant-1"][1] > 0, cached
     answer = json.loads(http(disagg, "/v1/chat/completions", {**chat, "temperature": 0, "return_token_ids": True})[1])
     assert len(answer["prompt_token_ids"]) == answer["usage"]["prompt_tokens"] == whole
     assert tokenizer.decode(answer["choices"][0]["token_ids"]) == answer["choices"][0]["message"]["content"]
