@@ -48,6 +48,7 @@ class IncrementalDetokenizer:
         self.text = ""            # decoded output text so far (before stop truncation)
         self.emitted = 0          # characters of `text` already returned
         self.stopped = False
+        self.stop_string: str | None = None    # the stop string that ended the text
         self.check_stop = True    # the engine turns this off until `min_tokens` are out
 
     def _decode(self, ids: list[int]) -> str:
@@ -74,9 +75,10 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             # a stop string that ends in the new text (one the text held before min_tokens does not count)
-            found = [(c, len(s)) for s in self.stop if (c := self.text.find(s, max(old_len - len(s) + 1, 0))) != -1]
+            found = [(c, len(s), s) for s in self.stop
+                     if (c := self.text.find(s, max(old_len - len(s) + 1, 0))) != -1]
             if found and self.check_stop:
-                at, length = min(found)        # the earliest stop string (the shorter where two start there)
+                at, length, self.stop_string = min(found)   # the earliest (the shorter where two start there)
                 self.text = self.text[:at + length if self.include_stop else at]
                 self.stopped = True
 

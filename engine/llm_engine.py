@@ -384,9 +384,12 @@ class LLMEngine:
             req.detok.check_stop = k >= p.min_tokens
             if not stop_token or p.include_stop_str_in_output:   # the token that ends it: not in the text
                 req.detok.add(token)
-        reason = None
-        if stop_token or (k >= p.min_tokens and req.detok is not None and req.detok.stopped):
+        reason = stop_reason = None
+        if stop_token:                     # vLLM's stop_reason: a stop token's id, none for EOS
             reason = "stop"
+            stop_reason = None if not p.ignore_eos and token in self.eos_token_ids else token
+        elif k >= p.min_tokens and req.detok is not None and req.detok.stopped:
+            reason, stop_reason = "stop", req.detok.stop_string
         elif k >= p.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"
         done = reason is not None or seq.hold_blocks
@@ -395,6 +398,7 @@ class LLMEngine:
             if not seq.hold_blocks:
                 del self._requests[seq.request_id]
         out = self._output(req, [token], reason, done, None if logprobs is None else [logprobs])
+        out.stop_reason = stop_reason
         if req.prompt_logprobs:            # with the first token, once
             out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         return out

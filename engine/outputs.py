@@ -58,6 +58,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 2..n, with the first token
     error: str | None = None
     error_code: int = 500
+    stop_reason: str | int | None = None   # vLLM's: the stop string or stop token id that ended it (not EOS)
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This output and the same request's next one as a single output (the tokens, text and
@@ -73,7 +74,7 @@ class RequestOutput:
                              self.first_scheduled_time if self.first_scheduled_time is not None
                              else later.first_scheduled_time,
                              logprobs, self.prompt_logprobs or later.prompt_logprobs, later.error,
-                             later.error_code)
+                             later.error_code, later.stop_reason)
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Completion:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    stop_reason: str | int | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.prompt_logprobs.extend(out.prompt_logprobs or ())
@@ -95,5 +97,5 @@ class Completion:
         self.logprobs.extend(out.logprobs or ())
         self.text += out.new_text
         if out.finished:
-            self.finish_reason = out.finish_reason
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)

@@ -100,7 +100,7 @@ class PrefillServer(EngineReplica):
             rid, first.new_token_ids[0], first.finish_reason, first.num_cached_tokens, done - scheduled,
             scheduled - arrived, first_text=first.new_text,
             first_logprobs=first.logprobs[0] if first.logprobs else None,
-            prompt_logprobs=tuple(first.prompt_logprobs or ()))
+            prompt_logprobs=tuple(first.prompt_logprobs or ()), stop_reason=first.stop_reason)
         if first.finish_reason is not None:
             self.host.aengine.submit(lambda e: e.release(rid))
             yield messages.encode(result)

@@ -40,6 +40,11 @@ class ChoiceView:
             return None
         return "length" if self.prompt_only else ev.finish_reason
 
+    def stop_reason(self, ev: messages.TokenEvent) -> str | int | None:
+        """vLLM's `stop_reason`: the stop string or stop token id that ended the choice (None for
+        EOS, a limit, or a prompt-only echo)."""
+        return None if self.prompt_only or not ev.finished else ev.stop_reason
+
     def piece(self, ev: messages.TokenEvent) -> tuple[str, dict | None]:
         if self.prompt_only:
             ev = dataclasses.replace(ev, token_ids=(), text="", logprobs=())

@@ -125,6 +125,8 @@ class PromptTokenLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
 PROMPT_LOGPROBS = ("With vLLM's prompt_logprobs: null for the prompt's first token, then per token its id (a "
                    "string) to its logprob, rank and text, and the same for the k likeliest tokens there.")
+STOP_REASON = ("vLLM's: the stop string or stop token id that ended the choice; null for EOS or a limit (a "
+               "chunk's: on the choice's last).")
 TOKEN_IDS = "With vLLM's return_token_ids: the choice's output token ids (a chunk's: those since its last chunk)."
 PROMPT_IDS = "With vLLM's return_token_ids: the prompt's token ids (streamed: on the first chunk only)."
 
@@ -134,6 +136,7 @@ class CompletionChunkChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None = Field(description="Set on the choice's last chunk.")
+    stop_reason: str | int | None = Field(None, description=STOP_REASON)
     token_ids: list[int] | None = Field(None, description=TOKEN_IDS)
     prompt_token_ids: list[int] | None = Field(None, description=PROMPT_IDS)
 
@@ -215,6 +218,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: ChatFinishReason
+    stop_reason: str | int | None = Field(None, description=STOP_REASON)
     token_ids: list[int] | None = Field(None, description=TOKEN_IDS)
 
 
@@ -238,6 +242,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: ChatLogprobs | None
     finish_reason: ChatFinishReason | None
+    stop_reason: str | int | None = Field(None, description=STOP_REASON)
     token_ids: list[int] | None = Field(None, description=TOKEN_IDS)
 
 

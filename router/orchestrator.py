@@ -227,7 +227,8 @@ class Orchestrator:
             first_logprobs = () if result.first_logprobs is None else (result.first_logprobs,)
             yield messages.TokenEvent(rid, (result.first_token,), result.first_text, done,
                                       result.finish_reason, len(prompt), len(resumed) + 1,
-                                      result.num_cached_tokens, first_logprobs, result.prompt_logprobs)
+                                      result.num_cached_tokens, first_logprobs, result.prompt_logprobs,
+                                      result.stop_reason)
             if done:
                 abandoned = False     # `finally` drops the reservation; the prefill stream ends
                 return

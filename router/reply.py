@@ -151,6 +151,7 @@ class Reply:
                                  reasoning=reasoning)
             if prompt_logprobs is not None and not self.chat:
                 choice["prompt_logprobs"] = prompt_logprobs[i // self.body.n]
+            choice["stop_reason"] = views[i].stop_reason(last)
             if self.prompt_ids is not None:
                 choice["token_ids"] = ids[i]
                 if not self.chat:
@@ -206,8 +207,11 @@ class Reply:
                 text = piece.content
             if not (text or piece and (piece.calls or piece.reasoning) or ev.finished or (lp and any(lp.values()))):
                 return None
-            return data(with_ids(i, choice_body(i, text, finish, chat, chunk=True, logprobs=lp,
-                                                tool_calls=piece and piece.calls, reasoning=piece and piece.reasoning)))
+            body = choice_body(i, text, finish, chat, chunk=True, logprobs=lp, tool_calls=piece and piece.calls,
+                               reasoning=piece and piece.reasoning)
+            if finish is not None:
+                body["stop_reason"] = views[i].stop_reason(ev)
+            return data(with_ids(i, body))
         try:
             if chat:
                 for i in range(len(firsts)):

@@ -134,7 +134,8 @@ class PrefillResult:
     `first_text`: the text of the first token that is safe to show now (the engine's incremental
     detokenizer: no split UTF-8 character, no possible start of a stop string).
     `first_logprobs`: the first token's, when the request asked for logprobs; `prompt_logprobs`:
-    the prompt's tokens after the first, when it asked for those."""
+    the prompt's tokens after the first, when it asked for those. `stop_reason`: where the first
+    token ended it, the stop string or token id that did (TokenEvent's)."""
     request_id: str
     first_token: int = -1
     finish_reason: str | None = None
@@ -146,6 +147,7 @@ class PrefillResult:
     first_text: str = ""
     first_logprobs: TokenLogprobs | None = None
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    stop_reason: str | int | None = None
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,8 @@ class TokenEvent:
     """Replica -> router, streamed: new tokens and text; `finished` on the last one.
     `logprobs`: one per token of `token_ids` when the request asked for them, else empty; the
     decode replica's first event (the first token again) has none. `prompt_logprobs`: on the
-    first event only, the prompt's tokens after the first, when the request asked for them."""
+    first event only, the prompt's tokens after the first, when the request asked for them.
+    `stop_reason`: on a last event ended by a stop string or stop token, that string or token id."""
     request_id: str
     token_ids: tuple[int, ...]
     text: str
@@ -220,6 +223,7 @@ class TokenEvent:
     num_cached_tokens: int = 0
     logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    stop_reason: str | int | None = None
 
 
 @dataclass(frozen=True)

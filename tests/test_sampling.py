@@ -41,6 +41,11 @@ def test_max_tokens_min_tokens_and_stop_token_ids(engine):
     first = greedy.token_ids.index(stop_at)
     out = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop_at,)))[0]
     assert out.finish_reason == "stop" and out.token_ids == greedy.token_ids[:first + 1]
+    assert out.stop_reason == stop_at and greedy.stop_reason is None       # vLLM's: the stop token's id
+    eos = min(engine.eos_token_ids)                                         # EOS ends with none, as vLLM's
+    ended = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=(eos,),
+                                                     stop_token_ids=(eos,)))[0]
+    assert ended.finish_reason == "stop" and ended.stop_reason is None
     # min_tokens forbids the stop token until enough tokens are out
     held = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 2,
                                                     stop_token_ids=(stop_at,)))[0]
@@ -147,7 +152,7 @@ def test_stop_string_cuts_the_text(default_model_dir):
     stop = greedy.text[5:8]
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop=(stop,), ignore_eos=True))[0]
     assert out.finish_reason == "stop" and out.text == greedy.text[:greedy.text.index(stop)]
-    assert stop not in out.text
+    assert stop not in out.text and out.stop_reason == stop          # vLLM's stop_reason: the stop string
     kept = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop=(stop,), ignore_eos=True,
                                                     include_stop_str_in_output=True))[0]
     assert kept.finish_reason == "stop" and kept.text == greedy.text[:greedy.text.index(stop) + len(stop)]

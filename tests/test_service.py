@@ -238,7 +238,7 @@ def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, toke
     last tokens (usage and echo show the kept ones, chat's after the template); return_token_ids gives
     the prompt's and the output's token ids, the streamed chunks' adding up to the whole answer's, and
     return_tokens_as_token_ids shows the logprobs' tokens by those ids; a cache_salt's prompts find
-    cached prefixes only of the same salt."""
+    cached prefixes only of the same salt; stop_reason names the stop string that ended a choice."""
     prompt = "The capital of France is"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -254,9 +254,16 @@ def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, toke
         assert texts == ["", "<|im_start|>" * 6]
         greedy = json.loads(http(base, "/v1/completions", body)[1])["choices"][0]["text"]
         stop = greedy[3:6]
-        cut = {include: json.loads(http(base, "/v1/completions", {**body, "stop": [stop], "include_stop_str_in_output":
-                                                                   include})[1])["choices"][0]["text"]
-               for include in (False, True)}
+        ended = {include: json.loads(http(base, "/v1/completions", {**body, "stop": [stop, "zzz"],
+                                                                     "include_stop_str_in_output": include})[1])
+                 for include in (False, True)}
+        cut = {include: out["choices"][0]["text"] for include, out in ended.items()}
+        assert [out["choices"][0]["stop_reason"] for out in ended.values()] == [stop, stop]   # vLLM's
+        # a stop string first seen after the first token's text: the decode side's (disaggregated)
+        head = len(json.loads(http(base, "/v1/completions", {**body, "max_tokens": 1})[1])["choices"][0]["text"])
+        late = next(greedy[k:k + 2] for k in range(head, len(greedy) - 1) if greedy.index(greedy[k:k + 2]) == k)
+        out = json.loads(http(base, "/v1/completions", {**body, "stop": [late]})[1])["choices"][0]
+        assert out["stop_reason"] == late and out["finish_reason"] == "stop" and out["text"] == greedy[:greedy.index(late)]
         assert cut == {False: greedy[:greedy.index(stop)], True: greedy[:greedy.index(stop) + len(stop)]}
         word = greedy.split()[0]          # the first token's (the prefill replica's) and later ones
         unsaid = [json.loads(http(base, "/v1/completions", {**body, "max_tokens": 12, "bad_words": [w]})[1])

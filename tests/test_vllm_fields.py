@@ -1,9 +1,10 @@
-"""vLLM's `return_token_ids` (router/reply.py) over scripted runs (no Ray): each choice's output token
-ids (`token_ids`) and the prompt's (`prompt_token_ids`: the chat response's, each completion choice's),
-whole and streamed; streamed, the ids of an event that shows nothing (its text held back) come with
-the choice's next chunk, a chat stream's prompt ids on its first chunk and a completion choice's on
-its first, and the chunks' ids add up to the whole response's; a prompt-only echo has none; a request
-that does not ask has none of these fields."""
+"""vLLM's fields in the answers (router/reply.py) over scripted runs (no Ray). `return_token_ids`:
+each choice's output token ids (`token_ids`) and the prompt's (`prompt_token_ids`: the chat
+response's, each completion choice's), whole and streamed; streamed, the ids of an event that shows
+nothing (its text held back) come with the choice's next chunk, a chat stream's prompt ids on its
+first chunk and a completion choice's on its first, and the chunks' ids add up to the whole
+response's; a prompt-only echo has none; a request that does not ask has none of these fields.
+`stop_reason`: the stop string or token id that ended a choice, on its last chunk."""
 
 import asyncio
 import json
@@ -20,16 +21,17 @@ PROMPTS = [[11, 12, 13], [21, 22]]
 
 
 class Run:
-    """A choice's run: events of (token ids, text), the last one finished."""
+    """A choice's run: events of (token ids, text), the last one finished (by `stop_reason`)."""
 
-    def __init__(self, events: list[tuple[tuple[int, ...], str]]):
-        self.events = events
+    def __init__(self, events: list[tuple[tuple[int, ...], str]], stop_reason: str | int | None = None):
+        self.events, self.stop_reason = events, stop_reason
 
     async def __call__(self, ready):
         for k, (ids, text) in enumerate(self.events):
             done = k == len(self.events) - 1
             yield TokenEvent("r", ids, text, done, "stop" if done else None, num_prompt_tokens=3,
-                             num_output_tokens=sum(len(i) for i, _ in self.events[:k + 1]))
+                             num_output_tokens=sum(len(i) for i, _ in self.events[:k + 1]),
+                             stop_reason=self.stop_reason if done else None)
             ready()
             await asyncio.sleep(0.001)
 
@@ -87,3 +89,22 @@ def test_completion_choices_carry_their_prompts_ids_and_their_output_ids_whole_a
     echo = run_reply(CompletionRequest(model="m", prompt=PROMPTS[0], echo=True, max_tokens=0, return_token_ids=True),
                      False, [[Run([((5,), "x")])]], PROMPTS[:1])
     assert echo["choices"][0]["token_ids"] == [] and echo["choices"][0]["prompt_token_ids"] == PROMPTS[0]
+
+
+def test_stop_reason_is_the_stop_string_or_token_that_ended_a_choice_on_its_last_chunk():
+    for stream in (False, True):
+        for chat in (False, True):
+            body = (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], n=2, stream=stream)
+                    if chat else CompletionRequest(model="m", prompt=PROMPTS[0], n=2, stream=stream))
+            got = run_reply(body, chat, [[Run(EVENTS[0], "lo"), Run(EVENTS[1], 7)]], PROMPTS[:1])
+            if not stream:
+                assert [c["stop_reason"] for c in got["choices"]] == ["lo", 7]
+                continue
+            ends = {c["choices"][0]["index"]: c["choices"][0]["stop_reason"] for c in got
+                    if c["choices"] and c["choices"][0]["finish_reason"]}
+            assert ends == {0: "lo", 1: 7}
+            assert all("stop_reason" not in c["choices"][0] for c in got if c["choices"]
+                       and not c["choices"][0]["finish_reason"])
+    echo = run_reply(CompletionRequest(model="m", prompt=PROMPTS[0], echo=True, max_tokens=0), False,
+                     [[Run([((5,), "x")], 5)]], PROMPTS[:1])
+    assert echo["choices"][0]["stop_reason"] is None and echo["choices"][0]["finish_reason"] == "length"
