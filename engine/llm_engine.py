@@ -438,8 +438,9 @@ class LLMEngine:
     def reserve_cached(self, token_ids: list[int], key: tuple | None = None,
                        priority: int = 0) -> tuple[list[int], int] | None:
         """Decode role: blocks for the incoming K/V of `token_ids` (of cache key `key`, the request's
-        SamplingParams.cache_key: its LoRA adapter and cache salt), the first of them cached blocks that already hold it (this replica decoded or
-        received those tokens before): (block ids, how many are cached; only the rest is to be
+        SamplingParams.cache_key: its LoRA adapter and cache salt), the first of them cached blocks
+        that already hold it (this replica decoded or received those tokens before): (block ids,
+        how many are cached; only the rest is to be
         received). The caller owns them all until `add_prefilled` or `release_reservation`; None
         when too few blocks are free, even after the `priority` policy preempted the running
         requests of a lower priority than `priority` (Scheduler.make_room)."""

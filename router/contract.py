@@ -162,7 +162,8 @@ def _ok(path: str, method: str) -> dict:
         if method == "delete":
             return {"description": "The response is forgotten.", "content": _json("ResponseDeleted")}
         return {"description": "The stored response, or with `stream` a background stream's events again (after "
-                "`starting_after`), live to its end.", "content": {**_json("ResponseObject"), **_events("ResponseEvent")}}
+                "`starting_after`), live to its end.",
+                "content": {**_json("ResponseObject"), **_events("ResponseEvent")}}
     if path == STORED_PATH + "/cancel":
         return {"description": "The background response, cancelled (or as it ended, where it ended before).",
                 "content": _json("ResponseObject")}

@@ -4,8 +4,9 @@ A request carries its conversation as `input` (messages, earlier function calls 
 reasoning items), as a client does with `store: false`, or continues a stored response
 (`previous_response_id`: router/response_store.py finds it; its context and output come first).
 With `background` the response runs after the answer (router/responses_api.py: poll it, cancel
-it, or with `stream` follow its events and come back to them), which needs it stored. The request becomes a `ChatCompletionRequest` (`chat`) and runs
-the chat endpoint's whole path (template, tools, reasoning, grammar, pools);
+it, or with `stream` follow its events and come back to them), which needs it stored. The request
+becomes a `ChatCompletionRequest` (`chat`) and runs the chat endpoint's whole path (template,
+tools, reasoning, grammar, pools);
 router/responses_output.py turns its answer into a Response object or the Responses stream's events.
 
 Input items, in order, become chat messages:
@@ -179,9 +180,9 @@ class ResponsesRequest(Strict):
                                               "tools do not).")
     background: bool | None = Field(None, description="Answer at once with the response `queued` and run it after: "
                                     "GET /v1/responses/{id} shows it (in_progress, then completed, incomplete or "
-                                    "failed), POST /v1/responses/{id}/cancel cancels it. With stream, the answer is its "
-                                    "events as they come, and GET /v1/responses/{id}?stream=true&starting_after=N "
-                                    "sends them again from the one after N (a client that lost its stream). Needs "
+                                    "failed), POST /v1/responses/{id}/cancel cancels it. With stream, the answer is "
+                                    "its events as they come, and GET /v1/responses/{id}?stream=true&starting_after=N"
+                                    " sends them again from the one after N (a client that lost its stream). Needs "
                                     "store (not false, and the server's responses.store on).")
     metadata: METADATA | None = None
     user: Text | None = None

@@ -73,7 +73,8 @@ def test_a_streams_events_are_kept_in_order_with_its_response_and_paged(monkeypa
     done = json.dumps({"status": "completed"})
     assert log.add_events(ResponseEventBatch("a", 3, ("e3",), end=True, response=done, context="[1]"))
     assert log.get("a") == StoredResponse("a", done, "[1]")
-    assert log.events("a", 0) == messages_page(("e1", "e2"), False) and log.events("a", 2) == messages_page(("e3",), True)
+    assert log.events("a", 0) == messages_page(("e1", "e2"), False)
+    assert log.events("a", 2) == messages_page(("e3",), True)
     assert not log.add_events(ResponseEventBatch("a", 4, ("e4",)))       # ended: nothing after
     # a response saved as ended (cancelled, failed by its lease) ends its stream without a last event
     assert log.put(StoredResponse("b", json.dumps({"status": "in_progress"}), "[]"))

@@ -263,7 +263,8 @@ def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, toke
         head = len(json.loads(http(base, "/v1/completions", {**body, "max_tokens": 1})[1])["choices"][0]["text"])
         late = next(greedy[k:k + 2] for k in range(head, len(greedy) - 1) if greedy.index(greedy[k:k + 2]) == k)
         out = json.loads(http(base, "/v1/completions", {**body, "stop": [late]})[1])["choices"][0]
-        assert out["stop_reason"] == late and out["finish_reason"] == "stop" and out["text"] == greedy[:greedy.index(late)]
+        assert out["stop_reason"] == late and out["finish_reason"] == "stop"
+        assert out["text"] == greedy[:greedy.index(late)]
         assert cut == {False: greedy[:greedy.index(stop)], True: greedy[:greedy.index(stop) + len(stop)]}
         word = greedy.split()[0]          # the first token's (the prefill replica's) and later ones
         unsaid = [json.loads(http(base, "/v1/completions", {**body, "max_tokens": 12, "bad_words": [w]})[1])
