@@ -440,10 +440,10 @@ class LLMEngine:
         """Decode role: blocks for the incoming K/V of `token_ids` (of cache key `key`, the request's
         SamplingParams.cache_key: its LoRA adapter and cache salt), the first of them cached blocks
         that already hold it (this replica decoded or received those tokens before): (block ids,
-        how many are cached; only the rest is to be
-        received). The caller owns them all until `add_prefilled` or `release_reservation`; None
-        when too few blocks are free, even after the `priority` policy preempted the running
-        requests of a lower priority than `priority` (Scheduler.make_room)."""
+        how many are cached; only the rest is to be received). The caller owns them all until
+        `add_prefilled` or `release_reservation`; None when too few blocks are free, even after the
+        `priority` policy preempted the running requests of a lower priority than `priority`
+        (Scheduler.make_room)."""
         bm = self.block_manager
         reserved = bm.reserve_cached(token_ids, key)
         if reserved is None and self.scheduler.make_room(priority, lambda: bm.can_reserve(token_ids, key)):

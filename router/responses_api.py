@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import math
@@ -162,13 +163,13 @@ class ResponsesApi:
             writer.add(events.queued())
             if not await writer.sent_all():          # nowhere to read it again from
                 return _unavailable(RuntimeError("it did not keep the background response's events"))
-            task = asyncio.ensure_future(self._run_streamed(chat, shape, context, events, writer))
+            task = _detached(self._run_streamed(chat, shape, context, events, writer))
         else:
-            task = asyncio.ensure_future(self._run(chat, shape, context))
+            task = _detached(self._run(chat, shape, context))
         self.background[shape.rid] = Background(task, shape, context, writer)
         task.add_done_callback(lambda _: self.background.pop(shape.rid, None))
         if self._renewing is None or self._renewing.done():
-            self._renewing = asyncio.ensure_future(self._renew())
+            self._renewing = _detached(self._renew())
         if writer is not None:
             return StreamingResponse(self._tail(shape.rid, -1), media_type="text/event-stream")
         return queued
@@ -493,6 +494,13 @@ class EventWriter:
                 log.warning("background response %s: its stream's events not stored: %s", self.rid, exc)
             self.sent += len(batch)
             self.broken = not kept
+
+
+def _detached(coro) -> asyncio.Task:
+    """A task outside the calling request's context: Serve cancels the calls a request made to
+    other deployments when that request is cancelled (its client left), and a background response,
+    or the lease renewal, must outlive the request that started it."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
 
 
 def _unavailable(exc: Exception) -> JSONResponse:

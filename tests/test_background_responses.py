@@ -10,6 +10,7 @@ sequence number, live to the end (a cancel ends them; a router that stopped, wit
 Over HTTP, with the pools, in tests/test_responses_service.py."""
 
 import asyncio
+import contextvars
 import json
 from types import SimpleNamespace
 
@@ -20,6 +21,8 @@ from router.responses_api import ResponsesApi
 from router.responses_protocol import ResponsesRequest
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+# stands for Serve's request context: the calls a request makes are cancelled with it
+REQUEST = contextvars.ContextVar("request", default=None)
 
 
 class Chat:
@@ -28,8 +31,10 @@ class Chat:
 
     def __init__(self):
         self.gate, self.more, self.cancelled = asyncio.Event(), asyncio.Event(), 0
+        self.requests = []          # the request context each chat ran in
 
     async def __call__(self, request):
+        self.requests.append(REQUEST.get())
         try:
             await self.gate.wait()
         except asyncio.CancelledError:
@@ -177,8 +182,11 @@ def test_a_background_stream_goes_on_without_its_reader_and_is_read_again_from_a
         chat = Chat()
         api, log, saves = _api(chat)
         chat.gate.set()
+        REQUEST.set("the create call's")
         stream = await api.create(ResponsesRequest(input="The capital of France?", background=True, stream=True))
         first = await _read(stream, until="response.output_text.delta")      # then the client leaves
+        assert chat.requests == [None]      # the task runs outside the create call's context (Serve's
+        #                                     cancels that call's own calls when the client leaves)
         assert [e["type"] for e in first[:3]] == ["response.created", "response.queued", "response.in_progress"]
         assert first[0]["response"]["status"] == "queued" and first[-1]["delta"] == "Par"
         rid = first[0]["response"]["id"]

@@ -181,10 +181,11 @@ def test_background_responses_are_polled_and_cancelled(client, disagg):
     # with stream: the client leaves after the first text, comes back from there (GET ?stream=true), and
     # the events add up to the same response
     first = []
-    for event in client.responses.create(**ask, background=True, stream=True):
-        first.append(event)
-        if event.type == "response.output_text.delta":
-            break                                    # the SDK's stream closes: the client leaves
+    with client.responses.create(**ask, background=True, stream=True) as stream:
+        for event in stream:
+            first.append(event)
+            if event.type == "response.output_text.delta":
+                break                                # the stream closes: the client leaves mid-generation
     assert [e.type for e in first[:2]] == ["response.created", "response.queued"]
     rest = list(client.responses.retrieve(first[0].response.id, stream=True,
                                           starting_after=first[-1].sequence_number))

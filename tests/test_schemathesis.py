@@ -31,6 +31,11 @@ pytestmark = pytest.mark.slow
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance]
 EXAMPLES = {GenerationMode.POSITIVE: 70, GenerationMode.NEGATIVE: 45}   # per POST operation
 PATH_ONLY_EXAMPLES = 25      # no body (a stored response's GET, DELETE, cancel): only its id to draw (random: 404s)
+# vLLM's flags that shape the answer (or the prefix cache's sharing) and nothing else, left out of the
+# bodies positive mode draws: with them the completions body (37 properties under 8 cross-field rules)
+# is past what schemathesis' canonicalizer (jsonschema_rs) resolves, and it declines to draw any (any
+# one rule or a few properties fewer and it draws). tests/test_vllm_fields.py and test_service.py test them.
+UNDRAWN = ("spaces_between_special_tokens", "return_token_ids", "return_tokens_as_token_ids", "cache_salt")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +56,12 @@ def other_app(ray_serve, tiny_llama_dir):
 def fuzz(base: str, mode: GenerationMode, extra_checks=()) -> tuple[dict, list[str]]:
     """Every operation of the document (negative mode: those with a body), EXAMPLES[mode] cases each;
     returns per-operation counts and the failures."""
-    schema = schemathesis.openapi.from_url(base + "/openapi.json")
+    doc = json.loads(http(base, "/openapi.json")[1])
+    if mode == GenerationMode.POSITIVE:
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            for field in UNDRAWN:
+                del doc["components"]["schemas"][name]["properties"][field]
+    schema = schemathesis.openapi.from_dict(doc)
     counts, failures = {}, []
     for operation in (result.ok() for result in schema.get_all_operations()):
         if mode == GenerationMode.NEGATIVE and (operation.method.upper() != "POST" or not len(operation.body)):
