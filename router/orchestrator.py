@@ -299,5 +299,6 @@ class Orchestrator:
                 raise _StartOver() from exc
         finally:
             if not nxt.done():
-                nxt.cancel()
+                nxt.cancel()          # Serve's handle may end it with RequestCancelledError: retrieved here
+                nxt.add_done_callback(lambda task: task.cancelled() or task.exception())
         assert isinstance(event, messages.Landed), event

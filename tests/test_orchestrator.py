@@ -18,10 +18,11 @@ Serve handles (the real handles and replicas are exercised end to end in test_se
 """
 
 import asyncio
+import gc
 
 import pytest
 from ray.exceptions import ActorDiedError
-from ray.serve.exceptions import ReplicaUnavailableError
+from ray.serve.exceptions import ReplicaUnavailableError, RequestCancelledError
 
 from engine.sampling_params import SamplingParams
 from router.metrics import RequestMetrics
@@ -45,6 +46,10 @@ class FakeResponse:
             return await self.source.__anext__()
         except ReplicaUnavailableError as exc:
             self.failed = exc
+            raise
+        except asyncio.CancelledError:    # as Serve's: a wait cut by the response's cancel() says so
+            if self.cancelled:
+                raise RequestCancelledError("cancelled") from None
             raise
 
     def cancel(self):
@@ -169,7 +174,7 @@ def test_first_token_that_ends_the_request_drops_the_reservation():
 def test_a_refused_or_missing_reservation_fails_before_any_prefill(refusal):
     """Out of KV blocks is a 503 at once; Serve raises ReplicaUnavailableError (not a RayError)
     when the chosen replica died before the dispatch: a 503 too, not a cut connection."""
-    from ray.serve.exceptions import ReplicaUnavailableError
+    from ray.serve.exceptions import ReplicaUnavailableError, RequestCancelledError
 
     class Refusing(FakeDecode):
         async def _stream(self, data):
@@ -234,6 +239,8 @@ def test_a_push_reported_failed_before_it_landed_fails_the_request_at_once_and_d
     monkeypatch.setattr(orchestrator, "HANDOFF_GRACE_S", 0.2)
 
     async def main():
+        unretrieved = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unretrieved.append(context))
         result = messages.PrefillResult("r", first_token=7, first_text="Hi")
         decode = FakeDecode([messages.TokenEvent("r", (7,), "", False, None, 2, 1)])   # never released
         prefill = FakePrefill(result, push_error="connect timeout")
@@ -245,6 +252,11 @@ def test_a_push_reported_failed_before_it_landed_fails_the_request_at_once_and_d
         assert failed.value.code == 502 and "connect timeout" in failed.value.message
         assert decode.responses[0].cancelled    # the reservation is dropped now
         assert len(prefill.requests) == 1
+        # the wait for `Landed`, cut, ended in the handle's RequestCancelledError: nobody left it unretrieved
+        del failed
+        await asyncio.sleep(0.05)
+        gc.collect()
+        assert not unretrieved, unretrieved
     asyncio.run(main())
 
 
@@ -411,7 +423,7 @@ def test_a_prefill_replica_dying_after_its_push_landed_does_not_fail_the_request
 def test_a_decode_replica_removed_before_the_dispatch_is_retried_on_a_fresh_reservation():
     """Serve may remove a replica between choosing it and dispatching to it (scale-down):
     nothing was produced yet, so the request starts over."""
-    from ray.serve.exceptions import ReplicaUnavailableError
+    from ray.serve.exceptions import ReplicaUnavailableError, RequestCancelledError
 
     class GoneOnce(FakeDecode):
         async def _stream(self, data):
@@ -435,7 +447,7 @@ def test_a_decode_pool_without_a_live_replica_for_a_while_is_waited_for():
     still offers the old one (ReplicaUnavailableError at each dispatch): the request starts over
     after growing delays instead of failing, and a request that never finds one fails with a 503
     once they are spent."""
-    from ray.serve.exceptions import ReplicaUnavailableError
+    from ray.serve.exceptions import ReplicaUnavailableError, RequestCancelledError
 
     class GoneUntil(FakeDecode):
         def __init__(self, events, back_at):
