@@ -226,12 +226,13 @@ class _OpenAIPenalties(LogitsProcessor):
 PENALTIES = [{"repetition_penalty": 1.3},
              {"frequency_penalty": 0.8, "presence_penalty": 0.5},
              {"repetition_penalty": 1.15, "frequency_penalty": -0.4, "presence_penalty": 0.7}]
+PENALIZED = (0, 9)          # the prompts they run on
 
 
 @pytest.fixture(scope="module")
 def hf_plain(hf_model, prompts):
     """`generate`'s greedy 24 tokens without penalties for the penalties' prompts (computed once)."""
-    return {i: _hf_generate(hf_model, prompts[i], 24)[0] for i in (0, 5, 9)}
+    return {i: _hf_generate(hf_model, prompts[i], 24)[0] for i in PENALIZED}
 
 
 @pytest.mark.parametrize("penalties", PENALTIES)
@@ -239,7 +240,7 @@ def test_penalties_match_hf_generate_in_one_engine_and_split(trio, hf_model, hf_
     single, prefill, decode = trio
     tag = f"pen{PENALTIES.index(penalties)}"
     changed = 0
-    for i in (0, 5, 9):
+    for i in PENALIZED:
         p = prompts[i]
         processors = LogitsProcessorList()
         if "frequency_penalty" in penalties:
@@ -292,33 +293,33 @@ def test_a_resumed_request_goes_on_as_the_uninterrupted_one(trio, prompts, kwarg
     (text held back) still cuts, and the counts are the whole request's."""
     single, prefill, decode = trio
     tag = f"res{RESUMED.index(kwargs)}"
-    for i in (1, 4):
-        p = prompts[i]
-        params = SamplingParams(**kwargs)
-        ref_outs = _run_one(single, f"{tag}-r{i}", p, params)
-        ref = _completion(ref_outs, f"{tag}-r{i}", p)
-        assert len(ref.token_ids) >= 8, ref
-        stop_at = len("".join(o.new_text for o in ref_outs[:5]))
-        cases = [(params, ref_outs, ref)]
-        if len(ref.text) > stop_at + 1:       # a stop string starting in the text shown after 5 tokens
-            stop = ref.text[stop_at - 1:stop_at + 1]
-            cut = SamplingParams(**kwargs, stop=(stop,))
-            cut_outs = _run_one(single, f"{tag}-c{i}", p, cut)
-            cases.append((cut, cut_outs, _completion(cut_outs, f"{tag}-c{i}", p)))
-        for n, (pp, outs, whole) in enumerate(cases):
-            for k in (1, 5, len(whole.token_ids) - 1):
-                if not 0 < k < len(whole.token_ids):
-                    continue
-                resumed = whole.token_ids[:k]
-                shown = "".join(o.new_text for o in outs[:k])
-                for way, (got, last) in {
-                        "one": _resume_one(single, f"{tag}-o{i}-{n}-{k}", p, pp, resumed, len(shown)),
-                        "split": split_run(prefill, decode, f"{tag}-s{i}-{n}-{k}", p, pp, resumed, len(shown)),
-                }.items():
-                    assert resumed + got.token_ids == whole.token_ids, (way, k, kwargs)
-                    assert shown + got.text == whole.text, (way, k, kwargs)
-                    assert got.finish_reason == whole.finish_reason, (way, k)
-                    assert (last.num_prompt_tokens, last.num_output_tokens) == (len(p), len(whole.token_ids))
+    i = (1, 4)[RESUMED.index(kwargs) % 2]            # the two prompts take turns over the cases
+    p = prompts[i]
+    params = SamplingParams(**kwargs)
+    ref_outs = _run_one(single, f"{tag}-r{i}", p, params)
+    ref = _completion(ref_outs, f"{tag}-r{i}", p)
+    assert len(ref.token_ids) >= 8, ref
+    stop_at = len("".join(o.new_text for o in ref_outs[:5]))
+    cases = [(params, ref_outs, ref)]
+    if len(ref.text) > stop_at + 1:       # a stop string starting in the text shown after 5 tokens
+        stop = ref.text[stop_at - 1:stop_at + 1]
+        cut = SamplingParams(**kwargs, stop=(stop,))
+        cut_outs = _run_one(single, f"{tag}-c{i}", p, cut)
+        cases.append((cut, cut_outs, _completion(cut_outs, f"{tag}-c{i}", p)))
+    for n, (pp, outs, whole) in enumerate(cases):
+        for k in (1, 5, len(whole.token_ids) - 1):
+            if not 0 < k < len(whole.token_ids):
+                continue
+            resumed = whole.token_ids[:k]
+            shown = "".join(o.new_text for o in outs[:k])
+            for way, (got, last) in {
+                    "one": _resume_one(single, f"{tag}-o{i}-{n}-{k}", p, pp, resumed, len(shown)),
+                    "split": split_run(prefill, decode, f"{tag}-s{i}-{n}-{k}", p, pp, resumed, len(shown)),
+            }.items():
+                assert resumed + got.token_ids == whole.token_ids, (way, k, kwargs)
+                assert shown + got.text == whole.text, (way, k, kwargs)
+                assert got.finish_reason == whole.finish_reason, (way, k)
+                assert (last.num_prompt_tokens, last.num_output_tokens) == (len(p), len(whole.token_ids))
     assert all(e.block_manager.all_free() for e in (single, prefill, decode))
 
 

@@ -66,7 +66,9 @@ def test_the_openai_client_gets_forced_calls_streamed_or_not(disagg, colocated):
         named = client.chat.completions.create(**ask, tool_choice={"type": "function",
                                                                    "function": {"name": "web_search"}})
         assert [name for name, _ in check_calls(named.choices[0].message.tool_calls)] == ["web_search"]
-        sampled = client.chat.completions.create(**{**ask, "temperature": 1.0}, tool_choice="required", n=3, seed=5)
+        sampled = client.chat.completions.create(**{**ask, "temperature": 1.0, "max_tokens": 60},
+                                                 tool_choice="required", n=3, seed=5)
+        assert any(choice.finish_reason == "tool_calls" for choice in sampled.choices)
         for choice in sampled.choices:          # several calls allowed (parallel_tool_calls)
             if choice.finish_reason == "tool_calls":
                 assert check_calls(choice.message.tool_calls)
