@@ -15,12 +15,29 @@ measures. The simulator (pdserve/plan/sim_*.py) steps replicas with it; the SLO 
   2. decode: the largest batch B whose step meets the TPOT SLO, fits the KV budget and `max_num_seqs`;
      a replica then emits B / tpot(B) tokens/s; D = rate * (out - 1) / (utilization * B / tpot(B));
   3. `correction` factors (measured / predicted, from the live percentiles) scale both service times.
+Sliding windows (`window`, on `window_share` of the KV): a decode step reads a windowed layer's last
+`window` keys only (`decode_read`), and where every layer has one a sequence keeps about its window
+reserved (`held_tokens`: the engine gives back the blocks the window passed).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+
+def decode_read(context_tokens: float, windowed_tokens: float, window_share: float) -> float:
+    """The tokens' worth of K/V (priced at kappa) a decode step reads for sequences of
+    `context_tokens` in all, `windowed_tokens` of them within their windows (the sum of
+    min(context, window)): a windowed layer (`window_share` of the KV) reads only its window's keys."""
+    return context_tokens - window_share * (context_tokens - windowed_tokens)
+
+
+def held_tokens(total: float, prompt: float, window: int, window_share: float) -> float:
+    """The KV a sequence of `total` tokens (`prompt` of them arriving at once) keeps reserved: all of
+    it, but where every layer has a window the engine gives back the blocks the window passed, so
+    about the window, and the whole prompt while it lands."""
+    return max(prompt, min(total, window)) if window_share == 1 else total
+
 
 @dataclass(frozen=True)
 class StepModel:
@@ -36,11 +53,22 @@ class StepModel:
     kv_tokens: int = 1 << 20        # tokens of KV one replica holds
     max_num_seqs: int = 256         # running batch limit
     max_batched_tokens: int = 8192  # token budget of one step (prefill chunk)
+    window: int = 0                 # a sliding window's keys (0: none)
+    window_share: float = 0.0       # the share of the KV bytes in layers with that window (1: all)
 
     def __post_init__(self):
         for k, v in asdict(self).items():
-            if not v > 0:
+            if k not in ("window", "window_share") and not v > 0:
                 raise ValueError(f"StepModel.{k} must be positive, got {v!r}")
+        if not (self.window >= 0 and 0 <= self.window_share <= 1 and (self.window_share > 0) == (self.window > 0)):
+            raise ValueError(f"StepModel.window_share must be in (0, 1] with a window, 0 without one; got "
+                             f"{self.window_share!r} with window {self.window!r}")
+
+    def decode_read(self, context_tokens: float, windowed_tokens: float) -> float:
+        return decode_read(context_tokens, windowed_tokens, self.window_share)
+
+    def held_tokens(self, total: float, prompt: float) -> float:
+        return held_tokens(total, prompt, self.window, self.window_share)
 
     def step_time(self, prefill_tokens: float, decode_seqs: float = 0, decode_context_tokens: float = 0) -> float:
         compute = 2 * self.params * (prefill_tokens + decode_seqs) / (self.peak_flops * self.prefill_eff)
@@ -56,7 +84,8 @@ class StepModel:
 
     def tpot(self, batch: float, context: float) -> float:
         """Decode step time of `batch` sequences of mean KV length `context`."""
-        return self.step_time(0, batch, batch * context)
+        read = self.decode_read(context, min(context, self.window)) if self.window else context
+        return self.step_time(0, batch, batch * read)
 
     def transfer_time(self, prompt_tokens: float) -> float:
         return self.kv_bytes_per_token * prompt_tokens / self.link_bw
@@ -112,7 +141,7 @@ def ttft_p90(service: float, rate: float, replicas: int = 1) -> float:
 def decode_batch(m: StepModel, w: Workload, tpot_slo: float, correction: float = 1.0) -> int:
     """Largest batch meeting the TPOT SLO within the KV budget and max_num_seqs (0: unreachable)."""
     context = w.input_len + w.output_len / 2
-    kv_limit = int(m.kv_tokens // max(w.input_len + w.output_len, 1))
+    kv_limit = int(m.kv_tokens // max(m.held_tokens(w.input_len + w.output_len, w.input_len), 1))
     lo, hi = 0, min(m.max_num_seqs, kv_limit)
     while lo < hi:                      # tpot is monotone in the batch
         mid = (lo + hi + 1) // 2

@@ -1,5 +1,7 @@
 """The planner reproduces the design note's Qwen2.5-7B figures and behaves like a roofline."""
 
+import dataclasses
+
 import pytest
 
 from pdserve.plan.roofline import HARDWARE, MODELS, decode_intensity, plan, prefill_intensity, tpot_bound, ttft_bound
@@ -72,3 +74,29 @@ def test_the_cli_refuses_a_cached_prefix_as_long_as_the_prompt(capsys):
     from pdserve.cli import main
     assert main(["plan", "--input-len", "100", "--cached-len", "100"]) == 2
     assert "--cached-len 100" in capsys.readouterr().err
+
+
+def test_a_sliding_window_prices_what_the_engine_reads_and_holds():
+    """A decode step reads a windowed layer's last `window` keys; where every layer has a window a
+    sequence holds about its window (the engine gives back the passed blocks), so more fit; where
+    only some layers have one every block is kept. Prefill and the hand-off cover the whole prompt."""
+    h100 = HARDWARE["h100"]
+    every = dataclasses.replace(QWEN, window=4096, window_layers=QWEN.layers)
+    half = dataclasses.replace(QWEN, window=4096, window_layers=QWEN.layers // 2)
+    for spec in (every, half):
+        assert tpot_bound(spec, h100, 4096, 8) == tpot_bound(QWEN, h100, 4096, 8)        # within the window
+        assert ttft_bound(spec, h100, 32768) == ttft_bound(QWEN, h100, 32768)
+    assert every.read_tokens(32768) == 4096 and half.read_tokens(32768) == (32768 + 4096) / 2
+    kv = QWEN.kv_bytes_per_token
+    assert tpot_bound(every, h100, 32768, 8) == pytest.approx((QWEN.weight_bytes + kv * 4096 * 8) / h100.mem_bw)
+    assert decode_intensity(half, 32768, 8) > decode_intensity(QWEN, 32768, 8)
+    assert (every.held_tokens(32768 + 512, 32768), every.held_tokens(1024 + 8192, 1024)) == (32768, 4096)
+    assert half.held_tokens(1024 + 8192, 1024) == 1024 + 8192
+    # 1k prompts, 8k outputs, a loose TPOT: the batch is bound by KV memory, which the window lifts
+    plans = {name: plan(spec, h100, 1024, 8192, 1, ttft_slo=1.0, tpot_slo=1.0)
+             for name, spec in (("full", QWEN), ("half", half), ("every", every))}
+    assert all("KV memory" in p.reason for p in plans.values()), plans
+    assert plans["every"].decode_batch > 2 * plans["full"].decode_batch
+    assert plans["half"].decode_batch == plans["full"].decode_batch
+    with pytest.raises(ValueError, match="window"):
+        dataclasses.replace(QWEN, window=4096)

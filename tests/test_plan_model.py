@@ -64,3 +64,20 @@ def test_every_tiny_arch_is_counted_exactly(tmp_path):
         path = tiny_model_dir(tmp_path / arch, arch, seed=0, head_dim=32)
         model = AutoModelForCausalLM.from_pretrained(path)
         assert resolve_spec(str(path)).params == sum(p.numel() for p in model.parameters()), arch
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"model_type": "mistral", "sliding_window": 4096}, (4096, 8)),                       # every layer
+    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}, (0, 0)),   # off
+    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 2},
+     (4096, 6)),                                                                          # from layer 2
+    ({"model_type": "gemma3_text", "sliding_window": 512}, (512, 7)),                     # 5 local : 1 global
+    ({"model_type": "gemma2", "sliding_window": 4096}, (4096, 4)),                        # every other layer
+    ({"model_type": "llama"}, (0, 0)),
+    ({"model_type": "not-in-transformers", "sliding_window": 100}, (100, 8)),             # as its keys say
+])
+def test_the_sliding_window_is_read_as_the_engine_reads_it(config, expected):
+    cfg = {**QWEN_CONFIG, "num_hidden_layers": 8, **config}
+    spec = spec_from_config(cfg, "m")
+    assert (spec.window, spec.window_layers) == expected
+    assert spec.kv_bytes_per_token == spec_from_config(QWEN_CONFIG | {"num_hidden_layers": 8}, "m").kv_bytes_per_token

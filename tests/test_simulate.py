@@ -2,6 +2,7 @@
 routing, autoscaling and the CLI (pure Python, fast)."""
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
@@ -73,7 +74,8 @@ def test_continuous_batching_and_max_num_seqs():
     d = DecodeReplica(0, M, 0.0, 0.0)
     reqs = [req(i, 0.0, 10, 3 + i % 2) for i in range(10)]
     for r in reqs:
-        d.kv_reserved += r.input_len + r.output_len
+        r.reserved = r.input_len + r.output_len       # as the simulator's router reserves
+        d.kv_reserved += r.reserved
         d.add(r)
     end = d.start(0.0)
     assert d.stepping == 8 and end == pytest.approx(M.step_time(0, 8, 8 * 11))   # at most max_num_seqs
@@ -359,3 +361,53 @@ def test_the_cached_prefix_is_checked_against_the_prompts(tmp_path, capsys):
     assert main(["simulate", "--fleet", "1:1", "--rate", "2", "--duration", "5", "--input-len", "1000",
                  "--cached-len", "700"]) == 0
     assert "beside a 700-token shared prefix" in capsys.readouterr().out
+
+
+def test_a_windowed_batch_keeps_the_sum_of_its_sequences_windows_step_by_step():
+    """The decode batch's `windowed` (the sum of min(context, window), kept in O(log B) a step)
+    equals the sum over its running sequences at every step, as they join, cross the window and
+    end; a step is priced at what a windowed layer reads."""
+    import random
+    window = 40
+    m = dataclasses.replace(M, window=window, window_share=0.75, max_num_seqs=6)
+    d = DecodeReplica(0, m, 0.0, 0.0)
+    rng, context, t = random.Random(5), {}, 0.0
+    reqs = [req(i, 0.0, rng.randrange(1, 60), rng.randrange(2, 50)) for i in range(30)]
+    for r in reqs:
+        r.reserved = m.held_tokens(r.kv_tokens, r.new_tokens)
+        d.add(r)
+    crossed = 0
+    while (end := d.start(t)) is not None:
+        for r in d.pending:
+            context.pop(r.id, None)
+        for _, rid, r in d.batch.heap:
+            context.setdefault(rid, r.input_len + 1)
+        assert d.batch.windowed == sum(min(c, window) for c in context.values())
+        assert end - t == pytest.approx(m.step_time(0, d.stepping, sum(context.values()) - 0.75 * sum(
+            max(c - window, 0) for c in context.values())))
+        crossed += any(c == window for c in context.values())
+        for r in d.end(end):
+            del context[r.id]
+        context = {rid: c + 1 for rid, c in context.items()}
+        t = end
+    assert crossed and not context and d.batch.windowed == 0 and not d.batch.growing
+    assert all(r.end > 0 for r in reqs)
+
+
+def test_a_model_windowed_on_every_layer_reserves_about_its_window_and_gets_through_more():
+    """Simulated, 2k prompts and 512 outputs under a KV budget of 20k tokens: without a window 7
+    sequences fit the decode replica (2560 tokens each); with a 1k window on every layer each
+    reserves its prompt only (the outputs come within the blocks the window gives back), 9 fit, and
+    each step reads a 1k window: the load ends sooner."""
+    base = dataclasses.replace(M, kv_tokens=20_000, max_num_seqs=64)
+    windowed = dataclasses.replace(base, window=1024, window_share=1.0)
+    results = {}
+    for name, m in (("full", base), ("window", windowed)):
+        res = Simulator(m, Fleet("disaggregated", 40, 1)).run([req(i, 0.0, 2048, 512) for i in range(40)], 100.0,
+                                                             drain_s=10_000)
+        assert all(r.end > 0 for r in res.requests)
+        spans = sorted([(r.first, 1) for r in res.requests] + [(r.end, -1) for r in res.requests])
+        results[name] = res, max(itertools.accumulate(step for _, step in spans))   # most decoding at once
+    full, window = results["full"][0], results["window"][0]
+    assert (results["full"][1], results["window"][1]) == (7, 9)
+    assert max(r.end for r in window.requests) < max(r.end for r in full.requests)

@@ -190,3 +190,22 @@ def test_config_wiring(monkeypatch):
     kwargs = app["autoscaling_policy"]["policy_kwargs"]
     assert SloPolicy(**kwargs).m.prefill_eff == 0.5 and kwargs["ttft_slo"] == 1
     assert "autoscaling_policy" not in application_config(AppConfig(), "x")
+
+
+def test_a_sliding_window_sizes_the_decode_batch_by_what_a_sequence_reads_and_holds():
+    """Long outputs under a KV budget: a model windowed on every layer holds about its window a
+    sequence (its prompt while it lands), so the decode batch the policy plans with is larger, and
+    each step reads only the window: fewer decode replicas for the same load. A window on some of
+    the layers keeps every block: the batch stays bound by memory, only the reads shrink."""
+    m = dataclasses.replace(MODEL, kv_tokens=40_000, max_num_seqs=256)
+    load = Workload(rate=2.0, input_len=1000, output_len=9000)
+    every = dataclasses.replace(m, window=2000, window_share=1.0)
+    some = dataclasses.replace(m, window=2000, window_share=0.5)
+    sizes = {name: size_fleet(model, load, 10.0, 1.0) for name, model in (("full", m), ("every", every),
+                                                                             ("some", some))}
+    assert (sizes["full"].decode_batch, sizes["some"].decode_batch, sizes["every"].decode_batch) == (4, 4, 20)
+    assert sizes["every"].decode < sizes["full"].decode
+    assert sizes["some"].tpot < sizes["full"].tpot and sizes["some"].decode <= sizes["full"].decode
+    assert every.tpot(8, 5500) == pytest.approx(m.tpot(8, 2000))
+    with pytest.raises(ValueError, match="window_share"):
+        dataclasses.replace(m, window_share=0.5)

@@ -1,10 +1,12 @@
-"""Model specs for `pdserve plan`: a preset name or a Hugging Face `config.json` (plain JSON, no torch).
+"""Model specs for `pdserve plan`: a preset name or a Hugging Face `config.json` (a config's sliding
+window is read through transformers' config class).
 
 `resolve_spec(model, dtype, params)` is the one entry point the CLI calls:
   1. `model` names a preset in `pdserve.plan.roofline.MODELS`, or is a path to an HF model directory or its
      `config.json`;
-  2. for a config, `spec_from_config` reads layers / KV heads / head_dim and counts parameters with
-     `count_params` (dense llama-like decoders: Llama, Qwen2, Mistral, SmolLM, ...);
+  2. for a config, `spec_from_config` reads layers / KV heads / head_dim and the sliding window
+     (`windows`), and counts parameters with `count_params` (dense llama-like decoders: Llama,
+     Qwen2, Mistral, SmolLM, ...);
   3. `dtype` (bf16 / fp16 / fp32) overrides the bytes per parameter, else the config's `torch_dtype`
      (or `dtype`), else bf16; `params` overrides the counted parameters.
 Errors are `ValueError`s with a message fit for the user (the CLI prints them and exits 2).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from pdserve.plan.roofline import MODELS, ModelSpec
 
@@ -90,12 +93,31 @@ def dtype_bytes(dtype: str | None, cfg: dict | None = None) -> float:
     return DTYPE_BYTES[str(name).lower()]
 
 
+def windows(cfg: dict) -> tuple[int, int]:
+    """(the sliding window, how many layers have it) as the engine reads a config: `layer_windows`
+    (engine/config.py) on transformers' own config class, which derives each family's layer types
+    (Qwen2/Qwen3's use_sliding_window and max_window_layers, Gemma 2/3's and OLMo 3's patterns);
+    (0, 0) without one. A model type transformers does not know is read as its keys say."""
+    from transformers import AutoConfig
+
+    from engine.config import layer_windows
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        hf = AutoConfig.for_model(cfg.get("model_type", ""), **fields)
+    except (ValueError, TypeError, KeyError):
+        hf = SimpleNamespace(**cfg)
+    per_layer = [w for w in layer_windows(hf) if w]
+    return (max(per_layer), len(per_layer)) if per_layer else (0, 0)
+
+
 def spec_from_config(cfg: dict, name: str, dtype: str | None = None, params: float | None = None) -> ModelSpec:
-    """A ModelSpec from an HF config dict (see `count_params` for what is counted)."""
+    """A ModelSpec from an HF config dict (see `count_params` for what is counted, `windows` for
+    the sliding window)."""
     heads = _need(cfg, "num_attention_heads")
+    window, window_layers = windows(cfg)
     return ModelSpec(name=name, params=float(params or count_params(cfg)), layers=_need(cfg, "num_hidden_layers"),
                      kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim(cfg),
-                     dtype_bytes=dtype_bytes(dtype, cfg))
+                     dtype_bytes=dtype_bytes(dtype, cfg), window=window, window_layers=window_layers)
 
 
 def resolve_spec(model: str, dtype: str | None = None, params: float | None = None) -> ModelSpec:

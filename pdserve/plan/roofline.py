@@ -5,7 +5,10 @@ With N parameters of b bytes and kappa KV bytes per token (2 * layers * kv_heads
   decode intensity   I_d(S, B) = 2 N B / (N b + kappa S B)      <= 2/b = 1 FLOP/byte in bf16 at B = 1
 A phase is compute-bound when its intensity exceeds the machine's ridge point (peak FLOP/s over
 memory bandwidth). Lower bounds: TTFT(S) = max(2NS / F, (Nb + kappa S) / W); TPOT(S, B) =
-max(2NB / F, (Nb + kappa S B) / W); KV transfer = kappa S / link bandwidth.
+max(2NB / F, (Nb + kappa S B) / W); KV transfer = kappa S / link bandwidth. With a sliding window of
+w keys on a share f of the layers, a decode step reads S' = S - f max(S - w, 0) tokens' worth in
+place of S, and where every layer has one a sequence holds about max(w, its prompt) tokens of KV
+(the engine gives back the blocks its window passed); prefill and the hand-off still cover all S.
 
 Measured latencies sit above these bounds; `plan(..., prefill_eff, decode_eff)` divides the bounds by
 efficiency factors in (0, 1] (see pdserve/plan/calibrate.py for deriving them from a `pdserve bench`
@@ -17,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from serving.slo_model import decode_read, held_tokens
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -27,15 +32,34 @@ class ModelSpec:
     kv_heads: int
     head_dim: int
     dtype_bytes: float = 2.0
+    window: int = 0             # a sliding window's keys (0: none) ...
+    window_layers: int = 0      # ... on this many of the layers
 
     def __post_init__(self):
         for field in ("params", "layers", "kv_heads", "head_dim", "dtype_bytes"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"ModelSpec.{field} must be positive, got {getattr(self, field)!r}")
+        if not (self.window >= 0 and 0 <= self.window_layers <= self.layers
+                and (self.window > 0) == (self.window_layers > 0)):
+            raise ValueError(f"ModelSpec: a window ({self.window!r}) needs 1 to {self.layers} layers, "
+                             f"none needs 0; got {self.window_layers!r}")
 
     @property
     def kv_bytes_per_token(self) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def window_share(self) -> float:
+        return self.window_layers / self.layers
+
+    def read_tokens(self, s: float) -> float:
+        """The tokens' worth of K/V one decode step of a sequence of context `s` reads: a windowed
+        layer reads its last `window` keys."""
+        return decode_read(s, min(s, self.window), self.window_share) if self.window else s
+
+    def held_tokens(self, total: float, prompt: float) -> float:
+        """The KV a sequence of `total` tokens, `prompt` of them arriving at once, keeps reserved."""
+        return held_tokens(total, prompt, self.window, self.window_share)
 
     @property
     def weight_bytes(self) -> float:
@@ -77,7 +101,7 @@ def prefill_intensity(m: ModelSpec, s: float) -> float:
 
 
 def decode_intensity(m: ModelSpec, s: float, batch: int = 1) -> float:
-    return 2 * m.params * batch / (m.weight_bytes + m.kv_bytes_per_token * s * batch)
+    return 2 * m.params * batch / (m.weight_bytes + m.kv_bytes_per_token * m.read_tokens(s) * batch)
 
 
 def ttft_bound(m: ModelSpec, hw: Hardware, s: float, cached: float = 0) -> float:
@@ -88,7 +112,7 @@ def ttft_bound(m: ModelSpec, hw: Hardware, s: float, cached: float = 0) -> float
 
 def tpot_bound(m: ModelSpec, hw: Hardware, s: float, batch: int = 1) -> float:
     return max(2 * m.params * batch / hw.peak_flops,
-               (m.weight_bytes + m.kv_bytes_per_token * s * batch) / hw.mem_bw)
+               (m.weight_bytes + m.kv_bytes_per_token * m.read_tokens(s) * batch) / hw.mem_bw)
 
 
 def decode_context(input_len: float, output_len: float) -> float:
@@ -134,7 +158,8 @@ def plan(m: ModelSpec, hw: Hardware, input_len: int, output_len: int, rate: floa
         return tpot_bound(m, hw, context, b) / decode_eff
 
     kv_room = hw.mem_bytes * 0.9 - m.weight_bytes - m.kv_bytes_per_token * cached_len
-    max_batch_mem = max(int(kv_room // (m.kv_bytes_per_token * (input_len - cached_len + output_len))), 0)
+    held = m.held_tokens(input_len - cached_len + output_len, input_len - cached_len)
+    max_batch_mem = max(int(kv_room // (m.kv_bytes_per_token * held)), 0)
     batch = 0
     for b in range(1, max_batch_mem + 1):
         if tpot(b) > tpot_slo:
@@ -214,8 +239,11 @@ def measure_cpu(dtype: str = "fp32") -> Hardware:
 
 
 def report(m: ModelSpec, hw: Hardware, lengths=(128, 512, 1024, 4096), batches=(1, 8, 64)) -> str:
+    window = f", a {m.window}-token window on {m.window_layers} of {m.layers} layers" if m.window else ""
+    if m.window and 4 * m.window > max(lengths):
+        lengths = (*lengths, 4 * m.window)          # a context the window has passed
     rows = [f"model {m.name}: {m.params / 1e9:.3g} B params, {m.dtype_bytes:g} B/param, "
-            f"KV {m.kv_bytes_per_token / 1024:.1f} KiB/token",
+            f"KV {m.kv_bytes_per_token / 1024:.1f} KiB/token{window}",
             f"hardware {hw.name}: {hw.peak_flops / 1e12:.3g} TFLOP/s, {hw.mem_bw / 1e9:.4g} GB/s, "
             f"ridge {hw.ridge:.1f} FLOP/byte, link {hw.link_bw / 1e9:.3g} GB/s", "",
             "| S | prefill FLOP/B | " + " | ".join(f"decode B={b} FLOP/B" for b in batches)

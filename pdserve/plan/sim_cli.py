@@ -154,8 +154,9 @@ def run(args) -> int:
         print(f"pdserve simulate: {exc}", file=sys.stderr)
         return 2
     prefix = f" beside a {args.cached_len}-token shared prefix" if args.cached_len else ""
+    window = f", a {spec.window}-token window on {spec.window_layers} of {spec.layers} layers" if spec.window else ""
     print(f"{spec.name} on {hw.name}: prefill eff {m.prefill_eff:.3g}, decode eff {m.decode_eff:.3g}, "
-          f"KV {m.kv_tokens} tokens/replica{prefix}, max_num_seqs {m.max_num_seqs}, step budget "
+          f"KV {m.kv_tokens} tokens/replica{prefix}{window}, max_num_seqs {m.max_num_seqs}, step budget "
           f"{m.max_batched_tokens}; SLOs TTFT {args.ttft_slo * 1e3:.0f} ms, TPOT {args.tpot_slo * 1e3:.0f} ms")
     if host:
         print(f"one host: {host.cores:g} cores, {host.engine_cores:g} per stepping engine, "

@@ -26,6 +26,7 @@ class Request:
     first: float = -1.0
     end: float = -1.0
     cached: int = 0            # leading prompt tokens every replica holds already
+    reserved: int = 0          # the KV reserved for it (the simulator's router sets it)
 
     @property
     def new_tokens(self) -> int:

@@ -5,9 +5,10 @@ Every replica is a small state machine driven by the event loop (pdserve/plan/si
                    (called only when the replica is idle);
   `end(now)`    -> what the finished step completed (prompts done / sequences done); the replica is idle.
 KV is reserved by the router when it routes a request (prompt + output tokens, less a prefix every
-replica holds, `Request.kv_tokens`; released when the sequence ends), as pdserve's decode replicas
-reserve blocks before the transfer. A prefill computes `Request.new_tokens`; a decode step reads the
-whole context.
+replica holds, `Request.kv_tokens`; where every layer has a sliding window, about the window, or the
+prompt if longer: `StepModel.held_tokens`; released when the sequence ends), as pdserve's decode
+replicas reserve blocks before the transfer. A prefill computes `Request.new_tokens`; a decode step
+reads the whole context (a windowed layer: its window's keys).
 
   PrefillReplica    FIFO of prompts; each step takes up to `max_batched_tokens` prompt tokens from the
                     head (chunked prefill: a long prompt spans steps, short ones share a step).
@@ -45,27 +46,46 @@ class _Replica:
 
 
 class _Batch:
-    """The running decode batch: sequences as (finish step, id, request), total context tokens."""
-    __slots__ = ("heap", "step", "context")
+    """The running decode batch: sequences as (finish step, id, request), total context tokens, and
+    with a sliding window of `window` keys the sum of min(context, window) (`windowed`): the
+    sequences still short of the window (`growing`, each with the step at which it reaches it in
+    `reach`) add one each per step."""
+    __slots__ = ("heap", "step", "context", "window", "windowed", "growing", "reach")
 
-    def __init__(self):
+    def __init__(self, window: int = 0):
         self.heap: list = []
         self.step = 0
         self.context = 0
+        self.window, self.windowed = window, 0
+        self.growing: dict[int, int] = {}    # request id -> the step its context reaches the window
+        self.reach: list = []                # (that step, request id), a heap; entries of ended ones stay
 
     def add(self, r: Request) -> None:
         heapq.heappush(self.heap, (self.step + r.output_len - 1, r.id, r))
         self.context += r.input_len + 1
+        if self.window:
+            self.windowed += min(r.input_len + 1, self.window)
+            if r.input_len + 1 < self.window:
+                self.growing[r.id] = self.step + self.window - r.input_len - 1
+                heapq.heappush(self.reach, (self.growing[r.id], r.id))
 
     def advance(self, batch: int, now: float) -> list[Request]:
         """One step done: every sequence got a token; returns those that finished now."""
         self.step += 1
         self.context += batch
+        self.windowed += len(self.growing)
+        while self.reach and self.reach[0][0] <= self.step:
+            at, rid = heapq.heappop(self.reach)
+            if self.growing.get(rid) == at:
+                del self.growing[rid]
         done = []
         while self.heap and self.heap[0][0] <= self.step:
             r = heapq.heappop(self.heap)[2]
             r.end = now
             self.context -= r.input_len + r.output_len
+            if self.window:
+                self.windowed -= min(r.input_len + r.output_len, self.window)
+                self.growing.pop(r.id, None)
             done.append(r)
         return done
 
@@ -125,7 +145,7 @@ class DecodeReplica(_Replica):
     def __init__(self, *a):
         super().__init__(*a)
         self.pending: deque = deque()      # KV arrived, waiting for a batch slot
-        self.batch = _Batch()
+        self.batch = _Batch(self.m.window)
         self.stepping = 0
 
     @property
@@ -145,13 +165,13 @@ class DecodeReplica(_Replica):
         if not self.stepping:
             return None
         self.busy = True
-        return now + self.m.step_time(0, self.stepping, self.batch.context)
+        return now + self.m.step_time(0, self.stepping, self.m.decode_read(self.batch.context, self.batch.windowed))
 
     def end(self, now: float) -> list[Request]:
         self.busy = False
         done = self.batch.advance(self.stepping, now)
         for r in done:
-            self.kv_reserved -= r.kv_tokens
+            self.kv_reserved -= r.reserved
         return done
 
 
@@ -160,7 +180,7 @@ class ColocatedReplica(PrefillReplica):
 
     def __init__(self, *a):
         super().__init__(*a)
-        self.batch = _Batch()
+        self.batch = _Batch(self.m.window)
         self.stepping = 0
 
     @property
@@ -177,18 +197,19 @@ class ColocatedReplica(PrefillReplica):
         if not chunk and not self.stepping:
             return None
         self.chunk, self.busy = chunk, True
-        return now + self.m.step_time(tokens, self.stepping, self.batch.context)
+        return now + self.m.step_time(tokens, self.stepping,
+                                      self.m.decode_read(self.batch.context, self.batch.windowed))
 
     def end(self, now: float) -> list[Request]:
         """Returns the sequences that finished; prompts that completed join the batch (first token now)."""
         done = self.batch.advance(self.stepping, now) if self.stepping else []
         for r in done:
-            self.kv_reserved -= r.kv_tokens
+            self.kv_reserved -= r.reserved
         for r in PrefillReplica.end(self, now):
             if r.output_len > 1:
                 self.batch.add(r)
             else:
                 r.end = now
-                self.kv_reserved -= r.kv_tokens
+                self.kv_reserved -= r.reserved
                 done.append(r)
         return done

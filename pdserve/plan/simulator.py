@@ -117,8 +117,9 @@ class Simulator:
         return live if len(live) <= EXACT_ROUTING else self.rng.sample(live, SAMPLE)
 
     def _route(self, req: Request) -> bool:
-        need = req.kv_tokens
         kv_pool = "decode" if self.fleet.mode == "disaggregated" else "prefill"
+        model = self.dm if kv_pool == "decode" else self.m
+        need = req.reserved = round(model.held_tokens(req.kv_tokens, req.new_tokens))
         fits = [r for r in self._candidates(kv_pool) if r.kv_free() >= need]
         if not fits:
             return False
@@ -179,7 +180,7 @@ class Simulator:
     def _kv_arrived(self, home, req: Request) -> None:
         if req.output_len <= 1:
             req.end = self.now
-            home.kv_reserved -= req.kv_tokens
+            home.kv_reserved -= req.reserved
             self._ended([req])
         else:
             home.add(req)
