@@ -14,7 +14,7 @@ from ray.serve.schema import ServeApplicationSchema
 from pdserve.app_builder import _pool_options
 from pdserve.serve_config import application_config
 from router.slo_window import SloWindow
-from serving.config import AppConfig, PoolConfig
+from serving.config import AppConfig
 from serving.slo_autoscaling import CACHED, INPUT, OUTPUT, RATE, REFUSED, SAMPLES, TPOT_P90, TTFT_P90, SloPolicy
 from serving.slo_model import StepModel, Workload, size_fleet, ttft_p90
 from serving.slo_policy import predicted_tpot
