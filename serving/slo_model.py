@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+
 def decode_read(context_tokens: float, windowed_tokens: float, window_share: float) -> float:
     """The tokens' worth of K/V (priced at kappa) a decode step reads for sequences of
     `context_tokens` in all, `windowed_tokens` of them within their windows (the sum of
