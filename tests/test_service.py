@@ -10,7 +10,9 @@ import json
 import re
 import urllib.error
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -546,3 +548,37 @@ def test_ray_metrics_port_has_the_pdserve_series(disagg):
         text = urllib.request.urlopen(url, timeout=5).read().decode()
         return all(re.search(rf"^{w}\{{", text, re.M) for w in wanted)
     assert wait_until(exported, 90, every=2), "the pdserve series never reached Ray's metrics port"
+
+
+def test_a_request_id_comes_back_and_marks_the_request_in_every_replica_s_log(disagg):
+    """X-Request-Id (Ray Serve's request id): the client's comes back as the answer's x-request-id,
+    streamed or not, refused or not (the OpenAI SDK's `_request_id`), one is made up where the
+    client sends none, and the router's, the prefill replica's and the decode replica's log lines
+    for the request carry it: an operator follows one id across both pools."""
+    import openai
+    import ray
+    rid = f"trace-{uuid.uuid4().hex}"
+
+    def post(body, headers):
+        req = urllib.request.Request(disagg + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.headers, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+    ok = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+    for body, status in ((ok, 200), ({**ok, "stream": True}, 200), ({**ok, "max_tokens": -1}, 400)):
+        got, headers, text = post(body, {"X-Request-Id": rid})
+        assert (got, headers["x-request-id"]) == (status, rid), text
+    got, headers, _ = post(ok, {})
+    assert got == 200 and headers["x-request-id"] not in (None, "", rid)
+    client = openai.OpenAI(base_url=disagg + "/v1", api_key="unused")
+    answer = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_headers={"X-Request-Id": rid + "-sdk"})
+    assert answer._request_id == rid + "-sdk"
+    # the session's Ray writes each replica's Serve log under its logs directory (no public API names it)
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+
+    def marked() -> set[str]:
+        return {f.name.split("_")[2] for f in logs.glob("replica_pd_*.log") if rid in f.read_text(errors="replace")}
+    assert wait_until(lambda: marked() >= {"Router", "PrefillServer", "DecodeServer"}, 30), marked()
