@@ -574,7 +574,8 @@ def test_a_request_id_comes_back_and_marks_the_request_in_every_replica_s_log(di
     got, headers, _ = post(ok, {})
     assert got == 200 and headers["x-request-id"] not in (None, "", rid)
     client = openai.OpenAI(base_url=disagg + "/v1", api_key="unused")
-    answer = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_headers={"X-Request-Id": rid + "-sdk"})
+    answer = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                       extra_headers={"X-Request-Id": rid + "-sdk"})
     assert answer._request_id == rid + "-sdk"
     # the session's Ray writes each replica's Serve log under its logs directory (no public API names it)
     logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
