@@ -174,7 +174,7 @@ def test_first_token_that_ends_the_request_drops_the_reservation():
 def test_a_refused_or_missing_reservation_fails_before_any_prefill(refusal):
     """Out of KV blocks is a 503 at once; Serve raises ReplicaUnavailableError (not a RayError)
     when the chosen replica died before the dispatch: a 503 too, not a cut connection."""
-    from ray.serve.exceptions import ReplicaUnavailableError, RequestCancelledError
+    from ray.serve.exceptions import ReplicaUnavailableError
 
     class Refusing(FakeDecode):
         async def _stream(self, data):
@@ -423,7 +423,7 @@ def test_a_prefill_replica_dying_after_its_push_landed_does_not_fail_the_request
 def test_a_decode_replica_removed_before_the_dispatch_is_retried_on_a_fresh_reservation():
     """Serve may remove a replica between choosing it and dispatching to it (scale-down):
     nothing was produced yet, so the request starts over."""
-    from ray.serve.exceptions import ReplicaUnavailableError, RequestCancelledError
+    from ray.serve.exceptions import ReplicaUnavailableError
 
     class GoneOnce(FakeDecode):
         async def _stream(self, data):
@@ -447,7 +447,7 @@ def test_a_decode_pool_without_a_live_replica_for_a_while_is_waited_for():
     still offers the old one (ReplicaUnavailableError at each dispatch): the request starts over
     after growing delays instead of failing, and a request that never finds one fails with a 503
     once they are spent."""
-    from ray.serve.exceptions import ReplicaUnavailableError, RequestCancelledError
+    from ray.serve.exceptions import ReplicaUnavailableError
 
     class GoneUntil(FakeDecode):
         def __init__(self, events, back_at):
