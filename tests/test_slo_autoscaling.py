@@ -193,8 +193,8 @@ def test_config_wiring(monkeypatch):
 
 
 def test_a_sliding_window_sizes_the_decode_batch_by_what_a_sequence_reads_and_holds():
-    """Long outputs under a KV budget: a model windowed on every layer holds about its window a
-    sequence (its prompt while it lands), so the decode batch the policy plans with is larger, and
+    """Long outputs under a KV budget: with a window on every layer each sequence holds about its
+    window (its prompt while it lands), so the decode batch the policy plans with is larger, and
     each step reads only the window: fewer decode replicas for the same load. A window on some of
     the layers keeps every block: the batch stays bound by memory, only the reads shrink."""
     m = dataclasses.replace(MODEL, kv_tokens=40_000, max_num_seqs=256)
