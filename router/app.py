@@ -67,6 +67,7 @@ from router.validation_errors import describe
 from serving import messages
 from serving.config import AppConfig
 from serving.models import resolve_model
+from serving.serve_logging import log_through_serve
 from serving.serve_metrics import RouterSeries
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ async def _unexpected(request: Request, exc: Exception):
 @serve.ingress(app)
 class Router:
     def __init__(self, config: dict, prefill=None, decode=None, colocated=None, registry=None, store=None):
+        log_through_serve()
         self.config = AppConfig.model_validate(config)
         guard_settings.configure(self.config.api_key, self.config.max_body_bytes, self.config.max_inflight_requests)
         cors = self.config.cors

@@ -25,6 +25,7 @@ from serving.scaling_config import ScalingTargets
 from serving.cpu_share import CpuShare
 from serving.histogram import REPLICA_HISTOGRAMS, Histogram
 from serving.models import resolve_model
+from serving.serve_logging import log_through_serve
 from serving.serve_metrics import ReplicaSeries
 from serving.stats_registry import HEARTBEAT_S
 
@@ -42,6 +43,7 @@ def replica_id() -> str:
 
 class EngineHost:
     def __init__(self, config: AppConfig, pool: str, registry=None):
+        log_through_serve()
         self.config = config
         self.pool = pool
         self.replica_id = replica_id()

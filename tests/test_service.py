@@ -583,3 +583,15 @@ def test_a_request_id_comes_back_and_marks_the_request_in_every_replica_s_log(di
     def marked() -> set[str]:
         return {f.name.split("_")[2] for f in logs.glob("replica_pd_*.log") if rid in f.read_text(errors="replace")}
     assert wait_until(lambda: marked() >= {"Router", "PrefillServer", "DecodeServer"}, 30), marked()
+
+
+def test_the_replicas_own_log_lines_reach_serve_s_replica_logs(disagg):
+    """pdserve's loggers write, at INFO, where Serve writes each replica's lines (serving/serve_logging.py):
+    the engines' KV pool, the decode replica's KV address."""
+    import ray
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+
+    def lines(deployment: str) -> str:
+        return "".join(f.read_text(errors="replace") for f in logs.glob(f"replica_pd_{deployment}_*.log"))
+    assert wait_until(lambda: "KV pool: " in lines("PrefillServer") and "receives KV at" in lines("DecodeServer"), 30)
+    assert re.search(r"pd_DecodeServer \w+ .*-- decode replica \S+ receives KV at", lines("DecodeServer"))
