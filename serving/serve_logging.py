@@ -21,15 +21,16 @@ class _ToServe(logging.Handler):
         logging.getLogger(SERVE_LOGGER).handle(record)
 
 
-def log_through_serve(level: int = logging.INFO) -> bool:
-    """Inside a Serve replica: pdserve's loggers at `level` (and up), written by Serve's logger's
-    handlers; elsewhere (an engine in a test or a script) nothing changes. Idempotent. Returns
-    whether it applied."""
+def log_through_serve() -> bool:
+    """Inside a Serve replica: pdserve's loggers at the level of Serve's logger (the deployment's
+    `logging_config.log_level`, INFO by default), written by its handlers; elsewhere (an engine in
+    a test or a script) nothing changes. Idempotent. Returns whether it applied."""
     from ray import serve
     try:
         serve.get_replica_context()
     except Exception:  # noqa: BLE001 - RayServeException outside a replica
         return False
+    level = logging.getLogger(SERVE_LOGGER).getEffectiveLevel()
     for name in PACKAGES:
         logger = logging.getLogger(name)
         logger.setLevel(level)
