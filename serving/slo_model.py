@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 def decode_read(context_tokens: float, windowed_tokens: float, window_share: float) -> float:
     """The tokens' worth of K/V (priced at kappa) a decode step reads for sequences of
     `context_tokens` in all, `windowed_tokens` of them within their windows (the sum of
-    min(context, window)): a windowed layer (`window_share` of the KV) reads only its window's keys."""
+    min(context, window)): a windowed layer (`window_share` of the KV) reads only its window's keys.
+    Without a window (share 0) that is all of `context_tokens`."""
     return context_tokens - window_share * (context_tokens - windowed_tokens)
 
 
@@ -85,8 +86,7 @@ class StepModel:
 
     def tpot(self, batch: float, context: float) -> float:
         """Decode step time of `batch` sequences of mean KV length `context`."""
-        read = self.decode_read(context, min(context, self.window)) if self.window else context
-        return self.step_time(0, batch, batch * read)
+        return self.step_time(0, batch, batch * self.decode_read(context, min(context, self.window)))
 
     def transfer_time(self, prompt_tokens: float) -> float:
         return self.kv_bytes_per_token * prompt_tokens / self.link_bw

@@ -55,7 +55,7 @@ class ModelSpec:
     def read_tokens(self, s: float) -> float:
         """The tokens' worth of K/V one decode step of a sequence of context `s` reads: a windowed
         layer reads its last `window` keys."""
-        return decode_read(s, min(s, self.window), self.window_share) if self.window else s
+        return decode_read(s, min(s, self.window), self.window_share)
 
     def held_tokens(self, total: float, prompt: float) -> float:
         """The KV a sequence of `total` tokens, `prompt` of them arriving at once, keeps reserved."""
