@@ -296,10 +296,11 @@ def _lora_module(text: str) -> tuple[str, str]:
 def _app_arguments(p: argparse.ArgumentParser) -> None:
     """The application's options, shared by `serve` and `deploy` (`_app_config` reads them)."""
     p.add_argument("--config", help="Serve config YAML (see serve_config.yaml)")
-    p.add_argument("--model", help="default model id or a local HF model directory")
+    p.add_argument("--model", help="the default model's id, a local HF model directory, a .gguf file, "
+                   "or an HF id in the local Hugging Face cache")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="the model's id in the API; more names are aliases (as vLLM's flag)")
-    p.add_argument("--model-cache", help="where the default model is converted and cached")
+    p.add_argument("--model-cache", help="where the default model and GGUF files are converted and cached")
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template in place of the model's own: a file, or the template's text")
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", type=_lora_module,
@@ -347,8 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--config", default="serve_config.cluster.local.yaml", help="Serve config YAML")
     lc.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     lc.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    lc.add_argument("--model", help="default model id or a local HF model directory")
-    lc.add_argument("--model-cache", help="where the default model is converted and cached")
+    lc.add_argument("--model", help="the default model's id, a local HF model directory, a .gguf file, "
+                    "or an HF id in the local Hugging Face cache")
+    lc.add_argument("--model-cache", help="where the default model and GGUF files are converted and cached")
     lc.set_defaults(fn=_local_cluster)
     sub.add_parser("bench", help="load-test any OpenAI-compatible endpoint (pdserve bench --help)")
     g = sub.add_parser("generate", help="one-shot chat generation with a local engine (no Ray)")

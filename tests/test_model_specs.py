@@ -1,0 +1,132 @@
+"""`--model` beyond a directory: a GGUF file (converted once, cached) and a Hugging Face id found in
+the local Hugging Face cache (never fetched). serving.models, serving.gguf_models."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pdserve import cli
+from serving import gguf_models
+from serving.config import AppConfig
+from serving.models import ModelError, resolve_model
+from tiny_models import tiny_gguf, tiny_model_dir
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A tiny llama (the built-in byte-level tokenizer, ChatML) and, beside it, itself as a GGUF file."""
+    root = tmp_path_factory.mktemp("gguf")
+    src = tiny_model_dir(root / "src", "llama", seed=5)
+    tiny_gguf(src, root / "Tiny-Llama.F32.gguf")
+    return src
+
+
+def test_a_gguf_file_is_converted_once_into_the_model_it_was_written_from(source, tmp_path, monkeypatch, capsys):
+    gguf = source.parent / "Tiny-Llama.F32.gguf"
+    cache = tmp_path / "cache"
+    path = resolve_model(str(gguf), cache, progress=False)
+    key = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:10]
+    assert path == (cache / "gguf" / f"Tiny-Llama.F32-{key}").resolve()
+    # the weights exactly (Q and K un-permuted), the tokenizer and its template as they were
+    assert _weights(path).keys() == _weights(source).keys()
+    assert all(torch.equal(_weights(path)[k], _weights(source)[k]) for k in _weights(source))
+    from transformers import AutoTokenizer
+    ours, theirs = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(source)
+    text = "Déjà vu? <|im_start|>user\n1234 ok<|im_end|>"
+    assert ours(text).input_ids == theirs(text).input_ids
+    assert ours.chat_template == theirs.chat_template and ours.eos_token == "<|im_end|>"
+    # the engine answers as from the source directory, and the API names it after the file
+    answers = []
+    for model in (gguf, source):
+        assert cli.main(["generate", "Say hi", "--model", str(model), "--model-cache", str(cache),
+                         "--max-tokens", "12"]) == 0
+        answers.append(json.loads(capsys.readouterr().out.splitlines()[-1]))
+    assert answers[0] == answers[1] and answers[0]["completion_tokens"] > 0
+    assert AppConfig(model=str(gguf)).model_name == "Tiny-Llama.F32"
+
+    # ready: later resolutions read the marker, not the file
+    def convert(*_a, **_k):
+        raise RuntimeError("converted again")
+    monkeypatch.setattr(gguf_models, "convert_gguf", convert)
+    assert resolve_model(str(gguf), cache, progress=False) == path
+    # a changed file (its modification time) is converted again; a failed conversion leaves the
+    # entry as it was and nothing beside it
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(RuntimeError, match="converted again"):
+        resolve_model(str(gguf), cache, progress=False)
+    assert _weights(path).keys() == _weights(source).keys()
+    assert sorted(p.name for p in path.parent.iterdir()) == [f".{path.name}.lock", path.name]
+    monkeypatch.undo()
+    assert resolve_model(str(gguf), cache, progress=False) == path
+    assert json.loads((path / ".pdserve-ready").read_text())["mtime_ns"] == stat.st_mtime_ns + 10**9
+
+
+def test_a_relative_gguf_path_is_made_absolute_where_the_config_is_validated(source, monkeypatch):
+    monkeypatch.chdir(source.parent)
+    cfg = AppConfig(model="Tiny-Llama.F32.gguf")
+    assert cfg.model == str(source.parent / "Tiny-Llama.F32.gguf") and cfg.model_name == "Tiny-Llama.F32"
+
+
+def test_a_gguf_the_engine_cannot_run_is_refused_before_it_is_converted(source, tmp_path, monkeypatch):
+    def convert(*_a, **_k):
+        raise AssertionError("converted")
+    monkeypatch.setattr(gguf_models, "convert_gguf", convert)
+    gpt2 = tiny_gguf(source, tmp_path / "other.gguf", arch="gpt2")
+    with pytest.raises(ModelError, match="model type 'gpt2' is not supported; pdserve runs llama"):
+        resolve_model(str(gpt2), tmp_path / "cache", progress=False)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a GGUF at all")
+    with pytest.raises(ModelError, match="junk.gguf is not a GGUF model transformers can read"):
+        resolve_model(str(junk), tmp_path / "cache", progress=False)
+    assert not any((tmp_path / "cache" / "gguf").glob("*/config.json"))
+
+
+def test_a_hugging_face_id_is_served_from_the_local_cache_and_never_fetched(source, tmp_path):
+    """`--model org/name` as vLLM reads it offline: the snapshot the Hugging Face cache holds
+    (blobs linked from snapshots/<commit>/, refs/main naming the commit), found through
+    HF_HUB_CACHE; an id it does not hold is one clear line and exit 2, with nothing fetched."""
+    hub = tmp_path / "hub"
+    snapshot = _cached(hub, "acme/tiny-chat", source)
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "0"}
+    run = subprocess.run([sys.executable, "-m", "serving.models", "--model", "acme/tiny-chat", "--quiet"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == str(snapshot), run.stderr
+    run = subprocess.run([sys.executable, "-m", "serving.models", "--model", "acme/absent", "--quiet"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert f"not (wholly) in the local Hugging Face cache ({hub}" in run.stderr
+    assert "`hf download acme/absent`" in run.stderr and "Traceback" not in run.stderr
+    assert sorted(p.name for p in hub.iterdir()) == ["models--acme--tiny-chat"]     # nothing written for it
+    # served under the id as given, as vLLM does (a directory or a file: its name)
+    assert AppConfig(model="acme/tiny-chat").model_names == ("acme/tiny-chat",)
+    assert AppConfig(model=str(source)).model_name == "src"
+
+
+def _cached(hub: Path, repo: str, model_dir: Path) -> Path:
+    """`model_dir` laid out as huggingface_hub caches `repo` at COMMIT; returns the snapshot directory."""
+    entry = hub / f"models--{repo.replace('/', '--')}"
+    snapshot = entry / "snapshots" / COMMIT
+    (entry / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(COMMIT)
+    for file in model_dir.iterdir():
+        data = file.read_bytes()
+        blob = entry / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(model_dir / "model.safetensors")
