@@ -78,16 +78,21 @@ def _stamp_of(entry: Path) -> dict | None:
 
 def _check_architecture(source: Path) -> None:
     """Refuse a GGUF that transformers cannot read or whose model the engine does not run, from its
-    metadata alone (transformers' own reading of it into a config)."""
+    metadata alone."""
+    problem = unsupported_model(gguf_config(source))
+    if problem:
+        raise ModelError(f"{source}: {problem}")
+
+
+def gguf_config(path: Path) -> dict:
+    """The Hugging Face config dict of the GGUF file at ``path`` as transformers reads it from the
+    file's metadata (no tensor is read; seconds for a large vocabulary), or ``ModelError``."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
-        config = load_gguf_checkpoint(str(source), return_tensors=False)["config"]
+        return load_gguf_checkpoint(str(path), return_tensors=False)["config"]
     except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, KeyError, ... for a file it cannot read
-        raise ModelError(f"{source} is not a GGUF model transformers can read ({type(exc).__name__}: {exc})") from None
-    problem = unsupported_model(config)
-    if problem:
-        raise ModelError(f"{source}: {problem}")
+        raise ModelError(f"{path} is not a GGUF model transformers can read ({type(exc).__name__}: {exc})") from None
 
 
 def convert_gguf(gguf_path: Path, out: Path, name: str, default_template: str | None = None) -> None:

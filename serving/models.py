@@ -74,7 +74,7 @@ def resolve_model(spec: str, cache_dir: Path | None = None, progress: bool = Tru
     if path.exists():
         raise ModelError(f"cannot resolve model {spec!r}: a file that is not a .gguf. {ACCEPTED}")
     if is_hub_id(spec):
-        return _from_hub_cache(spec)
+        return hub_snapshot(spec)
     raise ModelError(f"cannot resolve model {spec!r}: no such file or directory. {ACCEPTED}")
 
 
@@ -96,7 +96,7 @@ def served_name(spec: str) -> str:
     return path.stem if path.suffix.lower() == ".gguf" else path.name
 
 
-def _from_hub_cache(repo_id: str) -> Path:
+def hub_snapshot(repo_id: str) -> Path:
     """The snapshot of ``repo_id`` (its main branch) that this machine's Hugging Face cache holds
     (``HF_HUB_CACHE``, ``HF_HOME``), checked as a model directory; never fetched."""
     from huggingface_hub import constants, snapshot_download

@@ -96,7 +96,7 @@ def test_a_hugging_face_id_is_served_from_the_local_cache_and_never_fetched(sour
     (blobs linked from snapshots/<commit>/, refs/main naming the commit), found through
     HF_HUB_CACHE; an id it does not hold is one clear line and exit 2, with nothing fetched."""
     hub = tmp_path / "hub"
-    snapshot = _cached(hub, "acme/tiny-chat", source)
+    snapshot = _in_hub_cache(hub, "acme/tiny-chat", source)
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "0"}
     run = subprocess.run([sys.executable, "-m", "serving.models", "--model", "acme/tiny-chat", "--quiet"],
                          capture_output=True, text=True, env=env, timeout=120)
@@ -112,7 +112,7 @@ def test_a_hugging_face_id_is_served_from_the_local_cache_and_never_fetched(sour
     assert AppConfig(model=str(source)).model_name == "src"
 
 
-def _cached(hub: Path, repo: str, model_dir: Path) -> Path:
+def _in_hub_cache(hub: Path, repo: str, model_dir: Path) -> Path:
     """`model_dir` laid out as huggingface_hub caches `repo` at COMMIT; returns the snapshot directory."""
     entry = hub / f"models--{repo.replace('/', '--')}"
     snapshot = entry / "snapshots" / COMMIT
@@ -130,3 +130,22 @@ def _cached(hub: Path, repo: str, model_dir: Path) -> Path:
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(model_dir / "model.safetensors")
+
+
+def test_the_planner_reads_a_gguf_file_and_a_cached_id_as_serve_does(source, tmp_path, monkeypatch):
+    """`pdserve plan --model` takes what `pdserve serve --model` takes: a GGUF file's config from its
+    metadata (nothing converted), a cached id's from its snapshot."""
+    import dataclasses
+
+    from huggingface_hub import constants
+
+    from pdserve.plan.model import resolve_spec
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    _in_hub_cache(tmp_path / "hub", "acme/tiny-chat", source)
+    from_dir = resolve_spec(str(source), dtype="bf16")
+    assert from_dir.params > 0 and from_dir.layers == 2
+    for spec, name in ((resolve_spec(str(source.parent / "Tiny-Llama.F32.gguf"), dtype="bf16"), "Tiny-Llama.F32"),
+                       (resolve_spec("acme/tiny-chat", dtype="bf16"), "acme/tiny-chat")):
+        assert spec == dataclasses.replace(from_dir, name=name)
+    with pytest.raises(ValueError, match="nor a Hugging Face id in the local Hugging Face cache"):
+        resolve_spec("acme/absent")

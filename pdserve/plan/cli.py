@@ -24,7 +24,8 @@ HARDWARE_CHOICES = ["h100", "h200", "a100", "l40s", "cpu"]
 def add_arguments(pl: argparse.ArgumentParser) -> None:
     """The `plan` subparser's options."""
     pl.add_argument("--model", default="qwen2.5-7b",
-                    help="preset (qwen2.5-7b, smollm2-135m) or a path to an HF model directory or config.json")
+                    help="preset (qwen2.5-7b, smollm2-135m), a path to an HF model directory, its config.json or a "
+                         ".gguf file, or an HF id in the local Hugging Face cache")
     pl.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
                     help="bytes per parameter and KV element, and on --hardware cpu the matmul measured "
                          "(default: what pdserve serves in: bf16 on GPUs and on CPUs with native bf16 or the engine's AVX2 GEMVs, else fp32)")

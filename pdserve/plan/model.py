@@ -3,7 +3,8 @@ window is read through transformers' config class).
 
 `resolve_spec(model, dtype, params)` is the one entry point the CLI calls:
   1. `model` names a preset in `pdserve.plan.roofline.MODELS`, or is a path to an HF model directory or its
-     `config.json`;
+     `config.json`, a GGUF file (the config transformers reads from its metadata) or a Hugging Face id
+     in the local Hugging Face cache (its snapshot's config.json);
   2. for a config, `spec_from_config` reads layers / KV heads / head_dim and the sliding window
      (`windows`), and counts parameters with `count_params` (dense llama-like decoders: Llama,
      Qwen2, Mistral, SmolLM, ...);
@@ -20,6 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from pdserve.plan.roofline import MODELS, ModelSpec
+from serving.gguf_models import ModelError, gguf_config
+from serving.models import hub_snapshot, is_hub_id, served_name
 
 DTYPE_BYTES = {"bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0, "half": 2.0,
                "fp32": 4.0, "float32": 4.0, "float": 4.0}
@@ -121,15 +124,34 @@ def spec_from_config(cfg: dict, name: str, dtype: str | None = None, params: flo
 
 
 def resolve_spec(model: str, dtype: str | None = None, params: float | None = None) -> ModelSpec:
-    """A preset (optionally with dtype/params replaced) or a spec built from an HF config path."""
+    """A preset (optionally with dtype/params replaced) or a spec built from the HF config of a model
+    as `pdserve serve --model` names it: a directory or its config.json, a GGUF file (its metadata;
+    nothing converted) or a Hugging Face id in the local Hugging Face cache."""
     if model in MODELS:
         spec = MODELS[model]
         changes = {"dtype_bytes": dtype_bytes(dtype)} if dtype else {}
         return dataclasses.replace(spec, **changes, **({"params": float(params)} if params else {}))
-    if not Path(model).exists():
-        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(MODELS)}) "
-                         "nor a path to an HF model directory or config.json")
-    cfg = load_config(model)
-    p = Path(model)
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        try:
+            return spec_from_config(gguf_config(p), served_name(model), dtype, params)
+        except ModelError as exc:
+            raise ValueError(str(exc)) from None
+    if not p.exists():
+        snapshot = _cached(model)
+        if snapshot is None:
+            raise ValueError(f"--model {model!r} is neither a preset ({', '.join(MODELS)}), nor a path to an HF "
+                             "model directory, its config.json or a .gguf file, nor a Hugging Face id in the local "
+                             "Hugging Face cache")
+        return spec_from_config(load_config(snapshot), model, dtype, params)
+    cfg = load_config(p)
     name = (p.parent.name if p.is_file() else p.name) or cfg.get("_name_or_path") or "model"
     return spec_from_config(cfg, name, dtype, params)
+
+
+def _cached(model: str) -> Path | None:
+    """The local Hugging Face cache's snapshot of `model` if it reads as an id and is there whole."""
+    try:
+        return hub_snapshot(model) if is_hub_id(model) else None
+    except ModelError:
+        return None

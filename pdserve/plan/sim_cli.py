@@ -35,7 +35,8 @@ from pdserve.plan.simulator import Fleet, Simulator
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen2.5-7b", help="preset or HF model directory / config.json (as plan)")
+    p.add_argument("--model", default="qwen2.5-7b",
+                   help="preset, HF model directory / config.json, .gguf file or cached HF id (as plan)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="as plan's (default: what pdserve serves in)")
     p.add_argument("--params", type=float)
     p.add_argument("--hardware", default="h100", choices=["h100", "h200", "a100", "l40s", "cpu"])
