@@ -36,9 +36,10 @@ def autoscaling_config(pool_name: str, a: AutoscalingOptions) -> dict:
     """Serve's autoscaling_config for a pool: bounds and delays, plus our policy with its hysteresis
     and warm-up (its targets go to the replicas: `scaling_options`)."""
     kwargs = {"hysteresis": a.hysteresis, "warmup_s": a.warmup_s}
+    to_zero = {} if a.downscale_to_zero_delay_s is None else {"downscale_to_zero_delay_s": a.downscale_to_zero_delay_s}
     return {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
-            "initial_replicas": a.initial_replicas or a.min_replicas,
-            "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
+            "initial_replicas": a.initial_replicas if a.initial_replicas is not None else a.min_replicas,
+            "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s, **to_zero,
             "look_back_period_s": a.look_back_period_s, "metrics_interval_s": a.metrics_interval_s,
             "policy": {"policy_function": POLICIES[pool_name], "policy_kwargs": kwargs}}
 

@@ -64,6 +64,7 @@ from router.runtime_lora import LoadLoraAdapterRequest, RuntimeLoras, UnloadLora
 from router.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from router.tools import template_tools
 from router.validation_errors import describe
+from router.wake import at_zero
 from serving import messages
 from serving.config import AppConfig
 from serving.models import resolve_model
@@ -136,8 +137,10 @@ class Router:
         self.request_metrics = RequestMetrics(export=RouterSeries(),   # also on Ray's metrics port
                                               window_s=slo.window_s if slo else 30.0,
                                               goodput=self.config.goodput_targets)
-        self.orchestrator = Orchestrator(self.config.mode, prefill, decode, colocated,
-                                         metrics=self.request_metrics)
+        self.orchestrator = Orchestrator(self.config.mode, prefill, decode, colocated, metrics=self.request_metrics,
+                                         wake_prefill=self.config.mode == "disaggregated")
+        pools = {"prefill": prefill, "decode": decode, "colocated": colocated}
+        self.pool_deployments = {pool: h.deployment_name for pool, h in pools.items() if h is not None}
         self.responses_api = ResponsesApi(
             store, self.config.max_tokens_limit, self.model_name, self.chat_completions,
             saved=self.request_metrics.response_saved, max_model_len=self.max_model_len,
@@ -172,6 +175,8 @@ class Router:
         pools = {s.pool for s in await self._stats()}
         needed = {"colocated"} if self.config.mode == "colocated" else {"prefill", "decode"}
         missing = needed - pools
+        if missing:        # a pool at zero by design is ready with none: a request starts one
+            missing -= await at_zero({p: self.pool_deployments[p] for p in missing})
         if missing:
             return error_response(503, f"no ready replica yet in: {', '.join(sorted(missing))}", "unavailable")
         return {"status": "ok"}

@@ -63,6 +63,7 @@ from typing import AsyncIterator, Callable
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException, ReplicaUnavailableError
 
+from router.wake import PoolWaker
 from serving import messages
 from serving.ray_compat import direct_stream
 from serving.messages import WireSamplingParams
@@ -108,10 +109,12 @@ def _start_over(cause: BaseException) -> _StartOver:
 
 class Orchestrator:
     def __init__(self, mode: str, prefill=None, decode=None, colocated=None, metrics=None,
-                 retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S):
+                 retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S, wake_prefill: bool = False):
         self.mode = mode
         self.retry_delays_s = retry_delays_s
         self.metrics = metrics   # a router.metrics.RequestMetrics, or None
+        # a prefill pool that scales to zero starts with the decode pool (router/wake.py)
+        self.prefill_waker = PoolWaker(prefill) if wake_prefill else None
         self._followers: set[asyncio.Task] = set()   # prefill streams read to the push's end
         # every token crosses these calls: Serve's gRPC transport (ray_compat.direct_stream)
         largest = messages.MAX_MESSAGE_BYTES
@@ -194,6 +197,8 @@ class Orchestrator:
     async def _handoff(self, rid: str, prompt: list[int], wire, resumed: tuple[int, ...] = (),
                        shown: int = 0, ready=lambda: None) -> AsyncIterator[messages.TokenEvent]:
         arrived = time.monotonic()
+        if self.prefill_waker is not None:
+            self.prefill_waker.poke()
         decode = self.decode.remote(messages.encode(messages.DecodeRequest(rid, tuple(prompt), wire, resumed)))
         prefill, decode_ended, abandoned = None, False, True
         try:

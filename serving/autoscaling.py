@@ -13,6 +13,11 @@ Hysteresis: scale up as soon as the load needs more replicas; scale down one rep
 and only when the load would still sit below `(1 - hysteresis)` of the target on one replica
 fewer, and never while a replica younger than `warmup_s` is present; with no metrics yet, hold.
 The result is clamped to the pool's min/max; Serve applies `upscale_delay_s`/`downscale_delay_s`.
+Zero (a pool whose `min_replicas` is 0): at zero replicas one starts as soon as a request waits at
+a handle (Serve's `total_num_requests`; Serve skips the upscale delay from zero), and a last
+replica past its warm-up goes once no request runs on it or waits (after Serve's
+`downscale_to_zero_delay_s`). Requests, not load: an idle decode replica's prefix cache still
+holds KV.
 """
 
 from __future__ import annotations
@@ -77,14 +82,21 @@ class _PoolPolicy:
 
     def __call__(self, ctx) -> tuple[int, dict]:
         state = dict(ctx.policy_state or {})
-        current = max(ctx.current_num_replicas, 1)
+        current = ctx.current_num_replicas
         now = ctx.current_time if ctx.current_time is not None else 0.0
         warming = _track_ages(state, {str(r) for r in ctx.running_replicas}, now, self.warmup_s)
         needed = self.needed(ctx.aggregated_metrics)
-        if needed is None:
+        requests = ctx.total_num_requests        # running on the replicas and waiting at the handles
+        if current == 0:
+            decision = Decision(1, f"{requests:g} requests wait at zero replicas") if requests > 0 else \
+                Decision(0, "idle at zero replicas")
+        elif needed is None:
             decision = Decision(current, "no metrics reported yet")
         else:
             decision = decide(needed, current, self.hysteresis, warming)
+            if current == decision.replicas == 1 and ctx.capacity_adjusted_min_replicas == 0 and requests == 0 \
+                    and not warming:
+                decision = Decision(0, "no request running or waiting")
         state["last_reason"] = decision.reason
         bounded = min(max(decision.replicas, ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)
         return bounded, state

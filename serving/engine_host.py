@@ -176,7 +176,10 @@ class EngineReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaling hook: the signals of serving.autoscaling's policies (each raw, which
-        the SLO policy reads, and as a fraction of this pool's target, which the per-pool ones do)."""
+        the SLO policy reads, and as a fraction of this pool's target, which the per-pool ones do).
+        Nothing once the replica is shut down (Serve may still ask while it stops it)."""
+        if self.__dict__.get("_shut_down"):
+            return {}
         s = await self.host.stats()
         raw = {PREFILL_METRIC: float(s.waiting_prompt_tokens),
                KV_METRIC: 1.0 - s.kv_blocks_free / max(s.kv_blocks_total, 1),

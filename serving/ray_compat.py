@@ -45,6 +45,11 @@ Redeploying the application (`pdserve deploy`, pdserve/cli.py) says beforehand w
 replace every replica or change the deployments in place:
   * `app_code_version`: Serve's code version of an application config (a hash of its `args`,
     import path, runtime env and autoscaling policies; every deployment's version), private in Ray 2.60.
+The router's `/health` with pools that scale to zero (router/wake.py):
+  * `scales_to_zero`: which deployments of an application Serve runs with autoscaling
+    `min_replicas: 0` (the pools' scaling is not in the router's arguments, so that Serve changes it
+    in place), read from Serve's instance details (`_get_global_client().get_serve_details()`, what
+    `serve status -v` shows; no public call has the deployments' configs).
 Nothing else in pdserve may import `ray.serve._private` or `ray._private`. pyproject.toml pins
 Ray to the range the tests have run on; tests/test_ray_compat.py imports these names and exercises
 the helpers, so an upgrade that moves them fails there, loudly, before anything is deployed.
@@ -195,3 +200,14 @@ def bootstrap_address(address: str) -> str:
     if not found or found == "auto":
         raise ConnectionError(f"no running Ray cluster found for address {address!r}")
     return found
+
+
+def scales_to_zero(app_name: str) -> set[str]:
+    """The deployments of Serve application `app_name` whose autoscaling config, as Serve runs it,
+    has `min_replicas` 0 and whose status is not a failure (unhealthy, deploy failed). A blocking
+    call to Serve's controller."""
+    from ray.serve.context import _get_global_client
+    app = (_get_global_client().get_serve_details().get("applications") or {}).get(app_name) or {}
+    return {name for name, d in (app.get("deployments") or {}).items()
+            if ((d.get("deployment_config") or {}).get("autoscaling_config") or {}).get("min_replicas") == 0
+            and d.get("status") not in ("UNHEALTHY", "DEPLOY_FAILED")}

@@ -13,9 +13,10 @@ from serving.config_base import ConfigModel as _Model
 
 class PoolBounds(_Model):
     """A pool's replica bounds (per-pool autoscaling, and each pool under the SLO policy)."""
-    min_replicas: int = Field(1, ge=1, description="Fewest replicas.")
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas; 0 lets an idle pool scale to zero (per-pool "
+                              "autoscaling only): a request then waits for a replica to start.")
     max_replicas: int = Field(4, ge=1, description="Most replicas.")
-    initial_replicas: int | None = Field(None, ge=1, description="Replicas at start (default min_replicas).")
+    initial_replicas: int | None = Field(None, ge=0, description="Replicas at start (default min_replicas).")
 
     @model_validator(mode="after")
     def _bounds(self):
@@ -39,6 +40,9 @@ class AutoscalingOptions(PoolBounds, ScalingTargets):
     """Per-pool autoscaling (serving.autoscaling); set on a pool to replace its fixed count."""
     upscale_delay_s: float = Field(5.0, ge=0, description="A scale-up must be wanted this long first.")
     downscale_delay_s: float = Field(30.0, ge=0, description="A scale-down must be wanted this long first.")
+    downscale_to_zero_delay_s: float | None = Field(
+        None, ge=0, description="With min_replicas 0: the last replica goes once no request has run or waited "
+                                "this long (default downscale_delay_s). Scaling up from zero has no delay.")
     look_back_period_s: float = Field(5.0, gt=0, description="Window over which replica metrics are averaged.")
     metrics_interval_s: float = Field(1.0, gt=0, description="How often replicas report their metrics.")
     warmup_s: float = Field(10.0, ge=0, description="No scale-down while a replica younger than this exists.")
@@ -76,3 +80,11 @@ class SloAutoscalingOptions(_Model):
     metrics_interval_s: float = Field(1.0, gt=0, description="How often replicas and the router report.")
     prefill: PoolBounds = Field(default_factory=PoolBounds, description="Prefill pool bounds.")
     decode: PoolBounds = Field(default_factory=PoolBounds, description="Decode pool bounds.")
+
+    @model_validator(mode="after")
+    def _not_to_zero(self):
+        for pool in ("prefill", "decode"):
+            if getattr(self, pool).min_replicas < 1:
+                raise ValueError(f"{pool}.min_replicas 0: the SLO policy keeps at least one replica in each pool "
+                                 "(a pool's own autoscaling block may scale it to zero)")
+        return self

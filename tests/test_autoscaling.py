@@ -14,16 +14,18 @@ from serving.autoscaling import KV_LOAD, QUEUED_LOAD, RUNNING_LOAD, DecodePolicy
 from serving.scaling_config import AutoscalingOptions, ScalingTargets
 
 
-def ctx(metrics, replicas, state=None, now=100.0, min_r=1, max_r=4, target=None):
+def ctx(metrics, replicas, state=None, now=100.0, min_r=1, max_r=4, target=None, requests=1.0, upscale_delay_s=0):
+    """`requests`: Serve's total_num_requests (running on the replicas and waiting at handles)."""
     ids = [f"r{i}" for i in range(replicas)]
     per_replica = {name: dict(zip(ids, values)) for name, values in metrics.items()}
     return AutoscalingContext(
         deployment_id=DeploymentID(name="pool", app_name="app"), deployment_name="pool", app_name="app",
-        current_num_replicas=replicas, target_num_replicas=target or replicas, running_replicas=ids,
-        total_num_requests=1.0, total_queued_requests=0.0, aggregated_metrics=per_replica, raw_metrics={},
-        capacity_adjusted_min_replicas=min_r, capacity_adjusted_max_replicas=max_r,
+        current_num_replicas=replicas, target_num_replicas=replicas if target is None else target,
+        running_replicas=ids, total_num_requests=requests, total_queued_requests=0.0, aggregated_metrics=per_replica,
+        raw_metrics={}, capacity_adjusted_min_replicas=min_r, capacity_adjusted_max_replicas=max_r,
         policy_state=state or {}, last_scale_up_time=None, last_scale_down_time=None, current_time=now,
-        config=AutoscalingConfig(min_replicas=min_r, max_replicas=max_r, upscale_delay_s=0, downscale_delay_s=0))
+        config=AutoscalingConfig(min_replicas=min_r, max_replicas=max_r, upscale_delay_s=upscale_delay_s,
+                                 downscale_delay_s=0))
 
 
 def run(policy, c):
@@ -98,6 +100,23 @@ def test_no_flapping_on_a_fresh_replica():
     assert n == 1
 
 
+def test_a_pool_that_may_scale_to_zero_goes_there_when_idle_and_comes_back_for_a_waiting_request():
+    p, t = DecodePolicy(warmup_s=10), ScalingTargets(target_kv_utilization=0.5, target_running=4)
+    idle = loads(t, kv=[0.2], running=[0])     # blocks still held in its prefix cache, nothing running
+    # at zero: a request waiting at a handle starts a replica at once (Serve skips the upscale delay)
+    assert run(p, ctx({}, 0, {}, min_r=0, requests=1.0, upscale_delay_s=30))[0] == 1
+    assert run(PrefillPolicy(), ctx({}, 0, {}, min_r=0, requests=2.0, upscale_delay_s=30))[0] == 1
+    assert run(p, ctx({}, 0, {}, min_r=0, requests=0.0))[0] == 0
+    # one replica past its warm-up with no request running or waiting: to zero
+    assert run(p, ctx(idle, 1, OLD, min_r=0, requests=0.0))[0] == 0
+    # not while a request runs or waits, nor while it warms up, nor with min_replicas 1
+    assert run(p, ctx(idle, 1, OLD, min_r=0, requests=1.0))[0] == 1
+    assert run(p, ctx(idle, 1, {"first_seen": {"r0": 95.0}}, min_r=0, requests=0.0))[0] == 1
+    assert run(p, ctx(idle, 1, OLD, min_r=1, requests=0.0))[0] == 1
+    # from two replicas, one step at a time
+    assert run(p, ctx(loads(t, kv=[0.0, 0.0], running=[0, 0]), 2, OLD, min_r=0, requests=0.0))[0] == 1
+
+
 def test_missing_metrics_hold():
     assert run(PrefillPolicy(), ctx({}, 2, OLD))[0] == 2   # no signal yet: neither up nor down
     assert run(PrefillPolicy(), ctx({}, 1, OLD))[0] == 1
@@ -118,3 +137,9 @@ def test_config_validation_and_serve_config():
     assert cfg["policy"]["policy_kwargs"] == {"hysteresis": 0.3, "warmup_s": 10.0}     # no targets
     AutoscalingConfig(**cfg)   # Serve accepts it
     assert a.targets == ScalingTargets(target_running=8)
+    assert "downscale_to_zero_delay_s" not in cfg
+    cfg = autoscaling_config("prefill", AutoscalingOptions(min_replicas=0, initial_replicas=0,
+                                                           downscale_to_zero_delay_s=120))
+    assert (cfg["min_replicas"], cfg["initial_replicas"], cfg["downscale_to_zero_delay_s"]) == (0, 0, 120)
+    assert AutoscalingConfig(**cfg).downscale_to_zero_delay_s == 120
+    assert autoscaling_config("prefill", AutoscalingOptions(min_replicas=0))["initial_replicas"] == 0

@@ -159,6 +159,39 @@ def test_reservation_first_then_the_first_token_before_decode_answers(monkeypatc
     asyncio.run(main())
 
 
+def test_a_prefill_pool_that_scales_to_zero_is_woken_as_the_reservation_is_asked():
+    """With `wake_prefill` (a prefill pool whose min_replicas is 0) a hand-off also sends the prefill
+    pool a `stats` call before its prefill can be routed, so that Serve sees a request waiting there
+    and starts both pools from zero at once (router/wake.py); at most one a second. Without it, none."""
+    async def main():
+        log = []
+
+        class Stats:
+            def remote(self):
+                log.append("stats")
+                done = asyncio.get_running_loop().create_future()
+                done.set_result(b"")
+                return done
+
+        result = messages.PrefillResult("r", first_token=7, first_text="a", prefill_seconds=0.1)
+        for wake in (True, False):
+            log.clear()
+            decode = FakeDecode([messages.TokenEvent("r", (7,), "", False, None, 2, 1),      # the first again
+                                 messages.TokenEvent("r", (8,), "b", True, "length", 2, 2)], log)
+            decode.release.set()
+            prefill = FakePrefill(result, log=log)
+            prefill.stats = Stats()
+            orchestrator = Orchestrator("disaggregated", prefill, decode, wake_prefill=wake)
+            for rid in ("r1", "r2"):
+                events = [ev async for ev in orchestrator.run(rid, [1, 2], SamplingParams(max_tokens=2))]
+                assert [ev.token_ids for ev in events] == [(7,), (8,)]
+            if wake:
+                assert log.count("stats") == 1 and log.index("stats") < log.index("prefill"), log
+            else:
+                assert "stats" not in log
+    asyncio.run(main())
+
+
 def test_first_token_that_ends_the_request_drops_the_reservation():
     async def main():
         result = messages.PrefillResult("r", first_token=0, finish_reason="stop", first_text="")

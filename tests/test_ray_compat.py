@@ -145,3 +145,22 @@ def test_app_code_version_sees_args_and_policies_not_the_deployment_overrides():
     policy = {"name": "D", "autoscaling_config": {
         "policy": {"policy_function": "serving.autoscaling:DecodePolicy", "policy_kwargs": {"hysteresis": 0.1}}}}
     assert ray_compat.app_code_version(app) != ray_compat.app_code_version({**app, "deployments": [policy]})
+
+
+def test_scales_to_zero_reads_min_replicas_from_serve_s_instance_details(monkeypatch):
+    """The shape `get_serve_details()` answers in (ray.serve.schema.ServeInstanceDetails as a dict):
+    a deployment's autoscaling min_replicas under deployment_config, its status beside it."""
+    from ray.serve import context
+    from ray.serve.schema import DeploymentDetails, ServeInstanceDetails
+    assert {"status", "deployment_config"} <= set(DeploymentDetails.model_fields)
+    assert "applications" in ServeInstanceDetails.model_fields
+
+    def deployment(min_replicas, status="HEALTHY"):
+        auto = None if min_replicas is None else {"min_replicas": min_replicas, "max_replicas": 2}
+        return {"status": status, "deployment_config": {"autoscaling_config": auto}}
+    details = {"applications": {"app": {"deployments": {
+        "Zero": deployment(0), "One": deployment(1), "Fixed": deployment(None),
+        "Failed": deployment(0, "DEPLOY_FAILED"), "Upscaling": deployment(0, "UPSCALING")}}}}
+    monkeypatch.setattr(context, "_get_global_client", lambda: SimpleNamespace(get_serve_details=lambda: details))
+    assert ray_compat.scales_to_zero("app") == {"Zero", "Upscaling"}
+    assert ray_compat.scales_to_zero("other") == set()
