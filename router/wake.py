@@ -6,12 +6,13 @@ replicas, Serve would start the decode replica for the waiting reservation and t
 only after it: two cold starts one after the other. So the router also sends the prefill pool a
 cheap call (`stats`) as each request starts: while the pool has no replica the call waits at the
 handle, where Serve's autoscaler counts it as a waiting request (`total_num_requests`, which
-serving.autoscaling's policies start a replica for), so both pools start at once. The router
-cannot tell from its config whether a pool may scale to zero (the pools' scaling is not in the
-router's arguments, so that Serve changes it in place: pdserve/serve_config.py), so it pokes
-in every disaggregated app. Who calls: the orchestrator, at the start of every hand-off (`poke`).
-At most one call is in flight and at most one starts every `every_s`: with replicas up it costs
-about one `stats` call a second; its answer is dropped.
+serving.autoscaling's policies start a replica for), so both pools start at once. The router's
+config does not say whether a pool may scale to zero (the pools' scaling is not in the router's
+arguments, so that Serve changes it in place: pdserve/serve_config.py), so the waker asks Serve
+(`serving.ray_compat.scales_to_zero`) at its first poke and every `check_s` after, in the
+background, and pokes only while the answer is yes (or not in yet). Who calls: the orchestrator,
+at the start of every hand-off (`poke`). At most one call is in flight and at most one starts
+every `every_s`; its answer is dropped.
 
 Health (`at_zero`): `/health` wants a ready replica in each pool, except in a pool that may scale to
 zero (asked of Serve, `serving.ray_compat.scales_to_zero`, only when a pool has no ready replica).
@@ -31,15 +32,23 @@ log = logging.getLogger(__name__)
 
 
 class PoolWaker:
-    def __init__(self, handle, every_s: float = 1.0):
-        self.handle, self.every_s = handle, every_s
+    def __init__(self, handle, every_s: float = 1.0, check_s: float = 30.0):
+        self.handle, self.every_s, self.check_s = handle, every_s, check_s
         self._call: asyncio.Task | None = None
         self._last = float("-inf")
+        self.may_be_at_zero: bool | None = None        # Serve's answer; None: not asked yet
+        self._check: asyncio.Task | None = None
+        self._checked = float("-inf")
 
     def poke(self) -> None:
-        """Send the pool a `stats` call (now: Serve submits it as `.remote()` returns) unless one is
-        in flight or one started less than `every_s` ago."""
+        """Send the pool a `stats` call (now: Serve submits it as `.remote()` returns) unless it keeps
+        a replica (Serve said so), or a call is in flight, or one started less than `every_s` ago."""
         now = time.monotonic()
+        if now - self._checked >= self.check_s and (self._check is None or self._check.done()):
+            self._checked = now
+            self._check = asyncio.ensure_future(self._ask_serve())
+        if self.may_be_at_zero is False:
+            return
         if (self._call is not None and not self._call.done()) or now - self._last < self.every_s:
             return
         self._last = now
@@ -49,6 +58,13 @@ class PoolWaker:
             log.debug("waking a pool: %s: %s", type(exc).__name__, exc)
             return
         self._call = asyncio.ensure_future(self._answer(response))
+
+    async def _ask_serve(self) -> None:
+        try:
+            app = serve.get_replica_context().app_name
+            self.may_be_at_zero = self.handle.deployment_name in await asyncio.to_thread(scales_to_zero, app)
+        except Exception as exc:  # noqa: BLE001 - outside a replica, or the controller busy: ask again later
+            log.debug("asking Serve whether a pool scales to zero: %s: %s", type(exc).__name__, exc)
 
     @staticmethod
     async def _answer(response) -> None:

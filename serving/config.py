@@ -18,8 +18,8 @@ from pydantic import Field, field_validator, model_validator
 from engine.config import EngineConfig
 from engine.lora_config import NAME_PATTERN, adapter_dir, read_adapter
 from serving.chat_template import chat_template_text
-from serving.models import DEFAULT_ALIASES, DEFAULT_MODEL_ID, served_name
 from serving.config_base import ConfigModel as _Model
+from serving.models import DEFAULT_ALIASES, DEFAULT_MODEL_ID, served_name
 from serving.scaling_config import AutoscalingOptions, SloAutoscalingOptions
 
 

@@ -192,6 +192,42 @@ def test_a_prefill_pool_that_scales_to_zero_is_woken_as_the_reservation_is_asked
     asyncio.run(main())
 
 
+def test_the_waker_pokes_only_a_pool_that_serve_says_may_be_at_zero(monkeypatch):
+    """The waker asks Serve (in the background, every check_s) whether its pool runs with
+    min_replicas 0 and sends no call while the answer is no: an app whose pools keep a replica
+    pays nothing for it."""
+    from types import SimpleNamespace
+
+    from router import wake
+    monkeypatch.setattr(wake.serve, "get_replica_context", lambda: SimpleNamespace(app_name="app"))
+    zero = {"app": set()}
+    monkeypatch.setattr(wake, "scales_to_zero", lambda app: zero[app])
+
+    async def main():
+        calls = []
+
+        class Stats:
+            def remote(self):
+                calls.append(1)
+                done = asyncio.get_running_loop().create_future()
+                done.set_result(b"")
+                return done
+        waker = wake.PoolWaker(SimpleNamespace(deployment_name="PrefillServer", stats=Stats()), every_s=0,
+                               check_s=0.2)
+        waker.poke()                    # not asked yet: a call, and Serve is asked
+        await asyncio.sleep(0.05)
+        assert waker.may_be_at_zero is False and len(calls) == 1
+        waker.poke()
+        assert len(calls) == 1
+        zero["app"] = {"PrefillServer"}           # a deploy made it min_replicas 0
+        await asyncio.sleep(0.2)
+        waker.poke()                    # asked again; until the answer is in, still no call
+        await asyncio.sleep(0.05)
+        waker.poke()
+        assert waker.may_be_at_zero is True and len(calls) == 2
+    asyncio.run(main())
+
+
 def test_first_token_that_ends_the_request_drops_the_reservation():
     async def main():
         result = messages.PrefillResult("r", first_token=0, finish_reason="stop", first_text="")
