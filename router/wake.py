@@ -61,8 +61,7 @@ class PoolWaker:
 
     async def _ask_serve(self) -> None:
         try:
-            app = serve.get_replica_context().app_name
-            self.may_be_at_zero = self.handle.deployment_name in await asyncio.to_thread(scales_to_zero, app)
+            self.may_be_at_zero = self.handle.deployment_name in await _zero_deployments()
         except Exception as exc:  # noqa: BLE001 - outside a replica, or the controller busy: ask again later
             log.debug("asking Serve whether a pool scales to zero: %s: %s", type(exc).__name__, exc)
 
@@ -78,5 +77,11 @@ async def at_zero(deployments: dict[str, str]) -> set[str]:
     """Of the pools `deployments` names (pool -> its deployment in this router's application), those
     that may scale to zero (Serve runs them with `min_replicas` 0, not failed): ready with no
     replica, as a request starts one."""
-    zero = await asyncio.to_thread(scales_to_zero, serve.get_replica_context().app_name)
+    zero = await _zero_deployments()
     return {pool for pool, name in deployments.items() if name in zero}
+
+
+async def _zero_deployments() -> set[str]:
+    """The deployments of this replica's application that may scale to zero (`scales_to_zero`,
+    a blocking call to Serve's controller, on a worker thread)."""
+    return await asyncio.to_thread(scales_to_zero, serve.get_replica_context().app_name)

@@ -37,13 +37,13 @@ def test_a_gguf_file_is_converted_once_into_the_model_it_was_written_from(source
     key = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:10]
     assert path == (cache / "gguf" / f"Tiny-Llama.F32-{key}").resolve()
     # the weights exactly (Q and K un-permuted), the tokenizer and its template as they were
-    assert _weights(path).keys() == _weights(source).keys()
-    assert all(torch.equal(_weights(path)[k], _weights(source)[k]) for k in _weights(source))
+    ours, theirs = _weights(path), _weights(source)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
     from transformers import AutoTokenizer
-    ours, theirs = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(source)
+    mine, original = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(source)
     text = "Déjà vu? <|im_start|>user\n1234 ok<|im_end|>"
-    assert ours(text).input_ids == theirs(text).input_ids
-    assert ours.chat_template == theirs.chat_template and ours.eos_token == "<|im_end|>"
+    assert mine(text).input_ids == original(text).input_ids
+    assert mine.chat_template == original.chat_template and mine.eos_token == "<|im_end|>"
     # the engine answers as from the source directory, and the API names it after the file
     answers = []
     for model in (gguf, source):
