@@ -2,7 +2,9 @@
 ones), prompts that share a long prefix all go to the replica that computed it first, whose prefix
 cache then serves the shared blocks. (Routing by load alone would split six such prompts over both
 replicas in 31 of 32 cases.) With two decode replicas, such prompts, and the choices of one
-prompt, go to the decode replica that received the prefix, which is not sent it again."""
+prompt, go to the decode replica that received the prefix, which is not sent it again. The
+disaggregated tests share one app of two replicas in each pool (each test counts from its start,
+with prefixes of its own)."""
 
 import json
 import re
@@ -20,37 +22,16 @@ def _series(base: str, name: str, pool: str) -> dict[str, float]:
     return {r: v for (n, p, r), v in metrics(base).items() if n == name and p == pool}
 
 
-@pytest.mark.parametrize("mode,pool", [("disaggregated", "prefill"), ("colocated", "colocated")])
-def test_shared_prefixes_stay_on_one_replica(ray_serve, tiny_llama_dir, mode, pool):
-    pools = {"prefill", "decode"} if mode == "disaggregated" else {"colocated"}
-    with tiny_app(ray_serve, tiny_llama_dir, f"pa-{pool}", mode=mode, **{pool: {"num_replicas": 2}}) as base:
-        shared = list(range(100, 260))                       # 10 blocks of 16 tokens
-        for i in range(6):
-            body = {"model": "tiny", "prompt": shared + [300 + i] * 5, "max_tokens": 2, "temperature": 0}
-            status, text = http(base, "/v1/completions", body)
-            assert status == 200, text
-        total = 6 * (len(shared) + 5)
-
-        def counted() -> bool:
-            queries = _series(base, "pdserve_prefix_cache_query_tokens", pool)
-            return len(queries) == 2 and sum(queries.values()) == total
-        assert wait_until(counted, 30), _series(base, "pdserve_prefix_cache_query_tokens", pool)
-        assert sorted(_series(base, "pdserve_prefix_cache_query_tokens", pool).values()) == [0, total]
-        assert sum(_series(base, "pdserve_prefix_cache_hit_tokens", pool).values()) == 5 * len(shared)
-        # the SLO policy's view: the router's window counts the cached prompt tokens as not prefilled
-        window = serve.get_deployment_handle("Router", f"pa-{pool}").record_autoscaling_stats.remote().result()
-        assert window[CACHED] == pytest.approx(5 * len(shared) / 6) and window[INPUT] == len(shared) + 5
-        _, text = http(base, "/metrics")
-        decisions = {m.group(1): float(m.group(2)) for m in re.finditer(
-            rf'^pdserve_prefix_affinity_decisions_total{{pool="{pool}",decision="(\w+)"}} (\S+)$', text, re.M)}
-        assert decisions.get("affinity", 0) >= 5 and decisions.get("no_match", 0) >= 1, decisions
-        assert pools_all_free(base, pools)
+@pytest.fixture(scope="module")
+def two_each(ray_serve, tiny_llama_dir):
+    """Two prefill and two decode replicas, shared by the disaggregated tests (each counts from its start)."""
+    with tiny_app(ray_serve, tiny_llama_dir, "pa", prefill={"num_replicas": 2}, decode={"num_replicas": 2}) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
-def two_decode(ray_serve, tiny_llama_dir):
-    """One prefill and two decode replicas, shared by the tests below (each counts from its start)."""
-    with tiny_app(ray_serve, tiny_llama_dir, "pa-decode", decode={"num_replicas": 2}) as base:
+def two_colocated(ray_serve, tiny_llama_dir):
+    with tiny_app(ray_serve, tiny_llama_dir, "pa-colocated", mode="colocated", colocated={"num_replicas": 2}) as base:
         yield base
 
 
@@ -59,11 +40,44 @@ def _since(base: str, before: dict, name: str, pool: str) -> dict[str, float]:
     return {r: v - before.get((name, pool, r), 0) for r, v in _series(base, name, pool).items()}
 
 
-def test_shared_prefixes_stay_on_one_decode_replica_which_is_not_sent_them_again(two_decode):
+def _decisions(base: str, pool: str) -> dict[str, float]:
+    _, text = http(base, "/metrics")
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        rf'^pdserve_prefix_affinity_decisions_total{{pool="{pool}",decision="(\w+)"}} (\S+)$', text, re.M)}
+
+
+@pytest.mark.parametrize("app,pool", [("two_each", "prefill"), ("two_colocated", "colocated")])
+def test_shared_prefixes_stay_on_one_replica(request, ray_serve, app, pool):
+    # (`ray_serve` named so that conftest's ordering sees a test on the session cluster)
+    base, app_name = request.getfixturevalue(app), {"two_each": "pa", "two_colocated": "pa-colocated"}[app]
+    pools = {"prefill", "decode"} if pool == "prefill" else {"colocated"}
+    before, decided = metrics(base), _decisions(base, pool)
+    shared = list(range(2100, 2260))                     # 10 blocks of 16 tokens
+    for i in range(6):
+        body = {"model": "tiny", "prompt": shared + [2300 + i] * 5, "max_tokens": 2, "temperature": 0}
+        status, text = http(base, "/v1/completions", body)
+        assert status == 200, text
+    total = 6 * (len(shared) + 5)
+
+    def queried() -> dict[str, float]:
+        return _since(base, before, "pdserve_prefix_cache_query_tokens", pool)
+    assert wait_until(lambda: len(queried()) == 2 and sum(queried().values()) == total, 30), queried()
+    assert sorted(queried().values()) == [0, total]
+    assert sum(_since(base, before, "pdserve_prefix_cache_hit_tokens", pool).values()) == 5 * len(shared)
+    # the SLO policy's view: the router's window counts the cached prompt tokens as not prefilled (the
+    # window holds this test's requests only: it runs first on its app)
+    window = serve.get_deployment_handle("Router", app_name).record_autoscaling_stats.remote().result()
+    assert window[CACHED] == pytest.approx(5 * len(shared) / 6) and window[INPUT] == len(shared) + 5
+    decisions = {k: v - decided.get(k, 0) for k, v in _decisions(base, pool).items()}
+    assert decisions.get("affinity", 0) >= 5 and decisions.get("no_match", 0) >= 1, decisions
+    assert pools_all_free(base, pools)
+
+
+def test_shared_prefixes_stay_on_one_decode_replica_which_is_not_sent_them_again(two_each):
     """Two decode replicas: the prompts after the first go to the decode replica that received the
     shared prefix, which reserves its cached blocks for it (`kv_blocks_reused`), so only each
     prompt's last block comes over the wire."""
-    base = two_decode
+    base = two_each
     assert pools_all_free(base, {"prefill", "decode"})
     before = metrics(base)
     _, text = http(base, "/metrics")
@@ -100,11 +114,11 @@ def _affinity_decisions(metrics_text: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_the_choices_of_one_prompt_share_its_blocks_in_one_decode_replica(two_decode):
+def test_the_choices_of_one_prompt_share_its_blocks_in_one_decode_replica(two_each):
     """n = 4: the other choices start once choice 0's K/V landed (router/choices.py), follow it to
     its decode replica and reserve the prompt's full blocks there: one copy of the prompt's K/V for
     the four, each of the others receiving only the block with its last token."""
-    base = two_decode
+    base = two_each
     assert pools_all_free(base, {"prefill", "decode"})
     before = metrics(base)
     prompt = list(range(1100, 1260)) + [300] * 5           # 10 full blocks of 16 tokens, then 5

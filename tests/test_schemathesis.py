@@ -198,7 +198,9 @@ def _request_schemas(doc: dict) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("which", ["app", "other_app"])
-def test_the_document_states_the_served_model_and_the_max_tokens_limit_of_each_config(which, request):
+def test_the_document_states_the_served_model_and_the_max_tokens_limit_of_each_config(which, request, ray_serve):
+    # (`ray_serve` named so that conftest's ordering sees a test on the session cluster: the app is fetched
+    # by name, which pytest's collection does not see, and the test would run among the Ray-free ones)
     base = request.getfixturevalue(which)
     names, limit = {"app": (["tiny"], 8), "other_app": (["tiny-b", "tiny-alias"], 5)}[which]
     status, text = http(base, "/openapi.json")
