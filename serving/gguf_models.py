@@ -8,8 +8,9 @@ wheel takes the same conversion, ``serving.models``):
   2. The entry is ready: return it (a start reads no byte of the GGUF).
   3. Else, holding the entry's lock: read the GGUF's metadata with transformers and refuse an
      architecture the engine does not run (before the conversion, which takes minutes for a 7B
-     file); dequantize it into float32 safetensors and save its tokenizer (with the GGUF's chat
-     template) into a temp dir beside the entry; check it; write the marker; swap it into place.
+     file); dequantize it tensor by tensor into float32 safetensors shards (memory holds one tensor,
+     not the model) and save its tokenizer (with the GGUF's chat template) into a temp dir beside the
+     entry; check it; write the marker; swap it into place.
 
 The engine then loads the directory as any other and runs it in its own weight format (bf16, or
 int8/int4 by `engine.quantization`): the GGUF's quantization is not kept. Errors are ``ModelError``
@@ -24,8 +25,10 @@ import fcntl
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
+import struct
 import sys
 import tempfile
 import time
@@ -95,37 +98,129 @@ def gguf_config(path: Path) -> dict:
         raise ModelError(f"{path} is not a GGUF model transformers can read ({type(exc).__name__}: {exc})") from None
 
 
-def convert_gguf(gguf_path: Path, out: Path, name: str, default_template: str | None = None) -> None:
-    """Load the GGUF at ``gguf_path`` dequantized in float32 and save it with its tokenizer into
-    ``out``: the chat template the GGUF holds (else ``default_template``), a pad token (eos where
-    none), the tokenizer's special ids in the config and the generation config, ``name`` as the
-    config's name_or_path."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+SHARD_BYTES = 2 << 30                 # float32 weights a safetensors file holds (Hugging Face's sharded layout)
 
-    try:
-        from transformers import GgufConfig
-        dequantize = {"quantization_config": GgufConfig(dequantize=True)}
-    except ImportError:  # older transformers always dequantize GGUF weights
-        dequantize = {}
+
+def convert_gguf(gguf_path: Path, out: Path, name: str, default_template: str | None = None,
+                 shard_bytes: int = SHARD_BYTES) -> None:
+    """Write the GGUF at ``gguf_path`` into ``out`` as a Hugging Face directory: its weights dequantized
+    to float32, one tensor at a time (``_write_weights``: memory holds one shard and one tensor, not the
+    model), and its tokenizer with the chat template the GGUF holds (else ``default_template``), a pad
+    token (eos where none), the tokenizer's special ids in the config and the generation config,
+    ``name`` as the config's name_or_path."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     kw = {"gguf_file": gguf_path.name, "local_files_only": True}
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **dequantize, **kw)
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:  # a GGUF-loaded model refuses save_pretrained while it still has one
-        quantizer.remove_quantization_config(model)
+    config = AutoConfig.from_pretrained(gguf_path.parent, **kw)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
     if not tokenizer.chat_template:
         tokenizer.chat_template = _gguf_string(gguf_path, "tokenizer.chat_template") or default_template
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.model_max_length = model.config.max_position_embeddings
-    for cfg in (model.config, model.generation_config):
-        cfg.bos_token_id = tokenizer.bos_token_id
-        cfg.eos_token_id = tokenizer.eos_token_id
-        cfg.pad_token_id = tokenizer.pad_token_id
-    model.config.name_or_path = name
-    model.save_pretrained(out)
+    tokenizer.model_max_length = config.max_position_embeddings
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    config.dtype = torch.float32
+    config.name_or_path = name
+    with torch.device("meta"):                       # names and shapes only: no weight is allocated
+        skeleton = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(skeleton).__name__]
+    out.mkdir(parents=True)
+    _write_weights(gguf_path, skeleton, out, shard_bytes)
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def _write_weights(gguf_path: Path, skeleton, out: Path, shard_bytes: int) -> None:
+    """Write the GGUF's tensors (memory-mapped) into ``out`` as float32 safetensors under the names
+    they have in ``skeleton`` (the model on the meta device), in file order, in shards of about
+    ``shard_bytes`` (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` and Hugging Face's
+    index where there are several). Each shard's header is written first, from the skeleton's shapes;
+    then each tensor is dequantized, laid out as transformers' GGUF loader lays it out (its name map
+    and per-architecture processor: llama's Q/K un-permutation, Gemma's norm offset) and written before
+    the next is read, so memory holds one tensor, not the model. Tensors the model has no parameter
+    for are skipped, as transformers skips them; a parameter the file lacks is a ``ModelError``."""
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    reader = GGUFReader(str(gguf_path))
+    architecture = _field_string(reader, "general.architecture")
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=skeleton.config.to_dict())
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    entries = [(t, names[t.name], shapes[names[t.name]]) for t in reader.tensors if t.name in names]
+    missing = sorted(set(dict(skeleton.named_parameters())) - {name for _, name, _ in entries})  # tied ones once
+    if missing:
+        raise ModelError(f"{gguf_path} has no tensor for {len(missing)} of the model's weights ({', '.join(missing[:3])}"
+                         f"{', ...' if len(missing) > 3 else ''})")
+    shards, size = [[]], 0
+    for entry in entries:
+        nbytes = 4 * math.prod(entry[2])
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    for file, shard in zip(files, shards):
+        _write_shard(out / file, shard, lambda t, name: _processed(processor, t, name, names))
+    if len(shards) > 1:
+        weight_map = {name: file for file, shard in zip(files, shards) for _, name, _ in shard}
+        total = sum(4 * math.prod(shape) for _, _, shape in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_shard(path: Path, shard: list, values) -> None:
+    """One safetensors file (8 bytes of header length, the JSON header, the data) of the float32
+    tensors ``shard`` lists as (GGUF tensor, name, shape), each written as ``values(tensor, name)``
+    gives it, one at a time."""
+    import numpy as np
+
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for _, name, shape in shard:
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + 4 * math.prod(shape)]}
+        offset += 4 * math.prod(shape)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)               # the data 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        for tensor, name, shape in shard:
+            weights = values(tensor, name)
+            if weights.shape != shape:
+                raise ModelError(f"{tensor.name}: shape {weights.shape} in the GGUF, the model's {name} is {shape}")
+            fh.write(np.ascontiguousarray(weights, dtype="<f4").data)
+
+
+def _processed(processor, tensor, name: str, names: dict):
+    """The GGUF tensor's float32 values as transformers' loader gives them for parameter ``name``."""
+    produced = {}
+    result = processor.process(weights=_dequantized(tensor), name=tensor.name, tensor_key_mapping=names,
+                               parsed_parameters={"tensors": produced})
+    if produced or names.get(result.name) != name:      # what MoE processors do; no architecture the engine runs
+        raise ModelError(f"{tensor.name}: transformers splits or renames this tensor; pdserve does not convert it")
+    return result.weights
+
+
+def _dequantized(tensor, chunk_bytes: int = 64 << 20):
+    """A GGUF tensor's values as float32 in the shape transformers' loader gives it, dequantized
+    ``chunk_bytes`` of output at a time (gguf's dequantization makes several temporaries of its
+    output's size: a whole 128k-vocabulary embedding at once would take gigabytes more)."""
+    import numpy as np
+    from gguf import dequantize
+
+    data = tensor.data
+    if data.ndim < 2 or data.shape[0] < 2:
+        return np.array(dequantize(data, tensor.tensor_type), dtype=np.float32)   # a copy: F32 ones map the file
+    first = dequantize(data[:1], tensor.tensor_type)
+    out = np.empty((data.shape[0], *first.shape[1:]), dtype=np.float32)
+    rows = max(1, chunk_bytes // max(1, first.size * 4))
+    for start in range(0, data.shape[0], rows):
+        out[start:start + rows] = dequantize(data[start:start + rows], tensor.tensor_type)
+    return out
 
 
 def converted_problems(out: Path) -> list[str]:
@@ -148,7 +243,11 @@ def converted_problems(out: Path) -> list[str]:
 def _gguf_string(gguf_path: Path, key: str) -> str | None:
     import gguf
 
-    field = gguf.GGUFReader(str(gguf_path)).fields.get(key)
+    return _field_string(gguf.GGUFReader(str(gguf_path)), key)
+
+
+def _field_string(reader, key: str) -> str | None:
+    field = reader.fields.get(key)
     return bytes(field.parts[field.data[0]]).decode("utf-8") if field is not None else None
 
 

@@ -71,6 +71,45 @@ def test_a_gguf_file_is_converted_once_into_the_model_it_was_written_from(source
     assert json.loads((path / ".pdserve-ready").read_text())["mtime_ns"] == stat.st_mtime_ns + 10**9
 
 
+def test_a_quantized_gguf_streams_into_shards_holding_what_transformers_loads_from_it(source, tmp_path):
+    """The conversion dequantizes one tensor at a time (in row chunks) into shards of a bounded size;
+    the sharded directory loads (Hugging Face's index) into exactly the weights transformers' own
+    GGUF loading gives the file, and the tokenizer and config come through."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_gguf(source, tmp_path / "Tiny-Llama.Q8_0.gguf", quantize="Q8_0")
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert kinds == {"Q8_0", "F32"}, kinds
+    out = tmp_path / "converted"
+    gguf_models.convert_gguf(path, out, name="tiny-q8", shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 3 and sorted(set(index["weight_map"].values())) == [p.name for p in shards]
+    for shard in map(load_file, shards):        # within the bound, or one tensor larger than it (the embedding)
+        assert sum(t.numel() * 4 for t in shard.values()) <= 40_000 or len(shard) == 1
+    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    source_weights = _weights(source)      # quantized: close to the source, not equal
+    assert all(torch.allclose(ours[k], source_weights[k], atol=0.02) for k in source_weights)
+    assert not all(torch.equal(ours[k], source_weights[k]) for k in source_weights)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert gguf_models.converted_problems(out) == []
+    # a weight the file has no tensor for is refused, not left random (here: an untied LM head)
+    from transformers import AutoConfig
+    untied = AutoConfig.from_pretrained(out)
+    untied.tie_word_embeddings = False
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(untied)
+    with pytest.raises(ModelError, match=r"has no tensor for 1 of the model's weights \(lm_head.weight\)"):
+        gguf_models._write_weights(path, skeleton, tmp_path / "untied", gguf_models.SHARD_BYTES)
+    # dequantized in chunks of a few rows: the same values as at once
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        whole = gguf.dequantize(tensor.data, tensor.tensor_type)
+        assert (gguf_models._dequantized(tensor, chunk_bytes=1000) == whole).all(), tensor.name
+
+
 def test_a_relative_gguf_path_is_made_absolute_where_the_config_is_validated(source, monkeypatch):
     monkeypatch.chdir(source.parent)
     cfg = AppConfig(model="Tiny-Llama.F32.gguf")

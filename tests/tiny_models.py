@@ -108,13 +108,14 @@ def _builtin_tokenizer():
                                    model_max_length=2048)
 
 
-def tiny_gguf(model_dir: Path, out: Path, arch: str = "llama") -> Path:
+def tiny_gguf(model_dir: Path, out: Path, arch: str = "llama", quantize: str | None = None) -> Path:
     """Write the tiny llama at ``model_dir`` (tiny_model_dir's, tied embeddings, a byte-level BPE
     tokenizer) as the GGUF file ``out``, the way llama.cpp's converter does: its metadata under
     ``arch``'s keys (another arch than llama makes a file the engine must refuse), float32 tensors
     under GGUF names, Q and K rows permuted to llama.cpp's RoPE layout, the tokenizer as a "gpt2" vocab
     with its merges (the default model's tokenizer: ~10 s to convert) or, for the built-in one that
-    has none, zero scores, and the chat template. Returns ``out``."""
+    has none, zero scores, and the chat template; ``quantize`` (a GGML type gguf-py quantizes, e.g.
+    "Q8_0", "Q4_1") stores the matrices in it (norms stay float32, as llama.cpp keeps them). Returns ``out``."""
     import json
 
     import gguf
@@ -166,7 +167,12 @@ def tiny_gguf(model_dir: Path, out: Path, arch: str = "llama") -> Path:
             # llama.cpp's permute: each head's rotary halves interleaved (transformers' loader undoes it)
             rows = tensor.shape[0]
             tensor = tensor.reshape(part_heads, 2, rows // part_heads // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
-        w.add_tensor(f"{name}.weight", np.ascontiguousarray(tensor, dtype=np.float32))
+        tensor = np.ascontiguousarray(tensor, dtype=np.float32)
+        if quantize and tensor.ndim == 2:
+            qtype = getattr(gguf.GGMLQuantizationType, quantize)
+            w.add_tensor(f"{name}.weight", gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(f"{name}.weight", tensor)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
