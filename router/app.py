@@ -55,6 +55,7 @@ from router.metrics import RequestMetrics, render
 from router.openai_protocol import CompletionRequest
 from router.openai_responses import above_limit, error_response, refused
 from router.orchestrator import Orchestrator, RequestFailed
+from router.protocol_types import reply_id
 from router.reasoning import grammar_think, reasoning_template, starts_inside, think_tokens
 from router.reply import Reply
 from router.response_store import MAX_PAGE, StoreUnavailable
@@ -245,7 +246,8 @@ class Router:
         if body.model not in (None, *self.names):
             return self._unknown_model(body.model)
         if body.prompt is not None:
-            ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)
+            ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt,
+                                          add_special_tokens=body.add_special_tokens is not False)
         else:
             try:
                 chat = body.chat(self.model_name)
@@ -313,10 +315,11 @@ class Router:
 
     # ---- generation -----------------------------------------------------------------------------
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, request: Request):
         raw, prompts = body.prompts(), []
         texts = [p for p in raw if isinstance(p, str)]
-        encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(p) for p in texts]) if texts else ())
+        encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(
+            p, add_special_tokens=body.add_special_tokens) for p in texts]) if texts else ())
         for p in raw:
             if isinstance(p, str):
                 prompts.append(next(encoded))
@@ -334,16 +337,18 @@ class Router:
                       for p, ids, all_ids in zip(raw, prompts, whole)]
         max_tokens = 1 if body.prompt_only else body.max_tokens_within(self.config.max_tokens_limit)
         return await self._generate(body, prompts, max_tokens, chat=False,
-                                    prefix="cmpl", echoes=echoes)
+                                    prefix="cmpl", echoes=echoes, headers=request.headers)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request = None):
+        """OpenAI's chat completions; `request` (its headers) is None where the Responses API calls it."""
         prepared = await self._chat_prompt(body)
         if isinstance(prepared, JSONResponse):
             return prepared
         ids, shape, think = prepared
         return await self._generate(body, [ids], body.max_completion_tokens or body.max_tokens, chat=True,
-                                    prefix="chatcmpl", shape=shape, think=think)
+                                    prefix="chatcmpl", shape=shape, think=think,
+                                    headers=request.headers if request is not None else None)
 
     async def _chat_prompt(self, body: ChatCompletionRequest):
         """A chat completion's prompt ids, output shape and grammar start (`think`), or the error
@@ -409,11 +414,15 @@ class Router:
 
     async def _generate(self, body, prompts: list[list[int]], max_tokens: int | None, chat: bool, prefix: str,
                         echoes: list[tuple[str, list[int]]] | None = None, shape: ChatOutputShape | None = None,
-                        think: tuple[int, int, bool] | None = None):
+                        think: tuple[int, int, bool] | None = None, headers=None):
+        """A completion or chat request through the pools under the request id `<prefix>-<random>`;
+        its answer's id is `<prefix>-` and the client's id where it gave one (`reply_id`)."""
         params = await self._checked(body, prompts, max_tokens, think)
         if isinstance(params, JSONResponse):
             return params
-        return await self._run(body, f"{prefix}-{uuid.uuid4().hex}", prompts, params, chat, echoes, shape)
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        return await self._run(body, rid, prompts, params, chat, echoes, shape,
+                               reply_id(prefix, headers or {}, body.request_id) or rid)
 
     async def _checked(self, body, prompts: list[list[int]], max_tokens: int | None,
                        think: tuple[int, int, bool] | None):
@@ -459,8 +468,9 @@ class Router:
         return params
 
     async def _run(self, body, rid: str, prompts: list[list[int]], params, chat: bool,
-                   echoes: list[tuple[str, list[int]]] | None, shape: ChatOutputShape | None):
-        """Run a checked request (`_checked`'s parameters) through the pools and answer it."""
+                   echoes: list[tuple[str, list[int]]] | None, shape: ChatOutputShape | None, answer_id: str):
+        """Run a checked request (`_checked`'s parameters) through the pools as `rid` and answer it
+        as `answer_id`."""
         start = time.monotonic()
         if params.lora is not None:
             self.request_metrics.lora_request(params.lora)
@@ -480,8 +490,8 @@ class Router:
         except asyncio.CancelledError:      # the client left before the first tokens
             self.request_metrics.finish("aborted")
             raise
-        reply = Reply(body, rid, body.model or self.model_name, chat, choices, firsts, (start, first_at),   # as asked
-                      self.request_metrics, self.token_strings, echoes, shape, params.lora,
+        reply = Reply(body, answer_id, body.model or self.model_name, chat, choices, firsts,   # the model as asked
+                      (start, first_at), self.request_metrics, self.token_strings, echoes, shape, params.lora,
                       prompts if body.return_token_ids else None)
         if body.stream:
             return StreamingResponse(reply.stream(), media_type="text/event-stream")

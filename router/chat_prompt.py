@@ -8,6 +8,9 @@ validates them):
     continues it (a prefilled answer); needs `add_generation_prompt: false`;
   - `chat_template_kwargs`: more variables for the template, such as Qwen3's `enable_thinking`;
     not the names of apply_chat_template's own arguments (RESERVED_TEMPLATE_KWARGS);
+  - `documents`: the template's `documents` (retrieval-augmented generation);
+  - `add_special_tokens` (default false): the templated text is tokenized with the tokenizer's
+    special tokens (a BOS) on top of the template's own;
 and OpenAI's `reasoning_effort` as the template variable of that name (gpt-oss's template reads
 it; others ignore it), unless chat_template_kwargs sets it.
 The template may refuse a conversation (a ValueError, or jinja's TemplateError from its
@@ -41,7 +44,8 @@ def chat_prompt_ids(tokenizer, body, native_tools) -> list[int]:
     writes tool calls itself, or None (router/tools.py)."""
     conversation, tools = body.conversation(native_tools)
     variables = {"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {}
-    ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=body.add_generation_prompt,
-                                        continue_final_message=body.continue_final_message, tokenize=True,
-                                        **(variables | (body.chat_template_kwargs or {})))
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    text = tokenizer.apply_chat_template(conversation, tools=tools, documents=body.documents,
+                                         add_generation_prompt=body.add_generation_prompt,
+                                         continue_final_message=body.continue_final_message, tokenize=False,
+                                         **(variables | (body.chat_template_kwargs or {})))
+    return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)

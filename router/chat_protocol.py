@@ -66,6 +66,7 @@ class ChatMessage(Strict):
         return "".join(part.text for part in self.content)
 
 
+MAX_DOCUMENTS = 64
 FORCED_TOOL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
 CHAT_CROSS_FIELD = {"allOf": [
     implies("top_logprobs", {"type": "integer", "minimum": 1},
@@ -107,6 +108,14 @@ class ChatCompletionRequest(Sampling):
         "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}})] | None = Field(
         None, description="vLLM's: more variables for the chat template (e.g. enable_thinking), not named "
                           "as apply_chat_template's own arguments.")
+    documents: Annotated[list[Annotated[dict[str, Text], Field(max_length=16)]],
+                         Field(min_length=1, max_length=MAX_DOCUMENTS)] | None = Field(
+        None, description="vLLM's: documents for a template that reads them (retrieval-augmented generation: "
+                          "Command R's, Granite's), each a dict of strings such as title and text; templates "
+                          "that do not read them ignore them.")
+    add_special_tokens: bool = Field(False, description="vLLM's: tokenize the templated prompt with the tokenizer's "
+                                     "special tokens (e.g. a BOS) on top of those the template writes; the "
+                                     "default false suits templates that write their own, as most do.")
     reasoning_effort: REASONING_EFFORT | None = Field(None, description="The chat template's `reasoning_effort` "
                                                       "(templates that read it act on it; chat_template_kwargs "
                                                       "may set it too).")

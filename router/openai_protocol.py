@@ -27,7 +27,7 @@ from pydantic import ConfigDict, Field, model_validator
 from engine.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
                                     SamplingParams)
 from engine.structured_output import StructuredOutput
-from router.protocol_types import MODEL_FIELD, Int, NonEmptyText, Strict, Text, implies
+from router.protocol_types import MODEL_FIELD, REQUEST_ID_FIELD, Int, NonEmptyText, RequestId, Strict, Text, implies
 from router.structured_protocol import ResponseFormat, StructuredOutputs
 from router.tools import HERMES, CallSyntax
 
@@ -140,6 +140,7 @@ class Sampling(Strict):
     return_tokens_as_token_ids: bool | None = Field(
         None, description="vLLM's: with logprobs, each token (and alternative) shown as `token_id:{id}`, so "
                           "that a token no string stands for alone (a piece of a character) is identified.")
+    request_id: RequestId | None = Field(None, description=REQUEST_ID_FIELD)
     return_token_ids: bool | None = Field(
         None, description="vLLM's: the prompt's token ids as `prompt_token_ids` (chat: the response's, on a stream's "
                           "first chunk; completions: each choice's, on its first chunk) and each choice's output "
@@ -253,6 +254,9 @@ class CompletionRequest(Sampling):
                                          "alone (with its logprobs), nothing generated; null: as many as the "
                                          "context allows. The default is at most the server's limit.")
     echo: bool = Field(False, description="The prompt before the completion (its tokens' logprobs with `logprobs`).")
+    add_special_tokens: bool = Field(True, description="vLLM's: a text prompt is tokenized with the tokenizer's "
+                                     "special tokens (e.g. a BOS it adds); false: as written. Token ids are "
+                                     "taken as given either way.")
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Alternatives per token (0: the "
                                                         "chosen token's logprob only).")
     suffix: None = None

@@ -35,6 +35,22 @@ def _unicode(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_unicode)]   # JSON can carry "\udc80"; no tokenizer takes it
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
+MAX_REQUEST_ID = 256
+REQUEST_ID_FIELD = ("vLLM's: the response's id is the endpoint's prefix (`cmpl-`, `chatcmpl-`) and this; else "
+                    "the request's X-Request-Id (the client's header, or the id Serve's proxy gives each request "
+                    "and logs). The pools' own request ids stay unique either way.")
+RequestId = Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID), AfterValidator(_unicode)]
+
+
+def reply_id(prefix: str, headers, request_id: str | None) -> str | None:
+    """The id an answer carries (REQUEST_ID_FIELD): `<prefix>-` and the request's `request_id`, else
+    its X-Request-Id header (1 to MAX_REQUEST_ID characters); else None. vLLM takes the header
+    first; here Serve's proxy sets it on every request (the client's, or a new id it logs), so the
+    body's field, which only a client sets, comes first. `headers`: case-insensitive, as Starlette's."""
+    if request_id:
+        return f"{prefix}-{request_id}"
+    header = headers.get("x-request-id")
+    return f"{prefix}-{header}" if header and len(header) <= MAX_REQUEST_ID else None
 
 
 def TextPartType(*types: str):  # noqa: N802 - a type, used in annotations

@@ -6,12 +6,12 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, model_validator
 
-from router.chat_protocol import ChatCompletionRequest, ChatMessage
+from router.chat_protocol import MAX_DOCUMENTS, ChatCompletionRequest, ChatMessage
 from router.protocol_types import MODEL_FIELD, REASONING_EFFORT, Int, Strict, Text, present
 from router.tools import MAX_TOOLS, Tool, ToolChoice
 
 CHAT_PROMPT_FIELDS = ("messages", "tools", "tool_choice", "add_generation_prompt", "continue_final_message",
-                      "chat_template_kwargs", "reasoning_effort")
+                      "chat_template_kwargs", "reasoning_effort", "documents")
 
 
 class TokenizeRequest(Strict):
@@ -28,6 +28,11 @@ class TokenizeRequest(Strict):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: REASONING_EFFORT | None = None
+    documents: Annotated[list[Annotated[dict[str, Text], Field(max_length=16)]],
+                         Field(min_length=1, max_length=MAX_DOCUMENTS)] | None = None
+    add_special_tokens: bool | None = Field(None, description="vLLM's: the tokenizer's special tokens (e.g. a BOS) "
+                                            "added; default: true for a prompt, false for messages (as the "
+                                            "completion and chat endpoints do).")
     return_token_strs: bool = Field(False, description="Also each token's text (the tokenizer's piece).")
 
     @model_validator(mode="after")
@@ -41,8 +46,9 @@ class TokenizeRequest(Strict):
 
     def chat(self, model: str) -> ChatCompletionRequest:
         """The chat request whose prompt this is; a ValueError (pydantic's) where the chat rules refuse it."""
-        return ChatCompletionRequest.model_validate({"model": model, **self.model_dump(
-            include=set(CHAT_PROMPT_FIELDS), exclude_unset=True, by_alias=True)})
+        fields = self.model_dump(include={*CHAT_PROMPT_FIELDS, "add_special_tokens"}, exclude_unset=True,
+                                 exclude_none=True, by_alias=True)
+        return ChatCompletionRequest.model_validate({"model": model, **fields})
 
 
 class DetokenizeRequest(Strict):

@@ -1,6 +1,6 @@
 """A chat request's prompt (router/chat_prompt.py): vLLM's add_generation_prompt,
-continue_final_message and chat_template_kwargs, through the real tokenizer's template (and one
-that reads a variable), and over HTTP through both pools."""
+continue_final_message, chat_template_kwargs, documents and add_special_tokens, through the real
+tokenizer's template (and ones that read a variable, or add a BOS), and over HTTP through both pools."""
 
 import json
 import shutil
@@ -79,6 +79,50 @@ def test_reasoning_effort_is_the_templates_variable_from_chat_responses_and_toke
         text(tokenizer, request())
 
 
+def bos_tokenizer(default_model_dir, where, template: str | None = None):
+    """The default model's tokenizer made to add a BOS (<|endoftext|>) as Llama's and Gemma's do."""
+    from tokenizers.processors import TemplateProcessing
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    tok.bos_token = "<|endoftext|>"
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", pair="<|endoftext|> $A $B",
+                                                              special_tokens=[("<|endoftext|>", bos)])
+    if template is not None:
+        tok.chat_template = template
+    tok.save_pretrained(where)
+    return AutoTokenizer.from_pretrained(where)
+
+
+def test_add_special_tokens_and_documents_reach_the_prompt_as_vllm_takes_them(default_model_dir, tmp_path):
+    """vLLM's add_special_tokens: chat's default (false) leaves the template's text as it is, true
+    adds the tokenizer's BOS before it; /tokenize defaults as each endpoint does (a prompt: true,
+    messages: false). `documents` reach a template that reads them."""
+    from router.tokenize_protocol import TokenizeRequest
+    tok = bos_tokenizer(default_model_dir, tmp_path, "{% for m in messages %}{{ m.content }}{% endfor %}"
+                        "{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}")
+    bos = tok.bos_token_id
+    assert tok.encode("Hi")[0] == bos and tok.encode("Hi", add_special_tokens=False)[0] != bos
+    body = {"messages": PREFILLED[:1]}
+    plain = chat_prompt_ids(tok, request(**body), None)
+    assert plain == tok.encode("Name a fruit.", add_special_tokens=False)
+    assert chat_prompt_ids(tok, request(**body, add_special_tokens=True), None) == [bos, *plain]
+    docs = [{"title": "Fruit", "text": "Apples are red."}, {"title": "Veg", "text": "Kale."}]
+    assert tok.decode(chat_prompt_ids(tok, request(**body, documents=docs), None)) == \
+        "Name a fruit.[Fruit: Apples are red.][Veg: Kale.]"
+    tokenized = TokenizeRequest.model_validate({**body, "documents": docs})
+    assert chat_prompt_ids(tok, tokenized.chat(MODEL), None) == chat_prompt_ids(tok, request(**body, documents=docs),
+                                                                                 None)
+    assert TokenizeRequest.model_validate(body).chat(MODEL).add_special_tokens is False
+    assert TokenizeRequest.model_validate({**body, "add_special_tokens": True}).chat(MODEL).add_special_tokens is True
+    assert TokenizeRequest.model_validate({**body, "add_special_tokens": None}).chat(MODEL).add_special_tokens is False
+    for wrong in ({"documents": []}, {"documents": [{"title": 1}]}, {"documents": [{}] * 65},
+                  {"add_special_tokens": "yes"}):
+        with pytest.raises(ValidationError):
+            request(**body, **wrong)
+    with pytest.raises(ValidationError, match="documents go with messages"):
+        TokenizeRequest.model_validate({"prompt": "x", "documents": docs})
+
+
 def test_openais_other_chat_fields_are_accepted_and_change_nothing(tokenizer):
     fields = {"store": False, "metadata": {"team": "a"}, "service_tier": "auto", "modalities": ["text"],
               "safety_identifier": "user-1", "prompt_cache_key": "k"}
@@ -132,8 +176,12 @@ def test_tokenize_gives_the_ids_a_request_would_get_and_detokenize_reverses_it(d
     assert out["token_strs"] == tokenizer.convert_ids_to_tokens(out["tokens"]) and out["max_model_len"] > 0
     status, text = http(disagg, "/detokenize", {"tokens": out["tokens"]})
     assert status == 200 and "# Tools" in json.loads(text)["prompt"]
-    status, plain = http(disagg, "/tokenize", {"prompt": "Once upon a time"})
-    assert status == 200 and json.loads(plain)["tokens"] == tokenizer.encode("Once upon a time")
+    for fields in ({}, {"add_special_tokens": False}, {"add_special_tokens": True}):
+        status, plain = http(disagg, "/tokenize", {"prompt": "Once upon a time", **fields})
+        assert status == 200 and json.loads(plain)["tokens"] == tokenizer.encode("Once upon a time")
+    status, documented = http(disagg, "/tokenize", {**chat, "documents": [{"title": "t", "text": "x"}],
+                                                    "add_special_tokens": True})
+    assert status == 200 and json.loads(documented)["tokens"] == out["tokens"]   # no BOS, no documents: the same
     for path, body, code, words in (
             ("/tokenize", {"prompt": "x", "messages": PREFILLED}, 400, "exactly one"),
             ("/tokenize", {"prompt": "x", "tools": tools}, 400, "go with messages"),

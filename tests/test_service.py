@@ -240,7 +240,8 @@ def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, toke
     last tokens (usage and echo show the kept ones, chat's after the template); return_token_ids gives
     the prompt's and the output's token ids, the streamed chunks' adding up to the whole answer's, and
     return_tokens_as_token_ids shows the logprobs' tokens by those ids; a cache_salt's prompts find
-    cached prefixes only of the same salt; stop_reason names the stop string that ended a choice."""
+    cached prefixes only of the same salt; stop_reason names the stop string that ended a choice;
+    request_id names the answer."""
     prompt = "The capital of France is"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -287,6 +288,20 @@ def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, toke
     for k, expected_len in ((4, 4), (-1, whole), (10**6, whole)):
         cut = json.loads(http(disagg, "/v1/chat/completions", {**chat, "truncate_prompt_tokens": k})[1])
         assert cut["usage"]["prompt_tokens"] == expected_len, (k, cut)
+    # request_id names the answer, else the X-Request-Id header (a client's, or the one Serve's proxy gives
+    # each request and logs); two requests naming the same id both run (the pools' ids stay their own);
+    # add_special_tokens false: this tokenizer adds none anyway
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:
+        named = list(pool.map(lambda _: http(disagg, "/v1/completions", {**body, "request_id": "job-42"}), range(2)))
+    assert [(status, json.loads(text)["id"]) for status, text in named] == [(200, "cmpl-job-42")] * 2
+    assert {json.loads(text)["choices"][0]["text"] for _, text in named} == {greedy}
+    traced = sse_events(http(disagg, "/v1/chat/completions", {**chat, "stream": True},
+                             headers={"X-Request-Id": "trace-9"})[1])[:-1]
+    assert traced and {e["id"] for e in traced} == {"chatcmpl-trace-9"}
+    unmarked = json.loads(http(disagg, "/v1/completions", {**body, "add_special_tokens": False})[1])
+    assert unmarked["choices"][0]["text"] == greedy
+    assert re.fullmatch(r"cmpl-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", unmarked["id"]), unmarked["id"]   # Serve's
     asked = {**body, "return_token_ids": True}
     out = json.loads(http(disagg, "/v1/completions", asked)[1])["choices"][0]
     assert out["prompt_token_ids"] == tokenizer.encode(prompt) and len(out["token_ids"]) == 6

@@ -4,16 +4,21 @@ response's, each completion choice's), whole and streamed; streamed, the ids of 
 nothing (its text held back) come with the choice's next chunk, a chat stream's prompt ids on its
 first chunk and a completion choice's on its first, and the chunks' ids add up to the whole
 response's; a prompt-only echo has none; a request that does not ask has none of these fields.
-`stop_reason`: the stop string or token id that ended a choice, on its last chunk."""
+`stop_reason`: the stop string or token id that ended a choice, on its last chunk. `request_id` (and
+the X-Request-Id header): the answer's id."""
 
 import asyncio
 import json
+
+import pytest
+from pydantic import ValidationError
 
 from router.chat_protocol import ChatCompletionRequest
 from router.choices import Choices
 from router.logprobs import TokenStrings
 from router.metrics import RequestMetrics
 from router.openai_protocol import CompletionRequest
+from router.protocol_types import MAX_REQUEST_ID, reply_id
 from router.reply import Reply
 from serving.messages import TokenEvent
 
@@ -36,11 +41,11 @@ class Run:
             await asyncio.sleep(0.001)
 
 
-def run_reply(body, chat: bool, runs: list[list[Run]], prompts):
+def run_reply(body, chat: bool, runs: list[list[Run]], prompts, rid: str = "rid"):
     async def main():
         choices = Choices(runs)
         firsts = await choices.start()
-        r = Reply(body, "rid", "m", chat, choices, firsts, (0.0, 0.0), RequestMetrics(), TokenStrings(None),
+        r = Reply(body, rid, "m", chat, choices, firsts, (0.0, 0.0), RequestMetrics(), TokenStrings(None),
                   prompt_ids=prompts if body.return_token_ids else None)
         if not body.stream:
             return await asyncio.wait_for(r.collect(), 10)
@@ -108,3 +113,19 @@ def test_stop_reason_is_the_stop_string_or_token_that_ended_a_choice_on_its_last
     echo = run_reply(CompletionRequest(model="m", prompt=PROMPTS[0], echo=True, max_tokens=0), False,
                      [[Run([((5,), "x")], 5)]], PROMPTS[:1])
     assert echo["choices"][0]["stop_reason"] is None and echo["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_answer_id_is_the_clients_request_id_or_x_request_id_header_as_vllm_names_them():
+    headers = {"x-request-id": "trace-7"}
+    assert reply_id("cmpl", {}, None) is None                       # the caller's random one then
+    assert reply_id("cmpl", {}, "mine") == "cmpl-mine"
+    assert reply_id("chatcmpl", headers, "mine") == "chatcmpl-mine"       # the body's first (Serve sets the header)
+    assert reply_id("chatcmpl", headers, None) == "chatcmpl-trace-7"
+    assert reply_id("cmpl", {"x-request-id": "x" * (MAX_REQUEST_ID + 1)}, None) is None
+    assert reply_id("cmpl", {"x-request-id": ""}, None) is None
+    body = CompletionRequest(model="m", prompt="hi", request_id="abc", stream=True)
+    chunks = run_reply(body, False, [[Run(EVENTS[0])]], PROMPTS[:1], rid="cmpl-abc")
+    assert {c["id"] for c in chunks} == {"cmpl-abc"}
+    for wrong in ("", "x" * (MAX_REQUEST_ID + 1), 7):
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt="hi", request_id=wrong)
