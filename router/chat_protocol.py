@@ -113,6 +113,9 @@ class ChatCompletionRequest(Sampling):
         None, description="vLLM's: documents for a template that reads them (retrieval-augmented generation: "
                           "Command R's, Granite's), each a dict of strings such as title and text; templates "
                           "that do not read them ignore them.")
+    echo: bool = Field(False, description="vLLM's: where the last message is an assistant's (a prefilled answer "
+                       "continued with continue_final_message), the answer's content starts with its text "
+                       "(streamed: a chunk of its own after the role's).")
     add_special_tokens: bool = Field(False, description="vLLM's: tokenize the templated prompt with the tokenizer's "
                                      "special tokens (e.g. a BOS) on top of those the template writes; the "
                                      "default false suits templates that write their own, as most do.")
@@ -125,6 +128,11 @@ class ChatCompletionRequest(Sampling):
     modalities: list[Literal["text"]] | None = Field(None, description="Text only.")
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = Field(None, description="Accepted; prompts share a prefix cache anyway.")
+
+    def echoed(self) -> str:
+        """What `echo` puts before each choice's content: the last message's text, an assistant's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):

@@ -14,7 +14,9 @@ HTTP error). Then:
   3. at the end, `usage` (each prompt once, every choice's tokens) and the request's metrics
      (outcome, latencies) are recorded; the choices are always closed, which aborts any still
      running in the pools (a client that left mid-stream).
-With vLLM's `return_token_ids`, each choice's output token ids come too (`token_ids`; streamed, each
+A chat request's vLLM `echo` puts the last message's text, an assistant's, before each choice's
+content (streamed: a chunk of its own after the role chunk). With vLLM's `return_token_ids`, each
+choice's output token ids come too (`token_ids`; streamed, each
 chunk the choice's since its last chunk: an event that shows nothing passes its ids on), and the
 prompt's (`prompt_token_ids`: a chat response's, on its stream's first chunk; a completion choice's,
 on its first chunk).
@@ -147,6 +149,8 @@ class Reply:
                 output = self.shape.choice()
                 reasoning, text, calls = output.message(text)
                 finish = output.finish_reason(finish)
+            if self.chat and (echoed := self.body.echoed()):
+                text = echoed + (text or "")
             choice = choice_body(i, text, finish, self.chat, chunk=False, logprobs=logprobs[i], tool_calls=calls,
                                  reasoning=reasoning)
             if prompt_logprobs is not None and not self.chat:
@@ -217,6 +221,8 @@ class Reply:
                 for i in range(len(firsts)):
                     yield data(choice_body(i, "", None, True, chunk=True, first=True),
                                prompt_ids=self.prompt_ids[0] if want_ids and i == 0 else None)
+                    if echoed := self.body.echoed():
+                        yield data(choice_body(i, echoed, None, True, chunk=True))
             for i, ev in enumerate(firsts):
                 if (text := chunk(i, ev)) is not None:
                     yield text

@@ -159,6 +159,10 @@ def test_a_prefilled_answer_is_continued_through_both_pools(disagg, tokenizer):
     status, same = http(disagg, "/v1/completions", {"model": MODEL, "prompt": expected, "max_tokens": 8,
                                                     "temperature": 0})
     assert status == 200 and json.loads(same)["choices"][0]["text"] == out["choices"][0]["message"]["content"]
+    # vLLM's echo: the prefilled message, then the same continuation
+    status, echoed = http(disagg, "/v1/chat/completions", {**body, "echo": True})
+    assert status == 200 and json.loads(echoed)["choices"][0]["message"]["content"] == \
+        PREFILLED[-1]["content"] + out["choices"][0]["message"]["content"]
     status, bad = http(disagg, "/v1/chat/completions", {**body, "add_generation_prompt": True})
     assert status == 400 and "add_generation_prompt" in json.loads(bad)["error"]["message"]
     assert pools_all_free(disagg, {"prefill", "decode"})

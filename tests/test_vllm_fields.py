@@ -5,7 +5,8 @@ nothing (its text held back) come with the choice's next chunk, a chat stream's 
 first chunk and a completion choice's on its first, and the chunks' ids add up to the whole
 response's; a prompt-only echo has none; a request that does not ask has none of these fields.
 `stop_reason`: the stop string or token id that ended a choice, on its last chunk. `request_id` (and
-the X-Request-Id header): the answer's id."""
+the X-Request-Id header): the answer's id. Chat's `echo`: the prefilled assistant message before the
+content."""
 
 import asyncio
 import json
@@ -129,3 +130,20 @@ def test_the_answer_id_is_the_clients_request_id_or_x_request_id_header_as_vllm_
     for wrong in ("", "x" * (MAX_REQUEST_ID + 1), 7):
         with pytest.raises(ValidationError):
             CompletionRequest(model="m", prompt="hi", request_id=wrong)
+
+
+def test_chat_echo_puts_the_prefilled_assistant_message_before_each_choices_content():
+    prefilled = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "A ripe "}]
+    body = dict(model="m", messages=prefilled, n=2, echo=True, add_generation_prompt=False,
+                continue_final_message=True)
+    whole = run_reply(ChatCompletionRequest(**body), True, [[Run(e) for e in EVENTS]], PROMPTS[:1])
+    assert [c["message"]["content"] for c in whole["choices"]] == ["A ripe Hello!", "A ripe Hi there"]
+    chunks = run_reply(ChatCompletionRequest(**body, stream=True), True, [[Run(e) for e in EVENTS]], PROMPTS[:1])
+    for i, text in enumerate(("Hello!", "Hi there")):
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
+        assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": "A ripe "}
+        assert "".join(d.get("content") or "" for d in deltas) == "A ripe " + text
+    # no echo, or a last message that is not an assistant's: the content alone
+    for fields in ({**body, "echo": False}, {**body, "messages": prefilled[:1], "continue_final_message": False}):
+        out = run_reply(ChatCompletionRequest(**fields), True, [[Run(e) for e in EVENTS]], PROMPTS[:1])
+        assert [c["message"]["content"] for c in out["choices"]] == ["Hello!", "Hi there"]
