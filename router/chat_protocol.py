@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import MAX_LOGPROBS
 from engine.structured_output import StructuredOutput
@@ -67,6 +68,14 @@ class ChatMessage(Strict):
 
 
 MAX_DOCUMENTS = 64
+
+
+def _no_request_template(value):
+    if value is not None:
+        raise PydanticCustomError("request_chat_template", "a request's own chat template is not accepted (as vLLM "
+                                  "without --trust-request-chat-template): the server's applies (pdserve's "
+                                  "`chat_template` setting)")
+    return value
 FORCED_TOOL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
 CHAT_CROSS_FIELD = {"allOf": [
     implies("top_logprobs", {"type": "integer", "minimum": 1},
@@ -113,6 +122,9 @@ class ChatCompletionRequest(Sampling):
         None, description="vLLM's: documents for a template that reads them (retrieval-augmented generation: "
                           "Command R's, Granite's), each a dict of strings such as title and text; templates "
                           "that do not read them ignore them.")
+    chat_template: Annotated[None, BeforeValidator(_no_request_template)] = Field(
+        None, description="vLLM's per-request template: not accepted (the server's `chat_template` applies), as "
+                          "vLLM refuses it without --trust-request-chat-template.")
     echo: bool = Field(False, description="vLLM's: where the last message is an assistant's (a prefilled answer "
                        "continued with continue_final_message), the answer's content starts with its text "
                        "(streamed: a chunk of its own after the role's).")

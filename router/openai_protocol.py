@@ -111,6 +111,9 @@ class Sampling(Strict):
     truncate_prompt_tokens: Int(ge=1) | Literal[-1] | None = Field(
         None, description="vLLM's: keep only the prompt's last k tokens (after the chat template); -1: the "
                           "model's context.")
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="vLLM's: where truncate_prompt_tokens cuts: left (the default) keeps the last k "
+                          "tokens, right the first k.")
     seed: Int(ge=0) | None = Field(None, description="Any non-negative integer, used modulo 2^63; choice j of a "
                                    "prompt uses seed + j.")
     user: Text | None = None
@@ -220,7 +223,9 @@ class Sampling(Strict):
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's token ids after truncate_prompt_tokens (`ids` itself when nothing is cut)."""
         keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
-        return ids if keep is None or len(ids) <= keep else ids[-keep:]
+        if keep is None or len(ids) <= keep:
+            return ids
+        return ids[:keep] if self.truncation_side == "right" else ids[-keep:]
 
     @property
     def parses_tool_calls(self) -> bool:

@@ -140,6 +140,7 @@ def test_openais_other_chat_fields_are_accepted_and_change_nothing(tokenizer):
      "the assistant's"),
     ({"chat_template_kwargs": {"tools": [], "tokenize": False}}, "may not set tokenize, tools"),
     ({"chat_template_kwargs": {f"k{i}": i for i in range(33)}}, "at most 32"),
+    ({"chat_template": "{{ messages }}"}, "a request's own chat template is not accepted"),
 ])
 def test_prompt_shapes_that_cannot_be_are_refused(fields, words):
     with pytest.raises(ValidationError, match=words):
@@ -165,6 +166,9 @@ def test_a_prefilled_answer_is_continued_through_both_pools(disagg, tokenizer):
         PREFILLED[-1]["content"] + out["choices"][0]["message"]["content"]
     status, bad = http(disagg, "/v1/chat/completions", {**body, "add_generation_prompt": True})
     assert status == 400 and "add_generation_prompt" in json.loads(bad)["error"]["message"]
+    status, bad = http(disagg, "/v1/chat/completions", {**body, "chat_template": "{{ messages }}"})
+    error = json.loads(bad)["error"]
+    assert status == 400 and error["param"] == "chat_template" and "own chat template is not" in error["message"]
     assert pools_all_free(disagg, {"prefill", "decode"})
 
 

@@ -235,12 +235,12 @@ def test_min_p_and_stop_token_ids_reach_the_engines(disagg, colocated, tokenizer
 
 
 def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, tokenizer):
-    """allowed_token_ids, skip_special_tokens, include_stop_str_in_output and bad_words reach the
-    decode pool (the prefill pool samples only the first token); truncate_prompt_tokens keeps the prompt's
-    last tokens (usage and echo show the kept ones, chat's after the template); return_token_ids gives
-    the prompt's and the output's token ids, the streamed chunks' adding up to the whole answer's, and
-    return_tokens_as_token_ids shows the logprobs' tokens by those ids; a cache_salt's prompts find
-    cached prefixes only of the same salt; stop_reason names the stop string that ended a choice;
+    """allowed_token_ids, skip_special_tokens, include_stop_str_in_output and bad_words reach the decode pool (the
+    prefill pool samples only the first token); truncate_prompt_tokens keeps the prompt's last tokens
+    (truncation_side right: its first; usage and echo show the kept ones, chat's after the template);
+    return_token_ids gives the prompt's and the output's token ids, the streamed chunks' adding up to the whole
+    answer's, and return_tokens_as_token_ids shows the logprobs' tokens by those ids; a cache_salt's prompts
+    find cached prefixes only of the same salt; stop_reason names the stop string that ended a choice;
     request_id names the answer."""
     prompt = "The capital of France is"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -282,6 +282,11 @@ def test_vllm_s_text_and_prompt_options_cross_both_pools(disagg, colocated, toke
                                                          "truncate_prompt_tokens": 3, "echo": True})[1])
     kept = tokenizer.decode(tokenizer.encode("Once upon a time, in a land far away")[-3:])
     assert echoed["choices"][0]["text"].startswith(kept) and not echoed["choices"][0]["text"].startswith("Once")
+    head = json.loads(http(disagg, "/v1/completions", {**body, "prompt": ids, "truncate_prompt_tokens": 5,
+                                                       "truncation_side": "right", "echo": True})[1])
+    first = json.loads(http(disagg, "/v1/completions", {**body, "prompt": ids[:5], "echo": True})[1])
+    assert head["usage"]["prompt_tokens"] == 5 and head["choices"][0]["text"] == first["choices"][0]["text"]
+    assert head["choices"][0]["text"].startswith(tokenizer.decode(ids[:5]))
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story about the sea."}],
             "max_tokens": 3}
     whole = json.loads(http(disagg, "/v1/chat/completions", chat)[1])["usage"]["prompt_tokens"]
