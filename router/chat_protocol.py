@@ -76,6 +76,8 @@ def _no_request_template(value):
                                   "without --trust-request-chat-template): the server's applies (pdserve's "
                                   "`chat_template` setting)")
     return value
+
+
 FORCED_TOOL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
 CHAT_CROSS_FIELD = {"allOf": [
     implies("top_logprobs", {"type": "integer", "minimum": 1},

@@ -16,10 +16,9 @@ HTTP error). Then:
      running in the pools (a client that left mid-stream).
 A chat request's vLLM `echo` puts the last message's text, an assistant's, before each choice's
 content (streamed: a chunk of its own after the role chunk). With vLLM's `return_token_ids`, each
-choice's output token ids come too (`token_ids`; streamed, each
-chunk the choice's since its last chunk: an event that shows nothing passes its ids on), and the
-prompt's (`prompt_token_ids`: a chat response's, on its stream's first chunk; a completion choice's,
-on its first chunk).
+choice's output token ids come too (`token_ids`; streamed, each chunk the choice's since its last
+chunk: an event that shows nothing passes its ids on), and the prompt's (`prompt_token_ids`: a chat
+response's, on its stream's first chunk; a completion choice's, on its first chunk).
 """
 
 from __future__ import annotations

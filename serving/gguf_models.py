@@ -58,10 +58,10 @@ def prepare_gguf(path: Path, cache_dir: Path, progress: bool = True) -> Path:
         if _stamp_of(target) != stamp:  # another process may have finished while we waited
             with replacing(target) as out, offline(progress):
                 say(progress, f"reading {source.name}'s metadata")
-                _check_architecture(source)
+                config = _checked_config(source)
                 say(progress, f"dequantizing {source.name} to float32 safetensors in {target}")
                 start = time.monotonic()
-                convert_gguf(source, out, name=source.stem)
+                convert_gguf(source, out, name=source.stem, config=config)
                 problems = converted_problems(out)
                 if problems:
                     raise ModelError(f"{source} converted to an unusable model: {'; '.join(problems)}")
@@ -79,12 +79,13 @@ def _stamp_of(entry: Path) -> dict | None:
     return {k: marker.get(k) for k in ("source", "size", "mtime_ns")} if ready else None
 
 
-def _check_architecture(source: Path) -> None:
-    """Refuse a GGUF that transformers cannot read or whose model the engine does not run, from its
-    metadata alone."""
-    problem = unsupported_model(gguf_config(source))
-    if problem:
+def _checked_config(source: Path) -> dict:
+    """The GGUF's config (``gguf_config``), refused (``ModelError``) where transformers cannot read the
+    file or the engine does not run its model: from its metadata alone."""
+    config = gguf_config(source)
+    if problem := unsupported_model(config):
         raise ModelError(f"{source}: {problem}")
+    return config
 
 
 def gguf_config(path: Path) -> dict:
@@ -102,20 +103,25 @@ SHARD_BYTES = 2 << 30                 # float32 weights a safetensors file holds
 
 
 def convert_gguf(gguf_path: Path, out: Path, name: str, default_template: str | None = None,
-                 shard_bytes: int = SHARD_BYTES) -> None:
-    """Write the GGUF at ``gguf_path`` into ``out`` as a Hugging Face directory: its weights dequantized
-    to float32, one tensor at a time (``_write_weights``: memory holds one shard and one tensor, not the
-    model), and its tokenizer with the chat template the GGUF holds (else ``default_template``), a pad
-    token (eos where none), the tokenizer's special ids in the config and the generation config,
-    ``name`` as the config's name_or_path."""
+                 shard_bytes: int = SHARD_BYTES, config: dict | None = None) -> None:
+    """Write the GGUF at ``gguf_path`` into ``out`` as a Hugging Face directory: its weights
+    dequantized to float32 one tensor at a time (``_write_weights``: memory holds one tensor, not
+    the model), in safetensors files of about ``shard_bytes``, and its tokenizer with the chat
+    template the GGUF holds (else ``default_template``), a pad token (eos where none), the
+    tokenizer's special ids in the config and the generation config, ``name`` as the config's
+    name_or_path. ``config``: the file's ``gguf_config`` where the caller read it already (each
+    reading of a GGUF's metadata parses its whole vocabulary: seconds)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    kw = {"gguf_file": gguf_path.name, "local_files_only": True}
-    config = AutoConfig.from_pretrained(gguf_path.parent, **kw)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    fields = dict(config if config is not None else gguf_config(gguf_path))
+    config = CONFIG_MAPPING[fields["model_type"]].from_dict(fields)     # as AutoConfig reads a GGUF
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+    reader = GGUFReader(str(gguf_path))
     if not tokenizer.chat_template:
-        tokenizer.chat_template = _gguf_string(gguf_path, "tokenizer.chat_template") or default_template
+        tokenizer.chat_template = _field_string(reader, "tokenizer.chat_template") or default_template
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.model_max_length = config.max_position_embeddings
@@ -127,25 +133,24 @@ def convert_gguf(gguf_path: Path, out: Path, name: str, default_template: str | 
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]
     out.mkdir(parents=True)
-    _write_weights(gguf_path, skeleton, out, shard_bytes)
+    _write_weights(gguf_path, reader, skeleton, out, shard_bytes)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
-def _write_weights(gguf_path: Path, skeleton, out: Path, shard_bytes: int) -> None:
-    """Write the GGUF's tensors (memory-mapped) into ``out`` as float32 safetensors under the names
-    they have in ``skeleton`` (the model on the meta device), in file order, in shards of about
-    ``shard_bytes`` (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` and Hugging Face's
-    index where there are several). Each shard's header is written first, from the skeleton's shapes;
-    then each tensor is dequantized, laid out as transformers' GGUF loader lays it out (its name map
-    and per-architecture processor: llama's Q/K un-permutation, Gemma's norm offset) and written before
-    the next is read, so memory holds one tensor, not the model. Tensors the model has no parameter
-    for are skipped, as transformers skips them; a parameter the file lacks is a ``ModelError``."""
-    from gguf import GGUFReader
+def _write_weights(gguf_path: Path, reader, skeleton, out: Path, shard_bytes: int) -> None:
+    """Write the GGUF's tensors (``reader``'s, memory-mapped) into ``out`` as float32 safetensors
+    under the names they have in ``skeleton`` (the model on the meta device), in file order, in
+    shards of about ``shard_bytes`` (``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` and Hugging Face's index where there are several). Each
+    shard's header is written first, from the skeleton's shapes; then each tensor is dequantized,
+    laid out as transformers' GGUF loader lays it out (its name map and per-architecture
+    processor: llama's Q/K un-permutation, Gemma's norm offset) and written before the next is
+    read, so memory holds one tensor, not the model. Tensors the model has no parameter for are
+    skipped, as transformers skips them; a parameter the file lacks is a ``ModelError``."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    reader = GGUFReader(str(gguf_path))
     architecture = _field_string(reader, "general.architecture")
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=skeleton.config.to_dict())
     names = get_gguf_hf_weights_map(skeleton, processor)
@@ -153,8 +158,8 @@ def _write_weights(gguf_path: Path, skeleton, out: Path, shard_bytes: int) -> No
     entries = [(t, names[t.name], shapes[names[t.name]]) for t in reader.tensors if t.name in names]
     missing = sorted(set(dict(skeleton.named_parameters())) - {name for _, name, _ in entries})  # tied ones once
     if missing:
-        raise ModelError(f"{gguf_path} has no tensor for {len(missing)} of the model's weights ({', '.join(missing[:3])}"
-                         f"{', ...' if len(missing) > 3 else ''})")
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ModelError(f"{gguf_path} has no tensor for {len(missing)} of the model's weights ({shown})")
     shards, size = [[]], 0
     for entry in entries:
         nbytes = 4 * math.prod(entry[2])
@@ -238,12 +243,6 @@ def converted_problems(out: Path) -> list[str]:
     if getattr(config, "quantization_config", None):
         problems.append("config.json still has a quantization_config")
     return problems
-
-
-def _gguf_string(gguf_path: Path, key: str) -> str | None:
-    import gguf
-
-    return _field_string(gguf.GGUFReader(str(gguf_path)), key)
 
 
 def _field_string(reader, key: str) -> str | None:

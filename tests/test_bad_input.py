@@ -91,7 +91,11 @@ CASES = [
     ("prompt_logprobs streamed", "/v1/completions", {**GOOD, "prompt_logprobs": 1, "stream": True}, 400),
     ("prompt_logprobs of the whole vocabulary", "/v1/chat/completions", {**CHAT, "prompt_logprobs": -1}, 400),
     ("echo wrong type", "/v1/completions", {**GOOD, "echo": [1]}, 400),
-    ("echo on chat", "/v1/chat/completions", {**CHAT, "echo": True}, 400),
+    ("echo on chat of the wrong type", "/v1/chat/completions", {**CHAT, "echo": "yes"}, 400),
+    ("a request's own chat template", "/v1/chat/completions", {**CHAT, "chat_template": "{{ messages }}"}, 400),
+    ("request_id too long", "/v1/completions", {**GOOD, "request_id": "x" * 257}, 400),
+    ("truncation_side neither left nor right", "/v1/completions",
+     {**GOOD, "truncate_prompt_tokens": 2, "truncation_side": "middle"}, 400),
     ("lone surrogate in the prompt", "/v1/completions", b'{"model": "%s", "prompt": "a\\udcf3"}' % M.encode(), 400),
     ("lone surrogate in a message", "/v1/chat/completions",
      b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % M.encode(), 400),
@@ -121,7 +125,9 @@ CASES = [
 
 # the field a union failure names (router/validation_errors.py), not pydantic's member names
 PARAMS = {"prompt wrong type": "prompt", "model wrong type": "model", "stop wrong type": "stop",
-          "mixed prompt batch": "prompt.1", "image content": "messages.0.content.0.type"}
+          "mixed prompt batch": "prompt.1", "image content": "messages.0.content.0.type",
+          "a request's own chat template": "chat_template", "request_id too long": "request_id",
+          "truncation_side neither left nor right": "truncation_side"}
 
 
 @pytest.mark.parametrize("name,path,body,status", CASES, ids=[c[0] for c in CASES])

@@ -103,7 +103,8 @@ def test_a_quantized_gguf_streams_into_shards_holding_what_transformers_loads_fr
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(untied)
     with pytest.raises(ModelError, match=r"has no tensor for 1 of the model's weights \(lm_head.weight\)"):
-        gguf_models._write_weights(path, skeleton, tmp_path / "untied", gguf_models.SHARD_BYTES)
+        gguf_models._write_weights(path, gguf.GGUFReader(str(path)), skeleton, tmp_path / "untied",
+                                   gguf_models.SHARD_BYTES)
     # dequantized in chunks of a few rows: the same values as at once
     for tensor in gguf.GGUFReader(str(path)).tensors:
         whole = gguf.dequantize(tensor.data, tensor.tensor_type)
