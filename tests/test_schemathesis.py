@@ -34,7 +34,7 @@ EXAMPLES = {GenerationMode.POSITIVE: 40, GenerationMode.NEGATIVE: 30}   # per PO
 PATH_ONLY_EXAMPLES = 12      # no body (a stored response's GET, DELETE, cancel): only its id to draw (random: 404s)
 OFF_EXAMPLES = 10            # runtime LoRA updating, off in these apps: every answer the same 4xx
 # vLLM's flags that shape the answer (or the prefix cache's sharing) and nothing else, left out of the
-# bodies positive mode draws: with them the completions body (37 properties under 8 cross-field rules)
+# bodies positive mode draws: with them the completions body (40 properties under 8 cross-field rules)
 # is past what schemathesis' canonicalizer (jsonschema_rs) resolves, and it declines to draw any (any
 # one rule or a few properties fewer and it draws). tests/test_vllm_fields.py, test_service.py and
 # test_chat_prompt.py test them.
