@@ -68,6 +68,9 @@ class ChatMessage(Strict):
 
 
 MAX_DOCUMENTS = 64
+# a template's `documents` (retrieval-augmented generation): each a dict of strings such as title and text
+Documents = Annotated[list[Annotated[dict[str, Text], Field(max_length=16)]],
+                      Field(min_length=1, max_length=MAX_DOCUMENTS)]
 
 
 def _no_request_template(value):
@@ -119,8 +122,7 @@ class ChatCompletionRequest(Sampling):
         "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}})] | None = Field(
         None, description="vLLM's: more variables for the chat template (e.g. enable_thinking), not named "
                           "as apply_chat_template's own arguments.")
-    documents: Annotated[list[Annotated[dict[str, Text], Field(max_length=16)]],
-                         Field(min_length=1, max_length=MAX_DOCUMENTS)] | None = Field(
+    documents: Documents | None = Field(
         None, description="vLLM's: documents for a template that reads them (retrieval-augmented generation: "
                           "Command R's, Granite's), each a dict of strings such as title and text; templates "
                           "that do not read them ignore them.")

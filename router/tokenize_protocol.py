@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, model_validator
 
-from router.chat_protocol import MAX_DOCUMENTS, ChatCompletionRequest, ChatMessage
+from router.chat_protocol import ChatCompletionRequest, ChatMessage, Documents
 from router.protocol_types import MODEL_FIELD, REASONING_EFFORT, Int, Strict, Text, present
 from router.tools import MAX_TOOLS, Tool, ToolChoice
 
@@ -28,8 +28,7 @@ class TokenizeRequest(Strict):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: REASONING_EFFORT | None = None
-    documents: Annotated[list[Annotated[dict[str, Text], Field(max_length=16)]],
-                         Field(min_length=1, max_length=MAX_DOCUMENTS)] | None = None
+    documents: Documents | None = None
     add_special_tokens: bool | None = Field(None, description="vLLM's: the tokenizer's special tokens (e.g. a BOS) "
                                             "added; default: true for a prompt, false for messages (as the "
                                             "completion and chat endpoints do).")
