@@ -1,6 +1,14 @@
 """Decode replica: a Serve deployment holding an engine in the decode role.
 
 Life cycle of a request here (`generate`, a streaming call the router makes before the prefill)
+  0. place    where this replica's prefix cache holds the prompt's beginning (an earlier turn of
+              the conversation decoded here, the same prompt's other choice) and the tokens it
+              lacks, with the prompt tokens the replica has queued already, are at most
+              `routing.local_prefill_tokens`, compute them here instead (`_local`): one engine
+              call checks and queues the prompt, whose few uncached tokens run inside the decode
+              steps, and TokenEvents stream from its first token, as in a colocated replica (no
+              reservation, no prefill replica, no hand-off; leaving early aborts the request,
+              which frees its blocks). A prompt new to the replica always goes on:
   1. reserve  blocks for the prompt's K/V (a resumed request's: and its resumed tokens') on the
               engine thread, the leading full blocks this replica's prefix cache still holds
               (an earlier turn of the conversation, a shared system prompt, the same prompt's
@@ -58,6 +66,7 @@ class DecodeServer(EngineReplica):
         cfg = AppConfig.model_validate(config)
         self.host = EngineHost(cfg, "decode", registry)
         self.stream_interval_s = cfg.stream_interval_ms / 1000
+        self.local_prefill_tokens = cfg.routing.local_prefill_tokens
         kv = self.host.engine.runner.kv_pool
         self.receiver = KVReceiver(kv, fingerprint_for(kv, cfg.model_name), cfg.transfer.transfer_config(),
                                    host=kv_bind_host(cfg.transfer.host))
@@ -79,8 +88,14 @@ class DecodeServer(EngineReplica):
         rid = req.request_id
         params = req.params.to_params()
         prepared = asyncio.ensure_future(self.host.aengine.prepare(params))   # awaited at step 4
+        tokens = list(req.prompt_token_ids) + list(req.resumed_token_ids)
+        # 0. place
+        if self.local_prefill_tokens and await self._prefills_here(tokens, params):
+            async for event in self._local(req, params, prepared):
+                yield event
+            return
         # 1. reserve
-        reserved = await self._reserve(list(req.prompt_token_ids) + list(req.resumed_token_ids), params)
+        reserved = await self._reserve(tokens, params)
         if reserved is None:
             yield error_event(rid, "decode replica is out of KV blocks; retry later", 503, "overloaded")
             return
@@ -131,6 +146,36 @@ class DecodeServer(EngineReplica):
             # the first output repeats the prefill's first token (the router drops it): it is
             # held like the rest, so a request costs one message less
             async for out in self.host.aengine.stream(rid, admit, self.stream_interval_s, hold_first=True):
+                yield engine_event(out)
+        except EngineDeadError as exc:
+            yield error_event(rid, str(exc), 500)
+
+    async def _prefills_here(self, tokens: list[int], params) -> bool:
+        """Step 0: whether the prefix cache holds `tokens`' beginning and the engine's prompt tokens to
+        compute, `tokens`' uncached ones among them, would be at most `local_prefill_tokens` (so a
+        decode step carries no more than about that). A prompt none of whose blocks are here would
+        only move the same work from the prefill pool into the decode steps."""
+        limit = self.local_prefill_tokens
+        return await self.host.aengine.call(
+            lambda e: e.cached_prompt_tokens(tokens, params) > 0 and e.prefill_backlog(tokens, params) <= limit)
+
+    async def _local(self, req: messages.DecodeRequest, params, prepared: asyncio.Future):
+        """Step 0's prefill here: the request's events, as a colocated replica streams them (its
+        first is the first token, at once). The engine owns the request's blocks from admission;
+        leaving early aborts it there (AsyncEngine.stream), which frees them."""
+        rid = req.request_id
+        await prepared
+
+        def admit(engine):
+            out = engine.add_request(rid, list(req.prompt_token_ids), params, resumed=list(req.resumed_token_ids),
+                                     shown_chars=req.shown_chars)
+            if not isinstance(out, Rejected):
+                self.host.count("requests_decoded")
+                self.host.count("prefills_local")
+            return out
+
+        try:
+            async for out in self.host.aengine.stream(rid, admit, self.stream_interval_s):
                 yield engine_event(out)
         except EngineDeadError as exc:
             yield error_event(rid, str(exc), 500)

@@ -110,6 +110,11 @@ class BlockManager:
             prev = h
         return hits
 
+    def cached_tokens(self, token_ids, key: tuple | None = None) -> int:
+        """How many leading tokens of `token_ids` (of cache key `key`) the prefix cache holds
+        (full blocks, short of the block with the last token); nothing changes."""
+        return len(self._cached(token_ids, key)) * self.block_size
+
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether `allocate` would succeed now (nothing changes)."""
         return self._fits(self._prefix_hits(seq), self.blocks_for(len(seq)))

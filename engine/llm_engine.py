@@ -450,6 +450,20 @@ class LLMEngine:
             reserved = bm.reserve_cached(token_ids, key)       # running requests of a lower priority preempted
         return reserved
 
+    def cached_prompt_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        """How many leading tokens of `token_ids` a prefill here would take from the prefix cache
+        now (none for a request that wants prompt logprobs). Nothing changes."""
+        if params.prompt_logprobs is not None:
+            return 0
+        return self.block_manager.cached_tokens(token_ids, params.cache_key)
+
+    def prefill_backlog(self, token_ids: list[int], params: SamplingParams) -> int:
+        """The prompt tokens this engine would have to compute if it queued `token_ids` now: those
+        after its cached ones (`cached_prompt_tokens`), plus those it has queued or mid-prefill
+        already (`Scheduler.num_waiting_tokens`). Nothing changes (decode role: whether to prefill
+        here)."""
+        return len(token_ids) - self.cached_prompt_tokens(token_ids, params) + self.scheduler.num_waiting_tokens
+
     def release_reservation(self, block_ids: list[int]) -> None:
         self.block_manager.release(block_ids)
 

@@ -5,8 +5,9 @@ Choices come in groups, one per prompt, in index order (prompt p's choice j has 
 Life cycle (the router's `_generate` drives it):
   1. start    the first choice of every group runs until its prompt's K/V is where the others
               find it (it calls its `ready`): disaggregated, landed in its decode replica (its
-              prefill replica's prefix cache has held the full blocks since its first token);
-              colocated, at its first token. The group's other choices start then (or when the
+              prefill replica's prefix cache has held the full blocks since its first token), or
+              at its first token where the decode replica prefilled it itself; colocated, at its
+              first token. The group's other choices start then (or when the
               first one ended, whatever happened to it), and prefix affinity
               (router/prefix_affinity.py) sends them to those replicas: the prefill replica
               computes only the prompt's last, partial block for each, and the decode replica

@@ -1,8 +1,9 @@
 """Prometheus text for GET /metrics: per-pool, per-replica engine gauges, counters and
 histograms from the stats registry, and the router's own request counters and histograms.
 
-Where each request series is measured (disaggregated mode; colocated requests have no
-prefill result, so they add to TTFT/TPOT/e2e but not to queue and prefill):
+Where each request series is measured (disaggregated mode; colocated requests, and those a decode
+replica prefilled itself, have no prefill result, so they add to TTFT/TPOT/e2e but not to queue
+and prefill):
   queue    the router's wait for a decode slot (arrival to prefill dispatch) plus the prefill
            replica's wait from receiving the call to the engine first scheduling the request
            (Serve's own handle queue and the transit in between are not in it; they are in TTFT)

@@ -22,6 +22,10 @@ Disaggregated, four steps (the order is the block ownership):
 If the first token already ends the request, step 3 is one final event and the decode stream is
 cancelled (the reservation is dropped). TTFT is the reservation's round trip plus the prefill's
 latency, not prefill + KV transfer + decode admission.
+A decode replica whose prefix cache holds the prompt's beginning and all but a few of its tokens
+(`routing.local_prefill_tokens`: a conversation's next turn) computes them itself: instead of
+`Reserved` in step 1 its stream's first event is the first token, and steps 2-4 do not happen (no
+prefill replica, no hand-off; `ready` is called at that first token).
 A replica that dies is not the request's end: the request starts over from step 1 after each
 delay of `retry_delays_s` (default RETRY_DELAYS_S: 0.25 s doubling to 2 s, ~14 s in all, longer
 than the gap a redeploy leaves between a pool's old replica stopping and its new one serving,
@@ -199,10 +203,11 @@ class Orchestrator:
         arrived = time.monotonic()
         if self.prefill_waker is not None:
             self.prefill_waker.poke()
-        decode = self.decode.remote(messages.encode(messages.DecodeRequest(rid, tuple(prompt), wire, resumed)))
+        decode = self.decode.remote(messages.encode(
+            messages.DecodeRequest(rid, tuple(prompt), wire, resumed, shown)))
         prefill, decode_ended, abandoned = None, False, True
         try:
-            # 1. the reservation (or a refusal, at once)
+            # 1. the reservation (or a refusal, at once; or the first token of a local prefill)
             try:
                 reserved = _check(messages.decode(await decode.__anext__()))
             except _GONE as exc:
@@ -211,6 +216,16 @@ class Orchestrator:
                 if failed.code == 503 and self.metrics is not None:   # out of KV: the SLO policy's signal
                     self.metrics.window.refused(time.monotonic())
                 raise
+            if isinstance(reserved, messages.TokenEvent):   # prefilled in the decode replica: its K/V is there
+                ready()
+                yield reserved
+                try:
+                    async for data in decode:
+                        yield _check(messages.decode(data))
+                except _GONE as exc:  # the decode replica died mid-stream
+                    raise _StartOver() from exc
+                decode_ended, abandoned = True, False
+                return
             assert isinstance(reserved, messages.Reserved), reserved
             waited = time.monotonic() - arrived
             # 2. prefill with the reservation's identity

@@ -131,6 +131,12 @@ class RoutingOptions(_Model):
                                              "one's by more than this plus the prompt tokens it matched there.")
     max_blocks: int = Field(200_000, ge=1, description="Prompt blocks the router remembers (least recently "
                             "used go first; about 200 bytes each).")
+    local_prefill_tokens: int = Field(64, ge=0, description="Disaggregated: a decode replica whose prefix cache "
+                                      "holds a prompt's beginning and all but at most this many of its tokens (the "
+                                      "next turn of a conversation it decoded), counting the prompt tokens it has "
+                                      "queued already, computes them itself, inside its decode steps, instead of the "
+                                      "prefill pool and a KV hand-off; anything else goes to the prefill pool. 0: "
+                                      "every prompt goes to the prefill pool.")
 
 
 class GoodputOptions(_Model):

@@ -154,13 +154,17 @@ class PrefillResult:
 class DecodeRequest:
     """Router -> decode replica (a streaming call, made before the prefill): reserve blocks for
     the prompt's K/V and answer `Reserved` (or an `ErrorEvent` at once), receive the K/V with a
-    `KVHandoff` and answer `Landed`, then stream `TokenEvent`s from its first token. A resumed
-    request (see `GenerateRequest`): the reservation holds the resumed tokens' K/V too, and the
-    KVHandoff's `shown_chars` counts their text."""
+    `KVHandoff` and answer `Landed`, then stream `TokenEvent`s from its first token. Or, where the
+    replica's prefix cache holds all but a few of the prompt's tokens (`routing.local_prefill_tokens`),
+    prefill it there: then the stream's first event is already the first `TokenEvent` (no
+    `Reserved`, no prefill replica). A resumed request (see `GenerateRequest`): the reservation holds
+    the resumed tokens' K/V too, and the KVHandoff's `shown_chars` counts their text; a local
+    prefill goes on after the `shown_chars` characters shown."""
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: WireSamplingParams
     resumed_token_ids: tuple[int, ...] = ()
+    shown_chars: int = 0
 
 
 @dataclass(frozen=True)

@@ -145,13 +145,17 @@ TINY_ENGINE = {"kv_cache_memory": "32MiB", "dtype": "float32", "device": "cpu", 
 @contextlib.contextmanager
 def deployed_app(ray_serve: str, name: str, model_dir, served: str, engine: dict, **overrides):
     """A pdserve app (disaggregated unless `mode` says otherwise) at <ray_serve>/<name>, deleted on
-    exit. Dict-valued overrides (transfer, prefill, decode, ...) are merged into the defaults."""
+    exit. Dict-valued overrides (transfer, prefill, decode, ...) are merged into the defaults. Every
+    prompt goes through the prefill pool and a KV hand-off (`routing.local_prefill_tokens` 0) unless
+    the overrides say otherwise: the tests' short prompts would otherwise be prefilled in the decode
+    replica (tests/test_local_prefill.py tests that)."""
     from ray import serve
 
     from pdserve.app_builder import build_app
     from serving.config import AppConfig
     fields = {"mode": "disaggregated", "model": str(model_dir), "served_model_name": served,
-              "route_prefix": f"/{name}", "engine": engine, "transfer": {"host": "127.0.0.1"}}
+              "route_prefix": f"/{name}", "engine": engine, "transfer": {"host": "127.0.0.1"},
+              "routing": {"local_prefill_tokens": 0}}
     for key, value in overrides.items():
         base_value = fields.get(key)
         fields[key] = {**base_value, **value} if isinstance(value, dict) and isinstance(base_value, dict) else value

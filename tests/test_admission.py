@@ -3,6 +3,7 @@ back as a `Rejected` value (nothing allocated); `AsyncEngine.stream` makes it on
 trip and never touches another live request that has the same id."""
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -147,3 +148,26 @@ def test_a_paced_stream_sends_at_most_one_message_per_interval(engine):
     assert [len(o.new_token_ids) for o in held] == [1, 39] and held[-1].finished and waited < 30
     # `hold_first` (a decode replica's stream): the first output waits too, here for the finish
     assert [len(o.new_token_ids) for o in held_first] == [40] and held_first[0].finished
+
+
+def test_the_prefill_backlog_counts_what_the_cache_lacks_and_what_is_queued(engine):
+    """`cached_prompt_tokens` and `prefill_backlog` (a decode replica's test for prefilling a prompt
+    itself): the leading full blocks its prefix cache holds (none for prompt logprobs), the tokens
+    after them plus the prompt tokens already queued; they change nothing."""
+    bs = engine.config.block_size
+    turn1 = list(range(100, 100 + 3 * bs + 5))
+    out = engine.generate([turn1], GREEDY)[0].token_ids            # computed, then cached
+    turn2 = turn1 + out + [7] * 9
+    held = (len(turn1) + len(out) - 1) // bs * bs                   # the last token is never computed
+    free = engine.block_manager.num_free_blocks
+    assert engine.cached_prompt_tokens(turn2, GREEDY) == held
+    assert engine.prefill_backlog(turn2, GREEDY) == len(turn2) - held
+    assert engine.cached_prompt_tokens(turn2, dataclasses.replace(GREEDY, prompt_logprobs=0)) == 0
+    assert engine.prefill_backlog(turn2, dataclasses.replace(GREEDY, prompt_logprobs=0)) == len(turn2)
+    assert engine.cached_prompt_tokens([9] * 20, GREEDY) == 0
+    assert engine.prefill_backlog([9] * 20, GREEDY) == 20          # nothing cached
+    assert engine.add_request("queued", [8] * 30, GREEDY) is None
+    assert engine.prefill_backlog(turn2, GREEDY) == len(turn2) - held + 30
+    assert engine.block_manager.num_free_blocks == free
+    engine.abort("queued")
+    assert engine.live_request_ids() == []

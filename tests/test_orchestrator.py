@@ -8,6 +8,7 @@ Serve handles (the real handles and replicas are exercised end to end in test_se
   * the first token the decode replica repeats is dropped, so the client sees every token and
     every character once;
   * a first token that ends the request is one final event and the reservation is cancelled;
+  * a decode replica that prefills the prompt itself answers with the first token: no prefill;
   * a consumer that leaves early (client gone) cancels both replica calls (the reservation and
     the push), one that leaves during the prefill too; a prefill replica that dies before its
     first token is retried with a fresh id and reservation, a replica that dies after tokens went
@@ -156,6 +157,48 @@ def test_reservation_first_then_the_first_token_before_decode_answers(monkeypatc
         # both streams over Serve's gRPC transport (serving/ray_compat.direct_stream) where it takes
         # the largest message (the environment pdserve starts nodes with)
         assert decode.options_asked == prefill.options_asked == {"stream": True, "_by_reference": False}
+    asyncio.run(main())
+
+
+class LocalDecode(FakeDecode):
+    """A decode replica that prefills the prompt itself (`routing.local_prefill_tokens`): its stream's
+    first event is the first token, no Reserved, no Landed; it stops after `stop_after` events until
+    `release` is set."""
+
+    stop_after = None
+
+    async def _stream(self, data):
+        req = messages.decode(data, expect=messages.DecodeRequest)
+        self.requests.append(req)
+        self.log.append("decode")
+        for i, event in enumerate(self.events):
+            if i == self.stop_after:
+                await self.release.wait()
+            yield messages.encode(event)
+
+
+def test_a_prompt_the_decode_replica_prefills_itself_never_reaches_the_prefill_pool():
+    """The decode stream's first event is a token (not `Reserved`): every event goes to the client
+    as it is (the first is not a repeat to drop), `ready` is called at it (the K/V is there) and no
+    prefill is asked for; a consumer leaving early cancels the decode stream (the replica aborts the
+    request, freeing its blocks)."""
+    async def main():
+        log = []
+        tokens = [messages.TokenEvent("r", (7,), "Hel", False, None, 3, 1, 2),
+                  messages.TokenEvent("r", (8,), "lo", False, None, 3, 2),
+                  messages.TokenEvent("r", (9,), "!", True, "length", 3, 3)]
+        decode, prefill = LocalDecode(tokens, log), FakePrefill(None, log=log)
+        events = [ev async for ev in Orchestrator("disaggregated", prefill, decode).run(
+            "r", [1, 2, 3], SamplingParams(max_tokens=3), lambda: log.append("ready"))]
+        assert events == tokens and log == ["decode", "ready"] and not prefill.requests
+        assert not decode.responses[0].cancelled
+
+        decode = LocalDecode(tokens, log)
+        decode.stop_after = 1
+        events = Orchestrator("disaggregated", prefill, decode).run("r2", [1, 2, 3], SamplingParams(max_tokens=3))
+        assert (await asyncio.wait_for(events.__anext__(), 5)).token_ids == (7,)
+        await events.aclose()                     # the client left
+        assert decode.responses[0].cancelled and not prefill.requests
     asyncio.run(main())
 
 
