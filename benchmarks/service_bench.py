@@ -103,21 +103,25 @@ def make_prompts(model_dir: str, n: int, lo: int, hi: int, seed: int) -> list[li
     return [[rng.choice(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def request_body(prompt: list[int], output_len: int) -> dict:
+def request_body(prompt: list[int], output_len: int, token_ids: bool = False) -> dict:
     return {"model": SERVED_NAME, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            **({"return_token_ids": True} if token_ids else {})}
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> dict:
+async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int,
+                      token_ids: bool = False) -> dict:
+    """One streamed completion's record; `token_ids`: also the output's ids (vLLM's return_token_ids)."""
     rec = {"prompt_tokens": len(prompt), "ok": False, "error": None, "ttft": None, "tpot": None, "e2e": None,
-           "output_tokens": 0, "cached_tokens": 0, "text": "", "start": None, "end": None, "second_gap": None}
+           "output_tokens": 0, "cached_tokens": 0, "text": "", "start": None, "end": None, "second_gap": None,
+           "token_ids": []}
     t0 = time.perf_counter()
     rec["start"] = t0
     first = second = None
     done = False
     text = []
     try:
-        async with client.stream("POST", url, json=request_body(prompt, output_len)) as resp:
+        async with client.stream("POST", url, json=request_body(prompt, output_len, token_ids)) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 rec["error"] = f"HTTP {resp.status_code}: {body[:200]}"
@@ -134,6 +138,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ou
                     rec["error"] = f"stream error: {json.dumps(obj['error'])[:200]}"
                     continue
                 for choice in obj.get("choices") or ():
+                    rec["token_ids"] += choice.get("token_ids") or []
                     piece = choice.get("text") or ""
                     if piece:
                         if first is None:
