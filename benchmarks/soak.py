@@ -1,6 +1,9 @@
 """Soak-and-fault run (a script, not a test): minutes of mixed load on a local disaggregated
 deployment while replicas are killed periodically. Prints requests ok/failed (and whether each
 failure falls right after a kill), p99 latency, KV blocks leaked and replica memory growth.
+Half the requests go on their client's conversation (its last prompt, the reply's tokens and a
+few new ones, as a chat client resends them), which the decode replica that holds the rest
+prefills itself (`routing.local_prefill_tokens`); the others are new prompts.
 
   .venv/bin/python benchmarks/soak.py --minutes 5 --kill-every 60
 
@@ -10,6 +13,7 @@ Traffic goes to 127.0.0.1 only; the run stops by itself after --minutes.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import threading
@@ -27,7 +31,7 @@ from pdserve import local_ray  # noqa: E402
 from pdserve.app_builder import build_app  # noqa: E402
 from serving.config import AppConfig  # noqa: E402
 from serving.models import resolve_model  # noqa: E402
-from service_util import free_port, http, metrics, pools_all_free, wait_healthy  # noqa: E402
+from service_util import http, metrics, pools_all_free, quiet_port, wait_healthy  # noqa: E402
 
 
 def replica_rss_mib() -> float:
@@ -37,6 +41,13 @@ def replica_rss_mib() -> float:
         if "ServeReplica:soak:PrefillServer" in cmd or "ServeReplica:soak:DecodeServer" in cmd:
             total += p.memory_info().rss
     return total / 2**20
+
+
+def reply_ids(text: str, stream: bool) -> list[int]:
+    """The output token ids of a completion's answer (vLLM's return_token_ids), streamed or not."""
+    events = [json.loads(line[6:]) for line in text.splitlines()
+              if line.startswith("data: {")] if stream else [json.loads(text)]
+    return [t for e in events for c in e.get("choices") or () for t in c.get("token_ids") or ()]
 
 
 def kill_random_replica(rng: random.Random) -> str:
@@ -58,7 +69,7 @@ def main() -> int:
     args = ap.parse_args()
     print("command:", " ".join(sys.argv), flush=True)
     model_dir = resolve_model(args.model, args.model_cache, progress=False)
-    port = free_port()
+    port = quiet_port()
     local_ray.init(num_cpus=8, logging_level="ERROR", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = AppConfig(mode="disaggregated", model=str(model_dir), served_model_name="m", route_prefix="/soak",
@@ -75,15 +86,19 @@ def main() -> int:
 
         def client(i: int) -> None:
             r = random.Random(args.seed * 1000 + i)
+            history: list[int] = []                   # the conversation: its last prompt and reply
             while time.monotonic() < stop_at:
-                body = {"model": "m", "prompt": [r.randrange(100, 40000) for _ in range(r.randrange(10, 400))],
-                        "max_tokens": r.randrange(1, 48), "temperature": r.choice([0, 0.8]),
-                        "stream": r.random() < 0.5}
+                new = [r.randrange(100, 40000) for _ in range(r.randrange(10, 400))]
+                if history and len(history) < 1500 and r.random() < 0.5:
+                    new = history + new[:r.randrange(5, 40)]
+                body = {"model": "m", "prompt": new, "max_tokens": r.randrange(1, 48),
+                        "temperature": r.choice([0, 0.8]), "stream": r.random() < 0.5, "return_token_ids": True}
                 t0 = time.monotonic()
                 try:
                     status, text = http(base, "/v1/completions", body, timeout=150)
                     if status == 200 and body["stream"] and '"error"' in text:
                         status = 599   # an error event inside the stream
+                    history = new + reply_ids(text, body["stream"]) if status == 200 else []
                 except Exception:  # noqa: BLE001 - a hang past the timeout counts as a failure
                     status = 0
                 results.append((t0, time.monotonic() - t0, status))
@@ -121,6 +136,8 @@ def main() -> int:
               f"{sorted({s for _, s in failed})}")
         print(f"latency p50 {lat[len(lat) // 2]:.2f} s, p99 {p99:.2f} s" if lat else "no successful request")
         print(f"KV blocks leaked: {int(leaked)} (all pools free: {free})")
+        local = sum(v for (n, _, _), v in m.items() if n == "pdserve_prefills_local")
+        print(f"prefilled in a decode replica: {int(local)} requests (the live replicas' counts)")
         print(f"replica memory: {rss_start:.0f} MiB after warm-up -> {rss_end:.0f} MiB at the end "
               f"(replaced replicas start fresh)")
         return 0 if free and len(failed) == len(near_kill) else 1

@@ -105,8 +105,8 @@ def ray_serve():
     from ray import serve
 
     from pdserve import local_ray
-    from service_util import free_port
-    port = free_port()
+    from service_util import quiet_port
+    port = quiet_port()
     local_ray.init(num_cpus=8)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"

@@ -17,6 +17,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def quiet_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999) and above Ray's worker ports
+    (10002-19999), for a server that binds it only after Ray has started its processes: a port
+    `free_port` picks can be taken meanwhile by any of them binding port 0 (a session's Serve proxy
+    once failed to bind so, and every test on the cluster errored)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 def running_replicas(app: str, deployment: str) -> int:
     """Replicas of `deployment` in Serve application `app` that Serve reports RUNNING."""
     from ray import serve
