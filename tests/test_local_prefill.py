@@ -82,8 +82,8 @@ def test_a_conversations_next_turn_is_prefilled_in_the_decode_replica(app, hf_gr
     first = completion(app, turn1, 12)
     reply = first["choices"][0]["token_ids"]
     assert reply == hf_greedy(turn1, 12)
-    after1 = settled(app, {**start, "landed": start["landed"] + 1, "prefilled": start["prefilled"] + len(turn1)})
-    assert after1 == {**start, "landed": start["landed"] + 1, "prefilled": start["prefilled"] + len(turn1)}
+    after1 = {**start, "landed": start["landed"] + 1, "prefilled": start["prefilled"] + len(turn1)}
+    assert settled(app, after1) == after1
 
     turn2 = turn1 + reply + list(range(300, 330))
     held = (len(turn1) + len(reply) - 1) // BLOCK * BLOCK         # the decode replica's full computed blocks
