@@ -58,6 +58,7 @@ from serving.engine_host import EngineHost, EngineReplica
 from serving.replica_util import engine_event, error_event, kv_bind_host
 
 log = logging.getLogger(__name__)
+_LOCAL = object()        # `_reserve`'s answer for a prompt prefilled here (step 0)
 
 
 @serve.deployment
@@ -88,14 +89,12 @@ class DecodeServer(EngineReplica):
         rid = req.request_id
         params = req.params.to_params()
         prepared = asyncio.ensure_future(self.host.aengine.prepare(params))   # awaited at step 4
-        tokens = list(req.prompt_token_ids) + list(req.resumed_token_ids)
-        # 0. place
-        if self.local_prefill_tokens and await self._prefills_here(tokens, params):
+        # 0. place, 1. reserve (one engine call)
+        reserved = await self._reserve(list(req.prompt_token_ids) + list(req.resumed_token_ids), params)
+        if reserved is _LOCAL:
             async for event in self._local(req, params, prepared):
                 yield event
             return
-        # 1. reserve
-        reserved = await self._reserve(tokens, params)
         if reserved is None:
             yield error_event(rid, "decode replica is out of KV blocks; retry later", 503, "overloaded")
             return
@@ -150,15 +149,6 @@ class DecodeServer(EngineReplica):
         except EngineDeadError as exc:
             yield error_event(rid, str(exc), 500)
 
-    async def _prefills_here(self, tokens: list[int], params) -> bool:
-        """Step 0: whether the prefix cache holds `tokens`' beginning and the engine's prompt tokens to
-        compute, `tokens`' uncached ones among them, would be at most `local_prefill_tokens` (so a
-        decode step carries no more than about that). A prompt none of whose blocks are here would
-        only move the same work from the prefill pool into the decode steps."""
-        limit = self.local_prefill_tokens
-        return await self.host.aengine.call(
-            lambda e: e.cached_prompt_tokens(tokens, params) > 0 and e.prefill_backlog(tokens, params) <= limit)
-
     async def _local(self, req: messages.DecodeRequest, params, prepared: asyncio.Future):
         """Step 0's prefill here: the request's events, as a colocated replica streams them (its
         first is the first token, at once). The engine owns the request's blocks from admission;
@@ -190,14 +180,27 @@ class DecodeServer(EngineReplica):
         except messages.MessageError as exc:
             return f"bad hand-off from the prefill replica: {exc}"
 
-    async def _reserve(self, token_ids: list[int], params) -> tuple[list[int], int] | None:
-        """(blocks, how many lead blocks are cached) from the engine thread (`reserve_cached`:
-        with the priority policy, running requests of a lower priority preempted for them)."""
-        fut = self.host.aengine.submit(lambda e: e.reserve_cached(token_ids, params.cache_key, params.priority))
+    async def _reserve(self, token_ids: list[int], params) -> tuple[list[int], int] | object | None:
+        """Steps 0 and 1 in one engine call: `_LOCAL` where the prefix cache holds `token_ids`'
+        beginning and the engine's prompt tokens to compute, their uncached ones among them, would
+        be at most `local_prefill_tokens` (so a decode step carries no more than about that; a
+        prompt none of whose blocks are here would only move the same work from the prefill pool
+        into the decode steps); else (blocks, how many lead blocks are cached) (`reserve_cached`:
+        with the priority policy, running requests of a lower priority preempted for them), or
+        None when too few are free."""
+        limit = self.local_prefill_tokens
+
+        def place(e):
+            if limit and e.cached_prompt_tokens(token_ids, params) > 0 and e.prefill_backlog(token_ids, params) <= limit:
+                return _LOCAL
+            return e.reserve_cached(token_ids, params.cache_key, params.priority)
+
+        fut = self.host.aengine.submit(place)
         try:
             return await asyncio.shield(asyncio.wrap_future(fut))
         except asyncio.CancelledError:
-            fut.add_done_callback(lambda f: f.exception() is None and f.result() and self._release(f.result()[0]))
+            fut.add_done_callback(lambda f: f.exception() is None and isinstance(f.result(), tuple)
+                                  and self._release(f.result()[0]))
             raise
 
     def _release(self, blocks: list[int]) -> None:
