@@ -191,7 +191,8 @@ class DecodeServer(EngineReplica):
         limit = self.local_prefill_tokens
 
         def place(e):
-            if limit and e.cached_prompt_tokens(token_ids, params) > 0 and e.prefill_backlog(token_ids, params) <= limit:
+            if limit and e.cached_prompt_tokens(token_ids, params) > 0 \
+                    and e.prefill_backlog(token_ids, params) <= limit:
                 return _LOCAL
             return e.reserve_cached(token_ids, params.cache_key, params.priority)
 

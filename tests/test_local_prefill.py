@@ -50,7 +50,8 @@ def counts(base: str) -> dict[str, float]:
 
     def total(name, pool):
         return sum(v for (n, p, _), v in m.items() if n == name and p == pool)
-    return {"local": total("pdserve_prefills_local", "decode"), "landed": total("pdserve_kv_transfers_landed", "decode"),
+    return {"local": total("pdserve_prefills_local", "decode"),
+            "landed": total("pdserve_kv_transfers_landed", "decode"),
             "prefilled": total("pdserve_prefix_cache_query_tokens", "prefill")}
 
 
