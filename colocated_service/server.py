@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from ray import serve
 
-from engine.async_engine import EngineDeadError
 from serving import messages
 from serving.config import AppConfig
 from serving.engine_host import EngineHost, EngineReplica
-from serving.replica_util import engine_event, error_event
+from serving.replica_util import engine_events, error_event
 
 
 @serve.deployment
@@ -35,10 +34,8 @@ class ColocatedServer(EngineReplica):
         rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
         resumed = list(req.resumed_token_ids)
         await self.host.aengine.prepare(params)
-        try:
-            async for out in self.host.aengine.stream(
-                    rid, lambda e: e.add_request(rid, ids, params, resumed=resumed, shown_chars=req.shown_chars),
-                    self.stream_interval_s):
-                yield engine_event(out)
-        except EngineDeadError as exc:
-            yield error_event(rid, str(exc), 500)
+        async for event in engine_events(
+                self.host.aengine, rid,
+                lambda e: e.add_request(rid, ids, params, resumed=resumed, shown_chars=req.shown_chars),
+                self.stream_interval_s):
+            yield event

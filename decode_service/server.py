@@ -49,13 +49,12 @@ import logging
 
 from ray import serve
 
-from engine.async_engine import EngineDeadError
 from engine.outputs import Rejected
 from kv_transfer import KVReceiver, fingerprint_for
 from serving import messages
 from serving.config import AppConfig
 from serving.engine_host import EngineHost, EngineReplica
-from serving.replica_util import engine_event, error_event, kv_bind_host
+from serving.replica_util import engine_events, error_event, kv_bind_host
 
 log = logging.getLogger(__name__)
 _LOCAL = object()        # `_reserve`'s answer for a prompt prefilled here (step 0)
@@ -141,13 +140,10 @@ class DecodeServer(EngineReplica):
                 self.host.count("requests_decoded")
             return out
 
-        try:
-            # the first output repeats the prefill's first token (the router drops it): it is
-            # held like the rest, so a request costs one message less
-            async for out in self.host.aengine.stream(rid, admit, self.stream_interval_s, hold_first=True):
-                yield engine_event(out)
-        except EngineDeadError as exc:
-            yield error_event(rid, str(exc), 500)
+        # the first output repeats the prefill's first token (the router drops it): it is held
+        # like the rest, so a request costs one message less
+        async for event in engine_events(self.host.aengine, rid, admit, self.stream_interval_s, hold_first=True):
+            yield event
 
     async def _local(self, req: messages.DecodeRequest, params, prepared: asyncio.Future):
         """Step 0's prefill here: the request's events, as a colocated replica streams them (its
@@ -164,11 +160,8 @@ class DecodeServer(EngineReplica):
                 self.host.count("prefills_local")
             return out
 
-        try:
-            async for out in self.host.aengine.stream(rid, admit, self.stream_interval_s):
-                yield engine_event(out)
-        except EngineDeadError as exc:
-            yield error_event(rid, str(exc), 500)
+        async for event in engine_events(self.host.aengine, rid, admit, self.stream_interval_s):
+            yield event
 
     @staticmethod
     def _handoff(result) -> messages.KVHandoff | str:
@@ -191,8 +184,8 @@ class DecodeServer(EngineReplica):
         limit = self.local_prefill_tokens
 
         def place(e):
-            if limit and e.cached_prompt_tokens(token_ids, params) > 0 \
-                    and e.prefill_backlog(token_ids, params) <= limit:
+            if limit and (cached := e.cached_prompt_tokens(token_ids, params)) \
+                    and e.prefill_backlog(token_ids, params, cached) <= limit:
                 return _LOCAL
             return e.reserve_cached(token_ids, params.cache_key, params.priority)
 

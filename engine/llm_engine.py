@@ -457,12 +457,14 @@ class LLMEngine:
             return 0
         return self.block_manager.cached_tokens(token_ids, params.cache_key)
 
-    def prefill_backlog(self, token_ids: list[int], params: SamplingParams) -> int:
+    def prefill_backlog(self, token_ids: list[int], params: SamplingParams, cached: int | None = None) -> int:
         """The prompt tokens this engine would have to compute if it queued `token_ids` now: those
-        after its cached ones (`cached_prompt_tokens`), plus those it has queued or mid-prefill
-        already (`Scheduler.num_waiting_tokens`). Nothing changes (decode role: whether to prefill
-        here)."""
-        return len(token_ids) - self.cached_prompt_tokens(token_ids, params) + self.scheduler.num_waiting_tokens
+        after its cached ones (`cached_prompt_tokens`, or `cached` where the caller has it), plus
+        those it has queued or mid-prefill already (`Scheduler.num_waiting_tokens`). Nothing changes
+        (decode role: whether to prefill here)."""
+        if cached is None:
+            cached = self.cached_prompt_tokens(token_ids, params)
+        return len(token_ids) - cached + self.scheduler.num_waiting_tokens
 
     def release_reservation(self, block_ids: list[int]) -> None:
         self.block_manager.release(block_ids)

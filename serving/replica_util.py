@@ -1,7 +1,10 @@
-"""Small helpers the replicas share: the KV bind address and event encoding."""
+"""Small helpers the replicas share: the KV bind address, event encoding and an engine stream's events."""
 
 from __future__ import annotations
 
+from typing import AsyncIterator, Callable
+
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.outputs import Rejected, RequestOutput
 from serving import messages
 
@@ -35,3 +38,15 @@ def engine_event(out: RequestOutput | Rejected) -> bytes:
         return error_event(out.request_id, out.error, out.error_code,
                            "invalid_request_error" if out.error_code == 400 else "server_error")
     return token_event(out)
+
+
+async def engine_events(aengine: AsyncEngine, request_id: str, admit: Callable, min_interval_s: float,
+                        hold_first: bool = False) -> AsyncIterator[bytes]:
+    """A replica's events for one request streamed from its engine (`AsyncEngine.stream`: `admit`
+    checks and admits it in one engine call; leaving early aborts it there, which frees its blocks):
+    each output as `engine_event`, and an engine that died as a 500 error event."""
+    try:
+        async for out in aengine.stream(request_id, admit, min_interval_s, hold_first=hold_first):
+            yield engine_event(out)
+    except EngineDeadError as exc:
+        yield error_event(request_id, str(exc), 500)
