@@ -217,6 +217,9 @@ class Orchestrator:
                     self.metrics.window.refused(time.monotonic())
                 raise
             if isinstance(reserved, messages.TokenEvent):   # prefilled in the decode replica: its K/V is there
+                if self.metrics is not None:                # the SLO policy prices it in the decode steps
+                    self.metrics.window.local(time.monotonic(),
+                                              reserved.num_prompt_tokens - reserved.num_cached_tokens)
                 ready()
                 yield reserved
                 try:

@@ -2,7 +2,8 @@
 
 Called by the router: `arrived` once per request as it is admitted (after validation), `finished`
 once per completed request (from `RequestMetrics.observe`), `refused` once per request a decode
-replica refused for want of KV blocks (the orchestrator, at the reservation); `snapshot` by Serve's
+replica refused for want of KV blocks (the orchestrator, at the reservation), `local` once per
+prompt a decode replica prefilled itself (the orchestrator, at that first token); `snapshot` by Serve's
 `record_autoscaling_stats` hook about every `metrics_interval_s`. Pure Python, no locks (the
 router's event loop is its only caller). Memory: one tuple per request of the last `window_s`.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from serving.slo_autoscaling import CACHED, INPUT, OUTPUT, RATE, REFUSED, SAMPLES, TPOT_P90, TTFT_P90
+from serving.slo_autoscaling import (CACHED, INPUT, LOCAL_RATE, LOCAL_TOKENS, OUTPUT, RATE, REFUSED, SAMPLES,
+                                     TPOT_P90, TTFT_P90)
 
 
 def _p90(values: list[float]) -> float:
@@ -29,6 +31,7 @@ class SloWindow:
         self.arrivals: deque = deque()     # (t, prompt tokens)
         self.done: deque = deque()         # (t, ttft, tpot or None, output tokens, prefix-cached prompt tokens)
         self.refusals: deque = deque()     # t
+        self.locals: deque = deque()       # (t, prompt tokens computed)
         self.started: float | None = None
 
     def arrived(self, now: float, prompt_tokens: int) -> None:
@@ -43,21 +46,27 @@ class SloWindow:
     def refused(self, now: float) -> None:
         self.refusals.append(now)
 
+    def local(self, now: float, computed_tokens: int) -> None:
+        """A prompt (a choice's) that its decode replica prefilled itself, computing `computed_tokens`."""
+        self.locals.append((now, computed_tokens))
+
     def snapshot(self, now: float) -> dict[str, float]:
         """Rates per second over the window (or since the first arrival, if shorter); p90s of the
         requests that finished in it (0 without any); mean lengths (0 without requests): prompts over
-        the arrivals, outputs and prefix-cached prompt tokens over the finished requests."""
-        for q in (self.arrivals, self.done):
+        the arrivals, outputs and prefix-cached prompt tokens over the finished requests, tokens
+        computed by local prefills over those."""
+        for q in (self.arrivals, self.done, self.locals):
             while q and q[0][0] < now - self.window_s:
                 q.popleft()
         while self.refusals and self.refusals[0] < now - self.window_s:
             self.refusals.popleft()
         span = min(self.window_s, max(now - self.started, 1.0)) if self.started is not None else self.window_s
-        n, k = len(self.arrivals), len(self.done)
+        n, k, local = len(self.arrivals), len(self.done), len(self.locals)
         return {RATE: n / span,
                 INPUT: sum(a[1] for a in self.arrivals) / n if n else 0.0,
                 OUTPUT: sum(d[3] for d in self.done) / k if k else 0.0,
                 TTFT_P90: _p90([d[1] for d in self.done]),
                 TPOT_P90: _p90([d[2] for d in self.done if d[2] is not None]),
                 SAMPLES: float(k), REFUSED: len(self.refusals) / span,
-                CACHED: sum(d[4] for d in self.done) / k if k else 0.0}
+                CACHED: sum(d[4] for d in self.done) / k if k else 0.0,
+                LOCAL_RATE: local / span, LOCAL_TOKENS: sum(a[1] for a in self.locals) / local if local else 0.0}

@@ -24,15 +24,16 @@ from serving.slo_model import StepModel
 from serving.slo_policy import Observation, SloTargets, decide, has_backlog
 
 # What the router reports (router/slo_window.py); Serve averages each over look_back_period_s.
-RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES, REFUSED, CACHED = (
+RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES, REFUSED, CACHED, LOCAL_RATE, LOCAL_TOKENS = (
     "slo_arrival_rate", "slo_input_tokens", "slo_output_tokens", "slo_ttft_p90", "slo_tpot_p90", "slo_samples",
-    "slo_refused_rate", "slo_cached_tokens")
-ROUTER_METRICS = (RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES, REFUSED, CACHED)
+    "slo_refused_rate", "slo_cached_tokens", "slo_local_prefill_rate", "slo_local_prefill_tokens")
+ROUTER_METRICS = (RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES, REFUSED, CACHED, LOCAL_RATE, LOCAL_TOKENS)
 
 
 def observation(router_metrics: dict | None, prefill_metrics: dict | None,
                 decode_metrics: dict | None = None) -> Observation | None:
-    """The router replicas' window (rates summed, lengths rate-weighted, p90s the worst) plus the
+    """The router replicas' window (rates summed, lengths rate-weighted (local prefills' tokens by
+    their rate), p90s the worst) plus the
     prefill pool's queued prompt tokens and the decode pool's waiting sequences (each summed over
     replicas); None until a router replica has reported."""
     rates = _replica_values(router_metrics, RATE)
@@ -40,21 +41,24 @@ def observation(router_metrics: dict | None, prefill_metrics: dict | None,
         return None
     total = sum(rates.values())
 
-    def mean(name: str, default: float) -> float:
+    def mean(name: str, default: float, weights: dict = rates) -> float:
         values = _replica_values(router_metrics, name)
-        if total <= 0 or not values:
+        whole = sum(weights.values())
+        if whole <= 0 or not values:
             return max(values.values(), default=default)
-        return sum(values.get(r, default) * rates[r] for r in rates) / total
+        return sum(values.get(r, default) * weights[r] for r in weights) / whole
 
     def worst(name: str) -> float | None:
         values = [v for v in _replica_values(router_metrics, name).values() if v > 0]
         return max(values) if values else None
 
     samples = int(sum(_replica_values(router_metrics, SAMPLES).values()))
+    local_rates = _replica_values(router_metrics, LOCAL_RATE)
     return Observation(total, mean(INPUT, 1.0), mean(OUTPUT, 1.0), worst(TTFT_P90), worst(TPOT_P90), samples,
                        sum(_replica_values(prefill_metrics, PREFILL_METRIC).values()),
                        sum(_replica_values(decode_metrics, WAITING_METRIC).values()),
-                       sum(_replica_values(router_metrics, REFUSED).values()), mean(CACHED, 0.0))
+                       sum(_replica_values(router_metrics, REFUSED).values()), mean(CACHED, 0.0),
+                       sum(local_rates.values()), mean(LOCAL_TOKENS, 0.0, local_rates))
 
 
 class SloPolicy:

@@ -15,6 +15,11 @@ measures. The simulator (pdserve/plan/sim_*.py) steps replicas with it; the SLO 
   2. decode: the largest batch B whose step meets the TPOT SLO, fits the KV budget and `max_num_seqs`;
      a replica then emits B / tpot(B) tokens/s; D = rate * (out - 1) / (utilization * B / tpot(B));
   3. `correction` factors (measured / predicted, from the live percentiles) scale both service times.
+Local prefill (`routing.local_prefill_tokens`: a conversation's next turn, computed by the decode
+replica that holds its history): `Workload.local_share` of the requests skip the prefill pool; their
+prompt tokens (`local_len` each) ride in the decode steps, `local_rows` per sequence per step, and
+their TTFT is about two decode steps (the one running when it arrives, then the one carrying its
+chunk). TTFT p90 is over every request: the handed-off ones' tail where they are more than 10 %.
 Sliding windows (`window`, on `window_share` of the KV): a decode step reads a windowed layer's last
 `window` keys only (`decode_read`), and where every layer has one a sequence keeps about its window
 reserved (`held_tokens`: the engine gives back the blocks the window passed).
@@ -84,9 +89,10 @@ class StepModel:
         return sum(self.step_time(min(self.max_batched_tokens, prompt_tokens - i * self.max_batched_tokens))
                    for i in range(chunks))
 
-    def tpot(self, batch: float, context: float) -> float:
-        """Decode step time of `batch` sequences of mean KV length `context`."""
-        return self.step_time(0, batch, batch * self.decode_read(context, min(context, self.window)))
+    def tpot(self, batch: float, context: float, prompt_rows: float = 0.0) -> float:
+        """Decode step time of `batch` sequences of mean KV length `context`, each bringing
+        `prompt_rows` prompt tokens a step on average (local prefill: `Workload.local_rows`)."""
+        return self.step_time(batch * prompt_rows, batch, batch * self.decode_read(context, min(context, self.window)))
 
     def transfer_time(self, prompt_tokens: float) -> float:
         return self.kv_bytes_per_token * prompt_tokens / self.link_bw
@@ -97,12 +103,39 @@ class Workload:
     rate: float           # requests/s
     input_len: float      # mean prompt tokens
     output_len: float     # mean output tokens
-    cached_len: float = 0.0   # mean prompt tokens a prefill finds in its prefix cache (not computed)
+    cached_len: float = 0.0   # mean prompt tokens found in a prefix cache (not computed), over all requests
+    local_share: float = 0.0  # of the requests, those a decode replica prefilled itself (local prefill)
+    local_len: float = 0.0    # mean prompt tokens such a request computed
+
+    def __post_init__(self):
+        if not (0 <= self.local_share <= 1 and self.local_len >= 0):
+            raise ValueError(f"Workload.local_share must be in [0, 1] and local_len >= 0, got "
+                             f"{self.local_share!r}, {self.local_len!r}")
+
+    @property
+    def prefill_rate(self) -> float:
+        """Prompts/s the prefill pool computes."""
+        return self.rate * (1 - self.local_share)
 
     @property
     def computed_len(self) -> float:
-        """The mean prompt tokens a prefill computes."""
-        return max(self.input_len - self.cached_len, 1.0)
+        """The mean prompt tokens a prefill computes: the tokens computed over all requests, less the
+        local prefills' share, over the handed-off requests."""
+        if self.local_share >= 1:
+            return 1.0
+        computed = self.input_len - self.cached_len - self.local_share * self.local_len
+        return max(computed / (1 - self.local_share), 1.0)
+
+    @property
+    def local_rows(self) -> float:
+        """Prompt tokens a decoding sequence brings to each decode step, on average: a replica
+        finishing B / out sequences a step starts as many, `local_share` of them with `local_len`."""
+        return self.local_share * self.local_len / max(self.output_len, 1.0)
+
+    @property
+    def context(self) -> float:
+        """The mean KV length a decode step reads over a request's life (prompt + half the output)."""
+        return self.input_len + self.output_len / 2
 
 
 @dataclass(frozen=True)
@@ -126,8 +159,9 @@ def erlang_c(servers: int, load: float) -> float:
     return b / (1 - rho + rho * b)
 
 
-def ttft_p90(service: float, rate: float, replicas: int = 1) -> float:
+def ttft_p90(service: float, rate: float, replicas: int = 1, tail: float = 0.1) -> float:
     """Predicted TTFT p90 of a prefill pool of `replicas` fed `rate` prompts/s; inf if saturated.
+    `tail`: the quantile's tail (0.1: the p90).
 
     M/M/c wait tail P(W > t) = C exp(-(c - a) t / s), so its p90 is s ln(10 C) / (c - a) when C > 0.1;
     halved, as an M/D/c queue waits about half as long."""
@@ -135,18 +169,37 @@ def ttft_p90(service: float, rate: float, replicas: int = 1) -> float:
     if load >= replicas:
         return math.inf
     c = erlang_c(replicas, load)
-    wait = service * math.log(10 * c) / (replicas - load) / 2 if c > 0.1 else 0.0
+    wait = service * math.log(c / tail) / (replicas - load) / 2 if c > tail else 0.0
     return service + wait
+
+
+def mixed_ttft_p90(service: float, w: Workload, replicas: int, local_ttft: float) -> float:
+    """TTFT p90 over every request when `w.local_share` of them are prefilled locally in
+    `local_ttft` and the rest by the pool (`ttft_p90`): the pool's quantile at the tail 0.1 / (1 -
+    share), or `local_ttft` once local prefills are 90 % of the requests (inf if the pool saturates)."""
+    if w.rate * (1 - w.local_share) * service >= replicas:
+        return math.inf
+    if w.local_share >= 0.9:
+        return local_ttft
+    return max(local_ttft, ttft_p90(service, w.prefill_rate, replicas, 0.1 / (1 - w.local_share)))
+
+
+def local_ttft(m: StepModel, w: Workload, batch: float, correction: float = 1.0) -> float:
+    """A local prefill's TTFT at a decode batch of `batch`: the step running when it arrives, then
+    the step carrying its chunk (0 without local prefills)."""
+    if w.local_share <= 0:
+        return 0.0
+    read = batch * m.decode_read(w.context, min(w.context, m.window))
+    return (m.tpot(batch, w.context, w.local_rows) + m.step_time(w.local_len, batch, read)) * correction
 
 
 def decode_batch(m: StepModel, w: Workload, tpot_slo: float, correction: float = 1.0) -> int:
     """Largest batch meeting the TPOT SLO within the KV budget and max_num_seqs (0: unreachable)."""
-    context = w.input_len + w.output_len / 2
     kv_limit = int(m.kv_tokens // max(m.held_tokens(w.input_len + w.output_len, w.input_len), 1))
     lo, hi = 0, min(m.max_num_seqs, kv_limit)
     while lo < hi:                      # tpot is monotone in the batch
         mid = (lo + hi + 1) // 2
-        if m.tpot(mid, context) * correction <= tpot_slo:
+        if m.tpot(mid, w.context, w.local_rows) * correction <= tpot_slo:
             lo = mid
         else:
             hi = mid - 1
@@ -159,19 +212,23 @@ def size_fleet(m: StepModel, w: Workload, ttft_slo: float, tpot_slo: float, util
 
     `utilization` caps how busy the decode pool runs at its SLO batch (headroom for bursts);
     `correction` = (prefill, decode) multipliers of the service times. Unreachable SLOs return
-    counts of 0 with the reason.
+    counts of 0 with the reason. Local prefills (`w.local_share`) load the decode steps, not the
+    prefill pool, which keeps at least one replica (for the prompts a decode replica's cache misses).
     """
     cp, cd = correction
     service = m.prefill_time(w.computed_len) * cp
     batch = decode_batch(m, w, tpot_slo, cd)
-    if service > ttft_slo or batch == 0:
-        why = "TTFT" if service > ttft_slo else "TPOT/KV"
-        return FleetSize(0, 0, batch, service, m.tpot(1, w.input_len) * cd, f"{why} SLO unreachable per replica")
-    prefill = max(1, math.ceil(w.rate * service))
-    while prefill < max_replicas and ttft_p90(service, w.rate, prefill) > ttft_slo:
+    local = local_ttft(m, w, max(batch, 1), cd)
+    if (service > ttft_slo and w.local_share < 0.9) or local > ttft_slo or batch == 0:
+        why = "TTFT" if batch else "TPOT/KV"
+        return FleetSize(0, 0, batch, max(service, local), m.tpot(1, w.input_len) * cd,
+                         f"{why} SLO unreachable per replica")
+    prefill = max(1, math.ceil(w.prefill_rate * service))
+    while prefill < max_replicas and mixed_ttft_p90(service, w, prefill, local) > ttft_slo:
         prefill += 1
-    tpot = m.tpot(batch, w.input_len + w.output_len / 2) * cd
+    tpot = m.tpot(batch, w.context, w.local_rows) * cd
     tokens_per_s = utilization * batch / tpot
     decode = max(1, math.ceil(w.rate * max(w.output_len - 1, 0) / tokens_per_s))
-    return FleetSize(prefill, min(decode, max_replicas), batch, ttft_p90(service, w.rate, prefill), tpot,
-                     f"decode batch {batch}")
+    local_note = f", {w.local_share:.0%} prefilled locally" if w.local_share else ""
+    return FleetSize(prefill, min(decode, max_replicas), batch, mixed_ttft_p90(service, w, prefill, local), tpot,
+                     f"decode batch {batch}{local_note}")

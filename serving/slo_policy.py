@@ -1,7 +1,8 @@
 """The SLO policy's decision, shared by the Serve policy (serving/slo_autoscaling.py) and the simulator.
 
-Each tick, from an `Observation` of the last window (arrival rate, mean prompt/output lengths and the
-mean prompt tokens served from prefix caches, measured TTFT/TPOT p90 at the router):
+Each tick, from an `Observation` of the last window (arrival rate, mean prompt/output lengths, the
+mean prompt tokens served from prefix caches, the rate and mean size of local prefills, measured
+TTFT/TPOT p90 at the router):
   1. correct: compare the measured p90s with what the model predicts at the current counts and this
      load; move each correction factor (prefill, decode) geometrically toward measured / predicted
      (`gain` per tick, each step within x0.5..x2, the factor within `bounds`); needs `min_samples`;
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from serving.slo_model import StepModel, Workload, size_fleet, ttft_p90
+from serving.slo_model import StepModel, Workload, local_ttft, mixed_ttft_p90, size_fleet
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,14 @@ class Observation:
                                         # at the router for want of KV (simulator)
     refused_rate: float = 0.0           # requests/s refused for want of decode KV (503 at the reservation)
     cached_len: float = 0.0             # mean prompt tokens the prefills found in their prefix caches
+    local_rate: float = 0.0             # prompts/s decode replicas prefilled themselves (local prefill)
+    local_len: float = 0.0              # mean prompt tokens such a prefill computed
+
+    def workload(self) -> Workload:
+        rate = max(self.rate, 0.0)
+        share = min(1.0, self.local_rate / rate) if rate > 0 else 0.0
+        return Workload(rate, max(self.input_len, 1.0), max(self.output_len, 1.0), max(self.cached_len, 0.0),
+                        share, max(self.local_len, 0.0))
 
 
 @dataclass(frozen=True)
@@ -66,13 +75,26 @@ class SloDecision:
     reason: str
 
 
-def predicted_tpot(m: StepModel, w: Workload, decode: int, correction: float) -> float:
-    """TPOT at `decode` replicas: the batch B solving B = rate * (out - 1) * tpot(B) / decode (Little)."""
-    context, batch = w.input_len + w.output_len / 2, 1.0
+def predicted_batch(m: StepModel, w: Workload, decode: int, correction: float) -> float:
+    """The decode batch B at `decode` replicas: B = rate * (out - 1) * tpot(B) / decode (Little)."""
+    batch = 1.0
     for _ in range(20):
-        tpot = m.tpot(batch, context) * correction
+        tpot = m.tpot(batch, w.context, w.local_rows) * correction
         batch = min(max(1.0, w.rate * max(w.output_len - 1, 0) * tpot / decode), m.max_num_seqs)
-    return m.tpot(batch, context) * correction
+    return batch
+
+
+def predicted_tpot(m: StepModel, w: Workload, decode: int, correction: float) -> float:
+    """TPOT at `decode` replicas (at `predicted_batch`)."""
+    return m.tpot(predicted_batch(m, w, decode, correction), w.context, w.local_rows) * correction
+
+
+def predicted_ttft_p90(m: StepModel, w: Workload, prefill: int, decode: int,
+                       correction: tuple[float, float]) -> float:
+    """TTFT p90 over every request at these counts: the prefill pool's, and local prefills' steps."""
+    cp, cd = correction
+    local = local_ttft(m, w, predicted_batch(m, w, decode, cd), cd)
+    return mixed_ttft_p90(m.prefill_time(w.computed_len) * cp, w, prefill, local)
 
 
 def _corrected(factor: float, measured: float | None, predicted: float, slo: float, t: SloTargets,
@@ -108,16 +130,18 @@ def decide(m: StepModel, t: SloTargets, obs: Observation | None, prefill: int, d
     prefill, decode = max(prefill, 1), max(decode, 1)
     if obs is None:
         return SloDecision(prefill, decode, correction, math.nan, math.nan, "no router metrics yet")
-    w = Workload(max(obs.rate, 0.0), max(obs.input_len, 1.0), max(obs.output_len, 1.0), max(obs.cached_len, 0.0))
+    w = obs.workload()
     cp, cd = correction
     backlog_p = obs.queued_prompt_tokens / w.input_len / t.drain_s
     backlog_d = obs.waiting_requests / t.drain_s + obs.refused_rate
     if w.rate > 0 and not warming and quiet and not has_backlog(m, obs, prefill):
-        cp = _corrected(cp, obs.ttft_p90, ttft_p90(m.prefill_time(w.computed_len) * cp, w.rate, prefill), t.ttft_slo,
+        cp = _corrected(cp, obs.ttft_p90, predicted_ttft_p90(m, w, prefill, decode, (cp, cd)), t.ttft_slo,
                         t, obs.samples)
         cd = _corrected(cd, obs.tpot_p90, predicted_tpot(m, w, decode, cd), t.tpot_slo, t, obs.samples)
     def sized(scale: float):
-        size_p = size_fleet(m, replace(w, rate=(w.rate + backlog_p) * scale), t.ttft_slo, t.tpot_slo,
+        with_queue = w.rate + backlog_p       # the queued prompts are the prefill pool's, none local
+        share = w.local_share * w.rate / with_queue if with_queue > 0 else 0.0
+        size_p = size_fleet(m, replace(w, rate=with_queue * scale, local_share=share), t.ttft_slo, t.tpot_slo,
                             t.utilization, (cp, cd))
         size_d = size_fleet(m, replace(w, rate=(w.rate + backlog_d) * scale), t.ttft_slo, t.tpot_slo,
                             t.utilization, (cp, cd))

@@ -181,17 +181,18 @@ def test_a_prompt_the_decode_replica_prefills_itself_never_reaches_the_prefill_p
     """The decode stream's first event is a token (not `Reserved`): every event goes to the client
     as it is (the first is not a repeat to drop), `ready` is called at it (the K/V is there) and no
     prefill is asked for; a consumer leaving early cancels the decode stream (the replica aborts the
-    request, freeing its blocks)."""
+    request, freeing its blocks). The SLO window counts it, with the prompt tokens it computed."""
     async def main():
         log = []
         tokens = [messages.TokenEvent("r", (7,), "Hel", False, None, 3, 1, 2),
                   messages.TokenEvent("r", (8,), "lo", False, None, 3, 2),
                   messages.TokenEvent("r", (9,), "!", True, "length", 3, 3)]
-        decode, prefill = LocalDecode(tokens, log), FakePrefill(None, log=log)
-        events = [ev async for ev in Orchestrator("disaggregated", prefill, decode).run(
+        decode, prefill, metrics = LocalDecode(tokens, log), FakePrefill(None, log=log), RequestMetrics()
+        events = [ev async for ev in Orchestrator("disaggregated", prefill, decode, metrics=metrics).run(
             "r", [1, 2, 3], SamplingParams(max_tokens=3), lambda: log.append("ready"))]
         assert events == tokens and log == ["decode", "ready"] and not prefill.requests
         assert not decode.responses[0].cancelled
+        assert [n for _, n in metrics.window.locals] == [1]     # 3 prompt tokens, 2 of them cached
 
         decode = LocalDecode(tokens, log)
         decode.stop_after = 1

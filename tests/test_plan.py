@@ -70,6 +70,24 @@ def test_a_cached_prefix_is_computed_once_and_held_once_per_decode_replica():
         plan(QWEN, h200, 1024, 256, 1, 0.5, 0.05, cached_len=1024)
 
 
+def test_a_short_tail_past_a_cached_prefix_is_planned_in_the_decode_steps():
+    """routing.local_prefill_tokens: 48 tokens past a 4048-token prefix run in the decode replicas'
+    steps (B x 48 / 256 prompt tokens a step), TTFT two such steps; the prefill pool keeps one."""
+    h200, args = HARDWARE["h200"], (4096, 256, 400, 0.5, 0.05)
+    handed = plan(QWEN, h200, *args, cached_len=4048)
+    local = plan(QWEN, h200, *args, cached_len=4048, local_prefill_tokens=64)
+    assert handed.prefill_replicas >= 2 and local.prefill_replicas == 1
+    assert "prefilled in the decode replicas" in local.reason and "prefilled" not in handed.reason
+    b, context = local.decode_batch, 4096 + 256 / 2
+    assert local.tpot == pytest.approx(tpot_bound(QWEN, h200, context, b, b * 48 / 256))
+    assert local.ttft == pytest.approx(local.tpot + tpot_bound(QWEN, h200, context, b, 48))
+    assert local.decode_batch <= handed.decode_batch and local.tpot <= 0.05
+    # more than the limit past the prefix, or no cached prefix: the prefill pool's, as before
+    assert plan(QWEN, h200, *args, cached_len=4000, local_prefill_tokens=64) == plan(QWEN, h200, *args, cached_len=4000)
+    short = (48, 256, 400, 0.5, 0.05)
+    assert plan(QWEN, h200, *short, local_prefill_tokens=64) == plan(QWEN, h200, *short)
+
+
 def test_the_cli_refuses_a_cached_prefix_as_long_as_the_prompt(capsys):
     from pdserve.cli import main
     assert main(["plan", "--input-len", "100", "--cached-len", "100"]) == 2

@@ -345,6 +345,32 @@ def test_a_cached_prefix_is_prefilled_sent_and_reserved_only_past_it():
     assert b.first < a.end
 
 
+def test_a_short_tail_past_the_cached_prefix_is_prefilled_by_the_decode_replica():
+    """Local prefill (`Fleet.local_prefill_tokens`, pdserve's routing.local_prefill_tokens): 40
+    tokens past a prefix the replicas hold run in the decode replica's own step, no prefill replica,
+    no hand-off; a second such prompt arriving while the first is queued there would exceed the
+    limit with it, so it is handed off; the SLO scaler's window sees the local one."""
+    b = Bounds(1, 4)
+    scaler = SloScaler(M, SloTargets(1.0, 0.1), b, b, window_s=10.0)
+    sim = Simulator(M, Fleet("disaggregated", 1, 1, scaler, local_prefill_tokens=64))
+    r, s = Request(0, 0.0, 5000, 5, cached=4960), Request(1, 0.0, 5000, 5, cached=4960)
+    sim.run([r, s], 100.0)
+    assert r.ttft == pytest.approx(M.step_time(40))                     # one step of the decode replica
+    # no transfer: r decodes at once, alone for three steps (s's K/V lands at 44 ms), then beside s
+    steps = sum(M.step_time(0, 1, 5001 + k) for k in range(3)) + M.step_time(0, 2, 5004 + 5001)
+    assert r.end - r.first == pytest.approx(steps)
+    assert s.ttft == pytest.approx(M.step_time(40))                    # the prefill replica's step
+    assert s.end > s.first + 1e5 * 40 / 1e9                            # after its K/V's hand-off
+    assert all(d.kv_reserved == 0 and d.idle() for d in sim.pools["decode"])
+    assert scaler.observation(sim, 6.0).local_rate == pytest.approx(1 / 6) and scaler.locals[0][1] == 40
+    # without the setting, or without a cached prefix, both are handed off
+    for fleet, cached in ((Fleet("disaggregated", 1, 1), 4960),
+                          (Fleet("disaggregated", 1, 1, local_prefill_tokens=64), 0)):
+        a = Request(0, 0.0, 40 + cached, 5, cached=cached)
+        Simulator(M, fleet).run([a], 100.0)
+        assert a.end - a.first > 1e5 * 40 / 1e9
+
+
 def test_the_cached_prefix_is_checked_against_the_prompts(tmp_path, capsys):
     reqs = poisson([(0.0, 5.0)], 10.0, 1000, 10, jitter=0.2, seed=0, cached=700)
     assert reqs and all(r.cached == 700 and r.new_tokens == r.input_len - 700 for r in reqs)

@@ -4,6 +4,7 @@ contexts for the prefill pool, the decode pool and the router. Plus the router's
 config wiring (torch-free, fast)."""
 
 import dataclasses
+import math
 
 import pytest
 from ray.serve._private.common import DeploymentID
@@ -15,8 +16,9 @@ from pdserve.app_builder import _pool_options
 from pdserve.serve_config import application_config
 from router.slo_window import SloWindow
 from serving.config import AppConfig
-from serving.slo_autoscaling import CACHED, INPUT, OUTPUT, RATE, REFUSED, SAMPLES, TPOT_P90, TTFT_P90, SloPolicy
-from serving.slo_model import StepModel, Workload, size_fleet, ttft_p90
+from serving.slo_autoscaling import (CACHED, INPUT, LOCAL_RATE, LOCAL_TOKENS, OUTPUT, RATE, REFUSED, SAMPLES,
+                                     TPOT_P90, TTFT_P90, SloPolicy, observation)
+from serving.slo_model import StepModel, Workload, local_ttft, mixed_ttft_p90, size_fleet, ttft_p90
 from serving.slo_policy import predicted_tpot
 
 MODEL = StepModel(params=5e8, weight_bytes=1e9, kv_bytes_per_token=1e5, peak_flops=1e13, mem_bw=1e12,
@@ -152,6 +154,47 @@ def test_prompts_found_in_prefix_caches_need_fewer_prefill_replicas():
     assert (p, d) == (cached.prefill, cached.decode)
 
 
+def test_local_prefills_load_the_decode_steps_not_the_prefill_pool():
+    """A conversation's next turn prefilled in its decode replica (routing.local_prefill_tokens):
+    the router's window reports those prompts' rate and size; the prefill pool is sized for the
+    rest, the decode steps carry their tokens, and TTFT p90 is over every request."""
+    # half local (48 computed of 4096), half handed off (1024 computed): the mean cached over all is
+    # 3560, and the handed-off ones' computed tokens come out of the means
+    half = Workload(100.0, 4096, 64, cached_len=3560, local_share=0.5, local_len=48)
+    assert half.computed_len == pytest.approx(1024) and half.prefill_rate == 50.0
+    assert half.local_rows == pytest.approx(0.5 * 48 / 64)
+    with pytest.raises(ValueError):
+        Workload(1.0, 10, 10, local_share=1.5)
+    rate = 500.0
+    handed = size_fleet(MODEL, Workload(rate, 4096, 64, cached_len=4048), 0.5, 0.02)
+    every = Workload(rate, 4096, 64, cached_len=4048, local_share=1.0, local_len=48)
+    local = size_fleet(MODEL, every, 0.5, 0.02)
+    assert handed.prefill >= 3 and local.prefill == 1                  # one kept for the prompts caches miss
+    assert local.tpot > handed.tpot and local.decode >= handed.decode  # the prompt rows ride in the steps
+    assert local.ttft_p90 == pytest.approx(local_ttft(MODEL, every, local.decode_batch))
+    assert local.ttft_p90 < MODEL.step_time(48, local.decode_batch, local.decode_batch * 4200) * 2.5
+    # the p90 over every request: the pool's alone without local prefills, the local steps' at 90 %
+    service = MODEL.prefill_time(1024)
+    none, most = Workload(8.0, 4096, 64, 3072), Workload(8.0, 4096, 64, 3072, local_share=0.95, local_len=48)
+    assert mixed_ttft_p90(service, none, 1, 0.0) == pytest.approx(ttft_p90(service, 8.0, 1))
+    assert mixed_ttft_p90(service, most, 1, 0.004) == 0.004
+    some = Workload(8.0, 4096, 64, 3072, local_share=0.5, local_len=48)
+    assert 0.004 < mixed_ttft_p90(service, some, 1, 0.004) < ttft_p90(service, 8.0, 1)
+    assert mixed_ttft_p90(service, Workload(400.0, 4096, 64, 3072, 0.95, 48), 2, 0.004) == math.inf  # saturated
+    # the live policy reads the window's local prefills
+    p, d, _ = run(policy(), ctx("PrefillServer", 1, {}, OLD, max_r=64), ctx("DecodeServer", 1, {}, OLD, max_r=64),
+                  ctx("Router", 1, {**router(rate, 4096, 64), CACHED: 4048.0, LOCAL_RATE: rate, LOCAL_TOKENS: 48.0},
+                      max_r=1))
+    assert (p, d) == (local.prefill, local.decode)
+    p, _, _ = run(policy(), ctx("PrefillServer", 1, {}, OLD, max_r=64), ctx("DecodeServer", 1, {}, OLD, max_r=64),
+                  ctx("Router", 1, {**router(rate, 4096, 64), CACHED: 4048.0}, max_r=1))
+    assert p == handed.prefill
+    # two router replicas: rates summed, the local prompts' size weighted by their rates
+    obs = observation({RATE: {"a": 4.0, "b": 6.0}, LOCAL_RATE: {"a": 2.0, "b": 0.0},
+                       LOCAL_TOKENS: {"a": 40.0, "b": 0.0}}, None)
+    assert (obs.local_rate, obs.local_len) == (2.0, 40.0) and obs.workload().local_share == pytest.approx(0.2)
+
+
 def test_router_window():
     w = SloWindow(window_s=10)
     for t in range(20):
@@ -168,6 +211,11 @@ def test_router_window():
     assert w.snapshot(25.0)[CACHED] == 0.0
     w.finished(25.0, ttft=0.1, tpot=0.01, output_tokens=32, cached_tokens=64)
     assert w.snapshot(25.0)[CACHED] == pytest.approx(64 / 6)     # over the finished: t = 15..19, and this one
+    assert w.snapshot(25.0)[LOCAL_RATE] == 0.0 and w.snapshot(25.0)[LOCAL_TOKENS] == 0.0
+    w.local(24.0, 30)
+    w.local(25.0, 50)
+    assert w.snapshot(25.0)[LOCAL_RATE] == pytest.approx(2 / 10) and w.snapshot(25.0)[LOCAL_TOKENS] == 40.0
+    assert w.snapshot(34.5)[LOCAL_RATE] == pytest.approx(1 / 10) and w.snapshot(34.5)[LOCAL_TOKENS] == 50.0
 
 
 def test_config_wiring(monkeypatch):

@@ -17,6 +17,9 @@ import sys
 from pdserve.plan import calibrate as plan_calibrate
 from pdserve.plan import roofline as planner
 from pdserve.plan.model import resolve_spec
+from serving.config import RoutingOptions
+
+LOCAL_PREFILL_TOKENS = RoutingOptions.model_fields["local_prefill_tokens"].default
 
 HARDWARE_CHOICES = ["h100", "h200", "a100", "l40s", "cpu"]
 
@@ -36,6 +39,10 @@ def add_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("--cached-len", type=int, default=0,
                     help="leading prompt tokens the replicas hold already (a shared system prompt, earlier "
                          "turns): computed once, held once per decode replica")
+    pl.add_argument("--local-prefill-tokens", type=int, default=LOCAL_PREFILL_TOKENS,
+                    help="with --cached-len: at most this many tokens past the prefix are computed in the decode "
+                         "replicas' steps, no prefill replica (pdserve's routing.local_prefill_tokens, default "
+                         "%(default)s; 0: every prompt through the prefill pool)")
     pl.add_argument("--rate", type=float, default=10.0, help="requests per second")
     pl.add_argument("--ttft-slo", type=float, default=0.5, help="seconds")
     pl.add_argument("--tpot-slo", type=float, default=0.05, help="seconds")
@@ -60,6 +67,8 @@ def run(args) -> int:
         if not 0 <= args.cached_len < args.input_len:
             raise ValueError(f"--cached-len {args.cached_len} must be at least 0 and below --input-len "
                              f"{args.input_len}")
+        if args.local_prefill_tokens < 0:
+            raise ValueError(f"--local-prefill-tokens {args.local_prefill_tokens} must be at least 0")
     except ValueError as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
@@ -69,7 +78,8 @@ def run(args) -> int:
     cached = f" ({args.cached_len} of them cached)" if args.cached_len else ""
     print(f"\nworkload: {args.rate} req/s, {args.input_len} in{cached} / {args.output_len} out tokens, "
           f"SLOs TTFT {args.ttft_slo * 1e3:.0f} ms, TPOT {args.tpot_slo * 1e3:.0f} ms")
-    _print_plan("recommended at the roofline", planner.plan(model, hw, *slos, cached_len=args.cached_len))
+    _print_plan("recommended at the roofline", planner.plan(model, hw, *slos, cached_len=args.cached_len,
+                                                            local_prefill_tokens=args.local_prefill_tokens))
     cal = None
     if report is not None:
         try:
@@ -83,7 +93,7 @@ def run(args) -> int:
               "interference or noise that a single factor does not capture)\n")
         _print_plan("recommended, calibrated",
                     planner.plan(model, hw, *slos, prefill_eff=cal.prefill_eff, decode_eff=cal.decode_eff,
-                                 cached_len=args.cached_len))
+                                 cached_len=args.cached_len, local_prefill_tokens=args.local_prefill_tokens))
     if args.plot:
         from pdserve.plan.plot import plot
         plot(args.plot, model, hw, prefill_eff=cal and cal.prefill_eff, decode_eff=cal and cal.decode_eff)

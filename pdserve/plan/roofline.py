@@ -110,9 +110,11 @@ def ttft_bound(m: ModelSpec, hw: Hardware, s: float, cached: float = 0) -> float
     return max(2 * m.params * (s - cached) / hw.peak_flops, (m.weight_bytes + m.kv_bytes_per_token * s) / hw.mem_bw)
 
 
-def tpot_bound(m: ModelSpec, hw: Hardware, s: float, batch: int = 1) -> float:
-    return max(2 * m.params * batch / hw.peak_flops,
-               (m.weight_bytes + m.kv_bytes_per_token * m.read_tokens(s) * batch) / hw.mem_bw)
+def tpot_bound(m: ModelSpec, hw: Hardware, s: float, batch: float = 1, prompt_tokens: float = 0.0) -> float:
+    """A decode step of `batch` sequences of `s` tokens, with `prompt_tokens` of prompts computed in
+    it too (local prefill: a conversation's next turn run in its decode replica's steps)."""
+    return max(2 * m.params * (batch + prompt_tokens) / hw.peak_flops,
+               (m.weight_bytes + m.kv_bytes_per_token * (m.read_tokens(s) * batch + prompt_tokens)) / hw.mem_bw)
 
 
 def decode_context(input_len: float, output_len: float) -> float:
@@ -136,7 +138,7 @@ class Plan:
 
 def plan(m: ModelSpec, hw: Hardware, input_len: int, output_len: int, rate: float,
          ttft_slo: float, tpot_slo: float, prefill_eff: float = 1.0, decode_eff: float = 1.0,
-         cached_len: int = 0) -> Plan:
+         cached_len: int = 0, local_prefill_tokens: int = 0) -> Plan:
     """Replicas per pool for `rate` requests/s meeting both SLOs.
 
     Predicted times are the roofline bounds divided by the efficiencies (1.0: the bare roofline):
@@ -146,6 +148,11 @@ def plan(m: ModelSpec, hw: Hardware, input_len: int, output_len: int, rate: floa
     `cached_len`: the prompts' leading tokens every replica holds already (a shared system prompt
     or a conversation's earlier turns, with prefix affinity): a prefill computes only the rest, and
     a decode replica holds one copy of them for its whole batch (each sequence still reads them).
+    `local_prefill_tokens` (pdserve's `routing.local_prefill_tokens`): where a cached prefix leaves at
+    most this many tokens to compute, the decode replicas compute them in their steps (each step
+    carries B x computed / output_len prompt tokens on average; TTFT is about two steps: the one
+    running, then the one with the prompt) and the prefill pool keeps one replica for prompts the
+    caches miss.
     """
     if not (prefill_eff > 0 and decode_eff > 0):
         raise ValueError(f"efficiencies must be positive, got {prefill_eff!r}, {decode_eff!r}")
@@ -153,9 +160,12 @@ def plan(m: ModelSpec, hw: Hardware, input_len: int, output_len: int, rate: floa
         raise ValueError(f"the cached prefix ({cached_len} tokens) must be shorter than the prompt ({input_len})")
     ttft = ttft_bound(m, hw, input_len, cached_len) / prefill_eff
     context = decode_context(input_len, output_len)
+    computed = input_len - cached_len
+    local = 0 < cached_len and computed <= local_prefill_tokens
+    rows = computed / output_len if local else 0.0
 
     def tpot(b: int) -> float:
-        return tpot_bound(m, hw, context, b) / decode_eff
+        return tpot_bound(m, hw, context, b, b * rows) / decode_eff
 
     kv_room = hw.mem_bytes * 0.9 - m.weight_bytes - m.kv_bytes_per_token * cached_len
     held = m.held_tokens(input_len - cached_len + output_len, input_len - cached_len)
@@ -165,17 +175,21 @@ def plan(m: ModelSpec, hw: Hardware, input_len: int, output_len: int, rate: floa
         if tpot(b) > tpot_slo:
             break
         batch = b
+    if local:
+        ttft = tpot(max(batch, 1)) + tpot_bound(m, hw, context, max(batch, 1), computed) / decode_eff
     if ttft > ttft_slo or batch == 0:
         where = "(calibrated)" if (prefill_eff, decode_eff) != (1.0, 1.0) else "(at the roofline)"
         missed = [f"TTFT {ttft * 1e3:.4g} ms > {ttft_slo * 1e3:.4g} ms"] if ttft > ttft_slo else []
         missed += [f"TPOT {tpot(1) * 1e3:.4g} ms > {tpot_slo * 1e3:.4g} ms"] if tpot(1) > tpot_slo else []
         missed += ["KV memory"] if max_batch_mem == 0 else []
         return Plan(0, 0, 0, ttft, tpot(1), f"SLO unreachable on this hardware {where}: {', '.join(missed)}")
-    prefill = math.ceil(rate * ttft / 1.0) or 1           # each replica is busy ttft per request
+    prefill = 1 if local else math.ceil(rate * ttft / 1.0) or 1     # each replica is busy ttft per request
     tokens_per_decode_replica = batch / tpot(batch)
     decode = math.ceil(rate * output_len / tokens_per_decode_replica) or 1
+    where = (f"; prompts' {computed} tokens past the cached prefix prefilled in the decode replicas "
+             f"(routing.local_prefill_tokens {local_prefill_tokens})") if local else ""
     return Plan(prefill, decode, batch, ttft, tpot(batch),
-                f"decode batch {batch} limited by {'TPOT SLO' if batch < max_batch_mem else 'KV memory'}")
+                f"decode batch {batch} limited by {'TPOT SLO' if batch < max_batch_mem else 'KV memory'}{where}")
 
 
 def served_dtype(hardware: str) -> str:

@@ -32,6 +32,9 @@ from pdserve.plan.sim_load import parse_schedule, poisson, prompt_lengths, read_
 from pdserve.plan.sim_report import step_model, summarize
 from pdserve.plan.sim_study import HEADER, Study, autoscaled, compare, make_scaler, recommend
 from pdserve.plan.simulator import Fleet, Simulator
+from serving.config import RoutingOptions
+
+LOCAL_PREFILL_TOKENS = RoutingOptions.model_fields["local_prefill_tokens"].default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jitter", type=float, default=0.2, help="prompt lengths uniform in input_len * (1 +- jitter)")
     p.add_argument("--cached-len", type=int, default=0, help="every prompt's first N tokens are a prefix all "
                    "replicas hold (a shared system prompt): computed and sent once, held once per replica")
+    p.add_argument("--local-prefill-tokens", type=int, default=LOCAL_PREFILL_TOKENS,
+                   help="with --cached-len: a prompt computing at most this many tokens beyond the prefix, with "
+                        "those its decode replica has queued, is prefilled by that replica in its decode steps "
+                        "(pdserve's routing.local_prefill_tokens, default %(default)s; 0: all to the prefill pool)")
     p.add_argument("--ttft-slo", type=float, default=0.5)
     p.add_argument("--tpot-slo", type=float, default=0.05)
     p.add_argument("--rates", default="1,10,100", help="comparison rates (req/s)")
@@ -103,10 +110,11 @@ def _requests(args, study: Study):
         args.duration, schedule
 
 
-def _fleet(text: str) -> Fleet:
+def _fleet(text: str, local_prefill_tokens: int) -> Fleet:
     kind, _, n = text.partition(":")
     try:
-        return Fleet("colocated", int(n)) if kind == "colocated" else Fleet("disaggregated", int(kind), int(n))
+        return Fleet("colocated", int(n)) if kind == "colocated" else \
+            Fleet("disaggregated", int(kind), int(n), local_prefill_tokens=local_prefill_tokens)
     except ValueError:
         raise ValueError(f"--fleet {text!r}: expected 'P:D' or 'colocated:N'") from None
 
@@ -126,7 +134,10 @@ def run(args) -> int:
     try:
         m, spec, hw = _model(args)
         study = Study(args.input_len, args.output_len, args.ttft_slo, args.tpot_slo, args.duration, args.jitter,
-                      args.target, args.startup_s, args.max_replicas, args.seed, args.cached_len)
+                      args.target, args.startup_s, args.max_replicas, args.seed, args.cached_len,
+                      args.local_prefill_tokens)
+        if args.local_prefill_tokens < 0:
+            raise ValueError(f"--local-prefill-tokens {args.local_prefill_tokens} must be at least 0")
         if args.cached_len:
             if args.validate:
                 raise ValueError("--cached-len does not apply to --validate (a bench report's prompts share no prefix)")
@@ -137,7 +148,7 @@ def run(args) -> int:
                 raise ValueError(f"--cached-len {args.cached_len} must be below the shortest prompt ({shortest} "
                                  "tokens: --input-len less --jitter)")
             m = dataclasses.replace(m, kv_tokens=m.kv_tokens - args.cached_len)   # the prefix, held once
-        fleet = _fleet(args.fleet) if args.fleet else None
+        fleet = _fleet(args.fleet, args.local_prefill_tokens) if args.fleet else None
         rates = [float(r) for r in args.rates.split(",")] if not (fleet or args.policy) else []
         if args.policy and not (args.schedule or args.trace):
             raise ValueError("--policy needs --schedule or --trace")
@@ -177,7 +188,8 @@ def run(args) -> int:
             print(f"pdserve simulate: {exc}", file=sys.stderr)
             return 2
         if args.policy:
-            fleet = Fleet("disaggregated", 1, 1, make_scaler(m, study, args.policy), startup_s=args.startup_s)
+            fleet = Fleet("disaggregated", 1, 1, make_scaler(m, study, args.policy), startup_s=args.startup_s,
+                          local_prefill_tokens=args.local_prefill_tokens)
         res = Simulator(m, fleet, args.seed, host=host).run(reqs, duration)
         summary = summarize(res, args.ttft_slo, args.tpot_slo)
         print(SUMMARY_HEADER)

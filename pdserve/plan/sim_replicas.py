@@ -12,12 +12,13 @@ reads the whole context (a windowed layer: its window's keys).
 
   PrefillReplica    FIFO of prompts; each step takes up to `max_batched_tokens` prompt tokens from the
                     head (chunked prefill: a long prompt spans steps, short ones share a step).
-  DecodeReplica     continuous batching: sequences whose KV arrived join at the next step (up to
-                    `max_num_seqs`); each step emits one token per running sequence. O(log B) per
-                    step: a sequence is kept as the step index at which it finishes, and the batch's
-                    total context grows by B per step.
-  ColocatedReplica  both: decode sequences first, the rest of the token budget to prompt chunks (none
-                    while `max_num_seqs` sequences decode).
+  ColocatedReplica  continuous batching: decode sequences first, the rest of the token budget to
+                    prompt chunks (none while `max_num_seqs` sequences decode); a prompt done joins
+                    the batch. O(log B) per step: a sequence is kept as the step index at which it
+                    finishes, and the batch's total context grows by B per step.
+  DecodeReplica     a colocated replica whose sequences mostly come with their KV (`add`: they join
+                    at the next step, up to `max_num_seqs`); the prompts it computes itself are local
+                    prefills (`add_local`: a conversation's next turn, `routing.local_prefill_tokens`).
 """
 
 from __future__ import annotations
@@ -139,42 +140,6 @@ class PrefillReplica(_Replica):
         return done
 
 
-class DecodeReplica(_Replica):
-    __slots__ = ("pending", "batch", "stepping")
-
-    def __init__(self, *a):
-        super().__init__(*a)
-        self.pending: deque = deque()      # KV arrived, waiting for a batch slot
-        self.batch = _Batch(self.m.window)
-        self.stepping = 0
-
-    @property
-    def running(self) -> int:
-        return len(self.batch.heap)
-
-    def add(self, r: Request) -> None:
-        self.pending.append(r)
-
-    def idle(self) -> bool:
-        return not self.busy and not self.pending and not self.batch.heap
-
-    def start(self, now: float) -> float | None:
-        while self.pending and len(self.batch.heap) < self.m.max_num_seqs:
-            self.batch.add(self.pending.popleft())
-        self.stepping = len(self.batch.heap)
-        if not self.stepping:
-            return None
-        self.busy = True
-        return now + self.m.step_time(0, self.stepping, self.m.decode_read(self.batch.context, self.batch.windowed))
-
-    def end(self, now: float) -> list[Request]:
-        self.busy = False
-        done = self.batch.advance(self.stepping, now)
-        for r in done:
-            self.kv_reserved -= r.reserved
-        return done
-
-
 class ColocatedReplica(PrefillReplica):
     __slots__ = ("batch", "stepping")
 
@@ -213,3 +178,25 @@ class ColocatedReplica(PrefillReplica):
                 self.kv_reserved -= r.reserved
                 done.append(r)
         return done
+
+
+class DecodeReplica(ColocatedReplica):
+    __slots__ = ("pending",)
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.pending: deque = deque()      # KV arrived, waiting for a batch slot
+
+    def add(self, r: Request) -> None:
+        self.pending.append(r)
+
+    def add_local(self, r: Request) -> None:
+        PrefillReplica.add(self, r)
+
+    def idle(self) -> bool:
+        return super().idle() and not self.pending
+
+    def start(self, now: float) -> float | None:
+        while self.pending and len(self.batch.heap) < self.m.max_num_seqs:
+            self.batch.add(self.pending.popleft())
+        return super().start(now)

@@ -3,7 +3,8 @@
   PerPoolScaler  serving.autoscaling.decide on each pool's own signal (prefill: queued prompt tokens;
                  decode / colocated: KV utilization and running sequences), as PrefillPolicy/DecodePolicy;
   SloScaler      serving.slo_policy.decide on the router's view of the last `window_s` (arrival rate,
-                 mean lengths, TTFT/TPOT p90 of the requests that finished in it), as SloPolicy.
+                 mean lengths, local prefills' rate and size, TTFT/TPOT p90 of the requests that
+                 finished in it), as SloPolicy.
 Both clamp to [min_replicas, max_replicas] and apply Serve's delays (`Delays`): a change must be wanted
 continuously for upscale_delay_s / downscale_delay_s before it happens. Metrics are read instantly
 (Serve averages them over look_back_period_s; the SLO window plays that part for SloScaler). The SLO
@@ -65,6 +66,9 @@ class _Scaler:
     def finished(self, req: Request, now: float) -> None:
         pass
 
+    def local(self, req: Request, now: float) -> None:
+        """`req` went to a decode replica's own steps (local prefill)."""
+
     def _apply(self, sim, now: float, desired: dict[str, int]) -> tuple[int, int]:
         out = [self.delays[p].apply(sim.counts(p), desired.get(p, sim.counts(p)), now) for p in ("prefill", "decode")]
         return out[0], out[1]
@@ -101,6 +105,7 @@ class SloScaler(_Scaler):
         self.m, self.t, self.window_s = model, targets, window_s
         self.arrivals: deque = deque()     # (t, input_len, output_len, cached)
         self.done: deque = deque()         # (t, ttft, tpot)
+        self.locals: deque = deque()       # (t, prompt tokens computed): local prefills
         self.correction = (1.0, 1.0)
         self.last = None
         self.backlog_at = 0.0              # when a backlog was last seen
@@ -111,8 +116,11 @@ class SloScaler(_Scaler):
     def finished(self, req: Request, now: float) -> None:
         self.done.append((now, req.ttft, req.tpot))
 
+    def local(self, req: Request, now: float) -> None:
+        self.locals.append((now, req.new_tokens))
+
     def observation(self, sim, now: float) -> Observation | None:
-        for q in (self.arrivals, self.done):
+        for q in (self.arrivals, self.done, self.locals):
             while q and q[0][0] < now - self.window_s:
                 q.popleft()
         if now < self.window_s / 2:
@@ -124,7 +132,9 @@ class SloScaler(_Scaler):
         return Observation(n / span, sum(a[1] for a in self.arrivals) / n if n else 1.0,
                            sum(a[2] for a in self.arrivals) / n if n else 1.0, p90(ttfts), p90(tpots), len(self.done),
                            sum(r.queued_tokens for r in sim.pools["prefill"]), len(sim.waiting),
-                           cached_len=sum(a[3] for a in self.arrivals) / n if n else 0.0)
+                           cached_len=sum(a[3] for a in self.arrivals) / n if n else 0.0,
+                           local_rate=len(self.locals) / span,
+                           local_len=sum(a[1] for a in self.locals) / len(self.locals) if self.locals else 0.0)
 
     def decide(self, sim, now: float) -> tuple[int, int]:
         warming = _warming(sim, "prefill", now, self.bounds["prefill"].warmup_s) or \

@@ -36,6 +36,7 @@ class Study:
     max_replicas: int = 1000
     seed: int = 0
     cached_len: int = 0            # a prefix of every prompt that every replica holds (sim_load)
+    local_prefill_tokens: int = 0  # Fleet.local_prefill_tokens (pdserve's routing.local_prefill_tokens)
 
 
 def simulate(m: StepModel, s: Study, rate: float, fleet: Fleet, since: float = 0.0) -> dict:
@@ -71,7 +72,7 @@ def best_split(m: StepModel, s: Study, rate: float) -> tuple[tuple[int, int] | N
     generous = min(s.max_replicas, 2 * max(sized.prefill, sized.decode, 1) + 2)
 
     def run(p, d):
-        return simulate(m, s, rate, Fleet("disaggregated", p, d))
+        return simulate(m, s, rate, Fleet("disaggregated", p, d, local_prefill_tokens=s.local_prefill_tokens))
     p = least(lambda p: run(p, generous)["attainment"] >= s.target, 1, s.max_replicas)
     if p is None:
         return None, None
@@ -111,7 +112,7 @@ def autoscaled(m: StepModel, s: Study, rate: float, policy: str, utilization: fl
     """A run that starts at 1:1 and scales with `policy` ('slo' or 'per-pool') under `schedule` (default:
     `ramp` to `rate` over 2 x `s.duration`, then `s.duration` held, measured over the held part)."""
     scaler = make_scaler(m, s, policy, utilization)
-    fleet = Fleet("disaggregated", 1, 1, scaler, startup_s=s.startup_s)
+    fleet = Fleet("disaggregated", 1, 1, scaler, startup_s=s.startup_s, local_prefill_tokens=s.local_prefill_tokens)
     duration = duration or 3 * s.duration
     reqs = poisson(schedule or ramp(rate, 2 * s.duration), duration, s.input_len, s.output_len, s.jitter, s.seed,
                    s.cached_len)

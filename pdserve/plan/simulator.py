@@ -7,6 +7,9 @@ The life of a simulated request (disaggregated), in event order:
      QueuedPromptTokensRouter without their prefix affinity: the prompts share no prefix but,
      with `Request.cached`, one every replica holds; beyond `EXACT_ROUTING` replicas the best of
      `SAMPLE` random ones);
+     With `Fleet.local_prefill_tokens`, a prompt whose cached prefix the decode replica holds and
+     whose computed tokens, with those the replica has queued, are within it goes no further: the
+     decode replica computes it in its own steps (local prefill; steps 2-3 skipped);
   2. prefill steps (STEP events) until its prompt is done: first token then (TTFT);
   3. KV transfer: KV event after kappa * (S - cached) / link bandwidth;
   4. decode steps until output_len tokens: last token (TPOT = (end - first) / (out - 1)); its KV frees.
@@ -45,6 +48,7 @@ class Fleet:
     scaler: object | None = None    # sim_scaling.PerPoolScaler / SloScaler
     startup_s: float = 30.0
     tick_s: float = 1.0
+    local_prefill_tokens: int = 0   # pdserve's `routing.local_prefill_tokens` (0: every prompt handed off)
 
 
 @dataclass
@@ -125,10 +129,16 @@ class Simulator:
             return False
         target = max(fits, key=lambda r: r.kv_free() / r.m.kv_tokens)
         target.kv_reserved += need
-        if self.fleet.mode == "disaggregated":
-            self.home[req.id] = target
-            target = min(self._candidates("prefill"), key=lambda r: r.queued_tokens)
-        target.add(req)
+        if self.fleet.mode == "disaggregated" and req.cached > 0 \
+                and req.new_tokens + target.queued_tokens <= self.fleet.local_prefill_tokens:
+            target.add_local(req)         # prefilled where its KV is reserved: no hand-off
+            if self.fleet.scaler is not None:
+                self.fleet.scaler.local(req, self.now)
+        else:
+            if self.fleet.mode == "disaggregated":
+                self.home[req.id] = target
+                target = min(self._candidates("prefill"), key=lambda r: r.queued_tokens)
+            target.add(req)
         self._kick(target)
         return True
 
