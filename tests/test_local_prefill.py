@@ -5,8 +5,8 @@ replica and no KV hand-off; a prompt new to it, or a longer remainder, goes thro
 One tiny app of 1 prefill + 1 decode replica. A conversation's first turn (nothing cached) is handed
 off; its next turn (the first turn's prompt, the reply's tokens and a short message) finds the
 decode replica holding the first turn's blocks and is prefilled there: the decode replica's
-counter of local prefills goes up, no K/V lands, nothing reaches the prefill pool, and the output
-is Hugging Face `generate`'s (greedy, fp32) streamed or not. A fresh short prompt is handed off
+counter of local prefills goes up, no K/V lands, nothing reaches the prefill pool, the router's
+SLO window counts it, and the output is Hugging Face `generate`'s (greedy, fp32) streamed or not. A fresh short prompt is handed off
 too; the second choice of an `n` = 2 request, which finds the first one's blocks, is not. A client
 that leaves a local prefill's stream leaves every block free.
 """
@@ -15,9 +15,11 @@ import json
 
 import pytest
 import torch
+from ray import serve
 from transformers import AutoModelForCausalLM
 
 from serving.config import RoutingOptions
+from serving.slo_autoscaling import LOCAL_RATE, LOCAL_TOKENS
 from service_util import http, leave_at_first_token, metrics, pools_all_free, sse_events, tiny_app, wait_until
 
 pytestmark = pytest.mark.slow
@@ -96,6 +98,9 @@ def test_a_conversations_next_turn_is_prefilled_in_the_decode_replica(app, hf_gr
         expected = {**after1, "local": after1["local"] + i + 1}   # no hand-off, nothing in the prefill pool
         assert settled(app, expected) == expected
     assert pools_all_free(app, {"prefill", "decode"})
+    # the SLO policy's view: the router's window counts both local prefills and what they computed
+    window = serve.get_deployment_handle("Router", "lp").record_autoscaling_stats.remote().result()
+    assert window[LOCAL_RATE] > 0 and 0 < window[LOCAL_TOKENS] <= len(turn2) - held
 
 
 def test_a_new_prompt_is_handed_off_and_its_second_choice_is_prefilled_there(app, hf_greedy):
