@@ -75,6 +75,7 @@ from serving.messages import WireSamplingParams
 
 RETRY_DELAYS_S = (0.0, 0.25, 0.5, 1.0) + (2.0,) * 6   # before each attempt (see the module docstring)
 HANDOFF_GRACE_S = 2.0   # after a push was lost (see step 4): how long a `Landed` may still be on its way
+WAKE_AFTER_S = 0.25     # a reservation slower than this may be a decode pool starting: wake the prefill pool
 _GONE = (RayError, ReplicaUnavailableError)   # a replica died, or was removed before the dispatch
 
 
@@ -201,15 +202,13 @@ class Orchestrator:
     async def _handoff(self, rid: str, prompt: list[int], wire, resumed: tuple[int, ...] = (),
                        shown: int = 0, ready=lambda: None) -> AsyncIterator[messages.TokenEvent]:
         arrived = time.monotonic()
-        if self.prefill_waker is not None:
-            self.prefill_waker.poke()
         decode = self.decode.remote(messages.encode(
             messages.DecodeRequest(rid, tuple(prompt), wire, resumed, shown)))
         prefill, decode_ended, abandoned = None, False, True
         try:
             # 1. the reservation (or a refusal, at once; or the first token of a local prefill)
             try:
-                reserved = _check(messages.decode(await decode.__anext__()))
+                reserved = _check(messages.decode(await self._reservation(decode)))
             except _GONE as exc:
                 raise _StartOver() from exc
             except RequestFailed as failed:
@@ -277,6 +276,24 @@ class Orchestrator:
                 _cancel(decode)
             if abandoned and prefill is not None:   # client gone, deadline or failure
                 _cancel(prefill)
+
+    async def _reservation(self, decode) -> bytes:
+        """The decode stream's first message (step 1). A prefill pool that may be at zero is woken
+        (router/wake.py) only when that message is slow to come, as from a decode pool starting
+        from zero too: from a running decode replica it comes within a step, and then a hand-off's
+        own prefill call wakes the pool, while a local prefill needs no prefill replica at all."""
+        if self.prefill_waker is None:
+            return await decode.__anext__()
+        nxt = asyncio.ensure_future(decode.__anext__())
+        try:
+            await asyncio.wait({nxt}, timeout=WAKE_AFTER_S)
+            if not nxt.done():
+                self.prefill_waker.poke()
+            return await nxt
+        finally:
+            if not nxt.done():        # the request was cancelled meanwhile
+                nxt.cancel()
+                nxt.add_done_callback(lambda task: task.cancelled() or task.exception())
 
     def _follow(self, prefill) -> asyncio.Task:
         """Read the rest of a prefill stream (the push's end) in the background: the call ends

@@ -4,14 +4,17 @@ Waking (`PoolWaker`): a disaggregated request calls the decode pool first (the r
 the prefill pool only once it has one (router/orchestrator.py step 2). With both pools at zero
 replicas, Serve would start the decode replica for the waiting reservation and the prefill replica
 only after it: two cold starts one after the other. So the router also sends the prefill pool a
-cheap call (`stats`) as each request starts: while the pool has no replica the call waits at the
-handle, where Serve's autoscaler counts it as a waiting request (`total_num_requests`, which
-serving.autoscaling's policies start a replica for), so both pools start at once. The router's
-config does not say whether a pool may scale to zero (the pools' scaling is not in the router's
-arguments, so that Serve changes it in place: pdserve/serve_config.py), so the waker asks Serve
-(`serving.ray_compat.scales_to_zero`) at its first poke and every `check_s` after, in the
-background, and pokes only while the answer is yes (or not in yet). Who calls: the orchestrator,
-at the start of every hand-off (`poke`). At most one call is in flight and at most one starts
+cheap call (`stats`) when a reservation is slow to come (router/orchestrator.py `WAKE_AFTER_S`, as
+from a decode pool starting; a running decode replica answers within a step, and then the
+hand-off's own prefill call wakes the pool, while a prompt the decode replica prefills itself needs
+none): while the pool has no replica the call waits at the handle, where Serve's autoscaler counts
+it as a waiting request (`total_num_requests`, which serving.autoscaling's policies start a replica
+for), so both pools start at once. The router's config does not say whether a pool may scale to
+zero (the pools' scaling is not in the router's arguments, so that Serve changes it in place:
+pdserve/serve_config.py), so the waker asks Serve (`serving.ray_compat.scales_to_zero`) at its
+first poke and every `check_s` after, in the background, and pokes only while the answer is yes
+(or not in yet). Who calls: the orchestrator, when a hand-off's reservation has not come within
+`WAKE_AFTER_S` (`poke`). At most one call is in flight and at most one starts
 every `every_s`; its answer is dropped.
 
 Health (`at_zero`): `/health` wants a ready replica in each pool, except in a pool that may scale to
