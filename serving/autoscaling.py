@@ -18,12 +18,20 @@ a handle (Serve's `total_num_requests`; Serve skips the upscale delay from zero)
 replica past its warm-up goes once no request runs on it or waits (after Serve's
 `downscale_to_zero_delay_s`). Requests, not load: an idle decode replica's prefix cache still
 holds KV.
+Each policy writes one line to Serve's controller log (logs/serve/controller_<pid>.log) when it
+wants a count other than the pool's current one, with its reason and the bound that clips it
+(`log_scaling`), and not again while it wants the same (Serve calls it every ~0.1 s).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
+
+from serving.serve_logging import SERVE_LOGGER
+
+log = logging.getLogger(SERVE_LOGGER)     # in Serve's controller, where the policies run: its log file
 
 PREFILL_METRIC = "queued_prompt_tokens"
 KV_METRIC = "kv_utilization"
@@ -66,6 +74,21 @@ def _track_ages(state: dict, replica_ids, now: float, warmup_s: float) -> bool:
     return any(now - t < warmup_s for t in first_seen.values())
 
 
+def log_scaling(state: dict, label: str, current: int, wanted: int, bounded: int, reason: str) -> None:
+    """One controller-log line when a policy wants `wanted` replicas where `current` run (`bounded`:
+    what the pool's min/max leave of it), remembered in `state`: wanting the same change again, also
+    after a tick of holding or with another count past the bound, is silent. A change that only
+    the bounds make (Serve starting a pool at its min_replicas, a lowered max_replicas) is Serve's,
+    not the policy's: not logged."""
+    key = [current, bounded]
+    if wanted == current or state.get("logged") == key:
+        return
+    clipped = f" (wants {wanted}: {'max' if wanted > bounded else 'min'}_replicas)" if wanted != bounded else ""
+    change = f"stays at {current}" if bounded == current else f"{current} -> {bounded}"
+    log.info("pdserve autoscaling %s: %s replicas%s: %s", label, change, clipped, reason)
+    state["logged"] = key
+
+
 def _replica_values(metrics: dict | None, name: str) -> dict[str, float]:
     return {str(rid): float(v) for rid, v in ((metrics or {}).get(name) or {}).items()}
 
@@ -99,6 +122,7 @@ class _PoolPolicy:
                 decision = Decision(0, "no request running or waiting")
         state["last_reason"] = decision.reason
         bounded = min(max(decision.replicas, ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)
+        log_scaling(state, ctx.deployment_name, current, decision.replicas, bounded, decision.reason)
         return bounded, state
 
 

@@ -11,7 +11,9 @@ What `SloPolicy.__call__` does each tick:
   2. `serving.slo_policy.decide` (model correction, sizing, one-step scale-down with hysteresis, no
      scale-down while a replica younger than `warmup_s` exists);
   3. clamp to each pool's capacity-adjusted min/max and return {prefill id: P, decode id: D} with
-     the correction factors and the reason in the prefill pool's policy state.
+     the correction factors and the reason in the prefill pool's policy state; a count other than
+     the pool's current one, and an SLO no count can meet, go to Serve's controller log once
+     (`serving.autoscaling.log_scaling`).
 Draining is Serve's: a decode replica being removed stops receiving requests and finishes its streams
 (`graceful_shutdown_timeout_s`). The per-replica model arrives as `model` (StepModel fields as plain
 numbers, policy_kwargs must be JSON); pdserve/serve_config.py builds it from the planner.
@@ -19,7 +21,7 @@ numbers, policy_kwargs must be JSON); pdserve/serve_config.py builds it from the
 
 from __future__ import annotations
 
-from serving.autoscaling import PREFILL_METRIC, WAITING_METRIC, _replica_values, _track_ages
+from serving.autoscaling import PREFILL_METRIC, WAITING_METRIC, _replica_values, _track_ages, log, log_scaling
 from serving.slo_model import StepModel
 from serving.slo_policy import Observation, SloTargets, decide, has_backlog
 
@@ -100,4 +102,13 @@ class SloPolicy:
             return min(max(n, ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)
         states = {dep_id: dict(ctx.policy_state or {}) for dep_id, ctx in contexts.items()}
         states[pid] = state
-        return {pid: bounded(d.prefill, pctx), did: bounded(d.decode, dctx)}, states
+        held = d.reason if d.reason.startswith("hold: ") else None    # an SLO no count meets: said once
+        if held is not None and state.get("held") != held:
+            log.warning("pdserve autoscaling (SLO policy): %s", held)
+        state["held"] = held
+        counts = {pid: bounded(d.prefill, pctx), did: bounded(d.decode, dctx)}
+        for dep_id, ctx, wanted in ((pid, pctx, d.prefill), (did, dctx, d.decode)):
+            if obs is not None and ctx.current_num_replicas > 0:      # at 0: Serve starting the pool
+                log_scaling(states[dep_id], f"{ctx.deployment_name} (SLO policy)", ctx.current_num_replicas,
+                            wanted, counts[dep_id], d.reason)
+        return counts, states

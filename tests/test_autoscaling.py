@@ -4,6 +4,8 @@ The policies run inside Serve's own wrapper (`_apply_autoscaling_config`), which
 pool's min/max bounds and delays, exactly as the Serve controller calls them.
 """
 
+import logging
+
 import pytest
 from ray.serve._private.common import DeploymentID
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
@@ -12,6 +14,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from pdserve.serve_config import autoscaling_config
 from serving.autoscaling import KV_LOAD, QUEUED_LOAD, RUNNING_LOAD, DecodePolicy, PrefillPolicy, decide, load_metrics
 from serving.scaling_config import AutoscalingOptions, ScalingTargets
+from serving.serve_logging import SERVE_LOGGER
 
 
 def ctx(metrics, replicas, state=None, now=100.0, min_r=1, max_r=4, target=None, requests=1.0, upscale_delay_s=0):
@@ -83,6 +86,48 @@ def test_bounds_are_applied():
     p, t = DecodePolicy(), ScalingTargets(target_kv_utilization=0.5, target_running=1)
     assert run(p, ctx(loads(t, kv=[1.0], running=[50]), 1, OLD, max_r=3))[0] == 3
     assert run(p, ctx(loads(t, kv=[0.0, 0.0], running=[0, 0]), 2, OLD, min_r=2))[0] == 2
+
+
+@pytest.fixture
+def controller_log():
+    """The lines the policies write to Serve's logger (in Serve, the controller's log file)."""
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    logger, handler = logging.getLogger(SERVE_LOGGER), Keep()
+    old = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(old)
+
+
+def test_a_scaling_request_is_logged_once_with_its_reason_and_bound(controller_log):
+    p, t = DecodePolicy(), ScalingTargets(target_kv_utilization=0.5, target_running=1)
+    busy = loads(t, kv=[1.0], running=[50])
+    n, state = run(p, ctx(busy, 1, OLD, max_r=3, upscale_delay_s=5))      # Serve waits out the delay
+    assert n == 1 and controller_log == ["pdserve autoscaling pool: 1 -> 3 replicas (wants 50: max_replicas): "
+                                         "load 50.00 replicas > 1"]
+    for now in (101.0, 102.0):                                            # asking again: silent
+        state = run(p, ctx(busy, 1, state, now=now, max_r=3, upscale_delay_s=5))[1]
+    assert len(controller_log) == 1
+    n, state = run(p, ctx(loads(t, kv=[0.5], running=[1]), 1, state, now=103.0, max_r=3))    # a tick of holding
+    assert n == 1
+    state = run(p, ctx(busy, 1, state, now=104.0, max_r=3, upscale_delay_s=5))[1]          # the same again: silent
+    n, state = run(p, ctx(loads(t, kv=[0.5] * 3, running=[1] * 3), 3, state, max_r=3))   # there: nothing new
+    assert n == 3 and len(controller_log) == 1
+    n, state = run(p, ctx(loads(t, kv=[1.0] * 3, running=[9] * 3), 3, state, max_r=3))   # capped: said once
+    n, state = run(p, ctx(loads(t, kv=[1.0] * 3, running=[10] * 3), 3, state, now=101.0, max_r=3))  # 30: the same
+    assert n == 3 and controller_log[1:] == ["pdserve autoscaling pool: stays at 3 replicas (wants 27: "
+                                             "max_replicas): load 27.00 replicas > 3"]
+    del controller_log[1:]
+    run(p, ctx({}, 0, {}, min_r=1, requests=0.0))               # Serve starting the pool at its min: not logged
+    assert len(controller_log) == 1
+    run(p, ctx(loads(t, kv=[0.0] * 3, running=[0] * 3), 3, state, now=200.0, max_r=3))   # past warm-up
+    assert controller_log[-1] == "pdserve autoscaling pool: 3 -> 2 replicas: load 0.00 replicas fits in 2"
 
 
 def test_no_flapping_on_a_fresh_replica():

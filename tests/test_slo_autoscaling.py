@@ -4,6 +4,7 @@ contexts for the prefill pool, the decode pool and the router. Plus the router's
 config wiring (torch-free, fast)."""
 
 import dataclasses
+import logging
 import math
 
 import pytest
@@ -19,6 +20,7 @@ from serving.config import AppConfig
 from serving.slo_autoscaling import (CACHED, INPUT, LOCAL_RATE, LOCAL_TOKENS, OUTPUT, RATE, REFUSED, SAMPLES,
                                      TPOT_P90, TTFT_P90, SloPolicy, observation)
 from serving.slo_model import StepModel, Workload, local_ttft, mixed_ttft_p90, size_fleet, ttft_p90
+from serving.serve_logging import SERVE_LOGGER
 from serving.slo_policy import predicted_tpot
 
 MODEL = StepModel(params=5e8, weight_bytes=1e9, kv_bytes_per_token=1e5, peak_flops=1e13, mem_bw=1e12,
@@ -65,6 +67,27 @@ def test_a_load_step_sets_both_pools_to_the_planned_counts():
     p, d, _ = run(policy(), ctx("PrefillServer", 1, {}, OLD), ctx("DecodeServer", 1, {}, OLD),
                   ctx("Router", 1, router(1.0), max_r=1))
     assert (p, d) == (1, 1)
+
+
+def test_the_policy_logs_what_it_asks_for_and_an_slo_it_cannot_meet_once(caplog):
+    caplog.set_level(logging.INFO, logger=SERVE_LOGGER)
+    expected = size_fleet(MODEL, Workload(40.0, 512, 256), 0.5, 0.02)
+    state, dstate = dict(OLD), dict(OLD)
+    for now in (100.0, 101.0):                                   # Serve hands each pool's state back
+        p, d, states = run(policy(), ctx("PrefillServer", 1, {"queued_prompt_tokens": 0}, state, now=now),
+                           ctx("DecodeServer", 1, {}, dstate, now=now), ctx("Router", 1, router(40.0), max_r=1, now=now))
+        state, dstate = states[IDS["PrefillServer"]], states[IDS["DecodeServer"]]
+    lines = [r.getMessage() for r in caplog.records if "pdserve autoscaling" in r.getMessage()]
+    assert len(lines) == 2 and lines[0].startswith(f"pdserve autoscaling PrefillServer (SLO policy): 1 -> {p} "), lines
+    assert lines[1].startswith(f"pdserve autoscaling DecodeServer (SLO policy): 1 -> {d} ") and "needs" in lines[1]
+    assert (p, d) == (expected.prefill, expected.decode)
+    caplog.clear()
+    slow = {**router(1.0, n_in=100_000), RATE: 1.0}              # a prompt no replica prefills within the SLO
+    for _ in range(3):
+        state = run(policy(), ctx("PrefillServer", 1, {}, state), ctx("DecodeServer", 1, {}, OLD),
+                    ctx("Router", 1, slow, max_r=1))[2][IDS["PrefillServer"]]
+    held = [r for r in caplog.records if "SLO unreachable" in r.getMessage()]
+    assert len(held) == 1 and held[0].levelno == logging.WARNING
 
 
 def test_holds_without_router_metrics():
