@@ -75,7 +75,8 @@ def test_the_policy_logs_what_it_asks_for_and_an_slo_it_cannot_meet_once(caplog)
     state, dstate = dict(OLD), dict(OLD)
     for now in (100.0, 101.0):                                   # Serve hands each pool's state back
         p, d, states = run(policy(), ctx("PrefillServer", 1, {"queued_prompt_tokens": 0}, state, now=now),
-                           ctx("DecodeServer", 1, {}, dstate, now=now), ctx("Router", 1, router(40.0), max_r=1, now=now))
+                           ctx("DecodeServer", 1, {}, dstate, now=now),
+                           ctx("Router", 1, router(40.0), max_r=1, now=now))
         state, dstate = states[IDS["PrefillServer"]], states[IDS["DecodeServer"]]
     lines = [r.getMessage() for r in caplog.records if "pdserve autoscaling" in r.getMessage()]
     assert len(lines) == 2 and lines[0].startswith(f"pdserve autoscaling PrefillServer (SLO policy): 1 -> {p} "), lines
