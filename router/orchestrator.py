@@ -282,13 +282,16 @@ class Orchestrator:
         (router/wake.py) only when that message is slow to come, as from a decode pool starting
         from zero too: from a running decode replica it comes within a step, and then a hand-off's
         own prefill call wakes the pool, while a local prefill needs no prefill replica at all."""
-        if self.prefill_waker is None:
+        waker = self.prefill_waker
+        if waker is not None:
+            waker.refresh()
+        if waker is None or waker.may_be_at_zero is False:      # a pool that keeps a replica: no timer
             return await decode.__anext__()
         nxt = asyncio.ensure_future(decode.__anext__())
         try:
             await asyncio.wait({nxt}, timeout=WAKE_AFTER_S)
             if not nxt.done():
-                self.prefill_waker.poke()
+                waker.poke()
             return await nxt
         finally:
             if not nxt.done():        # the request was cancelled meanwhile

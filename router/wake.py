@@ -13,8 +13,8 @@ for), so both pools start at once. The router's config does not say whether a po
 zero (the pools' scaling is not in the router's arguments, so that Serve changes it in place:
 pdserve/serve_config.py), so the waker asks Serve (`serving.ray_compat.scales_to_zero`) at its
 first poke and every `check_s` after, in the background, and pokes only while the answer is yes
-(or not in yet). Who calls: the orchestrator, when a hand-off's reservation has not come within
-`WAKE_AFTER_S` (`poke`). At most one call is in flight and at most one starts
+(or not in yet). Who calls: the orchestrator, at every hand-off (`refresh`) and when its
+reservation has not come within `WAKE_AFTER_S` (`poke`). At most one call is in flight and at most one starts
 every `every_s`; its answer is dropped.
 
 Health (`at_zero`): `/health` wants a ready replica in each pool, except in a pool that may scale to
@@ -43,13 +43,20 @@ class PoolWaker:
         self._check: asyncio.Task | None = None
         self._checked = float("-inf")
 
-    def poke(self) -> None:
-        """Send the pool a `stats` call (now: Serve submits it as `.remote()` returns) unless it keeps
-        a replica (Serve said so), or a call is in flight, or one started less than `every_s` ago."""
+    def refresh(self) -> None:
+        """Ask Serve again, in the background, whether the pool may be at zero, if `check_s` passed
+        since the last time (the orchestrator calls this at every hand-off, so that a pool's scaling
+        changed in place is known before a slow reservation needs it)."""
         now = time.monotonic()
         if now - self._checked >= self.check_s and (self._check is None or self._check.done()):
             self._checked = now
             self._check = asyncio.ensure_future(self._ask_serve())
+
+    def poke(self) -> None:
+        """Send the pool a `stats` call (now: Serve submits it as `.remote()` returns) unless it keeps
+        a replica (Serve said so), or a call is in flight, or one started less than `every_s` ago."""
+        self.refresh()
+        now = time.monotonic()
         if self.may_be_at_zero is False:
             return
         if (self._call is not None and not self._call.done()) or now - self._last < self.every_s:

@@ -248,8 +248,8 @@ def test_a_prefill_pool_that_scales_to_zero_is_woken_when_the_reservation_is_slo
 
 def test_the_waker_pokes_only_a_pool_that_serve_says_may_be_at_zero(monkeypatch):
     """The waker asks Serve (in the background, every check_s) whether its pool runs with
-    min_replicas 0 and sends no call while the answer is no: an app whose pools keep a replica
-    pays nothing for it."""
+    min_replicas 0 (`refresh`, at every hand-off, and `poke`) and sends no call while the answer is
+    no: an app whose pools keep a replica pays nothing for it."""
     from types import SimpleNamespace
 
     from router import wake
@@ -275,10 +275,11 @@ def test_the_waker_pokes_only_a_pool_that_serve_says_may_be_at_zero(monkeypatch)
         assert len(calls) == 1
         zero["app"] = {"PrefillServer"}           # a deploy made it min_replicas 0
         await asyncio.sleep(0.2)
-        waker.poke()                    # asked again; until the answer is in, still no call
+        waker.refresh()                 # every hand-off: asked again, no call
         await asyncio.sleep(0.05)
+        assert waker.may_be_at_zero is True and len(calls) == 1
         waker.poke()
-        assert waker.may_be_at_zero is True and len(calls) == 2
+        assert len(calls) == 2
     asyncio.run(main())
 
 
