@@ -210,6 +210,16 @@ def test_local_prefills_load_the_decode_steps_not_the_prefill_pool():
                   ctx("Router", 1, {**router(rate, 4096, 64), CACHED: 4048.0, LOCAL_RATE: rate, LOCAL_TOKENS: 48.0},
                       max_r=1))
     assert (p, d) == (local.prefill, local.decode)
+    # a measured TTFT p90 twice the prediction does not correct the prefill pool's model when local
+    # prefills are the p90 (without the guard: x3.7 after four ticks)
+    state = {"first_seen": {f"{x}/{k}r{i}": 0.0 for x in "pd" for k in IDS for i in range(64)}}   # none warming
+    for _ in range(4):
+        states = run(policy(), ctx("PrefillServer", p, {}, state, max_r=64), ctx("DecodeServer", d, {}, OLD, max_r=64),
+                     ctx("Router", 1, {**router(rate, 4096, 64, ttft=2 * local.ttft_p90, tpot=local.tpot,
+                                                samples=100), CACHED: 4048.0, LOCAL_RATE: rate, LOCAL_TOKENS: 48.0},
+                         max_r=1))[2]
+        state = states[IDS["PrefillServer"]]
+    assert state["correction"][0] == 1.0
     p, _, _ = run(policy(), ctx("PrefillServer", 1, {}, OLD, max_r=64), ctx("DecodeServer", 1, {}, OLD, max_r=64),
                   ctx("Router", 1, {**router(rate, 4096, 64), CACHED: 4048.0}, max_r=1))
     assert p == handed.prefill
