@@ -11,11 +11,11 @@ none): while the pool has no replica the call waits at the handle, where Serve's
 it as a waiting request (`total_num_requests`, which serving.autoscaling's policies start a replica
 for), so both pools start at once. The router's config does not say whether a pool may scale to
 zero (the pools' scaling is not in the router's arguments, so that Serve changes it in place:
-pdserve/serve_config.py), so the waker asks Serve (`serving.ray_compat.scales_to_zero`) at its
-first poke and every `check_s` after, in the background, and pokes only while the answer is yes
-(or not in yet). Who calls: the orchestrator, at every hand-off (`refresh`) and when its
-reservation has not come within `WAKE_AFTER_S` (`poke`). At most one call is in flight and at most one starts
-every `every_s`; its answer is dropped.
+pdserve/serve_config.py), so the waker asks Serve (`serving.ray_compat.scales_to_zero`) at the
+first hand-off and every `check_s` after, in the background, and pokes only while the answer is
+yes (or not in yet). Who calls: the orchestrator, at every hand-off (`refresh`) and when its
+reservation has not come within `WAKE_AFTER_S` (`poke`). At most one call is in flight and at
+most one starts every `every_s`; its answer is dropped.
 
 Health (`at_zero`): `/health` wants a ready replica in each pool, except in a pool that may scale to
 zero (asked of Serve, `serving.ray_compat.scales_to_zero`, only when a pool has no ready replica).

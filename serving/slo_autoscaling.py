@@ -34,10 +34,10 @@ ROUTER_METRICS = (RATE, INPUT, OUTPUT, TTFT_P90, TPOT_P90, SAMPLES, REFUSED, CAC
 
 def observation(router_metrics: dict | None, prefill_metrics: dict | None,
                 decode_metrics: dict | None = None) -> Observation | None:
-    """The router replicas' window (rates summed, lengths rate-weighted (local prefills' tokens by
-    their rate), p90s the worst) plus the
-    prefill pool's queued prompt tokens and the decode pool's waiting sequences (each summed over
-    replicas); None until a router replica has reported."""
+    """The router replicas' window (rates summed, lengths weighted by the arrival rates and the
+    local prefills' tokens by their rates, p90s the worst) plus the prefill pool's queued prompt
+    tokens and the decode pool's waiting sequences (each summed over replicas); None until a router
+    replica has reported."""
     rates = _replica_values(router_metrics, RATE)
     if not rates:
         return None

@@ -6,9 +6,9 @@ One tiny app of 1 prefill + 1 decode replica. A conversation's first turn (nothi
 off; its next turn (the first turn's prompt, the reply's tokens and a short message) finds the
 decode replica holding the first turn's blocks and is prefilled there: the decode replica's
 counter of local prefills goes up, no K/V lands, nothing reaches the prefill pool, the router's
-SLO window counts it, and the output is Hugging Face `generate`'s (greedy, fp32) streamed or not. A fresh short prompt is handed off
-too; the second choice of an `n` = 2 request, which finds the first one's blocks, is not. A client
-that leaves a local prefill's stream leaves every block free.
+SLO window counts it, and the output is Hugging Face `generate`'s (greedy, fp32) streamed or not.
+A fresh short prompt is handed off too; the second choice of an `n` = 2 request, which finds the
+first one's blocks, is not. A client that leaves a local prefill's stream leaves every block free.
 """
 
 import json
