@@ -19,7 +19,8 @@ Local prefill (`routing.local_prefill_tokens`: a conversation's next turn, compu
 replica that holds its history): `Workload.local_share` of the requests skip the prefill pool; their
 prompt tokens (`local_len` each) ride in the decode steps, `local_rows` per sequence per step, and
 their TTFT is about two decode steps (the one running when it arrives, then the one carrying its
-chunk). TTFT p90 is over every request: the handed-off ones' tail where they are more than 10 %.
+chunk). TTFT p90 is over every request (`mixed_ttft_p90`: the local prefills' TTFT where they
+are a tenth of the requests or more and slower than the pool's tail, else the pool's quantile).
 Sliding windows (`window`, on `window_share` of the KV): a decode step reads a windowed layer's last
 `window` keys only (`decode_read`), and where every layer has one a sequence keeps about its window
 reserved (`held_tokens`: the engine gives back the blocks the window passed).
@@ -173,15 +174,26 @@ def ttft_p90(service: float, rate: float, replicas: int = 1, tail: float = 0.1) 
     return service + wait
 
 
-def mixed_ttft_p90(service: float, w: Workload, replicas: int, local_ttft: float) -> float:
-    """TTFT p90 over every request when `w.local_share` of them are prefilled locally in
-    `local_ttft` and the rest by the pool (`ttft_p90`): the pool's quantile at the tail 0.1 / (1 -
-    share), or `local_ttft` once local prefills are 90 % of the requests (inf if the pool saturates)."""
-    if w.rate * (1 - w.local_share) * service >= replicas:
-        return math.inf
-    if w.local_share >= 0.9:
+def _mixed_p90(pool_quantile, share: float, local_ttft: float) -> float:
+    """The p90 over every request when `share` of them take `local_ttft` and the rest the pool's
+    times (`pool_quantile(tail)`: the time a `tail` of them exceed): the x where P(TTFT > x) =
+    share [local_ttft > x] + (1 - share) P_pool(> x) crosses 0.1. The pool's quantile at the tail
+    0.1 / (1 - share) where that is past `local_ttft`; else `local_ttft` once share >= 0.1 (a tenth
+    of the requests take it), else the pool's quantile at (0.1 - share) / (1 - share) up to it."""
+    beyond = pool_quantile(0.1 / (1 - share)) if share < 0.9 else 0.0
+    if beyond >= local_ttft:
+        return beyond
+    if share >= 0.1:
         return local_ttft
-    return max(local_ttft, ttft_p90(service, w.prefill_rate, replicas, 0.1 / (1 - w.local_share)))
+    return min(local_ttft, pool_quantile((0.1 - share) / (1 - share)))
+
+
+def mixed_ttft_p90(service: float, w: Workload, replicas: int, local_ttft: float) -> float:
+    """TTFT p90 over every request, `w.local_share` of them prefilled locally in `local_ttft` and
+    the rest by a pool of `replicas` (`ttft_p90`); inf if the pool saturates."""
+    if w.prefill_rate * service >= replicas:
+        return math.inf
+    return _mixed_p90(lambda tail: ttft_p90(service, w.prefill_rate, replicas, tail), w.local_share, local_ttft)
 
 
 def local_ttft(m: StepModel, w: Workload, batch: float, correction: float = 1.0) -> float:
@@ -219,10 +231,10 @@ def size_fleet(m: StepModel, w: Workload, ttft_slo: float, tpot_slo: float, util
     service = m.prefill_time(w.computed_len) * cp
     batch = decode_batch(m, w, tpot_slo, cd)
     local = local_ttft(m, w, max(batch, 1), cd)
-    if (service > ttft_slo and w.local_share < 0.9) or local > ttft_slo or batch == 0:
+    best = _mixed_p90(lambda tail: service, w.local_share, local)    # prefill replicas never waited for
+    if best > ttft_slo or batch == 0:
         why = "TTFT" if batch else "TPOT/KV"
-        return FleetSize(0, 0, batch, max(service, local), m.tpot(1, w.input_len) * cd,
-                         f"{why} SLO unreachable per replica")
+        return FleetSize(0, 0, batch, best, m.tpot(1, w.input_len) * cd, f"{why} SLO unreachable per replica")
     prefill = max(1, math.ceil(w.prefill_rate * service))
     while prefill < max_replicas and mixed_ttft_p90(service, w, prefill, local) > ttft_slo:
         prefill += 1

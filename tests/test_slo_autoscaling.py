@@ -204,6 +204,14 @@ def test_local_prefills_load_the_decode_steps_not_the_prefill_pool():
     assert mixed_ttft_p90(service, most, 1, 0.004) == 0.004
     some = Workload(8.0, 4096, 64, 3072, local_share=0.5, local_len=48)
     assert 0.004 < mixed_ttft_p90(service, some, 1, 0.004) < ttft_p90(service, 8.0, 1)
+    assert mixed_ttft_p90(service, some, 1, 10.0) == 10.0           # half the requests take 10 s
+    few = Workload(8.0, 4096, 64, 3072, local_share=0.05, local_len=48)
+    assert mixed_ttft_p90(service, few, 1, 10.0) == pytest.approx(ttft_p90(service, 8.0 * 0.95, 1, 0.05 / 0.95))
+    # local prefills too few to be the p90 do not make the SLO unreachable however slow they are
+    slow_steps = dataclasses.replace(MODEL, mem_bw=2e10)             # decode steps of ~130 ms at batch 4
+    fleet = size_fleet(slow_steps, few, 0.2, 0.5)
+    assert local_ttft(slow_steps, few, fleet.decode_batch) > 0.2 and fleet.prefill > 0 and fleet.ttft_p90 <= 0.2
+    assert size_fleet(slow_steps, dataclasses.replace(few, local_share=0.2), 0.2, 0.5).prefill == 0   # unreachable
     assert mixed_ttft_p90(service, Workload(400.0, 4096, 64, 3072, 0.95, 48), 2, 0.004) == math.inf  # saturated
     # the live policy reads the window's local prefills
     p, d, _ = run(policy(), ctx("PrefillServer", 1, {}, OLD, max_r=64), ctx("DecodeServer", 1, {}, OLD, max_r=64),
