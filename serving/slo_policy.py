@@ -6,7 +6,7 @@ TTFT/TPOT p90 at the router):
   1. correct: compare the measured p90s with what the model predicts at the current counts and this
      load; move each correction factor (prefill, decode) geometrically toward measured / predicted
      (`gain` per tick, each step within x0.5..x2, the factor within `bounds`); needs `min_samples`;
-     the prefill factor holds while local prefills are 90 % of the requests (their TTFT is the p90);
+     the prefill factor holds while the local prefills' TTFT is the predicted p90;
   2. size: `size_fleet` gives the least prefill and decode counts meeting both SLOs at the arrival rate
      plus the backlog drained over `drain_s` (queued prompt tokens for prefill; for decode, requests
      waiting for a decode slot plus the rate of requests refused for want of decode KV): a fleet sized
@@ -91,11 +91,12 @@ def predicted_tpot(m: StepModel, w: Workload, decode: int, correction: float) ->
 
 
 def predicted_ttft_p90(m: StepModel, w: Workload, prefill: int, decode: int,
-                       correction: tuple[float, float]) -> float:
-    """TTFT p90 over every request at these counts: the prefill pool's, and local prefills' steps."""
+                       correction: tuple[float, float]) -> tuple[float, float]:
+    """TTFT p90 over every request at these counts (the prefill pool's and local prefills'), and the
+    local prefills' TTFT (0 without any)."""
     cp, cd = correction
     local = local_ttft(m, w, predicted_batch(m, w, decode, cd), cd)
-    return mixed_ttft_p90(m.prefill_time(w.computed_len) * cp, w, prefill, local)
+    return mixed_ttft_p90(m.prefill_time(w.computed_len) * cp, w, prefill, local), local
 
 
 def _corrected(factor: float, measured: float | None, predicted: float, slo: float, t: SloTargets,
@@ -136,9 +137,9 @@ def decide(m: StepModel, t: SloTargets, obs: Observation | None, prefill: int, d
     backlog_p = obs.queued_prompt_tokens / w.input_len / t.drain_s
     backlog_d = obs.waiting_requests / t.drain_s + obs.refused_rate
     if w.rate > 0 and not warming and quiet and not has_backlog(m, obs, prefill):
-        if w.local_share < 0.9:      # else the p90 is the local prefills' (decode steps'), not the pool's
-            cp = _corrected(cp, obs.ttft_p90, predicted_ttft_p90(m, w, prefill, decode, (cp, cd)), t.ttft_slo,
-                            t, obs.samples)
+        predicted, local = predicted_ttft_p90(m, w, prefill, decode, (cp, cd))
+        if predicted != local:       # else the local prefills' steps set the p90, not the pool
+            cp = _corrected(cp, obs.ttft_p90, predicted, t.ttft_slo, t, obs.samples)
         cd = _corrected(cd, obs.tpot_p90, predicted_tpot(m, w, decode, cd), t.tpot_slo, t, obs.samples)
     def sized(scale: float):
         with_queue = w.rate + backlog_p       # the queued prompts are the prefill pool's, none local
