@@ -144,8 +144,9 @@ def decide(m: StepModel, t: SloTargets, obs: Observation | None, prefill: int, d
     def sized(scale: float):
         with_queue = w.rate + backlog_p       # the queued prompts are the prefill pool's, none local
         share = w.local_share * w.rate / with_queue if with_queue > 0 else 0.0
-        size_p = size_fleet(m, replace(w, rate=with_queue * scale, local_share=share), t.ttft_slo, t.tpot_slo,
-                            t.utilization, (cp, cd))
+        cached = w.input_len - share * w.local_len - (1 - share) * w.computed_len   # computed_len kept
+        size_p = size_fleet(m, replace(w, rate=with_queue * scale, local_share=share, cached_len=cached),
+                            t.ttft_slo, t.tpot_slo, t.utilization, (cp, cd))
         size_d = size_fleet(m, replace(w, rate=(w.rate + backlog_d) * scale), t.ttft_slo, t.tpot_slo,
                             t.utilization, (cp, cd))
         return size_p, size_d.decode

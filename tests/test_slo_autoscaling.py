@@ -231,6 +231,13 @@ def test_local_prefills_load_the_decode_steps_not_the_prefill_pool():
     p, _, _ = run(policy(), ctx("PrefillServer", 1, {}, OLD, max_r=64), ctx("DecodeServer", 1, {}, OLD, max_r=64),
                   ctx("Router", 1, {**router(rate, 4096, 64), CACHED: 4048.0}, max_r=1))
     assert p == handed.prefill
+    # a prefill backlog is the handed-off prompts' (1028 tokens computed each here, 10 % of 100/s
+    # besides 90 % local ones of 48): 10 + 100 of them a second at 0.1 s each need 12 replicas
+    backlog = {"queued_prompt_tokens": 100 * 4096 * 20.0}        # 100 prompts/s more, over drain_s
+    p, _, _ = run(policy(), ctx("PrefillServer", 1, backlog, OLD, max_r=64), ctx("DecodeServer", 1, {}, OLD, max_r=64),
+                  ctx("Router", 1, {**router(100.0, 4096, 64), CACHED: 3950.0, LOCAL_RATE: 90.0, LOCAL_TOKENS: 48.0},
+                      max_r=1))
+    assert MODEL.prefill_time(1028) == pytest.approx(0.1028) and p >= 12
     # two router replicas: rates summed, the local prompts' size weighted by their rates
     obs = observation({RATE: {"a": 4.0, "b": 6.0}, LOCAL_RATE: {"a": 2.0, "b": 0.0},
                        LOCAL_TOKENS: {"a": 40.0, "b": 0.0}}, None)
