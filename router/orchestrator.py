@@ -101,6 +101,14 @@ def _cancel(response) -> None:
         pass
 
 
+def _abandon(task: asyncio.Task) -> None:
+    """Cancel a pending read of a decode stream that is no longer awaited (the request ended or
+    failed first). Serve's handle may end it with RequestCancelledError: retrieved here, unlogged."""
+    if not task.done():
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
 class _StartOver(Exception):
     """A replica died: the request may start over (resumed after the tokens already out). Its
     `__cause__` is the error to report when no attempt is left."""
@@ -294,9 +302,7 @@ class Orchestrator:
                 waker.poke()
             return await nxt
         finally:
-            if not nxt.done():        # the request was cancelled meanwhile
-                nxt.cancel()
-                nxt.add_done_callback(lambda task: task.cancelled() or task.exception())
+            _abandon(nxt)             # the request was cancelled meanwhile
 
     def _follow(self, prefill) -> asyncio.Task:
         """Read the rest of a prefill stream (the push's end) in the background: the call ends
@@ -341,7 +347,5 @@ class Orchestrator:
             except _GONE as exc:          # the decode replica died before the K/V landed
                 raise _StartOver() from exc
         finally:
-            if not nxt.done():
-                nxt.cancel()          # Serve's handle may end it with RequestCancelledError: retrieved here
-                nxt.add_done_callback(lambda task: task.cancelled() or task.exception())
+            _abandon(nxt)
         assert isinstance(event, messages.Landed), event
