@@ -90,10 +90,15 @@ class StepModel:
         return sum(self.step_time(min(self.max_batched_tokens, prompt_tokens - i * self.max_batched_tokens))
                    for i in range(chunks))
 
+    def decode_step(self, batch: float, context: float, prompt_tokens: float = 0.0) -> float:
+        """A decode step of `batch` sequences of mean KV length `context` that also computes
+        `prompt_tokens` of prompts (local prefill)."""
+        return self.step_time(prompt_tokens, batch, batch * self.decode_read(context, min(context, self.window)))
+
     def tpot(self, batch: float, context: float, prompt_rows: float = 0.0) -> float:
         """Decode step time of `batch` sequences of mean KV length `context`, each bringing
         `prompt_rows` prompt tokens a step on average (local prefill: `Workload.local_rows`)."""
-        return self.step_time(batch * prompt_rows, batch, batch * self.decode_read(context, min(context, self.window)))
+        return self.decode_step(batch, context, batch * prompt_rows)
 
     def transfer_time(self, prompt_tokens: float) -> float:
         return self.kv_bytes_per_token * prompt_tokens / self.link_bw
@@ -201,8 +206,7 @@ def local_ttft(m: StepModel, w: Workload, batch: float, correction: float = 1.0)
     the step carrying its chunk (0 without local prefills)."""
     if w.local_share <= 0:
         return 0.0
-    read = batch * m.decode_read(w.context, min(w.context, m.window))
-    return (m.tpot(batch, w.context, w.local_rows) + m.step_time(w.local_len, batch, read)) * correction
+    return (m.tpot(batch, w.context, w.local_rows) + m.decode_step(batch, w.context, w.local_len)) * correction
 
 
 def decode_batch(m: StepModel, w: Workload, tpot_slo: float, correction: float = 1.0) -> int:
