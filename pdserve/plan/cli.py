@@ -19,7 +19,7 @@ from pdserve.plan import roofline as planner
 from pdserve.plan.model import resolve_spec
 from serving.config import RoutingOptions
 
-LOCAL_PREFILL_TOKENS = RoutingOptions.model_fields["local_prefill_tokens"].default
+LOCAL_PREFILL_TOKENS = RoutingOptions.model_fields["local_prefill_tokens"].default   # `serve`'s default; simulate's too
 
 HARDWARE_CHOICES = ["h100", "h200", "a100", "l40s", "cpu"]
 

@@ -26,15 +26,13 @@ import time
 from pdserve.plan import calibrate as plan_calibrate
 from pdserve.plan import sim_validate
 from pdserve.plan import roofline
+from pdserve.plan.cli import LOCAL_PREFILL_TOKENS
 from pdserve.plan.model import resolve_spec
 from pdserve.plan.sim_host import HostCpu
 from pdserve.plan.sim_load import parse_schedule, poisson, prompt_lengths, read_trace
 from pdserve.plan.sim_report import step_model, summarize
 from pdserve.plan.sim_study import HEADER, Study, autoscaled, compare, make_scaler, recommend
 from pdserve.plan.simulator import Fleet, Simulator
-from serving.config import RoutingOptions
-
-LOCAL_PREFILL_TOKENS = RoutingOptions.model_fields["local_prefill_tokens"].default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
