@@ -11,8 +11,8 @@ Life cycle of a request in the engine
      router moves a request whose replica died this way), which count as output (max_tokens,
      min_tokens, penalties, stop strings, structured output) and whose text is not shown again.
   2. `step` places the LoRA adapters loaded at run time of the waiting requests it may start
-     (`_place_loras`: a request whose adapter finds `max_loras` in use waits while one of them
-     drains), drafts tokens when it speculates (prompt lookup, engine/ngram.py), schedules
+     (engine/lora_places.py: a request whose adapter finds `max_loras` in use waits while one of
+     them drains), drafts tokens when it speculates (prompt lookup, engine/ngram.py), schedules
      chunks under the token budget, runs one ragged forward (collecting the
      prompt logprobs of requests that ask for them), samples the chunks that reached their
      last token (a structured-output request among the tokens its grammar allows next), and
@@ -26,16 +26,14 @@ Only one thread may call an `LLMEngine` (the async wrapper owns that thread), `p
 
 from __future__ import annotations
 
-import itertools
-from collections import Counter
-
 import torch
 from transformers import AutoTokenizer
 
 from engine.admission import Admission, EngineRequest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.lora import NO_ROOM
+from engine.lora_config import NO_ROOM
+from engine.lora_places import LoraPlaces
 from engine.model_runner import ModelRunner
 from engine.ngram import propose_drafts
 from engine.outputs import Completion, Rejected, RequestOutput, TokenLogprobs
@@ -53,16 +51,15 @@ class LLMEngine:
         windows = self.runner.model.windows       # per layer: 0 (every key) or its sliding window
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           window=max(windows) if all(windows) else 0)
+        self.lora_places = LoraPlaces(self.runner.loras)      # for adapters loaded at run time
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy, gate=self._lora_gate)
+                                   config.scheduling_policy, gate=self.lora_places.gate)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = self._eos_ids()
         self.admission = Admission(self.tokenizer, self.runner.vocab_size, self.max_model_len, self.eos_token_ids,
                                    self.runner.device, config.seed, frozenset(config.lora_modules),
                                    config.scheduling_policy == "priority")
         self._requests: dict[str, EngineRequest] = {}
-        self._runtime_loras = False      # a request ran a LoRA adapter loaded at run time (_place_loras)
-        self._draining: tuple[Sequence, tuple[str, int]] | None = None     # (waiting for a place, adapter: _drain_for)
         self.num_draft_tokens = 0        # speculative decoding: draft tokens fed, and those kept
         self.num_accepted_tokens = 0
 
@@ -101,18 +98,14 @@ class LLMEngine:
     def _new_request(self, request_id, prompt, params, hold_blocks, resumed=(), shown_chars=0,
                      draws=0, landed=False) -> EngineRequest | Rejected:
         """A LoRA adapter loaded at run time is read here and placed before the step that starts the
-        request (`_place_loras`); `landed`: the request's K/V is here already (decode role): its
+        request (engine/lora_places.py); `landed`: the request's K/V is here already (decode role): its
         adapter is placed now where a place is free and none is parked (else the request is parked:
         add_prefilled)."""
         if in_use := self._id_in_use(request_id):
             return Rejected(request_id, in_use)
         req = self.admission.admit(request_id, prompt, params, hold_blocks, resumed, shown_chars, draws)
         if isinstance(req, EngineRequest) and params.lora_path is not None:     # loaded at run time
-            self._runtime_loras = True
-            loras = self.runner.loras
-            why = loras.check(params.lora, params.lora_id, params.lora_path)
-            if why is None and landed and not self.scheduler.parked:     # else behind those parked first
-                why = loras.use(params.lora, params.lora_id, params.lora_path, self._running_loras())
+            why = self.lora_places.admit(params, landed, self.scheduler)
             if why is not None and why is not NO_ROOM:
                 return Rejected(request_id, why)
         if isinstance(req, EngineRequest):
@@ -189,7 +182,8 @@ class LLMEngine:
         return [rid for rid, req in self._requests.items() if not req.seq.is_finished]
 
     def step(self) -> list[RequestOutput]:
-        failed = self._place_loras()
+        failed = self.lora_places.place(self.scheduler, lambda seq, why: self._fail(self._requests[seq.request_id],
+                                                                                     why, 400))
         drafted = propose_drafts(self.scheduler.running, self._requests, self.config.speculative_tokens,
                                  self.config.speculative_max_batch, self.max_model_len)
         try:
@@ -210,60 +204,6 @@ class LLMEngine:
             self._requests[ch.seq.request_id].prompt_logprobs += prompt_logprobs(
                 self.runner.lm_head, out.hidden[i], targets, ch.seq.params.prompt_logprobs)
         return failed + self._postprocess(chunks, out.logits, drafted)
-
-    def _place_loras(self) -> list[RequestOutput]:
-        """Before scheduling: place the run-time LoRA adapters of the parked sequences (decode role),
-        then of the waiting ones the step may start (as many as `max_num_seqs` leaves seats), in
-        order, until one finds every place in use (`NO_ROOM`): it waits, and one adapter is drained
-        for it (`_drain_for`). The outputs of requests whose adapter can no longer be read (a 400;
-        blocks freed)."""
-        seats = self.scheduler.max_num_seqs - len(self.scheduler.running)
-        if not self._runtime_loras or not (self.scheduler.waiting and seats > 0 or self.scheduler.parked):
-            self._draining = None
-            return []
-        busy, failed = self._running_loras(), []
-        parked = list(self.scheduler.parked)         # first those whose K/V is here (decode role)
-        for seq in parked + list(itertools.islice(self.scheduler.waiting, seats)):
-            p = seq.params
-            if p.lora_path is None:
-                continue
-            why = self.runner.loras.use(p.lora, p.lora_id, p.lora_path, busy)
-            if why is NO_ROOM:
-                self._drain_for(seq)
-                return failed
-            if why is not None:
-                failed.append(self._fail(self._requests[seq.request_id], why, 400))
-                continue
-            busy.add(p.lora_key)
-        self._draining = None
-        return failed
-
-    def _drain_for(self, blocked: Sequence) -> None:
-        """`blocked` found every place in use: one running adapter takes no new request (the gate)
-        until its running ones end and its place goes to `blocked`, so requests of the adapters
-        held cannot keep the places busy for good; the others still take theirs. The one with the
-        fewest running, least recently used first, and the same one while `blocked` waits."""
-        running = Counter(self._running_lora_keys())
-        if self._draining is not None and self._draining[0] is blocked and self._draining[1] in running:
-            return
-        loras = self.runner.loras
-        victim = min(running, key=lambda key: (running[key], loras.last_used(key)), default=None)
-        self._draining = None if victim is None else (blocked, victim)
-
-    def _running_loras(self) -> set:
-        return set(self._running_lora_keys())
-
-    def _running_lora_keys(self):
-        """The run-time adapter of each running sequence that runs one."""
-        return (seq.params.lora_key for seq in self.scheduler.running if seq.params.lora_path is not None)
-
-    def _lora_gate(self, seq: Sequence) -> bool | None:
-        """The scheduler's gate: None where `seq` runs no adapter loaded at run time, else whether it
-        may start: its adapter placed, and not the one drained for a request waiting for a place."""
-        if seq.params.lora_path is None:
-            return None
-        key = seq.params.lora_key
-        return self.runner.loras.holds(key) and (self._draining is None or self._draining[1] != key)
 
     def _prompt_logprob_spans(self, chunks: list[ScheduledChunk]) -> dict[int, tuple[int, int]]:
         """{chunk index: (first, last) row offsets} of the prompt positions in this step whose
@@ -510,10 +450,4 @@ class LLMEngine:
                 "prefix_cache_hit_tokens": bm.prefix_hits, "prefix_cache_query_tokens": bm.prefix_queries,
                 "spec_draft_tokens": self.num_draft_tokens, "spec_accepted_tokens": self.num_accepted_tokens,
                 "lora_loads": self.runner.loras.loads, "lora_evictions": self.runner.loras.evictions,
-                "lora_waiting": self._lora_waiting()}
-
-    def _lora_waiting(self) -> int:
-        """Queued requests whose LoRA adapter loaded at run time has no place yet."""
-        if not self._runtime_loras:
-            return 0
-        return sum(1 for seq in (*self.scheduler.parked, *self.scheduler.waiting) if self._lora_gate(seq) is False)
+                "lora_waiting": self.lora_places.waiting(self.scheduler)}

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engine.lora_config import plan, read_adapter
+from engine.lora_config import NO_ROOM, plan, read_adapter
 from engine.model_dims import Dims
 
 
@@ -48,7 +48,6 @@ class LinearUpdate:
     parts: list[tuple[int, slice, torch.Tensor, float]]
 
 
-NO_ROOM = "no room"  # LoraSet.use: every place is taken by an adapter that a request runs
 FP32_BELOW = 64    # rows under which a bf16 model's update is computed in float32 on a CPU (LoraBatch.add)
 KERNEL_BELOW = 16  # ... and through the engine's kernel (lora_cpu.cpp) rather than torch's ops
 
@@ -65,7 +64,7 @@ class LoraSet:
     scheduler may start that request (`use`, called by the engine before each step): at most
     `max_loras` such are held, the next one evicting the least recently used that no running or
     starting request runs; when every one is in use there is no room (`NO_ROOM`) and the request
-    waits in the queue until one goes idle (the engine drains one for it: LLMEngine._drain_for), as
+    waits in the queue until one goes idle (the engine drains one for it: engine/lora_places.py), as
     vLLM's scheduler keeps a request waiting past `max_loras` adapters (a request whose K/V has
     landed already, decode role, waits parked with its blocks: engine/scheduler.py). Only the
     engine's thread calls the rest, between steps (a step's LoraBatch reads slots no placement can

@@ -25,6 +25,7 @@ _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])
 NAME_PATTERN = r"^\S(.*\S)?$"     # an adapter name, configured or loaded at run time: one line, no spaces around
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 MAX_HEADER_BYTES = 64 << 20        # a safetensors header beyond this is not an adapter's
+NO_ROOM = "no room"  # LoraSet.use: every place is taken by an adapter that a request runs
 
 
 @dataclass(frozen=True)
