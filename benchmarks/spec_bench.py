@@ -8,7 +8,9 @@ more. Prints ms per output token, the speed-up and the share of drafts kept.
 
 With `--url URL` it measures a running server instead (the chat asks, one at a time, streamed,
 greedy, `--tokens` at most): TPOT p50 per ask over `--repeats` requests. Run it against the same
-server deployed with and without `engine.speculative_tokens` in its decode pool.
+server deployed with and without `engine.speculative_tokens` in its decode pool. With `--url URL
+--predict`: the asks that have an input to predict from (the text to copy, the code to edit) without
+and with it as OpenAI's `prediction` (`engine.prediction_tokens`), alternated on that one server.
 """
 
 from __future__ import annotations
@@ -64,30 +66,56 @@ def prompts(engine: LLMEngine) -> dict[str, list[int]]:
     return out
 
 
+def _streamed(url: str, body: dict) -> tuple[float, int, str]:
+    """One streamed chat request: its TPOT (ms), output tokens and text."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    arrivals, usage, text = [], None, []
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            if event["choices"] and event["choices"][0]["delta"].get("content"):
+                arrivals.append(time.perf_counter())
+                text.append(event["choices"][0]["delta"]["content"])
+    n = usage["completion_tokens"]
+    return (arrivals[-1] - arrivals[0]) / (n - 1) * 1e3, n, "".join(text)
+
+
 def served(url: str, model: str, tokens: int, repeats: int) -> None:
     print(f"{url}: chat, greedy, at most {tokens} tokens, streamed: TPOT p50 (ms) over {repeats} requests")
     for name, ask in ASKS.items():
-        tpots, counts = [], []
-        for _ in range(repeats):
-            body = {"model": model, "messages": [{"role": "user", "content": ask}], "max_tokens": tokens,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-            request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                             {"Content-Type": "application/json"})
-            arrivals, usage = [], None
-            with urllib.request.urlopen(request, timeout=300) as response:
-                for line in response:
-                    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if event.get("usage"):
-                        usage = event["usage"]
-                    if event["choices"] and event["choices"][0]["delta"].get("content"):
-                        arrivals.append(time.perf_counter())
-            n = usage["completion_tokens"]
-            tpots.append((arrivals[-1] - arrivals[0]) / (n - 1) * 1e3)
-            counts.append(n)
+        body = {"model": model, "messages": [{"role": "user", "content": ask}], "max_tokens": tokens, "temperature": 0}
+        tpots, counts = zip(*[_streamed(url, body)[:2] for _ in range(repeats)])
         print(f"  {name:14} {statistics.median(tpots):.1f} ms ({' / '.join(f'{t:.1f}' for t in tpots)}), "
               f"{statistics.median(counts):.0f} tokens")
+
+
+PREDICTIONS = {"copy a text": TEXT, "edit code": CODE}    # what the client knows before the answer
+
+
+def predicted(url: str, model: str, tokens: int, repeats: int) -> None:
+    """The asks that have a prediction (the text to copy, the code to edit), without and with it as
+    OpenAI's `prediction`, alternated on one server."""
+    print(f"{url}: chat, greedy, at most {tokens} tokens, streamed, without / with the input as `prediction`: "
+          f"TPOT p50 (ms) over {repeats} requests each")
+    for name, prediction in PREDICTIONS.items():
+        body = {"model": model, "messages": [{"role": "user", "content": ASKS[name]}], "max_tokens": tokens,
+                "temperature": 0}
+        runs = {False: [], True: []}
+        for _ in range(repeats):
+            for guess in (False, True):
+                extra = {"prediction": {"type": "content", "content": prediction}} if guess else {}
+                runs[guess].append(_streamed(url, {**body, **extra}))
+        assert len({text for _, _, text in runs[False] + runs[True]}) == 1, "the outputs differ"
+        plain, fast = (statistics.median(t for t, _, _ in runs[g]) for g in (False, True))
+        print(f"  {name:14} {plain:.1f} -> {fast:.1f} ms, x{plain / fast:.2f} "
+              f"({' / '.join(f'{t:.1f}' for t, _, _ in runs[False])} -> "
+              f"{' / '.join(f'{t:.1f}' for t, _, _ in runs[True])}), {runs[True][0][1]} tokens, same output")
 
 
 def main() -> None:
@@ -101,9 +129,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--url", help="measure this server instead of two local engines")
     ap.add_argument("--served-model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--predict", action="store_true", help="with --url: the asks without and with their input "
+                    "as OpenAI's `prediction` (engine.prediction_tokens)")
     args = ap.parse_args()
     if args.url:
-        served(args.url.rstrip("/"), args.served_model, args.tokens, args.repeats)
+        (predicted if args.predict else served)(args.url.rstrip("/"), args.served_model, args.tokens, args.repeats)
         return
     dtype, quant = FORMATS[args.format]
     model = args.model if Path(args.model).exists() else str(ROOT / args.model)

@@ -22,6 +22,7 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.ngram import NgramIndex
 from engine.outputs import Rejected, TokenLogprobs
+from engine.prediction import PredictionIndex
 from engine.sampler import PenaltyState, make_generator, skip_draw
 from engine.sampling_params import SamplingParams, banned_next
 from engine.sequence import Sequence
@@ -39,6 +40,10 @@ class EngineRequest:
     penalty: PenaltyState | None = None   # penalized requests, from their first sampling step
     matcher: Matcher | ThinkFirst | None = None   # structured output: where its output stands in the grammar
     ngram: NgramIndex | None = None       # speculative decoding: its tokens' n-grams, from its first draft
+    prediction: PredictionIndex | None = None   # its predicted output's n-grams, from its first draft
+    draft_predicted: bool = False    # this step's draft came from the prediction
+    prediction_fed: int = 0          # draft tokens taken from the prediction so far, and those the output repeated
+    prediction_kept: int = 0
 
 
 class Admission:

@@ -78,6 +78,10 @@ class EngineConfig:
         batch does). 0: off.
     speculative_max_batch: speculate only while at most this many sequences run (a larger batch
         is bound by compute, where draft rows cost what they save).
+    prediction_tokens: a request with a predicted output (SamplingParams.prediction) drafts up to
+        this many tokens a step from it (engine.prediction), whatever `speculative_tokens`, as
+        long as at most `speculative_max_batch` sequences run; kept as prompt lookup's are. 0:
+        predictions are ignored.
     lora_modules: LoRA adapters served beside the base model, name -> a PEFT adapter directory
         (engine.lora); a request runs one by naming it (SamplingParams.lora).
     max_loras: LoRA adapters loaded at run time (a request brings the path of one:
@@ -106,6 +110,7 @@ class EngineConfig:
     seed: int = 0
     speculative_tokens: int = 0
     speculative_max_batch: int = 8
+    prediction_tokens: int = 8
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_loras: int = 8
     scheduling_policy: str = "fcfs"
@@ -137,6 +142,8 @@ class EngineConfig:
             raise ValueError("num_threads must be positive")
         if not 0 <= self.speculative_tokens <= 16:
             raise ValueError(f"speculative_tokens must be in [0, 16], got {self.speculative_tokens}")
+        if not 0 <= self.prediction_tokens <= 16:
+            raise ValueError(f"prediction_tokens must be in [0, 16], got {self.prediction_tokens}")
         if self.speculative_max_batch < 1:
             raise ValueError("speculative_max_batch must be positive")
         if self.scheduling_policy not in ("fcfs", "priority"):

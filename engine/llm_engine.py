@@ -185,7 +185,7 @@ class LLMEngine:
         failed = self.lora_places.place(self.scheduler, lambda seq, why: self._fail(self._requests[seq.request_id],
                                                                                      why, 400))
         drafted = propose_drafts(self.scheduler.running, self._requests, self.config.speculative_tokens,
-                                 self.config.speculative_max_batch, self.max_model_len)
+                                 self.config.speculative_max_batch, self.max_model_len, self.config.prediction_tokens)
         try:
             chunks = self.scheduler.schedule()
             if not chunks:
@@ -237,7 +237,10 @@ class LLMEngine:
             if ch.sample:
                 draft = drafts.get(ch.seq.request_id, [])
                 assert len(draft) == ch.num_draft     # the scheduler trimmed the draft to the chunk
-                play.append((self._requests[ch.seq.request_id], row, draft))
+                req = self._requests[ch.seq.request_id]
+                if draft and req.draft_predicted:
+                    req.prediction_fed += len(draft)
+                play.append((req, row, draft))
             row += ch.num_logits
         for req, _, _ in play:
             if req.penalty is None and req.seq.params.penalized:   # built once, then kept up by sample()
@@ -284,6 +287,8 @@ class LLMEngine:
                 self._add_output(outputs, self._grammar_failed(req))
                 continue
             req.seq.token_ids.append(tok)
+            if j < len(draft) and tok == draft[j] and req.draft_predicted:
+                req.prediction_kept += 1
             out = self._after_token(req, tok, lp)
             self._add_output(outputs, out)
             if j < len(draft) and tok == draft[j] and not out.finished:
@@ -351,7 +356,9 @@ class LLMEngine:
         final = finished and not (seq.hold_blocks and reason is None)
         text = req.detok.take(final=final) if req.detok is not None else ""
         return RequestOutput(seq.request_id, new_ids, text, finished, reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens, seq.first_scheduled_time, logprobs)
+                             seq.num_output_tokens, seq.num_cached_tokens, seq.first_scheduled_time, logprobs,
+                             accepted_prediction_tokens=req.prediction_kept,
+                             rejected_prediction_tokens=req.prediction_fed - req.prediction_kept)
 
     # ---- 4. KV hand-off ---------------------------------------------------------------------------
     def held_blocks(self, request_id: str) -> list[int]:

@@ -13,6 +13,8 @@ itself; `extend` keeps it current in O(new tokens).
 
 from __future__ import annotations
 
+from engine.prediction import TAIL, PredictionIndex
+
 MIN_N = 2
 MAX_N = 4
 
@@ -41,14 +43,18 @@ class NgramIndex:
         return []
 
 
-def propose_drafts(running: list, requests: dict, k: int, max_batch: int, max_model_len: int) -> list:
+def propose_drafts(running: list, requests: dict, k: int, max_batch: int, max_model_len: int,
+                   k_predicted: int = 0) -> list:
     """Speculative decoding's step: append up to `k` draft tokens to each decoding Sequence in
     `running` (the scheduler's), while at most `max_batch` run; `requests`: request id to the
     engine's EngineRequest, whose `ngram` index is built at its first draft and extended after.
+    A request with a predicted output (SamplingParams.prediction) drafts up to `k_predicted` from
+    it first (engine/prediction.py; its index built at its first draft), by prompt lookup where
+    the prediction proposes nothing.
     Returns the sequences that got a draft: the engine takes every draft back in the same step.
     A sequence drafts only when it has one token to compute (no chunk of a prompt under way), is
     not a prefill-role request, and has room for a token after its draft (max_tokens, context)."""
-    if not k or len(running) > max_batch:
+    if not (k or k_predicted) or len(running) > max_batch:
         return []
     drafted = []
     for seq in running:
@@ -57,12 +63,19 @@ def propose_drafts(running: list, requests: dict, k: int, max_batch: int, max_mo
         room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - len(seq)) - 1
         if room < 1:
             continue
-        req = requests[seq.request_id]
-        if req.ngram is None:
-            req.ngram = NgramIndex(seq.token_ids)
-        else:
-            req.ngram.extend(seq.token_ids)
-        draft = req.ngram.propose(min(k, room))
+        req, draft = requests[seq.request_id], []
+        if k_predicted and seq.params.prediction:
+            if req.prediction is None:
+                req.prediction = PredictionIndex(seq.params.prediction)
+            tail = seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - TAIL):]
+            draft = req.prediction.propose(tail, seq.num_output_tokens, min(k_predicted, room))
+        req.draft_predicted = bool(draft)
+        if not draft and k:
+            if req.ngram is None:
+                req.ngram = NgramIndex(seq.token_ids)
+            else:
+                req.ngram.extend(seq.token_ids)
+            draft = req.ngram.propose(min(k, room))
         if draft:
             seq.add_draft(draft)
             drafted.append(seq)

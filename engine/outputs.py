@@ -43,6 +43,9 @@ class RequestOutput:
     request failed on its own (its grammar could not go on; the other requests of the step went
     on): finished, "abort", its blocks freed, and the replica reports the error with the HTTP
     status `error_code` (400: the request's grammar cannot be followed with this vocabulary).
+    `accepted_prediction_tokens`, `rejected_prediction_tokens`: so far, of the draft tokens taken
+    from the request's predicted output (SamplingParams.prediction), those its output repeated and
+    the others (OpenAI's usage details).
     """
 
     request_id: str
@@ -59,6 +62,8 @@ class RequestOutput:
     error: str | None = None
     error_code: int = 500
     stop_reason: str | int | None = None   # vLLM's: the stop string or stop token id that ended it (not EOS)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This output and the same request's next one as a single output (the tokens, text and
@@ -74,7 +79,8 @@ class RequestOutput:
                              self.first_scheduled_time if self.first_scheduled_time is not None
                              else later.first_scheduled_time,
                              logprobs, self.prompt_logprobs or later.prompt_logprobs, later.error,
-                             later.error_code, later.stop_reason)
+                             later.error_code, later.stop_reason, later.accepted_prediction_tokens,
+                             later.rejected_prediction_tokens)
 
 
 @dataclass

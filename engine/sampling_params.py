@@ -52,8 +52,11 @@ class SamplingParams:
     `lora_id` (its load's id: a name loaded again is another adapter), one the router loaded at run
     time, which the engine loads at its first request (engine.lora.LoraSet.use); `priority`
     (vLLM's): with the engine's `priority` scheduling policy, lower values are scheduled first and
-    preempted last (engine/scheduler.py), with `fcfs` only 0 is accepted. (Not sampling choices, but
-    per-request settings every engine of a request needs, so they travel here.)
+    preempted last (engine/scheduler.py), with `fcfs` only 0 is accepted. `prediction` (OpenAI's
+    predicted output, as token ids): what the output is expected to repeat; the engine drafts from
+    it (EngineConfig.prediction_tokens), which changes how fast the output comes, not what it is.
+    (Not sampling choices, but per-request settings every engine of a request needs, so they travel
+    here.)
     """
 
     temperature: float = 1.0
@@ -82,6 +85,7 @@ class SamplingParams:
     lora_id: int = 0
     priority: int = 0
     cache_salt: str | None = None
+    prediction: tuple[int, ...] = ()
     detokenize: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -113,6 +117,8 @@ class SamplingParams:
         if (self.lora_path is not None or self.lora_id) and (self.lora is None or self.lora_path is None
                                                              or not 0 < self.lora_id < 2**63):
             return "a LoRA adapter loaded at run time needs its name, its path and a positive 64-bit lora_id"
+        if any(type(t) is not int or t < 0 for t in self.prediction):
+            return "prediction must be token ids"
         if not 0.0 <= self.temperature <= 2.0:
             return f"temperature must be in [0, 2], got {self.temperature}"
         if not 0.0 < self.top_p <= 1.0:

@@ -454,6 +454,12 @@ class Router:
         if body.bad_words:
             params = dataclasses.replace(params, bad_words=body.bad_word_ids(
                 lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
+        if (prediction := getattr(body, "prediction", None)) is not None:      # chat only, as OpenAI's
+            ids = await asyncio.to_thread(self.tokenizer.encode, prediction.text(), add_special_tokens=False)
+            if len(ids) > self.max_model_len:
+                return error_response(400, f"the prediction has {len(ids)} tokens, more than this model's "
+                                      f"context of {self.max_model_len}", param="prediction")
+            params = dataclasses.replace(params, prediction=tuple(ids))
         if think is not None and params.structured is not None:    # the grammar after the reasoning
             params = dataclasses.replace(params, structured=dataclasses.replace(params.structured, think=think))
         # a grammar's check compiles it (llguidance releases the GIL): off the event loop

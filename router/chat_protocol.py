@@ -27,6 +27,15 @@ class TextPart(StrictOpen):
     text: Text
 
 
+class Prediction(Strict):
+    """OpenAI's predicted output: text most of the output is expected to repeat (a file to edit)."""
+    type: Literal["content"]
+    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 # content may be left out (or null) by an assistant turn that made calls; calls are an assistant's,
 # tool_call_id a tool result's
 MESSAGE_CROSS_FIELD = {"allOf": [
@@ -144,6 +153,10 @@ class ChatCompletionRequest(Sampling):
     modalities: list[Literal["text"]] | None = Field(None, description="Text only.")
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = Field(None, description="Accepted; prompts share a prefix cache anyway.")
+    prediction: Prediction | None = Field(
+        None, description="OpenAI's predicted output: the decode steps draft tokens from it (the server's "
+                          "engine.prediction_tokens) and keep those the model picks itself, so the output comes "
+                          "faster where it repeats the prediction and is the same either way.")
 
     def echoed(self) -> str:
         """What `echo` puts before each choice's content: the last message's text, an assistant's."""

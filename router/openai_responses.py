@@ -42,10 +42,15 @@ def refused(exc) -> JSONResponse:
     return error_response(400, "; ".join(e["msg"] for e in exc.errors()[:5]))
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0,
+          predicted: tuple[int, int] | None = None) -> dict:
+    """`predicted` (a chat request with a `prediction`): its accepted and rejected prediction tokens."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    if predicted is not None:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": predicted[0],
+                                            "rejected_prediction_tokens": predicted[1]}
+    return out
 
 
 def choice_body(index: int, text: str | None, finish: str | None, chat: bool, chunk: bool, first: bool = False,
@@ -100,11 +105,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(ge=0, description="Prompt tokens served from a prefix cache.")
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = Field(ge=0, description="Tokens drafted from the prediction that the "
+                                            "output repeated.")
+    rejected_prediction_tokens: int = Field(ge=0, description="Tokens drafted from the prediction that it did "
+                                            "not (computed, not output: not in completion_tokens).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int = Field(ge=0, description="Each prompt counted once.")
     completion_tokens: int = Field(ge=0, description="Over every choice.")
     total_tokens: int = Field(ge=0)
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="With a chat request's `prediction` only.")
 
 
 class CompletionLogprobs(BaseModel):

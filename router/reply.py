@@ -87,11 +87,17 @@ class Reply:
         and per prompt the prompt tokens served from a prefix cache for its choice that had the
         most (choices 1..n-1 reuse choice 0's). The cache counts come with the first events: the
         engine that computed the prompt (the prefill replica's; a decode replica's events count
-        none)."""
+        none). A chat request with a `prediction`: the draft tokens taken from it that the choices
+        repeated and the others, as each choice's last event counts them (a choice moved to another
+        replica mid-way counts that replica's only)."""
         n, groups, firsts = self.body.n, range(0, len(lasts), self.body.n), self.firsts
         completion = 0 if self.body.prompt_only else sum(ev.num_output_tokens for ev in lasts)
+        predicted = None
+        if getattr(self.body, "prediction", None) is not None:         # chat's, as OpenAI counts them
+            predicted = (sum(ev.accepted_prediction_tokens for ev in lasts),
+                         sum(ev.rejected_prediction_tokens for ev in lasts))
         return usage(sum(lasts[g].num_prompt_tokens for g in groups), completion,
-                     sum(max(ev.num_cached_tokens for ev in firsts[g:g + n]) for g in groups))
+                     sum(max(ev.num_cached_tokens for ev in firsts[g:g + n]) for g in groups), predicted)
 
     def _observe(self, lasts: list[messages.TokenEvent]) -> None:
         tokens = [0 if self.body.prompt_only else ev.num_output_tokens for ev in lasts]

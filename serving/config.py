@@ -62,6 +62,10 @@ class EngineOptions(_Model):
                                     "the rounding a bigger batch also changes). 0: off.")
     speculative_max_batch: int = Field(
         8, ge=1, description="Speculate only while at most this many sequences run in the replica.")
+    prediction_tokens: int = Field(
+        8, ge=0, le=16, description="A request with a predicted output (the chat request's `prediction`) drafts up "
+                                    "to this many tokens a step from it, whatever speculative_tokens, kept as prompt "
+                                    "lookup's drafts are (the output does not change). 0: predictions are ignored.")
 
     def engine_config(self, model_dir: str, **app_wide) -> EngineConfig:
         """The engine's configuration (`num_threads` resolved: AppConfig.engine_for), with the

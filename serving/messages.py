@@ -52,6 +52,7 @@ class WireSamplingParams:
     lora_path: str | None = None        # one loaded at run time: its directory and load id
     lora_id: int = 0
     cache_salt: str | None = None
+    prediction: tuple[int, ...] = ()    # a predicted output's token ids (SamplingParams.prediction)
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
@@ -62,7 +63,7 @@ class WireSamplingParams:
                    p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs,
                    tuple(p.logit_bias), structured, p.min_p, tuple(p.allowed_token_ids),
                    p.include_stop_str_in_output, p.skip_special_tokens, tuple(map(tuple, p.bad_words)), p.lora,
-                   p.priority, p.lora_path, p.lora_id, p.cache_salt)
+                   p.priority, p.lora_path, p.lora_id, p.cache_salt, tuple(p.prediction))
 
     @property
     def cache_key(self) -> tuple | None:
@@ -216,7 +217,9 @@ class TokenEvent:
     `logprobs`: one per token of `token_ids` when the request asked for them, else empty; the
     decode replica's first event (the first token again) has none. `prompt_logprobs`: on the
     first event only, the prompt's tokens after the first, when the request asked for them.
-    `stop_reason`: on a last event ended by a stop string or stop token, that string or token id."""
+    `stop_reason`: on a last event ended by a stop string or stop token, that string or token id.
+    `accepted_prediction_tokens`, `rejected_prediction_tokens`: so far, the draft tokens taken from
+    the request's predicted output that it repeated and the others (RequestOutput's)."""
     request_id: str
     token_ids: tuple[int, ...]
     text: str
@@ -228,6 +231,8 @@ class TokenEvent:
     logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     stop_reason: str | int | None = None
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(frozen=True)

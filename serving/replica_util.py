@@ -20,7 +20,8 @@ def token_event(out: RequestOutput) -> bytes:
     return messages.encode(messages.TokenEvent(
         out.request_id, tuple(out.new_token_ids), out.new_text, out.finished, out.finish_reason,
         out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, tuple(out.logprobs or ()),
-        tuple(out.prompt_logprobs or ()), out.stop_reason))
+        tuple(out.prompt_logprobs or ()), out.stop_reason, out.accepted_prediction_tokens,
+        out.rejected_prediction_tokens))
 
 
 def error_event(request_id: str, message: str, code: int = 500, kind: str = "server_error") -> bytes:

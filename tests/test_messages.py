@@ -18,7 +18,7 @@ P2 = m.WireSamplingParams.of(SamplingParams(logit_bias=((5, -100.0), (9, 2.5)),
                                             structured=StructuredOutput("json_schema", '{"type": "object"}')))
 P3 = m.WireSamplingParams.of(SamplingParams(allowed_token_ids=(3, 5, 8), include_stop_str_in_output=True,
                                             skip_special_tokens=False, bad_words=((4,), (6, 7, 9)), lora="sql",
-                                            priority=-3))
+                                            priority=-3, prediction=(11, 12, 13)))
 LP = TokenLogprobs(9, -0.5, ((9, -0.5), (4, -1.25)))
 
 EXAMPLES = [
