@@ -77,7 +77,8 @@ class Admission:
         if any(t >= self.vocab_size for t, _ in params.logit_bias):
             return f"logit_bias: token id out of range (vocabulary size {self.vocab_size})"
         for name, ids in (("allowed_token_ids", params.allowed_token_ids),
-                          ("bad_words", [t for word in params.bad_words for t in word])):
+                          ("bad_words", [t for word in params.bad_words for t in word]),
+                          ("prediction", params.prediction)):                # fed to the model as drafts
             if any(t >= self.vocab_size for t in ids):
                 return f"{name}: token id out of range (vocabulary size {self.vocab_size})"
         if params.allowed_token_ids:       # what the first token may not be

@@ -132,6 +132,16 @@ def test_the_whole_prediction_right_takes_a_few_steps(pair):
     assert (last.accepted_prediction_tokens, last.rejected_prediction_tokens) == (0, 0)
 
 
+def test_a_prediction_outside_the_vocabulary_is_refused_at_admission(pair):
+    _, pred = pair
+    params = SamplingParams(max_tokens=4, prediction=(5, pred.runner.vocab_size))
+    rejected = pred.add_request("outside", PROMPTS[0], params)
+    assert rejected is not None and "prediction: token id out of range" in rejected.reason
+    assert pred.add_request("negative", PROMPTS[0], replace(params, prediction=(-1,))).reason == \
+        "prediction must be token ids"
+    assert not pred.has_work() and pred.block_manager.all_free()
+
+
 def test_a_decode_engine_drafts_from_the_prediction_of_a_prefilled_request(pair, tiny_llama_dir):
     plain, pred = pair
     prefill = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32",
