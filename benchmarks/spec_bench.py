@@ -66,8 +66,8 @@ def prompts(engine: LLMEngine) -> dict[str, list[int]]:
     return out
 
 
-def _streamed(url: str, body: dict) -> tuple[float, int, str]:
-    """One streamed chat request: its TPOT (ms), output tokens and text."""
+def _streamed(url: str, body: dict) -> tuple[float, int, str, dict]:
+    """One streamed chat request: its TPOT (ms), output tokens, text and usage."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
@@ -83,7 +83,7 @@ def _streamed(url: str, body: dict) -> tuple[float, int, str]:
                 arrivals.append(time.perf_counter())
                 text.append(event["choices"][0]["delta"]["content"])
     n = usage["completion_tokens"]
-    return (arrivals[-1] - arrivals[0]) / (n - 1) * 1e3, n, "".join(text)
+    return (arrivals[-1] - arrivals[0]) / (n - 1) * 1e3, n, "".join(text), usage
 
 
 def served(url: str, model: str, tokens: int, repeats: int) -> None:
@@ -111,11 +111,14 @@ def predicted(url: str, model: str, tokens: int, repeats: int) -> None:
             for guess in (False, True):
                 extra = {"prediction": {"type": "content", "content": prediction}} if guess else {}
                 runs[guess].append(_streamed(url, {**body, **extra}))
-        assert len({text for _, _, text in runs[False] + runs[True]}) == 1, "the outputs differ"
-        plain, fast = (statistics.median(t for t, _, _ in runs[g]) for g in (False, True))
+        assert len({text for _, _, text, _ in runs[False] + runs[True]}) == 1, "the outputs differ"
+        plain, fast = (statistics.median(t for t, _, _, _ in runs[g]) for g in (False, True))
+        details = runs[True][0][3]["completion_tokens_details"]
         print(f"  {name:14} {plain:.1f} -> {fast:.1f} ms, x{plain / fast:.2f} "
-              f"({' / '.join(f'{t:.1f}' for t, _, _ in runs[False])} -> "
-              f"{' / '.join(f'{t:.1f}' for t, _, _ in runs[True])}), {runs[True][0][1]} tokens, same output")
+              f"({' / '.join(f'{t:.1f}' for t, _, _, _ in runs[False])} -> "
+              f"{' / '.join(f'{t:.1f}' for t, _, _, _ in runs[True])}), {runs[True][0][1]} tokens, same output; "
+              f"prediction tokens accepted {details['accepted_prediction_tokens']}, "
+              f"rejected {details['rejected_prediction_tokens']}")
 
 
 def main() -> None:
