@@ -153,6 +153,9 @@ class ChatCompletionRequest(Sampling):
     modalities: list[Literal["text"]] | None = Field(None, description="Text only.")
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = Field(None, description="Accepted; prompts share a prefix cache anyway.")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="Accepted; the prefix cache is in memory, its blocks reused until others need them.")
+    verbosity: Literal["low", "medium", "high"] | None = Field(None, description="Accepted; ignored.")
     prediction: Prediction | None = Field(
         None, description="OpenAI's predicted output: the decode steps draft tokens from it (the server's "
                           "engine.prediction_tokens) and keep those the model picks itself, so the output comes "

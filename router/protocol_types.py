@@ -84,6 +84,6 @@ def present(name: str) -> dict:
 
 
 # value types of OpenAI's fields that chat and the Responses API share
-REASONING_EFFORT = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+REASONING_EFFORT = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 SERVICE_TIER = Literal["auto", "default", "flex", "scale", "priority"]
 METADATA = Annotated[dict[Text, Text], Field(max_length=16)]      # up to 16 string pairs

@@ -125,11 +125,13 @@ def test_add_special_tokens_and_documents_reach_the_prompt_as_vllm_takes_them(de
 
 def test_openais_other_chat_fields_are_accepted_and_change_nothing(tokenizer):
     fields = {"store": False, "metadata": {"team": "a"}, "service_tier": "auto", "modalities": ["text"],
-              "safety_identifier": "user-1", "prompt_cache_key": "k"}
+              "safety_identifier": "user-1", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+              "verbosity": "low"}
     assert text(tokenizer, request(**fields)) == text(tokenizer, request())
     assert request(**fields).sampling_params(16) == request().sampling_params(16)
     for wrong in ({"modalities": ["audio"]}, {"service_tier": "fastest"}, {"metadata": {"k": 1}},
-                  {"metadata": {f"k{i}": "v" for i in range(17)}}, {"reasoning_effort": "max"}):
+                  {"metadata": {f"k{i}": "v" for i in range(17)}}, {"reasoning_effort": "maximal"},
+                  {"verbosity": "terse"}, {"prompt_cache_retention": "1h"}):
         with pytest.raises(ValidationError):
             request(**wrong)
 
