@@ -188,6 +188,8 @@ class ResponsesRequest(Strict):
     user: Text | None = None
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = Field(None, description="Accepted; prompts share a prefix cache anyway.")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="Accepted; the prefix cache is in memory, its blocks reused until others need them.")
     reasoning: ReasoningConfig | None = None
     truncation: Literal["disabled", "auto"] | None = Field(
         None, description="disabled (the default): a conversation beyond the context is a 400; auto: its "

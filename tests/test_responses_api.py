@@ -64,6 +64,14 @@ def test_tools_tool_choice_and_text_format_become_the_chats():
     assert stream.stream and stream.include_usage
 
 
+def test_openais_fields_that_change_nothing_are_accepted():
+    ignored = {"safety_identifier": "u", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+               "service_tier": "auto"}
+    assert request(**ignored).chat().model_dump() == request().chat().model_dump()
+    with pytest.raises(ValidationError):
+        request(prompt_cache_retention="1h")
+
+
 @pytest.mark.parametrize("fields, words", [
     ({"background": True, "store": False}, "stored to be polled"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input_text"),
