@@ -19,8 +19,8 @@ answer comes first: the response is stored `queued` and answered, and a task of 
 steps 2-4 (stored `in_progress`, then as it ended: completed, incomplete, or failed with the
 error the chat path answered, e.g. a replica out of KV blocks). With `stream` too, the task turns
 the chat stream into the Responses events, kept in this router and sent on to the store
-(router/background_stream.py: response.created and response.queued before the answer; the last events in the
-same call as the response as it ended), and the answer is those events as they come (`_tail`); a
+(router/background_stream.py: response.created and response.queued before the answer; the last
+events in the same call as the response as it ended), and the answer is those events as they come (`_tail`); a
 client that leaves stops reading, not the response, and GET
 /v1/responses/{id}?stream=true&starting_after=N reads them again, from sequence number N + 1, live
 to the end: from the writer in this router, from the store in any other.
@@ -46,9 +46,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
+from router.background_stream import EventWriter
 from router.chat_protocol import ChatCompletionRequest
 from router.openai_responses import above_limit, error_response, refused
-from router.background_stream import EventWriter
 from router.response_store import Found, StoredResponses, StoreUnavailable, page, unique_ids
 from router.responses_output import ResponseEvents, ResponseShape, new_id, response_from_chat, sse_event
 from router.responses_protocol import ResponsesRequest
