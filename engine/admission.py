@@ -41,7 +41,7 @@ class EngineRequest:
     matcher: Matcher | ThinkFirst | None = None   # structured output: where its output stands in the grammar
     ngram: NgramIndex | None = None       # speculative decoding: its tokens' n-grams, from its first draft
     prediction: PredictionIndex | None = None   # its predicted output's n-grams, from its first draft
-    draft_predicted: bool = False    # this step's draft came from the prediction
+    draft_predicted: bool = False    # its draft this step came from the prediction (read only with a draft)
     prediction_fed: int = 0          # draft tokens taken from the prediction so far, and those the output repeated
     prediction_kept: int = 0
 

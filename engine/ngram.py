@@ -58,13 +58,14 @@ def propose_drafts(running: list, requests: dict, k: int, max_batch: int, max_mo
         return []
     drafted = []
     for seq in running:
-        if seq.num_uncomputed_tokens != 1 or seq.hold_blocks:
+        predicted = bool(k_predicted and seq.params.prediction)
+        if not (k or predicted) or seq.num_uncomputed_tokens != 1 or seq.hold_blocks:
             continue
         room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - len(seq)) - 1
         if room < 1:
             continue
         req, draft = requests[seq.request_id], []
-        if k_predicted and seq.params.prediction:
+        if predicted:
             if req.prediction is None:
                 req.prediction = PredictionIndex(seq.params.prediction)
             tail = seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - TAIL):]
