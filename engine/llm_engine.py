@@ -287,11 +287,12 @@ class LLMEngine:
                 self._add_output(outputs, self._grammar_failed(req))
                 continue
             req.seq.token_ids.append(tok)
-            if j < len(draft) and tok == draft[j] and req.draft_predicted:
+            kept_draft = j < len(draft) and tok == draft[j]       # the model picked draft token j
+            if kept_draft and req.draft_predicted:
                 req.prediction_kept += 1
             out = self._after_token(req, tok, lp)
             self._add_output(outputs, out)
-            if j < len(draft) and tok == draft[j] and not out.finished:
+            if kept_draft and not out.finished:
                 req.seq.num_computed_tokens += 1            # the draft token's K/V is this token's
                 self.num_accepted_tokens += 1
                 going_on.append((req, first, draft))

@@ -101,13 +101,18 @@ class LoraPlaces:
     @staticmethod
     def running(scheduler: Scheduler) -> set:
         """The run-time adapters the running sequences run."""
-        return {seq.params.lora_key for seq in scheduler.running if seq.params.lora_path is not None}
+        return set(_running_keys(scheduler))
 
     def _drain_for(self, blocked: Sequence, scheduler: Scheduler) -> None:
         """`blocked` found every place in use: drain the adapter with the fewest running sequences,
         least recently used first, and the same one while `blocked` waits."""
-        running = Counter(seq.params.lora_key for seq in scheduler.running if seq.params.lora_path is not None)
+        running = Counter(_running_keys(scheduler))
         if self._draining is not None and self._draining[0] is blocked and self._draining[1] in running:
             return
         victim = min(running, key=lambda key: (running[key], self.loras.last_used(key)), default=None)
         self._draining = None if victim is None else (blocked, victim)
+
+
+def _running_keys(scheduler: Scheduler):
+    """The run-time adapter of each running sequence that runs one."""
+    return (seq.params.lora_key for seq in scheduler.running if seq.params.lora_path is not None)
