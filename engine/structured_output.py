@@ -37,7 +37,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.hf
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 MAX_SPEC_CHARS = 64 * 1024     # a schema, regex, grammar or the choices as JSON
@@ -148,6 +147,10 @@ class GrammarCompiler:
     model's (the logits' width; the bitmasks cover it); `eos_token_ids`: what may end a sentence."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        # imported here: llguidance.hf imports transformers (~0.6 s of CPU), which the processes that
+        # only read this module's dataclasses (serving.messages: the stats registry, the response
+        # store) never need
+        import llguidance.hf
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                       eos_token=sorted(eos_token_ids))

@@ -1,6 +1,10 @@
 """Round trip of every wire message, and rejection of bad bytes."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -19,6 +23,7 @@ P2 = m.WireSamplingParams.of(SamplingParams(logit_bias=((5, -100.0), (9, 2.5)),
 P3 = m.WireSamplingParams.of(SamplingParams(allowed_token_ids=(3, 5, 8), include_stop_str_in_output=True,
                                             skip_special_tokens=False, bad_words=((4,), (6, 7, 9)), lora="sql",
                                             priority=-3, prediction=(11, 12, 13)))
+ROOT = Path(__file__).resolve().parents[1]
 LP = TokenLogprobs(9, -0.5, ((9, -0.5), (4, -1.25)))
 
 EXAMPLES = [
@@ -104,3 +109,13 @@ def test_fields_added_later_default_when_an_older_sender_omits_them():
     stats = {"pool": "decode", "replica_id": "r", "kv_blocks_total": 1, "kv_blocks_free": 1, "running": 0,
              "waiting": 0, "waiting_prompt_tokens": 0, "extra": {}}
     assert m.decode(msgpack.packb([1, "ReplicaStats", stats])).histograms == {}
+
+
+def test_the_stats_registry_and_response_store_load_neither_torch_nor_transformers():
+    """They only read this module's messages; a replica's start is mostly its imports (transformers
+    alone ~0.6 s of CPU, torch ~1.8), and a test session starts these two ~45 times."""
+    code = ("import sys, serving.stats_registry, router.response_store; "
+            "print(sorted(m for m in ('torch', 'transformers', 'llguidance.hf') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
