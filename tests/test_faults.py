@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from service_util import http, kill_replica, metrics, pools_all_free, running_replicas, tiny_app, wait_until
+from service_util import (STATUS_POLL_S, http, kill_replica, metrics, pools_all_free, running_replicas, tiny_app,
+                          wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +89,7 @@ def _kill_mid_stream_and_compare(app: str, app_name: str, deployment: str, pool:
     assert migrations(app) >= before + 1
     # other and later requests are served (the surviving replica, then the replacement)
     assert all(ok(app, 8) for _ in range(4))
-    assert wait_until(lambda: running_replicas(app_name, deployment) == 2, 90)
+    assert wait_until(lambda: running_replicas(app_name, deployment) == 2, 90, every=STATUS_POLL_S)
     assert pools_all_free(app, pools, timeout=30)
 
 
@@ -104,7 +105,7 @@ def test_prefill_replica_killed_requests_still_succeed(app):
     assert ok(app)
     kill_replica("PrefillServer")
     assert ok(app, 4), "a request right after the prefill replica died failed"
-    assert wait_until(lambda: running_replicas("ft", "PrefillServer") == 1, 90)
+    assert wait_until(lambda: running_replicas("ft", "PrefillServer") == 1, 90, every=STATUS_POLL_S)
     assert all(ok(app, 4) for _ in range(3))
     assert pools_all_free(app, {"prefill", "decode"}, timeout=30)
 
@@ -127,7 +128,7 @@ def test_response_store_killed_answers_still_go_out_and_its_replacement_starts_e
     after = json.loads(text)
     result = "stored" if after["store"] else "not_stored"            # and /metrics counts which
     assert _saves(app) == {**saved, result: saved[result] + 1}
-    assert wait_until(lambda: running_replicas("ft", "ResponseStore") == 1, 90)
+    assert wait_until(lambda: running_replicas("ft", "ResponseStore") == 1, 90, every=STATUS_POLL_S)
     # a GET is a 503 (the store unavailable) until the replacement answers: then 200 or 404, as it was kept or not
     codes = []
     assert wait_until(lambda: codes.append(http(app, f"/v1/responses/{after['id']}")[0]) or codes[-1] != 503, 90)

@@ -62,7 +62,7 @@ def test_a_new_scaling_is_applied_in_place_and_anything_else_restarts(ray_serve,
             assert running("DecodeServer") == 1
             out = pdserve_deploy(after, tmp_path)
             peak = {"PrefillServer": 1, "DecodeServer": 1}
-            grown = reaches(peak, running, {"PrefillServer": 2, "DecodeServer": 2}, 120)
+            grown = reaches(peak, NAME, {"PrefillServer": 2, "DecodeServer": 2}, 120)
         assert "in place, no replica restarted (PrefillServer num_replicas, DecodeServer user_config)" in out, out
         assert "is running the new config" in out, out
         assert grown, f"peak replicas after the in-place deploy: {peak}"

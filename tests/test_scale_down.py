@@ -11,7 +11,7 @@ import threading
 import pytest
 from ray import serve
 
-from service_util import TINY_ENGINE, http, pools_all_free, tiny_app, wait_until
+from service_util import STATUS_POLL_S, TINY_ENGINE, http, pools_all_free, tiny_app, wait_until
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[random.Random(i).randrange(100, 40000) for _ in range(60 + 7 * i)] for i in range(8)]
@@ -50,9 +50,10 @@ def test_prefill_scale_down_in_the_middle_of_hand_offs(ray_serve, tiny_llama_dir
                         route_prefix="/sd", engine=TINY_ENGINE, transfer={"host": "127.0.0.1"},
                         prefill={"num_replicas": 1})
         serve.run(build_app(cfg), name="sd", route_prefix="/sd", blocking=False)   # one prefill replica goes
-        assert wait_until(lambda: serve.status().applications["sd"].deployments["PrefillServer"]
-                          .replica_states == {"RUNNING": 1}
-                          and serve.status().applications["sd"].status == "RUNNING", 180)
+        def one_prefill_replica() -> bool:
+            app = serve.status().applications["sd"]
+            return app.deployments["PrefillServer"].replica_states == {"RUNNING": 1} and app.status == "RUNNING"
+        assert wait_until(one_prefill_replica, 180, every=STATUS_POLL_S)
         done_before = len(results)
         assert wait_until(lambda: len(results) >= done_before + 8, 60)   # and service goes on
         stop.set()

@@ -14,7 +14,7 @@ from ray import serve
 
 from pdserve.serve_config import deploy
 from serving.config import AppConfig
-from service_util import TINY_ENGINE, delete_app, http, running_replicas, wait_healthy, wait_until
+from service_util import STATUS_POLL_S, TINY_ENGINE, delete_app, http, running_by_pool, wait_healthy, wait_until
 
 pytestmark = pytest.mark.slow
 ZERO = {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "downscale_delay_s": 30,
@@ -23,7 +23,8 @@ APPS = {"zero": ("PrefillServer", "DecodeServer"), "czero": ("ColocatedServer",)
 
 
 def _running(app: str) -> list[int]:
-    return [running_replicas(app, pool) for pool in APPS[app]]
+    running = running_by_pool(app)
+    return [running[pool] for pool in APPS[app]]
 
 
 def _from_zero(app: str, base: str, body: dict) -> tuple[int, str, list[int], float, list[int]]:
@@ -62,7 +63,7 @@ def test_idle_pools_scale_to_zero_and_a_request_brings_them_back(ray_serve, tiny
             assert healths and set(healths) == {200}, (app, healths)
             assert set(running) == {1}, (app, running)
         for app, base in bases.items():
-            assert wait_until(lambda: set(_running(app)) == {0}, 25), (app, _running(app))
+            assert wait_until(lambda: set(_running(app)) == {0}, 25, every=STATUS_POLL_S), (app, _running(app))
             assert http(base, "/health")[0] == 200
     finally:
         for app in APPS:

@@ -15,8 +15,8 @@ import pytest
 
 from pdserve.serve_config import deploy, slo_policy
 from pdserve.plan.model import resolve_spec
-from service_util import (TINY_ENGINE, closed_loop_load, delete_app, http, pools_all_free, reaches, running_replicas,
-                          wait_healthy, wait_until)
+from service_util import (STATUS_POLL_S, TINY_ENGINE, closed_loop_load, delete_app, http, pools_all_free, reaches,
+                          running_by_pool, wait_healthy, wait_until)
 from serving.config import AppConfig
 from serving.slo_model import StepModel, Workload, size_fleet
 
@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 NAME = "slo"
 
 
-def replicas(deployment: str) -> int:
-    return running_replicas(NAME, deployment)
+def at_one_each() -> bool:
+    running = running_by_pool(NAME)
+    return running["PrefillServer"] == running["DecodeServer"] == 1
 
 
 def config(model_dir) -> AppConfig:
@@ -53,10 +54,10 @@ def test_slo_policy_grows_both_pools_to_the_predicted_counts_and_back(ray_serve,
     base = f"{ray_serve}/{NAME}"
     try:
         wait_healthy(base)
-        assert replicas("PrefillServer") == 1 and replicas("DecodeServer") == 1
+        assert at_one_each()
         peak = {"PrefillServer": 1, "DecodeServer": 1}
         with closed_loop_load(base, 4, 64) as statuses:
-            up = reaches(peak, replicas, {"PrefillServer": 2, "DecodeServer": 2}, 90)
+            up = reaches(peak, NAME, {"PrefillServer": 2, "DecodeServer": 2}, 90)
         assert up, f"peak replicas under load: {peak}"
         stream = []
 
@@ -67,7 +68,7 @@ def test_slo_policy_grows_both_pools_to_the_predicted_counts_and_back(ray_serve,
             stream.append((status, text.rstrip().endswith("data: [DONE]"), '"error"' in text, time.monotonic()))
         long = threading.Thread(target=long_stream)
         long.start()
-        down = wait_until(lambda: replicas("PrefillServer") == 1 and replicas("DecodeServer") == 1, 90)
+        down = wait_until(at_one_each, 90, every=STATUS_POLL_S)
         long.join()
         assert down, "the pools did not scale back to 1:1"
         assert [s[:3] for s in stream] == [(200, True, False)]
