@@ -1,7 +1,9 @@
 """Sampling parameters end to end through the engine (tiny random model, real tokenizer), and
 the incremental detokenizer on its own."""
 
+import collections
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from engine.llm_engine import LLMEngine
 from engine import sampler
-from engine.sampler import PenaltyState, SampleRow, _apply_penalties, _filter_min_p, _filter_top_k_top_p, sample
+from engine.sampler import PenaltyState, SampleRow, _apply_penalties, _filter_min_p, sample
 from engine.sampling_params import SamplingParams
 
 
@@ -159,12 +161,114 @@ def test_stop_string_cuts_the_text(default_model_dir):
     assert kept.token_ids == out.token_ids
 
 
+def top_filter(logits, top_k, top_p):
+    """`logits` with -inf outside each row's top-k / nucleus: the candidates sample draws from
+    (sampler._candidate_groups), as whole rows."""
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in zip(top_k, top_p)]
+    out = torch.full_like(logits, float("-inf"))
+    for rows, values, ids in sampler._candidate_groups(logits, params):
+        out[rows] = values if ids is None else torch.full_like(out[rows], float("-inf")).scatter(-1, ids, values)
+    return out
+
+
 def test_top_k_and_top_p_filters():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
-    out = _filter_top_k_top_p(logits.clone(), torch.tensor([2, 0]), torch.tensor([1.0, 0.5]))
+    out = top_filter(logits.clone(), [2, 0], [1.0, 0.5])
     assert torch.isinf(out[0, 2:]).all() and not torch.isinf(out[0, :2]).any()
     # the top token alone holds > 50 % of the mass: nucleus 0.5 keeps only it
     assert not torch.isinf(out[1, 0]) and torch.isinf(out[1, 1:]).all()
+
+
+def test_top_k_and_top_p_mask_what_hugging_faces_warpers_mask():
+    """The candidates sample draws from against transformers' TopK then TopP warpers: peaked rows
+    (nucleus within the first topk), flat ones (sorted whole), top-k wider than NUCLEUS_WIDTH, and
+    rows of each kind in one batch."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    torch.manual_seed(0)
+    vocab = 5000
+    logits = torch.cat([torch.randn(6, vocab) * 6, torch.randn(6, vocab) * 0.5])      # peaked, flat
+    for top_k in (0, 1, 40, 300, vocab - 1):
+        for top_p in (1.0, 0.9, 0.5):
+            ours = top_filter(logits.clone(), [top_k] * 12, [top_p] * 12)
+            theirs = logits.clone()
+            if top_k:
+                theirs = TopKLogitsWarper(top_k)(None, theirs)
+            if top_p < 1:
+                theirs = TopPLogitsWarper(top_p)(None, theirs)
+            assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), (top_k, top_p)
+            assert torch.equal(ours[~ours.isinf()], logits[~ours.isinf()])
+    groups = sampler._candidate_groups(logits, [SamplingParams(temperature=1.0, top_p=0.9)] * 12)
+    assert sorted((rows, v.shape[1]) for rows, v, _ in groups) == [([0, 1, 2, 3, 4, 5], sampler.NUCLEUS_WIDTH),
+                                                                   ([6, 7, 8, 9, 10, 11], vocab)]
+    mixed = top_filter(logits[:4].clone(), [0, 2, 400, 0], [0.5, 1.0, 1.0, 1.0])
+    assert (~mixed.isinf()).sum(dim=-1)[1:].tolist() == [2, 400, vocab]
+
+
+def _rows(params, seeds):
+    return [SampleRow(params, sampler.make_generator(s, torch.device("cpu")), []) for s in seeds]
+
+
+def test_a_top_k_draw_follows_the_distribution_and_never_picks_a_masked_token():
+    """The Gumbel-max draw over candidates: each candidate as often as its probability (candidates
+    in any order, ids anywhere in the vocabulary), a -inf one never."""
+    probs = torch.tensor([0.2, 0.1, 0.15, 0.0, 0.15, 0.4])
+    ids = torch.tensor([[40000, 5, 1023, 7, 1024, 48000], [48000, 1024, 7, 1023, 5, 40000]])
+    values = torch.stack([probs.log(), probs.log().flip(0)])
+    rows = _rows(SamplingParams(temperature=1.0, top_k=6), [1, 2])
+    n = 20000
+    seen = [collections.Counter(), collections.Counter()]
+    for _ in range(n):
+        for row, token in enumerate(sampler._draw_from(values.clone(), ids, rows)):
+            seen[row][token] += 1
+    for row in range(2):
+        expected = {int(t): float(q) for t, q in zip(ids[0], probs)}
+        assert seen[row][7] == 0 and set(seen[row]) == {t for t, q in expected.items() if q}
+        assert all(abs(seen[row][t] - q * n) <= 4 * (q * (1 - q) * n) ** 0.5 for t, q in expected.items()), seen
+    with pytest.raises(RuntimeError, match="no candidate"):
+        sampler._draw_from(torch.full((1, 3), float("-inf")), ids[:1, :3], rows[:1])
+
+
+def test_a_tokens_noise_depends_on_the_token_not_on_the_other_candidates():
+    keys = torch.tensor([7, -3])
+    ids = torch.tensor([[3, 900, 48000, 12], [3, 900, 48000, 12]])
+    noise = sampler._noise(keys, ids)
+    assert not torch.equal(noise[0], noise[1])                               # another key
+    order = torch.tensor([2, 0, 3, 1])
+    assert torch.equal(sampler._noise(keys, ids[:, order]), noise[:, order])
+    assert torch.equal(sampler._noise(keys, ids[:, :2]), noise[:, :2])
+    # splitmix64's outputs: token t of key k is the (t + 1)-th from state k
+    mask = 2**64 - 1
+
+    def splitmix(k, t):
+        z = (k + (t + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+    u = ((splitmix(7, 48000) >> 11) + 0.5) * 2.0 ** -53
+    assert noise[0, 2].item() == -math.log(-math.log(u))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9),
+                                    SamplingParams(temperature=0.8, top_k=40, min_p=0.05)])
+def test_skipping_a_draw_lines_a_generator_up_with_one_that_drew(params):
+    torch.manual_seed(0)
+    logits = torch.randn(4, 49152) * 3
+    first, second = _rows(params, [11, 11])
+    sample(logits[:1].clone(), [first])               # the draw the prefill engine made
+    sampler.skip_draw(second.generator, 49152, params)
+    assert [sample(logits[i:i + 1].clone(), [first])[0] for i in range(1, 4)] == \
+        [sample(logits[i:i + 1].clone(), [second])[0] for i in range(1, 4)]
+
+
+def test_logits_a_rounding_error_apart_draw_the_same_tokens():
+    """What lets a split request (prefill and decode engines computing the same logits differently)
+    draw as one engine: a flat distribution (a tiny random model's), nudged by 1e-6."""
+    torch.manual_seed(0)
+    logits = torch.randn(200, 49152) * 0.3
+    nudged = logits + torch.randn(200, 49152) * 1e-6
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.95)):
+        tokens = [sample(x.clone(), _rows(params, range(200)))[0] for x in (logits, nudged)]
+        assert tokens[0] == tokens[1]
 
 
 def test_min_p_masks_what_hugging_faces_warper_masks():
