@@ -86,8 +86,7 @@ def _candidate_groups(logits: torch.Tensor, params: list[SamplingParams]
         if width is None:
             groups.append((rows, part, None))
             continue
-        k = torch.tensor([params[j].top_k if 0 < params[j].top_k < vocab else vocab for j in rows],
-                         device=logits.device)
+        k = torch.tensor([_top_k(params[j], vocab) for j in rows], device=logits.device)
         top_p = torch.tensor([params[j].top_p for j in rows], device=logits.device, dtype=logits.dtype)
         values, ids, spill = _candidates(part, k, top_p, width)
         if not bool(spill.any()):
@@ -101,13 +100,19 @@ def _candidate_groups(logits: torch.Tensor, params: list[SamplingParams]
     return groups
 
 
+def _top_k(params: SamplingParams, vocab: int) -> int:
+    """A row's top-k, 1..vocab (vocab: none)."""
+    return params.top_k if 0 < params.top_k < vocab else vocab
+
+
 def _width(params: SamplingParams, vocab: int) -> int | None:
     """How many of a row's likeliest tokens `_candidates` sorts first: max(NUCLEUS_WIDTH, its
     top-k); None where the row has no top-k or nucleus (every token a candidate). A row's own
     parameters alone decide it, so its draw does not depend on what shares its batch."""
-    if (params.top_k <= 0 or params.top_k >= vocab) and params.top_p >= 1.0:
+    k = _top_k(params, vocab)
+    if k == vocab and params.top_p >= 1.0:
         return None
-    return min(vocab, max(NUCLEUS_WIDTH, params.top_k if 0 < params.top_k < vocab else 0))
+    return min(vocab, max(NUCLEUS_WIDTH, k if k < vocab else 0))
 
 
 def _candidates(logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
