@@ -119,7 +119,7 @@ class Admission:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = make_generator(seed, self.device)
             for _ in range(draws):
-                skip_draw(generator, self.vocab_size, params)
+                skip_draw(generator)
         req = EngineRequest(seq, detok, generator, [] if params.prompt_logprobs is not None and not resumed else None)
         if params.structured is not None:
             req.matcher = self._matcher(params, resumed)

@@ -34,6 +34,9 @@
   independently. Both are what int8_gemv / int4_gemv run from their `*_amx_from()` rows (below
   them the int8-rounded activations' sums, as documented).
 - Greedy sampling's row argmax gives torch's indices (first of ties, NaN as the maximum, infinities).
+- Sampling's whole-row draw gives the argmax of the logits plus the sampler's torch noise for
+  every token (vector and scalar paths, peaked and flat rows, -inf and +inf, temperatures
+  near 0), the first NaN's index for a row with one, index 0 for a row of -inf.
 - The prefill kernel (a bf16 prompt chunk's causal attention over its blocks in place) gives an
   fp32 attention's output within bf16 rounding, fresh and after a past, for GQA groups of 1-8, head
   sizes 64, 128 and 256 and odd block sizes, and within sliding windows; it takes the decoder's strided queries, reads nothing
@@ -583,6 +586,37 @@ def test_argmax_rows_gives_torchs_indices_ties_nan_and_infinities_included():
     assert torch.equal(KERNELS.argmax_rows(big[:, ::2]), big[:, ::2].argmax(dim=-1))     # not contiguous
     with pytest.raises(RuntimeError, match="fp32"):
         KERNELS.argmax_rows(big.bfloat16())
+
+
+@needs_kernel
+def test_gumbel_argmax_rows_is_the_argmax_of_the_logits_plus_the_samplers_noise():
+    from engine.sampler import _noise
+    g = torch.Generator().manual_seed(0)
+
+    def reference(x, keys):
+        return (x.double() + _noise(keys, torch.arange(x.shape[1])[None, :])).argmax(dim=-1)
+    for trial in range(300):
+        rows, width = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 300, (1,), generator=g))
+        x = torch.randn(rows, width, generator=g) * [0.1, 3.0, 30.0, 3000.0][trial % 4]   # flat .. T near 0
+        if trial % 5 == 0:
+            x[:, ::3] = float("-inf")
+        if trial % 13 == 0:
+            x[-1, width // 2] = float("inf")
+        keys = torch.randint(-2**63, 2**63 - 1, (rows,), generator=g)
+        assert torch.equal(KERNELS.gumbel_argmax_rows(x, keys), reference(x, keys)), (trial, rows, width)
+    keys = torch.randint(-2**63, 2**63 - 1, (64,), generator=g)
+    big = torch.randn(64, 49152, generator=g) * 4
+    assert torch.equal(KERNELS.gumbel_argmax_rows(big, keys), reference(big, keys))
+    assert torch.equal(KERNELS.gumbel_argmax_rows(big[:, 1::2], keys), reference(big[:, 1::2], keys))
+    odd = torch.full((2, 1001), float("-inf"))
+    odd[0, 700], odd[0, 999], odd[1, 3:] = float("nan"), float("nan"), 0.0
+    assert KERNELS.gumbel_argmax_rows(odd, keys[:2])[0] == 700          # the first NaN
+    assert KERNELS.gumbel_argmax_rows(odd[:1, :600], keys[:1])[0] == 0   # every token -inf
+    assert KERNELS.gumbel_argmax_rows(odd[1:], keys[:1])[0] >= 3
+    with pytest.raises(RuntimeError, match="fp32"):
+        KERNELS.gumbel_argmax_rows(big.bfloat16(), keys)
+    with pytest.raises(RuntimeError, match="one a row"):
+        KERNELS.gumbel_argmax_rows(big, keys[:3])
 
 
 @needs_kernel

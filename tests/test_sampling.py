@@ -228,6 +228,38 @@ def test_a_top_k_draw_follows_the_distribution_and_never_picks_a_masked_token():
         sampler._draw_from(torch.full((1, 3), float("-inf")), ids[:1, :3], rows[:1])
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
+def test_a_whole_row_draw_follows_the_softmax_and_never_picks_a_masked_token(kernel, monkeypatch):
+    """Rows without top-k / top-p: the Gumbel-max over every token (the CPU kernel, and the torch ops
+    it replaces elsewhere), each token as often as its probability; a -inf one never."""
+    if not kernel:
+        monkeypatch.setattr(sampler, "cpu_kernels", lambda: None)
+    elif sampler.cpu_kernels() is None:
+        pytest.skip("the CPU kernels could not be built here")
+    probs = torch.zeros(2, 3000)
+    probs[0, [5, 1023, 1024, 2999]] = torch.tensor([0.2, 0.1, 0.3, 0.4])
+    probs[1] = torch.rand(3000, generator=torch.Generator().manual_seed(0)) ** 4
+    probs[1, 17] = 0.0
+    probs /= probs.sum(dim=-1, keepdim=True)
+    values = probs.log()
+    rows = _rows(SamplingParams(temperature=1.0), [1, 2])
+    n = 4000 if kernel else 1500
+    seen = [collections.Counter(), collections.Counter()]
+    for _ in range(n):
+        for row, token in enumerate(sampler._draw_from(values, None, rows)):
+            seen[row][token] += 1
+    assert set(seen[0]) == {5, 1023, 1024, 2999} and seen[1][17] == 0
+    for t, q in ((5, 0.2), (1023, 0.1), (1024, 0.3), (2999, 0.4)):
+        assert abs(seen[0][t] - q * n) <= 4 * (q * (1 - q) * n) ** 0.5, seen[0]
+    # the flat row: counts of tokens binned by probability match the bins' mass
+    bins = torch.bucketize(probs[1], torch.quantile(probs[1], torch.tensor([0.5, 0.8, 0.95])))
+    mass = [float(probs[1][bins == b].sum()) for b in range(4)]
+    counts = collections.Counter(int(bins[t]) for t in seen[1].elements())
+    assert all(abs(counts[b] - q * n) <= 4 * (q * (1 - q) * n) ** 0.5 for b, q in enumerate(mass)), (counts, mass)
+    with pytest.raises(RuntimeError, match="no candidate"):
+        sampler._draw_from(torch.full((1, 30), float("-inf")), None, rows[:1])
+
+
 def test_a_tokens_noise_depends_on_the_token_not_on_the_other_candidates():
     keys = torch.tensor([7, -3])
     ids = torch.tensor([[3, 900, 48000, 12], [3, 900, 48000, 12]])
@@ -255,7 +287,7 @@ def test_skipping_a_draw_lines_a_generator_up_with_one_that_drew(params):
     logits = torch.randn(4, 49152) * 3
     first, second = _rows(params, [11, 11])
     sample(logits[:1].clone(), [first])               # the draw the prefill engine made
-    sampler.skip_draw(second.generator, 49152, params)
+    sampler.skip_draw(second.generator)
     assert [sample(logits[i:i + 1].clone(), [first])[0] for i in range(1, 4)] == \
         [sample(logits[i:i + 1].clone(), [second])[0] for i in range(1, 4)]
 
