@@ -122,16 +122,28 @@ def _candidates(logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
     mass in these). (A full sort of 49,152 logits: 3.1 ms a row on one CPU thread here; topk 256:
     0.15.)"""
     vocab = logits.shape[-1]
-    values, ids = logits.topk(width, dim=-1)
+    values, ids, log_row = _top(logits, width)
     ranks = torch.arange(width, device=logits.device)[None, :]
     values = values.masked_fill(ranks >= k[:, None], float("-inf"))
     # the top-k's mass: the whole row's (k = vocab), else these tokens' (k <= width)
-    log_total = torch.where(k >= vocab, logits.logsumexp(dim=-1), values.logsumexp(dim=-1))[:, None]
+    log_total = torch.where(k >= vocab, log_row, values.logsumexp(dim=-1))[:, None]
     probs = (values - log_total).exp()
     before = probs.cumsum(dim=-1) - probs          # mass strictly before each token
     values = values.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1.0), float("-inf"))
     spill = (k > width) & (top_p < 1.0) & (before[:, -1] + probs[:, -1] < top_p)
     return values, ids, spill
+
+
+def _top(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's `width` largest logits in order, their ids, and the row's logsumexp: on CPU the
+    engine's kernel (the row's maximum, then its exp summed and the candidates above a threshold
+    found by counting; equal logits by the smaller id first), 0.05 ms a row of 49,152 here against
+    0.25 for torch's topk and logsumexp, which run elsewhere (ties in their own order)."""
+    kernels = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if kernels is not None:
+        return kernels.top_candidates(logits, width)
+    values, ids = logits.topk(width, dim=-1)
+    return values, ids, logits.logsumexp(dim=-1)
 
 
 def _filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -322,10 +334,14 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
         if row.banned:
             logits[i, row.banned] = float("-inf")
     _apply_allowed(logits, rows)
-    out = _argmax(logits).tolist()
+    out = [0] * len(rows)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        for i, token in zip(greedy, _argmax(logits if len(greedy) == len(rows) else logits[greedy]).tolist()):
+            out[i] = token
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
-        # in place where every row is sampled (the argmax and logprobs above are taken)
+        # in place where every row is sampled (the logprobs above are taken)
         sub = logits if len(sampled) == len(rows) else logits[sampled]
         sub.div_(torch.tensor([rows[i].params.temperature for i in sampled], device=sub.device)[:, None])
         for i, token in zip(sampled, _sample_rows(sub, [rows[i] for i in sampled])):

@@ -37,6 +37,10 @@
 - Sampling's whole-row draw gives the argmax of the logits plus the sampler's torch noise for
   every token (vector and scalar paths, peaked and flat rows, -inf and +inf, temperatures
   near 0), the first NaN's index for a row with one, index 0 for a row of -inf.
+- Top-k / nucleus candidates: each row's `width` largest logits in order with their ids, equal
+  logits by the smaller id (a stable sort's order), and the row's logsumexp within fp32 rounding,
+  for peaked, flat, rounded (ties), constant and mostly -inf rows, widths 1 to the vocabulary;
+  NaN rows give NaN, rows of -inf / +inf their logsumexp as torch's.
 - The prefill kernel (a bf16 prompt chunk's causal attention over its blocks in place) gives an
   fp32 attention's output within bf16 rounding, fresh and after a past, for GQA groups of 1-8, head
   sizes 64, 128 and 256 and odd block sizes, and within sliding windows; it takes the decoder's strided queries, reads nothing
@@ -617,6 +621,40 @@ def test_gumbel_argmax_rows_is_the_argmax_of_the_logits_plus_the_samplers_noise(
         KERNELS.gumbel_argmax_rows(big.bfloat16(), keys)
     with pytest.raises(RuntimeError, match="one a row"):
         KERNELS.gumbel_argmax_rows(big, keys[:3])
+
+
+@needs_kernel
+def test_top_candidates_are_a_stable_sorts_first_logits_with_the_rows_logsumexp():
+    g = torch.Generator().manual_seed(0)
+
+    def check(x, width, where):
+        values, ids, log_total = KERNELS.top_candidates(x, width)
+        ref_values, ref_ids = x.sort(dim=-1, descending=True, stable=True)
+        assert torch.equal(values, ref_values[:, :width]) and torch.equal(ids, ref_ids[:, :width]), where
+        torch.testing.assert_close(log_total, x.logsumexp(dim=-1), rtol=2e-6, atol=2e-6, msg=str(where))
+    for trial in range(300):
+        rows, vocab = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 700, (1,), generator=g))
+        x = torch.randn(rows, vocab, generator=g) * [0.01, 1.0, 4.0, 300.0][trial % 4]
+        if trial % 3 == 0:
+            x = x.round()                                   # ties
+        if trial % 5 == 0:
+            x[:, torch.rand(vocab, generator=g) < 0.9] = float("-inf")   # a grammar's mask: few finite
+        if trial % 7 == 0:
+            x[-1] = 2.5                                     # every logit equal
+        width = int(torch.randint(1, vocab + 1, (1,), generator=g)) if trial % 2 else min(vocab, 256)
+        check(x, width, (trial, rows, vocab, width))
+    big = torch.randn(8, 49152, generator=g) * 4
+    for width in (1, 256, 300, 49152):
+        check(big, width, width)
+    check(big[:, 1::2], 256, "strided")
+    odd = torch.randn(3, 1000, generator=g)
+    odd[0, 500], odd[1], odd[2] = float("nan"), float("-inf"), float("-inf")
+    odd[2, 7] = float("inf")
+    values, ids, log_total = KERNELS.top_candidates(odd, 10)
+    assert values[0].isnan().all() and log_total[0].isnan()
+    assert log_total[1:].tolist() == [float("-inf"), float("inf")] and ids[2, 0] == 7
+    with pytest.raises(RuntimeError, match="width"):
+        KERNELS.top_candidates(odd, 1001)
 
 
 @needs_kernel

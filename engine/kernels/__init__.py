@@ -10,6 +10,7 @@ linears' few-row kernels, `fp32_gemv` / `bf16_gemv` (dense_gemv_cpu.cpp) the den
 (prefill_attention_cpu.cpp) a bf16 prompt chunk's causal attention over its blocks in place;
 `silu_mul` (silu_mul_cpu.cpp) the bf16 MLP's activation, `argmax_rows` (argmax_cpu.cpp) greedy
 sampling's argmax, `gumbel_argmax_rows` (gumbel_argmax_cpu.cpp) a whole row's sampled draw,
+`top_candidates` (top_candidates_cpu.cpp) a top-k / nucleus row's candidates and logsumexp,
 `lora_add_` (lora_cpu.cpp) a LoRA adapter's update of a bf16 linear's few rows,
 `bf16_gemm_amx` (amx_bf16_cpu.cpp) the bf16 GEMM on AMX tiles that `bf16_gemv` runs from 2 rows
 where the CPU has AMX-BF16 (`amx_available()`), and `int4_gemv` from
@@ -46,8 +47,8 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("paged_attention_cpu.cpp", "norm_cpu.cpp", "int8_gemv_cpu.cpp", "int4_gemv_cpu.cpp",
               "dense_gemv_cpu.cpp", "rope_store_cpu.cpp", "prefill_attention_cpu.cpp",
-              "silu_mul_cpu.cpp", "argmax_cpu.cpp", "gumbel_argmax_cpu.cpp", "amx_bf16_cpu.cpp", "amx_int8_cpu.cpp",
-              "lora_cpu.cpp")]
+              "silu_mul_cpu.cpp", "argmax_cpu.cpp", "gumbel_argmax_cpu.cpp", "top_candidates_cpu.cpp",
+              "amx_bf16_cpu.cpp", "amx_int8_cpu.cpp", "lora_cpu.cpp")]
 # -march=native: the build is keyed by this CPU's flags (below), so the cache never runs code
 # built for another CPU. -mno-amx-*: the compiler emits no AMX instruction of its own accord; the
 # AMX kernels (amx_bf16_cpu.cpp, amx_int8_cpu.cpp) enable it for their own functions and run only
