@@ -179,11 +179,16 @@ def test_top_k_and_top_p_filters():
     assert not torch.isinf(out[1, 0]) and torch.isinf(out[1, 1:]).all()
 
 
-def test_top_k_and_top_p_mask_what_hugging_faces_warpers_mask():
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
+def test_top_k_and_top_p_mask_what_hugging_faces_warpers_mask(kernel, monkeypatch):
     """The candidates sample draws from against transformers' TopK then TopP warpers: peaked rows
     (nucleus within the first topk), flat ones (sorted whole), top-k wider than NUCLEUS_WIDTH, and
-    rows of each kind in one batch."""
+    rows of each kind in one batch; found by the CPU kernel and by the torch ops it replaces."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    if not kernel:
+        monkeypatch.setattr(sampler, "cpu_kernels", lambda: None)
+    elif sampler.cpu_kernels() is None:
+        pytest.skip("the CPU kernels could not be built here")
     torch.manual_seed(0)
     vocab = 5000
     logits = torch.cat([torch.randn(6, vocab) * 6, torch.randn(6, vocab) * 0.5])      # peaked, flat
