@@ -24,6 +24,8 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 
 CASES = {"greedy": dict(temperature=0.0), "T=1": dict(temperature=1.0),
          "T=0.7 top_p=0.9": dict(temperature=0.7, top_p=0.9), "T=0.7 top_k=50": dict(temperature=0.7, top_k=50)}
+# the sampler alone, also on rows of -inf but a few tokens (a grammar's mask, as structured output leaves them)
+MASKED = {"top_p=0.9, 10 ok": (dict(temperature=0.7, top_p=0.9), 10), "T=1, 10 ok": (dict(temperature=1.0), 10)}
 
 
 def load(path: Path):
@@ -34,8 +36,13 @@ def load(path: Path):
     return module
 
 
-def sampler_ms(module, params: SamplingParams, batch: int, vocab: int, repeats: int) -> float:
-    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * 4
+def sampler_ms(module, params: SamplingParams, batch: int, vocab: int, repeats: int,
+               allowed: int | None = None) -> float:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=g) * 4
+    if allowed is not None:           # -inf but `allowed` random tokens a row
+        keep = torch.rand(batch, vocab, generator=g).argsort(dim=-1)[:, :allowed]
+        logits = torch.full_like(logits, float("-inf")).scatter(1, keep, logits.gather(1, keep))
     rows = [module.SampleRow(params, module.make_generator(i, torch.device("cpu")), []) for i in range(batch)]
     for _ in range(3):
         module.sample(logits.clone(), rows)
@@ -81,8 +88,8 @@ def main(argv=None) -> int:
     modules = {"this": sampler} if args.baseline is None else {"baseline": load(args.baseline), "this": sampler}
     print(f"sampler step, vocabulary {args.vocab}, {args.threads} thread(s), best of {args.repeats} (ms):")
     for batch in batches:
-        for name, kw in CASES.items():
-            times = {label: sampler_ms(m, SamplingParams(**kw), batch, args.vocab, args.repeats)
+        for name, (kw, allowed) in {**{k: (v, None) for k, v in CASES.items()}, **MASKED}.items():
+            times = {label: sampler_ms(m, SamplingParams(**kw), batch, args.vocab, args.repeats, allowed)
                      for label, m in modules.items()}
             ratio = f"  ({times['baseline'] / times['this']:.1f}x)" if "baseline" in times else ""
             print(f"  batch {batch:3d} {name:16s} " + "   ".join(f"{k} {v:7.2f}" for k, v in times.items()) + ratio)
