@@ -147,7 +147,8 @@ def _aborted(base: str) -> float:
 def test_a_client_that_leaves_mid_stream_aborts_the_request_and_frees_its_blocks(disagg):
     before = _aborted(disagg)
     leave_at_first_token(disagg, {"model": MODEL, "input": "Write a very long story about a dragon, in ten chapters.",
-                                  "max_output_tokens": 1500, "stream": True}, path="/v1/responses")
+                                  "max_output_tokens": 1500, "stream": True, "temperature": 0},   # greedy: it runs on
+                         path="/v1/responses")
     assert wait_until(lambda: _aborted(disagg) == before + 1, 30)
     assert pools_all_free(disagg, {"prefill", "decode"})
 
@@ -166,8 +167,10 @@ def test_background_responses_are_polled_and_cancelled(client, disagg):
     code, text = http(disagg, f"/v1/responses/{expected.id}/cancel", {})
     assert code == 400 and "background" in json.loads(text)["error"]["message"]
     before = _aborted(disagg)
+    # greedy: this prompt's reply runs all 2000 tokens (sampled, ~1 in 20 ended within 100 tokens, done
+    # before the check below that it is still in progress)
     story = client.responses.create(model=MODEL, input="Write a very long story about a dragon, in ten chapters.",
-                                    max_output_tokens=2000, background=True)
+                                    max_output_tokens=2000, background=True, temperature=0)
     # in_progress: its chat completion is called; past the router's 3 s lease (renewed), its request decodes
     assert wait_until(lambda: client.responses.retrieve(story.id).status == "in_progress", timeout=10)
     time.sleep(3.5)
