@@ -79,7 +79,7 @@ def make_bodies(args, n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     lo, hi = int(args.input_len * (1 - args.jitter)), int(args.input_len * (1 + args.jitter))
     return [{"model": args.model, "prompt": [rng.randrange(100, 30000) for _ in range(rng.randint(max(lo, 1), hi))],
-             "max_tokens": args.output_len, "ignore_eos": True, "temperature": 0, "stream": True,
+             "max_tokens": args.output_len, "ignore_eos": True, "temperature": args.temperature, "stream": True,
              "stream_options": {"include_usage": True}} for _ in range(n)]
 
 
@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--jitter", type=float, default=0.5, help="input lengths uniform in len*(1+-jitter)")
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (the default: every server does the same work); OpenAI's own default is 1")
     ap.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     ap.add_argument("--tpot-slo", type=float, default=0.2, help="seconds")
     ap.add_argument("--seed", type=int, default=0)
