@@ -13,8 +13,9 @@ pytestmark = pytest.mark.slow
 def test_bench_closed_loop_and_rate_sweep(disagg, tmp_path):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     common = ["--url", disagg, "--requests", "4", "--input-len", "40", "--output-len", "4", "--no-progress"]
-    assert bench.main(common + ["--concurrency", "2", "--json", str(out)]) == 0
+    assert bench.main(common + ["--concurrency", "2", "--temperature", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
+    assert data["args"]["temperature"] == 1.0          # sampled, as OpenAI's default; greedy unless asked
     summary = data["runs"][0]["summary"]
     assert summary["failed"] == 0 and summary["requests"] == 4
     assert summary["ttft_p50"] > 0 and summary["tpot_p99"] >= summary["tpot_p50"] > 0
