@@ -128,8 +128,8 @@ Range row_range(const float* x, int64_t n) {
   __m256i nan = _mm256_setzero_si256();
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
-    nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF)),
-                                                  _mm256_set1_epi32(0x7F800000)));
+    const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF));
+    nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000)));
     m8 = _mm256_max_ps(m8, v);
     lo8 = _mm256_blendv_ps(lo8, _mm256_min_ps(lo8, v), _mm256_cmp_ps(v, minus_inf, _CMP_GT_OQ));
   }
@@ -204,8 +204,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> top_candidates(const at::Tensor& 
   TORCH_CHECK(width > 0 && width <= logits.size(1), "width: 1 to the vocabulary's size");
   const at::Tensor x = logits.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
-  at::Tensor values = at::empty({rows, width}, x.options()), ids = at::empty({rows, width}, x.options().dtype(at::kLong)),
-             log_total = at::empty({rows}, x.options());
+  at::Tensor values = at::empty({rows, width}, x.options()), log_total = at::empty({rows}, x.options()),
+             ids = at::empty({rows, width}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
