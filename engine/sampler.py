@@ -29,6 +29,12 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return g
 
 
+def _kernels_for(x: torch.Tensor):
+    """The engine's CPU kernels (torch.ops.pdserve) where `x` may go through them (fp32 on the CPU,
+    and they built), else None."""
+    return cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+
+
 def skip_draw(generator: torch.Generator) -> None:
     """Advance `generator` past one draw of `sample` (every draw takes one `_key`, whatever the
     parameters, logits or vocabulary). The decode engine calls it for a seeded request whose first
@@ -139,7 +145,7 @@ def _top(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, 
     engine's kernel (the row's maximum, then its exp summed and the candidates above a threshold
     found by counting; equal logits by the smaller id first), 0.05 ms a row of 49,152 here against
     0.25 for torch's topk and logsumexp, which run elsewhere (ties in their own order)."""
-    kernels = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    kernels = _kernels_for(logits)
     if kernels is not None:
         return kernels.top_candidates(logits, width)
     values, ids = logits.topk(width, dim=-1)
@@ -270,7 +276,7 @@ def prompt_logprobs(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)`; on CPU through the engine's kernel where it builds (the same
     indices, ties and NaN included; aten's took 0.9 ms of a batch-32 step on one thread here)."""
-    kernels = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    kernels = _kernels_for(logits)
     return logits.argmax(dim=-1) if kernels is None else kernels.argmax_rows(logits)
 
 
@@ -287,37 +293,35 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
 def _draw_from(values: torch.Tensor, ids: torch.Tensor | None, rows: list[SampleRow]) -> list[int]:
     """A token per row of candidate logits `values` ([n, m]; -inf: not a candidate) after min-p, with
     each row's generator: the Gumbel-max trick, the argmax of the logits plus `_noise` from one
-    random key a row. `ids`: the candidates' token ids; None: `values` are whole rows
-    (`_gumbel_argmax`). The likeliest token after noise wins, so logits a rounding error apart (a
-    split request's prefill and decode engines, another batch) draw the same token but at a near
-    tie."""
+    random key a row (`_gumbel_argmax`). `ids`: the candidates' token ids; None: `values` are whole
+    rows. The likeliest token after noise wins, so logits a rounding error apart (a split request's
+    prefill and decode engines, another batch) draw the same token but at a near tie."""
     if any(r.params.min_p > 0.0 for r in rows):
         values = _filter_min_p(values, torch.tensor([r.params.min_p for r in rows], device=values.device,
                                                     dtype=values.dtype))
     keys = torch.cat([_key(r.generator, values.device) for r in rows])
-    if ids is None:
-        best = _gumbel_argmax(values, keys)[:, None]
-    else:
-        best = (values.double() + _noise(keys, ids)).argmax(dim=-1, keepdim=True)
+    best = _gumbel_argmax(values, keys, ids)[:, None]
     if not bool(torch.isfinite(values.gather(1, best)).all()):
         raise RuntimeError("a sampled row has no candidate token")
     return (best if ids is None else ids.gather(1, best))[:, 0].tolist()
 
 
-GUMBEL_ROWS = 16     # whole rows whose noise the torch path holds at once (five [rows, vocab] int64s)
+GUMBEL_ROWS = 16     # rows whose noise the torch path holds at once (whole rows: five [rows, vocab] int64s)
 
 
-def _gumbel_argmax(values: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax of `values` ([n, vocab]) plus `_noise` from its key over every token id:
-    on CPU the engine's kernel (one pass, exact noise only where a token could win: 0.03 ms a row
-    of 49,152 on one thread here, torch.multinomial's draw 1.2), else torch ops (0.7-1 ms a row on
-    the CPU). The two agree but at near ties."""
-    kernels = cpu_kernels() if values.device.type == "cpu" and values.dtype == torch.float32 else None
+def _gumbel_argmax(values: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's index of its largest `values` ([n, m]) plus `_noise` from its key for the tokens
+    `ids` ([n, m]; None: m is the vocabulary, every token in id order). Whole rows on CPU go through
+    the engine's kernel (one pass, exact noise only where a token could win: 0.03 ms a row of
+    49,152 on one thread here, torch.multinomial's draw 1.2), the rest through torch ops (whole
+    rows: 0.7-1 ms a row on the CPU). The two agree but at near ties."""
+    kernels = _kernels_for(values) if ids is None else None
     if kernels is not None:
         return kernels.gumbel_argmax_rows(values, keys)
-    ids = torch.arange(values.shape[-1], device=values.device)[None, :]
-    return torch.cat([(values[a:a + GUMBEL_ROWS].double() + _noise(keys[a:a + GUMBEL_ROWS], ids)).argmax(dim=-1)
-                      for a in range(0, len(values), GUMBEL_ROWS)])
+    if ids is None:
+        ids = torch.arange(values.shape[-1], device=values.device).expand(values.shape)
+    return torch.cat([(values[a:a + GUMBEL_ROWS].double() + _noise(keys[a:a + GUMBEL_ROWS], ids[a:a + GUMBEL_ROWS]))
+                      .argmax(dim=-1) for a in range(0, len(values), GUMBEL_ROWS)])
 
 
 @torch.inference_mode()

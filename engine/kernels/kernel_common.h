@@ -127,13 +127,16 @@ inline float sum8(__m256 v) {
 inline __m256 load8(const bf16* p) {        // 8 bf16 -> fp32 (exact)
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
+// The NaN lanes of v (all bits set), by their bits: nan16's test on 8 lanes
+inline __m256i nan8(__m256 v) {
+  return _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF)),
+                            _mm256_set1_epi32(0x7F800000));
+}
 inline void round_store8(bf16* p, __m256 v) {   // fp32 -> 8 bf16, nearest even as c10's cast (NaN: 0x7FC0)
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
-                                         _mm256_set1_epi32(0x7F800000));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan8(v));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 // The first n of 8 lanes as a maskload mask (n <= 0 none, n >= 8 all)
@@ -147,9 +150,7 @@ inline __m256i lanes8(int64_t n) {
 // not 0 (a softmax's x <= 0 and its sum >= 1 make that invisible), above 88 e^88, not inf; NaN
 // stays NaN
 inline __m256 exp8(__m256 x_in) {
-  const __m256i bits = _mm256_castps_si256(x_in);
-  const __m256 nan = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
-                                                            _mm256_set1_epi32(0x7F800000)));
+  const __m256 nan = _mm256_castsi256_ps(nan8(x_in));
   const __m256 x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x_in));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

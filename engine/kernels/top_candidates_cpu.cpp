@@ -128,8 +128,7 @@ Range row_range(const float* x, int64_t n) {
   __m256i nan = _mm256_setzero_si256();
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
-    const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF));
-    nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000)));
+    nan = _mm256_or_si256(nan, pdserve_cpu::nan8(v));
     m8 = _mm256_max_ps(m8, v);
     lo8 = _mm256_blendv_ps(lo8, _mm256_min_ps(lo8, v), _mm256_cmp_ps(v, minus_inf, _CMP_GT_OQ));
   }
