@@ -3,20 +3,22 @@
 Life cycle of an HTTP request
   1. validate  the body (pydantic, strict); errors are 400s in OpenAI's error format; its
                `model` names the served model (any of its names) or a LoRA adapter
-               (`lora_modules`, or one loaded at run time: router/runtime_lora.py), which then
+               (`lora_modules`, or one loaded at run time: router/runtime_lora_api.py), which then
                runs in every pool (SamplingParams.lora)
   2. tokenize  the prompt or apply the chat template (tokenization lives here, not in pools),
                with the tools shown as router/tools.py says; in a worker thread, since the
                tokenizers' encode releases the GIL (a 16.5k-token chat took 24 ms, all of it a
                stall of this router's event loop and every stream on it before; the loop's longest
                gap 30.8-32.3 -> 2.7-4.1 ms: benchmarks/tokenize_stall_bench.py)
-  3. run       the orchestrator, once per choice (`n`, router/choices.py): decode replica
+  3. check     the model, the context, the limits and the sampling parameters
+               (router/request_checks.py): a refused request is an OpenAI-format error
+  4. run       the orchestrator, once per choice (`n`, router/choices.py): decode replica
                chosen, prefill there, decode streams back
-  4. respond   one JSON body, or server-sent events ending in `data: [DONE]` (router/reply.py);
+  5. respond   one JSON body, or server-sent events ending in `data: [DONE]` (router/reply.py);
                a failure before the first tokens is an HTTP error, after them an error event in
                the stream. A chat choice's output is split into reasoning (a template with
                <think> blocks), content and tool calls (with tools): router/chat_output.py
-A client that disconnects cancels step 3, which aborts the request in every pool.
+A client that disconnects cancels step 4, which aborts the request in every pool.
 
 (No `from __future__ import annotations` here: Serve's class-based ingress rebuilds the endpoint
 signatures and FastAPI then cannot resolve string annotations of the request bodies.)
@@ -24,7 +26,6 @@ signatures and FastAPI then cannot resolve string annotations of the request bod
 
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -58,10 +59,12 @@ from router.orchestrator import Orchestrator, RequestFailed
 from router.protocol_types import reply_id
 from router.reasoning import grammar_think, reasoning_template, starts_inside, think_tokens
 from router.reply import Reply
-from router.response_store import MAX_PAGE, StoreUnavailable
+from router.request_checks import RequestChecks
+from router.response_store import MAX_PAGE
 from router.responses_api import ResponsesApi
 from router.responses_protocol import ResponsesRequest
 from router.runtime_lora import LoadLoraAdapterRequest, RuntimeLoras, UnloadLoraAdapterRequest
+from router.runtime_lora_api import RuntimeLoraApi
 from router.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from router.tools import template_tools
 from router.validation_errors import describe
@@ -120,14 +123,11 @@ class Router:
         self.think_tokens = think_tokens(self.tokenizer) if self.reasoning else None
         hf = AutoConfig.from_pretrained(model_dir)
         self.max_model_len = min(self.config.engine.max_model_len or 10**9, context_limit(hf))
-        self.model_names = self.config.model_names          # a request may name any; the first is the default
-        self.model_name = self.model_names[0]
-        self.lora_names = tuple(self.config.lora_modules)   # a request naming one runs that LoRA adapter
-        # ... as it does one loaded at run time (runtime_lora_updating)
-        self.runtime_loras = RuntimeLoras(Dims.of_config(hf), (*self.model_names, *self.lora_names))
-        # ... restored from the ResponseStore at the first request (a router that restarted)
-        self._loras_restored = not self.config.runtime_lora_updating or store is None
-        self._restoring, self._keeping = asyncio.Lock(), asyncio.Lock()
+        # adapters loaded at run time (runtime_lora_updating) may take no name served otherwise
+        self.runtime_loras = RuntimeLoras(Dims.of_config(hf), (*self.config.model_names, *self.config.lora_modules))
+        self.checks = RequestChecks(self.config, self.tokenizer, self.max_model_len, self.tool_syntax,
+                                    self.runtime_loras)
+        self.model_name = self.config.model_names[0]        # the default a request's `model` may leave out
         self.served = Served(self.names, self.config.max_tokens_limit, len(self.tokenizer),
                              self.max_model_len, api_key=bool(self.config.api_key),
                              priorities=self.config.scheduling_policy == "priority",
@@ -147,11 +147,13 @@ class Router:
             saved=self.request_metrics.response_saved, max_model_len=self.max_model_len,
             prompt_tokens=lambda chat: len(chat_prompt_ids(self.tokenizer, chat, self.native_tools)),
             lease_s=self.config.responses.background_lease_s, refusal=self.chat_refusal)
+        # ... restored from the ResponseStore at the first request (a router that restarted)
+        self.loras = RuntimeLoraApi(self.runtime_loras, self.responses_api.stored, self.config.runtime_lora_updating)
 
     @property
     def names(self) -> tuple[str, ...]:
         """What a request's `model` may name: the model, and the LoRA adapters."""
-        return (*self.model_names, *self.lora_names, *self.runtime_loras.names)
+        return self.checks.names
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's hook (collected when the SLO policy autoscales the router at 1 replica): the window."""
@@ -182,50 +184,23 @@ class Router:
             return error_response(503, f"no ready replica yet in: {', '.join(sorted(missing))}", "unavailable")
         return {"status": "ok"}
 
-    async def _restore_loras(self) -> None:
-        """Before a new router answers its first request naming models: the adapters loaded at run
-        time before it (kept in the ResponseStore), so that one that restarted serves them again
-        under the same load ids. Tried once: with the store unavailable they are forgotten."""
-        if self._loras_restored:
-            return
-        async with self._restoring:
-            if self._loras_restored:
-                return
-            try:
-                if (registry := await self.responses_api.stored.runtime_loras()) is not None:
-                    self.runtime_loras.restore(registry)
-                    log.info("LoRA adapters loaded at run time, restored: %s", ", ".join(registry.names) or "none")
-            except StoreUnavailable as exc:
-                log.warning("the LoRA adapters loaded at run time before this router are forgotten: %s", exc)
-            finally:
-                self._loras_restored = True
-
-    async def _keep_loras(self) -> None:
-        """After a load or an unload: the registry to the ResponseStore, for a router that restarts."""
-        if (stored := self.responses_api.stored) is None:
-            return
-        async with self._keeping:         # one at a time: the last kept is the last change
-            try:
-                await stored.keep_runtime_loras(self.runtime_loras.registry())
-            except StoreUnavailable as exc:
-                log.warning("the LoRA adapters loaded at run time are not kept for a router restart: %s", exc)
-
     @app.get("/v1/models")
     async def models(self):
-        await self._restore_loras()
+        await self.loras.restore()
         return {"object": "list", "data": [self._model_card(name) for name in self.names]}
 
     @app.get("/v1/models/{model:path}")
     async def model(self, model: str):
         """OpenAI's model retrieval (`client.models.retrieve`): the served model under any of its
         names (a name may hold slashes) or a LoRA adapter, any other a 404."""
-        await self._restore_loras()
-        return self._model_card(model) if model in self.names else self._unknown_model(model)
+        await self.loras.restore()
+        problem = self.checks.model_problem(model)
+        return self._model_card(model) if problem is None else problem
 
     def _model_card(self, name: str) -> dict:
         """A model's card; a LoRA adapter's names the model it adapts as its `parent` (vLLM's)."""
         card = {"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": self.max_model_len}
-        if name in self.lora_names or name in self.runtime_loras.loaded:
+        if name in self.checks.lora_names or name in self.runtime_loras.loaded:
             card["parent"] = self.model_name
         return card
 
@@ -242,9 +217,9 @@ class Router:
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
         """vLLM's: the token ids a prompt, or a chat's messages, become (what `usage` counts)."""
-        await self._restore_loras()
-        if body.model not in (None, *self.names):
-            return self._unknown_model(body.model)
+        await self.loras.restore()
+        if (problem := self.checks.model_problem(body.model)) is not None:
+            return problem
         if body.prompt is not None:
             ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt,
                                           add_special_tokens=body.add_special_tokens is not False)
@@ -264,54 +239,23 @@ class Router:
     @app.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest):
         """vLLM's: token ids back to text."""
-        await self._restore_loras()
-        if body.model not in (None, *self.names):
-            return self._unknown_model(body.model)
-        if any(t >= len(self.tokenizer) for t in body.tokens):
-            return error_response(400, f"token id out of range (vocabulary size {len(self.tokenizer)})",
-                                  param="tokens")
+        await self.loras.restore()
+        if (problem := self.checks.model_problem(body.model)) is not None:
+            return problem
+        if (problem := self.checks.out_of_vocabulary(body.tokens, "tokens")) is not None:
+            return problem
         return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)}
-
-    def _unknown_model(self, name: str):
-        served = ", ".join(repr(n) for n in self.names)
-        return error_response(404, f"model {name!r} does not exist; this server serves {served}",
-                              param="model", code="model_not_found")
 
     # ---- LoRA adapters loaded at run time (router/runtime_lora.py) ---------------------------------
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, body: LoadLoraAdapterRequest):
         """vLLM's: serve the PEFT adapter at `lora_path` as `lora_name` (with runtime_lora_updating)."""
-        if not self.config.runtime_lora_updating:
-            return self._runtime_lora_off()
-        await self._restore_loras()
-        loras, name = self.runtime_loras, body.lora_name
-        if problem := loras.name_problem(name, body.load_inplace):
-            return error_response(400, problem, param="lora_name")
-        info = await asyncio.to_thread(loras.check_path, body.lora_path)
-        if isinstance(info, str):
-            return error_response(400, info, param="lora_path")
-        if problem := loras.name_problem(name, body.load_inplace):      # loaded meanwhile
-            return error_response(400, problem, param="lora_name")
-        loras.add(name, info.path)
-        await self._keep_loras()
-        log.info("LoRA adapter %r loaded from %s", name, info.path)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+        return await self.loras.load(body)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, body: UnloadLoraAdapterRequest):
         """vLLM's: stop serving the adapter loaded as `lora_name` (with runtime_lora_updating)."""
-        if not self.config.runtime_lora_updating:
-            return self._runtime_lora_off()
-        await self._restore_loras()
-        if refused := self.runtime_loras.remove(body.lora_name):
-            return error_response(refused[0], refused[1], param="lora_name")
-        await self._keep_loras()
-        log.info("LoRA adapter %r unloaded", body.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-
-    @staticmethod
-    def _runtime_lora_off():
-        return error_response(404, "loading LoRA adapters at run time is off on this server (runtime_lora_updating)")
+        return await self.loras.unload(body)
 
     # ---- generation -----------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -323,9 +267,8 @@ class Router:
         for p in raw:
             if isinstance(p, str):
                 prompts.append(next(encoded))
-            elif max(p) >= len(self.tokenizer):
-                return error_response(400, f"token id out of range (vocabulary size {len(self.tokenizer)})",
-                                      param="prompt")
+            elif (problem := self.checks.out_of_vocabulary(p, "prompt")) is not None:
+                return problem
             else:
                 prompts.append(list(p))
         whole = prompts
@@ -426,52 +369,9 @@ class Router:
 
     async def _checked(self, body, prompts: list[list[int]], max_tokens: int | None,
                        think: tuple[int, int, bool] | None):
-        """The request's sampling parameters, or the error refusing it (its model, prompts, limits
-        and parameters)."""
-        await self._restore_loras()
-        if body.model not in (None, *self.names):
-            return self._unknown_model(body.model)
-        if not all(prompts):
-            return error_response(400, "the prompt is empty", param="prompt")
-        longest = max(len(ids) for ids in prompts)
-        room = self.max_model_len - longest
-        if max_tokens is None:
-            max_tokens = min(room, self.config.max_tokens_limit)
-        if max_tokens > self.config.max_tokens_limit:
-            return above_limit("max_tokens", max_tokens, self.config.max_tokens_limit)
-        if room < 1 or max_tokens > room:
-            return error_response(400, f"this model's maximum context length is {self.max_model_len} tokens; "
-                                  f"the prompt has {longest} tokens and max_tokens is {max_tokens}",
-                                  param="max_tokens")
-        params = body.sampling_params(max_tokens, self.tool_syntax)
-        if params.priority and self.config.scheduling_policy != "priority":
-            return error_response(400, "priority needs the server's scheduling_policy priority (it schedules first "
-                                  "come, first served)", param="priority")
-        if body.model in self.lora_names:
-            params = dataclasses.replace(params, lora=body.model)
-        elif (loaded := self.runtime_loras.loaded.get(body.model)) is not None:
-            params = dataclasses.replace(params, lora=body.model, lora_path=loaded.path, lora_id=loaded.lora_id)
-        if body.bad_words:
-            params = dataclasses.replace(params, bad_words=body.bad_word_ids(
-                lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
-        if (prediction := getattr(body, "prediction", None)) is not None:      # chat only, as OpenAI's
-            ids = await asyncio.to_thread(self.tokenizer.encode, prediction.text(), add_special_tokens=False)
-            if len(ids) > self.max_model_len:
-                return error_response(400, f"the prediction has {len(ids)} tokens, more than this model's "
-                                      f"context of {self.max_model_len}", param="prediction")
-            params = dataclasses.replace(params, prediction=tuple(ids))
-        if think is not None and params.structured is not None:    # the grammar after the reasoning
-            params = dataclasses.replace(params, structured=dataclasses.replace(params.structured, think=think))
-        # a grammar's check compiles it (llguidance releases the GIL): off the event loop
-        error = await asyncio.to_thread(params.validate) if params.structured is not None else params.validate()
-        if error:
-            return error_response(400, error)
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", params.allowed_token_ids)):
-            if any(t >= len(self.tokenizer) for t in ids):
-                return error_response(400, f"{name}: token id out of range (vocabulary size {len(self.tokenizer)})",
-                                      param=name)
-        return params
+        """The request's sampling parameters, or the error refusing it (router/request_checks.py)."""
+        await self.loras.restore()
+        return await self.checks.params(body, prompts, max_tokens, think)
 
     async def _run(self, body, rid: str, prompts: list[list[int]], params, chat: bool,
                    echoes: list[tuple[str, list[int]]] | None, shape: ChatOutputShape | None, answer_id: str):

@@ -1,4 +1,4 @@
-"""Step 4 of a completion or chat request (router/app.py): its choices' events as one JSON body
+"""Step 5 of a completion or chat request (router/app.py): its choices' events as one JSON body
 (`Reply.collect`) or as server-sent events ending in `data: [DONE]` (`Reply.stream`).
 
 A reply starts once every choice has its first event (a failure before that is the endpoint's

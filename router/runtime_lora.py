@@ -13,7 +13,8 @@ Life cycle of an adapter loaded at run time
               it to their end, and the replicas drop it when it is their least recently used
               and another needs the room. Loaded again, even from the same directory, it is a new
               adapter (a new load id): no replica's copy or cached K/V of the old one is used.
-Who calls: the Router (router/app.py), on its event loop; the directory check on a worker thread.
+Who calls: the Router's endpoints (router/runtime_lora_api.py) and checks (router/request_checks.py),
+on its event loop; the directory check on a worker thread.
 The router is one replica (pdserve/app_builder.py), so this memory is the app's. It is also kept
 in the ResponseStore deployment (`registry`, after every change), so a router that fails and is
 replaced restores it (`restore`: the same load ids, the replicas' copies stay good); where the store
