@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one run (about 6 minutes on one H200), for a session that is lent a GPU:
+# Every GPU check in one run (about 6 minutes on one H200 or H100), for a session that is lent a GPU:
 #   1. tests/test_cuda.py: the CUDA engine (fp32 == HF on the GPU, bf16 default, the KV pool sized
 #      by profiling within a share of the device, two engines on one GPU; the Triton kernel with a
 #      sliding window; a tiny Gemma 3 against HF on the GPU) and kv_transfer
@@ -8,7 +8,7 @@
 #      kernel vs the paged kernel replayed from CUDA graphs;
 #   2b. benchmarks/kv_transfer_bench.py --device cuda: GB/s of that path against raw gloo;
 #   3. benchmarks/gpu_roofline_check.py: prefill MFU and decode bandwidth utilization of a
-#      random-weight Qwen2.5-7B-shaped model beside `pdserve plan`.
+#      random-weight Qwen2.5-7B-shaped model beside `pdserve plan` (the GPU's peaks by its name).
 # Needs only python3 with torch (CUDA build: it brings Triton), transformers, msgpack and pytest
 # (no Ray, no model download).
 # Logs go to $OUT (the device tool's folder) or bench_out/gpu.
@@ -29,5 +29,5 @@ timeout 240 "$PY" -m pytest -q -rs -o "filterwarnings=ignore::DeprecationWarning
     | tee "$LOGS/test_cuda.log" || status=1
 timeout 100 "$PY" benchmarks/gpu_decode_check.py 2>&1 | tee "$LOGS/decode.log" || status=1
 timeout 100 "$PY" benchmarks/kv_transfer_bench.py --device cuda --repeats 5 2>&1 | tee "$LOGS/kv_cuda.log" || status=1
-timeout 160 "$PY" benchmarks/gpu_roofline_check.py --hardware h200 2>&1 | tee "$LOGS/roofline.log" || status=1
+timeout 160 "$PY" benchmarks/gpu_roofline_check.py 2>&1 | tee "$LOGS/roofline.log" || status=1
 exit $status

@@ -2,7 +2,7 @@
 utilization of a random-weight model shaped like Qwen2.5-7B (bf16), printed beside what
 `pdserve plan` predicts for the same shapes.
 
-  python benchmarks/gpu_roofline_check.py --hardware h200
+  python benchmarks/gpu_roofline_check.py            # --hardware h100|h200|...: auto reads the GPU's name
 
 Prefill: one forward over B x S tokens; MFU = 2 N S B / time / peak. Decode: steps of one token for B
 sequences with an S-token KV cache; bandwidth utilization = (weights + KV read) / time / peak bandwidth.
@@ -32,15 +32,24 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
+def hardware_of(name: str) -> str | None:
+    """The planner's hardware key for a CUDA device name ("NVIDIA H100 80GB HBM3" -> h100), or None."""
+    return next((key for key in HARDWARE if key in name.lower().replace(" ", "")), None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hardware", default="h200", choices=sorted(HARDWARE))
+    ap.add_argument("--hardware", default="auto", choices=["auto", *sorted(HARDWARE)])
     ap.add_argument("--prefill-lens", default="1024,4096")
     ap.add_argument("--decode-batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=1024)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this check needs a CUDA GPU"
-    hw, spec = HARDWARE[args.hardware], MODELS["qwen2.5-7b"]
+    key = hardware_of(torch.cuda.get_device_name()) if args.hardware == "auto" else args.hardware
+    if key is None:
+        print(f"{torch.cuda.get_device_name()}: not among {', '.join(HARDWARE)}; name one with --hardware")
+        return 2
+    hw, spec = HARDWARE[key], MODELS["qwen2.5-7b"]
     cfg = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                       num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
                       attn_implementation="sdpa")
