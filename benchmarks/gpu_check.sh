@@ -9,8 +9,8 @@
 #   2b. benchmarks/kv_transfer_bench.py --device cuda: GB/s of that path against raw gloo;
 #   3. benchmarks/gpu_roofline_check.py: prefill MFU and decode bandwidth utilization of a
 #      random-weight Qwen2.5-7B-shaped model beside `pdserve plan` (the GPU's peaks by its name).
-# Needs only python3 with torch (CUDA build: it brings Triton), transformers, msgpack and pytest
-# (no Ray, no model download).
+# Needs only python3 with torch (CUDA build: it brings Triton), transformers, msgpack, pytest and
+# llguidance (no Ray, no model download): benchmarks/gpu_wheels.sh fetches what the image lacks.
 # Logs go to $OUT (the device tool's folder) or bench_out/gpu.
 #
 #   bash benchmarks/gpu_check.sh
@@ -20,6 +20,13 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 LOGS=${OUT:-bench_out/gpu}
 mkdir -p "$LOGS"
+# wheels the image lacks (llguidance), carried as .whl from benchmarks/gpu_wheels.sh
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+"$PY" -c "import llguidance" 2>/dev/null \
+    || echo "llguidance is missing: every engine test will fail to import (benchmarks/gpu_wheels.sh, carry .whl)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$LOGS/gpu.txt"
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$LOGS/gpu.txt"
