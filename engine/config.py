@@ -66,7 +66,9 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one step; also the prefill chunk size.
     max_num_seqs: sequences running at once.
     max_model_len: longest prompt + output; None = the model's limit (`context_limit`: its positions,
-        or less with a length-dependent RoPE), capped by the pool.
+        or the original length of a length-dependent RoPE, longrope / dynamic NTK; a value above
+        that length serves such a model up to its positions with the RoPE of that many tokens for
+        every sequence, `rope_pin`), capped by the pool.
     enable_prefix_caching: reuse full KV blocks of identical prefixes.
     num_threads: torch intra-op threads (None leaves torch's default; 1 is fastest for
         several small CPU processes).
@@ -194,22 +196,46 @@ def layer_windows(hf_config) -> list[int]:
     return [window if kind == "sliding_attention" else 0 for kind in layer_types]
 
 
-def context_limit(hf_config) -> int:
-    """The longest sequence a model's transformers config allows the engine: its
-    `max_position_embeddings` (2048 if absent), and for RoPE whose frequencies change with the
-    length (`longrope`: Phi-3.5/Phi-4-mini's long contexts; `dynamic` NTK) the original length.
-    Transformers switches those frequencies by the longest position in a forward, which in a batch
-    of sequences would let one sequence change another's: up to the original length every sequence
-    gets the same RoPE, Hugging Face's own for that length. (Sliding windows do not limit it: the
-    engine's attention implements them, see engine.attention.) Per layer type's RoPE (Gemma 3's,
-    OLMo 3's `rope_parameters` by layer type): each is checked."""
+def _length_dependent_original(hf_config) -> int | None:
+    """The original length of a RoPE whose frequencies change with the sequence's length (`longrope`:
+    Phi-3/3.5/4-mini's long contexts; `dynamic` NTK), the least over the layer types' (Gemma 3's,
+    OLMo 3's `rope_parameters` by layer type: each is checked); None for a RoPE that does not change."""
     positions = int(getattr(hf_config, "max_position_embeddings", 2048))
-    limit = positions
     rope = getattr(hf_config, "rope_parameters", None) or {}
     kinds = [r for r in rope.values() if isinstance(r, dict)] if "rope_type" not in rope else [rope]
-    for params in kinds:
-        if params.get("rope_type") in ("longrope", "dynamic"):
-            original = params.get("original_max_position_embeddings") or \
-                getattr(hf_config, "original_max_position_embeddings", None)
-            limit = min(limit, int(original or positions))
-    return limit
+    originals = [int(params.get("original_max_position_embeddings")
+                     or getattr(hf_config, "original_max_position_embeddings", None) or positions)
+                 for params in kinds if params.get("rope_type") in ("longrope", "dynamic")]
+    return min(originals, default=None)
+
+
+def context_limit(hf_config, max_model_len: int | None = None) -> int:
+    """The longest sequence a model's transformers config allows the engine: its
+    `max_position_embeddings` (2048 if absent); for a RoPE whose frequencies change with the
+    length (`_length_dependent_original`) the original length, unless `max_model_len` (the
+    configured one) asks for more. Transformers switches those frequencies by the longest position
+    in a forward, which in a batch of sequences would let one sequence change another's: up to the
+    original length every sequence gets the same RoPE, Hugging Face's own for that length; beyond
+    it the engine pins the frequencies at `max_model_len` for every sequence (`rope_pin`). (Sliding
+    windows do not limit it: the engine's attention implements them, see engine.attention.)"""
+    positions = int(getattr(hf_config, "max_position_embeddings", 2048))
+    original = _length_dependent_original(hf_config)
+    if original is None or (max_model_len or 0) > original:
+        return positions
+    return min(positions, original)
+
+
+def rope_pin(hf_config, max_model_len: int | None) -> int | None:
+    """The position every RoPE call of the engine adds to a forward's own (its cos/sin dropped), or
+    None. A length-dependent RoPE served beyond its original length (`max_model_len` above it) is
+    pinned to the frequencies of a sequence of `max_model_len` (at most the model's positions):
+    transformers picks them by the longest position in the call, so with this one every sequence,
+    prompt chunk and step gets the same, whatever the batch. That is vLLM's rule for Phi-3's
+    longrope (the long factors for every sequence iff max_model_len exceeds the original length;
+    dynamic NTK scaled for max_model_len): sequences within the original length then see other
+    frequencies than transformers gives them alone (its short factors). None: up to the original
+    length (the default), Hugging Face's own RoPE."""
+    original = _length_dependent_original(hf_config)
+    if original is None or (max_model_len or 0) <= original:
+        return None
+    return min(max_model_len, int(getattr(hf_config, "max_position_embeddings", 2048))) - 1

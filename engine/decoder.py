@@ -58,7 +58,9 @@ class DecoderModel:
     `lora` (engine.lora.LoraBatch, or None): the step's rows that run a LoRA adapter, whose update
     each linear of theirs adds (the LM head has none)."""
 
-    def __init__(self, hf_model, weight_format: str, dtype: torch.dtype, kernels=None, gemv: bool = True):
+    def __init__(self, hf_model, weight_format: str, dtype: torch.dtype, kernels=None, gemv: bool = True,
+                 rope_pin: int | None = None):
+        """`rope_pin`: a position every RoPE call includes (engine.config.rope_pin), or None."""
         cfg = hf_model.config
         problem = unsupported_model(cfg.to_dict())
         if problem:
@@ -92,6 +94,7 @@ class DecoderModel:
         scale = getattr(body.embed_tokens, "embed_scale", None)
         self.embed_scale = None if scale is None else scale.detach().to(self.embed.device, dtype)
         self.rotary = body.rotary_emb
+        self._pin = None if rope_pin is None else torch.tensor([[rope_pin]], device=self.embed.device)
         # RoPE per layer type (Gemma 3: its own frequencies for sliding and full layers), else one
         self.rope_kinds = getattr(self.rotary, "layer_types", None) or [None]
         # dimensions of each head that RoPE rotates (< head_dim with a partial rotary factor)
@@ -153,7 +156,14 @@ class DecoderModel:
         return norm.weight.detach().float() + self.norm_offset
 
     def _rotary(self, x: torch.Tensor, positions: torch.Tensor, kind: str | None):
-        return self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
+        """cos, sin [1, T, rotary_dim] of `positions` [1, T] from the model's rotary module; with a
+        pin, computed beside the pinned position (whose own are dropped), so that a length-dependent
+        RoPE takes the pinned length's frequencies."""
+        t = positions.shape[-1]
+        if self._pin is not None:
+            positions = torch.cat((positions, self._pin), dim=-1)
+        cos, sin = self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
+        return (cos, sin) if self._pin is None else (cos[:, :t], sin[:, :t])
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of final hidden states [n, hidden], in the model's dtype (Gemma 2's

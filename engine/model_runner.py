@@ -19,7 +19,7 @@ from engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan, token_
 from engine.backends import (KERNEL_CHUNK_ROWS, attention_kernels, chunk_sdpa_from, cuda_snapshot, kv_shape_of,
                              paged_kernel_problem, prefill_kernel_applies, resolve_device, resolve_dtype,
                              weight_format)
-from engine.config import EngineConfig, context_limit, parse_kv_memory
+from engine.config import EngineConfig, context_limit, parse_kv_memory, rope_pin
 from engine.cuda_graphs import DecodeGraphs
 from engine.decoder import DecoderModel
 from engine.kernels import cpu_kernels
@@ -54,7 +54,9 @@ class ModelRunner:
         # on CPU: the engine's GEMV (unless cpu_gemv is off) and bf16 norm kernels (None where they
         # cannot build)
         kernels = cpu_kernels() if self.device.type == "cpu" else None
-        self.model = DecoderModel(hf_model, self.weight_format, self.dtype, kernels, gemv=config.cpu_gemv)
+        pin = rope_pin(hf_model.config, config.max_model_len)
+        self.model = DecoderModel(hf_model, self.weight_format, self.dtype, kernels, gemv=config.cpu_gemv,
+                                  rope_pin=pin)
         # LoRA adapters served beside the base model (engine.lora): the configuration's now, those
         # loaded at run time at their first request (LoraSet.use)
         self.loras = LoraSet(self.model, self.device, kernels, config.max_loras)
@@ -64,11 +66,16 @@ class ModelRunner:
         del hf_model
         return_freed_heap()
         self.kv_shape = kv_shape_of(hf_config, config.block_size, self.dtype)
-        self.context_limit = context_limit(hf_config)
+        self.context_limit = context_limit(hf_config, config.max_model_len)
         if self.context_limit < self.max_position_embeddings:
             log.warning("sequences are limited to %d of the model's %d positions: its RoPE changes frequencies "
                         "with the length (longrope/dynamic), which in a batch would make one sequence's RoPE "
-                        "depend on another's", self.context_limit, self.max_position_embeddings)
+                        "depend on another's; engine.max_model_len above %d serves more, every sequence with "
+                        "that length's RoPE", self.context_limit, self.max_position_embeddings, self.context_limit)
+        elif pin is not None:
+            log.warning("RoPE pinned at the frequencies of a %d-token sequence for every sequence "
+                        "(engine.max_model_len above the original length, as vLLM does): shorter sequences "
+                        "get other frequencies than transformers gives them alone", pin + 1)
         # the sliding windows of the model's layers (engine.config.layer_windows), for the torch
         # paths' masks; the kernels take a layer's window as an argument
         self.windows = sorted({w for w in self.model.windows if w})

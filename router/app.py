@@ -122,7 +122,8 @@ class Router:
         self.reasoning = reasoning_template(self.tokenizer)
         self.think_tokens = think_tokens(self.tokenizer) if self.reasoning else None
         hf = AutoConfig.from_pretrained(model_dir)
-        self.max_model_len = min(self.config.engine.max_model_len or 10**9, context_limit(hf))
+        configured = self.config.engine_for("colocated" if self.config.mode == "colocated" else "decode").max_model_len
+        self.max_model_len = min(configured or 10**9, context_limit(hf, configured))
         # adapters loaded at run time (runtime_lora_updating) may take no name served otherwise
         self.runtime_loras = RuntimeLoras(Dims.of_config(hf), (*self.config.model_names, *self.config.lora_modules))
         self.checks = RequestChecks(self.config, self.tokenizer, self.max_model_len, self.tool_syntax,

@@ -49,7 +49,9 @@ class EngineOptions(_Model):
     block_size: int = Field(16, description="Tokens per KV block (must match across pools).")
     max_num_batched_tokens: int = Field(512, description="Token budget per engine step (prefill chunk size).")
     max_num_seqs: int = Field(64, description="Most sequences running at once in one replica.")
-    max_model_len: int | None = Field(None, description="Longest prompt + output; default: the model's.")
+    max_model_len: int | None = Field(
+        None, description="Longest prompt + output; default: the model's (for longrope / dynamic NTK RoPE its "
+                          "original length; more serves every sequence with the RoPE of this length, as vLLM).")
     enable_prefix_caching: bool = Field(True, description="Reuse K/V blocks of identical prompt prefixes.")
     num_threads: int | Literal["auto"] | None = Field(
         "auto", description="torch intra-op threads a replica owns (CPU); auto = its pool's num_cpus (at least 1); "
@@ -273,7 +275,9 @@ class AppConfig(_Model):
     @model_validator(mode="after")
     def _pools_agree(self):
         p, d = self.engine_for("prefill"), self.engine_for("decode")
-        for name in ("dtype", "block_size"):
+        # max_model_len too: it pins a length-dependent RoPE (engine.config.rope_pin), and the
+        # router checks requests against the app-wide one
+        for name in ("dtype", "block_size", "max_model_len"):
             if getattr(p, name) != getattr(d, name):
                 raise ValueError(f"prefill and decode must use the same {name} "
                                  f"({getattr(p, name)!r} != {getattr(d, name)!r}): their KV blocks are exchanged")

@@ -53,6 +53,11 @@ def test_pool_engine_overrides_survive_a_round_trip():
         p = c.engine_for("prefill")
         assert (p.max_num_batched_tokens, p.dtype, p.kv_cache_memory) == (16, "float32", "64MiB")
         assert c.engine_for("decode").max_num_batched_tokens == 512
+    # what the two pools' KV blocks depend on must agree (max_model_len: it pins a length-dependent RoPE)
+    for key, value in (("dtype", "float32"), ("block_size", 32), ("max_model_len", 8192)):
+        with pytest.raises(ValueError, match=f"same {key}"):
+            AppConfig(prefill={"engine": {key: value}})
+    assert AppConfig(engine={"max_model_len": 8192}).engine_for("prefill").max_model_len == 8192
 
 
 def test_every_engine_key_the_readme_documents_is_accepted():

@@ -14,7 +14,8 @@
   their measured tolerances (a perplexity-style check), and every format frees its KV blocks.
 - Configurations that cannot run are refused with a clear error. A model with sliding-window layers
   (qwen2's, mistral's) gives Hugging Face's log-probabilities and greedy tokens past its window, on
-  every attention path, and serves its whole length; a length-dependent RoPE caps the context.
+  every attention path, and serves its whole length; a length-dependent RoPE caps the context at
+  its original length, and `max_model_len` beyond it serves every sequence at one pinned RoPE.
 """
 
 import json
@@ -24,7 +25,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-from engine.config import EngineConfig, context_limit, layer_windows
+from engine.config import EngineConfig, context_limit, layer_windows, rope_pin
 from engine.kernels import cpu_kernels
 from engine.linear import cpu_has_native_bf16, make_linear, quantized_small_rows
 from engine.llm_engine import LLMEngine
@@ -308,13 +309,77 @@ def test_a_length_dependent_rope_caps_the_context_and_a_sliding_window_does_not(
     assert context_limit(qwen3) == 32768 and layer_windows(qwen3) == [0, 4096]
     # RoPE whose frequencies change with the length: the original length
     longrope = {"rope_type": "longrope", "long_factor": [2.0] * 8, "short_factor": [1.0] * 8}
-    assert context_limit(Phi3Config(max_position_embeddings=131072, original_max_position_embeddings=4096,
-                                    hidden_size=64, num_attention_heads=4, rope_scaling=longrope)) == 4096
-    assert context_limit(LlamaConfig(max_position_embeddings=8192, rope_scaling={
-        "rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4096})) == 4096
+    phi = Phi3Config(max_position_embeddings=131072, original_max_position_embeddings=4096, hidden_size=64,
+                     num_attention_heads=4, rope_scaling=longrope)
+    assert context_limit(phi) == context_limit(phi, 4096) == 4096 and rope_pin(phi, None) is rope_pin(phi, 4096) is None
+    # ... unless max_model_len asks for more: the positions, RoPE pinned at that length (up to the positions)
+    assert context_limit(phi, 4097) == 131072 and rope_pin(phi, 4097) == 4096 and rope_pin(phi, 10**6) == 131071
+    dynamic = LlamaConfig(max_position_embeddings=8192, rope_scaling={
+        "rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4096})
+    assert context_limit(dynamic) == 4096 and context_limit(dynamic, 8192) == 8192 and rope_pin(dynamic, 8192) == 8191
+    assert rope_pin(LlamaConfig(max_position_embeddings=8192), 8192) is None     # a static RoPE: nothing to pin
     assert context_limit(LlamaConfig(max_position_embeddings=131072, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192})) == 131072       # static: the whole length
+
+
+def _with_longrope(path, original: int, positions: int, long_factor: float | None = None):
+    """The checkpoint's config with Phi-3's longrope over `original` of `positions` positions: short
+    factors 1, long factors 1..8 (or all `long_factor`: both sets the long ones makes transformers use
+    them at every length)."""
+    cfg = json.loads((path / "config.json").read_text())
+    half = cfg["head_dim"] // 2
+    long = [float(f) for f in range(1, half + 1)]
+    cfg.update(max_position_embeddings=positions, original_max_position_embeddings=original)
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                              "short_factor": long if long_factor else [1.0] * half, "long_factor": long,
+                              "original_max_position_embeddings": original}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_a_longrope_model_beyond_its_original_length_runs_every_sequence_at_the_long_factors(tmp_path):
+    """Phi-3's longrope (short factors up to the original length, long ones beyond, picked by
+    transformers per forward from its longest position): by default the engine serves the original
+    length, Hugging Face's short factors; with `max_model_len` above it, every sequence runs at the
+    long factors (vLLM's rule) alone or batched with others: a 40-token prompt beyond the original
+    32 and a 10-token one within it, together and each alone, give the log-probabilities of the same
+    checkpoint whose short factors are its long ones (transformers' long-factor model at every
+    length). The 10-token prompt's differ from the plain model's (the factors matter here)."""
+    import shutil
+    path = _with_longrope(_with_sharp_attention(tiny_model_dir(tmp_path / "phi3", "phi3", seed=5)), 32, 128)
+    reference = shutil.copytree(path, tmp_path / "long-everywhere")
+    _with_longrope(reference, 32, 128, long_factor=True)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    everywhere = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    long_prompt, short_prompt = [(7 * i) % 200 + 3 for i in range(40)], [(5 * i) % 200 + 3 for i in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+
+    def logprobs(done) -> torch.Tensor:
+        return torch.tensor([lp.logprob for lp in [*done.prompt_logprobs, *done.logprobs]])
+
+    def hf_logprobs(model, prompt, done) -> torch.Tensor:
+        ids = torch.tensor([prompt + done.token_ids])
+        with torch.no_grad():
+            ref = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        return ref[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
+
+    default = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                                     block_size=4))
+    assert default.max_model_len == 32
+    [done] = default.generate([short_prompt], params)
+    assert (logprobs(done) - hf_logprobs(plain, short_prompt, done)).abs().max() < 1e-4
+    pinned = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
+                                    block_size=4, max_model_len=128))
+    assert pinned.max_model_len == 128
+    batched = pinned.generate([long_prompt, short_prompt], params)
+    alone = [pinned.generate([p], params)[0] for p in (long_prompt, short_prompt)]
+    for prompt, done in [*zip((long_prompt, short_prompt), batched), *zip((long_prompt, short_prompt), alone)]:
+        got = logprobs(done)
+        assert (got - hf_logprobs(everywhere, prompt, done)).abs().max() < 1e-4
+    short_done = alone[1]
+    assert (logprobs(short_done) - hf_logprobs(plain, short_prompt, short_done)).abs().max() > 0.05
+    assert pinned.block_manager.num_free_blocks == pinned.block_manager.num_blocks
 
 
 def _with_window(path, arch: str, window: int | None):
