@@ -247,7 +247,7 @@ class Router:
             return problem
         return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)}
 
-    # ---- LoRA adapters loaded at run time (router/runtime_lora.py) ---------------------------------
+    # ---- LoRA adapters loaded at run time (router/runtime_lora_api.py) -----------------------------
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, body: LoadLoraAdapterRequest):
         """vLLM's: serve the PEFT adapter at `lora_path` as `lora_name` (with runtime_lora_updating)."""

@@ -276,7 +276,7 @@ class AppConfig(_Model):
     def _pools_agree(self):
         p, d = self.engine_for("prefill"), self.engine_for("decode")
         # max_model_len too: it pins a length-dependent RoPE (engine.config.rope_pin), and the
-        # router checks requests against the app-wide one
+        # router checks requests against the decode pool's
         for name in ("dtype", "block_size", "max_model_len"):
             if getattr(p, name) != getattr(d, name):
                 raise ValueError(f"prefill and decode must use the same {name} "
