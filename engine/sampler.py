@@ -347,7 +347,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     if sampled:
         # in place where every row is sampled (the logprobs above are taken)
         sub = logits if len(sampled) == len(rows) else logits[sampled]
-        sub.div_(torch.tensor([rows[i].params.temperature for i in sampled], device=sub.device)[:, None])
+        temperatures = [rows[i].params.temperature for i in sampled]
+        if any(t != 1.0 for t in temperatures):      # x / 1 is x: OpenAI's default skips the pass
+            sub.div_(torch.tensor(temperatures, device=sub.device)[:, None])
         for i, token in zip(sampled, _sample_rows(sub, [rows[i] for i in sampled])):
             out[i] = token
     for i, row in enumerate(rows):

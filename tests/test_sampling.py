@@ -265,6 +265,29 @@ def test_a_whole_row_draw_follows_the_softmax_and_never_picks_a_masked_token(ker
         sampler._draw_from(torch.full((1, 30), float("-inf")), None, rows[:1])
 
 
+def test_sample_draws_at_each_rows_temperature():
+    """`sample` draws each token as often as softmax(logits / T) of its row's temperature: 0.5 and 2
+    (the rows divided), 1 (left as they are), mixed in one batch with a greedy row."""
+    ids, base = [5, 1023, 1024, 2999], torch.tensor([0.0, 1.0, 2.0, 0.5])
+    temperatures = (0.5, 1.0, 2.0)
+    rows = [*(_rows(SamplingParams(temperature=t), [i + 1])[0] for i, t in enumerate(temperatures)),
+            SampleRow(SamplingParams(temperature=0), None, [])]
+    n = 3000
+    seen = [collections.Counter() for _ in temperatures]
+    for _ in range(n):
+        logits = torch.full((len(rows), 3000), float("-inf"))
+        logits[:, ids] = base
+        tokens, _ = sampler.sample(logits, rows)
+        assert tokens[-1] == 1024
+        for counter, token in zip(seen, tokens):
+            counter[token] += 1
+    for counter, t in zip(seen, temperatures):
+        probs = torch.softmax(base / t, dim=0)
+        assert set(counter) <= set(ids)
+        assert all(abs(counter[i] - float(q) * n) <= 4 * (float(q) * (1 - float(q)) * n) ** 0.5
+                   for i, q in zip(ids, probs)), (t, counter)
+
+
 def test_a_tokens_noise_depends_on_the_token_not_on_the_other_candidates():
     keys = torch.tensor([7, -3])
     ids = torch.tensor([[3, 900, 48000, 12], [3, 900, 48000, 12]])
