@@ -42,7 +42,8 @@ their text it was shown; the prefill replica computes both (its prefix cache usu
 prompt), samples the next token and pushes their K/V; the stream goes on as the uninterrupted
 request would have (greedy or sampled, every sampled request having a seed from the router
 (router/choice_view.py `choice_params`): the same tokens; penalties, stop strings and max_tokens
-count the resumed tokens), with no prompt logprobs again. A push that a live replica reports
+count the resumed tokens), with no prompt logprobs again; its events' counts of drafts from a
+predicted output add the earlier attempts' (the usage's). A push that a live replica reports
 failed (502), a replica's own error event, and a refusal stay the request's end. Colocated: the
 same, one call to the colocated pool per attempt.
 Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for the
@@ -161,6 +162,8 @@ class Orchestrator:
         wire = WireSamplingParams.of(params)
         resumed: list[int] = []      # output tokens the client has
         shown = 0                    # characters of their text
+        drafted = (0, 0)             # prediction drafts kept and not, as the client last saw them
+        carried = (0, 0)             # ... counted by the attempts before this one
         progressed = False           # the last attempt got tokens out before its replica died
         for attempt, delay in enumerate(self.retry_delays_s):
             if delay and not progressed:   # after tokens went out, at once: the pool's others likely serve
@@ -178,11 +181,17 @@ class Orchestrator:
                     resumed += event.token_ids
                     shown += len(event.text)
                     finished, progressed = event.finished, True
+                    if carried != (0, 0):     # an event counts its attempt's drafts: the request's are wanted
+                        event = dataclasses.replace(
+                            event, accepted_prediction_tokens=event.accepted_prediction_tokens + carried[0],
+                            rejected_prediction_tokens=event.rejected_prediction_tokens + carried[1])
+                    drafted = event.accepted_prediction_tokens, event.rejected_prediction_tokens
                     yield event
                 return
             except _StartOver as failed:
                 if finished:          # the last event is out: nothing to go on with
                     return
+                carried = drafted
                 if attempt == len(self.retry_delays_s) - 1:
                     raise failed.__cause__ from None
             finally:

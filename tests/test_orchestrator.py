@@ -514,18 +514,27 @@ def test_colocated_a_replica_dying_mid_stream_moves_the_request_on_after_its_tok
         async def _stream(self, data):
             req = messages.decode(data, expect=messages.GenerateRequest)
             self.requests.append(req)
+            # each attempt counts its own drafts from a predicted output (accepted, rejected)
             if not req.resumed_token_ids:
-                yield messages.encode(messages.TokenEvent(req.request_id, (4, 5), "ab", False, None, 2, 2))
+                yield messages.encode(messages.TokenEvent(req.request_id, (4, 5), "ab", False, None, 2, 2,
+                                                          accepted_prediction_tokens=1, rejected_prediction_tokens=3))
                 raise ActorDiedError()
-            yield messages.encode(messages.TokenEvent(req.request_id, (6,), "c", True, "length", 2, 3))
+            yield messages.encode(messages.TokenEvent(req.request_id, (6,), "c", False, None, 2, 3,
+                                                      accepted_prediction_tokens=2))
+            yield messages.encode(messages.TokenEvent(req.request_id, (7,), "d", True, "length", 2, 4,
+                                                      accepted_prediction_tokens=2, rejected_prediction_tokens=1))
 
     async def main():
         pool = Colocated()
         events = [ev async for ev in Orchestrator("colocated", colocated=pool, retry_delays_s=(0, 0.01)).run(
-            "r", [1, 2], SamplingParams(max_tokens=3))]
-        assert [t for ev in events for t in ev.token_ids] == [4, 5, 6] and "".join(ev.text for ev in events) == "abc"
+            "r", [1, 2], SamplingParams(max_tokens=4))]
+        assert [t for ev in events for t in ev.token_ids] == [4, 5, 6, 7]
+        assert "".join(ev.text for ev in events) == "abcd"
         assert [(r.request_id, r.resumed_token_ids, r.shown_chars) for r in pool.requests] == [
             ("r", (), 0), ("r-retry1", (4, 5), 2)]
+        # the usage's prediction counts are the whole request's: the moved request's add to the first attempt's
+        assert [(ev.accepted_prediction_tokens, ev.rejected_prediction_tokens) for ev in events] == [
+            (1, 3), (3, 3), (3, 4)]
     asyncio.run(main())
 
 
