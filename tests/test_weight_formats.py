@@ -19,6 +19,7 @@
 """
 
 import json
+import shutil
 import statistics
 
 import pytest
@@ -323,16 +324,16 @@ def test_a_length_dependent_rope_caps_the_context_and_a_sliding_window_does_not(
         "original_max_position_embeddings": 8192})) == 131072       # static: the whole length
 
 
-def _with_longrope(path, original: int, positions: int, long_factor: float | None = None):
+def _with_longrope(path, original: int, positions: int, long_everywhere: bool = False):
     """The checkpoint's config with Phi-3's longrope over `original` of `positions` positions: short
-    factors 1, long factors 1..8 (or all `long_factor`: both sets the long ones makes transformers use
-    them at every length)."""
+    factors 1, long factors 1..8 (`long_everywhere`: the short ones too, so that transformers uses the
+    long factors at every length)."""
     cfg = json.loads((path / "config.json").read_text())
     half = cfg["head_dim"] // 2
     long = [float(f) for f in range(1, half + 1)]
     cfg.update(max_position_embeddings=positions, original_max_position_embeddings=original)
     cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
-                              "short_factor": long if long_factor else [1.0] * half, "long_factor": long,
+                              "short_factor": long if long_everywhere else [1.0] * half, "long_factor": long,
                               "original_max_position_embeddings": original}
     (path / "config.json").write_text(json.dumps(cfg))
     return path
@@ -346,10 +347,9 @@ def test_a_longrope_model_beyond_its_original_length_runs_every_sequence_at_the_
     32 and a 10-token one within it, together and each alone, give the log-probabilities of the same
     checkpoint whose short factors are its long ones (transformers' long-factor model at every
     length). The 10-token prompt's differ from the plain model's (the factors matter here)."""
-    import shutil
     path = _with_longrope(_with_sharp_attention(tiny_model_dir(tmp_path / "phi3", "phi3", seed=5)), 32, 128)
     reference = shutil.copytree(path, tmp_path / "long-everywhere")
-    _with_longrope(reference, 32, 128, long_factor=True)
+    _with_longrope(reference, 32, 128, long_everywhere=True)
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     everywhere = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     long_prompt, short_prompt = [(7 * i) % 200 + 3 for i in range(40)], [(5 * i) % 200 + 3 for i in range(10)]
