@@ -70,15 +70,14 @@ int64_t argmax_row(const float* x, int64_t n) {
   }
 #elif defined(PDSERVE_AVX2)
   if (n >= 8 && n < (int64_t{1} << 31)) {          // the same on 8 lanes
-    const __m256i step = _mm256_set1_epi32(8), abs_bits = _mm256_set1_epi32(0x7FFFFFFF),
-                  inf_bits = _mm256_set1_epi32(0x7F800000);
+    const __m256i step = _mm256_set1_epi32(8);
     __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     __m256i best_idx = _mm256_setzero_si256(), nan = _mm256_setzero_si256();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
       const __m256 v = _mm256_loadu_ps(x + i);
-      nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs_bits), inf_bits));
+      nan = _mm256_or_si256(nan, pdserve_cpu::nan8(v));
       const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
       best = _mm256_blendv_ps(best, v, gt);
       best_idx = _mm256_blendv_epi8(best_idx, idx, _mm256_castps_si256(gt));
