@@ -32,6 +32,7 @@ from engine.linear import cpu_has_native_bf16, make_linear, quantized_small_rows
 from engine.llm_engine import LLMEngine
 from engine.backends import resolve_dtype, weight_format
 from engine.sampling_params import SamplingParams
+from logprob_compare import engine_logprobs, hf_logprobs
 from tiny_models import TINY_ARCHS, tiny_model_dir, with_random_norms
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180, 190,
@@ -78,19 +79,6 @@ def test_every_arch_in_fp32_matches_hf_generate(tmp_path, arch):
     got = eng.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert [c.token_ids for c in got] == expected
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-
-
-def _engine_logprobs(done) -> torch.Tensor:
-    """A completion's log-probabilities: prompt tokens 2..n (prompt_logprobs), then each generated token."""
-    return torch.tensor([lp.logprob for lp in [*done.prompt_logprobs, *done.logprobs]])
-
-
-def _hf_logprobs(model, prompt: list[int], done) -> torch.Tensor:
-    """The same targets' log-probabilities from a transformers model's fp32 forward over prompt + output."""
-    ids = torch.tensor([prompt + done.token_ids])
-    with torch.no_grad():
-        ref = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-    return ref[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
 
 
 def _with_sharp_attention(path, gain=10.0):
@@ -153,7 +141,7 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
     assert [layer.rope for layer in eng.runner.model.layers] == [True, arch != "smollm3"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     for prompt, done in zip(PROMPTS, eng.generate(PROMPTS, params)):
-        expected, got = _hf_logprobs(hf, prompt, done), _engine_logprobs(done)    # one per target
+        expected, got = hf_logprobs(hf, prompt, done), engine_logprobs(done)    # one per target
         assert got.shape == expected.shape
         assert (got - expected).abs().max() < tolerance, (got - expected).abs().max()
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
@@ -366,16 +354,16 @@ def test_a_longrope_model_beyond_its_original_length_runs_every_sequence_at_the_
                                      block_size=4))
     assert default.max_model_len == 32
     [done] = default.generate([short_prompt], params)
-    assert (_engine_logprobs(done) - _hf_logprobs(plain, short_prompt, done)).abs().max() < 1e-4
+    assert (engine_logprobs(done) - hf_logprobs(plain, short_prompt, done)).abs().max() < 1e-4
     pinned = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
                                     block_size=4, max_model_len=128))
     assert pinned.max_model_len == 128
     batched = pinned.generate([long_prompt, short_prompt], params)
     alone = [pinned.generate([p], params)[0] for p in (long_prompt, short_prompt)]
     for prompt, done in [*zip((long_prompt, short_prompt), batched), *zip((long_prompt, short_prompt), alone)]:
-        assert (_engine_logprobs(done) - _hf_logprobs(everywhere, prompt, done)).abs().max() < 1e-4
+        assert (engine_logprobs(done) - hf_logprobs(everywhere, prompt, done)).abs().max() < 1e-4
     short_done = alone[1]
-    assert (_engine_logprobs(short_done) - _hf_logprobs(plain, short_prompt, short_done)).abs().max() > 0.05
+    assert (engine_logprobs(short_done) - hf_logprobs(plain, short_prompt, short_done)).abs().max() > 0.05
     assert pinned.block_manager.num_free_blocks == pinned.block_manager.num_blocks
 
 
@@ -417,9 +405,9 @@ def test_a_sliding_window_model_matches_hf_past_its_window(tmp_path, arch, dtype
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     full = AutoModelForCausalLM.from_pretrained(_with_window(path, arch, None), dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, done):
-        expected, got = _hf_logprobs(hf, prompt, out), _engine_logprobs(out)
+        expected, got = hf_logprobs(hf, prompt, out), engine_logprobs(out)
         assert (got - expected).abs().max() < tolerance, (got - expected).abs().max()
-        assert (_hf_logprobs(full, prompt, out) - expected).abs().max() > 0.1
+        assert (hf_logprobs(full, prompt, out) - expected).abs().max() > 0.1
         if dtype == "float32":
             x = torch.tensor([prompt])
             greedy = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
