@@ -160,9 +160,11 @@ class EngineConfig:
 # `gemma3_text`) differ most: RMSNorm scaling by 1 + weight, a scaled embedding, norms before and
 # after attention and MLP, GELU-tanh, RoPE and a sliding window per layer type; Gemma 2 as Gemma 3
 # without q/k norms or local RoPE, with soft-capped attention scores and logits; OLMo 3 as OLMo 2
-# with Gemma 3's sliding layers and RoPE per layer type
+# with Gemma 3's sliding layers and RoPE per layer type; the mixture-of-experts ones (engine/moe.py)
+# as their dense relatives with a MoE block for the MLP: Mixtral as Mistral, Qwen2/3-MoE as Qwen2/3,
+# OLMoE with OLMo 2's q/k norms over all heads but norms before each block
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3",
-                         "gemma2", "gemma3_text")
+                         "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")          # of the gated MLP
 
 
@@ -181,6 +183,8 @@ def unsupported_model(config: dict) -> str | None:
         return f"activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})"
     if config.get("use_bidirectional_attention"):
         return "bidirectional attention (an embedding model) is not supported"
+    if config.get("clip_qkv") is not None:
+        return "clip_qkv (OLMoE's clamped projections) is not supported"
     return None
 
 

@@ -25,7 +25,9 @@ sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated
 (`gemma2`) as Gemma 3 without the q/k norms and with one RoPE, plus soft caps, `cap * tanh(x /
 cap)`, on the attention's scores (`attn_logit_softcapping`: in the attention kernels, and in
 sdpa's math written out where a prompt chunk runs sdpa, engine.attention.capped_sdpa) and on the
-logits (`final_logit_softcapping`).
+logits (`final_logit_softcapping`). Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE are their dense relatives
+(Mistral, Qwen2, Qwen3, OLMo 2's q/k norms with norms before each block) with a mixture-of-experts
+block for the MLP (engine/moe.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from engine.config import layer_windows, unsupported_model
 from engine.linear import make_linear
 from engine.lora import LoraBatch
 from engine.model_dims import Dims
+from engine.moe import MoeMlp, is_moe_block
 
 class _Layer:
     # in_norm/post_norm: the norms before attention and before the MLP; OLMo 2 (post-norm) has none
@@ -47,9 +50,10 @@ class _Layer:
     # q_norm/k_norm: RMSNorm weights of each query and key head [head_dim] (Qwen3) or of all of them
     # at once [heads * head_dim] (OLMo 2), None elsewhere; rope: False for SmolLM3's layers without
     # positions; rope_kind: the layer type whose RoPE it takes (Gemma 3), else None; window: 0 or
-    # its sliding window
-    __slots__ = ("index", "in_norm", "attn_norm", "post_norm", "ff_norm", "qkv", "o", "gate_up", "down", "q_norm",
-                 "k_norm", "rope", "rope_kind", "window")
+    # its sliding window; moe: the layer's mixture-of-experts block (engine.moe) in place of gate_up
+    # and down, or None
+    __slots__ = ("index", "in_norm", "attn_norm", "post_norm", "ff_norm", "qkv", "o", "gate_up", "down", "moe",
+                 "q_norm", "k_norm", "rope", "rope_kind", "window")
 
 
 class DecoderModel:
@@ -66,6 +70,7 @@ class DecoderModel:
         if problem:
             raise ValueError(problem)
         self.dtype = dtype
+        self.model_type = cfg.model_type
         dims = Dims.of_config(cfg)
         self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
         self.hidden_size, self.intermediate_size = cfg.hidden_size, cfg.intermediate_size
@@ -111,6 +116,7 @@ class DecoderModel:
         self.post_norms = self.layers[0].in_norm is None          # OLMo 2
         self.sandwich = self.layers[0].attn_norm is not None      # Gemma 3
         self.rope_everywhere = all(layer.rope for layer in self.layers)   # False for SmolLM3
+        self.moe = any(layer.moe is not None for layer in self.layers)    # a mixture of experts
         assert all((layer.in_norm is None) == self.post_norms for layer in self.layers)
         assert all((layer.attn_norm is not None) == self.sandwich for layer in self.layers)
         head = hf_model.lm_head
@@ -135,8 +141,14 @@ class DecoderModel:
         layer.ff_norm = None if norm is None else self._norm_weight(norm)
         layer.qkv = self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), fmt)
         layer.o = self._linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt)
-        layer.gate_up = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), fmt)
-        layer.down = self._linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt)
+        if is_moe_block(mlp):      # Mixtral, Qwen2/3-MoE, OLMoE (Qwen2-MoE's mlp_only_layers: dense)
+            layer.moe = MoeMlp(mlp, self.model_type, self.dtype, lambda w, b: self._linear(w, b, fmt),
+                               self._act_mul)
+            layer.gate_up = layer.down = None
+        else:
+            layer.moe = None
+            layer.gate_up = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), fmt)
+            layer.down = self._linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         assert (q_norm is None) == (k_norm is None)
         layer.q_norm = None if q_norm is None else self._norm_weight(q_norm)
@@ -283,6 +295,8 @@ class DecoderModel:
         return self._rms_norm(x, self.norm) if self.post_norms else h
 
     def _mlp(self, layer: _Layer, h: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        if layer.moe is not None:        # no LoRA on experts (engine/lora_config.py refuses it)
+            return layer.moe(h)
         act = self._act_mul(_project(layer.gate_up, h, lora, layer.index, "gate_up"))
         return _project(layer.down, act, lora, layer.index, "down")
 

@@ -82,7 +82,7 @@ class LoraSet:
         self.dtype, self.device, self.max_loras = model.dtype, device, max_loras
         self.kernels = kernels          # engine.kernels (CPU), for LoraBatch.add; None: torch's ops only
         self.dims = Dims(model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads,
-                         model.head_dim, len(model.layers))
+                         model.head_dim, len(model.layers), model.moe)
 
     @property
     def empty(self) -> bool:

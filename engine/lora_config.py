@@ -104,6 +104,9 @@ def plan(shapes: dict[str, tuple[int, ...]], dims: Dims) -> list[Part] | str:
         if set(ab) != {"A", "B"}:
             return f"layer {layer} {module} has lora_{''.join(ab)} only"
         linear = MODULES[module]
+        if dims.moe and linear in ("gate_up", "down"):
+            return (f"layer {layer} {module}: LoRA on a mixture-of-experts model's MLPs is not supported "
+                    "(on its attention projections it is)")
         fan_in, outs = widths[linear]
         if module in WHOLE:
             start, width = 0, sum(outs)

@@ -11,13 +11,15 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Dims:
     """The projections' shapes: `num_kv_heads` is `num_key_value_heads`, or the query heads' count
-    where the config has none (no GQA); `head_dim` the config's, else hidden_size / heads."""
+    where the config has none (no GQA); `head_dim` the config's, else hidden_size / heads; `moe`:
+    the MLPs are mixtures of experts (engine/moe.py; `intermediate_size` is then not every MLP's)."""
     hidden_size: int
     intermediate_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     num_layers: int
+    moe: bool = False
 
     @classmethod
     def of_config(cls, cfg) -> Dims:
@@ -26,7 +28,8 @@ class Dims:
             return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
         heads = get("num_attention_heads")
         return cls(get("hidden_size"), get("intermediate_size"), heads, get("num_key_value_heads") or heads,
-                   get("head_dim") or get("hidden_size") // heads, get("num_hidden_layers"))
+                   get("head_dim") or get("hidden_size") // heads, get("num_hidden_layers"),
+                   bool(get("num_local_experts") or get("num_experts")))
 
     def widths(self) -> dict[str, tuple[int, list[int]]]:
         """Per fused linear of the decoder: (input width, output width of each of its parts, in

@@ -96,7 +96,8 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and self.kernels is not None:
             self._check_cuda_kernels()
-        if self.device.type == "cuda" and config.cuda_graphs and self.kernels is not None:
+        # a mixture of experts' step depends on its routing (engine/moe.py): eager
+        if self.device.type == "cuda" and config.cuda_graphs and self.kernels is not None and not self.model.moe:
             try:
                 self.graphs = DecodeGraphs(self.model, self.kv_pool, self.kernels, config.max_num_seqs,
                                            -(-self.max_model_len // s.block_size))

@@ -12,7 +12,7 @@
   5. decode attention on CUDA: the Triton paged kernel (the default there) equals the torch
      backend, with and without a sliding window, and greedy output is the same with either,
      captured in CUDA graphs or not; a tiny Gemma 3 (head size 256, a sliding layer) gives HF's
-     tokens and log-probabilities on the GPU;
+     tokens and log-probabilities on the GPU; a tiny Qwen2-MoE gives HF's tokens, uncaptured;
   6. a LoRA adapter on the GPU: fp32 greedy output equals transformers' with the adapter, and a
      bf16 batch mixing adapter and base rows runs (eagerly: such steps are not captured).
 
@@ -118,6 +118,31 @@ def test_gemma3_on_cuda_gives_hf_tokens_and_logprobs(tmp_path):
                                          min_new_tokens=12, pad_token_id=0, eos_token_id=None)
                 assert done.token_ids == greedy[0, len(prompt):].tolist()
         assert engine.block_manager.all_free()
+
+
+def test_a_mixture_of_experts_on_cuda_runs_eagerly_and_gives_hf_tokens(tmp_path):
+    """A tiny Qwen2-MoE (4 experts, 2 a token, a shared expert, a dense second layer; engine/moe.py)
+    on the GPU: fp32 greedy tokens are HF `generate`'s (its eager expert loop) on the GPU; bf16 runs;
+    neither captures CUDA graphs (the expert loop depends on the routing) and both end all-free."""
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = tiny_model_dir(tmp_path / "moe", "qwen2_moe", seed=2, head_dim=64)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").cuda().eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 21, 40)]
+    for dtype in ("float32", "bfloat16"):
+        engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cuda", kv_cache_memory="64MiB",
+                                        block_size=4, max_num_batched_tokens=16))
+        assert engine.runner.model.moe and engine.runner.graphs is None
+        ours = _generate(engine, prompts, 12)
+        assert engine.block_manager.all_free() and all(ours)
+        if dtype == "float32":
+            with torch.inference_mode():
+                refs = [hf.generate(torch.tensor([p], device="cuda"), do_sample=False, max_new_tokens=12,
+                                    attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda"))
+                        [0, len(p):].tolist() for p in prompts]
+            assert ours == refs
 
 
 def test_engine_bf16_is_the_cuda_default_and_frees_everything(model_dir, prompts):

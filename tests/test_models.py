@@ -159,6 +159,7 @@ def test_local_dir_is_checked(tmp_path):
     # checkpoints (the 4B and larger) do not
     ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "bidirectional attention"),
     ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}, "a multimodal checkpoint"),
+    ({"model_type": "olmoe", "clip_qkv": 8.0}, "clip_qkv"),              # OLMoE runs, unclamped
     ({}, "None is not supported"), ([], "not a JSON object")])
 def test_an_architecture_the_engine_cannot_run_is_refused_before_anything_starts(tmp_path, capsys, config, why):
     """`pdserve serve --model DIR` (and `generate`) checks config.json's architecture with the

@@ -1,8 +1,8 @@
 """Tiny random-weight models for tests (test-only: the runtime never builds models).
 
 `tiny_model_dir` writes a small Hugging Face model directory (llama, qwen2, qwen3, phi3, smollm3,
-granite, olmo2, olmo3, gemma2, gemma3_text or mistral shape) that
-loads like a real one, in about a second.
+granite, olmo2, olmo3, gemma2, gemma3_text or mistral shape, or a mixture of experts: mixtral,
+qwen2_moe, qwen3_moe, olmoe) that loads like a real one, in about a second.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from serving.models import CHATML_TEMPLATE, ModelError
 
 TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3", "gemma2",
               "gemma3_text")
+TINY_MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir: Path | None = None,
@@ -20,7 +21,9 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     """Write a tiny random-weight causal LM (hidden 64, 2 layers, 4 heads of ``head_dim``, 2 KV heads) into
     ``path``; return it.
 
-    ``arch`` is one of TINY_ARCHS (all but mistral tie embeddings; phi3 has fused qkv_proj and gate_up_proj;
+    ``arch`` is one of TINY_ARCHS or TINY_MOE_ARCHS (4 experts of intermediate size 32, 2 a token;
+    qwen2_moe with its shared expert and a dense second layer, top-k weights not renormalized, as
+    olmoe's; all but mistral tie embeddings; phi3 has fused qkv_proj and gate_up_proj;
     smollm3's second layer has no RoPE; granite has IBM Granite 3's multipliers; olmo2 its norms after
     each block; gemma3_text a first layer with a sliding window of 8 tokens and local RoPE, a second with
     global RoPE, and Gemma 3's norms, embedding scale and GELU; gemma2 the same windows and norms with
@@ -33,8 +36,8 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    if arch not in TINY_ARCHS:
-        raise ModelError(f"unknown tiny arch {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
+    if arch not in TINY_ARCHS + TINY_MOE_ARCHS:
+        raise ModelError(f"unknown tiny arch {arch!r}; choose one of {', '.join(TINY_ARCHS + TINY_MOE_ARCHS)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if tokenizer_dir is not None:
@@ -70,12 +73,15 @@ def with_random_norms(path: Path) -> Path:
 
 
 def _tiny_config(arch: str, tokenizer, head_dim: int = 16):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config,
-                              Olmo3Config, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              OlmoeConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "phi3": Phi3Config, "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config,
-           "olmo3": Olmo3Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig}[arch]
+           "olmo3": Olmo3Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig, "mixtral": MixtralConfig,
+           "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "olmoe": OlmoeConfig}[arch]
+    moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
     extra = {"smollm3": {"no_rope_layers": [1, 0]},
              "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
                          "attention_multiplier": 0.0078125},
@@ -85,8 +91,14 @@ def _tiny_config(arch: str, tokenizer, head_dim: int = 16):
              "olmo3": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                            "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}},
+             "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+             "qwen2_moe": {**moe, "num_experts": 4, "shared_expert_intermediate_size": 64, "mlp_only_layers": [1],
+                           "norm_topk_prob": False},
+             "qwen3_moe": {**moe, "num_experts": 4, "norm_topk_prob": True},
+             "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "norm_topk_prob": False},
              }.get(arch, {})
-    return cls(**extra, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    extra.setdefault("intermediate_size", 128)
+    return cls(**extra, vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
                tie_word_embeddings=arch != "mistral", bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

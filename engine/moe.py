@@ -1,0 +1,110 @@
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router scores every
+expert for each token, the token runs its top-k experts (each a gated MLP of its own) and adds
+their outputs weighted by those scores; Qwen2-MoE adds a shared expert, gated per token by a
+sigmoid. The engine's decoder (engine/decoder.py) runs it in place of the dense MLP on the layers
+that have one.
+
+The math is transformers' (its `*TopKRouter`, `*Experts` eager loop and `*SparseMoeBlock`), op for
+op where rounding matters, so the fp32 mode stays token-identical to Hugging Face `generate` with
+`experts_implementation="eager"`: router logits in the model's dtype, softmax in fp32, top-k,
+renormalized where the model says (`norm_topk_prob`; Mixtral always), the weights back in the
+model's dtype (Mixtral keeps them in fp32); each expert over its tokens, scaled, then added into a
+zero output one expert at a time in ascending order. Tokens are grouped by expert with one sort
+and one host sync a call (transformers: a `where` per expert). Each expert's two projections are
+linears in the engine's weight format (engine.linear), so bf16, int8 and int4 apply to experts too.
+
+The expert loop depends on the step's routing (which experts, how many tokens each): on CUDA the
+decoder's steps with a MoE block are not captured into CUDA graphs (engine/model_runner.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def is_moe_block(mlp) -> bool:
+    """True for a transformers MoE block (a router `gate` and 3D-tensor `experts`)."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+
+
+class MoeMlp:
+    """`moe(h [T, hidden]) -> [T, hidden]` in h's dtype."""
+
+    def __init__(self, block, model_type: str, dtype: torch.dtype, linear: Callable[..., Linear],
+                 act_mul: Callable[[torch.Tensor], torch.Tensor]):
+        """`block`: the transformers MoE block; `linear(weight [out, in], bias)`: the decoder's
+        linear in its weight format; `act_mul`: act(gate) * up of a fused [gate; up] output."""
+        router, experts = block.gate, block.experts
+        # the router's linear [E, hidden] too: at a decode step's few rows aten's matmul of this
+        # small weight cost 70 us a layer, the engine's GEMV a few
+        self.router = linear(router.weight.detach(), None)
+        self.num_experts, self.top_k = router.weight.shape[0], int(router.top_k)
+        self.norm_topk = bool(getattr(router, "norm_topk_prob", True))  # Mixtral: always
+        self.fp32_scores = model_type == "mixtral"
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        e, hidden = self.num_experts, router.weight.shape[1]
+        if gate_up.dim() != 3 or gate_up.shape[0] != e or gate_up.shape[2] != hidden or \
+                down.shape[:2] != (e, hidden) or getattr(experts, "has_bias", False):
+            raise ValueError(f"{model_type}: experts stored as {tuple(gate_up.shape)} / {tuple(down.shape)}; "
+                             f"pdserve reads [experts, 2 x intermediate, hidden] / [experts, hidden, intermediate]")
+        # per expert: its fused [gate; up] projection and its down projection
+        self.experts = [(linear(gate_up[i], None), linear(down[i], None)) for i in range(e)]
+        self._act_mul = act_mul
+        shared = getattr(block, "shared_expert", None)
+        self.shared = None if shared is None else (
+            linear(torch.cat([shared.gate_proj.weight.detach(), shared.up_proj.weight.detach()]), None),
+            linear(shared.down_proj.weight.detach(), None))
+        gate = getattr(block, "shared_expert_gate", None)
+        self.shared_gate = None if gate is None else gate.weight.detach().to(dtype)   # [1, hidden]
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.router(h)                                            # [T, E]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)           # [T, k]
+        if self.norm_topk:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if not self.fp32_scores:
+            weights = weights.to(logits.dtype)
+        out = self._one_token(h, weights, chosen) if h.shape[0] == 1 else self._tokens(h, weights, chosen)
+        if self.shared is not None:
+            gate_up, down = self.shared
+            shared = down(self._act_mul(gate_up(h)))
+            out = out + torch.sigmoid(F.linear(h, self.shared_gate)) * shared
+        return out
+
+    def _one_token(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """A decode step of one sequence: its k experts in ascending order, each output added to
+        the last (transformers' index_add_ into zeros, whose first add is exact), without the
+        grouping's sort and gathers."""
+        out = None
+        ids = chosen[0].tolist()
+        for slot in sorted(range(self.top_k), key=ids.__getitem__):
+            gate_up, down = self.experts[ids[slot]]
+            y = (down(self._act_mul(gate_up(h))) * weights[:, slot, None]).to(h.dtype)
+            out = y if out is None else out + y
+        return out
+
+    def _tokens(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Any number of tokens: the (token, slot) pairs sorted by expert (stable: tokens in order),
+        their rows and weights gathered once, each expert over its run of them."""
+        out = torch.zeros_like(h)
+        flat = chosen.flatten()                                            # token-major: t * k + slot
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        rows, scales = h[tokens], weights.flatten()[order, None]
+        start = 0
+        for expert, n in enumerate(counts):
+            if not n:
+                continue
+            run = slice(start, start + n)
+            start += n
+            gate_up, down = self.experts[expert]
+            y = down(self._act_mul(gate_up(rows[run]))) * scales[run]
+            out.index_add_(0, tokens[run], y.to(out.dtype))
+        return out
