@@ -6,11 +6,13 @@ which experts a token runs, and with what weight, decides its output.
   transformers forward's within fp32's rounding; in bf16 (the CPU kernels) within bf16's (a token
   whose top-k is a near tie may take another expert there, as transformers' own bf16 would).
 - int8 and int4 experts run, prompts chunked, and every KV block comes back.
-- LoRA adapters on a mixture's MLPs are refused (on its attention projections they load).
+- LoRA adapters on a mixture's MLPs are refused (on its attention projections they load); so is
+  the SLO policy, which cannot price a mixture's steps, before anything starts.
 """
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
@@ -104,3 +106,18 @@ def test_lora_on_a_mixtures_mlps_is_refused_and_on_its_attention_planned():
     mlp = {"model.layers.1.mlp.gate_proj.lora_A.weight": (8, 64), "model.layers.1.mlp.gate_proj.lora_B.weight": (32, 8)}
     assert "mixture-of-experts" in plan({**attention, **mlp}, dims)
     assert isinstance(plan(mlp, Dims.of_config({**config, "num_local_experts": None})), list)    # dense: planned
+
+
+def test_the_slo_policy_refuses_a_mixture_before_anything_starts(tmp_path, capsys):
+    """`pdserve serve` with `autoscaling` (the SLO policy, whose model is pdserve.plan's) and a
+    mixture of experts exits 2 with one line, before Ray starts (Ray's start would take seconds)."""
+    from pdserve import cli
+    path = tiny_model_dir(tmp_path / "mixtral", "mixtral", seed=1)
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"model": str(path), "autoscaling": {"ttft_slo": 1.0, "tpot_slo": 0.1}}))
+    capsys.readouterr()                   # the model's writing
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "--config", str(config), "--port", "1"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve: the SLO policy") and "mixture-of-experts" in err and "Traceback" not in err
