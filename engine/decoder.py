@@ -142,8 +142,9 @@ class DecoderModel:
         layer.qkv = self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), fmt)
         layer.o = self._linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt)
         if is_moe_block(mlp):      # Mixtral, Qwen2/3-MoE, OLMoE (Qwen2-MoE's mlp_only_layers: dense)
-            layer.moe = MoeMlp(mlp, self.model_type, self.dtype, lambda w, b: self._linear(w, b, fmt),
-                               self._act_mul)
+            dense = str(self.dtype).removeprefix("torch.")      # the router: not quantized
+            layer.moe = MoeMlp(mlp, self.model_type, lambda w, b: self._linear(w, b, fmt),
+                               lambda w, b: self._linear(w, b, dense), self._act_mul)
             layer.gate_up = layer.down = None
         else:
             layer.moe = None

@@ -9,9 +9,14 @@ op where rounding matters, so the fp32 mode stays token-identical to Hugging Fac
 `experts_implementation="eager"`: router logits in the model's dtype, softmax in fp32, top-k,
 renormalized where the model says (`norm_topk_prob`; Mixtral always), the weights back in the
 model's dtype (Mixtral keeps them in fp32); each expert over its tokens, scaled, then added into a
-zero output one expert at a time in ascending order. Tokens are grouped by expert with one sort
-and one host sync a call (transformers: a `where` per expert). Each expert's two projections are
-linears in the engine's weight format (engine.linear), so bf16, int8 and int4 apply to experts too.
+zero output one expert at a time in ascending order (the linears, the router's too, are the
+engine's: fp32 GEMVs sum in another order than MKL, as everywhere in the exact mode). Tokens are
+grouped by expert with one sort and one host sync a call (transformers: a `where` per expert); a
+single token calls its k experts directly. Each expert's two projections are
+linears in the engine's weight format (engine.linear), so bf16, int8 and int4 apply to experts too;
+the router and Qwen2-MoE's shared-expert gate stay in the model's dtype (int8 or int4 there would
+move tokens to other experts; vLLM builds its MoE gates unquantized too), through the engine's
+GEMV (aten's matmul of such a small weight cost 70 us a layer at a decode step's rows).
 
 The expert loop depends on the step's routing (which experts, how many tokens each): on CUDA the
 decoder's steps with a MoE block are not captured into CUDA graphs (engine/model_runner.py).
@@ -35,14 +40,13 @@ def is_moe_block(mlp) -> bool:
 class MoeMlp:
     """`moe(h [T, hidden]) -> [T, hidden]` in h's dtype."""
 
-    def __init__(self, block, model_type: str, dtype: torch.dtype, linear: Callable[..., Linear],
+    def __init__(self, block, model_type: str, linear: Callable[..., Linear], dense: Callable[..., Linear],
                  act_mul: Callable[[torch.Tensor], torch.Tensor]):
         """`block`: the transformers MoE block; `linear(weight [out, in], bias)`: the decoder's
-        linear in its weight format; `act_mul`: act(gate) * up of a fused [gate; up] output."""
+        linear in its weight format, `dense(...)` in its dtype (unquantized); `act_mul`: act(gate) *
+        up of a fused [gate; up] output."""
         router, experts = block.gate, block.experts
-        # the router's linear [E, hidden] too: at a decode step's few rows aten's matmul of this
-        # small weight cost 70 us a layer, the engine's GEMV a few
-        self.router = linear(router.weight.detach(), None)
+        self.router = dense(router.weight.detach(), None)                 # [E, hidden]
         self.num_experts, self.top_k = router.weight.shape[0], int(router.top_k)
         self.norm_topk = bool(getattr(router, "norm_topk_prob", True))  # Mixtral: always
         self.fp32_scores = model_type == "mixtral"
@@ -60,7 +64,7 @@ class MoeMlp:
             linear(torch.cat([shared.gate_proj.weight.detach(), shared.up_proj.weight.detach()]), None),
             linear(shared.down_proj.weight.detach(), None))
         gate = getattr(block, "shared_expert_gate", None)
-        self.shared_gate = None if gate is None else gate.weight.detach().to(dtype)   # [1, hidden]
+        self.shared_gate = None if gate is None else dense(gate.weight.detach(), None)   # [1, hidden]
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.router(h)                                            # [T, E]
@@ -74,7 +78,7 @@ class MoeMlp:
         if self.shared is not None:
             gate_up, down = self.shared
             shared = down(self._act_mul(gate_up(h)))
-            out = out + torch.sigmoid(F.linear(h, self.shared_gate)) * shared
+            out = out + torch.sigmoid(self.shared_gate(h)) * shared
         return out
 
     def _one_token(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
