@@ -40,6 +40,13 @@ def decode_read(context_tokens: float, windowed_tokens: float, window_share: flo
     return context_tokens - window_share * (context_tokens - windowed_tokens)
 
 
+def experts_read(tokens: float, experts: int, per_token: int) -> float:
+    """The expected share of a mixture of experts' routed experts that a forward over `tokens`
+    tokens reads, each token taking `per_token` of a layer's `experts` (uniform routing): 1 - (1 -
+    k/E)^tokens; 1 without experts (experts 0)."""
+    return 1.0 if experts == 0 else 1.0 - (1.0 - per_token / experts) ** max(tokens, 0.0)
+
+
 def held_tokens(total: float, prompt: float, window: int, window_share: float) -> float:
     """The KV a sequence of `total` tokens (`prompt` of them arriving at once) keeps reserved: all of
     it, but where every layer has a window the engine gives back the blocks the window passed, so
@@ -63,11 +70,20 @@ class StepModel:
     max_batched_tokens: int = 8192  # token budget of one step (prefill chunk)
     window: int = 0                 # a sliding window's keys (0: none)
     window_share: float = 0.0       # the share of the KV bytes in layers with that window (1: all)
+    # a mixture of experts: `params` are those a token computes with, `weight_bytes` all of them, of
+    # which `expert_bytes` are the routed experts', each token taking `experts_per_token` of `experts`
+    expert_bytes: float = 0.0
+    experts: int = 0
+    experts_per_token: int = 0
 
     def __post_init__(self):
         for k, v in asdict(self).items():
-            if k not in ("window", "window_share") and not v > 0:
+            if k not in ("window", "window_share", "expert_bytes", "experts", "experts_per_token") and not v > 0:
                 raise ValueError(f"StepModel.{k} must be positive, got {v!r}")
+        if not (0 <= self.expert_bytes < self.weight_bytes and 0 <= self.experts_per_token <= self.experts
+                and (self.experts > 0) == (self.experts_per_token > 0) == (self.expert_bytes > 0)):
+            raise ValueError(f"StepModel: experts ({self.experts!r} experts, {self.experts_per_token!r} a token, "
+                             f"{self.expert_bytes!r} bytes) must be all 0 or a mixture within the weights")
         if not (self.window >= 0 and 0 <= self.window_share <= 1 and (self.window_share > 0) == (self.window > 0)):
             raise ValueError(f"StepModel.window_share must be in (0, 1] with a window, 0 without one; got "
                              f"{self.window_share!r} with window {self.window!r}")
@@ -78,9 +94,15 @@ class StepModel:
     def held_tokens(self, total: float, prompt: float) -> float:
         return held_tokens(total, prompt, self.window, self.window_share)
 
+    def step_weight_bytes(self, tokens: float) -> float:
+        """The weights a step over `tokens` tokens reads: all but the routed experts no token took."""
+        unread = 1.0 - experts_read(tokens, self.experts, self.experts_per_token)
+        return self.weight_bytes - self.expert_bytes * unread
+
     def step_time(self, prefill_tokens: float, decode_seqs: float = 0, decode_context_tokens: float = 0) -> float:
-        compute = 2 * self.params * (prefill_tokens + decode_seqs) / (self.peak_flops * self.prefill_eff)
-        memory = (self.weight_bytes + self.kv_bytes_per_token * (decode_context_tokens + prefill_tokens)) \
+        tokens = prefill_tokens + decode_seqs
+        compute = 2 * self.params * tokens / (self.peak_flops * self.prefill_eff)
+        memory = (self.step_weight_bytes(tokens) + self.kv_bytes_per_token * (decode_context_tokens + prefill_tokens)) \
             / (self.mem_bw * self.decode_eff)
         return max(compute, memory)
 

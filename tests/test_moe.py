@@ -6,13 +6,13 @@ which experts a token runs, and with what weight, decides its output.
   transformers forward's within fp32's rounding; in bf16 (the CPU kernels) within bf16's (a token
   whose top-k is a near tie may take another expert there, as transformers' own bf16 would).
 - int8 and int4 experts run, prompts chunked, and every KV block comes back.
-- LoRA adapters on a mixture's MLPs are refused (on its attention projections they load); so is
-  the SLO policy, which cannot price a mixture's steps, before anything starts.
+- LoRA adapters on a mixture's MLPs are refused (on its attention projections they load).
+- The planner (`pdserve plan`, `simulate`, the SLO policy's model) counts the experts and prices
+  a step by the experts its tokens read.
 """
 
 import pytest
 import torch
-import yaml
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
@@ -108,16 +108,29 @@ def test_lora_on_a_mixtures_mlps_is_refused_and_on_its_attention_planned():
     assert isinstance(plan(mlp, Dims.of_config({**config, "num_local_experts": None})), list)    # dense: planned
 
 
-def test_the_slo_policy_refuses_a_mixture_before_anything_starts(tmp_path, capsys):
-    """`pdserve serve` with `autoscaling` (the SLO policy, whose model is pdserve.plan's) and a
-    mixture of experts exits 2 with one line, before Ray starts (Ray's start would take seconds)."""
-    from pdserve import cli
-    path = tiny_model_dir(tmp_path / "mixtral", "mixtral", seed=1)
-    config = tmp_path / "serve.yaml"
-    config.write_text(yaml.safe_dump({"model": str(path), "autoscaling": {"ttft_slo": 1.0, "tpot_slo": 0.1}}))
-    capsys.readouterr()                   # the model's writing
-    with pytest.raises(SystemExit) as exited:
-        cli.main(["serve", "--config", str(config), "--port", "1"])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("pdserve: the SLO policy") and "mixture-of-experts" in err and "Traceback" not in err
+def test_the_planner_counts_a_mixtures_experts_and_prices_the_ones_a_step_reads(tmp_path):
+    """`pdserve plan`'s spec of each tiny mixture counts transformers' parameters exactly, its
+    routed experts' too; a token computes with the active ones; a decode step of one sequence reads
+    the dense part and k of E experts a layer, a large batch nearly all of them; the SLO policy's
+    per-replica model (serve_config.slo_policy) carries the same."""
+    from pdserve.plan.model import resolve_spec
+    from pdserve.serve_config import slo_policy
+    from serving.config import AppConfig
+    from serving.slo_model import StepModel
+    for arch in TINY_MOE_ARCHS:
+        path = tiny_model_dir(tmp_path / arch, arch, seed=0, head_dim=16 if arch == "olmoe" else 32)
+        model = AutoModelForCausalLM.from_pretrained(path)
+        spec = resolve_spec(str(path))
+        assert spec.params == sum(p.numel() for p in model.parameters()), arch
+        routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+        assert (spec.expert_params, spec.experts, spec.experts_per_token) == (routed, 4, 2), arch
+        dense = spec.params - routed
+        assert spec.active_params == dense + routed / 2 == spec.step_params(1), arch
+        assert spec.step_params(1) < spec.step_params(2) < spec.step_params(8) < spec.params, arch
+        assert spec.step_params(64) == pytest.approx(spec.params), arch
+    cfg = AppConfig.model_validate({"model": str(path), "autoscaling": {"ttft_slo": 1.0, "tpot_slo": 0.1,
+                                                                        "hardware": "h100"}})
+    step = StepModel(**slo_policy(cfg)["policy_kwargs"]["model"])
+    assert (step.experts, step.experts_per_token) == (4, 2) and step.params == spec.active_params
+    assert step.step_weight_bytes(1) < step.step_weight_bytes(8) < step.weight_bytes
+    assert step.step_weight_bytes(1) / step.weight_bytes == pytest.approx(spec.active_params / spec.params)

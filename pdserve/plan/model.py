@@ -7,7 +7,8 @@ window is read through transformers' config class).
      in the local Hugging Face cache (its snapshot's config.json);
   2. for a config, `spec_from_config` reads layers / KV heads / head_dim and the sliding window
      (`windows`), and counts parameters with `count_params` (dense llama-like decoders: Llama,
-     Qwen2, Mistral, SmolLM, ...);
+     Qwen2, Mistral, SmolLM, ...; the mixtures of experts the engine runs, with their routed
+     experts' share from `moe_params`);
   3. `dtype` (bf16 / fp16 / fp32) overrides the bytes per parameter, else the config's `torch_dtype`
      (or `dtype`), else bf16; `params` overrides the counted parameters.
 Errors are `ValueError`s with a message fit for the user (the CLI prints them and exits 2).
@@ -28,6 +29,8 @@ DTYPE_BYTES = {"bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0, "half"
                "fp32": 4.0, "float32": 4.0, "float": 4.0}
 _QKV_BIAS_TYPES = {"qwen2"}          # model types with q/k/v biases but no `attention_bias` key
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+# the mixtures of experts the engine runs (engine/moe.py), whose experts are counted
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def load_config(path: str | Path) -> dict:
@@ -66,26 +69,66 @@ def count_params(cfg: dict) -> int:
     `attention_bias`, or q/k/v biases for qwen2), gated MLP 3*H*I (+ biases when `mlp_bias`), two
     RMSNorm weights of H (four for gemma2 and gemma3_text; and qwen3's / olmo2's / olmo3's / gemma3_text's q/k norms); a
     final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied, as LlamaConfig /
-    Qwen2Config / MistralConfig default). Raises ValueError for MoE configs.
+    Qwen2Config / MistralConfig default). A mixture of experts the engine runs (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE) has its MoE layers' MLPs counted by `moe_params`; any other MoE config
+    raises ValueError.
     """
-    if any(k in cfg for k in _MOE_KEYS):
-        raise ValueError("mixture-of-experts configs are not modelled (active != total parameters)")
+    if any(k in cfg for k in _MOE_KEYS) and cfg.get("model_type") not in _MOE_TYPES:
+        raise ValueError(f"mixture-of-experts configs other than {', '.join(_MOE_TYPES)} are not modelled")
     h, inter, layers = _need(cfg, "hidden_size"), _need(cfg, "intermediate_size"), _need(cfg, "num_hidden_layers")
     vocab, heads = _need(cfg, "vocab_size"), _need(cfg, "num_attention_heads")
     kv, hd = cfg.get("num_key_value_heads") or heads, head_dim(cfg)
     attn_bias = bool(cfg.get("attention_bias", False))
-    qkv_bias = attn_bias or cfg.get("model_type") in _QKV_BIAS_TYPES
+    qkv_bias = attn_bias or cfg.get("model_type") in _QKV_BIAS_TYPES or (
+        cfg.get("model_type") == "qwen2_moe" and cfg.get("qkv_bias", True))
     attn = 2 * h * heads * hd + 2 * h * kv * hd
     attn += qkv_bias * (heads * hd + 2 * kv * hd) + attn_bias * h
     mlp = 3 * h * inter + bool(cfg.get("mlp_bias", False)) * (2 * inter + h)
     # RMSNorm weights on queries and keys, in head_dims: qwen3 one head each, olmo2 every head
-    qk_norm = {"qwen3": 2, "olmo2": heads + kv, "olmo3": heads + kv,
+    qk_norm = {"qwen3": 2, "qwen3_moe": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
                "gemma3_text": 2}.get(cfg.get("model_type"), 0) * hd
     norms = {"gemma2": 4, "gemma3_text": 4}.get(cfg.get("model_type"), 2) * h
-    per_layer = attn + mlp + norms + qk_norm
+    moe = _moe_layers(cfg)
+    mlps = (layers - len(moe)) * mlp + sum(moe.values())
     embed = vocab * h
     lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
-    return embed + layers * per_layer + h + lm_head
+    return embed + layers * (attn + norms + qk_norm) + mlps + h + lm_head
+
+
+def moe_params(cfg: dict) -> tuple[int, int, int]:
+    """(the routed experts' parameters over all layers, experts a layer, experts a token) of a
+    mixture of experts the engine runs; (0, 0, 0) for a dense model."""
+    moe = _moe_layers(cfg)
+    if not moe:
+        return 0, 0, 0
+    experts, h = _experts(cfg), _need(cfg, "hidden_size")
+    return len(moe) * experts * 3 * h * _expert_size(cfg), experts, _need(cfg, "num_experts_per_tok")
+
+
+def _experts(cfg: dict) -> int:
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+
+
+def _expert_size(cfg: dict) -> int:
+    """An expert's intermediate size: Qwen's `moe_intermediate_size`, else `intermediate_size`."""
+    key = "moe_intermediate_size" if cfg.get("model_type") in ("qwen2_moe", "qwen3_moe") else "intermediate_size"
+    return _need(cfg, key)
+
+
+def _moe_layers(cfg: dict) -> dict[int, int]:
+    """{layer: its MLP block's parameters} for the layers whose MLP is a mixture of experts (as
+    transformers builds them: Qwen's `mlp_only_layers` and `decoder_sparse_step` leave some dense),
+    with the router, and Qwen2-MoE's shared expert and its gate."""
+    if cfg.get("model_type") not in _MOE_TYPES or _experts(cfg) == 0:
+        return {}
+    h, layers, experts = _need(cfg, "hidden_size"), _need(cfg, "num_hidden_layers"), _experts(cfg)
+    block = experts * h + experts * 3 * h * _expert_size(cfg)
+    if cfg.get("model_type") == "qwen2_moe":
+        block += 3 * h * _need(cfg, "shared_expert_intermediate_size") + h
+    if cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe"):
+        return {i: block for i in range(layers)}
+    dense, step = set(cfg.get("mlp_only_layers") or ()), int(cfg.get("decoder_sparse_step") or 1)
+    return {i: block for i in range(layers) if i not in dense and (i + 1) % step == 0}
 
 
 def dtype_bytes(dtype: str | None, cfg: dict | None = None) -> float:
@@ -118,9 +161,14 @@ def spec_from_config(cfg: dict, name: str, dtype: str | None = None, params: flo
     the sliding window)."""
     heads = _need(cfg, "num_attention_heads")
     window, window_layers = windows(cfg)
-    return ModelSpec(name=name, params=float(params or count_params(cfg)), layers=_need(cfg, "num_hidden_layers"),
+    counted = count_params(cfg)
+    expert_params, experts, per_token = moe_params(cfg)
+    # `params` (--params) replaces the count; a mixture's experts keep their share of it
+    total = float(params or counted)
+    return ModelSpec(name=name, params=total, layers=_need(cfg, "num_hidden_layers"),
                      kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim(cfg),
-                     dtype_bytes=dtype_bytes(dtype, cfg), window=window, window_layers=window_layers)
+                     dtype_bytes=dtype_bytes(dtype, cfg), window=window, window_layers=window_layers,
+                     expert_params=expert_params * total / counted, experts=experts, experts_per_token=per_token)
 
 
 def resolve_spec(model: str, dtype: str | None = None, params: float | None = None) -> ModelSpec:

@@ -20,12 +20,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from serving.slo_model import decode_read, held_tokens
+from serving.slo_model import decode_read, experts_read, held_tokens
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A dense decoder-only transformer as the roofline sees it; validates itself on creation."""
+    """A decoder-only transformer as the roofline sees it; validates itself on creation. A mixture
+    of experts has `expert_params` of its `params` in routed experts, `experts_per_token` of
+    `experts` a layer: a token computes with `active_params`, a step reads the experts its tokens
+    took (`step_params`)."""
     name: str
     params: float
     layers: int
@@ -34,6 +37,9 @@ class ModelSpec:
     dtype_bytes: float = 2.0
     window: int = 0             # a sliding window's keys (0: none) ...
     window_layers: int = 0      # ... on this many of the layers
+    expert_params: float = 0.0
+    experts: int = 0
+    experts_per_token: int = 0
 
     def __post_init__(self):
         for field in ("params", "layers", "kv_heads", "head_dim", "dtype_bytes"):
@@ -43,6 +49,20 @@ class ModelSpec:
                 and (self.window > 0) == (self.window_layers > 0)):
             raise ValueError(f"ModelSpec: a window ({self.window!r}) needs 1 to {self.layers} layers, "
                              f"none needs 0; got {self.window_layers!r}")
+        if not (0 <= self.expert_params < self.params and 0 <= self.experts_per_token <= self.experts
+                and (self.experts > 0) == (self.experts_per_token > 0) == (self.expert_params > 0)):
+            raise ValueError(f"ModelSpec: experts ({self.experts!r}, {self.experts_per_token!r} a token, "
+                             f"{self.expert_params!r} parameters) must be all 0 or a mixture within the params")
+
+    @property
+    def active_params(self) -> float:
+        """The parameters one token computes with (all of them in a dense model)."""
+        unused = 1 - self.experts_per_token / self.experts if self.experts else 0.0
+        return self.params - self.expert_params * unused
+
+    def step_params(self, tokens: float) -> float:
+        """The parameters a forward over `tokens` tokens reads: all but the experts no token took."""
+        return self.params - self.expert_params * (1 - experts_read(tokens, self.experts, self.experts_per_token))
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -97,24 +117,28 @@ HARDWARE = {  # dense bf16 peaks; link = 400 Gb/s NIC
 
 
 def prefill_intensity(m: ModelSpec, s: float) -> float:
-    return 2 * m.params * s / (m.weight_bytes + m.kv_bytes_per_token * s)
+    return 2 * m.active_params * s / (m.step_params(s) * m.dtype_bytes + m.kv_bytes_per_token * s)
 
 
 def decode_intensity(m: ModelSpec, s: float, batch: int = 1) -> float:
-    return 2 * m.params * batch / (m.weight_bytes + m.kv_bytes_per_token * m.read_tokens(s) * batch)
+    return 2 * m.active_params * batch / (m.step_params(batch) * m.dtype_bytes
+                                          + m.kv_bytes_per_token * m.read_tokens(s) * batch)
 
 
 def ttft_bound(m: ModelSpec, hw: Hardware, s: float, cached: float = 0) -> float:
     """A prompt of `s` tokens whose first `cached` are in the prefix cache: only the rest is
     computed, every token's K/V is read or written."""
-    return max(2 * m.params * (s - cached) / hw.peak_flops, (m.weight_bytes + m.kv_bytes_per_token * s) / hw.mem_bw)
+    return max(2 * m.active_params * (s - cached) / hw.peak_flops,
+               (m.step_params(s - cached) * m.dtype_bytes + m.kv_bytes_per_token * s) / hw.mem_bw)
 
 
 def tpot_bound(m: ModelSpec, hw: Hardware, s: float, batch: float = 1, prompt_tokens: float = 0.0) -> float:
     """A decode step of `batch` sequences of `s` tokens, with `prompt_tokens` of prompts computed in
     it too (local prefill: a conversation's next turn run in its decode replica's steps)."""
-    return max(2 * m.params * (batch + prompt_tokens) / hw.peak_flops,
-               (m.weight_bytes + m.kv_bytes_per_token * (m.read_tokens(s) * batch + prompt_tokens)) / hw.mem_bw)
+    tokens = batch + prompt_tokens
+    return max(2 * m.active_params * tokens / hw.peak_flops,
+               (m.step_params(tokens) * m.dtype_bytes
+                + m.kv_bytes_per_token * (m.read_tokens(s) * batch + prompt_tokens)) / hw.mem_bw)
 
 
 def decode_context(input_len: float, output_len: float) -> float:
@@ -256,7 +280,9 @@ def report(m: ModelSpec, hw: Hardware, lengths=(128, 512, 1024, 4096), batches=(
     window = f", a {m.window}-token window on {m.window_layers} of {m.layers} layers" if m.window else ""
     if m.window and 4 * m.window > max(lengths):
         lengths = (*lengths, 4 * m.window)          # a context the window has passed
-    rows = [f"model {m.name}: {m.params / 1e9:.3g} B params, {m.dtype_bytes:g} B/param, "
+    moe = (f" ({m.active_params / 1e9:.3g} B active: {m.experts_per_token} of {m.experts} experts a token)"
+           if m.experts else "")
+    rows = [f"model {m.name}: {m.params / 1e9:.3g} B params{moe}, {m.dtype_bytes:g} B/param, "
             f"KV {m.kv_bytes_per_token / 1024:.1f} KiB/token{window}",
             f"hardware {hw.name}: {hw.peak_flops / 1e12:.3g} TFLOP/s, {hw.mem_bw / 1e9:.4g} GB/s, "
             f"ridge {hw.ridge:.1f} FLOP/byte, link {hw.link_bw / 1e9:.3g} GB/s", "",

@@ -14,8 +14,9 @@ def step_model(m: ModelSpec, hw: Hardware, prefill_eff: float = 1.0, decode_eff:
     kv = kv_tokens or int((hw.mem_bytes * 0.9 - m.weight_bytes) // m.kv_bytes_per_token)
     if kv <= 0:
         raise ValueError(f"{m.name} does not fit on {hw.name}: no KV memory left beside the weights")
-    return StepModel(m.params, m.weight_bytes, m.kv_bytes_per_token, hw.peak_flops, hw.mem_bw, hw.link_bw,
-                     prefill_eff, decode_eff, kv, max_num_seqs, max_batched_tokens, m.window, m.window_share)
+    return StepModel(m.active_params, m.weight_bytes, m.kv_bytes_per_token, hw.peak_flops, hw.mem_bw, hw.link_bw,
+                     prefill_eff, decode_eff, kv, max_num_seqs, max_batched_tokens, m.window, m.window_share,
+                     m.expert_params * m.dtype_bytes, m.experts, m.experts_per_token)
 
 
 def percentile(xs: list[float], q: float) -> float | None:
