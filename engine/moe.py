@@ -12,11 +12,11 @@ model's dtype (Mixtral keeps them in fp32); each expert over its tokens, scaled,
 zero output one expert at a time in ascending order (the linears, the router's too, are the
 engine's: fp32 GEMVs sum in another order than MKL, as everywhere in the exact mode). Tokens are
 grouped by expert with one sort and one host sync a call (transformers: a `where` per expert); a
-single token calls its k experts directly. Each expert's two projections are
-linears in the engine's weight format (engine.linear), so bf16, int8 and int4 apply to experts too;
-the router and Qwen2-MoE's shared-expert gate stay in the model's dtype (int8 or int4 there would
-move tokens to other experts; vLLM builds its MoE gates unquantized too), through the engine's
-GEMV (aten's matmul of such a small weight cost 70 us a layer at a decode step's rows).
+single token calls its k experts directly. Each expert's two projections are linears in the
+engine's weight format (engine.linear), so bf16, int8 and int4 apply to experts too; the router and
+Qwen2-MoE's shared-expert gate stay in the model's dtype (int8 or int4 there would move tokens to
+other experts; vLLM builds its MoE gates unquantized too), through the engine's GEMV (aten's matmul
+of such a small weight cost 70 us a layer at a decode step's rows).
 
 The expert loop depends on the step's routing (which experts, how many tokens each): on CUDA the
 decoder's steps with a MoE block are not captured into CUDA graphs (engine/model_runner.py).

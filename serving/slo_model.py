@@ -4,6 +4,8 @@ One formula prices every engine step, prefill, decode or mixed (colocated):
     compute = 2 N (prefill_tokens + decode_seqs) / (F * prefill_eff)
     memory  = (N b + kappa (decode_context_tokens + prefill_tokens)) / (W * decode_eff)
     step    = max(compute, memory)
+(a mixture of experts: N its active parameters, N b the weights the step's tokens read,
+`step_weight_bytes`: the experts none of them took are not read)
 i.e. the roofline of `pdserve plan` (pdserve/plan/roofline.py) with compute running at `prefill_eff` of
 peak and memory traffic at `decode_eff` of bandwidth, the two efficiencies `pdserve plan --calibrate`
 measures. The simulator (pdserve/plan/sim_*.py) steps replicas with it; the SLO autoscaling policy
