@@ -135,10 +135,16 @@ def paged_kernel_problem(kernels, num_heads: int, shape: KVShape, device: torch.
     return None
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32", "bfloat16" or "float16": the engine's name of a dtype (a dense weight format's, the
+    KV pool's in KVShape)."""
+    return {v: k for k, v in _TORCH_DTYPES.items()}[dtype]
+
+
 def weight_format(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
     """The linears' format: the quantization if one is set (CPU, bf16 activations), else the dtype."""
     if config.quantization is None:
-        return {v: k for k, v in _TORCH_DTYPES.items()}[dtype]
+        return dtype_name(dtype)
     if device.type != "cpu" or dtype != torch.bfloat16:
         raise ValueError(f"quantization={config.quantization!r} runs on CPU with bfloat16 activations "
                          f"(device {device}, dtype {dtype}); unset it or use dtype bfloat16 on cpu")
@@ -162,5 +168,4 @@ class KVShape:
 
 def kv_shape_of(hf_config, block_size: int, dtype: torch.dtype) -> KVShape:
     dims = Dims.of_config(hf_config)
-    name = {v: k for k, v in _TORCH_DTYPES.items()}[dtype]
-    return KVShape(dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, name)
+    return KVShape(dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, dtype_name(dtype))

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from engine import weight_arena
 from engine.attention import AttentionMetadata, fused_attention, paged_attention
+from engine.backends import dtype_name
 from engine.config import layer_windows, unsupported_model
 from engine.linear import make_linear
 from engine.lora import LoraBatch
@@ -142,9 +143,9 @@ class DecoderModel:
         layer.qkv = self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), fmt)
         layer.o = self._linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt)
         if is_moe_block(mlp):      # Mixtral, Qwen2/3-MoE, OLMoE (Qwen2-MoE's mlp_only_layers: dense)
-            dense = str(self.dtype).removeprefix("torch.")      # the router: not quantized
             layer.moe = MoeMlp(mlp, self.model_type, lambda w, b: self._linear(w, b, fmt),
-                               lambda w, b: self._linear(w, b, dense), self._act_mul)
+                               lambda w, b: self._linear(w, b, dtype_name(self.dtype)),   # the router: not quantized
+                               self._act_mul)
             layer.gate_up = layer.down = None
         else:
             layer.moe = None
