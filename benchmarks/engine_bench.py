@@ -210,8 +210,7 @@ def make_engine(args, fmt: str = "fp32"):
 
 def roofline(model_dir: str, threads: int):
     """(ModelSpec, Hardware (read bandwidth `mem_bw`, copy `link_bw`), {compute dtype: matmul
-    FLOP/s}) of this CPU, measured now; the spec None for a model the planner does not model (a
-    mixture of experts other than those the engine runs: its steps are timed without a bound)."""
+    FLOP/s}) of this CPU, measured now."""
     from pdserve.plan.model import resolve_spec
     from pdserve.plan.roofline import measure_cpu
     torch.set_num_threads(threads)
@@ -237,12 +236,7 @@ def roofline(model_dir: str, threads: int):
         # torch's bf16 matmul is emulated there (1 GFLOP/s on an AVX2 host); the engine's bf16
         # GEMVs widen the weights and multiply in fp32 FMAs, so fp32's peak is theirs
         peaks[torch.bfloat16] = peaks[torch.float32]
-    try:
-        spec = resolve_spec(model_dir, dtype="fp32")
-    except ValueError as exc:
-        log(f"no roofline bound for this model: {exc}")
-        spec = None
-    return spec, hw, peaks
+    return resolve_spec(model_dir, dtype="fp32"), hw, peaks
 
 
 def step_bound_ms(spec, bw: float, peaks: dict, fmt: str, batch: int, context: int) -> float:
@@ -257,10 +251,7 @@ def step_bound_ms(spec, bw: float, peaks: dict, fmt: str, batch: int, context: i
         dtype = torch.int8                   # the engine's int8 / int4 kernels: int8 products
     per_param = WEIGHT_BYTES[fmt] if small or fmt in ("fp32", "bf16") else WEIGHT_BYTES["bf16"]
     kv_bytes = spec.kv_bytes_per_token / spec.dtype_bytes * (4 if fmt == "fp32" else 2) * context * batch
-    # a mixture of experts: a token computes with its active parameters, the step reads the experts
-    # its tokens took (pdserve.plan's ModelSpec)
-    return 1e3 * max(2 * spec.active_params * batch / peaks[dtype],
-                     (spec.step_params(batch) * per_param + kv_bytes) / bw)
+    return 1e3 * max(2 * spec.params * batch / peaks[dtype], (spec.params * per_param + kv_bytes) / bw)
 
 
 def run_engine_offline(eng, prompts, warm, new_tokens):
@@ -606,11 +597,10 @@ def main() -> int:
             for b in batches:
                 r = decode_bench(eng, tok, b, args.decode_steps)
                 ctx = r["prompt_tokens"] + 3 + args.decode_steps // 2
-                r["bound_ms"] = None if spec is None else step_bound_ms(spec, bw, peaks, fmt, b, ctx)
+                r["bound_ms"] = step_bound_ms(spec, bw, peaks, fmt, b, ctx)
                 runs[b].append(r)
-                bound = "" if spec is None else f" (bound {r['bound_ms']:.1f} ms)"
                 log(f"  batch {b}{f' (round {rnd + 1})' if args.decode_rounds > 1 else ''}: "
-                    f"{r['ms_per_step_median']:.1f} ms/step, {r['tokens_per_s']:.1f} tok/s{bound}")
+                    f"{r['ms_per_step_median']:.1f} ms/step, {r['tokens_per_s']:.1f} tok/s (bound {r['bound_ms']:.1f} ms)")
         decode[fmt] = [{**min(runs[b], key=lambda r: r["ms_per_step_median"]),
                         "round_medians_ms": [r["ms_per_step_median"] for r in runs[b]]} for b in batches]
         if args.profile and fmt == args.profile_format:
@@ -698,13 +688,12 @@ def main() -> int:
     log("| batch | " + " | ".join(formats) + " |")
     log("|---:|" + "---:|" * len(formats))
     for i, b in enumerate(batches):
-        cells = [f"{r['ms_per_step_median']:.1f}" + ("" if spec is None else
-                 f" ({r['bound_ms']:.1f}, {100 * r['bound_ms'] / r['ms_per_step_median']:.0f} %)")
+        cells = [f"{r['ms_per_step_median']:.1f} ({r['bound_ms']:.1f}, {100 * r['bound_ms'] / r['ms_per_step_median']:.0f} %)"
                  for r in (decode[f][i] for f in formats)]
         log(f"| {b} | " + " | ".join(cells) + " |")
     log("| decode tok/s at the largest batch | " + " | ".join(
         f"{decode[f][-1]['tokens_per_s']:.0f}" for f in formats) + " |")
-    if 1 in batches and spec is not None:
+    if 1 in batches:
         i1 = batches.index(1)
         log("")
         for f in formats:

@@ -56,9 +56,8 @@ class ModelSpec:
 
     @property
     def active_params(self) -> float:
-        """The parameters one token computes with (all of them in a dense model)."""
-        unused = 1 - self.experts_per_token / self.experts if self.experts else 0.0
-        return self.params - self.expert_params * unused
+        """The parameters one token computes with (all of them in a dense model): those it reads."""
+        return self.step_params(1)
 
     def step_params(self, tokens: float) -> float:
         """The parameters a forward over `tokens` tokens reads: all but the experts no token took."""
