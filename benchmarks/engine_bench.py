@@ -251,7 +251,10 @@ def step_bound_ms(spec, bw: float, peaks: dict, fmt: str, batch: int, context: i
         dtype = torch.int8                   # the engine's int8 / int4 kernels: int8 products
     per_param = WEIGHT_BYTES[fmt] if small or fmt in ("fp32", "bf16") else WEIGHT_BYTES["bf16"]
     kv_bytes = spec.kv_bytes_per_token / spec.dtype_bytes * (4 if fmt == "fp32" else 2) * context * batch
-    return 1e3 * max(2 * spec.params * batch / peaks[dtype], (spec.params * per_param + kv_bytes) / bw)
+    # a mixture of experts: a token computes with its active parameters, the step reads the experts
+    # its tokens took (pdserve.plan's ModelSpec)
+    return 1e3 * max(2 * spec.active_params * batch / peaks[dtype],
+                     (spec.step_params(batch) * per_param + kv_bytes) / bw)
 
 
 def run_engine_offline(eng, prompts, warm, new_tokens):
