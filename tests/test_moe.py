@@ -5,7 +5,8 @@ which experts a token runs, and with what weight, decides its output.
 - In fp32 the engine's greedy tokens are Hugging Face `generate`'s and its log-probabilities the
   transformers forward's within fp32's rounding; in bf16 (the CPU kernels) within bf16's (a token
   whose top-k is a near tie may take another expert there, as transformers' own bf16 would).
-- int8 and int4 experts run, prompts chunked, and every KV block comes back.
+- int8 and int4 experts run, prompts chunked, and every KV block comes back (with every other
+  architecture: tests/test_weight_formats.py).
 - LoRA adapters on a mixture's MLPs are refused (on its attention projections they load).
 - The planner (`pdserve plan`, `simulate`, the SLO policy's model) counts the experts and prices
   a step by the experts its tokens read.
@@ -29,9 +30,8 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], list(range(50, 260, 10))]
 def _moe_model(tmp_path, arch: str):
     """A tiny `arch` whose router weights are 20x (each token's choice clear-cut, its weights far
     from even) and expert weights 4x (their output outweighs the residual); Qwen2-MoE's shared
-    expert 4x too, its gate random (a fresh one is near zero: the gate would sit at 0.5). OLMoE's q/k norms
-    span hidden_size, so its heads are hidden / heads wide."""
-    path = tiny_model_dir(tmp_path / arch, arch, seed=5, head_dim=16 if arch == "olmoe" else 64)
+    expert 4x too, its gate random (a fresh one is near zero: the gate would sit at 0.5)."""
+    path = tiny_model_dir(tmp_path / arch, arch, seed=5, head_dim=64)
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(3)
@@ -80,20 +80,6 @@ def test_mixtures_of_experts_give_the_hf_models_tokens_and_logprobs(tmp_path, ar
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_mixtures_of_experts_run_quantized_and_free_their_blocks(tmp_path, fmt):
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("weight-only kernels need a oneDNN build")
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    for arch in TINY_MOE_ARCHS:
-        path = tiny_model_dir(tmp_path / arch, arch, seed=1, head_dim=16 if arch == "olmoe" else 64)
-        eng = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", quantization=fmt, device="cpu",
-                                     kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=16))
-        done = eng.generate([[5, 6, 7, 8], list(range(10, 50))], params)
-        assert [len(c.token_ids) for c in done] == [6, 6], arch
-        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks, arch
-
-
 def test_lora_on_a_mixtures_mlps_is_refused_and_on_its_attention_planned():
     config = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "num_local_experts": 4}
@@ -118,7 +104,7 @@ def test_the_planner_counts_a_mixtures_experts_and_prices_the_ones_a_step_reads(
     from serving.config import AppConfig
     from serving.slo_model import StepModel
     for arch in TINY_MOE_ARCHS:
-        path = tiny_model_dir(tmp_path / arch, arch, seed=0, head_dim=16 if arch == "olmoe" else 32)
+        path = tiny_model_dir(tmp_path / arch, arch, seed=0, head_dim=32)
         model = AutoModelForCausalLM.from_pretrained(path)
         spec = resolve_spec(str(path))
         assert spec.params == sum(p.numel() for p in model.parameters()), arch

@@ -33,7 +33,7 @@ from engine.llm_engine import LLMEngine
 from engine.backends import resolve_dtype, weight_format
 from engine.sampling_params import SamplingParams
 from logprob_compare import engine_logprobs, hf_logprobs
-from tiny_models import TINY_ARCHS, tiny_model_dir, with_random_norms
+from tiny_models import TINY_ARCHS, TINY_MOE_ARCHS, tiny_model_dir, with_random_norms
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180, 190,
                                               200, 210, 220, 230, 240, 250]]
@@ -150,13 +150,13 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_every_arch_runs_quantized_and_frees_its_blocks(tmp_path, fmt):
     """The quantized formats share the bf16 path's kernels (norms, fused RoPE + store, paged
-    attention) with every architecture's specifics: prompts chunked under a 16-token budget and
-    decoded run to their length, and every block comes back. (Their quality is checked on the
+    attention) with every architecture's specifics, the mixtures of experts' too: prompts chunked
+    under a 16-token budget and decoded run to their length, and every block comes back. (Their quality is checked on the
     real model below.)"""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("weight-only kernels need a oneDNN build")
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    for arch in TINY_ARCHS:
+    for arch in TINY_ARCHS + TINY_MOE_ARCHS:
         path = tiny_model_dir(tmp_path / arch, arch, seed=1, head_dim=64)
         eng = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", quantization=fmt, device="cpu",
                                      kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=16))

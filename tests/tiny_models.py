@@ -23,7 +23,7 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
 
     ``arch`` is one of TINY_ARCHS or TINY_MOE_ARCHS (4 experts of intermediate size 32, 2 a token;
     qwen2_moe with its shared expert and a dense second layer, top-k weights not renormalized, as
-    olmoe's; all but mistral tie embeddings; phi3 has fused qkv_proj and gate_up_proj;
+    olmoe's, whose heads are always 16 wide: its q/k norms span hidden_size, hidden / heads; all but mistral tie embeddings; phi3 has fused qkv_proj and gate_up_proj;
     smollm3's second layer has no RoPE; granite has IBM Granite 3's multipliers; olmo2 its norms after
     each block; gemma3_text a first layer with a sliding window of 8 tokens and local RoPE, a second with
     global RoPE, and Gemma 3's norms, embedding scale and GELU; gemma2 the same windows and norms with
@@ -99,7 +99,8 @@ def _tiny_config(arch: str, tokenizer, head_dim: int = 16):
              }.get(arch, {})
     extra.setdefault("intermediate_size", 128)
     return cls(**extra, vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16 if arch == "olmoe" else head_dim,
+               max_position_embeddings=2048,
                tie_word_embeddings=arch != "mistral", bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
