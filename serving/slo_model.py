@@ -49,6 +49,13 @@ def experts_read(tokens: float, experts: int, per_token: int) -> float:
     return 1.0 if experts == 0 else 1.0 - (1.0 - per_token / experts) ** max(tokens, 0.0)
 
 
+def experts_fit(expert_part: float, whole: float, experts: int, per_token: int) -> bool:
+    """A model's routed experts (`expert_part` of its `whole` parameters or bytes, `per_token` of
+    `experts` a token) are all 0, or a mixture within the whole."""
+    return (0 <= expert_part < whole and 0 <= per_token <= experts
+            and (experts > 0) == (per_token > 0) == (expert_part > 0))
+
+
 def held_tokens(total: float, prompt: float, window: int, window_share: float) -> float:
     """The KV a sequence of `total` tokens (`prompt` of them arriving at once) keeps reserved: all of
     it, but where every layer has a window the engine gives back the blocks the window passed, so
@@ -82,8 +89,7 @@ class StepModel:
         for k, v in asdict(self).items():
             if k not in ("window", "window_share", "expert_bytes", "experts", "experts_per_token") and not v > 0:
                 raise ValueError(f"StepModel.{k} must be positive, got {v!r}")
-        if not (0 <= self.expert_bytes < self.weight_bytes and 0 <= self.experts_per_token <= self.experts
-                and (self.experts > 0) == (self.experts_per_token > 0) == (self.expert_bytes > 0)):
+        if not experts_fit(self.expert_bytes, self.weight_bytes, self.experts, self.experts_per_token):
             raise ValueError(f"StepModel: experts ({self.experts!r} experts, {self.experts_per_token!r} a token, "
                              f"{self.expert_bytes!r} bytes) must be all 0 or a mixture within the weights")
         if not (self.window >= 0 and 0 <= self.window_share <= 1 and (self.window_share > 0) == (self.window > 0)):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from serving.slo_model import decode_read, experts_read, held_tokens
+from serving.slo_model import decode_read, experts_fit, experts_read, held_tokens
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ class ModelSpec:
                 and (self.window > 0) == (self.window_layers > 0)):
             raise ValueError(f"ModelSpec: a window ({self.window!r}) needs 1 to {self.layers} layers, "
                              f"none needs 0; got {self.window_layers!r}")
-        if not (0 <= self.expert_params < self.params and 0 <= self.experts_per_token <= self.experts
-                and (self.experts > 0) == (self.experts_per_token > 0) == (self.expert_params > 0)):
+        if not experts_fit(self.expert_params, self.params, self.experts, self.experts_per_token):
             raise ValueError(f"ModelSpec: experts ({self.experts!r}, {self.experts_per_token!r} a token, "
                              f"{self.expert_params!r} parameters) must be all 0 or a mixture within the params")
 
