@@ -162,9 +162,13 @@ class EngineConfig:
 # without q/k norms or local RoPE, with soft-capped attention scores and logits; OLMo 3 as OLMo 2
 # with Gemma 3's sliding layers and RoPE per layer type; the mixture-of-experts ones (engine/moe.py)
 # as their dense relatives with a MoE block for the MLP: Mixtral as Mistral, Qwen2/3-MoE as Qwen2/3,
-# OLMoE with OLMo 2's q/k norms over all heads but norms before each block
+# OLMoE with OLMo 2's q/k norms over all heads but norms before each block; IBM's Granite MoE
+# (3.0: granitemoe; 3.1: granitemoeshared, with an ungated shared MLP) as Granite with a MoE
+# block, and Granite 4.0's attention-only checkpoints (granitemoehybrid without Mamba layers: micro,
+# 1B, 350M; a shared MLP, with or without experts)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3",
-                         "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+                         "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe",
+                         "granitemoeshared", "granitemoehybrid")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")          # of the gated MLP
 
 
@@ -185,6 +189,22 @@ def unsupported_model(config: dict) -> str | None:
         return "bidirectional attention (an embedding model) is not supported"
     if config.get("clip_qkv") is not None:
         return "clip_qkv (OLMoE's clamped projections) is not supported"
+    if model_type == "granitemoehybrid":
+        return _granite4_problem(config)
+    return None
+
+
+def _granite4_problem(config: dict) -> str | None:
+    """Granite 4.0 (granitemoehybrid): only its attention-only checkpoints with RoPE run; its
+    hybrid ones (the -h models) have Mamba-2 layers, whose recurrent state is not paged KV."""
+    kinds = config.get("layer_types") or config.get("layers_block_type")    # absent: transformers' all Mamba
+    mamba = len(kinds) - sum(kind in ("attention", "full_attention") for kind in kinds) if kinds else "all"
+    if mamba:
+        return (f"{mamba} of the model's layers are Mamba layers (a Granite 4.0 hybrid, -h, checkpoint); "
+                "pdserve runs Granite 4.0's attention-only checkpoints (micro, 1b, 350m)")
+    if config.get("position_embedding_type") != "rope":
+        return (f"position_embedding_type {config.get('position_embedding_type')!r}: attention without RoPE "
+                "on every layer is not supported")
     return None
 
 

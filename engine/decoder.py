@@ -27,7 +27,9 @@ cap)`, on the attention's scores (`attn_logit_softcapping`: in the attention ker
 sdpa's math written out where a prompt chunk runs sdpa, engine.attention.capped_sdpa) and on the
 logits (`final_logit_softcapping`). Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE are their dense relatives
 (Mistral, Qwen2, Qwen3, OLMo 2's q/k norms with norms before each block) with a mixture-of-experts
-block for the MLP (engine/moe.py).
+block for the MLP (engine/moe.py), and Granite MoE is Granite with one (`block_sparse_moe`; 3.1's
+with an ungated `shared_mlp` beside it); Granite 4.0's attention-only checkpoints
+(`granitemoehybrid`) are Granite whose MLP is that shared MLP, experts beside it or not.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class DecoderModel:
         self.model_type = cfg.model_type
         dims = Dims.of_config(cfg)
         self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
-        self.hidden_size, self.intermediate_size = cfg.hidden_size, cfg.intermediate_size
+        self.hidden_size, self.intermediate_size = cfg.hidden_size, dims.intermediate_size
         # Granite's attention_multiplier, Gemma's query_pre_attn_scalar ** -0.5, else head_dim ** -0.5
         pre_attn = getattr(cfg, "query_pre_attn_scalar", None)
         self.scale = float(getattr(cfg, "attention_multiplier", None) or (pre_attn or self.head_dim) ** -0.5)
@@ -127,7 +129,7 @@ class DecoderModel:
         del self._arena_list
 
     def _layer(self, i: int, hf_layer, fmt: str) -> _Layer:
-        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        attn, (mlp, shared_mlp) = hf_layer.self_attn, _mlp_modules(hf_layer)
         layer = _Layer()
         layer.index = i
         norm = getattr(hf_layer, "input_layernorm", None)
@@ -142,15 +144,17 @@ class DecoderModel:
         layer.ff_norm = None if norm is None else self._norm_weight(norm)
         layer.qkv = self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), fmt)
         layer.o = self._linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt)
-        if is_moe_block(mlp):      # Mixtral, Qwen2/3-MoE, OLMoE (Qwen2-MoE's mlp_only_layers: dense)
+        layer.moe = layer.gate_up = layer.down = None
+        if mlp is not None and is_moe_block(mlp):   # Qwen2-MoE's mlp_only_layers: dense
             layer.moe = MoeMlp(mlp, self.model_type, lambda w, b: self._linear(w, b, fmt),
                                lambda w, b: self._linear(w, b, dtype_name(self.dtype)),   # the router: not quantized
-                               self._act_mul)
-            layer.gate_up = layer.down = None
-        else:
-            layer.moe = None
+                               self._act_mul, shared_mlp)
+        elif mlp is not None:
             layer.gate_up = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), fmt)
             layer.down = self._linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt)
+        else:                      # Granite 4.0 without experts: its shared MLP ([gate; up] fused) is the MLP
+            layer.gate_up = self._linear(shared_mlp.input_linear.weight.detach(), None, fmt)
+            layer.down = self._linear(shared_mlp.output_linear.weight.detach(), None, fmt)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         assert (q_norm is None) == (k_norm is None)
         layer.q_norm = None if q_norm is None else self._norm_weight(q_norm)
@@ -301,6 +305,18 @@ class DecoderModel:
             return layer.moe(h)
         act = self._act_mul(_project(layer.gate_up, h, lora, layer.index, "gate_up"))
         return _project(layer.down, act, lora, layer.index, "down")
+
+
+def _mlp_modules(hf_layer) -> tuple:
+    """(the layer's MLP, dense or MoE, or None; Granite's ungated shared MLP, or None): `mlp`
+    elsewhere, Granite MoE's `block_sparse_moe` (None in Granite 4.0 without experts) and
+    `shared_mlp` (Granite 3.1 and 4.0)."""
+    mlp = getattr(hf_layer, "mlp", None)
+    if mlp is None:
+        mlp = getattr(hf_layer, "block_sparse_moe", None)
+    shared = getattr(hf_layer, "shared_mlp", None)
+    assert mlp is not None or shared is not None
+    return mlp, shared
 
 
 def _project(linear, x: torch.Tensor, lora: LoraBatch | None, layer: int, name: str) -> torch.Tensor:

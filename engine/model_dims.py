@@ -26,10 +26,12 @@ class Dims:
         """From a transformers config, or its config.json as a dict."""
         def get(key):
             return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
-        heads = get("num_attention_heads")
-        return cls(get("hidden_size"), get("intermediate_size"), heads, get("num_key_value_heads") or heads,
-                   get("head_dim") or get("hidden_size") // heads, get("num_hidden_layers"),
-                   bool(get("num_local_experts") or get("num_experts")))
+        heads, moe = get("num_attention_heads"), bool(get("num_local_experts") or get("num_experts"))
+        # Granite 4.0 without experts: its shared MLP is the MLP
+        granite4 = get("model_type") == "granitemoehybrid" and not moe
+        return cls(get("hidden_size"), get("shared_intermediate_size" if granite4 else "intermediate_size"), heads,
+                   get("num_key_value_heads") or heads, get("head_dim") or get("hidden_size") // heads,
+                   get("num_hidden_layers"), moe)
 
     def widths(self) -> dict[str, tuple[int, list[int]]]:
         """Per fused linear of the decoder: (input width, output width of each of its parts, in

@@ -1,14 +1,14 @@
-"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router scores every
-expert for each token, the token runs its top-k experts (each a gated MLP of its own) and adds
-their outputs weighted by those scores; Qwen2-MoE adds a shared expert, gated per token by a
-sigmoid. The engine's decoder (engine/decoder.py) runs it in place of the dense MLP on the layers
-that have one.
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): a router
+scores every expert for each token, the token runs its top-k experts (each a gated MLP of its own)
+and adds their outputs weighted by those scores; Qwen2-MoE adds a shared expert, gated per token by
+a sigmoid, Granite 3.1 and 4.0 an ungated one (the layer's `shared_mlp`). The engine's decoder
+(engine/decoder.py) runs it in place of the dense MLP on the layers that have one.
 
 The math is transformers' (its `*TopKRouter`, `*Experts` eager loop and `*SparseMoeBlock`), op for
 op where rounding matters, so the fp32 mode stays token-identical to Hugging Face `generate` with
 `experts_implementation="eager"`: router logits in the model's dtype, softmax in fp32, top-k,
-renormalized where the model says (`norm_topk_prob`; Mixtral always), the weights back in the
-model's dtype (Mixtral keeps them in fp32); each expert over its tokens, scaled, then added into a
+renormalized where the model says (`norm_topk_prob`; Mixtral always; Granite takes the top-k of
+the logits and a softmax over those k, in fp32), the weights back in the model's dtype (Mixtral keeps them in fp32); each expert over its tokens, scaled, then added into a
 zero output one expert at a time in ascending order (the linears, the router's too, are the
 engine's: fp32 GEMVs sum in another order than MKL, as everywhere in the exact mode). Tokens are
 grouped by expert with one sort and one host sync a call (transformers: a `where` per expert); a
@@ -33,23 +33,25 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 def is_moe_block(mlp) -> bool:
-    """True for a transformers MoE block (a router `gate` and 3D-tensor `experts`)."""
-    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+    """True for a transformers MoE block (a router, `gate` or Granite's `router`, and 3D-tensor
+    `experts`)."""
+    return hasattr(mlp, "experts") and (hasattr(mlp, "gate") or hasattr(mlp, "router"))
 
 
 class MoeMlp:
     """`moe(h [T, hidden]) -> [T, hidden]` in h's dtype."""
 
     def __init__(self, block, model_type: str, linear: Callable[..., Linear], dense: Callable[..., Linear],
-                 act_mul: Callable[[torch.Tensor], torch.Tensor]):
+                 act_mul: Callable[[torch.Tensor], torch.Tensor], shared_mlp=None):
         """`block`: the transformers MoE block; `linear(weight [out, in], bias)`: the decoder's
         linear in its weight format, `dense(...)` in its dtype (unquantized); `act_mul`: act(gate) *
-        up of a fused [gate; up] output."""
-        router, experts = block.gate, block.experts
+        up of a fused [gate; up] output; `shared_mlp`: Granite's layer's ungated shared MLP, or None."""
+        router, experts = (block.gate if hasattr(block, "gate") else block.router), block.experts
         self.router = dense(router.weight.detach(), None)                 # [E, hidden]
         self.num_experts, self.top_k = router.weight.shape[0], int(router.top_k)
         self.norm_topk = bool(getattr(router, "norm_topk_prob", True))  # Mixtral: always
         self.fp32_scores = model_type == "mixtral"
+        self.softmax_of_topk = model_type.startswith("granitemoe")       # granitemoe, -shared, -hybrid
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
         e, hidden = self.num_experts, router.weight.shape[1]
         if gate_up.dim() != 3 or gate_up.shape[0] != e or gate_up.shape[2] != hidden or \
@@ -63,22 +65,30 @@ class MoeMlp:
         self.shared = None if shared is None else (
             linear(torch.cat([shared.gate_proj.weight.detach(), shared.up_proj.weight.detach()]), None),
             linear(shared.down_proj.weight.detach(), None))
+        if shared_mlp is not None:       # Granite's: [gate; up] fused already, added ungated
+            assert self.shared is None
+            self.shared = (linear(shared_mlp.input_linear.weight.detach(), None),
+                           linear(shared_mlp.output_linear.weight.detach(), None))
         gate = getattr(block, "shared_expert_gate", None)
         self.shared_gate = None if gate is None else dense(gate.weight.detach(), None)   # [1, hidden]
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.router(h)                                            # [T, E]
-        probs = F.softmax(logits, dim=-1, dtype=torch.float)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)           # [T, k]
-        if self.norm_topk:
-            weights /= weights.sum(dim=-1, keepdim=True)
+        if self.softmax_of_topk:
+            top, chosen = torch.topk(logits.float(), self.top_k, dim=-1)
+            weights = F.softmax(top, dim=-1)
+        else:
+            probs = F.softmax(logits, dim=-1, dtype=torch.float)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)       # [T, k]
+            if self.norm_topk:
+                weights /= weights.sum(dim=-1, keepdim=True)
         if not self.fp32_scores:
             weights = weights.to(logits.dtype)
         out = self._one_token(h, weights, chosen) if h.shape[0] == 1 else self._tokens(h, weights, chosen)
         if self.shared is not None:
             gate_up, down = self.shared
             shared = down(self._act_mul(gate_up(h)))
-            out = out + torch.sigmoid(self.shared_gate(h)) * shared
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(h)) * shared)
         return out
 
     def _one_token(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

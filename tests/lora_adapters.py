@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+GRANITE4_MLP = ("input_linear", "output_linear")     # Granite 4.0's shared MLP: [gate; up] and down
 
 
 def write_adapter(path: Path, model, modules=ATTENTION + MLP, rank: int = 4, alpha: float = 8.0, seed: int = 0,
@@ -29,7 +30,8 @@ def write_adapter(path: Path, model, modules=ATTENTION + MLP, rank: int = 4, alp
         if layers is not None and i not in layers:
             continue
         for name in modules:
-            owner = "self_attn" if name in ATTENTION or name == "qkv_proj" else "mlp"
+            owner = "self_attn" if name in ATTENTION or name == "qkv_proj" else (
+                "shared_mlp" if name in GRANITE4_MLP else "mlp")
             proj = getattr(getattr(layer, owner), name)
             prefix = f"base_model.model.model.layers.{i}.{owner}.{name}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, proj.in_features, generator=g) * scale

@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora_config import read_adapter
 from engine.sampling_params import SamplingParams
-from lora_adapters import ATTENTION, MLP, with_adapter, write_adapter
+from lora_adapters import ATTENTION, GRANITE4_MLP, MLP, with_adapter, write_adapter
 from tiny_models import tiny_model_dir
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 23, 7, 200, 11], [9, 4, 150, 77, 3], list(range(30, 70, 3))]
@@ -67,13 +67,14 @@ def test_fp32_greedy_output_is_transformers_with_the_adapter_in_a_mixed_batch(ti
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["phi3", "qwen2"])
+@pytest.mark.parametrize("arch", ["phi3", "qwen2", "granitemoehybrid"])
 def test_other_archs_fused_projections_and_biases(tmp_path, arch):
     """phi3's checkpoints fuse qkv_proj and gate_up_proj (adapters name those), qwen2 has q/k/v
-    biases."""
+    biases, Granite 4.0's MLP is its shared_mlp's input_linear ([gate; up]) and output_linear."""
     path = tiny_model_dir(tmp_path / arch, arch, seed=5)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    modules = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if arch == "phi3" else ATTENTION + MLP
+    modules = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+               "granitemoehybrid": ATTENTION + GRANITE4_MLP}.get(arch, ATTENTION + MLP)
     adapter = write_adapter(tmp_path / "adapter", hf, modules, seed=3)
     expected = [_greedy(_reference(path, adapter), p) for p in PROMPTS]
     eng = _engine(path, {"x": adapter})

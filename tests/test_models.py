@@ -160,6 +160,12 @@ def test_local_dir_is_checked(tmp_path):
     ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "bidirectional attention"),
     ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}, "a multimodal checkpoint"),
     ({"model_type": "olmoe", "clip_qkv": 8.0}, "clip_qkv"),              # OLMoE runs, unclamped
+    # Granite 4.0: the attention-only checkpoints with RoPE run; the hybrids' Mamba layers do not
+    ({"model_type": "granitemoehybrid", "layer_types": ["mamba", "attention", "mamba"],
+      "position_embedding_type": "rope"}, "2 of the model's layers are Mamba layers"),
+    ({"model_type": "granitemoehybrid"}, "all of the model's layers are Mamba layers"),   # transformers' default
+    ({"model_type": "granitemoehybrid", "layer_types": ["attention"], "position_embedding_type": None},
+     "attention without RoPE"),
     ({}, "None is not supported"), ([], "not a JSON object")])
 def test_an_architecture_the_engine_cannot_run_is_refused_before_anything_starts(tmp_path, capsys, config, why):
     """`pdserve serve --model DIR` (and `generate`) checks config.json's architecture with the

@@ -1,5 +1,6 @@
 """Mixture-of-experts models (engine/moe.py): tiny random Mixtral, Qwen2-MoE (a shared expert and
-a dense layer), Qwen3-MoE and OLMoE, their routers sharpened and experts strengthened so that
+a dense layer), Qwen3-MoE, OLMoE, Granite MoE (3.0; 3.1's with a shared MLP; Granite 4.0's
+attention-only layout with experts), their routers sharpened and experts strengthened so that
 which experts a token runs, and with what weight, decides its output.
 
 - In fp32 the engine's greedy tokens are Hugging Face `generate`'s and its log-probabilities the
@@ -25,20 +26,25 @@ from logprob_compare import engine_logprobs, hf_logprobs
 from tiny_models import TINY_MOE_ARCHS, tiny_model_dir
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], list(range(50, 260, 10))]
+# Granite 4.0's layout (granitemoehybrid, attention-only) with experts beside its shared MLP
+GRANITE4_MOE = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                "shared_intermediate_size": 64}
 
 
 def _moe_model(tmp_path, arch: str):
     """A tiny `arch` whose router weights are 20x (each token's choice clear-cut, its weights far
     from even) and expert weights 4x (their output outweighs the residual); Qwen2-MoE's shared
-    expert 4x too, its gate random (a fresh one is near zero: the gate would sit at 0.5)."""
-    path = tiny_model_dir(tmp_path / arch, arch, seed=5, head_dim=64)
+    expert 4x too, its gate random (a fresh one is near zero: the gate would sit at 0.5), and
+    Granite's ungated shared MLP as it is (its output adds to the experts')."""
+    overrides = GRANITE4_MOE if arch == "granitemoehybrid" else None
+    path = tiny_model_dir(tmp_path / arch, arch, seed=5, head_dim=64, overrides=overrides)
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(3)
         for layer in model.model.layers:
-            mlp = layer.mlp
+            mlp = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
             if hasattr(mlp, "experts"):
-                mlp.gate.weight.mul_(20)
+                (mlp.gate if hasattr(mlp, "gate") else mlp.router).weight.mul_(20)
                 mlp.experts.gate_up_proj.mul_(4)
                 mlp.experts.down_proj.mul_(4)
             if getattr(mlp, "shared_expert", None) is not None:
@@ -50,7 +56,7 @@ def _moe_model(tmp_path, arch: str):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", TINY_MOE_ARCHS)
+@pytest.mark.parametrize("arch", TINY_MOE_ARCHS + ("granitemoehybrid",))
 def test_mixtures_of_experts_give_the_hf_models_tokens_and_logprobs(tmp_path, arch, dtype):
     path = _moe_model(tmp_path, arch)
     # transformers' eager expert loop, the reference the engine's op order follows
@@ -103,8 +109,9 @@ def test_the_planner_counts_a_mixtures_experts_and_prices_the_ones_a_step_reads(
     from pdserve.serve_config import slo_policy
     from serving.config import AppConfig
     from serving.slo_model import StepModel
-    for arch in TINY_MOE_ARCHS:
-        path = tiny_model_dir(tmp_path / arch, arch, seed=0, head_dim=32)
+    for arch in TINY_MOE_ARCHS + ("granitemoehybrid",):
+        overrides = GRANITE4_MOE if arch == "granitemoehybrid" else None
+        path = tiny_model_dir(tmp_path / arch, arch, seed=0, head_dim=32, overrides=overrides)
         model = AutoModelForCausalLM.from_pretrained(path)
         spec = resolve_spec(str(path))
         assert spec.params == sum(p.numel() for p in model.parameters()), arch

@@ -49,6 +49,13 @@ def test_presets_overrides_and_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**QWEN_CONFIG, "num_local_experts": 8}))
     with pytest.raises(ValueError, match="mixture-of-experts"):
         resolve_spec(str(tmp_path))
+    granite4 = {**QWEN_CONFIG, "model_type": "granitemoehybrid", "num_local_experts": 0,
+                "shared_intermediate_size": 1024, "position_embedding_type": "rope"}
+    (tmp_path / "config.json").write_text(json.dumps({**granite4, "layer_types": ["mamba", "attention"] * 14}))
+    with pytest.raises(ValueError, match="Mamba layers"):       # a hybrid's Mamba layers are not priced
+        resolve_spec(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**granite4, "layer_types": ["attention"] * 28}))
+    assert resolve_spec(str(tmp_path)).experts == 0
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read"):
         resolve_spec(str(tmp_path))

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+from engine.config import unsupported_model
 from pdserve.plan.roofline import MODELS, ModelSpec
 from serving.gguf_models import ModelError, gguf_config
 from serving.models import hub_snapshot, is_hub_id, served_name
@@ -30,18 +31,21 @@ DTYPE_BYTES = {"bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0, "half"
 _QKV_BIAS_TYPES = {"qwen2"}          # model types with q/k/v biases but no `attention_bias` key
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 # the mixtures of experts the engine runs (engine/moe.py), whose experts are counted
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid")
+_GRANITE_SHARED = ("granitemoeshared", "granitemoehybrid")    # Granite's ungated shared MLP beside its experts
 
 
 def load_config(path: str | Path) -> dict:
     """The config dict from an HF model directory or a `config.json` path; ValueError if unreadable.
 
     Multimodal configs that nest the language model under `text_config` return that inner dict.
+    Floats JSON cannot hold are read back as transformers writes them (`{"__float__": "Infinity"}`:
+    Granite 4.0's `time_step_limit`).
     """
     p = Path(path)
     p = p / "config.json" if p.is_dir() else p
     try:
-        cfg = json.loads(p.read_text())
+        cfg = json.loads(p.read_text(), object_hook=_special_float)
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read a Hugging Face config from {p}: {exc}") from exc
     if not isinstance(cfg, dict):
@@ -49,6 +53,11 @@ def load_config(path: str | Path) -> dict:
     if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg["text_config"], "_name_or_path": cfg.get("_name_or_path", "")}
     return cfg
+
+
+def _special_float(obj: dict):
+    value = obj.get("__float__") if len(obj) == 1 else None
+    return float(value.lower().replace("infinity", "inf")) if value in ("Infinity", "-Infinity", "NaN") else obj
 
 
 def _need(cfg: dict, key: str) -> int:
@@ -70,12 +79,17 @@ def count_params(cfg: dict) -> int:
     RMSNorm weights of H (four for gemma2 and gemma3_text; and qwen3's / olmo2's / olmo3's / gemma3_text's q/k norms); a
     final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied, as LlamaConfig /
     Qwen2Config / MistralConfig default). A mixture of experts the engine runs (Mixtral, Qwen2-MoE,
-    Qwen3-MoE, OLMoE) has its MoE layers' MLPs counted by `moe_params`; any other MoE config
-    raises ValueError.
+    Qwen3-MoE, OLMoE, Granite MoE) has its MoE layers' MLPs counted by `moe_params`; any other MoE
+    config raises ValueError, as does a Granite 4.0 with Mamba layers (its MLP without experts is
+    its shared MLP, `shared_intermediate_size`).
     """
     if any(k in cfg for k in _MOE_KEYS) and cfg.get("model_type") not in _MOE_TYPES:
         raise ValueError(f"mixture-of-experts configs other than {', '.join(_MOE_TYPES)} are not modelled")
-    h, inter, layers = _need(cfg, "hidden_size"), _need(cfg, "intermediate_size"), _need(cfg, "num_hidden_layers")
+    granite4 = cfg.get("model_type") == "granitemoehybrid"
+    if granite4 and unsupported_model(cfg):
+        raise ValueError(unsupported_model(cfg))
+    h, layers = _need(cfg, "hidden_size"), _need(cfg, "num_hidden_layers")
+    inter = _need(cfg, "shared_intermediate_size" if granite4 else "intermediate_size")
     vocab, heads = _need(cfg, "vocab_size"), _need(cfg, "num_attention_heads")
     kv, hd = cfg.get("num_key_value_heads") or heads, head_dim(cfg)
     attn_bias = bool(cfg.get("attention_bias", False))
@@ -118,13 +132,15 @@ def _expert_size(cfg: dict) -> int:
 def _moe_layers(cfg: dict) -> dict[int, int]:
     """{layer: its MLP block's parameters} for the layers whose MLP is a mixture of experts (as
     transformers builds them: Qwen's `mlp_only_layers` and `decoder_sparse_step` leave some dense),
-    with the router, and Qwen2-MoE's shared expert and its gate."""
+    with the router, and Qwen2-MoE's shared expert and its gate (Granite's shared MLP)."""
     if cfg.get("model_type") not in _MOE_TYPES or _experts(cfg) == 0:
         return {}
     h, layers, experts = _need(cfg, "hidden_size"), _need(cfg, "num_hidden_layers"), _experts(cfg)
     block = experts * h + experts * 3 * h * _expert_size(cfg)
     if cfg.get("model_type") == "qwen2_moe":
         block += 3 * h * _need(cfg, "shared_expert_intermediate_size") + h
+    if cfg.get("model_type") in _GRANITE_SHARED:
+        block += 3 * h * int(cfg.get("shared_intermediate_size") or 0)
     if cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe"):
         return {i: block for i in range(layers)}
     dense, step = set(cfg.get("mlp_only_layers") or ()), int(cfg.get("decoder_sparse_step") or 1)
