@@ -24,6 +24,7 @@ decoder's steps with a MoE block are not captured into CUDA graphs (engine/model
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -105,20 +106,29 @@ class MoeMlp:
 
     def _tokens(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Any number of tokens: the (token, slot) pairs sorted by expert (stable: tokens in order),
-        their rows and weights gathered once, each expert over its run of them."""
-        out = torch.zeros_like(h)
+        their rows and weights gathered once, each expert's projections over its run of them, the
+        activation and the weights over all runs at once, then the adding."""
         flat = chosen.flatten()                                            # token-major: t * k + slot
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // self.top_k
         rows, scales = h[tokens], weights.flatten()[order, None]
-        start = 0
-        for expert, n in enumerate(counts):
-            if not n:
-                continue
-            run = slice(start, start + n)
-            start += n
-            gate_up, down = self.experts[expert]
-            y = down(self._act_mul(gate_up(rows[run]))) * scales[run]
-            out.index_add_(0, tokens[run], y.to(out.dtype))
-        return out
+        runs = [(expert, slice(start - n, start)) for expert, n, start in
+                zip(range(self.num_experts), counts, itertools.accumulate(counts)) if n]
+        act = self._act_mul(torch.cat([self.experts[e][0](rows[run]) for e, run in runs]))
+        y = torch.cat([self.experts[e][1](act[run]) for e, run in runs]) * scales
+        return _add_in_order(h, tokens, y.to(h.dtype), [run for _, run in runs])
+
+
+def _add_in_order(like: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, runs: list[slice]) -> torch.Tensor:
+    """zeros_like(like).index_add_(0, index, rows) with each output's rows added in their order
+    (sorted by expert: transformers' order of adds; in fp32 the same sums). On CPU one call adds them
+    so (one after another; in bf16 it sums in fp32 and rounds once, where transformers rounds after
+    each expert); CUDA's index_add_ adds a call's duplicate indices by atomics in no fixed order, so
+    there each run, whose indices are unique, is a call of its own."""
+    out = torch.zeros_like(like)
+    if like.device.type == "cpu":
+        return out.index_add_(0, index, rows)
+    for run in runs:
+        out.index_add_(0, index[run], rows[run])
+    return out
