@@ -1,5 +1,5 @@
 """A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite,
-OLMo 2, OLMo 3, Gemma 2, Gemma 3 text): the engine's model code.
+OLMo 2, OLMo 3, EXAONE 4, Gemma 2, Gemma 3 text): the engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -16,7 +16,8 @@ without RoPE (`no_rope_layers`), which the fused RoPE + K/V store kernel runs wi
 Granite by four constants: the embeddings, each block's output (before its residual add) and the
 logits scaled, and `attention_multiplier` as the attention's scale; OLMo 2 by norms after each block
 instead of before (`x + norm(attn(x))`, `x + norm(mlp(x))`) and q/k norms over all heads at once
-(OLMo 3 too, with Gemma 3's sliding layers and RoPE per layer type);
+(OLMo 3 too, with Gemma 3's sliding layers and RoPE per layer type; EXAONE 4 with Qwen3's per-head
+q/k norms and, in its hybrid models, sliding layers and global layers without RoPE);
 Gemma 3 (`gemma3_text`) by norms both before and after attention and MLP (`x + norm(attn(norm(x)))`),
 RMSNorm scaling by 1 + weight (folded into the weights at load), an embedding scaled by
 sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated MLP,
@@ -89,6 +90,8 @@ class DecoderModel:
         self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0))
         self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0))
         self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0))
+        # EXAONE 4's hybrid models (a sliding window on some layers): no RoPE on the global layers
+        self.global_nope = cfg.model_type == "exaone4" and getattr(cfg, "sliding_window", None) is not None
         self.eps = cfg.rms_norm_eps
         # `kernels` (engine.kernels, CPU): the GEMV kernels for the linears (engine.linear) in every
         # dtype unless `gemv` is off (EngineConfig.cpu_gemv); in bf16 also the one-pass RMSNorm (and
@@ -159,7 +162,7 @@ class DecoderModel:
         assert (q_norm is None) == (k_norm is None)
         layer.q_norm = None if q_norm is None else self._norm_weight(q_norm)
         layer.k_norm = None if k_norm is None else self._norm_weight(k_norm)
-        layer.rope = bool(getattr(attn, "use_rope", True))
+        layer.rope = bool(getattr(attn, "use_rope", True)) and not (self.global_nope and not attn.is_sliding)
         kind = getattr(attn, "layer_type", None) or getattr(attn, "attention_type", None)     # OLMo 3's name
         layer.rope_kind = kind if self.rope_kinds != [None] else None
         assert layer.rope_kind in self.rope_kinds

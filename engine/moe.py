@@ -7,16 +7,18 @@ a sigmoid, Granite 3.1 and 4.0 an ungated one (the layer's `shared_mlp`). The en
 The math is transformers' (its `*TopKRouter`, `*Experts` eager loop and `*SparseMoeBlock`), op for
 op where rounding matters, so the fp32 mode stays token-identical to Hugging Face `generate` with
 `experts_implementation="eager"`: router logits in the model's dtype, softmax in fp32, top-k,
-renormalized where the model says (`norm_topk_prob`; Mixtral always; Granite takes the top-k of
-the logits and a softmax over those k, in fp32), the weights back in the model's dtype (Mixtral keeps them in fp32); each expert over its tokens, scaled, then added into a
-zero output one expert at a time in ascending order (the linears, the router's too, are the
-engine's: fp32 GEMVs sum in another order than MKL, as everywhere in the exact mode). Tokens are
-grouped by expert with one sort and one host sync a call (transformers: a `where` per expert); a
-single token calls its k experts directly. Each expert's two projections are linears in the
-engine's weight format (engine.linear), so bf16, int8 and int4 apply to experts too; the router and
-Qwen2-MoE's shared-expert gate stay in the model's dtype (int8 or int4 there would move tokens to
-other experts; vLLM builds its MoE gates unquantized too), through the engine's GEMV (aten's matmul
-of such a small weight cost 70 us a layer at a decode step's rows).
+renormalized where the model says (`norm_topk_prob`; Mixtral always; Granite takes the top-k of the
+logits and a softmax over those k, in fp32), the weights back in the model's dtype (Mixtral keeps
+them in fp32); each expert over its tokens, scaled, then added into a zero output expert by expert
+in ascending order (more than one token on CPU: one `index_add_` that adds in that order, in bf16
+summing in fp32 and rounding once) (the linears, the router's too, are the engine's: fp32 GEMVs sum
+in another order than MKL, as everywhere in the exact mode). Tokens are grouped by expert with one
+sort and one host sync a call (transformers: a `where` per expert); a single token calls its k
+experts directly. Each expert's two projections are linears in the engine's weight format
+(engine.linear), so bf16, int8 and int4 apply to experts too; the router and Qwen2-MoE's
+shared-expert gate stay in the model's dtype (int8 or int4 there would move tokens to other
+experts; vLLM builds its MoE gates unquantized too), through the engine's GEMV (aten's matmul of
+such a small weight cost 70 us a layer at a decode step's rows).
 
 The expert loop depends on the step's routing (which experts, how many tokens each): on CUDA the
 decoder's steps with a MoE block are not captured into CUDA graphs (engine/model_runner.py).

@@ -76,7 +76,8 @@ def count_params(cfg: dict) -> int:
 
     Embeddings V*H; per layer q/o projections H*(heads*hd), k/v projections H*(kv*hd) (+ biases when
     `attention_bias`, or q/k/v biases for qwen2), gated MLP 3*H*I (+ biases when `mlp_bias`), two
-    RMSNorm weights of H (four for gemma2 and gemma3_text; and qwen3's / olmo2's / olmo3's / gemma3_text's q/k norms); a
+    RMSNorm weights of H (four for gemma2 and gemma3_text; and qwen3's / exaone4's / olmo2's / olmo3's / gemma3_text's
+    q/k norms); a
     final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied, as LlamaConfig /
     Qwen2Config / MistralConfig default). A mixture of experts the engine runs (Mixtral, Qwen2-MoE,
     Qwen3-MoE, OLMoE, Granite MoE) has its MoE layers' MLPs counted by `moe_params`; any other MoE
@@ -99,7 +100,7 @@ def count_params(cfg: dict) -> int:
     attn += qkv_bias * (heads * hd + 2 * kv * hd) + attn_bias * h
     mlp = 3 * h * inter + bool(cfg.get("mlp_bias", False)) * (2 * inter + h)
     # RMSNorm weights on queries and keys, in head_dims: qwen3 one head each, olmo2 every head
-    qk_norm = {"qwen3": 2, "qwen3_moe": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
+    qk_norm = {"qwen3": 2, "qwen3_moe": 2, "exaone4": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
                "gemma3_text": 2}.get(cfg.get("model_type"), 0) * hd
     norms = {"gemma2": 4, "gemma3_text": 4}.get(cfg.get("model_type"), 2) * h
     moe = _moe_layers(cfg)
