@@ -160,7 +160,8 @@ class EngineConfig:
 # `gemma3_text`) differ most: RMSNorm scaling by 1 + weight, a scaled embedding, norms before and
 # after attention and MLP, GELU-tanh, RoPE and a sliding window per layer type; Gemma 2 as Gemma 3
 # without q/k norms or local RoPE, with soft-capped attention scores and logits; OLMo 3 as OLMo 2
-# with Gemma 3's sliding layers and RoPE per layer type; the mixture-of-experts ones (engine/moe.py)
+# with Gemma 3's sliding layers and RoPE per layer type; Gemma 1 as Gemma 2 with only the norms before
+# each block, no windows and no caps; the mixture-of-experts ones (engine/moe.py)
 # as their dense relatives with a MoE block for the MLP: Mixtral as Mistral, Qwen2/3-MoE as Qwen2/3,
 # OLMoE with OLMo 2's q/k norms over all heads but norms before each block; IBM's Granite MoE
 # (3.0: granitemoe; 3.1: granitemoeshared, with an ungated shared MLP) as Granite with a MoE
@@ -168,7 +169,7 @@ class EngineConfig:
 # 1B, 350M; a shared MLP, with or without experts); EXAONE 4 as OLMo 2's norms after each block with
 # Qwen3's per-head q/k norms, and in its hybrid models sliding layers and global ones without RoPE
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3",
-                         "exaone4", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe",
+                         "exaone4", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe",
                          "granitemoeshared", "granitemoehybrid")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")          # of the gated MLP
 
@@ -184,6 +185,8 @@ def unsupported_model(config: dict) -> str | None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {model_type!r} is not supported; pdserve runs {', '.join(SUPPORTED_MODEL_TYPES)}"
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if model_type == "gemma" and activation == "gelu":    # transformers reads Gemma 1's legacy "gelu" so
+        activation = "gelu_pytorch_tanh"
     if activation not in ACTIVATIONS:
         return f"activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})"
     if config.get("use_bidirectional_attention"):

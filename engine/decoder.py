@@ -1,5 +1,5 @@
 """A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite,
-OLMo 2, OLMo 3, EXAONE 4, Gemma 2, Gemma 3 text): the engine's model code.
+OLMo 2, OLMo 3, EXAONE 4, Gemma 1, 2 and 3 text): the engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -26,7 +26,8 @@ sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated
 (`gemma2`) as Gemma 3 without the q/k norms and with one RoPE, plus soft caps, `cap * tanh(x /
 cap)`, on the attention's scores (`attn_logit_softcapping`: in the attention kernels, and in
 sdpa's math written out where a prompt chunk runs sdpa, engine.attention.capped_sdpa) and on the
-logits (`final_logit_softcapping`). Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE are their dense relatives
+logits (`final_logit_softcapping`); Gemma 1 (`gemma`) as Gemma 2 with only the norms before each
+block and neither windows nor caps. Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE are their dense relatives
 (Mistral, Qwen2, Qwen3, OLMo 2's q/k norms with norms before each block) with a mixture-of-experts
 block for the MLP (engine/moe.py), and Granite MoE is Granite with one (`block_sparse_moe`; 3.1's
 with an ungated `shared_mlp` beside it); Granite 4.0's attention-only checkpoints
@@ -83,7 +84,7 @@ class DecoderModel:
         self.scale = float(getattr(cfg, "attention_multiplier", None) or (pre_attn or self.head_dim) ** -0.5)
         self.activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
         # Gemma's RMSNorm scales by 1 + weight: the 1 is added to the weights here
-        self.norm_offset = 1.0 if cfg.model_type in ("gemma2", "gemma3_text") else 0.0
+        self.norm_offset = 1.0 if cfg.model_type in ("gemma", "gemma2", "gemma3_text") else 0.0
         # Gemma 2's soft caps (cap * tanh(x / cap)) of the attention scores and of the logits; 0: none
         self.attn_softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)

@@ -152,7 +152,8 @@ def test_local_dir_is_checked(tmp_path):
 
 
 @pytest.mark.parametrize("config, why", [
-    ({"model_type": "gemma", "hidden_act": "gelu"}, "'gemma' is not supported"),
+    ({"model_type": "phi", "hidden_act": "gelu_new"}, "'phi' is not supported"),
+    ({"model_type": "gemma", "hidden_act": "relu"}, "'relu' is not supported"),   # Gemma 1's "gelu" runs (tanh)
     ({"model_type": "llama", "hidden_act": "gelu"}, "'gelu' is not supported"),
     ({"model_type": "gemma2", "hidden_activation": "gelu"}, "'gelu' is not supported"),
     # Gemma 2's and Gemma 3's text checkpoints run; bidirectional attention or the multimodal
