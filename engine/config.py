@@ -167,10 +167,11 @@ class EngineConfig:
 # (3.0: granitemoe; 3.1: granitemoeshared, with an ungated shared MLP) as Granite with a MoE
 # block, and Granite 4.0's attention-only checkpoints (granitemoehybrid without Mamba layers: micro,
 # 1B, 350M; a shared MLP, with or without experts); EXAONE 4 as OLMo 2's norms after each block with
-# Qwen3's per-head q/k norms, and in its hybrid models sliding layers and global ones without RoPE
+# Qwen3's per-head q/k norms, and in its hybrid models sliding layers and global ones without RoPE;
+# ERNIE 4.5 and Helium as Llama with RoPE on interleaved pairs (engine.model_dims.INTERLEAVED_ROPE)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3",
-                         "exaone4", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe",
-                         "granitemoeshared", "granitemoehybrid")
+                         "exaone4", "ernie4_5", "helium", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
+                         "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")          # of the gated MLP
 
 

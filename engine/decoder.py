@@ -76,7 +76,7 @@ class DecoderModel:
             raise ValueError(problem)
         self.dtype = dtype
         self.model_type = cfg.model_type
-        dims = Dims.of_config(cfg)
+        self.dims = dims = Dims.of_config(cfg)
         self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
         self.hidden_size, self.intermediate_size = cfg.hidden_size, dims.intermediate_size
         # Granite's attention_multiplier, Gemma's query_pre_attn_scalar ** -0.5, else head_dim ** -0.5
@@ -114,6 +114,7 @@ class DecoderModel:
         self.rotary_dim = self._rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=probe.device),
                                        self.rope_kinds[0])[0].shape[-1]
         assert self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+        assert not dims.interleaved_rope or self.rotary_dim == self.head_dim     # (Dims.rope_order)
         self.norm = self._norm_weight(body.norm)
         self.windows = layer_windows(cfg)          # per layer: 0, or its sliding window (keys)
         # the CPU tensors the linears read each call, in the order the forward calls them; moved
@@ -146,7 +147,7 @@ class DecoderModel:
             layer.post_norm = self._norm_weight(pre_mlp)
         norm = getattr(hf_layer, "post_feedforward_layernorm", None)
         layer.ff_norm = None if norm is None else self._norm_weight(norm)
-        layer.qkv = self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), fmt)
+        layer.qkv = self._qkv(attn, fmt)
         layer.o = self._linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt)
         layer.moe = layer.gate_up = layer.down = None
         if mlp is not None and is_moe_block(mlp):   # Qwen2-MoE's mlp_only_layers: dense
@@ -197,6 +198,20 @@ class DecoderModel:
             # (bf16's three passes over [32, 49152] took 2.1-2.6 ms here, fp32's 0.7 with the widening)
             logits = logits.float().div_(self.final_softcap).tanh_().mul_(self.final_softcap)
         return logits
+
+    def _qkv(self, attn, fmt: str):
+        """The fused [q; k; v] projection; for interleaved RoPE (engine.model_dims.INTERLEAVED_ROPE)
+        with its query and key rows reordered per head (`Dims.rope_order`), biases too."""
+        if not self.dims.interleaved_rope:
+            return self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), fmt)
+        assert getattr(attn, "q_norm", None) is None        # its weights would need the same order
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        nq, nk, nv = (p.out_features for p in projs)
+        order = torch.tensor(self.dims.rope_order(0, nq) + [nq + i for i in self.dims.rope_order(nq, nk)]
+                             + list(range(nq + nk, nq + nk + nv)))
+        bias = _cat_bias(projs)
+        return self._linear(torch.cat([p.weight.detach() for p in projs])[order],
+                            None if bias is None else bias[order], fmt)
 
     def _fused(self, module, fused_name: str, part_names: tuple[str, ...], fmt: str):
         """One linear: `module`'s fused projection where the checkpoint has one (Phi-3), else its

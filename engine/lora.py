@@ -82,8 +82,7 @@ class LoraSet:
         self._prepared_lock = threading.Lock()
         self.dtype, self.device, self.max_loras = model.dtype, device, max_loras
         self.kernels = kernels          # engine.kernels (CPU), for LoraBatch.add; None: torch's ops only
-        self.dims = Dims(model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads,
-                         model.head_dim, len(model.layers), model.moe)
+        self.dims: Dims = model.dims
 
     @property
     def empty(self) -> bool:
@@ -275,8 +274,10 @@ def _load_one(name: str, path: str, dims: Dims, dtype, device) -> list[dict[str,
     widths, num_layers = dims.widths(), dims.num_layers
     found: list[dict[str, list]] = [{} for _ in range(num_layers)]
     for part in placed:
+        b = tensors[part.b]
+        order = dims.rope_order(part.start, b.shape[0]) if part.linear == "qkv" else None
         found[part.layer].setdefault(part.linear, []).append(
-            (part.start, tensors[part.a], tensors[part.b], info.scaling(part.rank)))
+            (part.start, tensors[part.a], b if order is None else b[order], info.scaling(part.rank)))
     # float32 on a CPU (a bf16 model's small groups compute in it, big ones convert: LoraBatch.add)
     keep = torch.float32 if torch.device(device).type == "cpu" else dtype
     layers: list[dict[str, LinearUpdate]] = [{} for _ in range(num_layers)]

@@ -67,10 +67,11 @@ def test_fp32_greedy_output_is_transformers_with_the_adapter_in_a_mixed_batch(ti
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["phi3", "qwen2", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ["phi3", "qwen2", "granitemoehybrid", "helium"])
 def test_other_archs_fused_projections_and_biases(tmp_path, arch):
     """phi3's checkpoints fuse qkv_proj and gate_up_proj (adapters name those), qwen2 has q/k/v
-    biases, Granite 4.0's MLP is its shared_mlp's input_linear ([gate; up]) and output_linear."""
+    biases, Granite 4.0's MLP is its shared_mlp's input_linear ([gate; up]) and output_linear, helium's
+    RoPE on interleaved pairs reorders the engine's q/k rows (and so the adapter's B rows there)."""
     path = tiny_model_dir(tmp_path / arch, arch, seed=5)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     modules = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),

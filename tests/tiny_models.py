@@ -1,7 +1,8 @@
 """Tiny random-weight models for tests (test-only: the runtime never builds models).
 
 `tiny_model_dir` writes a small Hugging Face model directory (llama, qwen2, qwen3, phi3, smollm3,
-granite, granitemoehybrid (Granite 4.0 attention-only, no experts), olmo2, olmo3, exaone4, gemma, gemma2,
+granite, granitemoehybrid (Granite 4.0 attention-only, no experts), olmo2, olmo3, exaone4, ernie4_5,
+helium, gemma, gemma2,
 gemma3_text or mistral shape, or a mixture of experts: mixtral, qwen2_moe, qwen3_moe, olmoe,
 granitemoe, granitemoeshared) that loads like a real one, in about a second.
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 from serving.models import CHATML_TEMPLATE, ModelError
 
 TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "granite", "granitemoehybrid", "olmo2",
-              "olmo3", "exaone4", "gemma", "gemma2", "gemma3_text")
+              "olmo3", "exaone4", "ernie4_5", "helium", "gemma", "gemma2", "gemma3_text")
 TINY_MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 _GRANITE = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
             "attention_multiplier": 0.0078125}
@@ -24,19 +25,21 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     """Write a tiny random-weight causal LM (hidden 64, 2 layers, 4 heads of ``head_dim``, 2 KV heads) into
     ``path``; return it.  ``arch`` is one of TINY_ARCHS or TINY_MOE_ARCHS (4 experts of intermediate size 32,
     2 a token; qwen2_moe with its shared expert and a dense second layer, top-k weights not renormalized, as
-    olmoe's, whose heads are always 16 wide: its q/k norms span hidden_size, hidden / heads; all but mistral
-    tie embeddings; phi3 has fused qkv_proj and gate_up_proj; smollm3's second layer has no RoPE; granite has
-    IBM Granite 3's multipliers, as the granitemoe* do (granitemoeshared with a shared MLP of 64,
-    granitemoehybrid's of 128 its only MLP); olmo2 its norms after each block; gemma3_text a first layer with
-    a sliding window of 8 tokens and local RoPE, a second with global RoPE, and Gemma 3's norms, embedding
-    scale and GELU; gemma (Gemma 1) its norms, embedding scale and GELU (as the legacy "gelu"), no window;
-    gemma2 the same windows and norms with one RoPE and soft caps small enough to matter in a tiny model:
-    scores at 2, logits at 3; olmo3 olmo2's norms with the same windows and RoPE of its own per layer type,
-    thetas 10^4 and 5 * 10^5; exaone4 olmo2's norms with qwen3's per-head q/k norms, the same windows and no
-    RoPE on its second, global, layer). The tokenizer is copied from ``tokenizer_dir`` (e.g. the default
-    model's directory, so prompts tokenize as for the real model); without one, a small byte-level tokenizer
-    with ChatML special tokens and a ChatML template is built. ``overrides``: more config keys (e.g.
-    granitemoehybrid with experts). The weights depend only on (arch, seed, vocab size, head_dim, overrides);
+    olmoe's, whose heads are always 16 wide: its q/k norms span hidden_size, hidden / heads (helium's too: its
+    o_proj is [hidden, hidden]); all but mistral tie embeddings; phi3 has fused qkv_proj and gate_up_proj;
+    smollm3's second layer has no RoPE; granite has IBM Granite 3's multipliers, as the granitemoe* do
+    (granitemoeshared with a shared MLP of 64, granitemoehybrid's of 128 its only MLP); olmo2 its norms after
+    each block; gemma3_text a first layer with a sliding window of 8 tokens and local RoPE, a second with
+    global RoPE, and Gemma 3's norms, embedding scale and GELU; gemma (Gemma 1) its norms, embedding scale and
+    GELU (as the legacy "gelu"), no window; gemma2 the same windows and norms with one RoPE and soft caps
+    small enough to matter in a tiny model: scores at 2, logits at 3; olmo3 olmo2's norms with the same
+    windows and RoPE of its own per layer type, thetas 10^4 and 5 * 10^5; exaone4 olmo2's norms with qwen3's
+    per-head q/k norms, the same windows and no RoPE on its second, global, layer; ernie4_5 and helium RoPE on
+    interleaved pairs, ernie4_5 with biases on every projection). The tokenizer is copied from
+    ``tokenizer_dir`` (e.g. the default model's directory, so prompts tokenize as for the real model); without
+    one, a small byte-level tokenizer with ChatML special tokens and a ChatML template is built.
+    ``overrides``: more config keys (e.g. granitemoehybrid with experts). The weights depend only on (arch,
+    seed, vocab size, head_dim, overrides);
     the global torch RNG is left as it was. ~1 s.
     """
     import torch
@@ -79,17 +82,19 @@ def with_random_norms(path: Path) -> Path:
 
 
 def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
-    from transformers import (Exaone4Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, GraniteConfig, GraniteMoeConfig,
-                              GraniteMoeHybridConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              OlmoeConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+    from transformers import (Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig,
+                              GraniteConfig, GraniteMoeConfig, GraniteMoeHybridConfig, GraniteMoeSharedConfig,
+                              HeliumConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Olmo2Config,
+                              Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                              SmolLM3Config)
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "phi3": Phi3Config, "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config,
            "olmo3": Olmo3Config, "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig, "mixtral": MixtralConfig,
            "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "olmoe": OlmoeConfig,
            "granitemoe": GraniteMoeConfig, "granitemoeshared": GraniteMoeSharedConfig,
-           "granitemoehybrid": GraniteMoeHybridConfig, "exaone4": Exaone4Config}[arch]
+           "granitemoehybrid": GraniteMoeHybridConfig, "exaone4": Exaone4Config,
+           "ernie4_5": Ernie4_5Config, "helium": HeliumConfig}[arch]
     granite_moe = {**_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
     moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
     extra = {"smollm3": {"no_rope_layers": [1, 0]},
@@ -98,6 +103,7 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
              "granitemoeshared": {**granite_moe, "shared_intermediate_size": 64},
              "granitemoehybrid": {**_GRANITE, "num_local_experts": 0, "shared_intermediate_size": 128,
                                   "layer_types": ["attention", "attention"], "position_embedding_type": "rope"},
+             "ernie4_5": {"use_bias": True},      # ERNIE 4.5's biases on every projection (0.3B has none)
              "gemma": {"hidden_act": "gelu"},      # Gemma 1's checkpoints' legacy name of GELU-tanh
              "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
              "gemma2": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
@@ -114,7 +120,7 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
              }.get(arch, {})
     extra = {"intermediate_size": 128, **extra, **overrides}
     return cls(**extra, vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16 if arch == "olmoe" else head_dim,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16 if arch in ("olmoe", "helium") else head_dim,
                max_position_embeddings=2048,
                tie_word_embeddings=arch != "mistral", bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

@@ -75,9 +75,9 @@ def count_params(cfg: dict) -> int:
     """Parameters of a dense llama-like decoder from its config, within a few % of the real count.
 
     Embeddings V*H; per layer q/o projections H*(heads*hd), k/v projections H*(kv*hd) (+ biases when
-    `attention_bias`, or q/k/v biases for qwen2), gated MLP 3*H*I (+ biases when `mlp_bias`), two
-    RMSNorm weights of H (four for gemma2 and gemma3_text; and qwen3's / exaone4's / olmo2's / olmo3's / gemma3_text's
-    q/k norms); a
+    `attention_bias`, or q/k/v biases for qwen2), gated MLP 3*H*I (+ biases when `mlp_bias`; ERNIE
+    4.5's `use_bias`: both), two RMSNorm weights of H (four for gemma2 and gemma3_text; and qwen3's /
+    exaone4's / olmo2's / olmo3's / gemma3_text's q/k norms); a
     final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied, as LlamaConfig /
     Qwen2Config / MistralConfig default). A mixture of experts the engine runs (Mixtral, Qwen2-MoE,
     Qwen3-MoE, OLMoE, Granite MoE) has its MoE layers' MLPs counted by `moe_params`; any other MoE
@@ -93,12 +93,13 @@ def count_params(cfg: dict) -> int:
     inter = _need(cfg, "shared_intermediate_size" if granite4 else "intermediate_size")
     vocab, heads = _need(cfg, "vocab_size"), _need(cfg, "num_attention_heads")
     kv, hd = cfg.get("num_key_value_heads") or heads, head_dim(cfg)
-    attn_bias = bool(cfg.get("attention_bias", False))
+    ernie_bias = cfg.get("model_type") == "ernie4_5" and bool(cfg.get("use_bias"))     # every projection's
+    attn_bias = bool(cfg.get("attention_bias", False)) or ernie_bias
     qkv_bias = attn_bias or cfg.get("model_type") in _QKV_BIAS_TYPES or (
         cfg.get("model_type") == "qwen2_moe" and cfg.get("qkv_bias", True))
     attn = 2 * h * heads * hd + 2 * h * kv * hd
     attn += qkv_bias * (heads * hd + 2 * kv * hd) + attn_bias * h
-    mlp = 3 * h * inter + bool(cfg.get("mlp_bias", False)) * (2 * inter + h)
+    mlp = 3 * h * inter + (bool(cfg.get("mlp_bias", False)) or ernie_bias) * (2 * inter + h)
     # RMSNorm weights on queries and keys, in head_dims: qwen3 one head each, olmo2 every head
     qk_norm = {"qwen3": 2, "qwen3_moe": 2, "exaone4": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
                "gemma3_text": 2}.get(cfg.get("model_type"), 0) * hd
