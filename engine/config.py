@@ -171,7 +171,7 @@ class EngineConfig:
 # ERNIE 4.5 and Helium as Llama with RoPE on interleaved pairs (engine.model_dims.INTERLEAVED_ROPE)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3",
                          "exaone4", "ernie4_5", "helium", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
-                         "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid")
+                         "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "ernie4_5_moe")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")          # of the gated MLP
 
 

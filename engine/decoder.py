@@ -152,7 +152,8 @@ class DecoderModel:
         layer.moe = layer.gate_up = layer.down = None
         if mlp is not None and is_moe_block(mlp):   # Qwen2-MoE's mlp_only_layers: dense
             layer.moe = MoeMlp(mlp, self.model_type, lambda w, b: self._linear(w, b, fmt),
-                               lambda w, b: self._linear(w, b, dtype_name(self.dtype)),   # the router: not quantized
+                               # the router (ERNIE 4.5's in fp32): not quantized
+                               lambda w, b, dtype=self.dtype: self._linear(w, b, dtype_name(dtype), dtype),
                                self._act_mul, shared_mlp)
         elif mlp is not None:
             layer.gate_up = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), fmt)
@@ -222,8 +223,9 @@ class DecoderModel:
         projs = [getattr(module, name) for name in part_names]
         return self._linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt)
 
-    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
-        return make_linear(weight, bias, fmt, self.dtype, kernels=self._linear_kernels, keep=self._arena_list)
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype | None = None):
+        """`dtype`: what it computes in, the model's by default."""
+        return make_linear(weight, bias, fmt, dtype or self.dtype, kernels=self._linear_kernels, keep=self._arena_list)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 # their query and key projections' output rows per head at load (`Dims.rope_order`), which turns the
 # one rotation into the other and leaves every query-key product the same (a LoRA adapter's B rows
 # on them are reordered so too).
-INTERLEAVED_ROPE = ("ernie4_5", "helium")
+INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe", "helium")
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,8 @@ class Dims:
         """From a transformers config, or its config.json as a dict."""
         def get(key):
             return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
-        heads, moe = get("num_attention_heads"), bool(get("num_local_experts") or get("num_experts"))
+        heads = get("num_attention_heads")
+        moe = bool(get("num_local_experts") or get("num_experts") or get("moe_num_experts"))    # ERNIE's name
         # Granite 4.0 without experts: its shared MLP is the MLP
         granite4 = get("model_type") == "granitemoehybrid" and not moe
         return cls(get("hidden_size"), get("shared_intermediate_size" if granite4 else "intermediate_size"), heads,

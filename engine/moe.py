@@ -1,7 +1,9 @@
-"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): a router
-scores every expert for each token, the token runs its top-k experts (each a gated MLP of its own)
-and adds their outputs weighted by those scores; Qwen2-MoE adds a shared expert, gated per token by
-a sigmoid, Granite 3.1 and 4.0 an ungated one (the layer's `shared_mlp`). The engine's decoder
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE):
+a router scores every expert for each token, the token runs its top-k experts (each a gated MLP of
+its own) and adds their outputs weighted by those scores; Qwen2-MoE adds a shared expert, gated per
+token by a sigmoid, Granite 3.1 and 4.0 and ERNIE 4.5 an ungated one (Granite's: the layer's
+`shared_mlp`). ERNIE 4.5 routes in fp32 and picks its experts by their scores plus a learned
+correction bias, weighting them by the scores alone. The engine's decoder
 (engine/decoder.py) runs it in place of the dense MLP on the layers that have one.
 
 The math is transformers' (its `*TopKRouter`, `*Experts` eager loop and `*SparseMoeBlock`), op for
@@ -47,10 +49,15 @@ class MoeMlp:
     def __init__(self, block, model_type: str, linear: Callable[..., Linear], dense: Callable[..., Linear],
                  act_mul: Callable[[torch.Tensor], torch.Tensor], shared_mlp=None):
         """`block`: the transformers MoE block; `linear(weight [out, in], bias)`: the decoder's
-        linear in its weight format, `dense(...)` in its dtype (unquantized); `act_mul`: act(gate) *
-        up of a fused [gate; up] output; `shared_mlp`: Granite's layer's ungated shared MLP, or None."""
+        linear in its weight format, `dense(weight, bias, dtype=None)` unquantized in `dtype` (the
+        model's by default); `act_mul`: act(gate) * up of a fused [gate; up] output; `shared_mlp`:
+        Granite's layer's ungated shared MLP, or None."""
         router, experts = (block.gate if hasattr(block, "gate") else block.router), block.experts
-        self.router = dense(router.weight.detach(), None)                 # [E, hidden]
+        statics = getattr(router, "moe_statics", None)      # ERNIE 4.5: fp32 routing, a correction bias
+        self.correction = None if statics is None else statics.e_score_correction_bias.detach().float().reshape(-1)
+        self.norm_min = float(getattr(router, "norm_min", 0.0))
+        self.router = (dense(router.weight.detach(), None) if statics is None else      # [E, hidden]
+                       dense(router.weight.detach().float(), None, torch.float32))
         self.num_experts, self.top_k = router.weight.shape[0], int(router.top_k)
         self.norm_topk = bool(getattr(router, "norm_topk_prob", True))  # Mixtral: always
         self.fp32_scores = model_type == "mixtral"
@@ -65,9 +72,9 @@ class MoeMlp:
         self.experts = [(linear(gate_up[i], None), linear(down[i], None)) for i in range(e)]
         self._act_mul = act_mul
         shared = getattr(block, "shared_expert", None)
-        self.shared = None if shared is None else (
-            linear(torch.cat([shared.gate_proj.weight.detach(), shared.up_proj.weight.detach()]), None),
-            linear(shared.down_proj.weight.detach(), None))
+        if shared is None:
+            shared = getattr(block, "shared_experts", None)     # ERNIE 4.5's name
+        self.shared = None if shared is None else _gated_mlp(linear, shared)
         if shared_mlp is not None:       # Granite's: [gate; up] fused already, added ungated
             assert self.shared is None
             self.shared = (linear(shared_mlp.input_linear.weight.detach(), None),
@@ -76,6 +83,12 @@ class MoeMlp:
         self.shared_gate = None if gate is None else dense(gate.weight.detach(), None)   # [1, hidden]
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.correction is not None:          # ERNIE 4.5
+            probs = F.softmax(self.router(h.float()), dim=-1)
+            chosen = torch.topk(probs + self.correction, self.top_k, dim=-1)[1]
+            weights = probs.gather(1, chosen)
+            weights = (weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)).to(h.dtype)
+            return self._run(h, weights, chosen)
         logits = self.router(h)                                            # [T, E]
         if self.softmax_of_topk:
             top, chosen = torch.topk(logits.float(), self.top_k, dim=-1)
@@ -87,6 +100,10 @@ class MoeMlp:
                 weights /= weights.sum(dim=-1, keepdim=True)
         if not self.fp32_scores:
             weights = weights.to(logits.dtype)
+        return self._run(h, weights, chosen)
+
+    def _run(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The chosen experts [T, k] weighted by `weights` [T, k], and the shared expert."""
         out = self._one_token(h, weights, chosen) if h.shape[0] == 1 else self._tokens(h, weights, chosen)
         if self.shared is not None:
             gate_up, down = self.shared
@@ -120,6 +137,15 @@ class MoeMlp:
         act = self._act_mul(torch.cat([self.experts[e][0](rows[run]) for e, run in runs]))
         y = torch.cat([self.experts[e][1](act[run]) for e, run in runs]) * scales
         return _add_in_order(h, tokens, y.to(h.dtype), [run for _, run in runs])
+
+
+def _gated_mlp(linear: Callable[..., Linear], mlp) -> tuple[Linear, Linear]:
+    """A gated MLP module's (gate_proj, up_proj, down_proj) as the [gate; up] and down linears, with
+    their biases where it has them (ERNIE 4.5's `use_bias`)."""
+    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    bias = None if gate.bias is None else torch.cat([gate.bias.detach(), up.bias.detach()])
+    return (linear(torch.cat([gate.weight.detach(), up.weight.detach()]), bias),
+            linear(down.weight.detach(), None if down.bias is None else down.bias.detach()))
 
 
 def _add_in_order(like: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, runs: list[slice]) -> torch.Tensor:

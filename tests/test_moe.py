@@ -1,6 +1,7 @@
 """Mixture-of-experts models (engine/moe.py): tiny random Mixtral, Qwen2-MoE (a shared expert and
 a dense layer), Qwen3-MoE, OLMoE, Granite MoE (3.0; 3.1's with a shared MLP; Granite 4.0's
-attention-only layout with experts), their routers sharpened and experts strengthened so that
+attention-only layout with experts), ERNIE 4.5 MoE (fp32 routing with a correction bias, a shared
+expert, a dense first layer), their routers sharpened and experts strengthened so that
 which experts a token runs, and with what weight, decides its output.
 
 - In fp32 the engine's greedy tokens are Hugging Face `generate`'s and its log-probabilities the
@@ -34,8 +35,9 @@ GRANITE4_MOE = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_
 def _moe_model(tmp_path, arch: str):
     """A tiny `arch` whose router weights are 20x (each token's choice clear-cut, its weights far
     from even) and expert weights 4x (their output outweighs the residual); Qwen2-MoE's shared
-    expert 4x too, its gate random (a fresh one is near zero: the gate would sit at 0.5), and
-    Granite's ungated shared MLP as it is (its output adds to the experts')."""
+    expert 4x too, its gate random (a fresh one is near zero: the gate would sit at 0.5),
+    Granite's ungated shared MLP as it is (its output adds to the experts'), and ERNIE's correction
+    bias random (a fresh one is zero), large enough to change which experts some tokens pick."""
     overrides = GRANITE4_MOE if arch == "granitemoehybrid" else None
     path = tiny_model_dir(tmp_path / arch, arch, seed=5, head_dim=64, overrides=overrides)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -44,7 +46,10 @@ def _moe_model(tmp_path, arch: str):
         for layer in model.model.layers:
             mlp = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
             if hasattr(mlp, "experts"):
-                (mlp.gate if hasattr(mlp, "gate") else mlp.router).weight.mul_(20)
+                router = mlp.gate if hasattr(mlp, "gate") else mlp.router
+                router.weight.mul_(20)
+                if hasattr(router, "moe_statics"):
+                    router.moe_statics.e_score_correction_bias.normal_(0, 0.3)
                 mlp.experts.gate_up_proj.mul_(4)
                 mlp.experts.down_proj.mul_(4)
             if getattr(mlp, "shared_expert", None) is not None:
@@ -64,7 +69,9 @@ def test_mixtures_of_experts_give_the_hf_models_tokens_and_logprobs(tmp_path, ar
     eng = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB",
                                  block_size=4, max_num_batched_tokens=16))
     layers = eng.runner.model.layers
-    assert [layer.moe is not None for layer in layers] == [True, arch != "qwen2_moe"]   # its second: dense
+    # qwen2_moe's second layer is dense, ernie4_5_moe's first
+    assert [layer.moe is not None for layer in layers] == {"qwen2_moe": [True, False],
+                                                           "ernie4_5_moe": [False, True]}.get(arch, [True, True])
     assert eng.runner.model.moe and eng.runner.loras.dims.moe
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     # each prompt alone (decode steps of one token: MoeMlp's one-token path) and both in one batch

@@ -15,7 +15,7 @@ from serving.models import CHATML_TEMPLATE, ModelError
 
 TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "granite", "granitemoehybrid", "olmo2",
               "olmo3", "exaone4", "ernie4_5", "helium", "gemma", "gemma2", "gemma3_text")
-TINY_MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
+TINY_MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe")
 _GRANITE = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
             "attention_multiplier": 0.0078125}
 
@@ -82,7 +82,7 @@ def with_random_norms(path: Path) -> Path:
 
 
 def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
-    from transformers import (Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig,
+    from transformers import (Ernie4_5Config, Ernie4_5_MoeConfig, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig,
                               GraniteConfig, GraniteMoeConfig, GraniteMoeHybridConfig, GraniteMoeSharedConfig,
                               HeliumConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Olmo2Config,
                               Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
@@ -94,7 +94,7 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
            "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "olmoe": OlmoeConfig,
            "granitemoe": GraniteMoeConfig, "granitemoeshared": GraniteMoeSharedConfig,
            "granitemoehybrid": GraniteMoeHybridConfig, "exaone4": Exaone4Config,
-           "ernie4_5": Ernie4_5Config, "helium": HeliumConfig}[arch]
+           "ernie4_5": Ernie4_5Config, "helium": HeliumConfig, "ernie4_5_moe": Ernie4_5_MoeConfig}[arch]
     granite_moe = {**_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
     moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
     extra = {"smollm3": {"no_rope_layers": [1, 0]},
@@ -103,7 +103,10 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
              "granitemoeshared": {**granite_moe, "shared_intermediate_size": 64},
              "granitemoehybrid": {**_GRANITE, "num_local_experts": 0, "shared_intermediate_size": 128,
                                   "layer_types": ["attention", "attention"], "position_embedding_type": "rope"},
-             "ernie4_5": {"use_bias": True},      # ERNIE 4.5's biases on every projection (0.3B has none)
+             "ernie4_5": {"use_bias": True},
+             # its first layer dense, as ERNIE-4.5-21B-A3B's; one shared expert
+             "ernie4_5_moe": {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
+                              "moe_num_shared_experts": 1, "moe_layer_start_index": 1},      # ERNIE 4.5's biases on every projection (0.3B has none)
              "gemma": {"hidden_act": "gelu"},      # Gemma 1's checkpoints' legacy name of GELU-tanh
              "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
              "gemma2": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],

@@ -31,7 +31,9 @@ DTYPE_BYTES = {"bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0, "half"
 _QKV_BIAS_TYPES = {"qwen2"}          # model types with q/k/v biases but no `attention_bias` key
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 # the mixtures of experts the engine runs (engine/moe.py), whose experts are counted
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid",
+              "ernie4_5_moe")
+_MOE_SIZED = ("qwen2_moe", "qwen3_moe", "ernie4_5_moe")      # experts of `moe_intermediate_size`
 _GRANITE_SHARED = ("granitemoeshared", "granitemoehybrid")    # Granite's ungated shared MLP beside its experts
 
 
@@ -93,7 +95,7 @@ def count_params(cfg: dict) -> int:
     inter = _need(cfg, "shared_intermediate_size" if granite4 else "intermediate_size")
     vocab, heads = _need(cfg, "vocab_size"), _need(cfg, "num_attention_heads")
     kv, hd = cfg.get("num_key_value_heads") or heads, head_dim(cfg)
-    ernie_bias = cfg.get("model_type") == "ernie4_5" and bool(cfg.get("use_bias"))     # every projection's
+    ernie_bias = cfg.get("model_type") in ("ernie4_5", "ernie4_5_moe") and bool(cfg.get("use_bias"))   # all of them
     attn_bias = bool(cfg.get("attention_bias", False)) or ernie_bias
     qkv_bias = attn_bias or cfg.get("model_type") in _QKV_BIAS_TYPES or (
         cfg.get("model_type") == "qwen2_moe" and cfg.get("qkv_bias", True))
@@ -118,23 +120,25 @@ def moe_params(cfg: dict) -> tuple[int, int, int]:
     if not moe:
         return 0, 0, 0
     experts, h = _experts(cfg), _need(cfg, "hidden_size")
-    return len(moe) * experts * 3 * h * _expert_size(cfg), experts, _need(cfg, "num_experts_per_tok")
+    per_token = cfg.get("num_experts_per_tok") or _need(cfg, "moe_k")          # ERNIE's name
+    return len(moe) * experts * 3 * h * _expert_size(cfg), experts, per_token
 
 
 def _experts(cfg: dict) -> int:
-    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("moe_num_experts") or 0)
 
 
 def _expert_size(cfg: dict) -> int:
-    """An expert's intermediate size: Qwen's `moe_intermediate_size`, else `intermediate_size`."""
-    key = "moe_intermediate_size" if cfg.get("model_type") in ("qwen2_moe", "qwen3_moe") else "intermediate_size"
-    return _need(cfg, key)
+    """An expert's intermediate size: Qwen's and ERNIE's `moe_intermediate_size`, else `intermediate_size`."""
+    return _need(cfg, "moe_intermediate_size" if cfg.get("model_type") in _MOE_SIZED else "intermediate_size")
 
 
 def _moe_layers(cfg: dict) -> dict[int, int]:
     """{layer: its MLP block's parameters} for the layers whose MLP is a mixture of experts (as
-    transformers builds them: Qwen's `mlp_only_layers` and `decoder_sparse_step` leave some dense),
-    with the router, and Qwen2-MoE's shared expert and its gate (Granite's shared MLP)."""
+    transformers builds them: Qwen's `mlp_only_layers` and `decoder_sparse_step`, ERNIE's
+    `moe_layer_start_index` / `_end_index` / `_interval` leave some dense), with the router, and
+    Qwen2-MoE's shared expert and its gate (Granite's shared MLP; ERNIE's shared experts and its
+    router's correction bias)."""
     if cfg.get("model_type") not in _MOE_TYPES or _experts(cfg) == 0:
         return {}
     h, layers, experts = _need(cfg, "hidden_size"), _need(cfg, "num_hidden_layers"), _experts(cfg)
@@ -143,6 +147,12 @@ def _moe_layers(cfg: dict) -> dict[int, int]:
         block += 3 * h * _need(cfg, "shared_expert_intermediate_size") + h
     if cfg.get("model_type") in _GRANITE_SHARED:
         block += 3 * h * int(cfg.get("shared_intermediate_size") or 0)
+    if cfg.get("model_type") == "ernie4_5_moe":
+        shared = _expert_size(cfg) * int(cfg.get("moe_num_shared_experts") or 0)
+        block += experts + 3 * h * shared + bool(cfg.get("use_bias")) * bool(shared) * (2 * shared + h)
+        start, end = int(cfg.get("moe_layer_start_index", 1)), int(cfg.get("moe_layer_end_index", -1))
+        step, end = int(cfg.get("moe_layer_interval") or 1), layers - 1 if end == -1 else end
+        return {i: block for i in range(layers) if (i + 1) % step == 0 and start <= i <= end}
     if cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe"):
         return {i: block for i in range(layers)}
     dense, step = set(cfg.get("mlp_only_layers") or ()), int(cfg.get("decoder_sparse_step") or 1)
