@@ -2,9 +2,9 @@
 
 `tiny_model_dir` writes a small Hugging Face model directory (llama, qwen2, qwen3, phi3, smollm3,
 granite, granitemoehybrid (Granite 4.0 attention-only, no experts), olmo2, olmo3, exaone4, ernie4_5,
-helium, gemma, gemma2,
-gemma3_text or mistral shape, or a mixture of experts: mixtral, qwen2_moe, qwen3_moe, olmoe,
-granitemoe, granitemoeshared) that loads like a real one, in about a second.
+helium, gemma, gemma2, gemma3_text or mistral shape, or a mixture of experts: mixtral, qwen2_moe,
+qwen3_moe, olmoe, granitemoe, granitemoeshared, ernie4_5_moe) that loads like a real one, in about a
+second.
 """
 
 from __future__ import annotations
@@ -24,23 +24,23 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
                    head_dim: int = 16, overrides: dict | None = None) -> Path:
     """Write a tiny random-weight causal LM (hidden 64, 2 layers, 4 heads of ``head_dim``, 2 KV heads) into
     ``path``; return it.  ``arch`` is one of TINY_ARCHS or TINY_MOE_ARCHS (4 experts of intermediate size 32,
-    2 a token; qwen2_moe with its shared expert and a dense second layer, top-k weights not renormalized, as
-    olmoe's, whose heads are always 16 wide: its q/k norms span hidden_size, hidden / heads (helium's too: its
-    o_proj is [hidden, hidden]); all but mistral tie embeddings; phi3 has fused qkv_proj and gate_up_proj;
-    smollm3's second layer has no RoPE; granite has IBM Granite 3's multipliers, as the granitemoe* do
-    (granitemoeshared with a shared MLP of 64, granitemoehybrid's of 128 its only MLP); olmo2 its norms after
-    each block; gemma3_text a first layer with a sliding window of 8 tokens and local RoPE, a second with
-    global RoPE, and Gemma 3's norms, embedding scale and GELU; gemma (Gemma 1) its norms, embedding scale and
-    GELU (as the legacy "gelu"), no window; gemma2 the same windows and norms with one RoPE and soft caps
-    small enough to matter in a tiny model: scores at 2, logits at 3; olmo3 olmo2's norms with the same
-    windows and RoPE of its own per layer type, thetas 10^4 and 5 * 10^5; exaone4 olmo2's norms with qwen3's
-    per-head q/k norms, the same windows and no RoPE on its second, global, layer; ernie4_5 and helium RoPE on
-    interleaved pairs, ernie4_5 with biases on every projection). The tokenizer is copied from
-    ``tokenizer_dir`` (e.g. the default model's directory, so prompts tokenize as for the real model); without
-    one, a small byte-level tokenizer with ChatML special tokens and a ChatML template is built.
-    ``overrides``: more config keys (e.g. granitemoehybrid with experts). The weights depend only on (arch,
-    seed, vocab size, head_dim, overrides);
-    the global torch RNG is left as it was. ~1 s.
+    2 a token; ernie4_5_moe with a shared expert and a dense first layer; qwen2_moe with its shared expert and
+    a dense second layer, top-k weights not renormalized, as olmoe's, whose heads are always 16 wide: its q/k
+    norms span hidden_size, hidden / heads (helium's too: its o_proj is [hidden, hidden]); all but mistral tie
+    embeddings; phi3 has fused qkv_proj and gate_up_proj; smollm3's second layer has no RoPE; granite has IBM
+    Granite 3's multipliers, as the granitemoe* do (granitemoeshared with a shared MLP of 64,
+    granitemoehybrid's of 128 its only MLP); olmo2 its norms after each block; gemma3_text a first layer with
+    a sliding window of 8 tokens and local RoPE, a second with global RoPE, and Gemma 3's norms, embedding
+    scale and GELU; gemma (Gemma 1) its norms, embedding scale and GELU (as the legacy "gelu"), no window;
+    gemma2 the same windows and norms with one RoPE and soft caps small enough to matter in a tiny model:
+    scores at 2, logits at 3; olmo3 olmo2's norms with the same windows and RoPE of its own per layer type,
+    thetas 10^4 and 5 * 10^5; exaone4 olmo2's norms with qwen3's per-head q/k norms, the same windows and no
+    RoPE on its second, global, layer; ernie4_5 and helium RoPE on interleaved pairs, ernie4_5 with biases on
+    every projection). The tokenizer is copied from ``tokenizer_dir`` (e.g. the default model's directory, so
+    prompts tokenize as for the real model); without one, a small byte-level tokenizer with ChatML special
+    tokens and a ChatML template is built. ``overrides``: more config keys (e.g. granitemoehybrid with
+    experts). The weights depend only on (arch, seed, vocab size, head_dim, overrides); the global torch RNG
+    is left as it was. ~1 s.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -82,11 +82,11 @@ def with_random_norms(path: Path) -> Path:
 
 
 def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
-    from transformers import (Ernie4_5Config, Ernie4_5_MoeConfig, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig,
-                              GraniteConfig, GraniteMoeConfig, GraniteMoeHybridConfig, GraniteMoeSharedConfig,
-                              HeliumConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Olmo2Config,
-                              Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                              SmolLM3Config)
+    from transformers import (Ernie4_5Config, Ernie4_5_MoeConfig, Exaone4Config, Gemma2Config, Gemma3TextConfig,
+                              GemmaConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeHybridConfig,
+                              GraniteMoeSharedConfig, HeliumConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              OlmoeConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "phi3": Phi3Config, "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config,
@@ -103,10 +103,10 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
              "granitemoeshared": {**granite_moe, "shared_intermediate_size": 64},
              "granitemoehybrid": {**_GRANITE, "num_local_experts": 0, "shared_intermediate_size": 128,
                                   "layer_types": ["attention", "attention"], "position_embedding_type": "rope"},
-             "ernie4_5": {"use_bias": True},
+             "ernie4_5": {"use_bias": True},      # ERNIE 4.5's biases on every projection (0.3B has none)
              # its first layer dense, as ERNIE-4.5-21B-A3B's; one shared expert
              "ernie4_5_moe": {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
-                              "moe_num_shared_experts": 1, "moe_layer_start_index": 1},      # ERNIE 4.5's biases on every projection (0.3B has none)
+                              "moe_num_shared_experts": 1, "moe_layer_start_index": 1},
              "gemma": {"hidden_act": "gelu"},      # Gemma 1's checkpoints' legacy name of GELU-tanh
              "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
              "gemma2": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
