@@ -78,13 +78,13 @@ def count_params(cfg: dict) -> int:
 
     Embeddings V*H; per layer q/o projections H*(heads*hd), k/v projections H*(kv*hd) (+ biases when
     `attention_bias`, or q/k/v biases for qwen2), gated MLP 3*H*I (+ biases when `mlp_bias`; ERNIE
-    4.5's `use_bias`: both), two RMSNorm weights of H (four for gemma2 and gemma3_text; and qwen3's /
-    exaone4's / olmo2's / olmo3's / gemma3_text's q/k norms); a
-    final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied, as LlamaConfig /
-    Qwen2Config / MistralConfig default). A mixture of experts the engine runs (Mixtral, Qwen2-MoE,
-    Qwen3-MoE, OLMoE, Granite MoE) has its MoE layers' MLPs counted by `moe_params`; any other MoE
-    config raises ValueError, as does a Granite 4.0 with Mamba layers (its MLP without experts is
-    its shared MLP, `shared_intermediate_size`).
+    4.5's `use_bias`: both), two RMSNorm weights of H (four for gemma2 and gemma3_text; and qwen3's
+    / exaone4's / olmo2's / olmo3's / gemma3_text's q/k norms); a final norm H; lm_head V*H unless
+    `tie_word_embeddings` (absent: untied, as LlamaConfig / Qwen2Config / MistralConfig default). A
+    mixture of experts the engine runs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5
+    MoE) has its MoE layers' MLPs counted by `moe_params`; any other MoE config raises ValueError,
+    as does a Granite 4.0 with Mamba layers (its MLP without experts is its shared MLP,
+    `shared_intermediate_size`).
     """
     if any(k in cfg for k in _MOE_KEYS) and cfg.get("model_type") not in _MOE_TYPES:
         raise ValueError(f"mixture-of-experts configs other than {', '.join(_MOE_TYPES)} are not modelled")
