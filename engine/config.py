@@ -168,10 +168,13 @@ class EngineConfig:
 # block, and Granite 4.0's attention-only checkpoints (granitemoehybrid without Mamba layers: micro,
 # 1B, 350M; a shared MLP, with or without experts); EXAONE 4 as OLMo 2's norms after each block with
 # Qwen3's per-head q/k norms, and in its hybrid models sliding layers and global ones without RoPE;
-# ERNIE 4.5 and Helium as Llama with RoPE on interleaved pairs (engine.model_dims.INTERLEAVED_ROPE)
+# ERNIE 4.5 and Helium as Llama with RoPE on interleaved pairs (engine.model_dims.INTERLEAVED_ROPE),
+# GLM-4 (glm: 9B-chat; glm4: 0414) as Phi-3 (fused gate/up) with interleaved RoPE on half of each
+# head, q/k/v biases, and (glm4) Gemma 3's norms after attention and MLP
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "olmo3",
                          "exaone4", "ernie4_5", "helium", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
-                         "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "ernie4_5_moe")
+                         "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "ernie4_5_moe",
+                         "glm", "glm4")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")          # of the gated MLP
 
 

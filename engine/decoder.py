@@ -36,6 +36,8 @@ with an ungated `shared_mlp` beside it); Granite 4.0's attention-only checkpoint
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -114,7 +116,8 @@ class DecoderModel:
         self.rotary_dim = self._rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=probe.device),
                                        self.rope_kinds[0])[0].shape[-1]
         assert self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
-        assert not dims.interleaved_rope or self.rotary_dim == self.head_dim     # (Dims.rope_order)
+        if self.rotary_dim < self.head_dim:        # partial RoPE (Dims.rope_order: GLM's interleaved half)
+            self.dims = dims = dataclasses.replace(dims, rotary_dim=self.rotary_dim)
         self.norm = self._norm_weight(body.norm)
         self.windows = layer_windows(cfg)          # per layer: 0, or its sliding window (keys)
         # the CPU tensors the linears read each call, in the order the forward calls them; moved
@@ -140,12 +143,16 @@ class DecoderModel:
         norm = getattr(hf_layer, "input_layernorm", None)
         layer.in_norm = None if norm is None else self._norm_weight(norm)
         pre_mlp = getattr(hf_layer, "pre_feedforward_layernorm", None)
-        if pre_mlp is None:
+        glm4 = getattr(hf_layer, "post_self_attn_layernorm", None)     # GLM-4's names for Gemma 3's norms
+        if glm4 is not None:
+            layer.attn_norm = self._norm_weight(glm4)
+            layer.post_norm = self._norm_weight(hf_layer.post_attention_layernorm)
+        elif pre_mlp is None:
             layer.attn_norm, layer.post_norm = None, self._norm_weight(hf_layer.post_attention_layernorm)
         else:                # Gemma 3: post_attention_layernorm normalizes the attention's output
             layer.attn_norm = self._norm_weight(hf_layer.post_attention_layernorm)
             layer.post_norm = self._norm_weight(pre_mlp)
-        norm = getattr(hf_layer, "post_feedforward_layernorm", None)
+        norm = getattr(hf_layer, "post_feedforward_layernorm", getattr(hf_layer, "post_mlp_layernorm", None))
         layer.ff_norm = None if norm is None else self._norm_weight(norm)
         layer.qkv = self._qkv(attn, fmt)
         layer.o = self._linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt)

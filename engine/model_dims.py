@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Model types whose RoPE rotates interleaved pairs of a head's dimensions, (2i, 2i + 1) (GLM's
-# style: ERNIE 4.5, Helium), where the engine's rotates (i, i + head_dim / 2): the engine reorders
+# style: GLM-4, ERNIE 4.5, Helium), where the engine's rotates (i, i + rotary / 2): the engine reorders
 # their query and key projections' output rows per head at load (`Dims.rope_order`), which turns the
 # one rotation into the other and leaves every query-key product the same (a LoRA adapter's B rows
 # on them are reordered so too).
-INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe", "helium")
+INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,9 @@ class Dims:
     """The projections' shapes: `num_kv_heads` is `num_key_value_heads`, or the query heads' count
     where the config has none (no GQA); `head_dim` the config's, else hidden_size / heads; `moe`:
     the MLPs are mixtures of experts (engine/moe.py; `intermediate_size` is then not every MLP's);
-    `interleaved_rope`: the model type is one of INTERLEAVED_ROPE."""
+    `interleaved_rope`: the model type is one of INTERLEAVED_ROPE; `rotary_dim`: how many of a
+    head's first dimensions RoPE rotates (0: all; the decoder sets it from the model's rotary
+    module, GLM's rotate half)."""
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -29,6 +31,7 @@ class Dims:
     num_layers: int
     moe: bool = False
     interleaved_rope: bool = False
+    rotary_dim: int = 0
 
     @classmethod
     def of_config(cls, cfg) -> Dims:
@@ -46,14 +49,14 @@ class Dims:
     def rope_order(self, start: int, width: int) -> list[int] | None:
         """For output rows [start, start + width) of the fused [q; k; v] projection: the order of
         those rows (indices from 0) the engine computes them in, or None where it keeps theirs. With
-        interleaved RoPE each query and key head's row 2i moves to i and 2i + 1 to head_dim / 2 + i
-        (the value rows stay)."""
+        interleaved RoPE each query and key head's row 2i moves to i and 2i + 1 to rotary / 2 + i
+        for i < rotary / 2 (its rows past the rotary ones, and the value rows, stay)."""
         rotated = (self.num_heads + self.num_kv_heads) * self.head_dim          # the q and k rows
         if not self.interleaved_rope or start >= rotated:
             return None
         assert start % self.head_dim == 0 and start + width <= rotated, (start, width)
-        d = self.head_dim
-        head = [2 * i for i in range(d // 2)] + [2 * i + 1 for i in range(d // 2)]
+        d, r = self.head_dim, self.rotary_dim or self.head_dim
+        head = [2 * i for i in range(r // 2)] + [2 * i + 1 for i in range(r // 2)] + list(range(r, d))
         return [h + i for h in range(0, width, d) for i in head]
 
     def widths(self) -> dict[str, tuple[int, list[int]]]:

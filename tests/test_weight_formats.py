@@ -108,30 +108,32 @@ def _with_partial_rotary(path, factor):
 
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.02)])
 @pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3", "granite", "granitemoehybrid", "olmo2", "olmo3",
-                                  "exaone4", "ernie4_5", "helium", "gemma", "gemma2", "gemma3_text",
+                                  "exaone4", "ernie4_5", "helium", "glm4", "gemma", "gemma2", "gemma3_text",
                                   "gemma3_text-256", "gemma3_text-torch"])
 def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, tolerance):
     """qwen3's per-head q/k norms, phi3 with RoPE on half of each head (Phi-4-mini's `partial_rotary_factor`),
     smollm3's layer without RoPE, granite's multipliers (Granite 4.0's with its shared MLP), olmo2's norms
     after each block and over all q/k heads at once, exaone4's with per-head q/k norms, a sliding layer and a
-    global one without RoPE, ernie4_5's and helium's RoPE on interleaved pairs (their q/k rows reordered at
-    load; ernie4_5 with biases), gemma's (Gemma 1: norms scaling by 1 + weight, random here, the embedding
-    scale, GELU-tanh), and gemma3_text's (norms before and after each block scaling by 1 + weight, random
-    here; the embedding scale; GELU; a sliding first layer with its own RoPE; also with Gemma 3's head size,
-    256), gemma2's soft caps (attention scores made large enough for the caps to bite: without the attention's
-    cap the difference was 1.1, without the logits' 0.07; its prompt chunks run the capped sdpa, not the
-    prefill kernel), on every path (bf16 on a CPU with native bf16: the prefill and decode kernels and, for
-    all but the partial-RoPE phi3, the fused RoPE + K/V store; gemma3_text-torch: bf16 without any kernel, as
-    on CUDA, its fp32 norm scales through torch's ops): the log-probabilities of the prompt and of the greedy
-    tokens are Hugging Face's fp32 forward's within the dtype's rounding (measured for qwen3: 5e-7 fp32, 0.004
-    bf16; 0.2 with its norms skipped, whose greedy tokens still agree)."""
+    global one without RoPE, ernie4_5's, helium's and glm4's (on half of each head, with Gemma 3's norms) RoPE
+    on interleaved pairs (their q/k rows reordered at load; ernie4_5 with biases), gemma's (Gemma 1: norms
+    scaling by 1 + weight, random here, the embedding scale, GELU-tanh), and gemma3_text's (norms before and
+    after each block scaling by 1 + weight, random here; the embedding scale; GELU; a sliding first layer with
+    its own RoPE; also with Gemma 3's head size, 256), gemma2's soft caps (attention scores made large enough
+    for the caps to bite: without the attention's cap the difference was 1.1, without the logits' 0.07; its
+    prompt chunks run the capped sdpa, not the prefill kernel), on every path (bf16 on a CPU with native bf16:
+    the prefill and decode kernels and, for all but the partial-RoPE phi3, the fused RoPE + K/V store;
+    gemma3_text-torch: bf16 without any kernel, as on CUDA, its fp32 norm scales through torch's ops): the
+    log-probabilities of the prompt and of the greedy tokens are Hugging Face's fp32 forward's within the
+    dtype's rounding (measured for qwen3: 5e-7 fp32, 0.004 bf16; 0.2 with its norms skipped, whose greedy
+    tokens still agree)."""
     head_dim = 16 if arch == "helium" else 256 if arch.endswith("-256") else 64     # (tiny_model_dir's helium)
     path = _with_random_extras(tiny_model_dir(tmp_path / arch, arch.split("-")[0], seed=5, head_dim=head_dim))
     if arch == "phi3-partial":
         path = _with_partial_rotary(_with_sharp_attention(path), 0.5)
-    if arch in ("smollm3", "granite", "granitemoehybrid", "gemma2", "olmo3", "exaone4", "ernie4_5", "helium"):
+    if arch in ("smollm3", "granite", "granitemoehybrid", "gemma2", "olmo3", "exaone4", "ernie4_5", "helium",
+                "glm4"):
         path = _with_sharp_attention(path)
-    if arch.startswith(("olmo", "gemma", "exaone")):
+    if arch.startswith(("olmo", "gemma", "exaone", "glm")):
         path = with_random_norms(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     torch_only = arch.endswith("-torch")
@@ -140,7 +142,7 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
                                  attention_backend="torch" if torch_only else "auto"))
     if torch_only:
         eng.runner.model._kernels = None            # norms, activation and RoPE through torch's ops
-    assert eng.runner.model.rotary_dim == (32 if arch == "phi3-partial" else head_dim)
+    assert eng.runner.model.rotary_dim == (head_dim // 2 if arch in ("phi3-partial", "glm4") else head_dim)
     assert [layer.rope for layer in eng.runner.model.layers] == [True, arch not in ("smollm3", "exaone4")]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     for prompt, done in zip(PROMPTS, eng.generate(PROMPTS, params)):

@@ -1,10 +1,10 @@
 """Tiny random-weight models for tests (test-only: the runtime never builds models).
 
 `tiny_model_dir` writes a small Hugging Face model directory (llama, qwen2, qwen3, phi3, smollm3,
-granite, granitemoehybrid (Granite 4.0 attention-only, no experts), olmo2, olmo3, exaone4, ernie4_5,
-helium, gemma, gemma2, gemma3_text or mistral shape, or a mixture of experts: mixtral, qwen2_moe,
-qwen3_moe, olmoe, granitemoe, granitemoeshared, ernie4_5_moe) that loads like a real one, in about a
-second.
+granite, granitemoehybrid (Granite 4.0 attention-only, no experts), olmo2, olmo3, exaone4,
+ernie4_5, helium, glm, glm4, gemma, gemma2, gemma3_text or mistral shape, or a mixture of experts:
+mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, granitemoeshared, ernie4_5_moe) that loads like a
+real one, in about a second.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from serving.models import CHATML_TEMPLATE, ModelError
 
 TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "granite", "granitemoehybrid", "olmo2",
-              "olmo3", "exaone4", "ernie4_5", "helium", "gemma", "gemma2", "gemma3_text")
+              "olmo3", "exaone4", "ernie4_5", "helium", "glm", "glm4", "gemma", "gemma2", "gemma3_text")
 TINY_MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe")
 _GRANITE = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
             "attention_multiplier": 0.0078125}
@@ -35,12 +35,12 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     gemma2 the same windows and norms with one RoPE and soft caps small enough to matter in a tiny model:
     scores at 2, logits at 3; olmo3 olmo2's norms with the same windows and RoPE of its own per layer type,
     thetas 10^4 and 5 * 10^5; exaone4 olmo2's norms with qwen3's per-head q/k norms, the same windows and no
-    RoPE on its second, global, layer; ernie4_5 and helium RoPE on interleaved pairs, ernie4_5 with biases on
-    every projection). The tokenizer is copied from ``tokenizer_dir`` (e.g. the default model's directory, so
-    prompts tokenize as for the real model); without one, a small byte-level tokenizer with ChatML special
-    tokens and a ChatML template is built. ``overrides``: more config keys (e.g. granitemoehybrid with
-    experts). The weights depend only on (arch, seed, vocab size, head_dim, overrides); the global torch RNG
-    is left as it was. ~1 s.
+    RoPE on its second, global, layer; ernie4_5, helium, glm and glm4 RoPE on interleaved pairs (glm's on half
+    of each head), ernie4_5 with biases on every projection, glm4 with Gemma 3's norms). The tokenizer is
+    copied from ``tokenizer_dir`` (e.g. the default model's directory, so prompts tokenize as for the real
+    model); without one, a small byte-level tokenizer with ChatML special tokens and a ChatML template is
+    built. ``overrides``: more config keys (e.g. granitemoehybrid with experts). The weights depend only on
+    (arch, seed, vocab size, head_dim, overrides); the global torch RNG is left as it was. ~1 s.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -83,10 +83,10 @@ def with_random_norms(path: Path) -> Path:
 
 def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
     from transformers import (Ernie4_5Config, Ernie4_5_MoeConfig, Exaone4Config, Gemma2Config, Gemma3TextConfig,
-                              GemmaConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeHybridConfig,
-                              GraniteMoeSharedConfig, HeliumConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              OlmoeConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+                              GemmaConfig, Glm4Config, GlmConfig, GraniteConfig, GraniteMoeConfig,
+                              GraniteMoeHybridConfig, GraniteMoeSharedConfig, HeliumConfig, LlamaConfig,
+                              MistralConfig, MixtralConfig, OlmoeConfig, Olmo2Config, Olmo3Config, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "phi3": Phi3Config, "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config,
@@ -94,7 +94,8 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
            "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "olmoe": OlmoeConfig,
            "granitemoe": GraniteMoeConfig, "granitemoeshared": GraniteMoeSharedConfig,
            "granitemoehybrid": GraniteMoeHybridConfig, "exaone4": Exaone4Config,
-           "ernie4_5": Ernie4_5Config, "helium": HeliumConfig, "ernie4_5_moe": Ernie4_5_MoeConfig}[arch]
+           "ernie4_5": Ernie4_5Config, "helium": HeliumConfig, "ernie4_5_moe": Ernie4_5_MoeConfig,
+           "glm": GlmConfig, "glm4": Glm4Config}[arch]
     granite_moe = {**_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
     moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
     extra = {"smollm3": {"no_rope_layers": [1, 0]},

@@ -77,14 +77,14 @@ def count_params(cfg: dict) -> int:
     """Parameters of a dense llama-like decoder from its config, within a few % of the real count.
 
     Embeddings V*H; per layer q/o projections H*(heads*hd), k/v projections H*(kv*hd) (+ biases when
-    `attention_bias`, or q/k/v biases for qwen2), gated MLP 3*H*I (+ biases when `mlp_bias`; ERNIE
-    4.5's `use_bias`: both), two RMSNorm weights of H (four for gemma2 and gemma3_text; and qwen3's
-    / exaone4's / olmo2's / olmo3's / gemma3_text's q/k norms); a final norm H; lm_head V*H unless
-    `tie_word_embeddings` (absent: untied, as LlamaConfig / Qwen2Config / MistralConfig default). A
-    mixture of experts the engine runs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5
-    MoE) has its MoE layers' MLPs counted by `moe_params`; any other MoE config raises ValueError,
-    as does a Granite 4.0 with Mamba layers (its MLP without experts is its shared MLP,
-    `shared_intermediate_size`).
+    `attention_bias`, q/k/v only for glm and glm4, or q/k/v biases for qwen2), gated MLP 3*H*I (+
+    biases when `mlp_bias`; ERNIE 4.5's `use_bias`: both), two RMSNorm weights of H (four for
+    gemma2, gemma3_text and glm4; and qwen3's / exaone4's / olmo2's / olmo3's / gemma3_text's q/k
+    norms); a final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied, as LlamaConfig
+    / Qwen2Config / MistralConfig default). A mixture of experts the engine runs (Mixtral,
+    Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE) has its MoE layers' MLPs counted by
+    `moe_params`; any other MoE config raises ValueError, as does a Granite 4.0 with Mamba layers
+    (its MLP without experts is its shared MLP, `shared_intermediate_size`).
     """
     if any(k in cfg for k in _MOE_KEYS) and cfg.get("model_type") not in _MOE_TYPES:
         raise ValueError(f"mixture-of-experts configs other than {', '.join(_MOE_TYPES)} are not modelled")
@@ -100,12 +100,13 @@ def count_params(cfg: dict) -> int:
     qkv_bias = attn_bias or cfg.get("model_type") in _QKV_BIAS_TYPES or (
         cfg.get("model_type") == "qwen2_moe" and cfg.get("qkv_bias", True))
     attn = 2 * h * heads * hd + 2 * h * kv * hd
-    attn += qkv_bias * (heads * hd + 2 * kv * hd) + attn_bias * h
+    o_bias = attn_bias and cfg.get("model_type") not in ("glm", "glm4")     # GLM's o_proj has none
+    attn += qkv_bias * (heads * hd + 2 * kv * hd) + o_bias * h
     mlp = 3 * h * inter + (bool(cfg.get("mlp_bias", False)) or ernie_bias) * (2 * inter + h)
     # RMSNorm weights on queries and keys, in head_dims: qwen3 one head each, olmo2 every head
     qk_norm = {"qwen3": 2, "qwen3_moe": 2, "exaone4": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
                "gemma3_text": 2}.get(cfg.get("model_type"), 0) * hd
-    norms = {"gemma2": 4, "gemma3_text": 4}.get(cfg.get("model_type"), 2) * h
+    norms = {"gemma2": 4, "gemma3_text": 4, "glm4": 4}.get(cfg.get("model_type"), 2) * h
     moe = _moe_layers(cfg)
     mlps = (layers - len(moe)) * mlp + sum(moe.values())
     embed = vocab * h
