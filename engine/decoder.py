@@ -45,7 +45,7 @@ from engine import weight_arena
 from engine.attention import AttentionMetadata, fused_attention, paged_attention
 from engine.backends import dtype_name
 from engine.config import layer_windows, unsupported_model
-from engine.linear import make_linear
+from engine.linear import fused_weight, make_linear
 from engine.lora import LoraBatch
 from engine.model_dims import Dims
 from engine.moe import MoeMlp, is_moe_block
@@ -166,8 +166,8 @@ class DecoderModel:
             layer.gate_up = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), fmt)
             layer.down = self._linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt)
         else:                      # Granite 4.0 without experts: its shared MLP ([gate; up] fused) is the MLP
-            layer.gate_up = self._linear(shared_mlp.input_linear.weight.detach(), None, fmt)
-            layer.down = self._linear(shared_mlp.output_linear.weight.detach(), None, fmt)
+            layer.gate_up = self._linear(*fused_weight([shared_mlp.input_linear]), fmt)
+            layer.down = self._linear(*fused_weight([shared_mlp.output_linear]), fmt)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         assert (q_norm is None) == (k_norm is None)
         layer.q_norm = None if q_norm is None else self._norm_weight(q_norm)
@@ -210,25 +210,24 @@ class DecoderModel:
     def _qkv(self, attn, fmt: str):
         """The fused [q; k; v] projection; for interleaved RoPE (engine.model_dims.INTERLEAVED_ROPE)
         with its query and key rows reordered per head (`Dims.rope_order`), biases too."""
-        if not self.dims.interleaved_rope:
-            return self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), fmt)
-        assert getattr(attn, "q_norm", None) is None        # its weights would need the same order
-        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        nq, nk, nv = (p.out_features for p in projs)
-        order = torch.tensor(self.dims.rope_order(0, nq) + [nq + i for i in self.dims.rope_order(nq, nk)]
-                             + list(range(nq + nk, nq + nk + nv)))
-        bias = _cat_bias(projs)
-        return self._linear(torch.cat([p.weight.detach() for p in projs])[order],
-                            None if bias is None else bias[order], fmt)
+        weight, bias = self._fused_weight(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        if self.dims.interleaved_rope:
+            assert getattr(attn, "q_norm", None) is None        # its weights would need the same order
+            rotated = (self.num_heads + self.num_kv_heads) * self.head_dim        # the q and k rows
+            order = torch.tensor(self.dims.rope_order(0, rotated) + list(range(rotated, weight.shape[0])))
+            weight, bias = weight[order], None if bias is None else bias[order]
+        return self._linear(weight, bias, fmt)
 
     def _fused(self, module, fused_name: str, part_names: tuple[str, ...], fmt: str):
         """One linear: `module`'s fused projection where the checkpoint has one (Phi-3), else its
         parts concatenated in order ([q; k; v], [gate; up])."""
+        return self._linear(*self._fused_weight(module, fused_name, part_names), fmt)
+
+    @staticmethod
+    def _fused_weight(module, fused_name: str, part_names: tuple[str, ...]):
+        """`_fused`'s (weight, bias)."""
         fused = getattr(module, fused_name, None)
-        if fused is not None:
-            return self._linear(fused.weight.detach(), _bias(fused), fmt)
-        projs = [getattr(module, name) for name in part_names]
-        return self._linear(torch.cat([p.weight.detach() for p in projs]), _cat_bias(projs), fmt)
+        return fused_weight([fused] if fused is not None else [getattr(module, name) for name in part_names])
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype | None = None):
         """`dtype`: what it computes in, the model's by default."""
@@ -366,11 +365,3 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _bias(linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach()
-
-
-def _cat_bias(linears) -> torch.Tensor | None:
-    biases = [_bias(p) for p in linears]
-    if all(b is None for b in biases):
-        return None
-    like = next(b for b in biases if b is not None)
-    return torch.cat([b if b is not None else like.new_zeros(p.out_features) for b, p in zip(biases, linears)])

@@ -133,6 +133,18 @@ def dense_small_rows(dtype: torch.dtype, kernels) -> int | None:
     return DENSE_SMALL_ROWS[dtype]
 
 
+def fused_weight(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of one linear made of `linears` (torch.nn.Linear modules) side by side, their
+    outputs in order ([q; k; v], [gate; up]); the bias None when none has one, zeros for those
+    without one when another has one."""
+    weight = torch.cat([p.weight.detach() for p in linears])
+    biases = [None if p.bias is None else p.bias.detach() for p in linears]
+    if all(b is None for b in biases):
+        return weight, None
+    like = next(b for b in biases if b is not None)
+    return weight, torch.cat([b if b is not None else like.new_zeros(p.out_features) for b, p in zip(biases, linears)])
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype,
                 kernels=None, keep: list[torch.Tensor] | None = None) -> Linear:
     """A linear layer for `weight` [out, in] (+ `bias`) in format `fmt` computing in `dtype`

@@ -34,6 +34,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.linear import fused_weight
+
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -74,11 +76,12 @@ class MoeMlp:
         shared = getattr(block, "shared_expert", None)
         if shared is None:
             shared = getattr(block, "shared_experts", None)     # ERNIE 4.5's name
-        self.shared = None if shared is None else _gated_mlp(linear, shared)
+        self.shared = None if shared is None else (linear(*fused_weight([shared.gate_proj, shared.up_proj])),
+                                                   linear(*fused_weight([shared.down_proj])))
         if shared_mlp is not None:       # Granite's: [gate; up] fused already, added ungated
             assert self.shared is None
-            self.shared = (linear(shared_mlp.input_linear.weight.detach(), None),
-                           linear(shared_mlp.output_linear.weight.detach(), None))
+            self.shared = (linear(*fused_weight([shared_mlp.input_linear])),
+                           linear(*fused_weight([shared_mlp.output_linear])))
         gate = getattr(block, "shared_expert_gate", None)
         self.shared_gate = None if gate is None else dense(gate.weight.detach(), None)   # [1, hidden]
 
@@ -137,15 +140,6 @@ class MoeMlp:
         act = self._act_mul(torch.cat([self.experts[e][0](rows[run]) for e, run in runs]))
         y = torch.cat([self.experts[e][1](act[run]) for e, run in runs]) * scales
         return _add_in_order(h, tokens, y.to(h.dtype), [run for _, run in runs])
-
-
-def _gated_mlp(linear: Callable[..., Linear], mlp) -> tuple[Linear, Linear]:
-    """A gated MLP module's (gate_proj, up_proj, down_proj) as the [gate; up] and down linears, with
-    their biases where it has them (ERNIE 4.5's `use_bias`)."""
-    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    bias = None if gate.bias is None else torch.cat([gate.bias.detach(), up.bias.detach()])
-    return (linear(torch.cat([gate.weight.detach(), up.weight.detach()]), bias),
-            linear(down.weight.detach(), None if down.bias is None else down.bias.detach()))
 
 
 def _add_in_order(like: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, runs: list[slice]) -> torch.Tensor:

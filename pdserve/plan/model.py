@@ -89,8 +89,8 @@ def count_params(cfg: dict) -> int:
     if any(k in cfg for k in _MOE_KEYS) and cfg.get("model_type") not in _MOE_TYPES:
         raise ValueError(f"mixture-of-experts configs other than {', '.join(_MOE_TYPES)} are not modelled")
     granite4 = cfg.get("model_type") == "granitemoehybrid"
-    if granite4 and unsupported_model(cfg):
-        raise ValueError(unsupported_model(cfg))
+    if granite4 and (problem := unsupported_model(cfg)):
+        raise ValueError(problem)
     h, layers = _need(cfg, "hidden_size"), _need(cfg, "num_hidden_layers")
     inter = _need(cfg, "shared_intermediate_size" if granite4 else "intermediate_size")
     vocab, heads = _need(cfg, "vocab_size"), _need(cfg, "num_attention_heads")
