@@ -1,5 +1,6 @@
-"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite,
-OLMo 2, OLMo 3, EXAONE 4, Gemma 1, 2 and 3 text): the engine's model code.
+"""A lean forward for Llama-family decoders (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
+SmolLM3, Granite, OLMo 2, OLMo 3, EXAONE 4, ERNIE 4.5, Helium, Seed-OSS, Arcee AFM, GLM-4, Gemma 1,
+2 and 3 text): the engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -18,6 +19,7 @@ logits scaled, and `attention_multiplier` as the attention's scale; OLMo 2 by no
 instead of before (`x + norm(attn(x))`, `x + norm(mlp(x))`) and q/k norms over all heads at once
 (OLMo 3 too, with Gemma 3's sliding layers and RoPE per layer type; EXAONE 4 with Qwen3's per-head
 q/k norms and, in its hybrid models, sliding layers and global layers without RoPE);
+Arcee's AFM (`arcee`) by an ungated MLP, down(relu(up(x))^2);
 Gemma 3 (`gemma3_text`) by norms both before and after attention and MLP (`x + norm(attn(norm(x)))`),
 RMSNorm scaling by 1 + weight (folded into the weights at load), an embedding scaled by
 sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated MLP,
@@ -162,8 +164,9 @@ class DecoderModel:
                                # the router (ERNIE 4.5's in fp32): not quantized
                                lambda w, b, dtype=self.dtype: self._linear(w, b, dtype_name(dtype), dtype),
                                self._act_mul, shared_mlp)
-        elif mlp is not None:
-            layer.gate_up = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), fmt)
+        elif mlp is not None:      # an ungated MLP's up projection alone (engine.model_dims.UNGATED_MLP)
+            parts = ("gate_proj", "up_proj") if self.dims.gated else ("up_proj",)
+            layer.gate_up = self._fused(mlp, "gate_up_proj", parts, fmt)
             layer.down = self._linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt)
         else:                      # Granite 4.0 without experts: its shared MLP ([gate; up] fused) is the MLP
             layer.gate_up = self._linear(*fused_weight([shared_mlp.input_linear]), fmt)
@@ -247,12 +250,22 @@ class DecoderModel:
         return F.rms_norm(x, (x.shape[-1],), weight, eps=self.eps)
 
     def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up of the fused projection's two halves: SiLU (bf16 on CPU: one kernel), or
-        Gemma's GELU with the tanh approximation (transformers' `gelu_pytorch_tanh`)."""
+        """act(gate) * up of the fused projection's two halves (act(up) of an ungated MLP's): SiLU
+        (bf16 on CPU: one kernel), Gemma's GELU with the tanh approximation (transformers'
+        `gelu_pytorch_tanh`) or ReLU squared (`relu2`: Arcee's)."""
+        if not self.dims.gated:
+            return self._act(gate_up)
         if self.activation == "silu" and self._kernels is not None:
             return self._kernels.silu_mul(gate_up)
         g, u = gate_up.chunk(2, dim=-1)
-        return (F.silu(g) if self.activation == "silu" else F.gelu(g, approximate="tanh")) * u
+        return self._act(g) * u
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu":
+            return F.silu(x)
+        if self.activation == "relu2":        # transformers' ReLUSquaredActivation: relu, then square
+            return torch.square(F.relu(x))
+        return F.gelu(x, approximate="tanh")
 
     def _qk_norm(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """qkv [T, (H + 2 Hkv) * D] with the queries and keys RMS-normalized, each head (Qwen3) or

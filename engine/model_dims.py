@@ -13,6 +13,9 @@ from dataclasses import dataclass
 # one rotation into the other and leaves every query-key product the same (a LoRA adapter's B rows
 # on them are reordered so too).
 INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
+# Model types whose MLP is not gated, down(act(up(x))) (Arcee's AFM with ReLU^2): their up projection
+# is the decoder's `gate_up` linear whole, whose gate part is 0 wide (Dims.widths)
+UNGATED_MLP = ("arcee",)
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,7 @@ class Dims:
     the MLPs are mixtures of experts (engine/moe.py; `intermediate_size` is then not every MLP's);
     `interleaved_rope`: the model type is one of INTERLEAVED_ROPE; `rotary_dim`: how many of a
     head's first dimensions RoPE rotates (0: all; the decoder sets it from the model's rotary
-    module, GLM's rotate half)."""
+    module, GLM's rotate half); `gated`: the MLP is act(gate) * up (not UNGATED_MLP)."""
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -32,6 +35,7 @@ class Dims:
     moe: bool = False
     interleaved_rope: bool = False
     rotary_dim: int = 0
+    gated: bool = True
 
     @classmethod
     def of_config(cls, cfg) -> Dims:
@@ -44,7 +48,8 @@ class Dims:
         granite4 = get("model_type") == "granitemoehybrid" and not moe
         return cls(get("hidden_size"), get("shared_intermediate_size" if granite4 else "intermediate_size"), heads,
                    get("num_key_value_heads") or heads, get("head_dim") or get("hidden_size") // heads,
-                   get("num_hidden_layers"), moe, get("model_type") in INTERLEAVED_ROPE)
+                   get("num_hidden_layers"), moe, get("model_type") in INTERLEAVED_ROPE,
+                   gated=get("model_type") not in UNGATED_MLP)
 
     def rope_order(self, start: int, width: int) -> list[int] | None:
         """For output rows [start, start + width) of the fused [q; k; v] projection: the order of
@@ -61,8 +66,8 @@ class Dims:
 
     def widths(self) -> dict[str, tuple[int, list[int]]]:
         """Per fused linear of the decoder: (input width, output width of each of its parts, in
-        engine/lora_config.py's FUSED order)."""
-        d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        engine/lora_config.py's FUSED order; an ungated MLP's gate 0 wide)."""
+        d, nh, nkv, inter = self.head_dim, self.num_heads, self.num_kv_heads, self.intermediate_size
         return {"qkv": (self.hidden_size, [nh * d, nkv * d, nkv * d]), "o": (nh * d, [self.hidden_size]),
-                "gate_up": (self.hidden_size, [self.intermediate_size] * 2), "down": (self.intermediate_size,
-                                                                                      [self.hidden_size])}
+                "gate_up": (self.hidden_size, [inter if self.gated else 0, inter]),
+                "down": (inter, [self.hidden_size])}

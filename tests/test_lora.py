@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 from engine.block_manager import BlockManager, chain_seed
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.lora_config import read_adapter
+from engine.lora_config import plan, read_adapter
+from engine.model_dims import Dims
 from engine.sampling_params import SamplingParams
 from lora_adapters import ATTENTION, GRANITE4_MLP, MLP, with_adapter, write_adapter
 from tiny_models import tiny_model_dir
@@ -67,17 +68,18 @@ def test_fp32_greedy_output_is_transformers_with_the_adapter_in_a_mixed_batch(ti
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["phi3", "qwen2", "granitemoehybrid", "helium", "glm"])
+@pytest.mark.parametrize("arch", ["phi3", "qwen2", "granitemoehybrid", "helium", "glm", "arcee"])
 def test_other_archs_fused_projections_and_biases(tmp_path, arch):
     """phi3's checkpoints fuse qkv_proj and gate_up_proj (adapters name those), qwen2 has q/k/v
     biases, Granite 4.0's MLP is its shared_mlp's input_linear ([gate; up]) and output_linear, helium's
     RoPE on interleaved pairs reorders the engine's q/k rows (and so the adapter's B rows there; glm's
-    on half of each head, its MLP's gate and up fused)."""
+    on half of each head, its MLP's gate and up fused), arcee's ungated MLP has up_proj alone."""
     path = tiny_model_dir(tmp_path / arch, arch, seed=5)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     modules = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
                "granitemoehybrid": ATTENTION + GRANITE4_MLP,
-               "glm": ATTENTION + ("gate_up_proj", "down_proj")}.get(arch, ATTENTION + MLP)
+               "glm": ATTENTION + ("gate_up_proj", "down_proj"),
+               "arcee": ATTENTION + ("up_proj", "down_proj")}.get(arch, ATTENTION + MLP)
     adapter = write_adapter(tmp_path / "adapter", hf, modules, seed=3)
     expected = [_greedy(_reference(path, adapter), p) for p in PROMPTS]
     eng = _engine(path, {"x": adapter})
@@ -183,6 +185,18 @@ def test_tensors_that_do_not_fit_are_refused(tiny, tmp_path):
     save_file(tensors, str(head / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="only those are supported"):
         _engine(path, {"h": head})
+
+
+def test_an_ungated_mlp_takes_up_proj_whole_and_has_no_gate():
+    """arcee's MLP (engine.model_dims.UNGATED_MLP): up_proj is the decoder's gate_up linear from
+    column 0; an adapter of a gate_proj it does not have is refused."""
+    dims = Dims.of_config({"model_type": "arcee", "hidden_size": 64, "intermediate_size": 128,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2})
+    key = "base_model.model.model.layers.1.mlp.{}.lora_{}.weight"
+    parts = plan({key.format("up_proj", "A"): (4, 64), key.format("up_proj", "B"): (128, 4)}, dims)
+    assert [(p.layer, p.linear, p.start) for p in parts] == [(1, "gate_up", 0)]
+    gate = plan({key.format("gate_proj", "A"): (4, 64), key.format("gate_proj", "B"): (128, 4)}, dims)
+    assert "do not fit the model's [0, 64] projection" in gate
 
 
 def test_quantized_linears_take_the_update_too(tiny):

@@ -63,12 +63,14 @@ def test_presets_overrides_and_errors(tmp_path):
 
 def test_every_tiny_arch_is_counted_exactly(tmp_path):
     """count_params against the real parameter count of each architecture the engine runs (tiny
-    random models: q/k norms of qwen3 and olmo2, phi3's fused projections, granite, smollm3)."""
+    random models: q/k norms of qwen3 and olmo2, phi3's fused projections, granite, smollm3; and
+    Seed-OSS-36B's biases, on q/k/v but not o_proj)."""
     from transformers import AutoModelForCausalLM
 
     from tiny_models import TINY_ARCHS, tiny_model_dir
-    for arch in TINY_ARCHS:
-        path = tiny_model_dir(tmp_path / arch, arch, seed=0, head_dim=32)
+    seed_oss = {"attention_bias": True, "attention_out_bias": False, "mlp_bias": False}
+    for arch, overrides in [(arch, None) for arch in TINY_ARCHS] + [("seed_oss", seed_oss)]:
+        path = tiny_model_dir(tmp_path / f"{arch}-{bool(overrides)}", arch, seed=0, head_dim=32, overrides=overrides)
         model = AutoModelForCausalLM.from_pretrained(path)
         assert resolve_spec(str(path)).params == sum(p.numel() for p in model.parameters()), arch
 

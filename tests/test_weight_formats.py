@@ -58,7 +58,7 @@ def _with_random_extras(path):
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_every_arch_in_fp32_matches_hf_generate(tmp_path, arch):
     path = tiny_model_dir(tmp_path / arch, arch, seed=5)
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "seed_oss", "arcee"):
         path = _with_random_extras(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if arch == "qwen2":
@@ -108,14 +108,15 @@ def _with_partial_rotary(path, factor):
 
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.02)])
 @pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3", "granite", "granitemoehybrid", "olmo2", "olmo3",
-                                  "exaone4", "ernie4_5", "helium", "glm4", "gemma", "gemma2", "gemma3_text",
-                                  "gemma3_text-256", "gemma3_text-torch"])
+                                  "exaone4", "ernie4_5", "helium", "glm4", "ministral", "seed_oss", "arcee",
+                                  "gemma", "gemma2", "gemma3_text", "gemma3_text-256", "gemma3_text-torch"])
 def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, tolerance):
     """qwen3's per-head q/k norms, phi3 with RoPE on half of each head (Phi-4-mini's `partial_rotary_factor`),
     smollm3's layer without RoPE, granite's multipliers (Granite 4.0's with its shared MLP), olmo2's norms
     after each block and over all q/k heads at once, exaone4's with per-head q/k norms, a sliding layer and a
     global one without RoPE, ernie4_5's, helium's and glm4's (on half of each head, with Gemma 3's norms) RoPE
-    on interleaved pairs (their q/k rows reordered at load; ernie4_5 with biases), gemma's (Gemma 1: norms
+    on interleaved pairs (their q/k rows reordered at load; ernie4_5 with biases), ministral's sliding first
+    layer, seed_oss's biases (o_proj's under its own key), arcee's ungated ReLU^2 MLP, gemma's (Gemma 1: norms
     scaling by 1 + weight, random here, the embedding scale, GELU-tanh), and gemma3_text's (norms before and
     after each block scaling by 1 + weight, random here; the embedding scale; GELU; a sliding first layer with
     its own RoPE; also with Gemma 3's head size, 256), gemma2's soft caps (attention scores made large enough
@@ -131,7 +132,7 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
     if arch == "phi3-partial":
         path = _with_partial_rotary(_with_sharp_attention(path), 0.5)
     if arch in ("smollm3", "granite", "granitemoehybrid", "gemma2", "olmo3", "exaone4", "ernie4_5", "helium",
-                "glm4"):
+                "glm4", "ministral"):
         path = _with_sharp_attention(path)
     if arch.startswith(("olmo", "gemma", "exaone", "glm")):
         path = with_random_norms(path)

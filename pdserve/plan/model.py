@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from engine.config import unsupported_model
+from engine.model_dims import UNGATED_MLP
 from pdserve.plan.roofline import MODELS, ModelSpec
 from serving.gguf_models import ModelError, gguf_config
 from serving.models import hub_snapshot, is_hub_id, served_name
@@ -77,8 +78,9 @@ def count_params(cfg: dict) -> int:
     """Parameters of a dense llama-like decoder from its config, within a few % of the real count.
 
     Embeddings V*H; per layer q/o projections H*(heads*hd), k/v projections H*(kv*hd) (+ biases when
-    `attention_bias`, q/k/v only for glm and glm4, or q/k/v biases for qwen2), gated MLP 3*H*I (+
-    biases when `mlp_bias`; ERNIE 4.5's `use_bias`: both), two RMSNorm weights of H (four for
+    `attention_bias`, q/k/v only for glm and glm4, or q/k/v biases for qwen2; seed_oss's o_proj bias
+    when `attention_out_bias`), gated MLP 3*H*I (ungated, arcee's: 2*H*I; + biases when `mlp_bias`;
+    ERNIE 4.5's `use_bias`: both), two RMSNorm weights of H (four for
     gemma2, gemma3_text and glm4; and qwen3's / exaone4's / olmo2's / olmo3's / gemma3_text's q/k
     norms); a final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied, as LlamaConfig
     / Qwen2Config / MistralConfig default). A mixture of experts the engine runs (Mixtral,
@@ -101,8 +103,11 @@ def count_params(cfg: dict) -> int:
         cfg.get("model_type") == "qwen2_moe" and cfg.get("qkv_bias", True))
     attn = 2 * h * heads * hd + 2 * h * kv * hd
     o_bias = attn_bias and cfg.get("model_type") not in ("glm", "glm4")     # GLM's o_proj has none
+    if cfg.get("model_type") == "seed_oss":                                   # its own key for o_proj's
+        o_bias = bool(cfg.get("attention_out_bias", False))
     attn += qkv_bias * (heads * hd + 2 * kv * hd) + o_bias * h
-    mlp = 3 * h * inter + (bool(cfg.get("mlp_bias", False)) or ernie_bias) * (2 * inter + h)
+    up = 1 if cfg.get("model_type") in UNGATED_MLP else 2                     # up (and gate) projections
+    mlp = (up + 1) * h * inter + (bool(cfg.get("mlp_bias", False)) or ernie_bias) * (up * inter + h)
     # RMSNorm weights on queries and keys, in head_dims: qwen3 one head each, olmo2 every head
     qk_norm = {"qwen3": 2, "qwen3_moe": 2, "exaone4": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
                "gemma3_text": 2}.get(cfg.get("model_type"), 0) * hd
