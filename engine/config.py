@@ -172,7 +172,7 @@ class EngineConfig:
 # GLM-4 (glm: 9B-chat; glm4: 0414) as Phi-3 (fused gate/up) with interleaved RoPE on half of each
 # head, q/k/v biases, and (glm4) Gemma 3's norms after attention and MLP
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "ministral", "qwen3", "phi3", "smollm3", "granite", "olmo2",
-                         "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "gemma", "gemma2",
+                         "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "starcoder2", "nemotron", "gemma", "gemma2",
                          "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe",
                          "granitemoeshared", "granitemoehybrid", "ernie4_5_moe", "glm", "glm4")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2")          # of the MLP (relu2: ReLU squared)

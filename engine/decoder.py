@@ -1,6 +1,6 @@
 """A lean forward for Llama-family decoders (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
-SmolLM3, Granite, OLMo 2, OLMo 3, EXAONE 4, ERNIE 4.5, Helium, Seed-OSS, Arcee AFM, GLM-4, Gemma 1,
-2 and 3 text): the engine's model code.
+SmolLM3, Granite, OLMo 2, OLMo 3, EXAONE 4, ERNIE 4.5, Helium, Seed-OSS, Arcee AFM, StarCoder2,
+Nemotron, GLM-4, Gemma 1, 2 and 3 text): the engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -19,7 +19,9 @@ logits scaled, and `attention_multiplier` as the attention's scale; OLMo 2 by no
 instead of before (`x + norm(attn(x))`, `x + norm(mlp(x))`) and q/k norms over all heads at once
 (OLMo 3 too, with Gemma 3's sliding layers and RoPE per layer type; EXAONE 4 with Qwen3's per-head
 q/k norms and, in its hybrid models, sliding layers and global layers without RoPE);
-Arcee's AFM (`arcee`) by an ungated MLP, down(relu(up(x))^2);
+Arcee's AFM (`arcee`) by an ungated MLP, down(relu(up(x))^2); StarCoder2 and Nemotron by LayerNorms
+with a bias (Nemotron's scaling by 1 + weight) and ungated MLPs (GELU-tanh; ReLU^2), StarCoder2 with
+biases on every projection and a sliding window, Nemotron with RoPE on half of each head;
 Gemma 3 (`gemma3_text`) by norms both before and after attention and MLP (`x + norm(attn(norm(x)))`),
 RMSNorm scaling by 1 + weight (folded into the weights at load), an embedding scaled by
 sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated MLP,
@@ -49,7 +51,7 @@ from engine.backends import dtype_name
 from engine.config import layer_windows, unsupported_model
 from engine.linear import fused_weight, make_linear
 from engine.lora import LoraBatch
-from engine.model_dims import Dims
+from engine.model_dims import LAYER_NORM, Dims
 from engine.moe import MoeMlp, is_moe_block
 
 class _Layer:
@@ -87,8 +89,9 @@ class DecoderModel:
         pre_attn = getattr(cfg, "query_pre_attn_scalar", None)
         self.scale = float(getattr(cfg, "attention_multiplier", None) or (pre_attn or self.head_dim) ** -0.5)
         self.activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
-        # Gemma's RMSNorm scales by 1 + weight: the 1 is added to the weights here
-        self.norm_offset = 1.0 if cfg.model_type in ("gemma", "gemma2", "gemma3_text") else 0.0
+        # Gemma's RMSNorm and Nemotron's LayerNorm scale by 1 + weight: the 1 is added to the weights here
+        self.norm_offset = 1.0 if cfg.model_type in ("gemma", "gemma2", "gemma3_text", "nemotron") else 0.0
+        self.layer_norm = cfg.model_type in LAYER_NORM         # LayerNorms with a bias (StarCoder2, Nemotron)
         # Gemma 2's soft caps (cap * tanh(x / cap)) of the attention scores and of the logits; 0: none
         self.attn_softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
@@ -97,7 +100,8 @@ class DecoderModel:
         self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0))
         # EXAONE 4's hybrid models (a sliding window on some layers): no RoPE on the global layers
         self.global_nope = cfg.model_type == "exaone4" and getattr(cfg, "sliding_window", None) is not None
-        self.eps = cfg.rms_norm_eps
+        self.eps = next(v for v in (getattr(cfg, k, None) for k in ("rms_norm_eps", "norm_epsilon", "norm_eps"))
+                        if v is not None)
         # `kernels` (engine.kernels, CPU): the GEMV kernels for the linears (engine.linear) in every
         # dtype unless `gemv` is off (EngineConfig.cpu_gemv); in bf16 also the one-pass RMSNorm (and
         # residual add + RMSNorm), SiLU-and-multiply and RoPE + K/V store kernels, while fp32 keeps
@@ -164,10 +168,13 @@ class DecoderModel:
                                # the router (ERNIE 4.5's in fp32): not quantized
                                lambda w, b, dtype=self.dtype: self._linear(w, b, dtype_name(dtype), dtype),
                                self._act_mul, shared_mlp)
-        elif mlp is not None:      # an ungated MLP's up projection alone (engine.model_dims.UNGATED_MLP)
-            parts = ("gate_proj", "up_proj") if self.dims.gated else ("up_proj",)
-            layer.gate_up = self._fused(mlp, "gate_up_proj", parts, fmt)
+        elif mlp is not None and self.dims.gated:
+            layer.gate_up = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), fmt)
             layer.down = self._linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt)
+        elif mlp is not None:      # ungated (engine.model_dims.UNGATED_MLP): up alone; StarCoder2's c_fc, c_proj
+            up, down = (mlp.up_proj, mlp.down_proj) if hasattr(mlp, "up_proj") else (mlp.c_fc, mlp.c_proj)
+            layer.gate_up = self._linear(*fused_weight([up]), fmt)
+            layer.down = self._linear(*fused_weight([down]), fmt)
         else:                      # Granite 4.0 without experts: its shared MLP ([gate; up] fused) is the MLP
             layer.gate_up = self._linear(*fused_weight([shared_mlp.input_linear]), fmt)
             layer.down = self._linear(*fused_weight([shared_mlp.output_linear]), fmt)
@@ -182,9 +189,13 @@ class DecoderModel:
         layer.window = self.windows[i]
         return layer
 
-    def _norm_weight(self, norm) -> torch.Tensor:
+    def _norm_weight(self, norm) -> torch.Tensor | tuple:
         """An RMSNorm's scale: its weight in the model's dtype, or Gemma's 1 + weight, added and
-        kept in fp32 as transformers scales by it (bf16 would round 1.01 to 1.0078)."""
+        kept in fp32 as transformers scales by it (bf16 would round 1.01 to 1.0078); a LayerNorm's
+        (weight, bias) in the model's dtype, Nemotron's weight + 1 (added in fp32)."""
+        if self.layer_norm:
+            weight = (norm.weight.detach().float() + self.norm_offset).to(self.dtype)
+            return weight, None if norm.bias is None else norm.bias.detach().to(self.dtype)
         if not self.norm_offset:
             return norm.weight.detach().to(self.dtype)
         return norm.weight.detach().float() + self.norm_offset
@@ -236,7 +247,10 @@ class DecoderModel:
         """`dtype`: what it computes in, the model's by default."""
         return make_linear(weight, bias, fmt, dtype or self.dtype, kernels=self._linear_kernels, keep=self._arena_list)
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight) -> torch.Tensor:
+        """The model's norm of rows x by `_norm_weight`'s weight: an RMSNorm, or a LayerNorm."""
+        if self.layer_norm:                        # transformers' nn.LayerNorm's op
+            return F.layer_norm(x, (x.shape[-1],), *weight, eps=self.eps)
         if self._kernels is not None:
             return self._kernels.rms_norm(x, weight, self.eps)        # bf16 rows, a bf16 or fp32 weight
         if weight.dtype != x.dtype:
@@ -274,15 +288,15 @@ class DecoderModel:
         per_head = layer.q_norm.shape[0] == d
         q = qkv[:, :nh * d].reshape(t * nh if per_head else t, -1).contiguous()       # [rows, norm width]
         k = qkv[:, nh * d:(nh + nkv) * d].reshape(t * nkv if per_head else t, -1).contiguous()
-        q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
+        q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
         return torch.cat([q.view(t, nh * d), k.view(t, nkv * d), qkv[:, (nh + nkv) * d:]], dim=1)
 
-    def _add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
-        """(x + delta, rms_norm(x + delta)): the residual add and the next norm."""
-        if self._kernels is not None:
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
+        """(x + delta, norm(x + delta)): the residual add and the next norm."""
+        if self._kernels is not None and not self.layer_norm:
             return self._kernels.add_rms_norm(x, delta, weight, self.eps)
         x = x + delta
-        return x, self._rms_norm(x, weight)
+        return x, self._norm(x, weight)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -308,7 +322,7 @@ class DecoderModel:
         if fused and not self.rope_everywhere:
             cos2 = ropes[self.rope_kinds[0]][2]
             no_rope = torch.ones_like(cos2), torch.zeros_like(cos2)   # the kernel's RoPE as the identity
-        h = x if self.post_norms else self._rms_norm(x, self.layers[0].in_norm)    # the attention's input
+        h = x if self.post_norms else self._norm(x, self.layers[0].in_norm)    # the attention's input
         for i, layer in enumerate(self.layers):
             qkv = _project(layer.qkv, h, lora, i, "qkv")
             if layer.q_norm is not None:
@@ -327,18 +341,18 @@ class DecoderModel:
                                     self.attn_softcap)
             out = _project(layer.o, a, lora, i, "o")
             if self.post_norms:      # OLMo 2: x + norm(attention(x)), then x + norm(mlp(x))
-                x = x + self._rms_norm(out, layer.post_norm)
-                x = h = x + self._rms_norm(self._mlp(layer, x, lora), layer.ff_norm)
+                x = x + self._norm(out, layer.post_norm)
+                x = h = x + self._norm(self._mlp(layer, x, lora), layer.ff_norm)
                 continue
             if self.sandwich:        # Gemma 3: the attention's and the MLP's outputs normalized too
-                out = self._rms_norm(out, layer.attn_norm)
-            x, h = self._add_rms_norm(x, out if rm == 1.0 else out * rm, layer.post_norm)
+                out = self._norm(out, layer.attn_norm)
+            x, h = self._add_norm(x, out if rm == 1.0 else out * rm, layer.post_norm)
             next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
             out = self._mlp(layer, h, lora)
             if self.sandwich:
-                out = self._rms_norm(out, layer.ff_norm)
-            x, h = self._add_rms_norm(x, out if rm == 1.0 else out * rm, next_norm)
-        return self._rms_norm(x, self.norm) if self.post_norms else h
+                out = self._norm(out, layer.ff_norm)
+            x, h = self._add_norm(x, out if rm == 1.0 else out * rm, next_norm)
+        return self._norm(x, self.norm) if self.post_norms else h
 
     def _mlp(self, layer: _Layer, h: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         if layer.moe is not None:        # no LoRA on experts (engine/lora_config.py refuses it)

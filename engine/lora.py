@@ -12,7 +12,7 @@ time: `LoraSet.check`, then `LoraSet.use` when the scheduler may start it).
 
 Supported: `peft_type` LORA on the attention's and the MLP's projections (q_proj, k_proj, v_proj,
 o_proj, gate_proj, up_proj, down_proj, or Phi-3's fused qkv_proj and gate_up_proj, or Granite 4.0's
-shared_mlp.input_linear ([gate; up]) and output_linear), any rank per
+shared_mlp.input_linear ([gate; up]) and output_linear, or StarCoder2's c_fc and c_proj), any rank per
 module, `lora_alpha` with `use_rslora`, adapters for some layers only. Refused with the reason:
 DoRA, `modules_to_save`, rank or alpha patterns, LoRA biases, other modules (embeddings, the LM
 head), tensors that do not fit the model. The update is PEFT's unmerged forward,

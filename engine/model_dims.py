@@ -13,9 +13,12 @@ from dataclasses import dataclass
 # one rotation into the other and leaves every query-key product the same (a LoRA adapter's B rows
 # on them are reordered so too).
 INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
-# Model types whose MLP is not gated, down(act(up(x))) (Arcee's AFM with ReLU^2): their up projection
-# is the decoder's `gate_up` linear whole, whose gate part is 0 wide (Dims.widths)
-UNGATED_MLP = ("arcee",)
+# Model types whose MLP is not gated, down(act(up(x))) (Arcee's AFM and Nemotron with ReLU^2,
+# StarCoder2 with GELU-tanh): their up projection is the decoder's `gate_up` linear whole, whose gate
+# part is 0 wide (Dims.widths)
+UNGATED_MLP = ("arcee", "starcoder2", "nemotron")
+# Model types whose norms are LayerNorms with a bias (Nemotron's scale by 1 + weight), not RMSNorms
+LAYER_NORM = ("starcoder2", "nemotron")
 
 
 @dataclass(frozen=True)

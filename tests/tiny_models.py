@@ -2,8 +2,8 @@
 
 `tiny_model_dir` writes a small Hugging Face model directory (llama, qwen2, qwen3, phi3, smollm3,
 granite, granitemoehybrid (Granite 4.0 attention-only, no experts), olmo2, olmo3, exaone4,
-ernie4_5, helium, seed_oss, arcee, glm, glm4, gemma, gemma2, gemma3_text, mistral or ministral
-shape, or a mixture of experts:
+ernie4_5, helium, seed_oss, arcee, starcoder2, nemotron, glm, glm4, gemma, gemma2, gemma3_text,
+mistral or ministral shape, or a mixture of experts:
 mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, granitemoeshared, ernie4_5_moe) that loads like a
 real one, in about a second.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 from serving.models import CHATML_TEMPLATE, ModelError
 
 TINY_ARCHS = ("llama", "qwen2", "mistral", "ministral", "qwen3", "phi3", "smollm3", "granite", "granitemoehybrid",
-              "olmo2", "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "glm", "glm4", "gemma",
-              "gemma2", "gemma3_text")
+              "olmo2", "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "starcoder2", "nemotron",
+              "glm", "glm4", "gemma", "gemma2", "gemma3_text")
 TINY_MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe")
 _GRANITE = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
             "attention_multiplier": 0.0078125}
@@ -40,7 +40,9 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     RoPE on its second, global, layer; ernie4_5, helium, glm and glm4 RoPE on interleaved pairs (glm's on half
     of each head), ernie4_5 with biases on every projection, glm4 with Gemma 3's norms; seed_oss with q/k/v,
     o_proj and MLP biases; arcee's ungated ReLU^2 MLP with biases; ministral's first layer with a sliding
-    window of 8 tokens). The tokenizer is
+    window of 8 tokens; starcoder2 LayerNorms, an ungated GELU-tanh MLP (c_fc, c_proj), biases everywhere
+    and a window of 8 on every layer; nemotron LayerNorms scaling by 1 + weight, an ungated ReLU^2 MLP,
+    biases and RoPE on half of each head). The tokenizer is
     copied from ``tokenizer_dir`` (e.g. the default model's directory, so prompts tokenize as for the real
     model); without one, a small byte-level tokenizer with ChatML special tokens and a ChatML template is
     built. ``overrides``: more config keys (e.g. granitemoehybrid with experts). The weights depend only on
@@ -89,9 +91,9 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
     from transformers import (ArceeConfig, Ernie4_5Config, Ernie4_5_MoeConfig, Exaone4Config, Gemma2Config,
                               Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig, GraniteConfig, GraniteMoeConfig,
                               GraniteMoeHybridConfig, GraniteMoeSharedConfig, HeliumConfig, LlamaConfig,
-                              MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig,
-                              SmolLM3Config)
+                              MinistralConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
+                              OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                              SeedOssConfig, SmolLM3Config, Starcoder2Config)
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "phi3": Phi3Config, "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config,
@@ -101,7 +103,7 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
            "granitemoehybrid": GraniteMoeHybridConfig, "exaone4": Exaone4Config,
            "ernie4_5": Ernie4_5Config, "helium": HeliumConfig, "ernie4_5_moe": Ernie4_5_MoeConfig,
            "glm": GlmConfig, "glm4": Glm4Config, "ministral": MinistralConfig, "seed_oss": SeedOssConfig,
-           "arcee": ArceeConfig}[arch]
+           "arcee": ArceeConfig, "starcoder2": Starcoder2Config, "nemotron": NemotronConfig}[arch]
     granite_moe = {**_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
     moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
     extra = {"smollm3": {"no_rope_layers": [1, 0]},
@@ -117,6 +119,8 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
              "gemma": {"hidden_act": "gelu"},      # Gemma 1's checkpoints' legacy name of GELU-tanh
              "seed_oss": {"attention_bias": True, "attention_out_bias": True, "mlp_bias": True},
              "arcee": {"mlp_bias": True},
+             "starcoder2": {"use_bias": True, "sliding_window": 8},
+             "nemotron": {"attention_bias": True, "mlp_bias": True},
              "ministral": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
              "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
              "gemma2": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],

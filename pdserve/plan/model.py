@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from engine.config import unsupported_model
-from engine.model_dims import UNGATED_MLP
+from engine.model_dims import LAYER_NORM, UNGATED_MLP
 from pdserve.plan.roofline import MODELS, ModelSpec
 from serving.gguf_models import ModelError, gguf_config
 from serving.models import hub_snapshot, is_hub_id, served_name
@@ -79,10 +79,10 @@ def count_params(cfg: dict) -> int:
 
     Embeddings V*H; per layer q/o projections H*(heads*hd), k/v projections H*(kv*hd) (+ biases when
     `attention_bias`, q/k/v only for glm and glm4, or q/k/v biases for qwen2; seed_oss's o_proj bias
-    when `attention_out_bias`), gated MLP 3*H*I (ungated, arcee's: 2*H*I; + biases when `mlp_bias`;
-    ERNIE 4.5's `use_bias`: both), two RMSNorm weights of H (four for
-    gemma2, gemma3_text and glm4; and qwen3's / exaone4's / olmo2's / olmo3's / gemma3_text's q/k
-    norms); a final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied, as LlamaConfig
+    when `attention_out_bias`), gated MLP 3*H*I (ungated, arcee's, starcoder2's, nemotron's: 2*H*I; +
+    biases when `mlp_bias`; ERNIE 4.5's and StarCoder2's `use_bias`: both), two RMSNorm weights of H
+    (LayerNorms, starcoder2's and nemotron's: a bias too; four for gemma2, gemma3_text and glm4;
+    and qwen3's / exaone4's / olmo2's / olmo3's / gemma3_text's q/k norms); a final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied, as LlamaConfig
     / Qwen2Config / MistralConfig default). A mixture of experts the engine runs (Mixtral,
     Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE) has its MoE layers' MLPs counted by
     `moe_params`; any other MoE config raises ValueError, as does a Granite 4.0 with Mamba layers
@@ -97,7 +97,8 @@ def count_params(cfg: dict) -> int:
     inter = _need(cfg, "shared_intermediate_size" if granite4 else "intermediate_size")
     vocab, heads = _need(cfg, "vocab_size"), _need(cfg, "num_attention_heads")
     kv, hd = cfg.get("num_key_value_heads") or heads, head_dim(cfg)
-    ernie_bias = cfg.get("model_type") in ("ernie4_5", "ernie4_5_moe") and bool(cfg.get("use_bias"))   # all of them
+    # ERNIE 4.5's and StarCoder2's `use_bias`: on every projection
+    ernie_bias = cfg.get("model_type") in ("ernie4_5", "ernie4_5_moe", "starcoder2") and bool(cfg.get("use_bias"))
     attn_bias = bool(cfg.get("attention_bias", False)) or ernie_bias
     qkv_bias = attn_bias or cfg.get("model_type") in _QKV_BIAS_TYPES or (
         cfg.get("model_type") == "qwen2_moe" and cfg.get("qkv_bias", True))
@@ -112,11 +113,14 @@ def count_params(cfg: dict) -> int:
     qk_norm = {"qwen3": 2, "qwen3_moe": 2, "exaone4": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
                "gemma3_text": 2}.get(cfg.get("model_type"), 0) * hd
     norms = {"gemma2": 4, "gemma3_text": 4, "glm4": 4}.get(cfg.get("model_type"), 2) * h
+    final_norm = h
+    if cfg.get("model_type") in LAYER_NORM:          # a bias beside each weight
+        norms, final_norm = 2 * norms, 2 * h
     moe = _moe_layers(cfg)
     mlps = (layers - len(moe)) * mlp + sum(moe.values())
     embed = vocab * h
     lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
-    return embed + layers * (attn + norms + qk_norm) + mlps + h + lm_head
+    return embed + layers * (attn + norms + qk_norm) + mlps + final_norm + lm_head
 
 
 def moe_params(cfg: dict) -> tuple[int, int, int]:
