@@ -172,9 +172,9 @@ class EngineConfig:
 # GLM-4 (glm: 9B-chat; glm4: 0414) as Phi-3 (fused gate/up) with interleaved RoPE on half of each
 # head, q/k/v biases, and (glm4) Gemma 3's norms after attention and MLP
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "ministral", "qwen3", "phi3", "smollm3", "granite", "olmo2",
-                         "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "starcoder2", "nemotron", "gemma", "gemma2",
-                         "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe",
-                         "granitemoeshared", "granitemoehybrid", "ernie4_5_moe", "glm", "glm4")
+                         "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "starcoder2", "nemotron",
+                         "stablelm", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                         "granitemoe", "granitemoeshared", "granitemoehybrid", "ernie4_5_moe", "glm", "glm4")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2")          # of the MLP (relu2: ReLU squared)
 
 
@@ -195,6 +195,8 @@ def unsupported_model(config: dict) -> str | None:
         return f"activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})"
     if config.get("use_bidirectional_attention"):
         return "bidirectional attention (an embedding model) is not supported"
+    if config.get("qk_layernorm"):
+        return "qk_layernorm (StableLM 2 12B's LayerNorm of each query and key head) is not supported"
     if config.get("clip_qkv") is not None:
         return "clip_qkv (OLMoE's clamped projections) is not supported"
     if model_type == "granitemoehybrid":

@@ -1,6 +1,6 @@
 """A lean forward for Llama-family decoders (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
 SmolLM3, Granite, OLMo 2, OLMo 3, EXAONE 4, ERNIE 4.5, Helium, Seed-OSS, Arcee AFM, StarCoder2,
-Nemotron, GLM-4, Gemma 1, 2 and 3 text): the engine's model code.
+Nemotron, StableLM, GLM-4, Gemma 1, 2 and 3 text): the engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -21,7 +21,8 @@ instead of before (`x + norm(attn(x))`, `x + norm(mlp(x))`) and q/k norms over a
 q/k norms and, in its hybrid models, sliding layers and global layers without RoPE);
 Arcee's AFM (`arcee`) by an ungated MLP, down(relu(up(x))^2); StarCoder2 and Nemotron by LayerNorms
 with a bias (Nemotron's scaling by 1 + weight) and ungated MLPs (GELU-tanh; ReLU^2), StarCoder2 with
-biases on every projection and a sliding window, Nemotron with RoPE on half of each head;
+biases on every projection and a sliding window, Nemotron with RoPE on half of each head; StableLM
+by LayerNorms and, where `use_parallel_residual`, attention and MLP side by side on one norm's output;
 Gemma 3 (`gemma3_text`) by norms both before and after attention and MLP (`x + norm(attn(norm(x)))`),
 RMSNorm scaling by 1 + weight (folded into the weights at load), an embedding scaled by
 sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated MLP,
@@ -91,7 +92,7 @@ class DecoderModel:
         self.activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
         # Gemma's RMSNorm and Nemotron's LayerNorm scale by 1 + weight: the 1 is added to the weights here
         self.norm_offset = 1.0 if cfg.model_type in ("gemma", "gemma2", "gemma3_text", "nemotron") else 0.0
-        self.layer_norm = cfg.model_type in LAYER_NORM         # LayerNorms with a bias (StarCoder2, Nemotron)
+        self.layer_norm = cfg.model_type in LAYER_NORM         # LayerNorms with a bias (StarCoder2, ...)
         # Gemma 2's soft caps (cap * tanh(x / cap)) of the attention scores and of the logits; 0: none
         self.attn_softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
@@ -100,8 +101,8 @@ class DecoderModel:
         self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0))
         # EXAONE 4's hybrid models (a sliding window on some layers): no RoPE on the global layers
         self.global_nope = cfg.model_type == "exaone4" and getattr(cfg, "sliding_window", None) is not None
-        self.eps = next(v for v in (getattr(cfg, k, None) for k in ("rms_norm_eps", "norm_epsilon", "norm_eps"))
-                        if v is not None)
+        self.eps = next(v for v in (getattr(cfg, k, None) for k in ("rms_norm_eps", "norm_epsilon", "norm_eps",
+                                                                     "layer_norm_eps")) if v is not None)
         # `kernels` (engine.kernels, CPU): the GEMV kernels for the linears (engine.linear) in every
         # dtype unless `gemv` is off (EngineConfig.cpu_gemv); in bf16 also the one-pass RMSNorm (and
         # residual add + RMSNorm), SiLU-and-multiply and RoPE + K/V store kernels, while fp32 keeps
@@ -131,6 +132,10 @@ class DecoderModel:
         self._arena_list: list[torch.Tensor] = []
         self.layers = [self._layer(i, layer, weight_format) for i, layer in enumerate(body.layers)]
         self.post_norms = self.layers[0].in_norm is None          # OLMo 2
+        # attention and MLP side by side on one norm's output, x + attn(ln(x)) + mlp(ln(x)) (StableLM's
+        # use_parallel_residual)
+        self.parallel = self.layers[0].post_norm is None and not self.post_norms
+        assert all((layer.post_norm is None) == self.parallel for layer in self.layers)
         self.sandwich = self.layers[0].attn_norm is not None      # Gemma 3
         self.rope_everywhere = all(layer.rope for layer in self.layers)   # False for SmolLM3
         self.moe = any(layer.moe is not None for layer in self.layers)    # a mixture of experts
@@ -153,8 +158,9 @@ class DecoderModel:
         if glm4 is not None:
             layer.attn_norm = self._norm_weight(glm4)
             layer.post_norm = self._norm_weight(hf_layer.post_attention_layernorm)
-        elif pre_mlp is None:
-            layer.attn_norm, layer.post_norm = None, self._norm_weight(hf_layer.post_attention_layernorm)
+        elif pre_mlp is None:      # (none in a parallel block: StableLM's use_parallel_residual)
+            norm = getattr(hf_layer, "post_attention_layernorm", None)
+            layer.attn_norm, layer.post_norm = None, None if norm is None else self._norm_weight(norm)
         else:                # Gemma 3: post_attention_layernorm normalizes the attention's output
             layer.attn_norm = self._norm_weight(hf_layer.post_attention_layernorm)
             layer.post_norm = self._norm_weight(pre_mlp)
@@ -344,10 +350,15 @@ class DecoderModel:
                 x = x + self._norm(out, layer.post_norm)
                 x = h = x + self._norm(self._mlp(layer, x, lora), layer.ff_norm)
                 continue
+            next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
+            if self.parallel:        # (x + attention) + mlp, transformers' order, both of the same h
+                x = x + (out if rm == 1.0 else out * rm)
+                out = self._mlp(layer, h, lora)
+                x, h = self._add_norm(x, out if rm == 1.0 else out * rm, next_norm)
+                continue
             if self.sandwich:        # Gemma 3: the attention's and the MLP's outputs normalized too
                 out = self._norm(out, layer.attn_norm)
             x, h = self._add_norm(x, out if rm == 1.0 else out * rm, layer.post_norm)
-            next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
             out = self._mlp(layer, h, lora)
             if self.sandwich:
                 out = self._norm(out, layer.ff_norm)

@@ -18,7 +18,7 @@ INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
 # part is 0 wide (Dims.widths)
 UNGATED_MLP = ("arcee", "starcoder2", "nemotron")
 # Model types whose norms are LayerNorms with a bias (Nemotron's scale by 1 + weight), not RMSNorms
-LAYER_NORM = ("starcoder2", "nemotron")
+LAYER_NORM = ("starcoder2", "nemotron", "stablelm")
 
 
 @dataclass(frozen=True)

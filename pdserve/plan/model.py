@@ -78,10 +78,12 @@ def count_params(cfg: dict) -> int:
     """Parameters of a dense llama-like decoder from its config, within a few % of the real count.
 
     Embeddings V*H; per layer q/o projections H*(heads*hd), k/v projections H*(kv*hd) (+ biases when
-    `attention_bias`, q/k/v only for glm and glm4, or q/k/v biases for qwen2; seed_oss's o_proj bias
+    `attention_bias`, q/k/v only for glm and glm4, or q/k/v biases for qwen2 and where `use_qkv_bias`
+    (stablelm); seed_oss's o_proj bias
     when `attention_out_bias`), gated MLP 3*H*I (ungated, arcee's, starcoder2's, nemotron's: 2*H*I; +
     biases when `mlp_bias`; ERNIE 4.5's and StarCoder2's `use_bias`: both), two RMSNorm weights of H
-    (LayerNorms, starcoder2's and nemotron's: a bias too; four for gemma2, gemma3_text and glm4;
+    (LayerNorms, starcoder2's, nemotron's and stablelm's: a bias too; one with `use_parallel_residual`;
+    four for gemma2, gemma3_text and glm4;
     and qwen3's / exaone4's / olmo2's / olmo3's / gemma3_text's q/k norms); a final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied, as LlamaConfig
     / Qwen2Config / MistralConfig default). A mixture of experts the engine runs (Mixtral,
     Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE) has its MoE layers' MLPs counted by
@@ -100,7 +102,7 @@ def count_params(cfg: dict) -> int:
     # ERNIE 4.5's and StarCoder2's `use_bias`: on every projection
     ernie_bias = cfg.get("model_type") in ("ernie4_5", "ernie4_5_moe", "starcoder2") and bool(cfg.get("use_bias"))
     attn_bias = bool(cfg.get("attention_bias", False)) or ernie_bias
-    qkv_bias = attn_bias or cfg.get("model_type") in _QKV_BIAS_TYPES or (
+    qkv_bias = attn_bias or cfg.get("model_type") in _QKV_BIAS_TYPES or bool(cfg.get("use_qkv_bias")) or (
         cfg.get("model_type") == "qwen2_moe" and cfg.get("qkv_bias", True))
     attn = 2 * h * heads * hd + 2 * h * kv * hd
     o_bias = attn_bias and cfg.get("model_type") not in ("glm", "glm4")     # GLM's o_proj has none
@@ -113,6 +115,8 @@ def count_params(cfg: dict) -> int:
     qk_norm = {"qwen3": 2, "qwen3_moe": 2, "exaone4": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
                "gemma3_text": 2}.get(cfg.get("model_type"), 0) * hd
     norms = {"gemma2": 4, "gemma3_text": 4, "glm4": 4}.get(cfg.get("model_type"), 2) * h
+    if cfg.get("use_parallel_residual"):             # one norm before attention and MLP side by side
+        norms = h
     final_norm = h
     if cfg.get("model_type") in LAYER_NORM:          # a bias beside each weight
         norms, final_norm = 2 * norms, 2 * h
