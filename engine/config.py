@@ -173,9 +173,10 @@ class EngineConfig:
 # head, q/k/v biases, and (glm4) Gemma 3's norms after attention and MLP
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "ministral", "qwen3", "phi3", "smollm3", "granite", "olmo2",
                          "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "starcoder2", "nemotron",
-                         "stablelm", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                         "granitemoe", "granitemoeshared", "granitemoehybrid", "ernie4_5_moe", "glm", "glm4")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2")          # of the MLP (relu2: ReLU squared)
+                         "stablelm", "phi", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe",
+                         "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "ernie4_5_moe", "glm", "glm4")
+# of the MLP: relu2 is ReLU squared, gelu_new GELU-tanh written out as transformers' NewGELUActivation
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "relu2")
 
 
 def unsupported_model(config: dict) -> str | None:
@@ -196,7 +197,7 @@ def unsupported_model(config: dict) -> str | None:
     if config.get("use_bidirectional_attention"):
         return "bidirectional attention (an embedding model) is not supported"
     if config.get("qk_layernorm"):
-        return "qk_layernorm (StableLM 2 12B's LayerNorm of each query and key head) is not supported"
+        return "qk_layernorm (a LayerNorm of each query and key head: StableLM 2 12B) is not supported"
     if config.get("clip_qkv") is not None:
         return "clip_qkv (OLMoE's clamped projections) is not supported"
     if model_type == "granitemoehybrid":

@@ -1,6 +1,6 @@
 """A lean forward for Llama-family decoders (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
 SmolLM3, Granite, OLMo 2, OLMo 3, EXAONE 4, ERNIE 4.5, Helium, Seed-OSS, Arcee AFM, StarCoder2,
-Nemotron, StableLM, GLM-4, Gemma 1, 2 and 3 text): the engine's model code.
+Nemotron, StableLM, Phi 1.5/2, GLM-4, Gemma 1, 2 and 3 text): the engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -23,6 +23,8 @@ Arcee's AFM (`arcee`) by an ungated MLP, down(relu(up(x))^2); StarCoder2 and Nem
 with a bias (Nemotron's scaling by 1 + weight) and ungated MLPs (GELU-tanh; ReLU^2), StarCoder2 with
 biases on every projection and a sliding window, Nemotron with RoPE on half of each head; StableLM
 by LayerNorms and, where `use_parallel_residual`, attention and MLP side by side on one norm's output;
+Phi (Phi-1.5, Phi-2) likewise, with an ungated GELU MLP (fc1, fc2) and biases on every projection and
+on the LM head;
 Gemma 3 (`gemma3_text`) by norms both before and after attention and MLP (`x + norm(attn(norm(x)))`),
 RMSNorm scaling by 1 + weight (folded into the weights at load), an embedding scaled by
 sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated MLP,
@@ -42,6 +44,7 @@ with an ungated `shared_mlp` beside it); Granite 4.0's attention-only checkpoint
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -125,15 +128,15 @@ class DecoderModel:
         assert self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
         if self.rotary_dim < self.head_dim:        # partial RoPE (Dims.rope_order: GLM's interleaved half)
             self.dims = dims = dataclasses.replace(dims, rotary_dim=self.rotary_dim)
-        self.norm = self._norm_weight(body.norm)
+        self.norm = self._norm_weight(body.norm if hasattr(body, "norm") else body.final_layernorm)   # Phi's
         self.windows = layer_windows(cfg)          # per layer: 0, or its sliding window (keys)
         # the CPU tensors the linears read each call, in the order the forward calls them; moved
         # into one arena (huge pages where Linux gives them) once the LM head is built
         self._arena_list: list[torch.Tensor] = []
         self.layers = [self._layer(i, layer, weight_format) for i, layer in enumerate(body.layers)]
         self.post_norms = self.layers[0].in_norm is None          # OLMo 2
-        # attention and MLP side by side on one norm's output, x + attn(ln(x)) + mlp(ln(x)) (StableLM's
-        # use_parallel_residual)
+        # attention and MLP side by side on one norm's output, x + attn(ln(x)) + mlp(ln(x)) (Phi;
+        # StableLM's use_parallel_residual)
         self.parallel = self.layers[0].post_norm is None and not self.post_norms
         assert all((layer.post_norm is None) == self.parallel for layer in self.layers)
         self.sandwich = self.layers[0].attn_norm is not None      # Gemma 3
@@ -167,7 +170,8 @@ class DecoderModel:
         norm = getattr(hf_layer, "post_feedforward_layernorm", getattr(hf_layer, "post_mlp_layernorm", None))
         layer.ff_norm = None if norm is None else self._norm_weight(norm)
         layer.qkv = self._qkv(attn, fmt)
-        layer.o = self._linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), fmt)
+        o = attn.o_proj if hasattr(attn, "o_proj") else attn.dense            # Phi's name
+        layer.o = self._linear(o.weight.detach(), _bias(o), fmt)
         layer.moe = layer.gate_up = layer.down = None
         if mlp is not None and is_moe_block(mlp):   # Qwen2-MoE's mlp_only_layers: dense
             layer.moe = MoeMlp(mlp, self.model_type, lambda w, b: self._linear(w, b, fmt),
@@ -177,8 +181,9 @@ class DecoderModel:
         elif mlp is not None and self.dims.gated:
             layer.gate_up = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), fmt)
             layer.down = self._linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), fmt)
-        elif mlp is not None:      # ungated (engine.model_dims.UNGATED_MLP): up alone; StarCoder2's c_fc, c_proj
-            up, down = (mlp.up_proj, mlp.down_proj) if hasattr(mlp, "up_proj") else (mlp.c_fc, mlp.c_proj)
+        elif mlp is not None:      # ungated (engine.model_dims.UNGATED_MLP): up alone, by one of three names
+            up, down = next((getattr(mlp, u), getattr(mlp, d)) for u, d in (("up_proj", "down_proj"),
+                            ("c_fc", "c_proj"), ("fc1", "fc2")) if hasattr(mlp, u))
             layer.gate_up = self._linear(*fused_weight([up]), fmt)
             layer.down = self._linear(*fused_weight([down]), fmt)
         else:                      # Granite 4.0 without experts: its shared MLP ([gate; up] fused) is the MLP
@@ -285,6 +290,8 @@ class DecoderModel:
             return F.silu(x)
         if self.activation == "relu2":        # transformers' ReLUSquaredActivation: relu, then square
             return torch.square(F.relu(x))
+        if self.activation == "gelu_new":     # transformers' NewGELUActivation op for op (Phi; the exact mode)
+            return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
         return F.gelu(x, approximate="tanh")
 
     def _qk_norm(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
@@ -351,8 +358,11 @@ class DecoderModel:
                 x = h = x + self._norm(self._mlp(layer, x, lora), layer.ff_norm)
                 continue
             next_norm = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.norm
-            if self.parallel:        # (x + attention) + mlp, transformers' order, both of the same h
-                x = x + (out if rm == 1.0 else out * rm)
+            if self.parallel:        # both of the same h, added in transformers' order
+                if self.model_type == "phi":                # attention + mlp + x
+                    x, h = self._add_norm(x, out + self._mlp(layer, h, lora), next_norm)
+                    continue
+                x = x + (out if rm == 1.0 else out * rm)    # StableLM: (x + attention) + mlp
                 out = self._mlp(layer, h, lora)
                 x, h = self._add_norm(x, out if rm == 1.0 else out * rm, next_norm)
                 continue

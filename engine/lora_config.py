@@ -19,10 +19,10 @@ from engine.model_dims import Dims
 # the decoder's fused linears and the PEFT modules each is made of, in its output's order
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}
-# Phi-3's checkpoints fuse them already; Granite 4.0's shared MLP is [gate; up] and down; StarCoder2's
-# ungated MLP is c_fc (up) and c_proj (down)
+# Phi-3's checkpoints fuse them already; Granite 4.0's shared MLP is [gate; up] and down; the ungated
+# MLPs of StarCoder2 (c_fc, c_proj) and Phi (fc1, fc2) are up and down; Phi's o_proj is `dense`
 WHOLE = {"qkv_proj": "qkv", "gate_up_proj": "gate_up", "input_linear": "gate_up", "output_linear": "down",
-         "c_fc": "gate_up", "c_proj": "down"}
+         "c_fc": "gate_up", "c_proj": "down", "fc1": "gate_up", "fc2": "down", "dense": "o"}
 MODULES = {part: name for name, parts in FUSED.items() for part in parts} | WHOLE
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp|shared_mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 NAME_PATTERN = r"^\S(.*\S)?$"     # an adapter name, configured or loaded at run time: one line, no spaces around

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 # on them are reordered so too).
 INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
 # Model types whose MLP is not gated, down(act(up(x))) (Arcee's AFM and Nemotron with ReLU^2,
-# StarCoder2 with GELU-tanh): their up projection is the decoder's `gate_up` linear whole, whose gate
-# part is 0 wide (Dims.widths)
-UNGATED_MLP = ("arcee", "starcoder2", "nemotron")
+# StarCoder2 and Phi with GELU-tanh): their up projection is the decoder's `gate_up` linear whole,
+# whose gate part is 0 wide (Dims.widths)
+UNGATED_MLP = ("arcee", "starcoder2", "nemotron", "phi")
 # Model types whose norms are LayerNorms with a bias (Nemotron's scale by 1 + weight), not RMSNorms
-LAYER_NORM = ("starcoder2", "nemotron", "stablelm")
+LAYER_NORM = ("starcoder2", "nemotron", "stablelm", "phi")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ def write_adapter(path: Path, model, modules=ATTENTION + MLP, rank: int = 4, alp
         if layers is not None and i not in layers:
             continue
         for name in modules:
-            owner = "self_attn" if name in ATTENTION or name == "qkv_proj" else (
+            owner = "self_attn" if name in ATTENTION or name in ("qkv_proj", "dense") else (
                 "shared_mlp" if name in GRANITE4_MLP else "mlp")
             proj = getattr(getattr(layer, owner), name)
             prefix = f"base_model.model.model.layers.{i}.{owner}.{name}"

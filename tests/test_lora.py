@@ -68,20 +68,21 @@ def test_fp32_greedy_output_is_transformers_with_the_adapter_in_a_mixed_batch(ti
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["phi3", "qwen2", "granitemoehybrid", "helium", "glm", "arcee", "starcoder2"])
+@pytest.mark.parametrize("arch", ["phi3", "qwen2", "granitemoehybrid", "helium", "glm", "arcee", "starcoder2", "phi"])
 def test_other_archs_fused_projections_and_biases(tmp_path, arch):
     """phi3's checkpoints fuse qkv_proj and gate_up_proj (adapters name those), qwen2 has q/k/v
     biases, Granite 4.0's MLP is its shared_mlp's input_linear ([gate; up]) and output_linear, helium's
     RoPE on interleaved pairs reorders the engine's q/k rows (and so the adapter's B rows there; glm's
     on half of each head, its MLP's gate and up fused), arcee's ungated MLP has up_proj alone (starcoder2's
-    is c_fc and c_proj, beside LayerNorms)."""
+    is c_fc and c_proj, beside LayerNorms; phi's fc1 and fc2, its o_proj `dense`)."""
     path = tiny_model_dir(tmp_path / arch, arch, seed=5)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     modules = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
                "granitemoehybrid": ATTENTION + GRANITE4_MLP,
                "glm": ATTENTION + ("gate_up_proj", "down_proj"),
                "arcee": ATTENTION + ("up_proj", "down_proj"),
-               "starcoder2": ATTENTION + ("c_fc", "c_proj")}.get(arch, ATTENTION + MLP)
+               "starcoder2": ATTENTION + ("c_fc", "c_proj"),
+               "phi": ("q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2")}.get(arch, ATTENTION + MLP)
     adapter = write_adapter(tmp_path / "adapter", hf, modules, seed=3)
     expected = [_greedy(_reference(path, adapter), p) for p in PROMPTS]
     eng = _engine(path, {"x": adapter})

@@ -152,7 +152,7 @@ def test_local_dir_is_checked(tmp_path):
 
 
 @pytest.mark.parametrize("config, why", [
-    ({"model_type": "phi", "hidden_act": "gelu_new"}, "'phi' is not supported"),
+    ({"model_type": "gpt_neox", "hidden_act": "gelu"}, "'gpt_neox' is not supported"),
     ({"model_type": "gemma", "hidden_act": "relu"}, "'relu' is not supported"),   # Gemma 1's "gelu" runs (tanh)
     ({"model_type": "llama", "hidden_act": "gelu"}, "'gelu' is not supported"),
     ({"model_type": "gemma2", "hidden_activation": "gelu"}, "'gelu' is not supported"),

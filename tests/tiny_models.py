@@ -2,7 +2,7 @@
 
 `tiny_model_dir` writes a small Hugging Face model directory (llama, qwen2, qwen3, phi3, smollm3,
 granite, granitemoehybrid (Granite 4.0 attention-only, no experts), olmo2, olmo3, exaone4,
-ernie4_5, helium, seed_oss, arcee, starcoder2, nemotron, stablelm, glm, glm4, gemma, gemma2,
+ernie4_5, helium, seed_oss, arcee, starcoder2, nemotron, stablelm, phi, glm, glm4, gemma, gemma2,
 gemma3_text, mistral or ministral shape, or a mixture of experts: mixtral, qwen2_moe, qwen3_moe,
 olmoe, granitemoe, granitemoeshared, ernie4_5_moe) that loads like a real one, in about a second.
 """
@@ -15,7 +15,7 @@ from serving.models import CHATML_TEMPLATE, ModelError
 
 TINY_ARCHS = ("llama", "qwen2", "mistral", "ministral", "qwen3", "phi3", "smollm3", "granite", "granitemoehybrid",
               "olmo2", "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "starcoder2", "nemotron",
-              "stablelm", "glm", "glm4", "gemma", "gemma2", "gemma3_text")
+              "stablelm", "phi", "glm", "glm4", "gemma", "gemma2", "gemma3_text")
 TINY_MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe")
 _GRANITE = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
             "attention_multiplier": 0.0078125}
@@ -27,8 +27,8 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     ``path``; return it.  ``arch`` is one of TINY_ARCHS or TINY_MOE_ARCHS (4 experts of intermediate size 32,
     2 a token; ernie4_5_moe with a shared expert and a dense first layer; qwen2_moe with its shared expert and
     a dense second layer, top-k weights not renormalized, as olmoe's, whose heads are always 16 wide: its q/k
-    norms span hidden_size, hidden / heads (helium's too: its o_proj is [hidden, hidden]; stablelm's, whose
-    config has no head_dim); all but mistral tie
+    norms span hidden_size, hidden / heads (helium's too: its o_proj is [hidden, hidden]; stablelm's and
+    phi's, whose configs have no head_dim); all but mistral tie
     embeddings; phi3 has fused qkv_proj and gate_up_proj; smollm3's second layer has no RoPE; granite has IBM
     Granite 3's multipliers, as the granitemoe* do (granitemoeshared with a shared MLP of 64,
     granitemoehybrid's of 128 its only MLP); olmo2 its norms after each block; gemma3_text a first layer with
@@ -43,7 +43,8 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     window of 8 tokens; starcoder2 LayerNorms, an ungated GELU-tanh MLP (c_fc, c_proj), biases everywhere
     and a window of 8 on every layer; nemotron LayerNorms scaling by 1 + weight, an ungated ReLU^2 MLP,
     biases and RoPE on half of each head; stablelm LayerNorms, q/k/v biases, RoPE on a quarter of each head
-    and attention and MLP side by side, `use_parallel_residual`). The tokenizer is
+    and attention and MLP side by side, `use_parallel_residual`; phi the same with an ungated GELU MLP, fc1
+    and fc2, biases on every projection and the LM head, and RoPE on half of each head). The tokenizer is
     copied from ``tokenizer_dir`` (e.g. the default model's directory, so prompts tokenize as for the real
     model); without one, a small byte-level tokenizer with ChatML special tokens and a ChatML template is
     built. ``overrides``: more config keys (e.g. granitemoehybrid with experts). The weights depend only on
@@ -93,8 +94,8 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
                               Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig, GraniteConfig, GraniteMoeConfig,
                               GraniteMoeHybridConfig, GraniteMoeSharedConfig, HeliumConfig, LlamaConfig,
                               MinistralConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
-                              OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                              SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
+                              OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "phi3": Phi3Config, "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config,
@@ -105,7 +106,7 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
            "ernie4_5": Ernie4_5Config, "helium": HeliumConfig, "ernie4_5_moe": Ernie4_5_MoeConfig,
            "glm": GlmConfig, "glm4": Glm4Config, "ministral": MinistralConfig, "seed_oss": SeedOssConfig,
            "arcee": ArceeConfig, "starcoder2": Starcoder2Config, "nemotron": NemotronConfig,
-           "stablelm": StableLmConfig}[arch]
+           "stablelm": StableLmConfig, "phi": PhiConfig}[arch]
     granite_moe = {**_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
     moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
     extra = {"smollm3": {"no_rope_layers": [1, 0]},
@@ -124,6 +125,7 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
              "starcoder2": {"use_bias": True, "sliding_window": 8},
              "nemotron": {"attention_bias": True, "mlp_bias": True},
              "stablelm": {"use_qkv_bias": True, "use_parallel_residual": True},
+             "phi": {"hidden_act": "gelu_new", "partial_rotary_factor": 0.5},
              "ministral": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
              "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
              "gemma2": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
@@ -140,7 +142,8 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
              }.get(arch, {})
     extra = {"intermediate_size": 128, **extra, **overrides}
     return cls(**extra, vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16 if arch in ("olmoe", "helium", "stablelm") else head_dim,
+               num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16 if arch in ("olmoe", "helium", "stablelm", "phi") else head_dim,
                max_position_embeddings=2048,
                tie_word_embeddings=arch != "mistral", bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

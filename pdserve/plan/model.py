@@ -82,7 +82,8 @@ def count_params(cfg: dict) -> int:
     (stablelm); seed_oss's o_proj bias
     when `attention_out_bias`), gated MLP 3*H*I (ungated, arcee's, starcoder2's, nemotron's: 2*H*I; +
     biases when `mlp_bias`; ERNIE 4.5's and StarCoder2's `use_bias`: both), two RMSNorm weights of H
-    (LayerNorms, starcoder2's, nemotron's and stablelm's: a bias too; one with `use_parallel_residual`;
+    (LayerNorms, starcoder2's, nemotron's, stablelm's and phi's: a bias too; one with
+    `use_parallel_residual` and in phi, whose projections and LM head all have biases;
     four for gemma2, gemma3_text and glm4;
     and qwen3's / exaone4's / olmo2's / olmo3's / gemma3_text's q/k norms); a final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied, as LlamaConfig
     / Qwen2Config / MistralConfig default). A mixture of experts the engine runs (Mixtral,
@@ -99,8 +100,9 @@ def count_params(cfg: dict) -> int:
     inter = _need(cfg, "shared_intermediate_size" if granite4 else "intermediate_size")
     vocab, heads = _need(cfg, "vocab_size"), _need(cfg, "num_attention_heads")
     kv, hd = cfg.get("num_key_value_heads") or heads, head_dim(cfg)
-    # ERNIE 4.5's and StarCoder2's `use_bias`: on every projection
-    ernie_bias = cfg.get("model_type") in ("ernie4_5", "ernie4_5_moe", "starcoder2") and bool(cfg.get("use_bias"))
+    # ERNIE 4.5's and StarCoder2's `use_bias`: on every projection (Phi's always)
+    ernie_bias = cfg.get("model_type") in ("ernie4_5", "ernie4_5_moe", "starcoder2") and bool(cfg.get("use_bias")) \
+        or cfg.get("model_type") == "phi"
     attn_bias = bool(cfg.get("attention_bias", False)) or ernie_bias
     qkv_bias = attn_bias or cfg.get("model_type") in _QKV_BIAS_TYPES or bool(cfg.get("use_qkv_bias")) or (
         cfg.get("model_type") == "qwen2_moe" and cfg.get("qkv_bias", True))
@@ -115,7 +117,7 @@ def count_params(cfg: dict) -> int:
     qk_norm = {"qwen3": 2, "qwen3_moe": 2, "exaone4": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
                "gemma3_text": 2}.get(cfg.get("model_type"), 0) * hd
     norms = {"gemma2": 4, "gemma3_text": 4, "glm4": 4}.get(cfg.get("model_type"), 2) * h
-    if cfg.get("use_parallel_residual"):             # one norm before attention and MLP side by side
+    if cfg.get("use_parallel_residual") or cfg.get("model_type") == "phi":   # one norm, attention and MLP beside
         norms = h
     final_norm = h
     if cfg.get("model_type") in LAYER_NORM:          # a bias beside each weight
@@ -123,7 +125,7 @@ def count_params(cfg: dict) -> int:
     moe = _moe_layers(cfg)
     mlps = (layers - len(moe)) * mlp + sum(moe.values())
     embed = vocab * h
-    lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
+    lm_head = (0 if cfg.get("tie_word_embeddings", False) else vocab * h) + (cfg.get("model_type") == "phi") * vocab
     return embed + layers * (attn + norms + qk_norm) + mlps + final_norm + lm_head
 
 
