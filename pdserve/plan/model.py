@@ -79,14 +79,14 @@ def count_params(cfg: dict) -> int:
 
     Embeddings V*H; per layer q/o projections H*(heads*hd), k/v projections H*(kv*hd) (+ biases when
     `attention_bias`, q/k/v only for glm and glm4, or q/k/v biases for qwen2 and where `use_qkv_bias`
-    (stablelm); seed_oss's o_proj bias
-    when `attention_out_bias`), gated MLP 3*H*I (ungated, arcee's, starcoder2's, nemotron's: 2*H*I; +
-    biases when `mlp_bias`; ERNIE 4.5's and StarCoder2's `use_bias`: both), two RMSNorm weights of H
-    (LayerNorms, starcoder2's, nemotron's, stablelm's and phi's: a bias too; one with
-    `use_parallel_residual` and in phi, whose projections and LM head all have biases;
-    four for gemma2, gemma3_text and glm4;
-    and qwen3's / exaone4's / olmo2's / olmo3's / gemma3_text's q/k norms); a final norm H; lm_head V*H unless `tie_word_embeddings` (absent: untied, as LlamaConfig
-    / Qwen2Config / MistralConfig default). A mixture of experts the engine runs (Mixtral,
+    (stablelm); seed_oss's o_proj bias when `attention_out_bias`), gated MLP 3*H*I (ungated,
+    UNGATED_MLP's: 2*H*I; + biases when `mlp_bias`; ERNIE 4.5's and StarCoder2's `use_bias`, and
+    Phi always: on every projection, and Phi's LM head V), two RMSNorm weights of H (one norm where
+    attention and MLP sit side by side, `use_parallel_residual` and Phi; four for gemma2,
+    gemma3_text and glm4; LAYER_NORM's LayerNorms have a bias of H each, the final one too; and
+    qwen3's / exaone4's / olmo2's / olmo3's / gemma3_text's q/k norms); a final norm H; lm_head V*H
+    unless `tie_word_embeddings` (absent: untied, as LlamaConfig / Qwen2Config / MistralConfig
+    default). A mixture of experts the engine runs (Mixtral,
     Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE) has its MoE layers' MLPs counted by
     `moe_params`; any other MoE config raises ValueError, as does a Granite 4.0 with Mamba layers
     (its MLP without experts is its shared MLP, `shared_intermediate_size`).
@@ -100,32 +100,33 @@ def count_params(cfg: dict) -> int:
     inter = _need(cfg, "shared_intermediate_size" if granite4 else "intermediate_size")
     vocab, heads = _need(cfg, "vocab_size"), _need(cfg, "num_attention_heads")
     kv, hd = cfg.get("num_key_value_heads") or heads, head_dim(cfg)
-    # ERNIE 4.5's and StarCoder2's `use_bias`: on every projection (Phi's always)
-    ernie_bias = cfg.get("model_type") in ("ernie4_5", "ernie4_5_moe", "starcoder2") and bool(cfg.get("use_bias")) \
-        or cfg.get("model_type") == "phi"
-    attn_bias = bool(cfg.get("attention_bias", False)) or ernie_bias
-    qkv_bias = attn_bias or cfg.get("model_type") in _QKV_BIAS_TYPES or bool(cfg.get("use_qkv_bias")) or (
-        cfg.get("model_type") == "qwen2_moe" and cfg.get("qkv_bias", True))
+    model_type = cfg.get("model_type")
+    # biases on every projection: ERNIE 4.5's and StarCoder2's `use_bias`, Phi's always
+    use_bias = model_type in ("ernie4_5", "ernie4_5_moe", "starcoder2") and bool(cfg.get("use_bias"))
+    every_bias = model_type == "phi" or use_bias
+    attn_bias = bool(cfg.get("attention_bias", False)) or every_bias
+    qkv_bias = attn_bias or model_type in _QKV_BIAS_TYPES or bool(cfg.get("use_qkv_bias")) or (
+        model_type == "qwen2_moe" and cfg.get("qkv_bias", True))
     attn = 2 * h * heads * hd + 2 * h * kv * hd
-    o_bias = attn_bias and cfg.get("model_type") not in ("glm", "glm4")     # GLM's o_proj has none
-    if cfg.get("model_type") == "seed_oss":                                   # its own key for o_proj's
+    o_bias = attn_bias and model_type not in ("glm", "glm4")             # GLM's o_proj has none
+    if model_type == "seed_oss":                                          # its own key for o_proj's
         o_bias = bool(cfg.get("attention_out_bias", False))
     attn += qkv_bias * (heads * hd + 2 * kv * hd) + o_bias * h
-    up = 1 if cfg.get("model_type") in UNGATED_MLP else 2                     # up (and gate) projections
-    mlp = (up + 1) * h * inter + (bool(cfg.get("mlp_bias", False)) or ernie_bias) * (up * inter + h)
+    up = 1 if model_type in UNGATED_MLP else 2                            # up (and gate) projections
+    mlp = (up + 1) * h * inter + (bool(cfg.get("mlp_bias", False)) or every_bias) * (up * inter + h)
     # RMSNorm weights on queries and keys, in head_dims: qwen3 one head each, olmo2 every head
     qk_norm = {"qwen3": 2, "qwen3_moe": 2, "exaone4": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
-               "gemma3_text": 2}.get(cfg.get("model_type"), 0) * hd
-    norms = {"gemma2": 4, "gemma3_text": 4, "glm4": 4}.get(cfg.get("model_type"), 2) * h
-    if cfg.get("use_parallel_residual") or cfg.get("model_type") == "phi":   # one norm, attention and MLP beside
+               "gemma3_text": 2}.get(model_type, 0) * hd
+    norms = {"gemma2": 4, "gemma3_text": 4, "glm4": 4}.get(model_type, 2) * h
+    if cfg.get("use_parallel_residual") or model_type == "phi":   # one norm, attention and MLP beside
         norms = h
     final_norm = h
-    if cfg.get("model_type") in LAYER_NORM:          # a bias beside each weight
+    if model_type in LAYER_NORM:                                          # a bias beside each weight
         norms, final_norm = 2 * norms, 2 * h
     moe = _moe_layers(cfg)
     mlps = (layers - len(moe)) * mlp + sum(moe.values())
     embed = vocab * h
-    lm_head = (0 if cfg.get("tie_word_embeddings", False) else vocab * h) + (cfg.get("model_type") == "phi") * vocab
+    lm_head = (0 if cfg.get("tie_word_embeddings", False) else vocab * h) + (model_type == "phi") * vocab
     return embed + layers * (attn + norms + qk_norm) + mlps + final_norm + lm_head
 
 
