@@ -173,8 +173,9 @@ class EngineConfig:
 # head, q/k/v biases, and (glm4) Gemma 3's norms after attention and MLP
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "ministral", "qwen3", "phi3", "smollm3", "granite", "olmo2",
                          "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "starcoder2", "nemotron",
-                         "stablelm", "phi", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe",
-                         "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "ernie4_5_moe", "glm", "glm4")
+                         "stablelm", "phi", "cohere", "cohere2", "gemma", "gemma2", "gemma3_text", "mixtral",
+                         "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid",
+                         "ernie4_5_moe", "glm", "glm4")
 # of the MLP: relu2 is ReLU squared, gelu_new GELU-tanh written out as transformers' NewGELUActivation
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "relu2")
 
@@ -196,6 +197,8 @@ def unsupported_model(config: dict) -> str | None:
         return f"activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})"
     if config.get("use_bidirectional_attention"):
         return "bidirectional attention (an embedding model) is not supported"
+    if config.get("use_qk_norm"):
+        return "use_qk_norm (Command R+'s LayerNorm of each query and key head) is not supported"
     if config.get("qk_layernorm"):
         return "qk_layernorm (a LayerNorm of each query and key head: StableLM 2 12B) is not supported"
     if config.get("clip_qkv") is not None:

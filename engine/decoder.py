@@ -1,6 +1,7 @@
 """A lean forward for Llama-family decoders (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
 SmolLM3, Granite, OLMo 2, OLMo 3, EXAONE 4, ERNIE 4.5, Helium, Seed-OSS, Arcee AFM, StarCoder2,
-Nemotron, StableLM, Phi 1.5/2, GLM-4, Gemma 1, 2 and 3 text): the engine's model code.
+Nemotron, StableLM, Phi 1.5/2, Cohere (Command R, R7B), GLM-4, Gemma 1, 2 and 3 text): the
+engine's model code.
 
 Weights come from the stock transformers model (`AutoModelForCausalLM`, so every checkpoint
 format it reads works: safetensors, the GGUF-converted default model); the forward is ours:
@@ -24,7 +25,9 @@ with a bias (Nemotron's scaling by 1 + weight) and ungated MLPs (GELU-tanh; ReLU
 biases on every projection and a sliding window, Nemotron with RoPE on half of each head; StableLM
 by LayerNorms and, where `use_parallel_residual`, attention and MLP side by side on one norm's output;
 Phi (Phi-1.5, Phi-2) likewise, with an ungated GELU MLP (fc1, fc2) and biases on every projection and
-on the LM head;
+on the LM head; Cohere likewise with its own LayerNorm (no bias, in fp32), RoPE on interleaved pairs
+(its rotary tables interleaved too, reordered as the q/k rows are) and a logit scale, Cohere 2 with
+sliding layers and global ones without RoPE;
 Gemma 3 (`gemma3_text`) by norms both before and after attention and MLP (`x + norm(attn(norm(x)))`),
 RMSNorm scaling by 1 + weight (folded into the weights at load), an embedding scaled by
 sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated MLP,
@@ -103,7 +106,10 @@ class DecoderModel:
         self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0))
         self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0))
         # EXAONE 4's hybrid models (a sliding window on some layers): no RoPE on the global layers
-        self.global_nope = cfg.model_type == "exaone4" and getattr(cfg, "sliding_window", None) is not None
+        # (Cohere 2's too)
+        self.global_nope = cfg.model_type in ("exaone4", "cohere2") and getattr(cfg, "sliding_window", None) is not None
+        self.cohere = cfg.model_type in ("cohere", "cohere2")   # its own LayerNorm, logit_scale, RoPE tables
+        self.logit_scale = float(getattr(cfg, "logit_scale", None) or 1.0)
         self.eps = next(v for v in (getattr(cfg, k, None) for k in ("rms_norm_eps", "norm_epsilon", "norm_eps",
                                                                      "layer_norm_eps")) if v is not None)
         # `kernels` (engine.kernels, CPU): the GEMV kernels for the linears (engine.linear) in every
@@ -193,7 +199,7 @@ class DecoderModel:
         assert (q_norm is None) == (k_norm is None)
         layer.q_norm = None if q_norm is None else self._norm_weight(q_norm)
         layer.k_norm = None if k_norm is None else self._norm_weight(k_norm)
-        layer.rope = bool(getattr(attn, "use_rope", True)) and not (self.global_nope and not attn.is_sliding)
+        layer.rope = bool(getattr(attn, "use_rope", True)) and not (self.global_nope and not self.windows[i])
         kind = getattr(attn, "layer_type", None) or getattr(attn, "attention_type", None)     # OLMo 3's name
         layer.rope_kind = kind if self.rope_kinds != [None] else None
         assert layer.rope_kind in self.rope_kinds
@@ -206,7 +212,8 @@ class DecoderModel:
         (weight, bias) in the model's dtype, Nemotron's weight + 1 (added in fp32)."""
         if self.layer_norm:
             weight = (norm.weight.detach().float() + self.norm_offset).to(self.dtype)
-            return weight, None if norm.bias is None else norm.bias.detach().to(self.dtype)
+            bias = getattr(norm, "bias", None)                   # Cohere's have none
+            return weight, None if bias is None else bias.detach().to(self.dtype)
         if not self.norm_offset:
             return norm.weight.detach().to(self.dtype)
         return norm.weight.detach().float() + self.norm_offset
@@ -219,12 +226,18 @@ class DecoderModel:
         if self._pin is not None:
             positions = torch.cat((positions, self._pin), dim=-1)
         cos, sin = self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
+        if self.cohere:      # its tables interleaved, (f0, f0, f1, f1, ...): as the engine's, (f0, f1, .., f0, f1, ..)
+            half = torch.arange(0, cos.shape[-1], 2, device=cos.device)
+            order = torch.cat((half, half + 1))
+            cos, sin = cos[..., order], sin[..., order]
         return (cos, sin) if self._pin is None else (cos[:, :t], sin[:, :t])
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of final hidden states [n, hidden], in the model's dtype (Gemma 2's
         soft-capped ones in fp32, which every caller turns them into)."""
         logits = self._head(hidden)
+        if self.logit_scale != 1.0:                # Cohere's, a multiplier
+            logits = logits * self.logit_scale
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
         if self.final_softcap:   # Gemma 2, as transformers: divide, tanh, multiply; in place in fp32
@@ -260,6 +273,11 @@ class DecoderModel:
 
     def _norm(self, x: torch.Tensor, weight) -> torch.Tensor:
         """The model's norm of rows x by `_norm_weight`'s weight: an RMSNorm, or a LayerNorm."""
+        if self.cohere:                            # transformers' CohereLayerNorm op for op, in fp32
+            h = x.float()
+            mean = h.mean(-1, keepdim=True)
+            variance = (h - mean).pow(2).mean(-1, keepdim=True)
+            return (weight[0].float() * ((h - mean) * torch.rsqrt(variance + self.eps))).to(x.dtype)
         if self.layer_norm:                        # transformers' nn.LayerNorm's op
             return F.layer_norm(x, (x.shape[-1],), *weight, eps=self.eps)
         if self._kernels is not None:

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 # their query and key projections' output rows per head at load (`Dims.rope_order`), which turns the
 # one rotation into the other and leaves every query-key product the same (a LoRA adapter's B rows
 # on them are reordered so too).
-INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
+INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "cohere", "cohere2")
 # Model types whose MLP is not gated, down(act(up(x))) (Arcee's AFM and Nemotron with ReLU^2,
 # StarCoder2 and Phi with GELU-tanh): their up projection is the decoder's `gate_up` linear whole,
 # whose gate part is 0 wide (Dims.widths)
 UNGATED_MLP = ("arcee", "starcoder2", "nemotron", "phi")
-# Model types whose norms are LayerNorms with a bias (Nemotron's scale by 1 + weight), not RMSNorms
-LAYER_NORM = ("starcoder2", "nemotron", "stablelm", "phi")
+# Model types whose norms are LayerNorms, not RMSNorms: with a bias (Nemotron's scale by 1 + weight) but
+# Cohere's, which transformers computes in fp32 by its own ops
+LAYER_NORM = ("starcoder2", "nemotron", "stablelm", "phi", "cohere", "cohere2")
 
 
 @dataclass(frozen=True)

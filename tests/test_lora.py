@@ -68,13 +68,15 @@ def test_fp32_greedy_output_is_transformers_with_the_adapter_in_a_mixed_batch(ti
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["phi3", "qwen2", "granitemoehybrid", "helium", "glm", "arcee", "starcoder2", "phi"])
+@pytest.mark.parametrize("arch", ["phi3", "qwen2", "granitemoehybrid", "helium", "glm", "arcee", "starcoder2", "phi",
+                                  "cohere"])
 def test_other_archs_fused_projections_and_biases(tmp_path, arch):
     """phi3's checkpoints fuse qkv_proj and gate_up_proj (adapters name those), qwen2 has q/k/v
     biases, Granite 4.0's MLP is its shared_mlp's input_linear ([gate; up]) and output_linear, helium's
     RoPE on interleaved pairs reorders the engine's q/k rows (and so the adapter's B rows there; glm's
     on half of each head, its MLP's gate and up fused), arcee's ungated MLP has up_proj alone (starcoder2's
-    is c_fc and c_proj, beside LayerNorms; phi's fc1 and fc2, its o_proj `dense`)."""
+    is c_fc and c_proj, beside LayerNorms; phi's fc1 and fc2, its o_proj `dense`; cohere's RoPE on interleaved
+    pairs in a block with attention and MLP side by side)."""
     path = tiny_model_dir(tmp_path / arch, arch, seed=5)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     modules = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),

@@ -162,6 +162,7 @@ def test_local_dir_is_checked(tmp_path):
     ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}, "a multimodal checkpoint"),
     ({"model_type": "olmoe", "clip_qkv": 8.0}, "clip_qkv"),              # OLMoE runs, unclamped
     ({"model_type": "stablelm", "qk_layernorm": True}, "qk_layernorm"),   # StableLM 2 12B's per-head norms
+    ({"model_type": "cohere", "use_qk_norm": True}, "use_qk_norm"),       # Command R+'s
     # Granite 4.0: the attention-only checkpoints with RoPE run; the hybrids' Mamba layers do not
     ({"model_type": "granitemoehybrid", "layer_types": ["mamba", "attention", "mamba"],
       "position_embedding_type": "rope"}, "2 of the model's layers are Mamba layers"),

@@ -109,8 +109,8 @@ def _with_partial_rotary(path, factor):
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.02)])
 @pytest.mark.parametrize("arch", ["qwen3", "phi3-partial", "smollm3", "granite", "granitemoehybrid", "olmo2", "olmo3",
                                   "exaone4", "ernie4_5", "helium", "glm4", "ministral", "seed_oss", "arcee",
-                                  "starcoder2", "nemotron", "stablelm", "phi", "gemma", "gemma2", "gemma3_text",
-                                  "gemma3_text-256", "gemma3_text-torch"])
+                                  "starcoder2", "nemotron", "stablelm", "phi", "cohere", "cohere2", "gemma", "gemma2",
+                                  "gemma3_text", "gemma3_text-256", "gemma3_text-torch"])
 def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, tolerance):
     """qwen3's per-head q/k norms, phi3 with RoPE on half of each head (Phi-4-mini's `partial_rotary_factor`), smollm3's
     layer without RoPE, granite's multipliers (Granite 4.0's with its shared MLP), olmo2's norms after each block and
@@ -118,26 +118,28 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
     ernie4_5's, helium's and glm4's (on half of each head, with Gemma 3's norms) RoPE on interleaved pairs (their q/k
     rows reordered at load; ernie4_5 with biases), ministral's sliding first layer, seed_oss's biases (o_proj's under
     its own key), arcee's ungated ReLU^2 MLP, starcoder2's LayerNorms (random weights and biases here), ungated GELU
-    MLP, biases and windows, nemotron's LayerNorms scaling by 1 + weight with its RoPE on half of each head, stablelm's
-    attention and MLP side by side on one LayerNorm (`use_parallel_residual`) with RoPE on a quarter of each head, phi's
-    too (an ungated GELU MLP written out as transformers' gelu_new, biases on every projection and on the LM head),
-    gemma's (Gemma 1: norms scaling by 1 + weight, random here, the embedding scale, GELU-tanh), and gemma3_text's
-    (norms before and after each block scaling by 1 + weight, random here; the embedding scale; GELU; a sliding first
-    layer with its own RoPE; also with Gemma 3's head size, 256), gemma2's soft caps (attention scores made large enough
-    for the caps to bite: without the attention's cap the difference was 1.1, without the logits' 0.07; its prompt
-    chunks run the capped sdpa, not the prefill kernel), on every path (bf16 on a CPU with native bf16: the prefill and
-    decode kernels and, for all but the partial-RoPE phi3, the fused RoPE + K/V store; gemma3_text-torch: bf16 without
-    any kernel, as on CUDA, its fp32 norm scales through torch's ops): the log-probabilities of the prompt and of the
-    greedy tokens are Hugging Face's fp32 forward's within the dtype's rounding (measured for qwen3: 5e-7 fp32, 0.004
-    bf16; 0.2 with its norms skipped, whose greedy tokens still agree)."""
+    MLP, biases and windows, nemotron's LayerNorms scaling by 1 + weight with its RoPE on half of each head,
+    stablelm's attention and MLP side by side on one LayerNorm (`use_parallel_residual`) with RoPE on a quarter of
+    each head, phi's too (an ungated GELU MLP written out as transformers' gelu_new, biases on every projection and on
+    the LM head), cohere's and cohere2's (Cohere's LayerNorm in fp32, interleaved RoPE tables, the logit scale;
+    cohere2's global layer without RoPE), gemma's (Gemma 1: norms scaling by 1 + weight, random here, the embedding
+    scale, GELU-tanh), and gemma3_text's (norms before and after each block scaling by 1 + weight, random here; the
+    embedding scale; GELU; a sliding first layer with its own RoPE; also with Gemma 3's head size, 256), gemma2's soft
+    caps (attention scores made large enough for the caps to bite: without the attention's cap the difference was 1.1,
+    without the logits' 0.07; its prompt chunks run the capped sdpa, not the prefill kernel), on every path (bf16 on a
+    CPU with native bf16: the prefill and decode kernels and, for all but the partial-RoPE phi3, the fused RoPE + K/V
+    store; gemma3_text-torch: bf16 without any kernel, as on CUDA, its fp32 norm scales through torch's ops): the
+    log-probabilities of the prompt and of the greedy tokens are Hugging Face's fp32 forward's within the dtype's
+    rounding (measured for qwen3: 5e-7 fp32, 0.004 bf16; 0.2 with its norms skipped, whose greedy tokens still
+    agree)."""
     head_dim = 16 if arch in ("helium", "stablelm", "phi") else 256 if arch.endswith("-256") else 64  # tiny_model_dir's
     path = _with_random_extras(tiny_model_dir(tmp_path / arch, arch.split("-")[0], seed=5, head_dim=head_dim))
     if arch == "phi3-partial":
         path = _with_partial_rotary(_with_sharp_attention(path), 0.5)
     if arch in ("smollm3", "granite", "granitemoehybrid", "gemma2", "olmo3", "exaone4", "ernie4_5", "helium",
-                "glm4", "ministral", "starcoder2", "nemotron", "stablelm", "phi"):
+                "glm4", "ministral", "starcoder2", "nemotron", "stablelm", "phi", "cohere", "cohere2"):
         path = _with_sharp_attention(path)
-    if arch.startswith(("olmo", "gemma", "exaone", "glm", "starcoder2", "nemotron", "stablelm", "phi")):
+    if arch.startswith(("olmo", "gemma", "exaone", "glm", "starcoder2", "nemotron", "stablelm", "phi", "cohere")):
         path = with_random_norms(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     torch_only = arch.endswith("-torch")
@@ -148,7 +150,7 @@ def test_arch_specifics_give_the_hf_models_logprobs(tmp_path, arch, dtype, toler
         eng.runner.model._kernels = None            # norms, activation and RoPE through torch's ops
     partial = {"phi3-partial": 2, "glm4": 2, "nemotron": 2, "stablelm": 4, "phi": 2}.get(arch, 1)  # RoPE on 1 / partial
     assert eng.runner.model.rotary_dim == head_dim // partial
-    assert [layer.rope for layer in eng.runner.model.layers] == [True, arch not in ("smollm3", "exaone4")]
+    assert [layer.rope for layer in eng.runner.model.layers] == [True, arch not in ("smollm3", "exaone4", "cohere2")]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     for prompt, done in zip(PROMPTS, eng.generate(PROMPTS, params)):
         expected, got = hf_logprobs(hf, prompt, done), engine_logprobs(done)    # one per target

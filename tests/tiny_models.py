@@ -2,7 +2,8 @@
 
 `tiny_model_dir` writes a small Hugging Face model directory (llama, qwen2, qwen3, phi3, smollm3,
 granite, granitemoehybrid (Granite 4.0 attention-only, no experts), olmo2, olmo3, exaone4,
-ernie4_5, helium, seed_oss, arcee, starcoder2, nemotron, stablelm, phi, glm, glm4, gemma, gemma2,
+ernie4_5, helium, seed_oss, arcee, starcoder2, nemotron, stablelm, phi, cohere, cohere2,
+glm, glm4, gemma, gemma2,
 gemma3_text, mistral or ministral shape, or a mixture of experts: mixtral, qwen2_moe, qwen3_moe,
 olmoe, granitemoe, granitemoeshared, ernie4_5_moe) that loads like a real one, in about a second.
 """
@@ -15,7 +16,7 @@ from serving.models import CHATML_TEMPLATE, ModelError
 
 TINY_ARCHS = ("llama", "qwen2", "mistral", "ministral", "qwen3", "phi3", "smollm3", "granite", "granitemoehybrid",
               "olmo2", "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "starcoder2", "nemotron",
-              "stablelm", "phi", "glm", "glm4", "gemma", "gemma2", "gemma3_text")
+              "stablelm", "phi", "cohere", "cohere2", "glm", "glm4", "gemma", "gemma2", "gemma3_text")
 TINY_MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe")
 _GRANITE = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
             "attention_multiplier": 0.0078125}
@@ -44,7 +45,9 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     and a window of 8 on every layer; nemotron LayerNorms scaling by 1 + weight, an ungated ReLU^2 MLP,
     biases and RoPE on half of each head; stablelm LayerNorms, q/k/v biases, RoPE on a quarter of each head
     and attention and MLP side by side, `use_parallel_residual`; phi the same with an ungated GELU MLP, fc1
-    and fc2, biases on every projection and the LM head, and RoPE on half of each head). The tokenizer is
+    and fc2, biases on every projection and the LM head, and RoPE on half of each head; cohere and cohere2 the
+    side by side block on Cohere's LayerNorms (no bias), RoPE on interleaved pairs and a logit scale, cohere2's
+    first layer with a window of 8, its second, global, without RoPE). The tokenizer is
     copied from ``tokenizer_dir`` (e.g. the default model's directory, so prompts tokenize as for the real
     model); without one, a small byte-level tokenizer with ChatML special tokens and a ChatML template is
     built. ``overrides``: more config keys (e.g. granitemoehybrid with experts). The weights depend only on
@@ -90,12 +93,13 @@ def with_random_norms(path: Path) -> Path:
 
 
 def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
-    from transformers import (ArceeConfig, Ernie4_5Config, Ernie4_5_MoeConfig, Exaone4Config, Gemma2Config,
-                              Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig, GraniteConfig, GraniteMoeConfig,
-                              GraniteMoeHybridConfig, GraniteMoeSharedConfig, HeliumConfig, LlamaConfig,
-                              MinistralConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
-                              OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
+    from transformers import (ArceeConfig, Cohere2Config, CohereConfig, Ernie4_5Config, Ernie4_5_MoeConfig,
+                              Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig,
+                              GraniteConfig, GraniteMoeConfig, GraniteMoeHybridConfig, GraniteMoeSharedConfig,
+                              HeliumConfig, LlamaConfig, MinistralConfig, MistralConfig, MixtralConfig, NemotronConfig,
+                              Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config, StableLmConfig,
+                              Starcoder2Config)
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "phi3": Phi3Config, "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config,
@@ -106,7 +110,7 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
            "ernie4_5": Ernie4_5Config, "helium": HeliumConfig, "ernie4_5_moe": Ernie4_5_MoeConfig,
            "glm": GlmConfig, "glm4": Glm4Config, "ministral": MinistralConfig, "seed_oss": SeedOssConfig,
            "arcee": ArceeConfig, "starcoder2": Starcoder2Config, "nemotron": NemotronConfig,
-           "stablelm": StableLmConfig, "phi": PhiConfig}[arch]
+           "stablelm": StableLmConfig, "phi": PhiConfig, "cohere": CohereConfig, "cohere2": Cohere2Config}[arch]
     granite_moe = {**_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
     moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
     extra = {"smollm3": {"no_rope_layers": [1, 0]},
@@ -126,6 +130,9 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
              "nemotron": {"attention_bias": True, "mlp_bias": True},
              "stablelm": {"use_qkv_bias": True, "use_parallel_residual": True},
              "phi": {"hidden_act": "gelu_new", "partial_rotary_factor": 0.5},
+             "cohere": {"logit_scale": 0.5},
+             "cohere2": {"logit_scale": 0.5, "sliding_window": 8,
+                         "layer_types": ["sliding_attention", "full_attention"]},
              "ministral": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
              "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
              "gemma2": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],

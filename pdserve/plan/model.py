@@ -82,8 +82,9 @@ def count_params(cfg: dict) -> int:
     (stablelm); seed_oss's o_proj bias when `attention_out_bias`), gated MLP 3*H*I (ungated,
     UNGATED_MLP's: 2*H*I; + biases when `mlp_bias`; ERNIE 4.5's and StarCoder2's `use_bias`, and
     Phi always: on every projection, and Phi's LM head V), two RMSNorm weights of H (one norm where
-    attention and MLP sit side by side, `use_parallel_residual` and Phi; four for gemma2,
-    gemma3_text and glm4; LAYER_NORM's LayerNorms have a bias of H each, the final one too; and
+    attention and MLP sit side by side, `use_parallel_residual`, Phi and Cohere; four for gemma2,
+    gemma3_text and glm4; LAYER_NORM's LayerNorms but Cohere's have a bias of H each, the final one
+    too; and
     qwen3's / exaone4's / olmo2's / olmo3's / gemma3_text's q/k norms); a final norm H; lm_head V*H
     unless `tie_word_embeddings` (absent: untied, as LlamaConfig / Qwen2Config / MistralConfig
     default). A mixture of experts the engine runs (Mixtral,
@@ -118,10 +119,10 @@ def count_params(cfg: dict) -> int:
     qk_norm = {"qwen3": 2, "qwen3_moe": 2, "exaone4": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
                "gemma3_text": 2}.get(model_type, 0) * hd
     norms = {"gemma2": 4, "gemma3_text": 4, "glm4": 4}.get(model_type, 2) * h
-    if cfg.get("use_parallel_residual") or model_type == "phi":   # one norm, attention and MLP beside
+    if cfg.get("use_parallel_residual") or model_type in ("phi", "cohere", "cohere2"):   # attention, MLP beside
         norms = h
     final_norm = h
-    if model_type in LAYER_NORM:                                          # a bias beside each weight
+    if model_type in LAYER_NORM and model_type not in ("cohere", "cohere2"):   # a bias beside each weight
         norms, final_norm = 2 * norms, 2 * h
     moe = _moe_layers(cfg)
     mlps = (layers - len(moe)) * mlp + sum(moe.values())
