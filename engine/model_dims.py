@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Model types whose RoPE rotates interleaved pairs of a head's dimensions, (2i, 2i + 1) (GLM's
-# style: GLM-4, ERNIE 4.5, Helium), where the engine's rotates (i, i + rotary / 2): the engine reorders
+# style: GLM-4, ERNIE 4.5, Helium, Cohere), where the engine's rotates (i, i + rotary / 2): the engine reorders
 # their query and key projections' output rows per head at load (`Dims.rope_order`), which turns the
 # one rotation into the other and leaves every query-key product the same (a LoRA adapter's B rows
 # on them are reordered so too).
