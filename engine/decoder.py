@@ -128,10 +128,14 @@ class DecoderModel:
         # RoPE per layer type (Gemma 3: its own frequencies for sliding and full layers), else one
         self.rope_kinds = getattr(self.rotary, "layer_types", None) or [None]
         # dimensions of each head that RoPE rotates (< head_dim with a partial rotary factor)
+        self._table_order = None
         probe = torch.zeros(1, 1, dtype=dtype, device=self.embed.device)
         self.rotary_dim = self._rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=probe.device),
                                        self.rope_kinds[0])[0].shape[-1]
         assert self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+        if self.cohere:      # its tables interleaved, (f0, f0, f1, f1, ...): as the engine's, (f0, f1, .., f0, f1, ..)
+            half = torch.arange(0, self.rotary_dim, 2, device=self.embed.device)
+            self._table_order = torch.cat((half, half + 1))
         if self.rotary_dim < self.head_dim:        # partial RoPE (Dims.rope_order: GLM's interleaved half)
             self.dims = dims = dataclasses.replace(dims, rotary_dim=self.rotary_dim)
         self.norm = self._norm_weight(body.norm if hasattr(body, "norm") else body.final_layernorm)   # Phi's
@@ -226,10 +230,8 @@ class DecoderModel:
         if self._pin is not None:
             positions = torch.cat((positions, self._pin), dim=-1)
         cos, sin = self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
-        if self.cohere:      # its tables interleaved, (f0, f0, f1, f1, ...): as the engine's, (f0, f1, .., f0, f1, ..)
-            half = torch.arange(0, cos.shape[-1], 2, device=cos.device)
-            order = torch.cat((half, half + 1))
-            cos, sin = cos[..., order], sin[..., order]
+        if self._table_order is not None:          # Cohere's, reordered (set in __init__)
+            cos, sin = cos[..., self._table_order], sin[..., self._table_order]
         return (cos, sin) if self._pin is None else (cos[:, :t], sin[:, :t])
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
