@@ -22,6 +22,9 @@ the kernels take W and start at the window's first key; the torch paths use the 
 a window, the blocks a sequence's window has passed go back to the pool (BlockManager.mark_computed)
 and their entries in its table are stale: the kernels never read them, and a torch path reads
 whatever K/V they now hold (finite, another sequence's or zeros) under a mask that weighs it 0.
+Attention sinks (gpt-oss: `sinks`, one learned logit per query head) join each row's softmax as
+one more score whose value is zero: they only add exp(sink - max) to its denominator (the kernels
+add that term; the torch paths run `eager_sdpa`, transformers' eager math with the sink column).
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def window_mask(q_pos: torch.Tensor, context: int, window: int) -> torch.Tensor:
 
 def fused_attention(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                     meta: AttentionMetadata, scale: float, rope_store, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention` for a step of the bf16 CPU decoder whose every attention reads the pool
     in place (`meta.in_place`: decode rows through the paged decode kernel, prompt chunks through
     the prefill kernel), RoPE included: qkv [T, (H + 2 Hkv) * D] un-rotated, cos/sin [T, D] ->
@@ -104,15 +107,16 @@ def fused_attention(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch
     assert meta.in_place and meta.kernels is not None
     n_kv = meta.kv_pool.shape[4]
     q = rope_store(qkv, cos, sin, meta.kv_pool, meta.slot_mapping, layer, num_heads, n_kv)
-    return _attend(layer, q, None, None, meta, scale, window, softcap)
+    return _attend(layer, q, None, None, meta, scale, window, softcap, sinks)
 
 
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of layer `layer` for a ragged step: query [T, H, D], key/value [T, Hkv, D]
     (RoPE applied) -> [T, H * D]; `window` 0, or W for a sliding-window layer; `softcap` 0, or C
     for scores soft-capped to C * tanh(s / C) (Gemma 2: the kernels cap them, sdpa spans run
-    `capped_sdpa`).
+    `eager_sdpa`); `sinks` None, or the layer's attention sinks [H] fp32 (gpt-oss).
     K/V heads are never repeated for GQA: decode queries of one KV head attend as a group (the
     group is sdpa's query axis), prompt chunks use sdpa's `enable_gqa`."""
     head_dim = query.shape[2]
@@ -123,15 +127,18 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     # 1. store the new K/V
     flat.index_copy_(0, meta.slot_mapping + k_shift, key)
     flat.index_copy_(0, meta.slot_mapping + k_shift + block_size, value)
-    return _attend(layer, query, key, value, meta, scale, window, softcap)
+    return _attend(layer, query, key, value, meta, scale, window, softcap, sinks)
 
 
 def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-            meta: AttentionMetadata, scale: float, window: int, softcap: float = 0.0) -> torch.Tensor:
+            meta: AttentionMetadata, scale: float, window: int, softcap: float = 0.0,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """2. and 3. of the module docstring, the new K/V already in the pool; `key`/`value` (the
     step's own, RoPE applied) are read only by sdpa spans without a past."""
-    sdpa = functools.partial(capped_sdpa, softcap=softcap) if softcap else F.scaled_dot_product_attention
     n_tokens, n_heads, head_dim = query.shape
+    sdpa = F.scaled_dot_product_attention
+    if softcap or sinks is not None:      # sinks [H] as a column of the spans' [1, H, n, 1] scores
+        sdpa = functools.partial(eager_sdpa, softcap=softcap, sinks=None if sinks is None else sinks.view(-1, 1, 1))
     pool = meta.kv_pool
     block_size, n_kv = pool.shape[3], pool.shape[4]
     group = n_heads // n_kv
@@ -144,9 +151,12 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: to
     if dec is not None:
         q = query if meta.all_decode else query[dec.rows]
         if meta.kernels is not None:
-            o = meta.kernels.paged_decode_attention(q, pool, dec.tables, dec.lens, layer, scale, window, softcap)
+            o = meta.kernels.paged_decode_attention(q, pool, dec.tables, dec.lens, layer, scale, window, softcap,
+                                                    sinks)
         else:
-            o = gathered_decode(layer, q, pool, dec, scale, dec.window_masks[window] if window else dec.mask, sdpa)
+            o = gathered_decode(layer, q, pool, dec, scale, dec.window_masks[window] if window else dec.mask,
+                                sdpa if sinks is None else functools.partial(
+                                    eager_sdpa, softcap=softcap, sinks=sinks.view(n_kv, group, 1)))
         if meta.all_decode:
             return o
         out[dec.rows] = o
@@ -154,7 +164,7 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: to
     for span in meta.prefills:
         if span.table is not None:
             out[span.q_start:span.q_end] = meta.kernels.paged_prefill_attention(
-                query[span.q_start:span.q_end], pool, span.table, span.past, layer, scale, window, softcap)
+                query[span.q_start:span.q_end], pool, span.table, span.past, layer, scale, window, softcap, sinks)
             continue
         q = query[span.q_start:span.q_end].transpose(0, 1)[None]             # [1, H, n, D]
         if span.context_slots is None:
@@ -173,7 +183,8 @@ def _attend(layer: int, query: torch.Tensor, key: torch.Tensor | None, value: to
 def gathered_decode(layer: int, q: torch.Tensor, pool: torch.Tensor, dec: DecodeBatch, scale: float,
                     mask: torch.Tensor, sdpa=F.scaled_dot_product_attention):
     """The torch backend: keys gathered a whole block at a time, then one sdpa call under `mask`
-    (`dec.mask`, or a sliding window's; `sdpa`: torch's, or `capped_sdpa`).
+    (`dec.mask`, or a sliding window's; `sdpa`: torch's, or `eager_sdpa`, whose sinks are then
+    [Hkv, group, 1]).
     The query heads of one KV head attend as a group (sdpa's query axis), so K/V heads are
     never repeated for GQA."""
     b, n_heads, head_dim = q.shape
@@ -186,22 +197,29 @@ def gathered_decode(layer: int, q: torch.Tensor, pool: torch.Tensor, dec: Decode
     return o.reshape(b, n_heads * head_dim)
 
 
-def capped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                is_causal: bool = False, scale: float = 1.0, enable_gqa: bool = False,
-                softcap: float = 0.0) -> torch.Tensor:
-    """sdpa's math with the scores soft-capped (Gemma 2), written out as transformers' eager
-    attention computes it: s = (q @ k^T) * scale, then s / C, tanh, * C, masked, softmax in fp32
-    back to the model's dtype, @ v. q [B, H, n, D], k/v [B, Hkv, L, D]; `attn_mask` bool, True =
-    attend, broadcast to [B, H, n, L]; `is_causal`: top-left aligned, as sdpa's."""
+def eager_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               is_causal: bool = False, scale: float = 1.0, enable_gqa: bool = False,
+               softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """sdpa's math with the scores soft-capped (Gemma 2) or with attention sinks (gpt-oss), written
+    out as transformers' eager attention computes it: s = (q @ k^T) * scale, then s / C, tanh, * C,
+    masked, softmax in fp32 back to the model's dtype, @ v; with `sinks` (broadcast to the scores'
+    [..., n, 1]) gpt-oss's: the sink column beside the scores, the row's max subtracted, softmax
+    in the scores' dtype, the column dropped. q [B, H, n, D], k/v [B, Hkv, L, D]; `attn_mask` bool,
+    True = attend, broadcast to [B, H, n, L]; `is_causal`: top-left aligned, as sdpa's."""
     if enable_gqa and k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     if is_causal:
         n, length = s.shape[-2], s.shape[-1]
         attn_mask = torch.ones(n, length, dtype=torch.bool, device=s.device).tril()
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, torch.finfo(s.dtype).min)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype).expand(*s.shape[:-1], 1)], dim=-1)
+        s = s - s.max(dim=-1, keepdim=True).values
+        return torch.matmul(torch.softmax(s, dim=-1, dtype=s.dtype)[..., :-1].to(v.dtype), v)
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(p, v)

@@ -54,7 +54,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, DecodeBatch, capped_sdpa, paged_attention
+from engine.attention import AttentionMetadata, DecodeBatch, eager_sdpa, paged_attention
 from engine import decoder, linear
 from engine.config import EngineConfig
 from engine.kernels import cpu_kernels
@@ -79,10 +79,11 @@ def _decode_case(dtype, batch, max_ctx, heads, kv_heads, dim, block_size, layers
     return pool, tables, lens, query
 
 
-def _both_backends(pool, tables, lens, query, layer, scale, window=0, softcap=0.0):
+def _both_backends(pool, tables, lens, query, layer, scale, window=0, softcap=0.0, sinks=None):
     """(kernel output, torch output) for one decode step of `layer` (a sliding-window layer of
-    `window` keys unless 0; scores soft-capped at `softcap` unless 0); the new token's K/V is the
-    one already in the pool at the last position, so the store step changes nothing."""
+    `window` keys unless 0; scores soft-capped at `softcap` unless 0; gpt-oss's attention `sinks`
+    [H] unless None); the new token's K/V is the one already in the pool at the last position, so
+    the store step changes nothing."""
     batch = query.shape[0]
     n_layers, block_size = pool.shape[1], pool.shape[3]
     last = lens - 1
@@ -100,9 +101,9 @@ def _both_backends(pool, tables, lens, query, layer, scale, window=0, softcap=0.
                            window_masks={window: in_window})
     in_place = DecodeBatch(rows, tables=tables.contiguous(), lens=lens.contiguous())
     ref = paged_attention(layer, query, key, value, AttentionMetadata(pool, slots, gathered, [], True), scale, window,
-                          softcap)
+                          softcap, sinks)
     out = paged_attention(layer, query, key, value,
-                          AttentionMetadata(pool, slots, in_place, [], True, KERNELS), scale, window, softcap)
+                          AttentionMetadata(pool, slots, in_place, [], True, KERNELS), scale, window, softcap, sinks)
     return out, ref
 
 
@@ -771,6 +772,13 @@ def test_kernel_matches_torch_backend(dtype, tol, heads, kv_heads, dim, block_si
         assert (out.float() - ref.float()).abs().max().item() <= tol
     plain, _ = _both_backends(pool, tables, lens, query, 1, dim ** -0.5, 7)
     assert (plain.float() - out.float()).abs().max() > 10 * tol     # the cap changed what rows saw
+    # gpt-oss's attention sinks, one a query head, about the scores' size (some above every score
+    # of a row), also windowed: the torch backend runs eager_sdpa, transformers' math
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(1)) * 2
+    for layer, window in ((0, 0), (1, 7)):
+        out, ref = _both_backends(pool, tables, lens, query, layer, dim ** -0.5, window, sinks=sinks)
+        assert (out.float() - ref.float()).abs().max().item() <= tol
+    assert (plain.float() - out.float()).abs().max() > 10 * tol     # the sinks changed what rows saw
 
 
 @needs_kernel
@@ -917,7 +925,7 @@ def test_the_start_up_check_of_a_paged_kernel():
 
     class Wrong:
         @staticmethod
-        def paged_decode_attention(q, pool, tables, lens, layer, scale, window=0):
+        def paged_decode_attention(q, pool, tables, lens, layer, scale, window=0, softcap=0.0, sinks=None):
             return torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
 
     class Broken:
@@ -946,9 +954,10 @@ def _prefill_case(n, past, heads, kv_heads, dim, block_size, layers=2, seed=0):
     return pool, table, query
 
 
-def _prefill_reference(pool, table, query, past, layer, scale, window=0, softcap=0.0):
+def _prefill_reference(pool, table, query, past, layer, scale, window=0, softcap=0.0, sinks=None):
     """The chunk's causal attention in fp32 over its context gathered from the pool (each query's
-    last `window` keys only, unless 0; scores soft-capped at `softcap` unless 0)."""
+    last `window` keys only, unless 0; scores soft-capped at `softcap` unless 0; attention sinks
+    [H] unless None)."""
     n, heads, dim = query.shape
     block_size = pool.shape[3]
     pos = torch.arange(past + n)
@@ -956,7 +965,9 @@ def _prefill_reference(pool, table, query, past, layer, scale, window=0, softcap
     v = pool[table[pos // block_size], layer, 1, pos % block_size].float().transpose(0, 1)[None]
     q_pos = past + torch.arange(n)[:, None]
     mask = (pos[None, :] <= q_pos) & ((pos[None, :] > q_pos - window) if window else True)
-    sdpa = functools.partial(capped_sdpa, softcap=softcap) if softcap else F.scaled_dot_product_attention
+    sdpa = F.scaled_dot_product_attention
+    if softcap or sinks is not None:
+        sdpa = functools.partial(eager_sdpa, softcap=softcap, sinks=None if sinks is None else sinks.view(-1, 1, 1))
     o = sdpa(query.float().transpose(0, 1)[None], k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1).reshape(n, heads * dim)
 
@@ -1014,6 +1025,20 @@ def test_prefill_kernel_soft_caps_scores(n, past, window, dim):
 
 
 @needs_prefill_kernel
+@pytest.mark.parametrize("n,past,window,dim", [(37, 0, 0, 64), (45, 20, 16, 64), (200, 300, 40, 64), (40, 17, 0, 128)])
+def test_prefill_kernel_takes_attention_sinks(n, past, window, dim):
+    """gpt-oss's attention sinks: a logit per query head in each row's softmax, with a zero value
+    (some above every score of a row: the max the kernel subtracts must include them)."""
+    pool, table, query = _prefill_case(n, past, 8, 2, dim, 16)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(2)) * 2
+    out = KERNELS.paged_prefill_attention(query, pool, table, past, 1, dim ** -0.5, window, 0.0, sinks)
+    ref = _prefill_reference(pool, table, query, past, 1, dim ** -0.5, window, sinks=sinks)
+    assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    plain = _prefill_reference(pool, table, query, past, 1, dim ** -0.5, window)
+    assert (plain - ref).abs().max() > 0.05 * ref.abs().max()       # 7 % at 200 after 300, where rows see most keys
+
+
+@needs_prefill_kernel
 def test_prefill_kernel_takes_a_strided_query_and_reads_only_the_context():
     n, past, heads, kv_heads, dim, bs = 40, 21, 9, 3, 64, 16
     pool, table, query = _prefill_case(n, past, heads, kv_heads, dim, bs)
@@ -1064,9 +1089,9 @@ def _spy_on_prefill_kernel(eng) -> list:
             return getattr(KERNELS, attr)
 
         @staticmethod
-        def paged_prefill_attention(query, pool, table, past, layer, scale, window=0, softcap=0.0):
+        def paged_prefill_attention(query, pool, table, past, layer, scale, window=0, softcap=0.0, sinks=None):
             calls.append((query.shape[0], past))
-            return real(query, pool, table, past, layer, scale, window, softcap)
+            return real(query, pool, table, past, layer, scale, window, softcap, sinks)
     eng.runner.kernels = Spy()
     return calls
 

@@ -90,9 +90,11 @@ def test_triton_kernel_under_the_interpreter(tmp_path):
             tables = torch.randperm(n, generator=g)[:B * nb].view(B, nb)
             lens = torch.tensor([ctx, 5, 20])
             q = torch.randn(B, heads, dim, generator=g)
-            # full, sliding windows (the last 6 / 19 keys), and Gemma 2's soft-capped scores
-            for window, cap in ((0, 0.0), (6, 0.0), (19, 0.0), (0, 0.3), (6, 0.3)):
-                out = TritonKernels.paged_decode_attention(q, pool, tables, lens, 1, dim ** -0.5, window, cap)
+            sinks = torch.randn(heads, generator=g) * 2
+            # full, sliding windows (the last 6 / 19 keys), Gemma 2's soft-capped scores and gpt-oss's sinks
+            for window, cap, sink in ((0, 0.0, None), (6, 0.0, None), (19, 0.0, None), (0, 0.3, None),
+                                      (6, 0.3, None), (0, 0.0, sinks), (6, 0.0, sinks)):
+                out = TritonKernels.paged_decode_attention(q, pool, tables, lens, 1, dim ** -0.5, window, cap, sink)
                 k_rows = tables * (2 * L)
                 keys = torch.arange(nb * bs)[None, :]
                 mask = (keys < lens[:, None])[:, None, None, :]
@@ -105,7 +107,7 @@ def test_triton_kernel_under_the_interpreter(tmp_path):
                 flat = pool.view(-1, kv_heads, dim)
                 k, v = flat[slots + 2 * bs].clone(), flat[slots + 3 * bs].clone()
                 ref = paged_attention(1, q, k, v, AttentionMetadata(pool, slots, dec, [], True), dim ** -0.5, window,
-                                      cap)
+                                      cap, sink)
                 err = (out - ref).abs().max().item()
                 assert err < 1e-5, (heads, kv_heads, dim, bs, window, err)
         prompts = [[5, 6, 7], list(range(10, 27)), list(range(30, 41))]

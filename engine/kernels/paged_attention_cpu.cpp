@@ -14,6 +14,9 @@
 //                                              query attends its last W keys, itself included)
 //   softcap float                             (0: none; C > 0: scores capped to C * tanh(s / C) before
 //                                              the softmax, Gemma 2's attn_logit_softcapping)
+//   sinks   [H] fp32 or None                  (gpt-oss's attention sinks: a logit per query head that
+//                                              joins the softmax with a zero value, adding exp(sink -
+//                                              max) to its denominator; the max includes the sink)
 //   -> out  [B, H * D]                        (same dtype as query)
 // Softmax in fp32: the max as the scores are stored, then exp (kernel_common.h exp16) and sum.
 //
@@ -50,6 +53,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -63,11 +67,12 @@ using namespace pdserve_cpu;
 // values 16 -> 64 measured 0.90-0.97x per cold layer (8 x 256 to 64 x 2048, 1 thread; 32: between)
 constexpr int64_t kValuesAhead = 64, kKeysAhead = 32;   // step 1 starts with keys 16-47 (kKeysAhead 32)
 
-// s[0 .. len) <- softmax(s), in fp32: the max, then exp and sum, then the scaling
-inline void softmax_in_place(float* s, int64_t len) {
-  float m = std::numeric_limits<float>::lowest();
+// s[0 .. len) <- softmax(s), in fp32: the max, then exp and sum, then the scaling; with a `sink`
+// (gpt-oss) one more score in the max and the sum, whose probability is dropped
+inline void softmax_in_place(float* s, int64_t len, const float* sink) {
+  float m = sink ? *sink : std::numeric_limits<float>::lowest();
   for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
-  float sum = 0.f;
+  float sum = sink ? std::exp(*sink - m) : 0.f;
   for (int64_t j = 0; j < len; ++j) { s[j] = std::exp(s[j] - m); sum += s[j]; }
   const float inv = 1.f / sum;
   for (int64_t j = 0; j < len; ++j) s[j] *= inv;
@@ -284,7 +289,7 @@ template <typename T, int64_t kDim>
 void attend_avx(const T* query, const T* pool, const int64_t* tables, const int64_t* lens, T* out,
                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
                 int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t token_stride, float scale,
-                int64_t window, float softcap) {
+                int64_t window, float softcap, const float* sinks) {
   using E = Elems<T, kDim>;
   constexpr int kVecs = kDim / 16, kRowBytes = kDim * sizeof(T);
   constexpr int kHeadChunk = 24 / kVecs;      // query heads whose outputs fit 24 registers
@@ -336,7 +341,10 @@ void attend_avx(const T* query, const T* pool, const int64_t* tables, const int6
           softcap16(scores.data() + g * padded, len, softcap);
           maxes[g] = softcap1(maxes[g], softcap);
         }
-        inv[g] = 1.f / exp_and_sum(scores.data() + g * padded, len, maxes[g], 1.f);
+        const float sink = sinks ? sinks[h * group + g] : 0.f;
+        if (sinks) maxes[g] = std::max(maxes[g], sink);
+        inv[g] = 1.f / (exp_and_sum(scores.data() + g * padded, len, maxes[g], 1.f) +
+                        (sinks ? std::exp(sink - maxes[g]) : 0.f));
         if constexpr (!std::is_same_v<T, bf16>)
           for (int64_t t = 0; t < len; ++t) scores[g * padded + t] *= inv[g];
       }
@@ -495,7 +503,7 @@ template <typename T, int64_t kDim>
 void attend_avx2(const T* query, const T* pool, const int64_t* tables, const int64_t* lens, T* out,
                  int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
                  int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t token_stride, float scale,
-                 int64_t window, float softcap) {
+                 int64_t window, float softcap, const float* sinks) {
   constexpr int kScoreHeads = 8, kValueHeads = 3;   // query heads a pass of step 1 / step 3 takes
   const int64_t group = heads / kv_heads;
   const int64_t threads = at::get_num_threads();
@@ -539,7 +547,10 @@ void attend_avx2(const T* query, const T* pool, const int64_t* tables, const int
           softcap8(scores.data() + r * padded, len, softcap);
           maxes[r] = softcap1(maxes[r], softcap);
         }
-        maxes[r] = 1.f / exp_and_sum8(scores.data() + r * padded, len, maxes[r], 1.f);
+        const float sink = sinks ? sinks[h0 * group + r] : 0.f;        // row r: query head h0 * group + r
+        if (sinks) maxes[r] = std::max(maxes[r], sink);
+        maxes[r] = 1.f / (exp_and_sum8(scores.data() + r * padded, len, maxes[r], 1.f) +
+                          (sinks ? std::exp(sink - maxes[r]) : 0.f));
       }
       // 3. out_r = (sum_t e[r, t] v_t) / sum, `block` tokens at a time, every query head's passes
       // over them. fp32 rows are first copied into `staged` in the order they lie: the passes
@@ -581,7 +592,7 @@ template <typename T, int64_t kDim>
 void attend(const T* query, const T* pool, const int64_t* tables, const int64_t* lens, T* out,
             int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
             int64_t block_size, int64_t block_stride, int64_t k_offset, int64_t v_offset,
-            int64_t token_stride, float scale, int64_t window, float softcap) {
+            int64_t token_stride, float scale, int64_t window, float softcap, const float* sinks) {
   const int64_t group = heads / kv_heads;
   if (kDim > 0) dim = kDim;   // a compile-time head size lets the compiler unroll and vectorize
   // One sequence per work item; each token's K (then V) row of all KV heads is read once, in
@@ -614,7 +625,8 @@ void attend(const T* query, const T* pool, const int64_t* tables, const int64_t*
       // 2. softmax per query head (of the capped scores: Gemma 2)
       if (softcap > 0.f)
         for (float& s : scores) s = softcap1(s, softcap);
-      for (int64_t head = 0; head < heads; ++head) softmax_in_place(scores.data() + head * len, len);
+      for (int64_t head = 0; head < heads; ++head)
+        softmax_in_place(scores.data() + head * len, len, sinks ? sinks + head : nullptr);
       // 3. out_head = sum_j p[head, j] v_j
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; ) {
@@ -639,7 +651,7 @@ void attend(const T* query, const T* pool, const int64_t* tables, const int64_t*
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& pool, const at::Tensor& tables,
                                   const at::Tensor& lens, int64_t layer, double scale, int64_t window,
-                                  double softcap) {
+                                  double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.device().is_cpu() && pool.device().is_cpu(), "paged_decode_attention runs on CPU");
   TORCH_CHECK(window >= 0, "window: 0 (every key) or the number of keys each query attends");
   TORCH_CHECK(softcap >= 0, "softcap: 0 (none) or the cap C of C * tanh(score / C)");
@@ -652,6 +664,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
   TORCH_CHECK(pool.size(5) == dim && heads % kv_heads == 0, "head shapes do not match the pool");
   TORCH_CHECK(0 <= layer && layer < layers, "layer out of range");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.numel() == batch, "one table and length per row");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->numel() == heads && sinks->is_contiguous() &&
+                         sinks->device().is_cpu()), "sinks: [H] float32, one per query head");
+  const float* sink_ptr = sinks ? sinks->data_ptr<float>() : nullptr;
   at::Tensor q = query.contiguous();
   at::Tensor out = at::empty({batch, heads * dim}, query.options());
   const int64_t token_stride = kv_heads * dim;
@@ -663,7 +678,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
     constexpr int64_t kDim = decltype(dim_tag)::value;
     attend<T, kDim>(q.data_ptr<T>(), pool.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                     out.data_ptr<T>(), batch, heads, kv_heads, dim, tables.size(1), block_size, block_stride,
-                    k_offset, v_offset, token_stride, static_cast<float>(scale), window, static_cast<float>(softcap));
+                    k_offset, v_offset, token_stride, static_cast<float>(scale), window, static_cast<float>(softcap),
+                    sink_ptr);
   };
 #if defined(PDSERVE_AVX512) || defined(PDSERVE_AVX2)
   if (dim == 64 || dim == 128 || dim == 256) {
@@ -676,7 +692,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
 #endif
       kernel(q.data_ptr<T>(), pool.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
              out.data_ptr<T>(), batch, heads, kv_heads, tables.size(1), block_size, block_stride, k_offset,
-             v_offset, token_stride, static_cast<float>(scale), window, static_cast<float>(softcap));
+             v_offset, token_stride, static_cast<float>(scale), window, static_cast<float>(softcap), sink_ptr);
     };
     if (query.scalar_type() == at::kBFloat16) { fast(bf16{}); return out; }
     if (query.scalar_type() == at::kFloat) { fast(float{}); return out; }
@@ -701,7 +717,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& poo
 
 TORCH_LIBRARY(pdserve, m) {
   m.def("paged_decode_attention(Tensor query, Tensor pool, Tensor tables, Tensor lens, int layer, float scale, "
-        "int window=0, float softcap=0.0) -> Tensor");
+        "int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {

@@ -10,6 +10,9 @@
 //   past   tokens before the chunk (0: a fresh prompt)
 //   window 0, or W > 0 for a sliding-window layer: query i attends only its last W keys
 //   softcap 0, or C > 0: scores capped to C * tanh(scale * s / C) before the softmax (Gemma 2)
+//   sinks  None, or [H] fp32: gpt-oss's attention sinks, a logit per query head in each row's
+//                              softmax with a zero value (exp(sink - max) in the sum, the max
+//                              taken over the sink too)
 //   -> out [n, H * D] bf16     query i attends keys 0 .. past + i (causal; with a window from
 //                              past + i - W + 1 on), GQA without repeats
 //
@@ -46,6 +49,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "kernel_common.h"
@@ -67,6 +71,14 @@ inline float capped(float* s, int64_t n, float scale, float softcap) {
   softcap8(s, n, softcap);
 #endif
   return 1.f;
+}
+
+// A row's softmax max `m` over raw scores that exp scales by `exp_scale`, raised to the row's sink
+// where there is one (in raw units), and the sink's term of the sum at that max
+inline float with_sink(float& m, const float* sink, float exp_scale) {
+  if (!sink) return 0.f;
+  m = std::max(m, *sink / exp_scale);
+  return std::exp(*sink - m * exp_scale);
 }
 
 struct Context {              // where one KV head's keys live, and the call's shapes
@@ -143,7 +155,7 @@ template <int kDim> struct ValueRows {
 
 template <int kDim>
 void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_t n, int64_t past, int64_t heads,
-                 int64_t kv_heads, float scale, int64_t window, float softcap, bf16* out) {
+                 int64_t kv_heads, float scale, int64_t window, float softcap, const float* sinks, bf16* out) {
   constexpr int kPairs = kDim / 2, kValueRows = kDim == 64 ? 4 : kDim == 128 ? 2 : 1;
   const int64_t group = heads / kv_heads, len = past + n, tiles = (len + 15) / 16;
   const int64_t seen_tile = first_key(past + 1, window) / 16;        // no row sees a key before it
@@ -211,7 +223,8 @@ void prefill_avx(const bf16* query, int64_t q_stride, const Context& ctx, int64_
         const float exp_scale = capped(sr + lo, keys - lo, scale, softcap);
         float m = std::numeric_limits<float>::lowest();
         for (int64_t k = lo; k < keys; ++k) m = std::max(m, sr[k]);
-        inv_sum[r] = 1.f / exp_and_sum(sr + lo, keys - lo, m, exp_scale);   // kernel_common.h (exp16, inline)
+        const float sink = with_sink(m, sinks ? sinks + h * group + r % group : nullptr, exp_scale);
+        inv_sum[r] = 1.f / (exp_and_sum(sr + lo, keys - lo, m, exp_scale) + sink);   // kernel_common.h (exp16, inline)
         for (int64_t k = ft * 16; k < lo; ++k) sr[k] = 0.f;      // before the window
         for (int64_t k = keys; k < width; ++k) sr[k] = 0.f;      // later rows of a tile read these
         uint16_t* pr = reinterpret_cast<uint16_t*>(probs.data() + r * width / 2);
@@ -309,7 +322,7 @@ template <int kDim> struct ValueRows8 {
 
 template <int kDim>
 void prefill_avx2(const bf16* query, int64_t q_stride, const Context& ctx, int64_t n, int64_t past, int64_t heads,
-                  int64_t kv_heads, float scale, int64_t window, float softcap, bf16* out) {
+                  int64_t kv_heads, float scale, int64_t window, float softcap, const float* sinks, bf16* out) {
   constexpr int64_t kTileBlock = 512 / kDim;     // key tiles whose K (or V) take 16 KB in fp32
   const int64_t group = heads / kv_heads, len = past + n, tiles = (len + 7) / 8;
   const int64_t seen_tile = first_key(past + 1, window) / 8;         // no row sees a key before it
@@ -386,7 +399,8 @@ void prefill_avx2(const bf16* query, int64_t q_stride, const Context& ctx, int64
         _mm256_store_ps(m8, mv);
         float m = *std::max_element(m8, m8 + 8);
         for (; k < keys; ++k) m = std::max(m, sr[k]);
-        inv_sum[r] = 1.f / exp_and_sum8(sr + lo, keys - lo, m, exp_scale);   // kernel_common.h (exp8, inline)
+        const float sink = with_sink(m, sinks ? sinks + h * group + r % group : nullptr, exp_scale);
+        inv_sum[r] = 1.f / (exp_and_sum8(sr + lo, keys - lo, m, exp_scale) + sink);   // kernel_common.h (exp8, inline)
         for (int64_t j = ft * 8; j < lo; ++j) sr[j] = 0.f;      // before the window
         for (int64_t j = keys; j < width; ++j) sr[j] = 0.f;     // later rows of a tile read these
       }
@@ -428,7 +442,8 @@ bool prefill_attention_supported(int64_t head_dim) {
 }
 
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& pool, const at::Tensor& table,
-                                   int64_t past, int64_t layer, double scale, int64_t window, double softcap) {
+                                   int64_t past, int64_t layer, double scale, int64_t window, double softcap,
+                                   const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.device().is_cpu() && pool.device().is_cpu(), "paged_prefill_attention runs on CPU");
   TORCH_CHECK(query.dim() == 3 && pool.dim() == 6, "query [n, H, D], pool [blocks, layers, 2, bs, Hkv, D]");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && pool.scalar_type() == at::kBFloat16,
@@ -443,6 +458,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
               " is not built here (64, 128 or 256 with AVX512-BF16 or AVX2)");
   TORCH_CHECK(pool.size(5) == dim && heads % kv_heads == 0, "head shapes do not match the pool");
   TORCH_CHECK(0 <= layer && layer < layers, "layer out of range");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->numel() == heads && sinks->is_contiguous() &&
+                         sinks->device().is_cpu()), "sinks: [H] float32, one per query head");
+  const float* sink_ptr = sinks ? sinks->data_ptr<float>() : nullptr;
   TORCH_CHECK(past >= 0 && n > 0 && table.numel() * block_size >= past + n, "the table does not cover the context");
   const int64_t nblocks = pool.size(0);
   const int64_t* tp = table.data_ptr<int64_t>();
@@ -458,7 +476,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
   bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
   auto kernel = dim == 64 ? prefill_avx<64> : dim == 128 ? prefill_avx<128> : prefill_avx<256>;
   kernel(qp, q.stride(0), ctx, n, past, heads, kv_heads, static_cast<float>(scale), window,
-         static_cast<float>(softcap), op);
+         static_cast<float>(softcap), sink_ptr, op);
 #elif defined(PDSERVE_AVX2)
   const int64_t token_stride = kv_heads * dim, half = block_size * token_stride;
   const Context ctx{reinterpret_cast<const bf16*>(pool.data_ptr<at::BFloat16>()), tp, block_size,
@@ -467,7 +485,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
   bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
   auto kernel = dim == 64 ? prefill_avx2<64> : dim == 128 ? prefill_avx2<128> : prefill_avx2<256>;
   kernel(qp, q.stride(0), ctx, n, past, heads, kv_heads, static_cast<float>(scale), window,
-         static_cast<float>(softcap), op);
+         static_cast<float>(softcap), sink_ptr, op);
 #endif
   return out;
 }
@@ -476,7 +494,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& po
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor pool, Tensor table, int past, int layer, float scale, "
-        "int window=0, float softcap=0.0) -> Tensor");
+        "int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("prefill_attention_supported(int head_dim) -> bool", &prefill_attention_supported);
 }
 

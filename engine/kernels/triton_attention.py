@@ -7,10 +7,11 @@ is read from `lens` on the device (with a sliding window of W keys, the loop sta
 of key `len - W`, and keys before it are masked), so a launch's shape depends only on the batch: CUDA graphs
 capture it once per batch bucket (engine.cuda_graphs).
 
-`TritonKernels().paged_decode_attention(query, pool, tables, lens, layer, scale, window, softcap)` has the
-signature of `torch.ops.pdserve.paged_decode_attention`. Triton ships with CUDA builds of torch;
-on CPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the
-tests check it without a GPU.
+`TritonKernels().paged_decode_attention(query, pool, tables, lens, layer, scale, window, softcap, sinks)` has
+the signature of `torch.ops.pdserve.paged_decode_attention`. Attention sinks (gpt-oss: a logit per
+query head, with a zero value) start each head's online softmax: its max at the sink, its sum at 1.
+Triton ships with CUDA builds of torch; on CPU the kernel runs under Triton's interpreter
+(`TRITON_INTERPRET=1`), which is how the tests check it without a GPU.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _paged_decode(Q, POOL, TABLES, LENS, OUT, scale, table_stride, block_stride, k_offset, v_offset,
-                  token_stride, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                  DIM: tl.constexpr, DIM_P: tl.constexpr, BLOCK: tl.constexpr):
+def _paged_decode(Q, POOL, TABLES, LENS, OUT, SINKS, scale, table_stride, block_stride, k_offset, v_offset,
+                  token_stride, SINK: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEADS: tl.constexpr,
+                  GROUP: tl.constexpr, GROUP_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
+                  BLOCK: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.arange(0, GROUP_P)
@@ -38,6 +40,9 @@ def _paged_decode(Q, POOL, TABLES, LENS, OUT, scale, table_stride, block_stride,
         first = tl.maximum(length - WINDOW, 0)
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
+    if SINK:                            # gpt-oss: the sink's exp(sink - max) is in the sum from the start
+        m_i = tl.load(SINKS + h * GROUP + g, mask=g < GROUP, other=float("-inf")).to(tl.float32)
+        l_i = tl.where(g < GROUP, 1.0, 0.0)
     acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
     for j in range(first // BLOCK, tl.cdiv(length, BLOCK)):
         block = tl.load(TABLES + b * table_stride + j).to(tl.int64)
@@ -65,18 +70,21 @@ class TritonKernels:
 
     @staticmethod
     def paged_decode_attention(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                               layer: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                               layer: int, scale: float, window: int = 0, softcap: float = 0.0,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
         batch, heads, dim = query.shape
         layers, block_size, kv_heads = pool.shape[1], pool.shape[3], pool.shape[4]
         assert pool.is_contiguous() and tables.is_contiguous() and lens.is_contiguous()
         assert heads % kv_heads == 0 and pool.shape[5] == dim and 0 <= layer < layers
+        assert sinks is None or (sinks.dtype == torch.float32 and sinks.numel() == heads and sinks.is_contiguous())
         q = query.contiguous()
         out = torch.empty(batch, heads * dim, dtype=query.dtype, device=query.device)
         token_stride = kv_heads * dim
         half = block_size * token_stride
         group = heads // kv_heads
         _paged_decode[(batch, kv_heads)](
-            q, pool, tables, lens, out, scale, tables.stride(0), layers * 2 * half, layer * 2 * half,
-            layer * 2 * half + half, token_stride, WINDOW=window, SOFTCAP=float(softcap), HEADS=heads, GROUP=group,
-            GROUP_P=triton.next_power_of_2(group), DIM=dim, DIM_P=triton.next_power_of_2(dim), BLOCK=block_size)
+            q, pool, tables, lens, out, q if sinks is None else sinks, scale, tables.stride(0), layers * 2 * half,
+            layer * 2 * half, layer * 2 * half + half, token_stride, SINK=sinks is not None, WINDOW=window,
+            SOFTCAP=float(softcap), HEADS=heads, GROUP=group, GROUP_P=triton.next_power_of_2(group), DIM=dim,
+            DIM_P=triton.next_power_of_2(dim), BLOCK=block_size)
         return out
