@@ -170,12 +170,14 @@ class EngineConfig:
 # Qwen3's per-head q/k norms, and in its hybrid models sliding layers and global ones without RoPE;
 # ERNIE 4.5 and Helium as Llama with RoPE on interleaved pairs (engine.model_dims.INTERLEAVED_ROPE),
 # GLM-4 (glm: 9B-chat; glm4: 0414) as Phi-3 (fused gate/up) with interleaved RoPE on half of each
-# head, q/k/v biases, and (glm4) Gemma 3's norms after attention and MLP
+# head, q/k/v biases, and (glm4) Gemma 3's norms after attention and MLP; gpt-oss as Mixtral with
+# attention sinks, biases on every projection and its router, a clamped SwiGLU in its experts, and
+# sliding and full layers alternating (MXFP4 checkpoints dequantized at load: engine.model_runner)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "ministral", "qwen3", "phi3", "smollm3", "granite", "olmo2",
                          "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "starcoder2", "nemotron",
                          "stablelm", "phi", "cohere", "cohere2", "gemma", "gemma2", "gemma3_text", "mixtral",
                          "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid",
-                         "ernie4_5_moe", "glm", "glm4")
+                         "ernie4_5_moe", "glm", "glm4", "gpt_oss")
 # of the MLP: relu2 is ReLU squared, gelu_new GELU-tanh written out as transformers' NewGELUActivation
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "relu2")
 
@@ -203,6 +205,11 @@ def unsupported_model(config: dict) -> str | None:
         return "qk_layernorm (a LayerNorm of each query and key head: StableLM 2 12B) is not supported"
     if config.get("clip_qkv") is not None:
         return "clip_qkv (OLMoE's clamped projections) is not supported"
+    quant = config.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if quant and method != "mxfp4":     # gpt-oss's MXFP4 experts are dequantized at load (engine.model_runner)
+        return (f"a pre-quantized checkpoint (quant_method {method!r}) is not supported: serve the unquantized "
+                "(bf16 / fp16) checkpoint, with engine.quantization int8 or int4 for smaller weights")
     if model_type == "granitemoehybrid":
         return _granite4_problem(config)
     return None

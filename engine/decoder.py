@@ -35,13 +35,16 @@ sqrt(hidden) in the model's dtype, Qwen3's per-head q/k norms, a GELU-tanh gated
 "full_attention") its own RoPE frequencies and a sliding window (see engine.attention); Gemma 2
 (`gemma2`) as Gemma 3 without the q/k norms and with one RoPE, plus soft caps, `cap * tanh(x /
 cap)`, on the attention's scores (`attn_logit_softcapping`: in the attention kernels, and in
-sdpa's math written out where a prompt chunk runs sdpa, engine.attention.capped_sdpa) and on the
+sdpa's math written out where a prompt chunk runs sdpa, engine.attention.eager_sdpa) and on the
 logits (`final_logit_softcapping`); Gemma 1 (`gemma`) as Gemma 2 with only the norms before each
 block and neither windows nor caps. Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE are their dense relatives
 (Mistral, Qwen2, Qwen3, OLMo 2's q/k norms with norms before each block) with a mixture-of-experts
 block for the MLP (engine/moe.py), and Granite MoE is Granite with one (`block_sparse_moe`; 3.1's
 with an ungated `shared_mlp` beside it); Granite 4.0's attention-only checkpoints
-(`granitemoehybrid`) are Granite whose MLP is that shared MLP, experts beside it or not.
+(`granitemoehybrid`) are Granite whose MLP is that shared MLP, experts beside it or not. gpt-oss
+(`gpt_oss`) is Mixtral with biases on every projection, sliding and full layers alternating,
+attention sinks (a logit per query head in every softmax, engine.attention) and a rotary module
+whose cos/sin cover half a head (doubled here to the engine's full-width tables).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from engine.backends import dtype_name
 from engine.config import layer_windows, unsupported_model
 from engine.linear import fused_weight, make_linear
 from engine.lora import LoraBatch
-from engine.model_dims import LAYER_NORM, Dims
+from engine.model_dims import LAYER_NORM, PARALLEL_BLOCK, Dims
 from engine.moe import MoeMlp, is_moe_block
 
 class _Layer:
@@ -69,9 +72,9 @@ class _Layer:
     # at once [heads * head_dim] (OLMo 2), None elsewhere; rope: False for SmolLM3's layers without
     # positions; rope_kind: the layer type whose RoPE it takes (Gemma 3), else None; window: 0 or
     # its sliding window; moe: the layer's mixture-of-experts block (engine.moe) in place of gate_up
-    # and down, or None
+    # and down, or None; sinks: gpt-oss's attention sinks [heads] in fp32, else None
     __slots__ = ("index", "in_norm", "attn_norm", "post_norm", "ff_norm", "qkv", "o", "gate_up", "down", "moe",
-                 "q_norm", "k_norm", "rope", "rope_kind", "window")
+                 "q_norm", "k_norm", "rope", "rope_kind", "window", "sinks")
 
 
 class DecoderModel:
@@ -129,6 +132,7 @@ class DecoderModel:
         self.rope_kinds = getattr(self.rotary, "layer_types", None) or [None]
         # dimensions of each head that RoPE rotates (< head_dim with a partial rotary factor)
         self._table_order = None
+        self._half_tables = cfg.model_type == "gpt_oss"      # its rotary module's cos/sin: one half of a head
         probe = torch.zeros(1, 1, dtype=dtype, device=self.embed.device)
         self.rotary_dim = self._rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=probe.device),
                                        self.rope_kinds[0])[0].shape[-1]
@@ -149,9 +153,11 @@ class DecoderModel:
         # StableLM's use_parallel_residual)
         self.parallel = self.layers[0].post_norm is None and not self.post_norms
         assert all((layer.post_norm is None) == self.parallel for layer in self.layers)
+        assert self.parallel or self.model_type not in PARALLEL_BLOCK, "the planner counts one norm a layer"
         self.sandwich = self.layers[0].attn_norm is not None      # Gemma 3
         self.rope_everywhere = all(layer.rope for layer in self.layers)   # False for SmolLM3
         self.moe = any(layer.moe is not None for layer in self.layers)    # a mixture of experts
+        self.sinks = any(layer.sinks is not None for layer in self.layers)   # attention sinks (gpt-oss)
         assert all((layer.in_norm is None) == self.post_norms for layer in self.layers)
         assert all((layer.attn_norm is not None) == self.sandwich for layer in self.layers)
         head = hf_model.lm_head
@@ -208,6 +214,8 @@ class DecoderModel:
         layer.rope_kind = kind if self.rope_kinds != [None] else None
         assert layer.rope_kind in self.rope_kinds
         layer.window = self.windows[i]
+        sinks = getattr(attn, "sinks", None)
+        layer.sinks = None if sinks is None else sinks.detach().float().contiguous()
         return layer
 
     def _norm_weight(self, norm) -> torch.Tensor | tuple:
@@ -232,6 +240,8 @@ class DecoderModel:
         cos, sin = self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
         if self._table_order is not None:          # Cohere's, reordered (set in __init__)
             cos, sin = cos[..., self._table_order], sin[..., self._table_order]
+        if self._half_tables:                      # gpt-oss's: both halves rotate by the same angles
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return (cos, sin) if self._pin is None else (cos[:, :t], sin[:, :t])
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -364,14 +374,14 @@ class DecoderModel:
             if fused:
                 c, s = (cos2, sin2) if layer.rope else no_rope
                 a = fused_attention(layer.index, qkv, c, s, nh, meta, self.scale, self._kernels.rope_store,
-                                    layer.window, self.attn_softcap)
+                                    layer.window, self.attn_softcap, layer.sinks)
             else:
                 qk = qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d)
                 if layer.rope:
                     qk = _rope(qk, cos, sin)                                   # q and k heads at once
                 v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
                 a = paged_attention(layer.index, qk[:, :nh], qk[:, nh:], v, meta, self.scale, layer.window,
-                                    self.attn_softcap)
+                                    self.attn_softcap, layer.sinks)
             out = _project(layer.o, a, lora, i, "o")
             if self.post_norms:      # OLMo 2: x + norm(attention(x)), then x + norm(mlp(x))
                 x = x + self._norm(out, layer.post_norm)

@@ -20,6 +20,11 @@ UNGATED_MLP = ("arcee", "starcoder2", "nemotron", "phi")
 # Model types whose norms are LayerNorms, not RMSNorms: with a bias (Nemotron's scale by 1 + weight) but
 # Cohere's, which transformers computes in fp32 by its own ops
 LAYER_NORM = ("starcoder2", "nemotron", "stablelm", "phi", "cohere", "cohere2")
+# ... of which these have no bias (Cohere's LayerNorm) ...
+LAYER_NORM_NO_BIAS = ("cohere", "cohere2")
+# Model types whose attention and MLP always sit side by side on one norm's output (StableLM's do where
+# its config says `use_parallel_residual`): one norm a layer
+PARALLEL_BLOCK = ("phi", "cohere", "cohere2")
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ class ModelRunner:
         self.kernels, self.attention_backend = attention_kernels(config.attention_backend, self.device, self.dtype)
         # quantized formats start from fp32 weights; the others load in their own dtype
         load_dtype = torch.float32 if config.quantization else self.dtype
-        hf_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=load_dtype).to(self.device).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=load_dtype,
+                                                        **_dequantized(config.model)).to(self.device).eval()
         # on CPU: the engine's GEMV (unless cpu_gemv is off) and bf16 norm kernels (None where they
         # cannot build)
         kernels = cpu_kernels() if self.device.type == "cpu" else None
@@ -82,8 +83,10 @@ class ModelRunner:
         # bf16 on CPU with the paged backend: prompt chunks through the in-place prefill kernel
         self.prefill_kernel = prefill_kernel_applies(self.kernels, self.device, self.dtype, self.kv_shape.head_dim)
         # ... except chunks from this many tokens on, which run sdpa (None: none do)
-        # (never with soft-capped scores, Gemma 2's: sdpa cannot cap them, its math written out is slower)
-        self.sdpa_from = chunk_sdpa_from(self.kernels) if self.prefill_kernel and not self.model.attn_softcap else None
+        # (never with soft-capped scores, Gemma 2's, or attention sinks, gpt-oss's: sdpa has neither, its
+        # math written out is slower)
+        eager = self.model.attn_softcap or self.model.sinks
+        self.sdpa_from = chunk_sdpa_from(self.kernels) if self.prefill_kernel and not eager else None
         self.num_blocks = self._num_blocks(at_start)
         s = self.kv_shape
         # Block-major: one block is contiguous across layers (see attention.token_slots).
@@ -328,3 +331,17 @@ class ModelRunner:
         assert tuple(data.shape) == expected, f"KV shape {tuple(data.shape)} != {expected}"
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         self.kv_pool.index_copy_(0, idx, data.to(self.device, self.dtype))
+
+
+def _dequantized(model: str) -> dict:
+    """`from_pretrained` options for a checkpoint quantized in a format the engine does not run:
+    gpt-oss's MXFP4 experts, dequantized by transformers at load (to the load dtype), which the
+    engine's weight formats then take as any other weights. Where transformers' MXFP4 kernels
+    are installed it would keep them packed, a layout the engine's MoE cannot read."""
+    from transformers import AutoConfig
+    quant = getattr(AutoConfig.from_pretrained(model), "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if getattr(method, "value", method) != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+    return {"quantization_config": Mxfp4Config(dequantize=True)}

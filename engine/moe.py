@@ -1,9 +1,12 @@
-"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE):
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE, gpt-oss):
 a router scores every expert for each token, the token runs its top-k experts (each a gated MLP of
 its own) and adds their outputs weighted by those scores; Qwen2-MoE adds a shared expert, gated per
 token by a sigmoid, Granite 3.1 and 4.0 and ERNIE 4.5 an ungated one (Granite's: the layer's
 `shared_mlp`). ERNIE 4.5 routes in fp32 and picks its experts by their scores plus a learned
-correction bias, weighting them by the scores alone. The engine's decoder
+correction bias, weighting them by the scores alone. gpt-oss's router has a bias and weights its
+top-k logits by a softmax over them (in the model's dtype); its experts, stored transposed with
+gate and up columns interleaved and a bias on each projection, apply a clamped SwiGLU,
+(clamp(up, -L, L) + 1) * g * sigmoid(alpha g) with g = min(gate, L). The engine's decoder
 (engine/decoder.py) runs it in place of the dense MLP on the layers that have one.
 
 The math is transformers' (its `*TopKRouter`, `*Experts` eager loop and `*SparseMoeBlock`), op for
@@ -58,21 +61,26 @@ class MoeMlp:
         statics = getattr(router, "moe_statics", None)      # ERNIE 4.5: fp32 routing, a correction bias
         self.correction = None if statics is None else statics.e_score_correction_bias.detach().float().reshape(-1)
         self.norm_min = float(getattr(router, "norm_min", 0.0))
-        self.router = (dense(router.weight.detach(), None) if statics is None else      # [E, hidden]
+        router_bias = getattr(router, "bias", None)          # gpt-oss's
+        router_bias = None if router_bias is None else router_bias.detach()
+        self.router = (dense(router.weight.detach(), router_bias) if statics is None else      # [E, hidden]
                        dense(router.weight.detach().float(), None, torch.float32))
         self.num_experts, self.top_k = router.weight.shape[0], int(router.top_k)
         self.norm_topk = bool(getattr(router, "norm_topk_prob", True))  # Mixtral: always
         self.fp32_scores = model_type == "mixtral"
         self.softmax_of_topk = model_type.startswith("granitemoe")       # granitemoe, -shared, -hybrid
+        self.gpt_oss = model_type == "gpt_oss"
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
         e, hidden = self.num_experts, router.weight.shape[1]
-        if gate_up.dim() != 3 or gate_up.shape[0] != e or gate_up.shape[2] != hidden or \
+        self._act_mul = act_mul
+        if self.gpt_oss:
+            self._gpt_oss_experts(experts, linear, e, hidden)
+        elif gate_up.dim() != 3 or gate_up.shape[0] != e or gate_up.shape[2] != hidden or \
                 down.shape[:2] != (e, hidden) or getattr(experts, "has_bias", False):
             raise ValueError(f"{model_type}: experts stored as {tuple(gate_up.shape)} / {tuple(down.shape)}; "
                              f"pdserve reads [experts, 2 x intermediate, hidden] / [experts, hidden, intermediate]")
-        # per expert: its fused [gate; up] projection and its down projection
-        self.experts = [(linear(gate_up[i], None), linear(down[i], None)) for i in range(e)]
-        self._act_mul = act_mul
+        else:       # per expert: its fused [gate; up] projection and its down projection
+            self.experts = [(linear(gate_up[i], None), linear(down[i], None)) for i in range(e)]
         shared = getattr(block, "shared_expert", None)
         if shared is None:
             shared = getattr(block, "shared_experts", None)     # ERNIE 4.5's name
@@ -85,7 +93,32 @@ class MoeMlp:
         gate = getattr(block, "shared_expert_gate", None)
         self.shared_gate = None if gate is None else dense(gate.weight.detach(), None)   # [1, hidden]
 
+    def _gpt_oss_experts(self, experts, linear: Callable[..., Linear], e: int, hidden: int) -> None:
+        """gpt-oss's experts: gate_up [E, hidden, 2I] with gate and up columns interleaved, down [E,
+        I, hidden], a bias on each; as the engine's linears [gate; up] rows and down, and the
+        clamped SwiGLU as the activation."""
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        if gate_up.dim() != 3 or gate_up.shape[:2] != (e, hidden) or down.shape[0] != e or down.shape[2] != hidden:
+            raise ValueError(f"gpt_oss: experts stored as {tuple(gate_up.shape)} / {tuple(down.shape)}; pdserve "
+                             "reads [experts, hidden, 2 x intermediate] / [experts, intermediate, hidden]")
+        width = gate_up.shape[2]
+        order = torch.cat((torch.arange(0, width, 2), torch.arange(1, width, 2))).to(gate_up.device)
+        gate_up_bias, down_bias = experts.gate_up_proj_bias.detach(), experts.down_proj_bias.detach()
+        self.experts = [(linear(gate_up[i].t()[order].contiguous(), gate_up_bias[i][order]),
+                         linear(down[i].t().contiguous(), down_bias[i])) for i in range(e)]
+        alpha, limit = float(experts.alpha), float(experts.limit)
+
+        def clamped_swiglu(x: torch.Tensor) -> torch.Tensor:      # transformers' GptOssExperts._apply_gate
+            gate, up = x.chunk(2, dim=-1)
+            gate = gate.clamp(min=None, max=limit)
+            up = up.clamp(min=-limit, max=limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        self._act_mul = clamped_swiglu
+
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.gpt_oss:                         # softmax over the top-k logits, in their dtype
+            top, chosen = torch.topk(self.router(h), self.top_k, dim=-1)
+            return self._run(h, F.softmax(top, dim=-1, dtype=top.dtype), chosen)
         if self.correction is not None:          # ERNIE 4.5
             probs = F.softmax(self.router(h.float()), dim=-1)
             chosen = torch.topk(probs + self.correction, self.top_k, dim=-1)[1]

@@ -120,14 +120,23 @@ def test_gemma3_on_cuda_gives_hf_tokens_and_logprobs(tmp_path):
         assert engine.block_manager.all_free()
 
 
-def test_a_mixture_of_experts_on_cuda_runs_eagerly_and_gives_hf_tokens(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
+def test_a_mixture_of_experts_on_cuda_runs_eagerly_and_gives_hf_tokens(tmp_path, arch):
     """A tiny Qwen2-MoE (4 experts, 2 a token, a shared expert, a dense second layer; engine/moe.py)
-    on the GPU: fp32 greedy tokens are HF `generate`'s (its eager expert loop) on the GPU; bf16 runs;
-    neither captures CUDA graphs (the expert loop depends on the routing) and both end all-free."""
+    and a tiny gpt-oss (attention sinks in the Triton kernel and in the prompts' eager sdpa, a window
+    on its first layer) on the GPU: fp32 greedy tokens are HF `generate`'s (its eager expert loop) on
+    the GPU; bf16 runs; neither captures CUDA graphs (the expert loop depends on the routing) and both
+    end all-free."""
     from transformers import AutoModelForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    path = tiny_model_dir(tmp_path / "moe", "qwen2_moe", seed=2, head_dim=64)
+    path = tiny_model_dir(tmp_path / "moe", arch, seed=2, head_dim=64)
+    if arch == "gpt_oss":           # sinks that matter (a fresh model's are near zero)
+        model = AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0, 2)
+        model.save_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").cuda().eval()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 21, 40)]
@@ -242,16 +251,18 @@ def test_triton_paged_attention_equals_the_torch_backend_on_cuda():
             k_rows = tables * (2 * layers)
             keys = torch.arange(nb * bs, device="cuda")[None, :]
             mask = (keys < lens[:, None])[:, None, None, :]
-            # full attention, a sliding window of the last 40 keys, Gemma 2's soft-capped scores
-            for window, cap in ((0, 0.0), (40, 0.0), (40, 0.3)):
+            sinks = torch.randn(heads, generator=g, device="cuda") * 2
+            # full attention, a sliding window of the last 40 keys, Gemma 2's soft-capped scores, gpt-oss's sinks
+            for window, cap, sink in ((0, 0.0, None), (40, 0.0, None), (40, 0.3, None), (0, 0.0, sinks),
+                                      (40, 0.0, sinks)):
                 in_window = mask & (keys >= lens[:, None] - window)[:, None, None, :]
                 gathered = DecodeBatch(torch.arange(batch, device="cuda"),
                                        blocks=torch.stack((k_rows, k_rows + 1)).view(-1), mask=mask,
                                        window_masks={window: in_window})
                 ref = paged_attention(1, q, k, v, AttentionMetadata(pool, slots, gathered, [], True), dim ** -0.5,
-                                      window, cap)
+                                      window, cap, sink)
                 out = TritonKernels.paged_decode_attention(q, pool, tables.contiguous(), lens, 1, dim ** -0.5, window,
-                                                           cap)
+                                                           cap, sink)
                 assert (out.float() - ref.float()).abs().max().item() < tol, (dtype, heads, kv_heads, dim, window, cap)
 
 

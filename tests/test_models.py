@@ -163,6 +163,8 @@ def test_local_dir_is_checked(tmp_path):
     ({"model_type": "olmoe", "clip_qkv": 8.0}, "clip_qkv"),              # OLMoE runs, unclamped
     ({"model_type": "stablelm", "qk_layernorm": True}, "qk_layernorm"),   # StableLM 2 12B's per-head norms
     ({"model_type": "cohere", "use_qk_norm": True}, "use_qk_norm"),       # Command R+'s
+    # pre-quantized checkpoints (but gpt-oss's MXFP4, dequantized at load: tests/test_moe.py)
+    ({"model_type": "qwen3", "quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
     # Granite 4.0: the attention-only checkpoints with RoPE run; the hybrids' Mamba layers do not
     ({"model_type": "granitemoehybrid", "layer_types": ["mamba", "attention", "mamba"],
       "position_embedding_type": "rope"}, "2 of the model's layers are Mamba layers"),

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from engine.config import unsupported_model
-from engine.model_dims import LAYER_NORM, UNGATED_MLP
+from engine.model_dims import LAYER_NORM, LAYER_NORM_NO_BIAS, PARALLEL_BLOCK, UNGATED_MLP
 from pdserve.plan.roofline import MODELS, ModelSpec
 from serving.gguf_models import ModelError, gguf_config
 from serving.models import hub_snapshot, is_hub_id, served_name
@@ -33,7 +33,7 @@ _QKV_BIAS_TYPES = {"qwen2"}          # model types with q/k/v biases but no `att
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 # the mixtures of experts the engine runs (engine/moe.py), whose experts are counted
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid",
-              "ernie4_5_moe")
+              "ernie4_5_moe", "gpt_oss")
 _MOE_SIZED = ("qwen2_moe", "qwen3_moe", "ernie4_5_moe")      # experts of `moe_intermediate_size`
 _GRANITE_SHARED = ("granitemoeshared", "granitemoehybrid")    # Granite's ungated shared MLP beside its experts
 
@@ -87,8 +87,9 @@ def count_params(cfg: dict) -> int:
     too; and
     qwen3's / exaone4's / olmo2's / olmo3's / gemma3_text's q/k norms); a final norm H; lm_head V*H
     unless `tie_word_embeddings` (absent: untied, as LlamaConfig / Qwen2Config / MistralConfig
-    default). A mixture of experts the engine runs (Mixtral,
-    Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE) has its MoE layers' MLPs counted by
+    default; gpt-oss's attention_bias defaults to true, and its attention sinks add heads a layer).
+    A mixture of experts the engine runs (Mixtral,
+    Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE, gpt-oss) has its MoE layers' MLPs counted by
     `moe_params`; any other MoE config raises ValueError, as does a Granite 4.0 with Mamba layers
     (its MLP without experts is its shared MLP, `shared_intermediate_size`).
     """
@@ -105,7 +106,7 @@ def count_params(cfg: dict) -> int:
     # biases on every projection: ERNIE 4.5's and StarCoder2's `use_bias`, Phi's always
     use_bias = model_type in ("ernie4_5", "ernie4_5_moe", "starcoder2") and bool(cfg.get("use_bias"))
     every_bias = model_type == "phi" or use_bias
-    attn_bias = bool(cfg.get("attention_bias", False)) or every_bias
+    attn_bias = bool(cfg.get("attention_bias", model_type == "gpt_oss")) or every_bias
     qkv_bias = attn_bias or model_type in _QKV_BIAS_TYPES or bool(cfg.get("use_qkv_bias")) or (
         model_type == "qwen2_moe" and cfg.get("qkv_bias", True))
     attn = 2 * h * heads * hd + 2 * h * kv * hd
@@ -119,16 +120,17 @@ def count_params(cfg: dict) -> int:
     qk_norm = {"qwen3": 2, "qwen3_moe": 2, "exaone4": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
                "gemma3_text": 2}.get(model_type, 0) * hd
     norms = {"gemma2": 4, "gemma3_text": 4, "glm4": 4}.get(model_type, 2) * h
-    if cfg.get("use_parallel_residual") or model_type in ("phi", "cohere", "cohere2"):   # attention, MLP beside
+    if cfg.get("use_parallel_residual") or model_type in PARALLEL_BLOCK:   # attention, MLP beside
         norms = h
     final_norm = h
-    if model_type in LAYER_NORM and model_type not in ("cohere", "cohere2"):   # a bias beside each weight
+    if model_type in LAYER_NORM and model_type not in LAYER_NORM_NO_BIAS:   # a bias beside each weight
         norms, final_norm = 2 * norms, 2 * h
     moe = _moe_layers(cfg)
     mlps = (layers - len(moe)) * mlp + sum(moe.values())
     embed = vocab * h
     lm_head = (0 if cfg.get("tie_word_embeddings", False) else vocab * h) + (model_type == "phi") * vocab
-    return embed + layers * (attn + norms + qk_norm) + mlps + final_norm + lm_head
+    sinks = heads if model_type == "gpt_oss" else 0
+    return embed + layers * (attn + norms + qk_norm + sinks) + mlps + final_norm + lm_head
 
 
 def moe_params(cfg: dict) -> tuple[int, int, int]:
@@ -139,7 +141,13 @@ def moe_params(cfg: dict) -> tuple[int, int, int]:
         return 0, 0, 0
     experts, h = _experts(cfg), _need(cfg, "hidden_size")
     per_token = cfg.get("num_experts_per_tok") or _need(cfg, "moe_k")          # ERNIE's name
-    return len(moe) * experts * 3 * h * _expert_size(cfg), experts, per_token
+    return len(moe) * experts * _one_expert(cfg), experts, per_token
+
+
+def _one_expert(cfg: dict) -> int:
+    """An expert's parameters: its gated MLP's three projections, and gpt-oss's biases on them."""
+    h, size = _need(cfg, "hidden_size"), _expert_size(cfg)
+    return 3 * h * size + (cfg.get("model_type") == "gpt_oss") * (2 * size + h)
 
 
 def _experts(cfg: dict) -> int:
@@ -160,7 +168,7 @@ def _moe_layers(cfg: dict) -> dict[int, int]:
     if cfg.get("model_type") not in _MOE_TYPES or _experts(cfg) == 0:
         return {}
     h, layers, experts = _need(cfg, "hidden_size"), _need(cfg, "num_hidden_layers"), _experts(cfg)
-    block = experts * h + experts * 3 * h * _expert_size(cfg)
+    block = experts * h + experts * _one_expert(cfg) + (cfg.get("model_type") == "gpt_oss") * experts   # router bias
     if cfg.get("model_type") == "qwen2_moe":
         block += 3 * h * _need(cfg, "shared_expert_intermediate_size") + h
     if cfg.get("model_type") in _GRANITE_SHARED:
