@@ -1,6 +1,7 @@
 """How a chat choice's generated text becomes the assistant's message: its reasoning set apart
 (router/reasoning.py), then its tool calls parsed out of the rest (router/tool_parser.py and one
-module per syntax).
+module per syntax); a harmony model's output (gpt-oss) all three at once by its channels
+(router/harmony.py).
 
 `ChatOutputShape` is decided once per request (router/app.py's chat endpoint: the template,
 the prompt's end, the request's tools); each choice gets its own `ChoiceOutput`, fed its text as
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.array_calls import ArrayCallStream
+from router.harmony import HarmonyStream
 from router.hermes_calls import ToolCallStream
 from router.llama3_calls import JsonCallStream
 from router.pythonic_calls import PythonicCallStream
@@ -25,20 +27,23 @@ from router.tools import HERMES, PYTHONIC, CallSyntax
 class ChatOutputShape:
     """`tools`: the syntax tool calls are parsed in (None: no calls); `reasoning`: None (no
     split) or whether the output starts inside a <think> block; `include_reasoning` false drops
-    the reasoning text (vLLM's); `parallel` false: at most one call (parallel_tool_calls)."""
+    the reasoning text (vLLM's); `parallel` false: at most one call (parallel_tool_calls);
+    `harmony`: the output is in gpt-oss's harmony format (its own reasoning and calls)."""
     tools: CallSyntax | None = None
     reasoning: bool | None = None
     include_reasoning: bool = True
     parallel: bool = True
+    harmony: bool = False
 
     @property
     def plain(self) -> bool:
-        return not self.tools and self.reasoning is None
+        return not self.tools and self.reasoning is None and not self.harmony
 
     @property
     def may_end_early(self) -> bool:
-        """Whether a choice may be complete before its output ends (`ChoiceOutput.done`)."""
-        return self.tools is not None and self.tools != HERMES and not self.parallel
+        """Whether a choice may be complete before its output ends (`ChoiceOutput.done`; harmony's
+        single call ends the output itself, an EOS)."""
+        return self.tools is not None and self.tools != HERMES and not self.parallel and not self.harmony
 
     def choice(self) -> ChoiceOutput:
         return ChoiceOutput(self)
@@ -62,7 +67,10 @@ class ChoiceOutput:
         self.shape = shape
         self._reasoning = None if shape.reasoning is None else ReasoningStream(shape.reasoning)
         self._tools = None
-        if shape.tools == HERMES:      # parallel_tool_calls false ends the output at the first call (a stop)
+        self._harmony = None
+        if shape.harmony:
+            self._harmony = HarmonyStream(shape.tools is not None, (shape.tools or HERMES).new_id)
+        elif shape.tools == HERMES:      # parallel_tool_calls false ends the output at the first call (a stop)
             self._tools = ToolCallStream()
         elif shape.tools is not None and shape.tools.name == PYTHONIC.name:
             self._tools = PythonicCallStream(shape.tools.new_id, first_only=not shape.parallel)
@@ -79,17 +87,25 @@ class ChoiceOutput:
 
     @property
     def num_calls(self) -> int:
-        return 0 if self._tools is None else self._tools.count
+        stream = self._harmony or self._tools
+        return 0 if stream is None else stream.count
 
     def feed(self, text: str) -> Piece:
         """What is certain after `text` arrives."""
+        if self._harmony is not None:
+            return self._harmony_piece(*self._harmony.feed(text))
         reasoning, content = ("", text) if self._reasoning is None else self._reasoning.feed(text)
         return self._piece(reasoning, content, final=False)
 
     def finish(self) -> Piece:
         """What was held back; the output has ended."""
+        if self._harmony is not None:
+            return self._harmony_piece(*self._harmony.finish())
         reasoning, content = ("", "") if self._reasoning is None else self._reasoning.finish()
         return self._piece(reasoning, content, final=True)
+
+    def _harmony_piece(self, reasoning: str, content: str, calls: list[dict]) -> Piece:
+        return Piece(reasoning if self.shape.include_reasoning else "", content, calls)
 
     def _piece(self, reasoning: str, content: str, final: bool) -> Piece:
         piece = Piece(reasoning if self.shape.include_reasoning else "")
@@ -112,6 +128,6 @@ class ChoiceOutput:
         (or include_reasoning is false), calls None without tools; content None when calls are all."""
         whole = self.feed(text)
         whole += self.finish()
-        calls = merge_calls(whole.calls) if self._tools else None
+        calls = merge_calls(whole.calls) if self._tools or (self._harmony and self.shape.tools) else None
         reasoning = whole.reasoning or None
         return reasoning, (whole.content or None) if calls else whole.content, calls

@@ -17,7 +17,7 @@ from router.openai_protocol import MAX_STOPS, ONE_STRUCTURE, Sampling
 from router.protocol_types import (METADATA, REASONING_EFFORT, SERVICE_TIER, Int, Strict, StrictOpen, Text,
                                    TextPartType, implies, present)
 from router.tools import CLOSE as TOOL_CALL_END
-from router.tools import (HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool, ToolChoice,
+from router.tools import (HARMONY, HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool, ToolChoice,
                           forced_tools, parameters_problem, render_conversation, tool_grammar)
 
 
@@ -243,7 +243,10 @@ class ChatCompletionRequest(Sampling):
         return super().stop_list()
 
     def skips_special_tokens(self, syntax: CallSyntax) -> bool:
-        return self.skip_special_tokens and not (self.parses_tool_calls and syntax.marker_id is not None)
+        """False where calls open with a special token, and always for a harmony model (gpt-oss:
+        its channels are special tokens, router/harmony.py)."""
+        return (self.skip_special_tokens and not (self.parses_tool_calls and syntax.marker_id is not None)
+                and syntax.name != HARMONY.name)
 
     def conversation(self, native_tools: CallSyntax | None) -> tuple[list[dict], list[dict] | None]:
         """The chat template's messages and tools (router/tools.py): `native_tools`, the syntax of a

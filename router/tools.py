@@ -2,7 +2,7 @@
 to the model, and the grammar that makes it call one. (Finding the calls in the output:
 router/tool_parser.py and a parser per syntax.)
 
-Calls are written in one of five syntaxes (`CallSyntax`), read from the chat template
+Calls are written in one of six syntaxes (`CallSyntax`), read from the chat template
 (`template_tools`):
   - HERMES, which Qwen2.5, Qwen3 and Hermes models are trained on, and the one pdserve shows
     models whose template has no tools:
@@ -24,6 +24,9 @@ Calls are written in one of five syntaxes (`CallSyntax`), read from the chat tem
   - PYTHONIC, a Python list of calls with keyword arguments (vLLM's pythonic templates for Llama
     3.2, Llama 4 and Gemma 3, given by the config's `chat_template`; router/pythonic_calls.py):
         [get_weather(city="Paris")]
+  - HARMONY, gpt-oss's: a message to the function on the commentary channel, one call a turn,
+    its template showing the tools and writing the history's calls itself (router/harmony.py):
+        <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}
 Life of a chat request with tools (router/app.py's chat endpoint)
   1. render     `render_conversation`: a chat template that writes calls itself ("native": it
                 mentions <tool_call>, [TOOL_CALLS] or <|tool_call|>, asks for "[func_name1(", or
@@ -74,7 +77,8 @@ class CallSyntax:
     tokenizer has it as one (`marker_id`, filled in by `template_tools`), else text. Call ids
     have `id_length` letters and digits where the template insists (0: OpenAI's call_...).
     `calls_in_content`: the template writes a history turn's content only, so its calls go into
-    the content in this syntax."""
+    the content in this syntax. `tokens`: the ids of special tokens a forced call's grammar writes
+    (HARMONY's <|channel|>, <|constrain|>, <|message|>)."""
     name: str
     arguments_key: str
     open: str
@@ -87,6 +91,7 @@ class CallSyntax:
     suffix: str = ""
     id_length: int = 0
     calls_in_content: bool = False
+    tokens: tuple[int, ...] = ()
 
     def new_id(self) -> str:
         """A new call's id."""
@@ -115,6 +120,8 @@ MISTRAL = CallSyntax("mistral", "arguments", "", "", ", ", True, marker="[TOOL_C
 PYTHONIC = CallSyntax("pythonic", "arguments", "", "", ", ", True, prefix="[", suffix="]")
 GRANITE = CallSyntax("granite", "arguments", "", "", ", ", True, marker="<|tool_call|>", prefix="[", suffix="]",
                      calls_in_content=True)
+HARMONY = CallSyntax("harmony", "arguments", "", "", "", False)
+HARMONY_TOKENS = ("<|channel|>", "<|constrain|>", "<|message|>")
 
 
 class FunctionDef(StrictOpen):
@@ -160,6 +167,9 @@ def template_tools(tokenizer) -> tuple[CallSyntax, bool]:
     """The syntax the model writes calls in, and whether its chat template shows tools and writes
     calls itself (native; else pdserve's Hermes text is shown)."""
     text = template_text(tokenizer)
+    vocab = tokenizer.get_vocab()
+    if HARMONY_TOKENS[0] in text and all(tag in vocab for tag in HARMONY_TOKENS):     # gpt-oss
+        return dataclasses.replace(HARMONY, tokens=tuple(vocab[tag] for tag in HARMONY_TOKENS)), True
     if "tools" in text and MISTRAL.marker in text:        # v0.3 writes "[TOOL_CALLS] [", Nemo "[TOOL_CALLS]["
         prefix = "[" if MISTRAL.marker + "[" in text else MISTRAL.prefix
         return dataclasses.replace(MISTRAL, marker_id=tokenizer.get_vocab().get(MISTRAL.marker), prefix=prefix), True
@@ -247,10 +257,11 @@ def _native_message(m, syntax: CallSyntax) -> dict:
 
 
 def _with_reasoning(message: dict, m) -> dict:
-    """An assistant turn's reasoning, under the name templates read (Qwen3's: reasoning_content)."""
+    """An assistant turn's reasoning, under the names templates read (Qwen3's: reasoning_content;
+    gpt-oss's: thinking)."""
     reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
     if reasoning is not None:
-        message["reasoning_content"] = reasoning
+        message["reasoning_content"] = message["thinking"] = reasoning
     return message
 
 
@@ -280,6 +291,14 @@ def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool,
     if not tools:
         return None
     several = parallel and choice == "required" and syntax.parallel
+    if syntax.name == HARMONY.name:       # one message to the function, its body the arguments, then EOS (<|call|>)
+        channel, constrain, message = (f"<[{i}]>" for i in syntax.tokens)
+        lines = ["%llguidance {}", "start: " + " | ".join(f"f{i}" for i in range(len(tools)))]
+        for i, tool in enumerate(tools):
+            schema = {**without_annotations(tool.function.parameters or NO_PARAMETERS), "x-guidance": JSON_OPTIONS}
+            head = json.dumps(f"commentary to=functions.{tool.function.name} ")
+            lines += [f'f{i}: {channel} {head} {constrain} "json" {message} a{i}', f"a{i}: %json {json.dumps(schema)}"]
+        return StructuredOutput("lark", "\n".join(lines))
     if syntax.name == PYTHONIC.name:
         lines = ["%llguidance {}", "start: \"[\" call" + ' (", " call)*' * several + ' "]"',
                  "call: " + " | ".join(f"f{i}" for i in range(len(tools)))]
