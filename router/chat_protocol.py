@@ -16,6 +16,7 @@ from router.chat_prompt import RESERVED_TEMPLATE_KWARGS
 from router.openai_protocol import MAX_STOPS, ONE_STRUCTURE, Sampling
 from router.protocol_types import (METADATA, REASONING_EFFORT, SERVICE_TIER, Int, Strict, StrictOpen, Text,
                                    TextPartType, implies, present)
+from router.harmony_grammar import final_grammar
 from router.tools import CLOSE as TOOL_CALL_END
 from router.tools import (HARMONY, HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool, ToolChoice,
                           forced_tools, parameters_problem, render_conversation, tool_grammar)
@@ -228,8 +229,11 @@ class ChatCompletionRequest(Sampling):
         return self.chosen_tools != "none"
 
     def structured(self, syntax: CallSyntax = HERMES) -> StructuredOutput | None:
+        """A forced call's grammar, else response_format's / structured_outputs' (a harmony model's:
+        its final message's, router/harmony_grammar.py)."""
         forced = tool_grammar(self.tools, self.chosen_tools, self.parallel_tool_calls, syntax) if self.tools else None
-        return forced or super().structured()
+        spec = forced or super().structured()
+        return final_grammar(spec, syntax.tokens) if spec and not forced and syntax.name == HARMONY.name else spec
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

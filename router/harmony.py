@@ -17,8 +17,9 @@ The headers and the tags are not text of either (a tag out of place is dropped).
 does not open with a header (a model that writes plain text) is content, as is text after a
 message's end that opens none. A model is a harmony model where its chat template writes <|channel|> and its vocabulary
 has the tags (router/tools.py `template_tools`: the HARMONY syntax); a chat request to one keeps
-special tokens in its text (skip_special_tokens false), or the structure would be lost, and a
-forced call (tool_choice) is a grammar of one such message (router/tools.py `tool_grammar`).
+special tokens in its text (skip_special_tokens false), or the structure would be lost, and what
+it constrains (response_format's value, a forced call) is the message that answers, after the
+model's free analysis (router/harmony_grammar.py).
 
 `HarmonyStream` serves streams and whole responses alike: `feed` each piece as it arrives,
 `finish` at the end; it holds back only what could still be part of a tag.

@@ -25,7 +25,8 @@ Calls are written in one of six syntaxes (`CallSyntax`), read from the chat temp
     3.2, Llama 4 and Gemma 3, given by the config's `chat_template`; router/pythonic_calls.py):
         [get_weather(city="Paris")]
   - HARMONY, gpt-oss's: a message to the function on the commentary channel, one call a turn,
-    its template showing the tools and writing the history's calls itself (router/harmony.py):
+    its template showing the tools and writing the history's calls itself (router/harmony.py; a
+    forced call may follow the model's analysis, router/harmony_grammar.py):
         <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}
 Life of a chat request with tools (router/app.py's chat endpoint)
   1. render     `render_conversation`: a chat template that writes calls itself ("native": it
@@ -59,6 +60,8 @@ from pydantic import Field
 
 from engine.structured_output import JSON_OPTIONS, StructuredOutput, without_annotations
 from router.chat_prompt import template_text
+from router.harmony_grammar import TAGS as HARMONY_TAGS
+from router.harmony_grammar import call_grammar
 from router.protocol_types import Strict, StrictOpen, Text
 from router.pythonic_grammar import pythonic_lines
 
@@ -77,8 +80,8 @@ class CallSyntax:
     tokenizer has it as one (`marker_id`, filled in by `template_tools`), else text. Call ids
     have `id_length` letters and digits where the template insists (0: OpenAI's call_...).
     `calls_in_content`: the template writes a history turn's content only, so its calls go into
-    the content in this syntax. `tokens`: the ids of special tokens a forced call's grammar writes
-    (HARMONY's <|channel|>, <|constrain|>, <|message|>)."""
+    the content in this syntax. `tokens`: the ids of special tokens its grammars write (HARMONY's
+    router/harmony_grammar.py TAGS)."""
     name: str
     arguments_key: str
     open: str
@@ -121,7 +124,6 @@ PYTHONIC = CallSyntax("pythonic", "arguments", "", "", ", ", True, prefix="[", s
 GRANITE = CallSyntax("granite", "arguments", "", "", ", ", True, marker="<|tool_call|>", prefix="[", suffix="]",
                      calls_in_content=True)
 HARMONY = CallSyntax("harmony", "arguments", "", "", "", False)
-HARMONY_TOKENS = ("<|channel|>", "<|constrain|>", "<|message|>")
 
 
 class FunctionDef(StrictOpen):
@@ -168,8 +170,8 @@ def template_tools(tokenizer) -> tuple[CallSyntax, bool]:
     calls itself (native; else pdserve's Hermes text is shown)."""
     text = template_text(tokenizer)
     vocab = tokenizer.get_vocab()
-    if HARMONY_TOKENS[0] in text and all(tag in vocab for tag in HARMONY_TOKENS):     # gpt-oss
-        return dataclasses.replace(HARMONY, tokens=tuple(vocab[tag] for tag in HARMONY_TOKENS)), True
+    if HARMONY_TAGS[0] in text and all(tag in vocab for tag in HARMONY_TAGS):     # gpt-oss
+        return dataclasses.replace(HARMONY, tokens=tuple(vocab[tag] for tag in HARMONY_TAGS)), True
     if "tools" in text and MISTRAL.marker in text:        # v0.3 writes "[TOOL_CALLS] [", Nemo "[TOOL_CALLS]["
         prefix = "[" if MISTRAL.marker + "[" in text else MISTRAL.prefix
         return dataclasses.replace(MISTRAL, marker_id=tokenizer.get_vocab().get(MISTRAL.marker), prefix=prefix), True
@@ -291,14 +293,9 @@ def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool,
     if not tools:
         return None
     several = parallel and choice == "required" and syntax.parallel
-    if syntax.name == HARMONY.name:       # one message to the function, its body the arguments, then EOS (<|call|>)
-        channel, constrain, message = (f"<[{i}]>" for i in syntax.tokens)
-        lines = ["%llguidance {}", "start: " + " | ".join(f"f{i}" for i in range(len(tools)))]
-        for i, tool in enumerate(tools):
-            schema = {**without_annotations(tool.function.parameters or NO_PARAMETERS), "x-guidance": JSON_OPTIONS}
-            head = json.dumps(f"commentary to=functions.{tool.function.name} ")
-            lines += [f'f{i}: {channel} {head} {constrain} "json" {message} a{i}', f"a{i}: %json {json.dumps(schema)}"]
-        return StructuredOutput("lark", "\n".join(lines))
+    if syntax.name == HARMONY.name:       # a message to the function, after any analysis, then EOS (<|call|>)
+        return call_grammar(syntax.tokens, [(t.function.name, without_annotations(t.function.parameters or
+                                                                                  NO_PARAMETERS)) for t in tools])
     if syntax.name == PYTHONIC.name:
         lines = ["%llguidance {}", "start: \"[\" call" + ' (", " call)*' * several + ' "]"',
                  "call: " + " | ".join(f"f{i}" for i in range(len(tools)))]

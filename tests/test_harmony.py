@@ -1,9 +1,11 @@
 """gpt-oss's harmony format (router/harmony.py, the HARMONY syntax of router/tools.py): the output
 parser fed in any pieces adding up to the whole output (reasoning, content and calls by channel
 and recipient; plain text and stray tags), the template's detection and the history it is given,
-and over HTTP through both pools with a tiny model whose vocabulary has the harmony tags and a
-template of gpt-oss's shape: an output the request's grammar writes in the format comes back as
-reasoning and content, a forced call as a tool call, streamed the same as not."""
+the grammars that put what a request constrains in the answer after a free analysis
+(router/harmony_grammar.py), and over HTTP through both pools with a tiny model whose vocabulary
+has the harmony tags and a template of gpt-oss's shape: an output the request's grammar writes in
+the format comes back as reasoning and content, a response_format value and a forced call after
+the model's own analysis as content and a tool call, streamed the same as not."""
 
 import json
 import random
@@ -11,8 +13,10 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
+from engine.structured_output import GrammarCompiler, StructuredOutput
 from router.chat_output import ChatOutputShape, Piece
 from router.chat_protocol import ChatCompletionRequest
+from router.harmony_grammar import final_grammar
 from router.tool_parser import merge_calls
 from router.tools import HARMONY, template_tools, tool_grammar
 from service_util import http, pools_all_free, sse_events, tiny_app
@@ -34,6 +38,8 @@ TEMPLATE = (
     "{{ m.content }}<|end|>"
     "{%- else -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif -%}"
     "{%- endfor -%}{%- if add_generation_prompt %}<|start|>assistant{% endif -%}")
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
 CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
 CASES = [   # (output, reasoning, content, calls)
     ("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>The answer.",
@@ -97,7 +103,7 @@ def test_the_template_is_read_as_harmony_and_gets_the_history_as_gpt_oss_takes_i
     syntax, native = template_tools(tokenizer)
     assert syntax.name == HARMONY.name and native
     assert syntax.tokens == tuple(tokenizer.convert_tokens_to_ids(t) for t in ("<|channel|>", "<|constrain|>",
-                                                                                "<|message|>"))
+                                                                                "<|message|>", "<|start|>", "<|end|>"))
     body = ChatCompletionRequest.model_validate({
         "model": "tiny", "messages": [
             {"role": "user", "content": "Weather?"},
@@ -120,14 +126,47 @@ def test_the_template_is_read_as_harmony_and_gets_the_history_as_gpt_oss_takes_i
     assert grammar.problem() is None and f"<[{syntax.tokens[0]}]>" in grammar.value
 
 
+def test_a_grammar_constrains_the_answer_after_a_free_analysis(harmony_model_dir):
+    """response_format's value, and a forced call, are the answer's message; before it the model
+    may write an analysis message of any text (a tag inside it is refused); a regex applies from the
+    first token, as for any model."""
+    tokenizer = AutoTokenizer.from_pretrained(harmony_model_dir)
+    syntax, _ = template_tools(tokenizer)
+    tag = {t: tokenizer.convert_tokens_to_ids(t) for t in TAGS}
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+    def accepts(spec, text_or_tags) -> bool:
+        matcher = compiler.matcher(spec)
+        assert matcher.problem() is None
+        ids = [i for piece in text_or_tags for i in
+               ([tag[piece]] if piece in tag else tokenizer.encode(piece, add_special_tokens=False))]
+        return all(matcher.accept(i) for i in ids) and matcher.accept(tokenizer.eos_token_id)
+
+    analysis = ["<|channel|>", "analysis", "<|message|>", "Some <b>free</b>\ntext.", "<|end|>", "<|start|>",
+                "assistant"]
+    schema = StructuredOutput("json_schema", json.dumps(WEATHER))
+    spec = final_grammar(schema, syntax.tokens)
+    answer = ["<|channel|>", "final", "<|message|>", '{"city": "Paris"}']
+    assert accepts(spec, analysis + answer) and accepts(spec, answer)
+    assert not accepts(spec, analysis[:3] + ["<|channel|>"])                  # a tag inside the analysis
+    assert not accepts(spec, answer[:3] + ['{"town": "Paris"}'])
+    assert not accepts(spec, analysis)                                         # no answer
+    choice = final_grammar(StructuredOutput("choice", json.dumps(["yes", "no"])), syntax.tokens)
+    assert accepts(choice, analysis + answer[:3] + ["no"]) and not accepts(choice, answer[:3] + ["maybe"])
+    regex = StructuredOutput("regex", "[a-z]+")
+    assert final_grammar(regex, syntax.tokens) is regex
+    call = ChatCompletionRequest.model_validate({
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]}).structured(syntax)
+    written = ["<|channel|>", "commentary to=functions.get_weather ", "<|constrain|>", "json", "<|message|>",
+               '{"city": "Paris"}']
+    assert accepts(call, analysis + written) and accepts(call, written) and not accepts(call, answer)
+
+
 @pytest.fixture(scope="module")
 def harmony_app(ray_serve, harmony_model_dir):
     with tiny_app(ray_serve, harmony_model_dir, "harmony") as base:
         yield base
-
-
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-           "additionalProperties": False}
 
 
 @pytest.mark.slow
@@ -152,10 +191,27 @@ def test_harmony_output_comes_back_as_reasoning_content_and_calls_through_both_p
         mine = [d["delta"] for d in deltas if d["index"] == choice["index"]]
         assert "".join(d.get("reasoning") or "" for d in mine) == choice["message"]["reasoning"]
         assert "".join(d.get("content") or "" for d in mine) == choice["message"]["content"]
-    # a forced call: the grammar of one commentary message to the function (router/tools.py)
+    # response_format: the final message's value, after the model's own analysis (nudged to end it: a
+    # tiny random model would not)
+    nudge = {str(tokenizer.convert_tokens_to_ids("<|end|>")): 6}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 60,
+            "temperature": 1.0, "seed": 1, "n": 4, "logit_bias": nudge,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}}
+    status, text = http(harmony_app, "/v1/chat/completions", body)
+    assert status == 200, text
+    kinds = set()
+    for choice in json.loads(text)["choices"]:
+        message = choice["message"]
+        if choice["finish_reason"] == "stop":
+            assert set(json.loads(message["content"])) == {"city"}, choice
+            kinds.add("answered after its analysis" if message.get("reasoning") else "answered")
+        else:       # cut by max_tokens inside its analysis: no answer
+            assert choice["finish_reason"] == "length" and not message["content"] and message["reasoning"], choice
+    assert "answered after its analysis" in kinds, kinds
+    # a forced call: one commentary message to the function (router/harmony_grammar.py)
     ask = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
-           "temperature": 0, "tools": [{"type": "function", "function": {"name": "get_weather",
-                                                                          "parameters": WEATHER}}],
+           "temperature": 0, "logit_bias": nudge, "tools": [{"type": "function", "function": {
+               "name": "get_weather", "parameters": WEATHER}}],
            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     status, text = http(harmony_app, "/v1/chat/completions", ask)
     assert status == 200, text
