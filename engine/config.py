@@ -172,12 +172,14 @@ class EngineConfig:
 # GLM-4 (glm: 9B-chat; glm4: 0414) as Phi-3 (fused gate/up) with interleaved RoPE on half of each
 # head, q/k/v biases, and (glm4) Gemma 3's norms after attention and MLP; gpt-oss as Mixtral with
 # attention sinks, biases on every projection and its router, a clamped SwiGLU in its experts, and
-# sliding and full layers alternating (MXFP4 checkpoints dequantized at load: engine.model_runner)
+# sliding and full layers alternating (MXFP4 checkpoints dequantized at load: engine.model_runner);
+# GLM-4.5 (glm4_moe) as Qwen3-MoE (its q/k norms optional) with q/k/v biases, RoPE on half of each
+# head, dense first layers and DeepSeek-V3's routing beside a shared expert
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "ministral", "qwen3", "phi3", "smollm3", "granite", "olmo2",
                          "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "starcoder2", "nemotron",
                          "stablelm", "phi", "cohere", "cohere2", "gemma", "gemma2", "gemma3_text", "mixtral",
                          "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid",
-                         "ernie4_5_moe", "glm", "glm4", "gpt_oss")
+                         "ernie4_5_moe", "glm", "glm4", "gpt_oss", "glm4_moe")
 # of the MLP: relu2 is ReLU squared, gelu_new GELU-tanh written out as transformers' NewGELUActivation
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "relu2")
 
@@ -199,7 +201,7 @@ def unsupported_model(config: dict) -> str | None:
         return f"activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})"
     if config.get("use_bidirectional_attention"):
         return "bidirectional attention (an embedding model) is not supported"
-    if config.get("use_qk_norm"):
+    if config.get("use_qk_norm") and model_type == "cohere":          # (GLM-4.5's are RMSNorms: they run)
         return "use_qk_norm (Command R+'s LayerNorm of each query and key head) is not supported"
     if config.get("qk_layernorm"):
         return "qk_layernorm (a LayerNorm of each query and key head: StableLM 2 12B) is not supported"

@@ -1,4 +1,5 @@
-"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE, gpt-oss):
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE, gpt-oss,
+GLM-4.5):
 a router scores every expert for each token, the token runs its top-k experts (each a gated MLP of
 its own) and adds their outputs weighted by those scores; Qwen2-MoE adds a shared expert, gated per
 token by a sigmoid, Granite 3.1 and 4.0 and ERNIE 4.5 an ungated one (Granite's: the layer's
@@ -6,7 +7,10 @@ token by a sigmoid, Granite 3.1 and 4.0 and ERNIE 4.5 an ungated one (Granite's:
 correction bias, weighting them by the scores alone. gpt-oss's router has a bias and weights its
 top-k logits by a softmax over them (in the model's dtype); its experts, stored transposed with
 gate and up columns interleaved and a bias on each projection, apply a clamped SwiGLU,
-(clamp(up, -L, L) + 1) * g * sigmoid(alpha g) with g = min(gate, L). The engine's decoder
+(clamp(up, -L, L) + 1) * g * sigmoid(alpha g) with g = min(gate, L). GLM-4.5 routes as DeepSeek-V3:
+sigmoid scores in fp32, experts picked by score plus a correction bias within the best groups of
+experts (each group scored by its two best), weighted by their scores renormalized and scaled
+(`routed_scaling_factor`), beside an ungated shared expert. The engine's decoder
 (engine/decoder.py) runs it in place of the dense MLP on the layers that have one.
 
 The math is transformers' (its `*TopKRouter`, `*Experts` eager loop and `*SparseMoeBlock`), op for
@@ -70,6 +74,13 @@ class MoeMlp:
         self.fp32_scores = model_type == "mixtral"
         self.softmax_of_topk = model_type.startswith("granitemoe")       # granitemoe, -shared, -hybrid
         self.gpt_oss = model_type == "gpt_oss"
+        # GLM-4.5's (DeepSeek-V3's) sigmoid routing with a correction bias among groups of experts
+        sigmoid_bias = getattr(router, "e_score_correction_bias", None)
+        self.sigmoid_bias = None if sigmoid_bias is None else sigmoid_bias.detach().float()
+        if self.sigmoid_bias is not None:
+            self.router = dense(router.weight.detach().float(), None, torch.float32)
+            self.groups, self.best_groups = int(router.num_group), int(router.topk_group)
+            self.scaling = float(router.routed_scaling_factor)
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
         e, hidden = self.num_experts, router.weight.shape[1]
         self._act_mul = act_mul
@@ -116,6 +127,8 @@ class MoeMlp:
         self._act_mul = clamped_swiglu
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.sigmoid_bias is not None:        # GLM-4.5
+            return self._run(h, *self._sigmoid_route(h))
         if self.gpt_oss:                         # softmax over the top-k logits, in their dtype
             top, chosen = torch.topk(self.router(h), self.top_k, dim=-1)
             return self._run(h, F.softmax(top, dim=-1, dtype=top.dtype), chosen)
@@ -137,6 +150,22 @@ class MoeMlp:
         if not self.fp32_scores:
             weights = weights.to(logits.dtype)
         return self._run(h, weights, chosen)
+
+    def _sigmoid_route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, chosen [T, k]) as transformers' Glm4MoeTopkRouter computes them."""
+        scores = self.router(h.float()).sigmoid()
+        choice = scores + self.sigmoid_bias
+        if self.groups > 1:          # only the experts of the best `best_groups` groups may be picked
+            per = self.num_experts // self.groups
+            group_scores = choice.view(-1, self.groups, per).topk(2, dim=-1)[0].sum(dim=-1)
+            best = torch.topk(group_scores, self.best_groups, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores).scatter_(1, best, 1).bool().repeat_interleave(per, dim=1)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        chosen = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if self.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, chosen
 
     def _run(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The chosen experts [T, k] weighted by `weights` [T, k], and the shared expert."""

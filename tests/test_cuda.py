@@ -120,7 +120,7 @@ def test_gemma3_on_cuda_gives_hf_tokens_and_logprobs(tmp_path):
         assert engine.block_manager.all_free()
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss", "glm4_moe"])
 def test_a_mixture_of_experts_on_cuda_runs_eagerly_and_gives_hf_tokens(tmp_path, arch):
     """A tiny Qwen2-MoE (4 experts, 2 a token, a shared expert, a dense second layer; engine/moe.py)
     and a tiny gpt-oss (attention sinks in the Triton kernel and in the prompts' eager sdpa, a window

@@ -55,6 +55,8 @@ def _moe_model(tmp_path, arch: str):
                 router.weight.mul_(20)
                 if hasattr(router, "moe_statics"):
                     router.moe_statics.e_score_correction_bias.normal_(0, 0.3)
+                if hasattr(router, "e_score_correction_bias"):        # glm4_moe's
+                    router.e_score_correction_bias.normal_(0, 0.3)
                 mlp.experts.gate_up_proj.mul_(4)
                 mlp.experts.down_proj.mul_(4)
                 if arch == "gpt_oss":
@@ -79,9 +81,9 @@ def test_mixtures_of_experts_give_the_hf_models_tokens_and_logprobs(tmp_path, ar
     eng = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB",
                                  block_size=4, max_num_batched_tokens=16))
     layers = eng.runner.model.layers
-    # qwen2_moe's second layer is dense, ernie4_5_moe's first
-    assert [layer.moe is not None for layer in layers] == {"qwen2_moe": [True, False],
-                                                           "ernie4_5_moe": [False, True]}.get(arch, [True, True])
+    # qwen2_moe's second layer is dense, ernie4_5_moe's and glm4_moe's first
+    assert [layer.moe is not None for layer in layers] == {"qwen2_moe": [True, False], "ernie4_5_moe": [False, True],
+                                                           "glm4_moe": [False, True]}.get(arch, [True, True])
     assert eng.runner.model.moe and eng.runner.loras.dims.moe
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     # each prompt alone (decode steps of one token: MoeMlp's one-token path) and both in one batch

@@ -5,7 +5,8 @@ granite, granitemoehybrid (Granite 4.0 attention-only, no experts), olmo2, olmo3
 ernie4_5, helium, seed_oss, arcee, starcoder2, nemotron, stablelm, phi, cohere, cohere2,
 glm, glm4, gemma, gemma2,
 gemma3_text, mistral or ministral shape, or a mixture of experts: mixtral, qwen2_moe, qwen3_moe,
-olmoe, granitemoe, granitemoeshared, ernie4_5_moe, gpt_oss) that loads like a real one, in about a second.
+olmoe, granitemoe, granitemoeshared, ernie4_5_moe, gpt_oss, glm4_moe) that loads like a real one, in about a
+second.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ TINY_ARCHS = ("llama", "qwen2", "mistral", "ministral", "qwen3", "phi3", "smollm
               "olmo2", "olmo3", "exaone4", "ernie4_5", "helium", "seed_oss", "arcee", "starcoder2", "nemotron",
               "stablelm", "phi", "cohere", "cohere2", "glm", "glm4", "gemma", "gemma2", "gemma3_text")
 TINY_MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe",
-                  "gpt_oss")
+                  "gpt_oss", "glm4_moe")
 _GRANITE = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
             "attention_multiplier": 0.0078125}
 
@@ -49,7 +50,9 @@ def tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, tokenizer_dir
     and fc2, biases on every projection and the LM head, and RoPE on half of each head; cohere and cohere2 the
     side by side block on Cohere's LayerNorms (no bias), RoPE on interleaved pairs and a logit scale, cohere2's
     first layer with a window of 8, its second, global, without RoPE; gpt_oss attention sinks, biases on every
-    projection and its router, a first layer with a window of 8, a full second). The tokenizer is
+    projection and its router, a first layer with a window of 8, a full second; glm4_moe a dense first layer,
+    its experts in 2 groups of which tokens pick from 1, a shared expert, a routed scale of 2.5, q/k norms, q/k/v
+    biases and RoPE on half of each head). The tokenizer is
     copied from ``tokenizer_dir`` (e.g. the default model's directory, so prompts tokenize as for the real
     model); without one, a small byte-level tokenizer with ChatML special tokens and a ChatML template is
     built. ``overrides``: more config keys (e.g. granitemoehybrid with experts). The weights depend only on
@@ -97,7 +100,7 @@ def with_random_norms(path: Path) -> Path:
 def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
     from transformers import (ArceeConfig, Cohere2Config, CohereConfig, Ernie4_5Config, Ernie4_5_MoeConfig,
                               Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig,
-                              GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeHybridConfig,
+                              Glm4MoeConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeHybridConfig,
                               GraniteMoeSharedConfig, HeliumConfig, LlamaConfig, MinistralConfig, MistralConfig,
                               MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config,
                               PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig,
@@ -113,7 +116,7 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
            "glm": GlmConfig, "glm4": Glm4Config, "ministral": MinistralConfig, "seed_oss": SeedOssConfig,
            "arcee": ArceeConfig, "starcoder2": Starcoder2Config, "nemotron": NemotronConfig,
            "stablelm": StableLmConfig, "phi": PhiConfig, "cohere": CohereConfig, "cohere2": Cohere2Config,
-           "gpt_oss": GptOssConfig}[arch]
+           "gpt_oss": GptOssConfig, "glm4_moe": Glm4MoeConfig}[arch]
     granite_moe = {**_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
     moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
     extra = {"smollm3": {"no_rope_layers": [1, 0]},
@@ -149,6 +152,10 @@ def _tiny_config(arch: str, tokenizer, head_dim: int, overrides: dict):
                            "norm_topk_prob": False},
              "qwen3_moe": {**moe, "num_experts": 4, "norm_topk_prob": True},
              "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "norm_topk_prob": False},
+             "glm4_moe": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                          "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                          "routed_scaling_factor": 2.5, "use_qk_norm": True, "attention_bias": True,
+                          "partial_rotary_factor": 0.5},
              "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                          "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                          # gpt-oss's YaRN, its factor from a shorter original length (its 4096 x 32)

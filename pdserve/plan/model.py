@@ -33,8 +33,8 @@ _QKV_BIAS_TYPES = {"qwen2"}          # model types with q/k/v biases but no `att
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 # the mixtures of experts the engine runs (engine/moe.py), whose experts are counted
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid",
-              "ernie4_5_moe", "gpt_oss")
-_MOE_SIZED = ("qwen2_moe", "qwen3_moe", "ernie4_5_moe")      # experts of `moe_intermediate_size`
+              "ernie4_5_moe", "gpt_oss", "glm4_moe")
+_MOE_SIZED = ("qwen2_moe", "qwen3_moe", "ernie4_5_moe", "glm4_moe")      # experts of `moe_intermediate_size`
 _GRANITE_SHARED = ("granitemoeshared", "granitemoehybrid")    # Granite's ungated shared MLP beside its experts
 
 
@@ -89,7 +89,7 @@ def count_params(cfg: dict) -> int:
     unless `tie_word_embeddings` (absent: untied, as LlamaConfig / Qwen2Config / MistralConfig
     default; gpt-oss's attention_bias defaults to true, and its attention sinks add heads a layer).
     A mixture of experts the engine runs (Mixtral,
-    Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE, gpt-oss) has its MoE layers' MLPs counted by
+    Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE, gpt-oss, GLM-4.5) has its MoE layers' MLPs counted by
     `moe_params`; any other MoE config raises ValueError, as does a Granite 4.0 with Mamba layers
     (its MLP without experts is its shared MLP, `shared_intermediate_size`).
     """
@@ -110,7 +110,7 @@ def count_params(cfg: dict) -> int:
     qkv_bias = attn_bias or model_type in _QKV_BIAS_TYPES or bool(cfg.get("use_qkv_bias")) or (
         model_type == "qwen2_moe" and cfg.get("qkv_bias", True))
     attn = 2 * h * heads * hd + 2 * h * kv * hd
-    o_bias = attn_bias and model_type not in ("glm", "glm4")             # GLM's o_proj has none
+    o_bias = attn_bias and model_type not in ("glm", "glm4", "glm4_moe")   # GLM's o_proj has none
     if model_type == "seed_oss":                                          # its own key for o_proj's
         o_bias = bool(cfg.get("attention_out_bias", False))
     attn += qkv_bias * (heads * hd + 2 * kv * hd) + o_bias * h
@@ -118,7 +118,7 @@ def count_params(cfg: dict) -> int:
     mlp = (up + 1) * h * inter + (bool(cfg.get("mlp_bias", False)) or every_bias) * (up * inter + h)
     # RMSNorm weights on queries and keys, in head_dims: qwen3 one head each, olmo2 every head
     qk_norm = {"qwen3": 2, "qwen3_moe": 2, "exaone4": 2, "olmo2": heads + kv, "olmo3": heads + kv, "olmoe": heads + kv,
-               "gemma3_text": 2}.get(model_type, 0) * hd
+               "gemma3_text": 2, "glm4_moe": 2 * bool(cfg.get("use_qk_norm"))}.get(model_type, 0) * hd
     norms = {"gemma2": 4, "gemma3_text": 4, "glm4": 4}.get(model_type, 2) * h
     if cfg.get("use_parallel_residual") or model_type in PARALLEL_BLOCK:   # attention, MLP beside
         norms = h
@@ -151,7 +151,8 @@ def _one_expert(cfg: dict) -> int:
 
 
 def _experts(cfg: dict) -> int:
-    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("moe_num_experts") or 0)
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("moe_num_experts")
+               or cfg.get("n_routed_experts") or 0)
 
 
 def _expert_size(cfg: dict) -> int:
@@ -164,7 +165,7 @@ def _moe_layers(cfg: dict) -> dict[int, int]:
     transformers builds them: Qwen's `mlp_only_layers` and `decoder_sparse_step`, ERNIE's
     `moe_layer_start_index` / `_end_index` / `_interval` leave some dense), with the router, and
     Qwen2-MoE's shared expert and its gate (Granite's shared MLP; ERNIE's shared experts and its
-    router's correction bias)."""
+    router's correction bias; GLM-4.5's shared experts after its `first_k_dense_replace` dense layers)."""
     if cfg.get("model_type") not in _MOE_TYPES or _experts(cfg) == 0:
         return {}
     h, layers, experts = _need(cfg, "hidden_size"), _need(cfg, "num_hidden_layers"), _experts(cfg)
@@ -173,6 +174,9 @@ def _moe_layers(cfg: dict) -> dict[int, int]:
         block += 3 * h * _need(cfg, "shared_expert_intermediate_size") + h
     if cfg.get("model_type") in _GRANITE_SHARED:
         block += 3 * h * int(cfg.get("shared_intermediate_size") or 0)
+    if cfg.get("model_type") == "glm4_moe":   # shared experts (the correction bias: a buffer); dense first layers
+        block += 3 * h * _expert_size(cfg) * int(cfg.get("n_shared_experts") or 0)
+        return {i: block for i in range(int(cfg.get("first_k_dense_replace", 1)), layers)}
     if cfg.get("model_type") == "ernie4_5_moe":
         shared = _expert_size(cfg) * int(cfg.get("moe_num_shared_experts") or 0)
         block += experts + 3 * h * shared + bool(cfg.get("use_bias")) * bool(shared) * (2 * shared + h)
