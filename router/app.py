@@ -66,7 +66,7 @@ from router.responses_protocol import ResponsesRequest
 from router.runtime_lora import LoadLoraAdapterRequest, RuntimeLoras, UnloadLoraAdapterRequest
 from router.runtime_lora_api import RuntimeLoraApi
 from router.tokenize_protocol import DetokenizeRequest, TokenizeRequest
-from router.tools import HARMONY, template_tools
+from router.tools import template_tools
 from router.validation_errors import describe
 from router.wake import at_zero
 from serving import messages
@@ -311,8 +311,7 @@ class Router:
         if self.reasoning:       # where the output starts: inside a <think> the prompt left open, or not
             tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=False)
             reasoning, think = starts_inside(tail), grammar_think(self.think_tokens, tail)
-        shape = ChatOutputShape(self.tool_syntax if body.parses_tool_calls else None, reasoning,
-                                body.include_reasoning, body.parallel_tool_calls, self.tool_syntax.name == HARMONY.name)
+        shape = ChatOutputShape.of(body, self.tool_syntax, reasoning)
         return ids, shape, think
 
     async def chat_refusal(self, body: ChatCompletionRequest) -> JSONResponse | None:

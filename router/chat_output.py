@@ -20,7 +20,7 @@ from router.llama3_calls import JsonCallStream
 from router.pythonic_calls import PythonicCallStream
 from router.reasoning import ReasoningStream
 from router.tool_parser import extend_calls, merge_calls
-from router.tools import HERMES, PYTHONIC, CallSyntax
+from router.tools import GLM45, HARMONY, HERMES, PYTHONIC, CallSyntax, in_blocks, string_parameters
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,23 @@ class ChatOutputShape:
     """`tools`: the syntax tool calls are parsed in (None: no calls); `reasoning`: None (no
     split) or whether the output starts inside a <think> block; `include_reasoning` false drops
     the reasoning text (vLLM's); `parallel` false: at most one call (parallel_tool_calls);
-    `harmony`: the output is in gpt-oss's harmony format (its own reasoning and calls)."""
+    `harmony`: the output is in gpt-oss's harmony format (its own reasoning and calls);
+    `string_args`: GLM-4.5's syntax, each function's string parameters (router/tools.py)."""
     tools: CallSyntax | None = None
     reasoning: bool | None = None
     include_reasoning: bool = True
     parallel: bool = True
     harmony: bool = False
+    string_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @classmethod
+    def of(cls, body, syntax: CallSyntax, reasoning: bool | None) -> ChatOutputShape:
+        """A chat request's (router/chat_protocol.py ChatCompletionRequest): `syntax`, the template's
+        call syntax; `reasoning`, where its output starts (None: no <think> split)."""
+        tools = syntax if body.parses_tool_calls else None
+        glm = tools is not None and tools.name == GLM45.name
+        return cls(tools, reasoning, body.include_reasoning, body.parallel_tool_calls, syntax.name == HARMONY.name,
+                   string_parameters(body.tools) if glm else ())
 
     @property
     def plain(self) -> bool:
@@ -43,7 +54,7 @@ class ChatOutputShape:
     def may_end_early(self) -> bool:
         """Whether a choice may be complete before its output ends (`ChoiceOutput.done`; harmony's
         single call ends the output itself, an EOS)."""
-        return self.tools is not None and self.tools != HERMES and not self.parallel and not self.harmony
+        return self.tools is not None and not in_blocks(self.tools) and not self.parallel and not self.harmony
 
     def choice(self) -> ChoiceOutput:
         return ChoiceOutput(self)
@@ -70,8 +81,8 @@ class ChoiceOutput:
         self._harmony = None
         if shape.harmony:
             self._harmony = HarmonyStream(shape.tools is not None, (shape.tools or HERMES).new_id)
-        elif shape.tools == HERMES:      # parallel_tool_calls false ends the output at the first call (a stop)
-            self._tools = ToolCallStream()
+        elif in_blocks(shape.tools):     # parallel_tool_calls false ends the output at the first call (a stop)
+            self._tools = ToolCallStream(dict(shape.string_args) if shape.tools.name == GLM45.name else None)
         elif shape.tools is not None and shape.tools.name == PYTHONIC.name:
             self._tools = PythonicCallStream(shape.tools.new_id, first_only=not shape.parallel)
         elif shape.tools is not None and shape.tools.marker:          # Mistral's, Granite's

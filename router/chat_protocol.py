@@ -18,8 +18,8 @@ from router.protocol_types import (METADATA, REASONING_EFFORT, SERVICE_TIER, Int
                                    TextPartType, implies, present)
 from router.harmony_grammar import final_grammar
 from router.tools import CLOSE as TOOL_CALL_END
-from router.tools import (HARMONY, HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool, ToolChoice,
-                          forced_tools, parameters_problem, render_conversation, tool_grammar)
+from router.tools import (GLM45, HARMONY, HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool,
+                          ToolChoice, forced_tools, in_blocks, parameters_problem, render_conversation, tool_grammar)
 
 
 class TextPart(StrictOpen):
@@ -242,15 +242,15 @@ class ChatCompletionRequest(Sampling):
         """The client's stop strings; with "auto", parallel_tool_calls false and the Hermes syntax
         also </tool_call>: the output ends with its first call (the parser reads a block cut there
         as a call). Llama 3's JSON parser keeps the first call itself."""
-        if self.chosen_tools == "auto" and not self.parallel_tool_calls and syntax == HERMES:
+        if self.chosen_tools == "auto" and not self.parallel_tool_calls and in_blocks(syntax):
             return (*super().stop_list(), TOOL_CALL_END)
         return super().stop_list()
 
     def skips_special_tokens(self, syntax: CallSyntax) -> bool:
-        """False where calls open with a special token, and always for a harmony model (gpt-oss:
-        its channels are special tokens, router/harmony.py)."""
-        return (self.skip_special_tokens and not (self.parses_tool_calls and syntax.marker_id is not None)
-                and syntax.name != HARMONY.name)
+        """False where calls open with a special token (GLM-4.5's tags may be), and always for a
+        harmony model (gpt-oss: its channels are special tokens, router/harmony.py)."""
+        marked = syntax.marker_id is not None or syntax.name == GLM45.name
+        return self.skip_special_tokens and not (self.parses_tool_calls and marked) and syntax.name != HARMONY.name
 
     def conversation(self, native_tools: CallSyntax | None) -> tuple[list[dict], list[dict] | None]:
         """The chat template's messages and tools (router/tools.py): `native_tools`, the syntax of a

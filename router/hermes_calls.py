@@ -8,7 +8,8 @@ names a function is a call. The rules:
   - Any other block is held until its </tool_call> (or the output's end) and is a call if its
     JSON is an object with a string "name"; its "arguments" (or "parameters") become the call's
     arguments as JSON text. A block whose JSON is not that stays in the content, tags and all (as
-    vLLM's Hermes parser does).
+    vLLM's Hermes parser does). With GLM-4.5's syntax (GLM45) a held block may also be its name and
+    key / value pairs (`call_from_pairs`).
   - Content is held back while it could still be the start of <tool_call>, or is trailing
     whitespace: content right before a call is trimmed at its end, and content right after a
     call at its start (the newlines around blocks are not content).
@@ -17,10 +18,43 @@ names a function is a call. The rules:
 
 from __future__ import annotations
 
+import json
+import re
+
 from router.chat_prompt import partial_tag
 from router.tool_parser import (HEAD, CallStream, begun, call_from_json, extend_calls, head_name, held_back,
                                 is_json)
-from router.tools import CLOSE, OPEN
+from router.tools import CLOSE, HERMES, OPEN
+
+_PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def call_from_pairs(body: str, string_args: dict[str, tuple[str, ...]]) -> dict | None:
+    """GLM-4.5's call from a block's text: the function's name, then <arg_key>K</arg_key>
+    <arg_value>V</arg_value> pairs (whitespace around them); V is the text itself for a parameter
+    `string_args` names for the function (its schema's type is string), else JSON (the text where
+    it is not JSON). None where the block is not that."""
+    cut = body.find("<arg_key>")
+    name, rest = (body, "") if cut < 0 else (body[:cut], body[cut:])
+    name, at = name.strip(), 0
+    if not _NAME.fullmatch(name):
+        return None
+    arguments = {}
+    for pair in _PAIR.finditer(rest):
+        if pair.start() != at:
+            return None
+        key, value, at = pair.group(1).strip(), pair.group(2), pair.end()
+        if key not in string_args.get(name, ()):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+        arguments[key] = value
+    if rest[at:].strip():
+        return None
+    return {"id": HERMES.new_id(), "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 def _arguments_end(text: str) -> str:
@@ -44,8 +78,11 @@ class ToolCallStream(CallStream):
     """One choice's output, split into content and call deltas as it arrives. `_held`: outside a
     block, content not yet certain; in one, its text after <tool_call>."""
 
-    def __init__(self):
+    def __init__(self, string_args: dict[str, tuple[str, ...]] | None = None):
+        """`string_args`: GLM-4.5's syntax, each function's string parameters (router/tools.py
+        `string_parameters`); None: Hermes' JSON blocks only."""
         super().__init__()
+        self._string_args = string_args
         self._gap = ""           # in a block: the whitespace between the content and <tool_call>
         self._mode = "content"   # content -> block (held whole) | arguments (streaming) -> content
         self._sent: list[str] = []   # arguments: the block's arguments text already out
@@ -84,7 +121,10 @@ class ToolCallStream(CallStream):
         if end < 0 and not final:
             return False
         stop = len(self._held) if end < 0 else end + len(CLOSE)
-        call = call_from_json(self._held[:stop - (len(CLOSE) if end >= 0 else 0)])
+        body = self._held[:stop - (len(CLOSE) if end >= 0 else 0)]
+        call = call_from_json(body)
+        if call is None and self._string_args is not None:
+            call = call_from_pairs(body, self._string_args)
         if call is None:
             content.append(self._content(self._gap + OPEN + self._held[:stop]))
         else:

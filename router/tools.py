@@ -2,12 +2,19 @@
 to the model, and the grammar that makes it call one. (Finding the calls in the output:
 router/tool_parser.py and a parser per syntax.)
 
-Calls are written in one of six syntaxes (`CallSyntax`), read from the chat template
+Calls are written in one of seven syntaxes (`CallSyntax`), read from the chat template
 (`template_tools`):
   - HERMES, which Qwen2.5, Qwen3 and Hermes models are trained on, and the one pdserve shows
     models whose template has no tools:
         <tool_call>
         {"name": "get_weather", "arguments": {"city": "Paris"}}
+        </tool_call>
+  - GLM45, GLM-4.5's (and 4.6's, 4.7's): a <tool_call> block of the function's name and its
+    arguments as key / value pairs, a value the text itself for a string parameter, else JSON
+    (router/hermes_calls.py reads these blocks beside Hermes' JSON ones, which a forced call writes):
+        <tool_call>get_weather
+        <arg_key>city</arg_key>
+        <arg_value>Paris</arg_value>
         </tool_call>
   - LLAMA3_JSON, Llama 3.1-3.3's: the whole output is the call, "parameters" for the arguments,
     one call per turn (their templates refuse a history turn of several):
@@ -117,6 +124,7 @@ class CallSyntax:
 
 
 HERMES = CallSyntax("hermes", "arguments", OPEN + "\n", "\n" + CLOSE, "\n", True)
+GLM45 = dataclasses.replace(HERMES, name="glm45")       # its grammar: Hermes' (JSON in a block)
 LLAMA3_JSON = CallSyntax("llama3_json", "parameters", "", "", "; ", False)
 MISTRAL = CallSyntax("mistral", "arguments", "", "", ", ", True, marker="[TOOL_CALLS]", prefix=" [", suffix="]",
                      id_length=9)
@@ -179,11 +187,28 @@ def template_tools(tokenizer) -> tuple[CallSyntax, bool]:
         return dataclasses.replace(GRANITE, marker_id=tokenizer.get_vocab().get(GRANITE.marker)), True
     if "tools" in text and "[func_name1(" in text:       # vLLM's pythonic templates: "[func_name1(params_name1=..."
         return PYTHONIC, True
+    if "tools" in text and OPEN in text and "<arg_key>" in text:     # GLM-4.5's key / value pairs
+        return GLM45, True
     if "tools" in text and OPEN in text:
         return HERMES, True
     if "tools" in text and '{"name": ' in text and '"parameters": ' in text:     # Llama 3.1-3.3
         return LLAMA3_JSON, True
     return HERMES, False
+
+
+def in_blocks(syntax: CallSyntax | None) -> bool:
+    """Whether calls are <tool_call> blocks (Hermes' JSON, GLM-4.5's key / value pairs)."""
+    return syntax is not None and syntax.name in (HERMES.name, GLM45.name)
+
+
+def string_parameters(tools: list[Tool] | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(function name, its parameters whose schema's type is string) of each tool: GLM-4.5 writes
+    their values as the text itself, every other value as JSON."""
+    def is_string(schema) -> bool:
+        kind = schema.get("type") if isinstance(schema, dict) else None
+        return kind == "string" or (isinstance(kind, list) and "string" in kind and set(kind) <= {"string", "null"})
+    return tuple((t.function.name, tuple(k for k, v in ((t.function.parameters or {}).get("properties") or {}).items()
+                                         if is_string(v))) for t in tools or ())
 
 
 def tools_system_text(tools: list[Tool]) -> str:

@@ -130,3 +130,41 @@ def tokenizer_with(default_model_dir, d, template: str, special_tokens: list[str
         tokenizer.save_pretrained(d)
         tokenizer = AutoTokenizer.from_pretrained(d)
     return tokenizer
+
+# GLM-4.5's template in outline (zai-org's chat_template.jinja: the tools in the system turn with its
+# instruction for the key / value syntax; a turn's calls as <tool_call> blocks, a string value as its
+# text, any other as JSON; tool results as <tool_response> blocks)
+GLM45_TEMPLATE = """[gMASK]<sop>
+{%- if tools -%}<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}
+<arg_key>{arg-key-1}</arg_key>
+<arg_value>{arg-value-1}</arg_value>
+...
+</tool_call>
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}<|assistant|>
+{%- if m.content %}
+{{ m.content }}{% endif -%}
+{%- for tc in m.tool_calls or [] %}
+<tool_call>{{ tc.function.name }}
+{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v if v is string else v | tojson }}</arg_value>
+{% endfor %}</tool_call>{% endfor -%}
+{%- elif m.role == 'tool' -%}<|observation|>
+<tool_response>
+{{ m.content }}
+</tool_response>
+{%- else -%}<|{{ m.role }}|>
+{{ m.content }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"""
