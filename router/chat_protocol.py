@@ -13,10 +13,10 @@ from pydantic_core import PydanticCustomError
 from engine.sampling_params import MAX_LOGPROBS
 from engine.structured_output import StructuredOutput
 from router.chat_prompt import RESERVED_TEMPLATE_KWARGS
+from router.harmony_grammar import final_grammar
 from router.openai_protocol import MAX_STOPS, ONE_STRUCTURE, Sampling
 from router.protocol_types import (METADATA, REASONING_EFFORT, SERVICE_TIER, Int, Strict, StrictOpen, Text,
                                    TextPartType, implies, present)
-from router.harmony_grammar import final_grammar
 from router.tools import CLOSE as TOOL_CALL_END
 from router.tools import (GLM45, HARMONY, HERMES, MAX_TOOLS, CallSyntax, MessageToolCall, NamedToolChoice, Tool,
                           ToolChoice, forced_tools, in_blocks, parameters_problem, render_conversation, tool_grammar)
