@@ -65,27 +65,27 @@ class MoeMlp:
         statics = getattr(router, "moe_statics", None)      # ERNIE 4.5: fp32 routing, a correction bias
         self.correction = None if statics is None else statics.e_score_correction_bias.detach().float().reshape(-1)
         self.norm_min = float(getattr(router, "norm_min", 0.0))
+        # GLM-4.5's (DeepSeek-V3's) sigmoid routing with a correction bias among groups of experts
+        sigmoid_bias = getattr(router, "e_score_correction_bias", None)
+        self.sigmoid_bias = None if sigmoid_bias is None else sigmoid_bias.detach().float()
         router_bias = getattr(router, "bias", None)          # gpt-oss's
         router_bias = None if router_bias is None else router_bias.detach()
-        self.router = (dense(router.weight.detach(), router_bias) if statics is None else      # [E, hidden]
-                       dense(router.weight.detach().float(), None, torch.float32))
+        fp32_router = statics is not None or self.sigmoid_bias is not None     # ERNIE's and GLM's route in fp32
+        self.router = (dense(router.weight.detach().float(), None, torch.float32) if fp32_router else
+                       dense(router.weight.detach(), router_bias))                             # [E, hidden]
         self.num_experts, self.top_k = router.weight.shape[0], int(router.top_k)
         self.norm_topk = bool(getattr(router, "norm_topk_prob", True))  # Mixtral: always
         self.fp32_scores = model_type == "mixtral"
         self.softmax_of_topk = model_type.startswith("granitemoe")       # granitemoe, -shared, -hybrid
         self.gpt_oss = model_type == "gpt_oss"
-        # GLM-4.5's (DeepSeek-V3's) sigmoid routing with a correction bias among groups of experts
-        sigmoid_bias = getattr(router, "e_score_correction_bias", None)
-        self.sigmoid_bias = None if sigmoid_bias is None else sigmoid_bias.detach().float()
         if self.sigmoid_bias is not None:
-            self.router = dense(router.weight.detach().float(), None, torch.float32)
             self.groups, self.best_groups = int(router.num_group), int(router.topk_group)
             self.scaling = float(router.routed_scaling_factor)
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
         e, hidden = self.num_experts, router.weight.shape[1]
         self._act_mul = act_mul
         if self.gpt_oss:
-            self._gpt_oss_experts(experts, linear, e, hidden)
+            self._gpt_oss_experts(experts, gate_up, down, linear, hidden)
         elif gate_up.dim() != 3 or gate_up.shape[0] != e or gate_up.shape[2] != hidden or \
                 down.shape[:2] != (e, hidden) or getattr(experts, "has_bias", False):
             raise ValueError(f"{model_type}: experts stored as {tuple(gate_up.shape)} / {tuple(down.shape)}; "
@@ -104,11 +104,12 @@ class MoeMlp:
         gate = getattr(block, "shared_expert_gate", None)
         self.shared_gate = None if gate is None else dense(gate.weight.detach(), None)   # [1, hidden]
 
-    def _gpt_oss_experts(self, experts, linear: Callable[..., Linear], e: int, hidden: int) -> None:
+    def _gpt_oss_experts(self, experts, gate_up: torch.Tensor, down: torch.Tensor, linear: Callable[..., Linear],
+                         hidden: int) -> None:
         """gpt-oss's experts: gate_up [E, hidden, 2I] with gate and up columns interleaved, down [E,
         I, hidden], a bias on each; as the engine's linears [gate; up] rows and down, and the
         clamped SwiGLU as the activation."""
-        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        e = self.num_experts
         if gate_up.dim() != 3 or gate_up.shape[:2] != (e, hidden) or down.shape[0] != e or down.shape[2] != hidden:
             raise ValueError(f"gpt_oss: experts stored as {tuple(gate_up.shape)} / {tuple(down.shape)}; pdserve "
                              "reads [experts, hidden, 2 x intermediate] / [experts, intermediate, hidden]")

@@ -51,7 +51,6 @@ class HarmonyStream:
         self._held = ""
         self._route = "content"    # the body's: reasoning | content | call
         self.count = 0             # calls begun (the next one's stream index)
-        self.done = False          # (never: the output ends at a call's <|call|>, an EOS)
 
     def feed(self, text: str) -> tuple[str, str, list[dict]]:
         """(reasoning, content, call deltas) now certain."""
