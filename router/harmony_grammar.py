@@ -39,7 +39,7 @@ def final_grammar(spec: StructuredOutput, tokens: tuple[int, ...]) -> Structured
             return spec
         if not isinstance(schema, dict):
             return spec
-        value = f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+        value = _json(schema)
     else:
         return spec
     channel, _, message = (f"<[{i}]>" for i in tokens[:3])
@@ -54,8 +54,13 @@ def call_grammar(tokens: tuple[int, ...], calls: list[tuple[str, dict]]) -> Stru
     for i, (name, schema) in enumerate(calls):
         head = json.dumps(f"commentary to=functions.{name} ")
         lines += [f'f{i}: {channel} {head} {constrain} "json" {message} a{i}',
-                  f"a{i}: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"]
+                  f"a{i}: {_json(schema)}"]
     return _grammar(tokens, lines)
+
+
+def _json(schema: dict) -> str:
+    """A value of `schema`, compact JSON as response_format's (router/tools.py's forced calls too)."""
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
 
 
 def _grammar(tokens: tuple[int, ...], answer: list[str]) -> StructuredOutput:
