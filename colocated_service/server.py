@@ -5,6 +5,8 @@ Life cycle of a request here (`generate`)
   queues the prompt (the engine prefills it in chunks and decodes it with continuous batching; a
   structured-output request's grammar is compiled before, on a worker thread); 3. stream
   TokenEvents until it finishes. Leaving early aborts the request, which frees its blocks.
+An embedding (`embed`, /v1/embeddings) is a prompt whose final hidden states are pooled at its last
+chunk instead of a token sampled (serving/replica_util.py `embed_events`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from ray import serve
 from serving import messages
 from serving.config import AppConfig
 from serving.engine_host import EngineHost, EngineReplica
-from serving.replica_util import engine_events, error_event
+from serving.replica_util import embed_events, engine_events, error_event
 
 
 @serve.deployment
@@ -38,4 +40,10 @@ class ColocatedServer(EngineReplica):
                 self.host.aengine, rid,
                 lambda e: e.add_request(rid, ids, params, resumed=resumed, shown_chars=req.shown_chars),
                 self.stream_interval_s):
+            yield event
+
+    async def embed(self, data: bytes):
+        """An `EmbedRequest`'s one answer (`embed_events`)."""
+        self.host.start_stats_pusher()
+        async for event in embed_events(self.host.aengine, data):
             yield event

@@ -22,6 +22,7 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.ngram import NgramIndex
 from engine.outputs import Rejected, TokenLogprobs
+from engine.pooled import Pooled
 from engine.prediction import PredictionIndex
 from engine.sampler import PenaltyState, make_generator, skip_draw
 from engine.sampling_params import SamplingParams, banned_next
@@ -44,6 +45,7 @@ class EngineRequest:
     draft_predicted: bool = False    # its draft this step came from the prediction (read only with a draft)
     prediction_fed: int = 0          # draft tokens taken from the prediction so far, and those the output repeated
     prediction_kept: int = 0
+    pooled: Pooled | None = None     # an embedding request's pooling so far (SamplingParams.pooling)
 
 
 class Admission:
@@ -88,7 +90,11 @@ class Admission:
         if params.structured is not None and params.structured.think is not None and any(
                 t >= self.vocab_size for t in params.structured.think[:2]):
             return f"structured output's think: token id out of range (vocabulary size {self.vocab_size})"
-        if num_prompt_tokens + params.max_tokens > self.max_model_len:
+        if params.pooling is not None:          # no output tokens
+            if num_prompt_tokens > self.max_model_len:
+                return (f"this model's maximum context length is {self.max_model_len} tokens; the input has "
+                        f"{num_prompt_tokens} tokens")
+        elif num_prompt_tokens + params.max_tokens > self.max_model_len:
             return (f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                     f"{num_prompt_tokens} tokens and max_tokens is {params.max_tokens}")
         return None
@@ -105,7 +111,7 @@ class Admission:
             return Rejected(request_id, error)
         seq = Sequence(request_id, [*prompt, *resumed], params, hold_blocks=hold_blocks, num_prompt_tokens=len(prompt))
         detok = None
-        if params.detokenize:
+        if params.detokenize and params.pooling is None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output,
                                            params.skip_special_tokens)
             for k, token in enumerate(resumed, 1):
@@ -121,6 +127,8 @@ class Admission:
             for _ in range(draws):
                 skip_draw(generator)
         req = EngineRequest(seq, detok, generator, [] if params.prompt_logprobs is not None and not resumed else None)
+        if params.pooling is not None:
+            req.pooled = Pooled(params.pooling)
         if params.structured is not None:
             req.matcher = self._matcher(params, resumed)
             if isinstance(req.matcher, str):

@@ -88,8 +88,9 @@ class BlockManager:
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks; at least one token
         is always left to compute so the step can produce logits. None for a request that wants
-        prompt logprobs: every prompt position must be computed for its logits."""
-        if seq.params.prompt_logprobs is not None:
+        prompt logprobs or pools every token (SamplingParams.whole_prompt): every prompt position
+        must be computed."""
+        if seq.params.whole_prompt:
             return []
         return self._cached(seq.token_ids, seq.params.cache_key)
 

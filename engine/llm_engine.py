@@ -192,7 +192,7 @@ class LLMEngine:
                 for seq in drafted:
                     seq.take_draft()
                 return failed
-            spans = self._prompt_logprob_spans(chunks)
+            spans = self._hidden_spans(chunks)
             out = self.runner.run(chunks, spans)
         except BaseException:
             for seq in drafted:       # a failed step leaves no proposed token behind
@@ -200,25 +200,51 @@ class LLMEngine:
             raise
         for i, (a, b) in spans.items():
             ch = chunks[i]
+            req = self._requests[ch.seq.request_id]
+            if req.pooled is not None:
+                req.pooled.add(ch.start + a, out.hidden[i])
+                continue
             targets = ch.seq.token_ids[ch.start + a + 1:ch.start + b + 1]
-            self._requests[ch.seq.request_id].prompt_logprobs += prompt_logprobs(
-                self.runner.lm_head, out.hidden[i], targets, ch.seq.params.prompt_logprobs)
-        return failed + self._postprocess(chunks, out.logits, drafted)
+            req.prompt_logprobs += prompt_logprobs(self.runner.lm_head, out.hidden[i], targets,
+                                                   ch.seq.params.prompt_logprobs)
+        outputs = self._postprocess(chunks, out.logits, drafted)
+        return failed + self._embedded(chunks) + outputs
 
-    def _prompt_logprob_spans(self, chunks: list[ScheduledChunk]) -> dict[int, tuple[int, int]]:
-        """{chunk index: (first, last) row offsets} of the prompt positions in this step whose
-        logprobs a request still lacks (position p gives token p + 1's; a recomputation after
-        preemption does not collect them twice)."""
+    def _hidden_spans(self, chunks: list[ScheduledChunk]) -> dict[int, tuple[int, int]]:
+        """{chunk index: (first, last) row offsets} of the rows in this step whose final hidden states
+        a request still lacks: the prompt positions whose logprobs it asked for (position p gives token
+        p + 1's), or those an embedding request pools (engine/pooling.py); a recomputation after
+        preemption collects none twice."""
         spans = {}
         for i, ch in enumerate(chunks):
-            collected = self._requests[ch.seq.request_id].prompt_logprobs
-            if collected is None:
+            req = self._requests[ch.seq.request_id]
+            if req.pooled is not None:
+                rows = req.pooled.rows(ch.start, ch.num_tokens, ch.seq.num_prompt_tokens)
+                if rows is not None:
+                    spans[i] = rows
                 continue
-            first = max(ch.start, len(collected))
+            if req.prompt_logprobs is None:
+                continue
+            first = max(ch.start, len(req.prompt_logprobs))
             last = min(ch.start + ch.num_tokens, ch.seq.num_prompt_tokens - 1)
             if first < last:
                 spans[i] = (first - ch.start, last - ch.start)
         return spans
+
+    def _embedded(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """The embedding requests whose prompt's last chunk ran this step: each ends with its vector
+        (RequestOutput.embedding), its blocks freed (their K/V stays in the prefix cache)."""
+        outputs = []
+        for ch in chunks:
+            req = self._requests.get(ch.seq.request_id)
+            if req is None or req.pooled is None or ch.start + ch.num_tokens < len(ch.seq):
+                continue
+            self.scheduler.finish(req.seq, "stop")
+            del self._requests[req.seq.request_id]
+            out = self._output(req, [], "stop", True)
+            out.embedding = req.pooled.vector(req.seq.num_prompt_tokens)
+            outputs.append(out)
+        return outputs
 
     def _postprocess(self, chunks: list[ScheduledChunk], logits, drafted: list[Sequence]) -> list[RequestOutput]:
         """Count the fed tokens as computed, take every draft back, then sample in rounds: round j
@@ -400,8 +426,9 @@ class LLMEngine:
 
     def cached_prompt_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
         """How many leading tokens of `token_ids` a prefill here would take from the prefix cache
-        now (none for a request that wants prompt logprobs). Nothing changes."""
-        if params.prompt_logprobs is not None:
+        now (none where every prompt position is to be computed: SamplingParams.whole_prompt).
+        Nothing changes."""
+        if params.whole_prompt:
             return 0
         return self.block_manager.cached_tokens(token_ids, params.cache_key)
 

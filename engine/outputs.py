@@ -45,7 +45,8 @@ class RequestOutput:
     status `error_code` (400: the request's grammar cannot be followed with this vocabulary).
     `accepted_prediction_tokens`, `rejected_prediction_tokens`: so far, of the draft tokens taken
     from the request's predicted output (SamplingParams.prediction), those its output repeated and
-    the others (OpenAI's usage details).
+    the others (OpenAI's usage details). `embedding`: an embedding request's vector
+    (SamplingParams.pooling), little-endian float32 bytes, on its one output.
     """
 
     request_id: str
@@ -64,6 +65,7 @@ class RequestOutput:
     stop_reason: str | int | None = None   # vLLM's: the stop string or stop token id that ended it (not EOS)
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    embedding: bytes | None = None
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This output and the same request's next one as a single output (the tokens, text and
@@ -80,7 +82,7 @@ class RequestOutput:
                              else later.first_scheduled_time,
                              logprobs, self.prompt_logprobs or later.prompt_logprobs, later.error,
                              later.error_code, later.stop_reason, later.accepted_prediction_tokens,
-                             later.rejected_prediction_tokens)
+                             later.rejected_prediction_tokens, later.embedding)
 
 
 @dataclass

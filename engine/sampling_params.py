@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.pooling import Pooling
 from engine.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20              # alternatives per token, as OpenAI's top_logprobs
@@ -55,6 +56,8 @@ class SamplingParams:
     preempted last (engine/scheduler.py), with `fcfs` only 0 is accepted. `prediction` (OpenAI's
     predicted output, as token ids): what the output is expected to repeat; the engine drafts from
     it (EngineConfig.prediction_tokens), which changes how fast the output comes, not what it is.
+    `pooling` (an embedding request, engine/pooling.py): the prompt's final hidden states pooled
+    into one vector, no token generated.
     (Not sampling choices, but per-request settings every engine of a request needs, so they travel
     here.)
     """
@@ -87,6 +90,7 @@ class SamplingParams:
     cache_salt: str | None = None
     prediction: tuple[int, ...] = ()
     detokenize: bool = True
+    pooling: Pooling | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -100,6 +104,12 @@ class SamplingParams:
         (its K/V differs from the base model's) and its `cache_salt`'s (vLLM's: only requests with
         the same salt share cached prefixes); None for the base model, unsalted."""
         return None if self.lora is None and self.cache_salt is None else (self.lora_key, self.cache_salt)
+
+    @property
+    def whole_prompt(self) -> bool:
+        """Whether every prompt position must be computed, none taken from the prefix cache (prompt
+        logprobs; a pooling over every token)."""
+        return self.prompt_logprobs is not None or (self.pooling is not None and self.pooling.whole_prompt)
 
     @property
     def greedy(self) -> bool:
@@ -119,6 +129,11 @@ class SamplingParams:
             return "a LoRA adapter loaded at run time needs its name, its path and a positive 64-bit lora_id"
         if any(type(t) is not int or t < 0 for t in self.prediction):
             return "prediction must be token ids"
+        if self.pooling is not None:
+            if self.logprobs is not None or self.prompt_logprobs is not None or self.structured is not None \
+                    or self.prediction:
+                return "an embedding request has no logprobs, structured output or prediction"
+            return self.pooling.problem()
         if not 0.0 <= self.temperature <= 2.0:
             return f"temperature must be in [0, 2], got {self.temperature}"
         if not 0.0 < self.top_p <= 1.0:

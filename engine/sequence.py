@@ -108,7 +108,8 @@ class Sequence:
 class ScheduledChunk:
     """Feed `seq.token_ids[start:start + num_tokens]` this step.
 
-    `sample` is true when the chunk ends at the last token, so the step yields a new token.
+    `sample` is true when the chunk ends at the last token, so the step yields a new token (never
+    for an embedding request, SamplingParams.pooling: its step yields the pooled vector).
     `num_draft`: the chunk's last tokens that are proposed (speculative decoding): the step
     yields logits after each of them too (`num_logits` rows in all), to verify them.
     """
@@ -130,4 +131,4 @@ class ScheduledChunk:
             seq.take_draft(keep=budget - 1)
         n = min(seq.num_uncomputed_tokens, budget)
         start = seq.num_computed_tokens
-        return cls(seq, start, n, start + n == len(seq), seq.num_draft)
+        return cls(seq, start, n, start + n == len(seq) and seq.params.pooling is None, seq.num_draft)

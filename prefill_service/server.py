@@ -29,6 +29,9 @@ step 2 (router cancelled) aborts the request, which frees them. Leaving during t
 router abandoned the request: client gone, decode replica failed) cancels a push still waiting
 for a pair at once; one whose data is moving runs to its end (the decode side, told too, drains
 it) and then frees the blocks.
+An embedding (`embed`, /v1/embeddings) runs here too, prefill alone: admitted like a prompt, its
+chunks batched with the others, its final hidden states pooled at its last chunk
+(serving/replica_util.py `embed_events`); nothing is pushed, its blocks are freed at once.
 Shutdown: the call lasts until its push ends, so Serve's graceful shutdown (which waits for
 ongoing calls, up to graceful_shutdown_timeout_s) never cuts a push. Then `close_kv` (from
 Serve's `__del__`) lets any push left in the send pool finish and closes the sender's pairs.
@@ -49,6 +52,7 @@ from kv_transfer import KVSender, TransferResult, fingerprint_for
 from serving import messages
 from serving.config import AppConfig
 from serving.engine_host import EngineHost, EngineReplica
+from serving.replica_util import embed_events
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +122,12 @@ class PrefillServer(EngineReplica):
                 self._abandon(rid)
             raise
         yield messages.encode(messages.HandoffDone(rid, res.ok, res.error))
+
+    async def embed(self, data: bytes):
+        """An `EmbedRequest`'s one answer (`embed_events`)."""
+        self.host.start_stats_pusher()
+        async for event in embed_events(self.host.aengine, data):
+            yield event
 
     async def _push(self, address: str, rid: str, handoff: messages.KVHandoff, skip: int) -> TransferResult:
         """Owns the held blocks: sends them, less the `skip` leading ones the decode replica

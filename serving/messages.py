@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from engine.outputs import TokenLogprobs
+from engine.pooling import Pooling
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 
@@ -53,17 +54,19 @@ class WireSamplingParams:
     lora_id: int = 0
     cache_salt: str | None = None
     prediction: tuple[int, ...] = ()    # a predicted output's token ids (SamplingParams.prediction)
+    pooling: tuple | None = None        # an embedding request's Pooling: kind, normalize, dimensions
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
         s = p.structured
         structured = None if s is None else (s.kind, s.value, s.think)
+        pooling = None if p.pooling is None else dataclasses.astuple(p.pooling)
         return cls(p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens, tuple(p.stop),
                    tuple(p.stop_token_ids), p.ignore_eos, p.seed, p.presence_penalty,
                    p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs,
                    tuple(p.logit_bias), structured, p.min_p, tuple(p.allowed_token_ids),
                    p.include_stop_str_in_output, p.skip_special_tokens, tuple(map(tuple, p.bad_words)), p.lora,
-                   p.priority, p.lora_path, p.lora_id, p.cache_salt, tuple(p.prediction))
+                   p.priority, p.lora_path, p.lora_id, p.cache_salt, tuple(p.prediction), pooling)
 
     @property
     def cache_key(self) -> tuple | None:
@@ -74,6 +77,7 @@ class WireSamplingParams:
     def to_params(self) -> SamplingParams:
         fields = dataclasses.asdict(self)
         fields["structured"] = None if self.structured is None else StructuredOutput(*self.structured)
+        fields["pooling"] = None if self.pooling is None else Pooling(*self.pooling)
         return SamplingParams(**fields)
 
     @classmethod
@@ -91,6 +95,8 @@ class WireSamplingParams:
                 if len(think) != 3 or not all(type(t) is int for t in think[:2]) or type(think[2]) is not bool:
                     raise ValueError(f"structured output's think is not (int, int, bool): {think!r}")
             fields["structured"] = (str(kind), str(value), think)
+        if fields.get("pooling") is not None and len(fields["pooling"]) != 3:
+            raise ValueError(f"pooling is not (kind, normalize, dimensions): {fields['pooling']!r}")
         return cls(**fields)
 
 
@@ -124,6 +130,25 @@ class PrefillRequest:
     resumed_token_ids: tuple[int, ...] = ()
     shown_chars: int = 0
     skip_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    """Router -> prefill or colocated replica (a streaming call of one answer): pool the prompt's
+    final hidden states into an embedding (`params.pooling`), answered by an `Embedded` or an
+    `ErrorEvent`. No K/V leaves the replica."""
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: WireSamplingParams
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """Replica -> router: an embedding, little-endian float32 bytes (RequestOutput.embedding)."""
+    request_id: str
+    embedding: bytes
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -322,7 +347,7 @@ class ResponseEventPage:
 MESSAGES = {cls.__name__: cls for cls in (GenerateRequest, PrefillRequest, PrefillResult, DecodeRequest,
                                            Reserved, Landed, KVHandoff, HandoffDone, TokenEvent, ErrorEvent,
                                            ReplicaStats, StoredResponse, RuntimeLoraRegistry, ResponseEventBatch,
-                                           ResponseEventQuery, ResponseEventPage)}
+                                           ResponseEventQuery, ResponseEventPage, EmbedRequest, Embedded)}
 
 
 def encode(msg) -> bytes:

@@ -1,7 +1,9 @@
-"""Small helpers the replicas share: the KV bind address, event encoding and an engine stream's events."""
+"""Small helpers the replicas share: the KV bind address, event encoding, an engine stream's events
+and an embedding's answer."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import AsyncIterator, Callable
 
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -51,3 +53,31 @@ async def engine_events(aengine: AsyncEngine, request_id: str, admit: Callable, 
             yield engine_event(out)
     except EngineDeadError as exc:
         yield error_event(request_id, str(exc), 500)
+
+
+async def embed_events(aengine: AsyncEngine, data: bytes) -> AsyncIterator[bytes]:
+    """A prefill or colocated replica's answer to an `EmbedRequest` (its `embed` call): one engine
+    call checks and queues the prompt (a bad one is a 400 error event), the engine runs it in
+    chunks beside its other requests and pools its final hidden states (engine/pooling.py); the one
+    answer is an `Embedded` or an error event. The request's blocks are freed when its prompt's last
+    chunk ran, or at once when the caller leaves (the stream's end aborts it)."""
+    try:
+        req = messages.decode(data, expect=messages.EmbedRequest)
+    except messages.MessageError as exc:
+        yield error_event("", str(exc), 400, "invalid_request_error")
+        return
+    rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
+    await aengine.prepare(params)           # a LoRA adapter loaded at run time is read off the engine thread
+    last = None
+    try:
+        async with contextlib.aclosing(aengine.stream(rid, lambda e: e.add_request(rid, ids, params))) as outs:
+            async for out in outs:
+                last = out
+    except EngineDeadError as exc:
+        yield error_event(rid, str(exc), 500)
+        return
+    if isinstance(last, Rejected) or last.error is not None:
+        yield engine_event(last)
+        return
+    assert last.finished and last.embedding is not None
+    yield messages.encode(messages.Embedded(rid, last.embedding, last.num_prompt_tokens, last.num_cached_tokens))

@@ -10,6 +10,7 @@ import msgpack
 import pytest
 
 from engine.outputs import TokenLogprobs
+from engine.pooling import Pooling
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 from serving import messages as m
@@ -23,6 +24,7 @@ P2 = m.WireSamplingParams.of(SamplingParams(logit_bias=((5, -100.0), (9, 2.5)),
 P3 = m.WireSamplingParams.of(SamplingParams(allowed_token_ids=(3, 5, 8), include_stop_str_in_output=True,
                                             skip_special_tokens=False, bad_words=((4,), (6, 7, 9)), lora="sql",
                                             priority=-3, prediction=(11, 12, 13)))
+P4 = m.WireSamplingParams.of(SamplingParams(max_tokens=1, pooling=Pooling("mean", False, 64), lora="sql"))
 ROOT = Path(__file__).resolve().parents[1]
 LP = TokenLogprobs(9, -0.5, ((9, -0.5), (4, -1.25)))
 
@@ -53,6 +55,8 @@ EXAMPLES = [
     m.StoredResponse("resp_1", '{"id": "resp_1", "output": []}', '[{"type": "message", "role": "user"}]'),
     m.StoredResponse("resp_2", '{"id": "resp_2", "status": "in_progress"}', "[]", owner="4f2a"),
     m.RuntimeLoraRegistry(("sql", "chat"), ("/a/sql", "/a/chat"), (7, 2**61)),
+    m.EmbedRequest("g", (1, 2, 3), P4),
+    m.Embedded("g", b"\x00\x00\x80?" * 3, 3, 1),
 ]
 
 
@@ -62,7 +66,7 @@ def test_round_trip(msg):
     assert m.decode(m.encode(msg), expect=type(msg)) == msg
 
 
-@pytest.mark.parametrize("params", [P, P2, P3])
+@pytest.mark.parametrize("params", [P, P2, P3, P4])
 def test_params_round_trip_to_sampling_params(params):
     assert m.WireSamplingParams.of(params.to_params()) == params
     assert m.WireSamplingParams.of(m.decode(m.encode(m.DecodeRequest("d", (1,), params))).params.to_params()) == params
@@ -72,6 +76,8 @@ def test_structured_params_arrive_as_the_engines_types():
     params = m.decode(m.encode(m.DecodeRequest("d", (1,), P2))).params.to_params()
     assert params.structured == StructuredOutput("json_schema", '{"type": "object"}')
     assert params.logit_bias == ((5, -100.0), (9, 2.5)) and params.validate() is None
+    embed = m.decode(m.encode(m.EmbedRequest("g", (1,), P4))).params.to_params()
+    assert embed.pooling == Pooling("mean", False, 64) and embed.whole_prompt and embed.validate() is None
 
 
 @pytest.mark.parametrize("data", [b"", b"\xc1garbage", msgpack.packb([99, "TokenEvent", {}]),
