@@ -19,6 +19,7 @@ Life cycle of an HTTP request
                the stream. A chat choice's output is split into reasoning (a template with
                <think> blocks), content and tool calls (with tools): router/chat_output.py
 A client that disconnects cancels step 4, which aborts the request in every pool.
+/v1/embeddings runs each input's prompt in the prefill pool alone (router/embeddings_api.py).
 
 (No `from __future__ import annotations` here: Serve's class-based ingress rebuilds the endpoint
 signatures and FastAPI then cannot resolve string annotations of the request bodies.)
@@ -49,6 +50,8 @@ from router.chat_protocol import ChatCompletionRequest
 from router.choice_view import choice_params
 from router.choices import Choices
 from router.contract import Served, openapi_document
+from router.embeddings_api import EmbeddingsApi
+from router.embeddings_protocol import EmbeddingRequest
 from router.cors import Cors, CorsSettings
 from router.guards import Guards, GuardSettings
 from router.logprobs import TokenStrings
@@ -122,17 +125,18 @@ class Router:
         self.reasoning = reasoning_template(self.tokenizer)
         self.think_tokens = think_tokens(self.tokenizer) if self.reasoning else None
         hf = AutoConfig.from_pretrained(model_dir)
+        dims = Dims.of_config(hf)
         configured = self.config.engine_for("colocated" if self.config.mode == "colocated" else "decode").max_model_len
         self.max_model_len = min(configured or 10**9, context_limit(hf, configured))
         # adapters loaded at run time (runtime_lora_updating) may take no name served otherwise
-        self.runtime_loras = RuntimeLoras(Dims.of_config(hf), (*self.config.model_names, *self.config.lora_modules))
+        self.runtime_loras = RuntimeLoras(dims, (*self.config.model_names, *self.config.lora_modules))
         self.checks = RequestChecks(self.config, self.tokenizer, self.max_model_len, self.tool_syntax,
                                     self.runtime_loras)
         self.model_name = self.config.model_names[0]        # the default a request's `model` may leave out
         self.served = Served(self.names, self.config.max_tokens_limit, len(self.tokenizer),
                              self.max_model_len, api_key=bool(self.config.api_key),
                              priorities=self.config.scheduling_policy == "priority",
-                             runtime_loras=self.config.runtime_lora_updating)
+                             runtime_loras=self.config.runtime_lora_updating, hidden_size=dims.hidden_size)
         self._documents: dict[str, dict] = {}
         self.registry = registry
         slo = self.config.autoscaling
@@ -150,6 +154,9 @@ class Router:
             lease_s=self.config.responses.background_lease_s, refusal=self.chat_refusal)
         # ... restored from the ResponseStore at the first request (a router that restarted)
         self.loras = RuntimeLoraApi(self.runtime_loras, self.responses_api.stored, self.config.runtime_lora_updating)
+        self.embeddings_api = EmbeddingsApi(self.config.embeddings, model_dir, self.checks, self.orchestrator,
+                                            self.request_metrics, dims.hidden_size, self.max_model_len,
+                                            self.model_name, self.config.request_timeout_s)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -323,6 +330,12 @@ class Router:
         ids, _, think = prepared
         checked = await self._checked(body, [ids], body.max_completion_tokens or body.max_tokens, think)
         return checked if isinstance(checked, JSONResponse) else None
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, body: EmbeddingRequest):
+        """OpenAI's embeddings: each input's prompt pooled in the prefill pool (router/embeddings_api.py)."""
+        await self.loras.restore()
+        return await self.embeddings_api.create(body)
 
     # ---- the Responses API (router/responses_api.py) ------------------------------------------------
     @app.post("/v1/responses")

@@ -6,7 +6,8 @@ FastAPI cannot know, in this order:
   1. limits     `model` is an enum of the served name(s) or null (the served model; any
                 string where adapters are loaded at run time),
                 `max_tokens` (and chat's `max_completion_tokens`) has this server's
-                `max_tokens_limit` as its maximum, token ids lie below the vocabulary size
+                `max_tokens_limit` as its maximum, token ids lie below the vocabulary size,
+                an embedding's `dimensions` is at most the model's hidden size
   2. responses  each operation's bodies (router/openai_responses.py): JSON, for the generation
                 endpoints also `text/event-stream` (each event's `data` a chunk or an error
                 object, or `[DONE]`), Prometheus text for /metrics, and OpenAI's error object
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
+from router.embeddings_protocol import EmbeddingList
 from router.guards import OPEN_PATHS
 from router.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Detokenized,
                                      ErrorResponse, Health, ModelList, Tokenized)
@@ -65,6 +67,7 @@ class Served:
     api_key: bool = False
     priorities: bool = False     # scheduling_policy priority: a request's `priority` may be other than 0
     runtime_loras: bool = False  # runtime_lora_updating: adapters (model names) come and go
+    hidden_size: int | None = None   # the model's: the longest embedding (/v1/embeddings' dimensions)
 
 
 def openapi_document(app, served: Served, root_path: str = "") -> dict:
@@ -123,16 +126,20 @@ def _limits(doc: dict, served: Served) -> None:
                 integer["minimum"] = integer["maximum"] = 0
             properties["priority"]["description"] += " This server schedules first come, first served: 0."
     if not served.runtime_loras:     # else an adapter loaded at run time is named too (an unknown name: 404)
-        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
+                     "/detokenize"):
             for branch in _request_schema(doc, path)["properties"]["model"]["anyOf"]:
                 if branch.get("type") == "string":
                     branch["enum"] = list(served.model_names)
         for parameter in doc["paths"][MODEL_PATH]["get"]["parameters"]:
             parameter["schema"]["enum"] = list(served.model_names)
-    for path in ("/tokenize", "/detokenize"):
+    for path, name in (("/tokenize", "tokens"), ("/detokenize", "tokens"), ("/v1/embeddings", "input")):
         properties = _request_schema(doc, path)["properties"]
-        for integer in _integers(properties.get("tokens")):
+        for integer in _integers(properties.get(name)):
             integer["maximum"] = served.vocab_size - 1
+    if served.hidden_size is not None:
+        for integer in _integers(_request_schema(doc, "/v1/embeddings")["properties"]["dimensions"]):
+            integer["maximum"] = served.hidden_size
 
 
 # ---- 2. responses ------------------------------------------------------------------------------
@@ -179,6 +186,8 @@ def _ok(path: str, method: str) -> dict:
     if path == "/v1/responses":
         return {"description": "The response, or with `stream` its events (router/responses_output.py).",
                 "content": {**_json("ResponseObject"), **_events("ResponseEvent")}}
+    if path == "/v1/embeddings":
+        return {"description": "Each input's embedding.", "content": _json("EmbeddingList")}
     if path == "/tokenize":
         return {"description": "The prompt's token ids.", "content": _json("Tokenized")}
     if path == "/detokenize":
@@ -204,7 +213,7 @@ def _responses(doc: dict, served: Served) -> None:
                                                                   ChatCompletionChunk, ModelList, Health,
                                                                   ErrorResponse, Tokenized, Detokenized,
                                                                   ResponseObject, ResponseEvent, ResponseDeleted,
-                                                                  ResponseItemList)],
+                                                                  ResponseItemList, EmbeddingList)],
                                      ref_template=REF)
     schemas.update(copy.deepcopy(defs["$defs"]))
     for path, item in doc["paths"].items():
@@ -214,6 +223,8 @@ def _responses(doc: dict, served: Served) -> None:
                 codes = set(GUARDED) | set(LORA_CODES)
             if path in ("/tokenize", "/detokenize"):
                 codes |= set(TOKENIZING)
+            if path == "/v1/embeddings":           # no KV hand-off
+                codes.discard(502)
             if path == MODEL_PATH:
                 codes.add(404)
             if path.startswith(STORED_PATH):       # no pool involved

@@ -51,6 +51,15 @@ LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
                       Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})]
 
 
+def truncate(ids: list[int], keep: int | None, side: str | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the first (`side` "right") or else the last `keep` of `ids` (-1: the
+    model's context; None: all); `ids` itself when nothing is cut."""
+    keep = max_model_len if keep == -1 else keep
+    if keep is None or len(ids) <= keep:
+        return ids
+    return ids[:keep] if side == "right" else ids[-keep:]
+
+
 def _batch_at_most(k: int) -> dict:
     """`prompt`: a string, a token list, or a batch of at most k."""
     return {"properties": {"prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
@@ -222,10 +231,7 @@ class Sampling(Strict):
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's token ids after truncate_prompt_tokens (`ids` itself when nothing is cut)."""
-        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
-        if keep is None or len(ids) <= keep:
-            return ids
-        return ids[:keep] if self.truncation_side == "right" else ids[-keep:]
+        return truncate(ids, self.truncate_prompt_tokens, self.truncation_side, max_model_len)
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -242,8 +248,9 @@ class Sampling(Strict):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
-def _as_prompts(v) -> list:
-    """A completion's `prompt` as a list of prompts: a string or a token list is one prompt."""
+def as_prompts(v) -> list:
+    """A completion's `prompt` (or an embedding request's `input`) as a list of prompts: a string or a
+    token list is one prompt."""
     return [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else list(v)
 
 
@@ -287,7 +294,7 @@ class CompletionRequest(Sampling):
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or a batch (a list of strings or of token lists)."""
-        return _as_prompts(self.prompt)
+        return as_prompts(self.prompt)
 
     def logprob_count(self) -> int | None:
         return self.logprobs

@@ -46,6 +46,8 @@ count the resumed tokens), with no prompt logprobs again; its events' counts of 
 predicted output add the earlier attempts' (the usage's). A push that a live replica reports
 failed (502), a replica's own error event, and a refusal stay the request's end. Colocated: the
 same, one call to the colocated pool per attempt.
+An embedding (`embed`) is one call to the prefill pool (colocated: its pool), which answers with
+the vector: no decode replica, no hand-off; a replica that dies first is asked again.
 Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for the
 decode reservation in step 1 plus the prefill replica's queue_seconds; prefill = its prefill_seconds.
 Failures raise `RequestFailed` with the HTTP status to report. Leaving the iterator early (client
@@ -137,6 +139,40 @@ class Orchestrator:
         else:
             self.prefill = direct_stream(prefill.options(stream=True), largest).prefill
             self.decode = direct_stream(decode.options(stream=True), largest).generate
+        self.embedder = direct_stream((colocated if mode == "colocated" else prefill).options(stream=True),
+                                      largest).embed
+
+    async def embed(self, rid: str, prompt: list[int], params) -> messages.Embedded:
+        """The embedding of `prompt` (SamplingParams `params` with its pooling) from the prefill pool
+        (colocated: its pool), in one call answered by an `Embedded`. A replica that dies before it
+        answers is asked again under a fresh request id after each of `retry_delays_s`; leaving early
+        cancels the call, which aborts the request there (its blocks freed). Failures raise
+        RequestFailed."""
+        wire = WireSamplingParams.of(params)
+        for attempt, delay in enumerate(self.retry_delays_s):
+            if delay:
+                await asyncio.sleep(delay)
+            call = self.embedder.remote(messages.encode(messages.EmbedRequest(
+                rid if attempt == 0 else f"{rid}-retry{attempt}", tuple(prompt), wire)))
+            answered = False
+            try:
+                answer = _check(messages.decode(await call.__anext__()))
+                assert isinstance(answer, messages.Embedded), answer
+                answered = True
+                return answer
+            except _GONE as exc:
+                if attempt == len(self.retry_delays_s) - 1:
+                    raise RequestFailed(503, f"a replica failed while serving the request: {type(exc).__name__}",
+                                        "server_error") from None
+            except BackPressureError as exc:
+                raise RequestFailed(429, f"a pool is at capacity, retry later ({exc})", "overloaded") from None
+            except (RayError, RayServeException) as exc:
+                raise RequestFailed(503, f"a replica failed while serving the request: {type(exc).__name__}",
+                                    "server_error") from None
+            finally:
+                if not answered:      # failed, or the caller left: stop the replica's work
+                    _cancel(call)
+        raise AssertionError("unreachable")
 
     async def run(self, rid: str, prompt: list[int], params,
                   ready: Callable[[], None] = lambda: None) -> AsyncIterator[messages.TokenEvent]:

@@ -81,7 +81,7 @@ class RequestChecks:
         if params.priority and self.config.scheduling_policy != "priority":
             return error_response(400, "priority needs the server's scheduling_policy priority (it schedules first "
                                   "come, first served)", param="priority")
-        params = self._with_lora(params, body.model)
+        params = self.with_lora(params, body.model)
         if body.bad_words:
             params = dataclasses.replace(params, bad_words=body.bad_word_ids(
                 lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
@@ -103,7 +103,7 @@ class RequestChecks:
                 return problem
         return params
 
-    def _with_lora(self, params: SamplingParams, model: str | None) -> SamplingParams:
+    def with_lora(self, params: SamplingParams, model: str | None) -> SamplingParams:
         """`params` running the adapter `model` names, if it names one."""
         if model in self.lora_names:
             return dataclasses.replace(params, lora=model)

@@ -167,6 +167,17 @@ class ResponsesOptions(_Model):
         "replaced) is stored failed at its next read, rather than in_progress for good.")
 
 
+class EmbeddingOptions(_Model):
+    """How /v1/embeddings pools a prompt's final hidden states into its vector (engine/pooling.py)."""
+    pooling: Literal["auto", "last", "mean", "cls"] = Field(
+        "auto", description="last: the last token's hidden state; mean: the mean over every token's; cls: the "
+        "first token's. auto: what the model's sentence-transformers files say (modules.json, its Pooling "
+        "module's config), else last (decoder embedding models: Qwen3-Embedding, gte-Qwen2, e5-mistral).")
+    normalize: bool | None = Field(
+        None, description="Scale each vector to length 1; null: where the model's sentence-transformers modules "
+        "end with Normalize, or the model has none (as vLLM's embedding pooler).")
+
+
 class CorsOptions(_Model):
     """Cross-origin calls from web pages (CORS; router/cors.py)."""
     allowed_origins: list[str] = Field(
@@ -258,6 +269,8 @@ class AppConfig(_Model):
                           "pool scales by its own `autoscaling` block or keeps its `num_replicas`.")
     responses: ResponsesOptions = Field(default_factory=ResponsesOptions,
                                         description="Stored responses of the Responses API.")
+    embeddings: EmbeddingOptions = Field(default_factory=EmbeddingOptions,
+                                         description="How /v1/embeddings pools a prompt into its vector.")
     goodput: GoodputOptions | None = Field(
         None, description="SLO targets of the goodput counter; default: the SLO policy's ttft_slo/tpot_slo when "
                           "`autoscaling` is set, else 1 s TTFT and 0.1 s TPOT.")

@@ -13,13 +13,14 @@ from router.openai_protocol import CompletionRequest
 from router.responses_protocol import ResponsesRequest
 from serving.config import AppConfig
 
-VOCAB, CONTEXT = 49152, 2048
+VOCAB, CONTEXT, HIDDEN = 49152, 2048, 576
 
 
 def document(**config) -> dict:
     cfg = AppConfig(**config)
     return openapi_document(app, Served((*cfg.model_names, *cfg.lora_modules), cfg.max_tokens_limit, VOCAB, CONTEXT,
-                                        api_key=bool(cfg.api_key), priorities=cfg.scheduling_policy == "priority"))
+                                        api_key=bool(cfg.api_key), priorities=cfg.scheduling_policy == "priority",
+                                        hidden_size=HIDDEN))
 
 
 def requests(doc: dict) -> tuple[dict, dict]:
@@ -34,7 +35,7 @@ def test_model_enum_and_limits_follow_the_config():
         doc = document(**config)
         completion, chat = requests(doc)
         for request in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "TokenizeRequest",
-                        "DetokenizeRequest"):    # the served name, or omitted / null: the served model
+                        "DetokenizeRequest", "EmbeddingRequest"):  # the served name, or omitted / null: the model
             schema = doc["components"]["schemas"][request]
             assert schema["properties"]["model"]["anyOf"] == [{"type": "string", "enum": names}, {"type": "null"}]
             assert "model" not in schema.get("required", [])
@@ -44,6 +45,9 @@ def test_model_enum_and_limits_follow_the_config():
         assert completion["properties"]["max_tokens"]["default"] == min(16, limit)
         tokens = json.dumps(completion["properties"]["prompt"])
         assert tokens.count(f'"maximum": {VOCAB - 1}') == 2     # a token list, and a batch of them
+        embedding = doc["components"]["schemas"]["EmbeddingRequest"]["properties"]
+        assert json.dumps(embedding["input"]).count(f'"maximum": {VOCAB - 1}') == 2
+        assert next(s for s in embedding["dimensions"]["anyOf"] if s["type"] == "integer")["maximum"] == HIDDEN
 
 
 def test_model_is_any_string_where_adapters_are_loaded_at_run_time():
@@ -80,6 +84,9 @@ def test_every_operation_declares_its_bodies_and_every_error_status():
             elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):     # no pool involved
                 assert set(responses) == {"200", "400", "404", "413", "429", "500"}
                 assert set(responses["200"]["content"]) == {"text/plain"}
+            elif path == "/v1/embeddings":                       # the prefill pool alone: no hand-off
+                assert set(responses) == {"200", "400", "404", "413", "429", "500", "503", "504"}
+                assert set(responses["200"]["content"]) == {"application/json"}
             elif method == "post" and path.startswith("/v1/"):
                 assert {"400", "404", "413", "429", "500", "502", "503", "504"} <= set(responses)
                 assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}

@@ -15,7 +15,9 @@ Serve handles (the real handles and replicas are exercised end to end in test_se
     out (the prefill during its push, the decode before `Landed` or mid-stream) moves the request
     on after them (a resumed request), a push a live replica reports failed before `Landed` fails
     the request at once (the reservation dropped), and a pool without a live replica for a few
-    seconds (a redeploy) is waited for, not failed.
+    seconds (a redeploy) is waited for, not failed;
+  * an embedding is one call to the prefill (or colocated) pool, asked again where its replica died,
+    cancelled when its caller leaves.
 """
 
 import asyncio
@@ -102,7 +104,7 @@ class FakePrefill:
         self.push_error = push_error
         self.requests, self.responses = [], []
         self.log = log if log is not None else []
-        self.prefill = self
+        self.prefill = self.embed = self
 
     def options(self, **options):
         self.options_asked = {**getattr(self, "options_asked", {}), **options}
@@ -503,7 +505,7 @@ def test_a_replica_that_keeps_dying_fails_the_request_once_the_attempts_are_spen
 def test_colocated_a_replica_dying_mid_stream_moves_the_request_on_after_its_tokens():
     class Colocated:
         def __init__(self):
-            self.requests, self.generate = [], self
+            self.requests, self.generate, self.embed = [], self, self
 
         def options(self, **options):
             return self
@@ -623,3 +625,52 @@ def test_every_sampled_choice_gets_a_seed_so_that_a_moved_request_draws_what_it_
     assert len(seeds) == 3 and all(0 <= s < 2**63 for s in seeds)
     seeded = SamplingParams(temperature=0.8, seed=2**63 - 1)
     assert choice_params(seeded, 0) is seeded and choice_params(seeded, 2).seed == 1
+
+
+class FakeEmbedder:
+    """`options(stream=True).embed.remote(data)`: a stream of one Embedded (after `delay`); the first
+    `die` calls fail before it, as a dead replica's."""
+
+    def __init__(self, die: int = 0, delay: float = 0.0):
+        self.die, self.delay, self.requests, self.responses = die, delay, [], []
+        self.embed = self.prefill = self.generate = self
+
+    def options(self, **options):
+        return self
+
+    def remote(self, data):
+        self.responses.append(FakeResponse(self._stream(data)))
+        return self.responses[-1]
+
+    async def _stream(self, data):
+        req = messages.decode(data, expect=messages.EmbedRequest)
+        self.requests.append(req)
+        await asyncio.sleep(self.delay)
+        if self.die:
+            self.die -= 1
+            raise ActorDiedError()
+        yield messages.encode(messages.Embedded(req.request_id, b"\0" * 8, len(req.prompt_token_ids)))
+
+
+def test_an_embedding_is_one_call_to_the_prefill_pool_asked_again_where_its_replica_died():
+    from engine.pooling import Pooling
+    params = SamplingParams(pooling=Pooling("mean", False, 2))
+
+    async def main():
+        pool, decode = FakeEmbedder(die=1), FakeDecode([])
+        answer = await Orchestrator("disaggregated", pool, decode, retry_delays_s=(0, 0.01)).embed("e", [1, 2], params)
+        assert answer == messages.Embedded("e-retry1", b"\0" * 8, 2) and not decode.requests
+        assert [r.request_id for r in pool.requests] == ["e", "e-retry1"]
+        assert pool.requests[0].params.to_params().pooling == Pooling("mean", False, 2)
+        with pytest.raises(RequestFailed) as failed:            # dead every time: a 503 once the attempts are spent
+            dead = Orchestrator("colocated", colocated=FakeEmbedder(die=3), retry_delays_s=(0, 0.01))
+            await dead.embed("e", [1], params)
+        assert failed.value.code == 503
+        slow = FakeEmbedder(delay=10)                            # the caller leaves: the call is cancelled
+        task = asyncio.ensure_future(Orchestrator("colocated", colocated=slow).embed("e", [1], params))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert slow.responses[0].cancelled
+    asyncio.run(main())
