@@ -67,6 +67,9 @@ async def embed_events(aengine: AsyncEngine, data: bytes) -> AsyncIterator[bytes
         yield error_event("", str(exc), 400, "invalid_request_error")
         return
     rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
+    if params.pooling is None:
+        yield error_event(rid, "an EmbedRequest needs its parameters' pooling", 400, "invalid_request_error")
+        return
     await aengine.prepare(params)           # a LoRA adapter loaded at run time is read off the engine thread
     last = None
     try:

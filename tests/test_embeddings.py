@@ -21,7 +21,8 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import Rejected
 from engine.pooling import Pooling
 from engine.sampling_params import SamplingParams
-from router.embeddings_api import model_pooling
+from router.embeddings_api import EmbeddingsApi, model_pooling
+from serving.config import EmbeddingOptions
 from service_util import http, pools_all_free
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -128,6 +129,20 @@ def test_the_openai_client_gets_hugging_faces_vectors_from_both_modes(disagg, co
     assert pools_all_free(disagg, {"prefill", "decode"}) and pools_all_free(colocated, {"colocated"})
 
 
+def test_a_replica_answers_a_malformed_embed_call_with_a_400_event(disagg):
+    """The replica's own boundary (serving/replica_util.py `embed_events`): bytes that are no EmbedRequest,
+    and one without a pooling, are 400 error events; nothing is admitted."""
+    from ray import serve
+
+    from serving import messages
+    handle = serve.get_deployment_handle("PrefillServer", "pd").options(stream=True)
+    no_pooling = messages.EmbedRequest("x", (1, 2), messages.WireSamplingParams.of(SamplingParams()))
+    for data in (b"garbage", messages.encode(no_pooling)):
+        events = [messages.decode(e) for e in handle.embed.remote(data)]
+        assert len(events) == 1 and isinstance(events[0], messages.ErrorEvent) and events[0].code == 400, events
+    assert pools_all_free(disagg, {"prefill", "decode"})
+
+
 @pytest.mark.parametrize("body, code, says", [
     ({"model": MODEL, "input": []}, 400, "input"),
     ({"model": MODEL, "input": [""]}, 400, "input"),
@@ -180,3 +195,13 @@ def test_the_sentence_transformers_files_say_how_a_model_pools(tmp_path):
                                              {"pooling_mode_mean_tokens": True}))
     assert "weightedmean" in model_pooling(write_st(tmp_path / "e", ["Transformer", "Pooling"],
                                                     {"pooling_mode_weightedmean_tokens": True}))
+
+    def served(model_dir, **options):          # what the router's endpoint pools with
+        api = EmbeddingsApi(EmbeddingOptions(**options), model_dir, None, None, None, 64, 128, "m", 60.0)
+        return api.kind, api.normalize, api.problem
+    assert served(tmp_path / "b") == ("mean", False, None)
+    assert served(tmp_path / "b", pooling="last", normalize=True) == ("last", True, None)
+    assert served(tmp_path / "c", pooling="mean") == ("mean", True, None)     # Normalize still read from the files
+    kind, normalize, problem = served(tmp_path / "d")
+    assert "Dense" in problem and "embeddings.pooling" in problem             # auto: every request a 400 saying so
+    assert served(tmp_path / "d", pooling="mean", normalize=False) == ("mean", False, None)
