@@ -53,13 +53,14 @@ def propose_drafts(running: list, requests: dict, k: int, max_batch: int, max_mo
     the prediction proposes nothing.
     Returns the sequences that got a draft: the engine takes every draft back in the same step.
     A sequence drafts only when it has one token to compute (no chunk of a prompt under way), is
-    not a prefill-role request, and has room for a token after its draft (max_tokens, context)."""
+    not a prefill-role request nor an embedding (its last prompt token may be the one left), and
+    has room for a token after its draft (max_tokens, context)."""
     if not (k or k_predicted) or len(running) > max_batch:
         return []
     drafted = []
     for seq in running:
         predicted = bool(k_predicted and seq.params.prediction)
-        if not (k or predicted) or seq.num_uncomputed_tokens != 1 or seq.hold_blocks:
+        if not (k or predicted) or seq.num_uncomputed_tokens != 1 or seq.hold_blocks or seq.params.pooling:
             continue
         room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - len(seq)) - 1
         if room < 1:

@@ -97,6 +97,18 @@ def test_each_pooling_equals_hugging_faces_hidden_states_beside_a_generating_req
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_a_prompt_whose_last_chunk_is_one_token_takes_no_draft(default_model_dir, hf_hidden):
+    """With prompt lookup on, a sequence with one token left drafts; an embedding's last prompt token
+    is not a decode step (engine/ngram.py)."""
+    engine = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", device="cpu",
+                                    kv_cache_memory="64MiB", max_num_batched_tokens=32, speculative_tokens=3))
+    ids = [10, 11, 12, 13] * 8 + [10]     # 32 in the first chunk, the last alone; prompt lookup would draft 11, 12, 13
+    out = embed_all(engine, {kind: (ids, SamplingParams(pooling=Pooling(kind))) for kind in ("last", "mean")})
+    for kind in ("last", "mean"):
+        np.testing.assert_allclose(out[kind][0], reference(hf_hidden(ids), kind), atol=2e-5, rtol=1e-4)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_a_pooling_collects_each_position_once_across_chunks_and_recomputation():
     mean, last, cls = Pooling("mean"), Pooling("last"), Pooling("cls")
     assert mean.rows(0, 16, 40, 0) == (0, 16) and mean.rows(16, 16, 40, 16) == (0, 16)
