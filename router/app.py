@@ -50,9 +50,9 @@ from router.chat_protocol import ChatCompletionRequest
 from router.choice_view import choice_params
 from router.choices import Choices
 from router.contract import Served, openapi_document
+from router.cors import Cors, CorsSettings
 from router.embeddings_api import EmbeddingsApi
 from router.embeddings_protocol import EmbeddingRequest
-from router.cors import Cors, CorsSettings
 from router.guards import Guards, GuardSettings
 from router.logprobs import TokenStrings
 from router.metrics import RequestMetrics, render
