@@ -1,9 +1,10 @@
 """/v1/embeddings: an input's prompt runs in the prefill pool (colocated: its pool) and its final
 hidden states are pooled there (engine/pooling.py).
 
-In the engine (default model, fp32, chunks of 64 tokens, beside a generating request): last-token,
-mean and first-token pooling equal Hugging Face's `AutoModel` hidden states pooled the same way,
-a last-token request's cached prefix changes nothing, and every block is freed. Served (the
+In the engine (default model, fp32, chunks of 64 tokens, beside a generating request that drafts by
+prompt lookup): last-token, mean and first-token pooling equal Hugging Face's `AutoModel` hidden
+states pooled the same way, a last-token request's cached prefix changes nothing, a last prompt
+token alone in its chunk takes no draft, and every block is freed. Served (the
 session's disaggregated and colocated apps): OpenAI's client gets Hugging Face's vectors, in
 floats and base64, from text and token ids, shortened by `dimensions`; refusals are OpenAI-format
 errors; the pools end free. The sentence-transformers files decide the pooling.
@@ -43,6 +44,13 @@ def hf_hidden(default_model_dir):
 
 
 @pytest.fixture(scope="module")
+def engine(default_model_dir):
+    """fp32, chunks of 64 tokens, prompt lookup on (a generating request beside the embeddings drafts)."""
+    return LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", device="cpu", kv_cache_memory="64MiB",
+                                  max_num_batched_tokens=64, speculative_tokens=3))
+
+
+@pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(default_model_dir)
@@ -67,10 +75,7 @@ def embed_all(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> 
     return out
 
 
-def test_each_pooling_equals_hugging_faces_hidden_states_beside_a_generating_request(default_model_dir, tokenizer,
-                                                                                    hf_hidden):
-    engine = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", device="cpu",
-                                    kv_cache_memory="64MiB", max_num_batched_tokens=64))
+def test_each_pooling_equals_hugging_faces_hidden_states_beside_a_generating_request(engine, tokenizer, hf_hidden):
     prompts = [tokenizer.encode(t) for t in TEXTS]
     assert max(map(len, prompts)) > 128             # several chunks
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
@@ -97,12 +102,10 @@ def test_each_pooling_equals_hugging_faces_hidden_states_beside_a_generating_req
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_a_prompt_whose_last_chunk_is_one_token_takes_no_draft(default_model_dir, hf_hidden):
+def test_a_prompt_whose_last_chunk_is_one_token_takes_no_draft(engine, hf_hidden):
     """With prompt lookup on, a sequence with one token left drafts; an embedding's last prompt token
     is not a decode step (engine/ngram.py)."""
-    engine = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", device="cpu",
-                                    kv_cache_memory="64MiB", max_num_batched_tokens=32, speculative_tokens=3))
-    ids = [10, 11, 12, 13] * 8 + [10]     # 32 in the first chunk, the last alone; prompt lookup would draft 11, 12, 13
+    ids = [10, 11, 12, 13] * 16 + [10]    # 64 in the first chunk, the last alone; prompt lookup would draft 11, 12, 13
     out = embed_all(engine, {kind: (ids, SamplingParams(pooling=Pooling(kind))) for kind in ("last", "mean")})
     for kind in ("last", "mean"):
         np.testing.assert_allclose(out[kind][0], reference(hf_hidden(ids), kind), atol=2e-5, rtol=1e-4)
