@@ -199,8 +199,9 @@ def unsupported_model(config: dict) -> str | None:
         activation = "gelu_pytorch_tanh"
     if activation not in ACTIVATIONS:
         return f"activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})"
-    if config.get("use_bidirectional_attention"):
-        return "bidirectional attention (an embedding model) is not supported"
+    if config.get("use_bidirectional_attention") or config.get("is_causal") is False:   # transformers >= 5.2's
+        return ("bidirectional attention (an embedding model's: use_bidirectional_attention, or is_causal false) is "
+                "not supported: the engine's attention is causal")
     if config.get("use_qk_norm") and model_type == "cohere":          # (GLM-4.5's are RMSNorms: they run)
         return "use_qk_norm (Command R+'s LayerNorm of each query and key head) is not supported"
     if config.get("qk_layernorm"):

@@ -159,6 +159,7 @@ def test_local_dir_is_checked(tmp_path):
     # Gemma 2's and Gemma 3's text checkpoints run; bidirectional attention or the multimodal
     # checkpoints (the 4B and larger) do not
     ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "bidirectional attention"),
+    ({"model_type": "qwen2", "is_causal": False}, "bidirectional attention"),   # any decoder as an encoder
     ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}, "a multimodal checkpoint"),
     ({"model_type": "olmoe", "clip_qkv": 8.0}, "clip_qkv"),              # OLMoE runs, unclamped
     ({"model_type": "stablelm", "qk_layernorm": True}, "qk_layernorm"),   # StableLM 2 12B's per-head norms
