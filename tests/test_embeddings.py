@@ -7,11 +7,13 @@ states pooled the same way, a last-token request's cached prefix changes nothing
 token alone in its chunk takes no draft, and every block is freed. Served (the
 session's disaggregated and colocated apps): OpenAI's client gets Hugging Face's vectors, in
 floats and base64, from text and token ids, shortened by `dimensions`; refusals are OpenAI-format
-errors; the pools end free. The sentence-transformers files decide the pooling.
+errors; a client that leaves cancels its inputs' calls; the pools end free. The sentence-transformers files decide the pooling.
 """
 
 import base64
 import json
+import re
+import time
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from engine.pooling import Pooling
 from engine.sampling_params import SamplingParams
 from router.embeddings_api import EmbeddingsApi, model_pooling
 from serving.config import EmbeddingOptions
-from service_util import http, pools_all_free
+from service_util import http, pools_all_free, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 TEXTS = ["hello", "The quick brown fox jumps over the lazy dog. " * 7,
@@ -156,6 +158,27 @@ def test_a_replica_answers_a_malformed_embed_call_with_a_400_event(disagg):
         events = [messages.decode(e) for e in handle.embed.remote(data)]
         assert len(events) == 1 and isinstance(events[0], messages.ErrorEvent) and events[0].code == 400, events
     assert pools_all_free(disagg, {"prefill", "decode"})
+
+
+def _aborted(base: str) -> float:
+    match = re.search(r'^pdserve_requests_total\{outcome="aborted"\} (\S+)$', http(base, "/metrics")[1], re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_client_that_leaves_cancels_its_inputs_in_the_pool(disagg):
+    """A client gone mid-request (its connection closed) cancels every input's call: the prefill
+    replica aborts them, its blocks free long before it could have computed them (48 inputs of 1,500
+    tokens: minutes of fp32 prefill on one thread), and the router counts the request aborted."""
+    import http.client
+    before = _aborted(disagg)
+    body = {"model": MODEL, "input": [[(7 * i + j) % 40000 + 100 for j in range(1500)] for i in range(48)]}
+    host, _, prefix = disagg.split("//", 1)[1].partition("/")
+    conn = http.client.HTTPConnection(*host.split(":"), timeout=60)
+    conn.request("POST", f"/{prefix}/v1/embeddings", json.dumps(body), {"Content-Type": "application/json"})
+    time.sleep(2)                                   # the first inputs are being computed
+    conn.close()
+    assert wait_until(lambda: _aborted(disagg) > before, 20)
+    assert pools_all_free(disagg, {"prefill", "decode"}, timeout=20)
 
 
 @pytest.mark.parametrize("body, code, says", [
