@@ -4,10 +4,11 @@ hidden states are pooled there (engine/pooling.py).
 In the engine (default model, fp32, chunks of 64 tokens, beside a generating request that drafts by
 prompt lookup): last-token, mean and first-token pooling equal Hugging Face's `AutoModel` hidden
 states pooled the same way, a last-token request's cached prefix changes nothing, a last prompt
-token alone in its chunk takes no draft, and every block is freed. Served (the
-session's disaggregated and colocated apps): OpenAI's client gets Hugging Face's vectors, in
-floats and base64, from text and token ids, shortened by `dimensions`; refusals are OpenAI-format
-errors; a client that leaves cancels its inputs' calls; the pools end free. The sentence-transformers files decide the pooling.
+token alone in its chunk takes no draft, and every block is freed. Served (the session's
+disaggregated and colocated apps): OpenAI's client gets Hugging Face's vectors, in floats and
+base64, from text and token ids, shortened by `dimensions`; refusals are OpenAI-format errors; a
+client that leaves cancels its inputs' calls; the pools end free. The sentence-transformers files
+decide the pooling.
 """
 
 import base64
