@@ -1,12 +1,14 @@
 """Replica faults on a local Ray cluster (tiny model): a decode replica killed mid-stream and a
-prefill replica killed, and a colocated replica killed mid-stream; the service moves the stream
-on or retries, never hangs, and Serve replaces the replica. The response store killed: answers
+prefill replica killed (a completion and an embedding sent right after it died both answered), and
+a colocated replica killed mid-stream; the service moves the stream on or retries, never hangs, and
+Serve replaces the replica. The response store killed: answers
 still go out (saying whether they were kept), and its replacement starts empty."""
 
 import http.client as httpclient
 import json
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -101,10 +103,21 @@ def test_colocated_replica_killed_mid_stream_moves_the_stream_to_another_replica
     _kill_mid_stream_and_compare(colocated_app, "ftc", "ColocatedServer", "colocated", {"colocated"})
 
 
+def embedding(base) -> list[float]:
+    status, text = http(base, "/v1/embeddings", {"model": "tiny", "input": list(range(100, 140)),
+                                                 "encoding_format": "float"})
+    assert status == 200, text
+    return json.loads(text)["data"][0]["embedding"]
+
+
 def test_prefill_replica_killed_requests_still_succeed(app):
     assert ok(app)
+    vector = embedding(app)
     kill_replica("PrefillServer")
-    assert ok(app, 4), "a request right after the prefill replica died failed"
+    with ThreadPoolExecutor(1) as pool:          # an embedding sent right after it died too (router/orchestrator.py)
+        again = pool.submit(embedding, app)
+        assert ok(app, 4), "a request right after the prefill replica died failed"
+        assert again.result() == pytest.approx(vector, abs=1e-6)
     assert wait_until(lambda: running_replicas("ft", "PrefillServer") == 1, 90, every=STATUS_POLL_S)
     assert all(ok(app, 4) for _ in range(3))
     assert pools_all_free(app, {"prefill", "decode"}, timeout=30)
