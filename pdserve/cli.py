@@ -1,7 +1,8 @@
 """`pdserve` command line: `serve` (the HTTP service on Ray Serve), `deploy` (a new config for the
 running service: scaling in place), `local-cluster` (the same on a
 multi-node Ray cluster with its autoscaler, simulated on this machine: pdserve/local_cluster.py), `generate` (one-shot
-generation with a local colocated engine, no Ray), `plan` and `simulate` (pdserve/plan/) and `bench` (pdserve/bench.py).
+generation with a local colocated engine, no Ray), `plan` and `simulate` (pdserve/plan/), `bench` (pdserve/bench.py)
+and `run-batch` (an OpenAI batch file against a running server: pdserve/run_batch.py).
 Ray, torch and the engine are imported only by the subcommands that need them."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 import time
 import urllib.request
 
+from pdserve import run_batch
 from pdserve.plan import cli as plan_cli
 from pdserve.plan import sim_cli
 
@@ -353,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--model-cache", help="where the default model and GGUF files are converted and cached")
     lc.set_defaults(fn=_local_cluster)
     sub.add_parser("bench", help="load-test any OpenAI-compatible endpoint (pdserve bench --help)")
+    rb = sub.add_parser("run-batch", help="an OpenAI batch input file (JSONL) against a running server, its "
+                                          "output file written (as vLLM's run-batch)")
+    run_batch.add_arguments(rb)
+    rb.set_defaults(fn=run_batch.main)
     g = sub.add_parser("generate", help="one-shot chat generation with a local engine (no Ray)")
     g.add_argument("prompt")
     g.add_argument("--model", default="SmolLM2-135M-Instruct")
