@@ -25,7 +25,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import Rejected
 from engine.pooling import Pooling
 from engine.sampling_params import SamplingParams
-from router.embeddings_api import EmbeddingsApi, model_pooling
+from router.embeddings_api import EmbeddingsApi, _answer, model_pooling
 from serving.config import EmbeddingOptions
 from service_util import http, pools_all_free, wait_until
 
@@ -207,6 +207,16 @@ def test_a_long_input_cut_by_truncate_prompt_tokens_is_embedded_from_its_first_t
     out = json.loads(text)
     assert out["usage"]["prompt_tokens"] == 300
     np.testing.assert_allclose(out["data"][0]["embedding"], reference(hf_hidden(ids[:300])), atol=2e-5, rtol=1e-4)
+
+
+def test_the_answer_is_openais_list_written_a_vector_at_a_time():
+    vectors = [np.array([0.5, -1.25, 3.0e-7], "<f4").tobytes(), np.array([1, 0, 0], "<f4").tobytes()]
+    floats = json.loads(_answer(vectors, "float", 'a "quoted" name', 7))
+    assert floats == {"object": "list", "model": 'a "quoted" name', "usage": {"prompt_tokens": 7, "total_tokens": 7},
+                      "data": [{"object": "embedding", "index": 0, "embedding": [0.5, -1.25, pytest.approx(3.0e-7)]},
+                               {"object": "embedding", "index": 1, "embedding": [1.0, 0.0, 0.0]}]}
+    encoded = json.loads(_answer(vectors, "base64", "m", 7))["data"]
+    assert [base64.b64decode(d["embedding"]) for d in encoded] == vectors
 
 
 def write_st(tmp_path, modules: list[str], pooling: dict | None = None):
