@@ -8,9 +8,11 @@ Life cycle of a request (router/app.py validated the body: router/embeddings_pro
                each cut as `truncate_prompt_tokens` asks
   3. check     every input within the model's context, `dimensions` within the hidden size, the
                pooling one pdserve runs: a refused request is an OpenAI-format 400
-  4. run       the inputs side by side, at most MAX_IN_FLIGHT at once, each one call to the pool
-               (Orchestrator.embed), under the request deadline (a 504 past it); the first failure
-               fails the request and cancels the rest
+  4. run       the inputs in groups of consecutive ones (`groups`: up to GROUP_INPUTS inputs and
+               GROUP_TOKENS tokens), each group one call to the pool (Orchestrator.embed: one
+               call's cost for many short inputs; groups spread over the pool's replicas), at most
+               MAX_IN_FLIGHT groups at once, under the request deadline (a 504 past it); the first
+               failure fails the request and cancels the rest
   5. respond   OpenAI's list: each vector as numbers or base64, `usage` the inputs' tokens; the
                JSON written in a worker thread one vector at a time (the encoder holds the GIL
                for a whole call: one call for 64 vectors of 576 numbers held the router's event
@@ -41,7 +43,8 @@ from router.request_checks import RequestChecks
 from serving.config import EmbeddingOptions
 
 log = logging.getLogger(__name__)
-MAX_IN_FLIGHT = 64      # calls one request has in the pool at once
+GROUP_INPUTS, GROUP_TOKENS = 32, 4096     # one call to the pool carries at most these
+MAX_IN_FLIGHT = 8       # calls one request has in the pool at once
 _ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 
 
@@ -104,10 +107,10 @@ class EmbeddingsApi:
             self.kind, self.normalize, body.dimensions)), body.model)
         rid, gate = f"embd-{uuid.uuid4().hex}", asyncio.Semaphore(MAX_IN_FLIGHT)
 
-        async def one(i: int, ids: list[int]):
+        async def one(g: int, group: range):
             async with gate:
-                return await self.orchestrator.embed(f"{rid}-{i}", ids, params)
-        tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(prompts)]
+                return await self.orchestrator.embed(f"{rid}-{g}", [prompts[i] for i in group], params)
+        tasks = [asyncio.ensure_future(one(g, group)) for g, group in enumerate(groups(list(map(len, prompts))))]
         try:
             async with asyncio.timeout(self.timeout_s):
                 answers = await asyncio.gather(*tasks)
@@ -126,9 +129,9 @@ class EmbeddingsApi:
                 task.cancel()
         self.metrics.finish("ok")
         tokens = sum(map(len, prompts))
-        return Response(await asyncio.to_thread(_answer, [a.embedding for a in answers], body.encoding_format,
-                                                body.model or self.model_name, tokens),
-                        media_type="application/json")
+        vectors = [v for answer in answers for v in answer.embeddings]
+        return Response(await asyncio.to_thread(_answer, vectors, body.encoding_format, body.model or self.model_name,
+                                                tokens), media_type="application/json")
 
     async def _prompts(self, body: EmbeddingRequest):
         """Step 2 and the context check of step 3: each input's token ids, or the error refusing them."""
@@ -150,6 +153,20 @@ class EmbeddingsApi:
                                       f"input {i} has {len(ids)} tokens", param="input")
             prompts.append(ids)
         return prompts
+
+
+def groups(lengths: list[int], max_inputs: int = GROUP_INPUTS, max_tokens: int = GROUP_TOKENS) -> list[range]:
+    """The inputs (by their token counts) in runs of consecutive ones, each at most `max_inputs`
+    inputs and `max_tokens` tokens (an input longer than that alone)."""
+    out, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start == max_inputs or tokens + n > max_tokens):
+            out.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if lengths:
+        out.append(range(start, len(lengths)))
+    return out
 
 
 def _answer(vectors: list[bytes], encoding_format: str, model: str, tokens: int) -> bytes:

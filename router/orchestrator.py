@@ -46,8 +46,9 @@ count the resumed tokens), with no prompt logprobs again; its events' counts of 
 predicted output add the earlier attempts' (the usage's). A push that a live replica reports
 failed (502), a replica's own error event, and a refusal stay the request's end. Colocated: the
 same, one call to the colocated pool per attempt.
-An embedding (`embed`) is one call to the prefill pool (colocated: its pool), which answers with
-the vector: no decode replica, no hand-off; a replica that dies first is asked again.
+Embeddings (`embed`): a group of prompts is one call to the prefill pool (colocated: its pool),
+which answers with their vectors: no decode replica, no hand-off; a replica that dies first is asked
+again.
 Each prefill that succeeds is timed into `metrics` (router/metrics.py): queue = the wait for the
 decode reservation in step 1 plus the prefill replica's queue_seconds; prefill = its prefill_seconds.
 Failures raise `RequestFailed` with the HTTP status to report. Leaving the iterator early (client
@@ -142,18 +143,18 @@ class Orchestrator:
         self.embedder = direct_stream((colocated if mode == "colocated" else prefill).options(stream=True),
                                       largest).embed
 
-    async def embed(self, rid: str, prompt: list[int], params) -> messages.Embedded:
-        """The embedding of `prompt` (SamplingParams `params` with its pooling) from the prefill pool
+    async def embed(self, rid: str, prompts: list[list[int]], params) -> messages.Embedded:
+        """The embeddings of `prompts` (SamplingParams `params` with its pooling) from the prefill pool
         (colocated: its pool), in one call answered by an `Embedded`. A replica that dies before it
         answers is asked again under a fresh request id after each of `retry_delays_s`; leaving early
-        cancels the call, which aborts the request there (its blocks freed). Failures raise
+        cancels the call, which aborts the prompts there (their blocks freed). Failures raise
         RequestFailed."""
         wire = WireSamplingParams.of(params)
         for attempt, delay in enumerate(self.retry_delays_s):
             if delay:
                 await asyncio.sleep(delay)
             call = self.embedder.remote(messages.encode(messages.EmbedRequest(
-                rid if attempt == 0 else f"{rid}-retry{attempt}", tuple(prompt), wire)))
+                rid if attempt == 0 else f"{rid}-retry{attempt}", tuple(map(tuple, prompts)), wire)))
             answered = False
             try:
                 answer = _check(messages.decode(await call.__anext__()))

@@ -134,19 +134,20 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class EmbedRequest:
-    """Router -> prefill or colocated replica (a streaming call of one answer): pool the prompt's
-    final hidden states into an embedding (`params.pooling`), answered by an `Embedded` or an
-    `ErrorEvent`. No K/V leaves the replica."""
+    """Router -> prefill or colocated replica (a streaming call of one answer): pool each prompt's
+    final hidden states into its embedding (`params.pooling`; in the engine as `<request_id>-<i>`),
+    answered by an `Embedded` or, where a prompt failed, an `ErrorEvent`. No K/V leaves the replica."""
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompts: tuple[tuple[int, ...], ...]
     params: WireSamplingParams
 
 
 @dataclass(frozen=True)
 class Embedded:
-    """Replica -> router: an embedding, little-endian float32 bytes (RequestOutput.embedding)."""
+    """Replica -> router: each prompt's embedding in order, little-endian float32 bytes
+    (RequestOutput.embedding); the prompts' tokens, and those of them found in the prefix cache."""
     request_id: str
-    embedding: bytes
+    embeddings: tuple[bytes, ...]
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 
@@ -389,6 +390,8 @@ def _build(cls, body: dict):
             value = None if value is None else _logprobs(value)
         elif f.name in ("logprobs", "prompt_logprobs"):
             value = tuple(_logprobs(v) for v in value)
+        elif f.name == "prompts":
+            value = tuple(tuple(p) for p in value)
         elif isinstance(value, list):
             value = tuple(value)
         kwargs[f.name] = value

@@ -3,6 +3,7 @@ and an embedding's answer."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import AsyncIterator, Callable
 
@@ -56,31 +57,39 @@ async def engine_events(aengine: AsyncEngine, request_id: str, admit: Callable, 
 
 
 async def embed_events(aengine: AsyncEngine, data: bytes) -> AsyncIterator[bytes]:
-    """A prefill or colocated replica's answer to an `EmbedRequest` (its `embed` call): one engine
-    call checks and queues the prompt (a bad one is a 400 error event), the engine runs it in
-    chunks beside its other requests and pools its final hidden states (engine/pooling.py); the one
-    answer is an `Embedded` or an error event. The request's blocks are freed when its prompt's last
-    chunk ran, or at once when the caller leaves (the stream's end aborts it)."""
+    """A prefill or colocated replica's answer to an `EmbedRequest` (its `embed` call): each prompt
+    is checked and queued by an engine call of its own (a bad one is a 400 error event), the engine
+    runs them in chunks beside its other requests and pools their final hidden states
+    (engine/pooling.py); the one answer is an `Embedded` or an error event. A prompt's blocks are
+    freed when its last chunk ran, or at once when the caller leaves (each stream's end aborts it)."""
     try:
         req = messages.decode(data, expect=messages.EmbedRequest)
     except messages.MessageError as exc:
         yield error_event("", str(exc), 400, "invalid_request_error")
         return
-    rid, ids, params = req.request_id, list(req.prompt_token_ids), req.params.to_params()
-    if params.pooling is None:
-        yield error_event(rid, "an EmbedRequest needs its parameters' pooling", 400, "invalid_request_error")
+    rid, params = req.request_id, req.params.to_params()
+    if params.pooling is None or not req.prompts:
+        yield error_event(rid, "an EmbedRequest needs prompts and its parameters' pooling", 400,
+                          "invalid_request_error")
         return
     await aengine.prepare(params)           # a LoRA adapter loaded at run time is read off the engine thread
-    last = None
-    try:
-        async with contextlib.aclosing(aengine.stream(rid, lambda e: e.add_request(rid, ids, params))) as outs:
+
+    async def pooled(i: int, ids: list[int]) -> RequestOutput | Rejected:
+        last, pid = None, f"{rid}-{i}"
+        async with contextlib.aclosing(aengine.stream(pid, lambda e: e.add_request(pid, ids, params))) as outs:
             async for out in outs:
                 last = out
+        return last
+    try:
+        outs = await asyncio.gather(*(pooled(i, list(ids)) for i, ids in enumerate(req.prompts)))
     except EngineDeadError as exc:
         yield error_event(rid, str(exc), 500)
         return
-    if isinstance(last, Rejected) or last.error is not None:
-        yield engine_event(last)
-        return
-    assert last.finished and last.embedding is not None
-    yield messages.encode(messages.Embedded(rid, last.embedding, last.num_prompt_tokens, last.num_cached_tokens))
+    for out in outs:
+        if isinstance(out, Rejected) or out.error is not None:
+            yield engine_event(out)
+            return
+    assert all(out.finished and out.embedding is not None for out in outs)
+    yield messages.encode(messages.Embedded(rid, tuple(out.embedding for out in outs),
+                                            sum(out.num_prompt_tokens for out in outs),
+                                            sum(out.num_cached_tokens for out in outs)))

@@ -25,7 +25,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import Rejected
 from engine.pooling import Pooling
 from engine.sampling_params import SamplingParams
-from router.embeddings_api import EmbeddingsApi, _answer, model_pooling
+from router.embeddings_api import EmbeddingsApi, _answer, groups, model_pooling
 from serving.config import EmbeddingOptions
 from service_util import http, pools_all_free, wait_until
 
@@ -149,13 +149,14 @@ def test_the_openai_client_gets_hugging_faces_vectors_from_both_modes(disagg, co
 
 def test_a_replica_answers_a_malformed_embed_call_with_a_400_event(disagg):
     """The replica's own boundary (serving/replica_util.py `embed_events`): bytes that are no EmbedRequest,
-    and one without a pooling, are 400 error events; nothing is admitted."""
+    one without a pooling and one without prompts are 400 error events; nothing is admitted."""
     from ray import serve
 
     from serving import messages
     handle = serve.get_deployment_handle("PrefillServer", "pd").options(stream=True)
-    no_pooling = messages.EmbedRequest("x", (1, 2), messages.WireSamplingParams.of(SamplingParams()))
-    for data in (b"garbage", messages.encode(no_pooling)):
+    no_pooling = messages.EmbedRequest("x", ((1, 2),), messages.WireSamplingParams.of(SamplingParams()))
+    no_prompts = messages.EmbedRequest("y", (), messages.WireSamplingParams.of(SamplingParams(pooling=Pooling())))
+    for data in (b"garbage", messages.encode(no_pooling), messages.encode(no_prompts)):
         events = [messages.decode(e) for e in handle.embed.remote(data)]
         assert len(events) == 1 and isinstance(events[0], messages.ErrorEvent) and events[0].code == 400, events
     assert pools_all_free(disagg, {"prefill", "decode"})
@@ -207,6 +208,14 @@ def test_a_long_input_cut_by_truncate_prompt_tokens_is_embedded_from_its_first_t
     out = json.loads(text)
     assert out["usage"]["prompt_tokens"] == 300
     np.testing.assert_allclose(out["data"][0]["embedding"], reference(hf_hidden(ids[:300])), atol=2e-5, rtol=1e-4)
+
+
+def test_inputs_go_to_the_pool_in_runs_of_consecutive_ones_bounded_in_inputs_and_tokens():
+    assert groups([]) == []
+    assert groups([5] * 5, max_inputs=2) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert groups([3, 3, 9, 1, 1], max_tokens=6) == [range(0, 2), range(2, 3), range(3, 5)]   # 9: alone
+    assert [len(g) for g in groups([9] * 100)] == [32, 32, 32, 4]
+    assert sum(map(len, groups([1000] * 10))) == 10 and max(map(len, groups([1000] * 10))) == 4
 
 
 def test_the_answer_is_openais_list_written_a_vector_at_a_time():

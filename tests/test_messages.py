@@ -55,8 +55,8 @@ EXAMPLES = [
     m.StoredResponse("resp_1", '{"id": "resp_1", "output": []}', '[{"type": "message", "role": "user"}]'),
     m.StoredResponse("resp_2", '{"id": "resp_2", "status": "in_progress"}', "[]", owner="4f2a"),
     m.RuntimeLoraRegistry(("sql", "chat"), ("/a/sql", "/a/chat"), (7, 2**61)),
-    m.EmbedRequest("g", (1, 2, 3), P4),
-    m.Embedded("g", b"\x00\x00\x80?" * 3, 3, 1),
+    m.EmbedRequest("g", ((1, 2, 3), (4,)), P4),
+    m.Embedded("g", (b"\x00\x00\x80?" * 3, b"\x00" * 12), 4, 1),
 ]
 
 
@@ -76,7 +76,7 @@ def test_structured_params_arrive_as_the_engines_types():
     params = m.decode(m.encode(m.DecodeRequest("d", (1,), P2))).params.to_params()
     assert params.structured == StructuredOutput("json_schema", '{"type": "object"}')
     assert params.logit_bias == ((5, -100.0), (9, 2.5)) and params.validate() is None
-    embed = m.decode(m.encode(m.EmbedRequest("g", (1,), P4))).params.to_params()
+    embed = m.decode(m.encode(m.EmbedRequest("g", ((1,),), P4))).params.to_params()
     assert embed.pooling == Pooling("mean", False, 64) and embed.whole_prompt and embed.validate() is None
 
 

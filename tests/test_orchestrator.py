@@ -649,7 +649,8 @@ class FakeEmbedder:
         if self.die:
             self.die -= 1
             raise ActorDiedError()
-        yield messages.encode(messages.Embedded(req.request_id, b"\0" * 8, len(req.prompt_token_ids)))
+        yield messages.encode(messages.Embedded(req.request_id, (b"\0" * 8,) * len(req.prompts),
+                                                sum(map(len, req.prompts))))
 
 
 def test_an_embedding_is_one_call_to_the_prefill_pool_asked_again_where_its_replica_died():
@@ -658,16 +659,18 @@ def test_an_embedding_is_one_call_to_the_prefill_pool_asked_again_where_its_repl
 
     async def main():
         pool, decode = FakeEmbedder(die=1), FakeDecode([])
-        answer = await Orchestrator("disaggregated", pool, decode, retry_delays_s=(0, 0.01)).embed("e", [1, 2], params)
-        assert answer == messages.Embedded("e-retry1", b"\0" * 8, 2) and not decode.requests
+        answer = await Orchestrator("disaggregated", pool, decode, retry_delays_s=(0, 0.01)).embed(
+            "e", [[1, 2], [3]], params)
+        assert answer == messages.Embedded("e-retry1", (b"\0" * 8,) * 2, 3) and not decode.requests
+        assert pool.requests[1].prompts == ((1, 2), (3,))
         assert [r.request_id for r in pool.requests] == ["e", "e-retry1"]
         assert pool.requests[0].params.to_params().pooling == Pooling("mean", False, 2)
         with pytest.raises(RequestFailed) as failed:            # dead every time: a 503 once the attempts are spent
             dead = Orchestrator("colocated", colocated=FakeEmbedder(die=3), retry_delays_s=(0, 0.01))
-            await dead.embed("e", [1], params)
+            await dead.embed("e", [[1]], params)
         assert failed.value.code == 503
         slow = FakeEmbedder(delay=10)                            # the caller leaves: the call is cancelled
-        task = asyncio.ensure_future(Orchestrator("colocated", colocated=slow).embed("e", [1], params))
+        task = asyncio.ensure_future(Orchestrator("colocated", colocated=slow).embed("e", [[1]], params))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
