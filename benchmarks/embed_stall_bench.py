@@ -18,8 +18,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from router.embeddings_api import _answer  # noqa: E402
+from tokenize_stall_bench import _ticker  # noqa: E402  (the same 1 ms ticker)
 
 
 def whole(vectors: list[bytes], encoding_format: str, model: str, tokens: int) -> bytes:
@@ -32,15 +34,7 @@ def whole(vectors: list[bytes], encoding_format: str, model: str, tokens: int) -
 async def longest_gap(fn, vectors: list[bytes]) -> tuple[float, float]:
     """(seconds the encoding took in a worker thread, the loop's longest gap meanwhile)."""
     gaps, done = [], asyncio.Event()
-
-    async def tick():
-        last = time.perf_counter()
-        while not done.is_set():
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-    ticker = asyncio.ensure_future(tick())
+    ticker = asyncio.ensure_future(_ticker(done, gaps))
     await asyncio.sleep(0.05)
     start = time.perf_counter()
     await asyncio.to_thread(fn, vectors, "float", "m", 1)
