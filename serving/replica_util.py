@@ -80,10 +80,16 @@ async def embed_events(aengine: AsyncEngine, data: bytes) -> AsyncIterator[bytes
             async for out in outs:
                 last = out
         return last
+    tasks = [asyncio.ensure_future(pooled(i, list(ids))) for i, ids in enumerate(req.prompts)]
     try:
-        outs = await asyncio.gather(*(pooled(i, list(ids)) for i, ids in enumerate(req.prompts)))
+        outs = await asyncio.gather(*tasks)
     except EngineDeadError as exc:
-        yield error_event(rid, str(exc), 500)
+        outs = exc
+    finally:
+        for task in tasks:            # after a failure, the other prompts (each stream's end aborts its own)
+            task.cancel()
+    if isinstance(outs, EngineDeadError):
+        yield error_event(rid, str(outs), 500)
         return
     for out in outs:
         if isinstance(out, Rejected) or out.error is not None:
