@@ -268,17 +268,10 @@ class Router:
     # ---- generation -----------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        raw, prompts = body.prompts(), []
-        texts = [p for p in raw if isinstance(p, str)]
-        encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(
-            p, add_special_tokens=body.add_special_tokens) for p in texts]) if texts else ())
-        for p in raw:
-            if isinstance(p, str):
-                prompts.append(next(encoded))
-            elif (problem := self.checks.out_of_vocabulary(p, "prompt")) is not None:
-                return problem
-            else:
-                prompts.append(list(p))
+        raw = body.prompts()
+        prompts = await self.checks.token_ids(raw, body.add_special_tokens, "prompt")
+        if isinstance(prompts, JSONResponse):
+            return prompts
         whole = prompts
         prompts = [body.truncated(ids, self.max_model_len) for ids in prompts]
         echoes = None

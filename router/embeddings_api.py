@@ -135,16 +135,11 @@ class EmbeddingsApi:
 
     async def _prompts(self, body: EmbeddingRequest):
         """Step 2 and the context check of step 3: each input's token ids, or the error refusing them."""
-        raw = body.inputs()
-        texts = [p for p in raw if isinstance(p, str)]
-        tokenizer = self.checks.tokenizer
-        encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(
-            t, add_special_tokens=body.add_special_tokens) for t in texts]) if texts else ())
+        encoded = await self.checks.token_ids(body.inputs(), body.add_special_tokens, "input")
+        if not isinstance(encoded, list):
+            return encoded
         prompts = []
-        for i, p in enumerate(raw):
-            ids = next(encoded) if isinstance(p, str) else list(p)
-            if not isinstance(p, str) and (problem := self.checks.out_of_vocabulary(ids, "input")) is not None:
-                return problem
+        for i, ids in enumerate(encoded):
             ids = body.truncated(ids, self.max_model_len)
             if not ids:
                 return error_response(400, f"input {i} has no tokens", param="input")

@@ -53,6 +53,23 @@ class RequestChecks:
         return error_response(404, f"model {name!r} does not exist; this server serves {served}",
                               param="model", code="model_not_found")
 
+    async def token_ids(self, prompts: list, add_special_tokens: bool, param: str) -> list[list[int]] | JSONResponse:
+        """A batch of prompts (texts or token ids: a completion's `prompt`, an embedding request's
+        `input`) as token ids, the texts tokenized in a worker thread; or the 400 for token ids beyond
+        the vocabulary."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(
+            t, add_special_tokens=add_special_tokens) for t in texts]) if texts else ())
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(next(encoded))
+            elif (problem := self.out_of_vocabulary(p, param)) is not None:
+                return problem
+            else:
+                out.append(list(p))
+        return out
+
     def out_of_vocabulary(self, ids, param: str, what: str = "token id") -> JSONResponse | None:
         """The 400 for token ids beyond the vocabulary, or None."""
         if any(t >= self.vocab_size for t in ids):
