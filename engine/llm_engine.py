@@ -236,9 +236,9 @@ class LLMEngine:
         (RequestOutput.embedding), its blocks freed (their K/V stays in the prefix cache)."""
         outputs = []
         for ch in chunks:
-            req = self._requests.get(ch.seq.request_id)
-            if req is None or req.pooled is None or ch.start + ch.num_tokens < len(ch.seq):
+            if ch.seq.params.pooling is None or ch.start + ch.num_tokens < len(ch.seq):
                 continue
+            req = self._requests[ch.seq.request_id]
             self.scheduler.finish(req.seq, "stop")
             del self._requests[req.seq.request_id]
             out = self._output(req, [], "stop", True)
