@@ -62,7 +62,22 @@ class FakeResponse:
         self.cancelled = True
 
 
-class FakeDecode:
+class FakeHandle:
+    """A Serve handle as the router uses it: `options(...)` (recorded in `options_asked`), then
+    `remote(data)`, a FakeResponse over the subclass's `_stream(data)` (kept in `responses`)."""
+
+    responses: list[FakeResponse]
+
+    def options(self, **options):
+        self.options_asked = {**getattr(self, "options_asked", {}), **options}
+        return self
+
+    def remote(self, data):
+        self.responses.append(FakeResponse(self._stream(data)))
+        return self.responses[-1]
+
+
+class FakeDecode(FakeHandle):
     """`options(stream=True).generate.remote(data)`, as the router uses it. The stream answers
     Reserved at once, then Landed and `events` once `release` is set (the KV has landed)."""
 
@@ -72,14 +87,6 @@ class FakeDecode:
         self.cached_blocks = 0        # lead blocks its prefix cache holds (Reserved.cached_blocks)
         self.responses: list[FakeResponse] = []
         self.log = log if log is not None else []
-
-    def options(self, **options):
-        self.options_asked = {**getattr(self, "options_asked", {}), **options}
-        return self
-
-    def remote(self, data):
-        self.responses.append(FakeResponse(self._stream(data)))
-        return self.responses[-1]
 
     async def _stream(self, data):
         req = messages.decode(data, expect=messages.DecodeRequest)
@@ -92,7 +99,7 @@ class FakeDecode:
             yield messages.encode(event)
 
 
-class FakePrefill:
+class FakePrefill(FakeHandle):
     """`options(stream=True).prefill.remote(data)`: a stream of the PrefillResult (after `delay`)
     then, unless it ends the request, a HandoffDone. `die` calls fail before their first token;
     with `die_pushing` a call fails after it, before its push's end; `push_error` makes its
@@ -105,14 +112,6 @@ class FakePrefill:
         self.requests, self.responses = [], []
         self.log = log if log is not None else []
         self.prefill = self.embed = self
-
-    def options(self, **options):
-        self.options_asked = {**getattr(self, "options_asked", {}), **options}
-        return self
-
-    def remote(self, data):
-        self.responses.append(FakeResponse(self._stream(data)))
-        return self.responses[-1]
 
     async def _stream(self, data):
         req = messages.decode(data, expect=messages.PrefillRequest)
@@ -503,15 +502,9 @@ def test_a_replica_that_keeps_dying_fails_the_request_once_the_attempts_are_spen
 
 
 def test_colocated_a_replica_dying_mid_stream_moves_the_request_on_after_its_tokens():
-    class Colocated:
+    class Colocated(FakeHandle):
         def __init__(self):
-            self.requests, self.generate, self.embed = [], self, self
-
-        def options(self, **options):
-            return self
-
-        def remote(self, data):
-            return FakeResponse(self._stream(data))
+            self.requests, self.responses, self.generate, self.embed = [], [], self, self
 
         async def _stream(self, data):
             req = messages.decode(data, expect=messages.GenerateRequest)
@@ -627,20 +620,13 @@ def test_every_sampled_choice_gets_a_seed_so_that_a_moved_request_draws_what_it_
     assert choice_params(seeded, 0) is seeded and choice_params(seeded, 2).seed == 1
 
 
-class FakeEmbedder:
+class FakeEmbedder(FakeHandle):
     """`options(stream=True).embed.remote(data)`: a stream of one Embedded (after `delay`); the first
     `die` calls fail before it, as a dead replica's."""
 
     def __init__(self, die: int = 0, delay: float = 0.0):
         self.die, self.delay, self.requests, self.responses = die, delay, [], []
         self.embed = self.prefill = self.generate = self
-
-    def options(self, **options):
-        return self
-
-    def remote(self, data):
-        self.responses.append(FakeResponse(self._stream(data)))
-        return self.responses[-1]
 
     async def _stream(self, data):
         req = messages.decode(data, expect=messages.EmbedRequest)
