@@ -5,6 +5,7 @@ decoded with the marker kept)."""
 
 import json
 import random
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -18,16 +19,10 @@ from test_tools import HISTORY, SCHEMAS, request, split_tool_calls, stream_piece
 
 
 @pytest.fixture(scope="module")
-def mistral_dir(default_model_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("mistral-tokenizer")
-    tokenizer_with(default_model_dir, d, MISTRAL_TEMPLATE, MISTRAL_TOKENS)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tokenizer(mistral_dir):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(mistral_dir)
+def tokenizer(default_model_dir, tmp_path_factory):
+    """SmolLM2's tokenizer with Mistral's template and tokens (its directory: `name_or_path`)."""
+    return tokenizer_with(default_model_dir, tmp_path_factory.mktemp("mistral-tokenizer"), MISTRAL_TEMPLATE,
+                          MISTRAL_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +127,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call(syntax):
     assert got == "" and [c["function"] for c in merge_calls(made)] == [calls[0]["function"]]
 
 
-def test_a_forced_call_through_an_engine_comes_out_with_its_marker_and_parses(mistral_dir, tokenizer, syntax,
-                                                                              tmp_path):
+def test_a_forced_call_through_an_engine_comes_out_with_its_marker_and_parses(tokenizer, syntax, tmp_path):
     """The router's pieces around one engine: the prompt from the template, the request's sampling
     parameters (the grammar through the [TOOL_CALLS] token, special tokens kept in the text), the
     engine's detokenized text, the parser; then the call goes back through the template."""
@@ -141,8 +135,8 @@ def test_a_forced_call_through_an_engine_comes_out_with_its_marker_and_parses(mi
     from engine.llm_engine import LLMEngine
     from router.chat_prompt import chat_prompt_ids
     from tiny_models import tiny_model_dir
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(tmp_path, "llama", seed=0, tokenizer_dir=mistral_dir)),
-                                    device="cpu", kv_cache_memory="16MiB"))
+    model = tiny_model_dir(tmp_path, "llama", seed=0, tokenizer_dir=Path(tokenizer.name_or_path))
+    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", kv_cache_memory="16MiB"))
     body = request(tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80, temperature=0)
     ids = chat_prompt_ids(tokenizer, body, syntax)
     (out,) = engine.generate([ids], body.sampling_params(80, syntax))

@@ -5,6 +5,7 @@ which a forced call writes), and a call through one engine back into the history
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -17,16 +18,9 @@ from test_tools import HISTORY, request, stream_pieces
 
 
 @pytest.fixture(scope="module")
-def glm_dir(default_model_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("glm45-tokenizer")
-    tokenizer_with(default_model_dir, d, GLM45_TEMPLATE)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tokenizer(glm_dir):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(glm_dir)
+def tokenizer(default_model_dir, tmp_path_factory):
+    """SmolLM2's tokenizer with GLM-4.5's template (its directory: `name_or_path`)."""
+    return tokenizer_with(default_model_dir, tmp_path_factory.mktemp("glm45-tokenizer"), GLM45_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +84,7 @@ def test_blocks_streamed_split_anywhere_add_up_to_the_whole(syntax, text, conten
         assert ChatOutputShape(tools=HERMES).choice().message(text)[2] == []
 
 
-def test_a_call_through_an_engine_goes_back_into_the_history(glm_dir, tokenizer, syntax, tmp_path):
+def test_a_call_through_an_engine_goes_back_into_the_history(tokenizer, syntax, tmp_path):
     """The router's pieces around one engine: the prompt from the template, a call written in the
     key / value syntax (a grammar of the request, as the tiny random model would not), the parser;
     then the call goes back through the template as the model wrote it."""
@@ -98,8 +92,8 @@ def test_a_call_through_an_engine_goes_back_into_the_history(glm_dir, tokenizer,
     from engine.llm_engine import LLMEngine
     from router.chat_prompt import chat_prompt_ids
     from tiny_models import tiny_model_dir
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(tmp_path, "llama", seed=0, tokenizer_dir=glm_dir)),
-                                    device="cpu", kv_cache_memory="16MiB"))
+    model = tiny_model_dir(tmp_path, "llama", seed=0, tokenizer_dir=Path(tokenizer.name_or_path))
+    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", kv_cache_memory="16MiB"))
     grammar = ('start: "<tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>" /[A-Z][a-z]{2,8}/ '
                '"</arg_value>\\n<arg_key>unit</arg_key>\\n<arg_value>celsius</arg_value>\\n</tool_call>"')
     body = request(max_tokens=120, temperature=0, structured_outputs={"grammar": grammar})

@@ -5,6 +5,7 @@ and streamed, and the whole path through one engine and back through the templat
 
 import json
 import random
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -20,16 +21,10 @@ MARK = "<|tool_call|>"
 
 
 @pytest.fixture(scope="module")
-def granite_dir(default_model_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("granite-tokenizer")
-    tokenizer_with(default_model_dir, d, GRANITE_TEMPLATE, GRANITE_TOKENS)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tokenizer(granite_dir):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(granite_dir)
+def tokenizer(default_model_dir, tmp_path_factory):
+    """SmolLM2's tokenizer with Granite's template and tokens (its directory: `name_or_path`)."""
+    return tokenizer_with(default_model_dir, tmp_path_factory.mktemp("granite-tokenizer"), GRANITE_TEMPLATE,
+                          GRANITE_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +116,7 @@ def test_calls_streamed_split_anywhere_add_up_to_the_whole(syntax, text, content
 
 
 def test_a_forced_call_through_an_engine_comes_out_with_its_marker_and_goes_back_into_the_history(
-        granite_dir, tokenizer, syntax, tmp_path):
+        tokenizer, syntax, tmp_path):
     """The router's pieces around one engine: the prompt from the template, the grammar through the
     <|tool_call|> token, the engine's text with the marker kept, the parser; then the calls go
     back through the template as the model wrote them."""
@@ -129,8 +124,8 @@ def test_a_forced_call_through_an_engine_comes_out_with_its_marker_and_goes_back
     from engine.llm_engine import LLMEngine
     from router.chat_prompt import chat_prompt_ids
     from tiny_models import tiny_model_dir
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(tmp_path, "granite", seed=0, tokenizer_dir=granite_dir)),
-                                    device="cpu", kv_cache_memory="16MiB"))
+    model = tiny_model_dir(tmp_path, "granite", seed=0, tokenizer_dir=Path(tokenizer.name_or_path))
+    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", kv_cache_memory="16MiB"))
     body = request(tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80, temperature=0)
     ids = chat_prompt_ids(tokenizer, body, syntax)
     (out,) = engine.generate([ids], body.sampling_params(80, syntax))

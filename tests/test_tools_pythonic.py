@@ -6,6 +6,7 @@ whole path through one engine and back through the template."""
 
 import json
 import random
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -19,16 +20,9 @@ from test_tools import HISTORY, SCHEMAS, request, split_tool_calls, stream_piece
 
 
 @pytest.fixture(scope="module")
-def pythonic_dir(default_model_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("pythonic-tokenizer")
-    tokenizer_with(default_model_dir, d, PYTHONIC_TEMPLATE)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tokenizer(pythonic_dir):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(pythonic_dir)
+def tokenizer(default_model_dir, tmp_path_factory):
+    """SmolLM2's tokenizer with the pythonic template (its directory: `name_or_path`)."""
+    return tokenizer_with(default_model_dir, tmp_path_factory.mktemp("pythonic-tokenizer"), PYTHONIC_TEMPLATE)
 
 
 def test_the_template_is_read_as_pythonic_and_writes_the_history_calls(tokenizer):
@@ -130,15 +124,13 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
 
 
-def test_a_forced_call_through_an_engine_parses_and_goes_back_through_the_template(pythonic_dir, tokenizer,
-                                                                                   tmp_path):
+def test_a_forced_call_through_an_engine_parses_and_goes_back_through_the_template(tokenizer, tmp_path):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from router.chat_prompt import chat_prompt_ids
     from tiny_models import tiny_model_dir
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(tmp_path, "gemma3_text", seed=0,
-                                                             tokenizer_dir=pythonic_dir)),
-                                    device="cpu", kv_cache_memory="16MiB"))
+    model = tiny_model_dir(tmp_path, "gemma3_text", seed=0, tokenizer_dir=Path(tokenizer.name_or_path))
+    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", kv_cache_memory="16MiB"))
     body = request(tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80,
                    temperature=0)
     ids = chat_prompt_ids(tokenizer, body, PYTHONIC)
