@@ -215,6 +215,8 @@ def _responses(doc: dict, served: Served) -> None:
                                                                   ResponseObject, ResponseEvent, ResponseDeleted,
                                                                   ResponseItemList, EmbeddingList)],
                                      ref_template=REF)
+    clashes = set(defs["$defs"]) & set(schemas)        # a response model named as a request's would replace it
+    assert not clashes, f"request and response models share names: {sorted(clashes)}"
     schemas.update(copy.deepcopy(defs["$defs"]))
     for path, item in doc["paths"].items():
         for method, operation in item.items():

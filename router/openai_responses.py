@@ -195,7 +195,7 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
-class CalledFunction(BaseModel):
+class ToolCallFunction(BaseModel):
     name: str
     arguments: str = Field(description="JSON text, as the model wrote it (a forced call's follows the schema).")
 
@@ -203,7 +203,7 @@ class CalledFunction(BaseModel):
 class ToolCall(BaseModel):
     id: str
     type: Literal["function"]
-    function: CalledFunction
+    function: ToolCallFunction
 
 
 class CalledFunctionDelta(BaseModel):
