@@ -316,7 +316,8 @@ def _app_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
                    help="fcfs (default) or priority: by each request's `priority`, lower first (as vLLM's flag)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every "
+                   "endpoint but /health")
     p.add_argument("--allowed-origin", action="append", metavar="ORIGIN",
                    help="a web page origin that may call the API from a browser (CORS), e.g. http://localhost:3000, "
                         "or '*' for any; repeat for more (sets cors.allowed_origins)")

@@ -20,6 +20,8 @@ Life cycle of an HTTP request
                <think> blocks), content and tool calls (with tools): router/chat_output.py
 A client that disconnects cancels step 4, which aborts the request in every pool.
 /v1/embeddings runs each input's prompt in the prefill pool alone (router/embeddings_api.py).
+/v1/responses (router/responses_api.py) and Anthropic's /v1/messages (router/messages_api.py) are
+chat completions underneath; /v1/messages' errors are in Anthropic's format.
 
 (No `from __future__ import annotations` here: Serve's class-based ingress rebuilds the endpoint
 signatures and FastAPI then cannot resolve string annotations of the request bodies.)
@@ -55,6 +57,9 @@ from router.embeddings_api import EmbeddingsApi
 from router.embeddings_protocol import EmbeddingRequest
 from router.guards import Guards, GuardSettings
 from router.logprobs import TokenStrings
+from router.messages_api import MessagesApi
+from router.messages_output import anthropic_error, anthropic_path
+from router.messages_protocol import CountTokensRequest, MessagesRequest
 from router.metrics import RequestMetrics, render
 from router.openai_protocol import CompletionRequest
 from router.openai_responses import above_limit, error_response, refused
@@ -90,6 +95,8 @@ app.add_middleware(Cors, settings=cors_settings)      # added last: outermost, a
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
     message, param = describe(exc.errors(), skip=1)      # skip FastAPI's "body"
+    if anthropic_path(request.url.path):
+        return anthropic_error(400, message)
     return error_response(400, message, param=param)
 
 
@@ -97,12 +104,16 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 async def _http_error(request: Request, exc: StarletteHTTPException):
     """FastAPI's own errors (unparsable body, unknown route, wrong method) in OpenAI's format."""
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    if anthropic_path(request.url.path):
+        return anthropic_error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
     return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
 
 
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, exc: Exception):
-    """A bug: a 500 in OpenAI's format (Starlette logs the exception)."""
+    """A bug: a 500 in OpenAI's format (Anthropic's on its routes; Starlette logs the exception)."""
+    if anthropic_path(request.url.path):
+        return anthropic_error(500, f"internal error: {type(exc).__name__}")
     return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
@@ -150,13 +161,20 @@ class Router:
         self.responses_api = ResponsesApi(
             store, self.config.max_tokens_limit, self.model_name, self.chat_completions,
             saved=self.request_metrics.response_saved, max_model_len=self.max_model_len,
-            prompt_tokens=lambda chat: len(chat_prompt_ids(self.tokenizer, chat, self.native_tools)),
+            prompt_tokens=self._prompt_tokens,
             lease_s=self.config.responses.background_lease_s, refusal=self.chat_refusal)
         # ... restored from the ResponseStore at the first request (a router that restarted)
         self.loras = RuntimeLoraApi(self.runtime_loras, self.responses_api.stored, self.config.runtime_lora_updating)
         self.embeddings_api = EmbeddingsApi(self.config.embeddings, model_dir, self.checks, self.orchestrator,
                                             self.request_metrics, dims.hidden_size, self.max_model_len,
                                             self.model_name, self.config.request_timeout_s)
+        self.messages_api = MessagesApi(self.chat_completions, self._prompt_tokens, self.checks.model_problem,
+                                        self.config.max_tokens_limit, self.model_name)
+
+    def _prompt_tokens(self, chat: ChatCompletionRequest) -> int:
+        """The tokens of a chat completion's prompt (its template's errors raised): the Responses
+        API's truncation, the Messages API's count_tokens."""
+        return len(chat_prompt_ids(self.tokenizer, chat, self.native_tools))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -323,6 +341,17 @@ class Router:
         ids, _, think = prepared
         checked = await self._checked(body, [ids], body.max_completion_tokens or body.max_tokens, think)
         return checked if isinstance(checked, JSONResponse) else None
+
+    @app.post("/v1/messages")
+    async def messages(self, body: MessagesRequest):
+        """Anthropic's Messages API, a chat completion underneath (router/messages_api.py)."""
+        return await self.messages_api.create(body)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(self, body: CountTokensRequest):
+        """Anthropic's token count of a message's prompt."""
+        await self.loras.restore()
+        return await self.messages_api.count_tokens(body)
 
     @app.post("/v1/embeddings")
     async def embeddings(self, body: EmbeddingRequest):

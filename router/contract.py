@@ -12,7 +12,9 @@ FastAPI cannot know, in this order:
                 endpoints also `text/event-stream` (each event's `data` a chunk or an error
                 object, or `[DONE]`), Prometheus text for /metrics, and OpenAI's error object
                 for every 4xx and 5xx the server sends (no 422: validation errors are 400s)
-  3. auth       with an API key configured, a bearer scheme and a 401 on every operation but /health
+                (Anthropic's error object on the Messages API's routes)
+  3. auth       with an API key configured, a bearer scheme or an `x-api-key` header, and a 401
+                on every operation but /health
 The Router builds `Served` once at start (config, tokenizer, model) and the document from it.
 """
 
@@ -27,6 +29,7 @@ from pydantic.json_schema import models_json_schema
 
 from router.embeddings_protocol import EmbeddingList
 from router.guards import OPEN_PATHS
+from router.messages_output import MESSAGES_PATHS, AnthropicError, MessageEvent, MessageObject, TokenCount
 from router.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Detokenized,
                                      ErrorResponse, Health, ModelList, Tokenized)
 from router.responses_output import ResponseDeleted, ResponseEvent, ResponseItemList, ResponseObject
@@ -49,7 +52,7 @@ ERRORS = {
 }
 GUARDED = (401, 413, 429, 500)   # any operation (router/guards.py, and a bug)
 GENERATION = (400, 404, 502, 503, 504)
-TOKENIZING = (400, 404)     # /tokenize and /detokenize: no pool is involved
+TOKENIZING = (400, 404)     # /tokenize, /detokenize, /v1/messages/count_tokens: no pool is involved
 STORED = (404, 503)         # a stored response's routes (router/response_store.py)
 STORED_PATH = "/v1/responses/{response_id}"
 LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")     # router/runtime_lora.py
@@ -77,8 +80,9 @@ def openapi_document(app, served: Served, root_path: str = "") -> dict:
     _limits(doc, served)
     _responses(doc, served)
     if served.api_key:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        doc["security"] = [{"bearer": []}]
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+        doc["security"] = [{"bearer": []}, {"apiKey": []}]
         for path in OPEN_PATHS:
             for operation in doc["paths"].get(path, {}).values():
                 operation["security"] = []
@@ -108,7 +112,7 @@ def _limits(doc: dict, served: Served) -> None:
             f"must fit the model's context of {served.max_model_len} tokens.")
     for path, fields in (("/v1/completions", ("max_tokens",)),
                          ("/v1/chat/completions", ("max_tokens", "max_completion_tokens")),
-                         ("/v1/responses", ("max_output_tokens",))):
+                         ("/v1/responses", ("max_output_tokens",)), ("/v1/messages", ("max_tokens",))):
         properties = _request_schema(doc, path)["properties"]
         for name in fields:
             for integer in _integers(properties[name]):
@@ -127,7 +131,7 @@ def _limits(doc: dict, served: Served) -> None:
             properties["priority"]["description"] += " This server schedules first come, first served: 0."
     if not served.runtime_loras:     # else an adapter loaded at run time is named too (an unknown name: 404)
         for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
-                     "/detokenize"):
+                     "/detokenize", *MESSAGES_PATHS):
             for branch in _request_schema(doc, path)["properties"]["model"]["anyOf"]:
                 if branch.get("type") == "string":
                     branch["enum"] = list(served.model_names)
@@ -149,8 +153,8 @@ def _json(model: str) -> dict:
 
 def _events(chunk: str) -> dict:
     """text/event-stream: the schema of one event (OpenAPI 3.1 has no itemSchema; 3.2's is the same)."""
-    if chunk == "ResponseEvent":     # /v1/responses: every event's data is an event object, no [DONE]
-        data = {"type": "string", "description": "A Responses event (its `type` also the SSE event's name).",
+    if chunk in ("ResponseEvent", "MessageEvent"):   # every event's data is an event object, no [DONE]
+        data = {"type": "string", "description": "An event (its `type` also the SSE event's name).",
                 "contentMediaType": "application/json", "contentSchema": {"$ref": REF.format(model=chunk)}}
         return {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
                                                  "properties": {"data": data, "event": {"type": "string"}}}}}
@@ -188,6 +192,11 @@ def _ok(path: str, method: str) -> dict:
                 "content": {**_json("ResponseObject"), **_events("ResponseEvent")}}
     if path == "/v1/embeddings":
         return {"description": "Each input's embedding.", "content": _json("EmbeddingList")}
+    if path == "/v1/messages":
+        return {"description": "The message, or with `stream` its events (router/messages_output.py).",
+                "content": {**_json("MessageObject"), **_events("MessageEvent")}}
+    if path == "/v1/messages/count_tokens":
+        return {"description": "The prompt's tokens.", "content": _json("TokenCount")}
     if path == "/tokenize":
         return {"description": "The prompt's token ids.", "content": _json("Tokenized")}
     if path == "/detokenize":
@@ -213,7 +222,8 @@ def _responses(doc: dict, served: Served) -> None:
                                                                   ChatCompletionChunk, ModelList, Health,
                                                                   ErrorResponse, Tokenized, Detokenized,
                                                                   ResponseObject, ResponseEvent, ResponseDeleted,
-                                                                  ResponseItemList, EmbeddingList)],
+                                                                  ResponseItemList, EmbeddingList, MessageObject,
+                                                                  MessageEvent, TokenCount, AnthropicError)],
                                      ref_template=REF)
     clashes = set(defs["$defs"]) & set(schemas)        # a response model named as a request's would replace it
     assert not clashes, f"request and response models share names: {sorted(clashes)}"
@@ -223,8 +233,8 @@ def _responses(doc: dict, served: Served) -> None:
             codes = set(GUARDED) | (set(GENERATION) if path.startswith("/v1/") and method == "post" else set())
             if path in LORA_PATHS:
                 codes = set(GUARDED) | set(LORA_CODES)
-            if path in ("/tokenize", "/detokenize"):
-                codes |= set(TOKENIZING)
+            if path in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"):
+                codes = set(GUARDED) | set(TOKENIZING)
             if path == "/v1/embeddings":           # no KV hand-off
                 codes.discard(502)
             if path == MODEL_PATH:
@@ -236,5 +246,6 @@ def _responses(doc: dict, served: Served) -> None:
                 codes = (codes - {401}) | {503}
             elif not served.api_key:
                 codes.discard(401)
+            error = "AnthropicError" if path in MESSAGES_PATHS else "ErrorResponse"
             operation["responses"] = {"200": _ok(path, method), **{
-                str(code): {"description": ERRORS[code], "content": _json("ErrorResponse")} for code in sorted(codes)}}
+                str(code): {"description": ERRORS[code], "content": _json(error)} for code in sorted(codes)}}

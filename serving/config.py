@@ -258,7 +258,8 @@ class AppConfig(_Model):
         "On one 2-core machine the decode replica then streams one request on both cores while no prompt is "
         "being prefilled (README: Configuration).")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for (400 above).")
-    api_key: str = Field("", description="When set, every endpoint but /health needs 'Authorization: Bearer <key>'.")
+    api_key: str = Field("", description="When set, every endpoint but /health needs 'Authorization: Bearer <key>' "
+                         "(or 'x-api-key: <key>', as Anthropic's clients send it).")
     max_body_bytes: int = Field(4 * 2**20, gt=0, description="Largest accepted request body (413 above).")
     max_inflight_requests: int = Field(1024, gt=0, description="Requests the router holds at once (429 above).")
     cors: CorsOptions = Field(default_factory=CorsOptions, description="Which web pages' origins may call the "

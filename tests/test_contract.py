@@ -74,11 +74,12 @@ def test_every_operation_declares_its_bodies_and_every_error_status():
         for method, operation in item.items():
             responses = operation["responses"]
             assert "422" not in responses and "401" not in responses
+            error = "AnthropicError" if path.startswith("/v1/messages") else "ErrorResponse"
             for code, response in responses.items():
                 if code != "200":
                     assert int(code) in ERRORS
                     assert response["content"] == {"application/json": {"schema": {
-                        "$ref": "#/components/schemas/ErrorResponse"}}}
+                        "$ref": f"#/components/schemas/{error}"}}}
             if path == "/v1/responses/{response_id}/cancel":
                 assert set(responses) == {"200", "400", "404", "413", "429", "500", "503"}
             elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):     # no pool involved
@@ -87,10 +88,10 @@ def test_every_operation_declares_its_bodies_and_every_error_status():
             elif path == "/v1/embeddings":                       # the prefill pool alone: no hand-off
                 assert set(responses) == {"200", "400", "404", "413", "429", "500", "503", "504"}
                 assert set(responses["200"]["content"]) == {"application/json"}
-            elif method == "post" and path.startswith("/v1/"):
+            elif method == "post" and path.startswith("/v1/") and path != "/v1/messages/count_tokens":
                 assert {"400", "404", "413", "429", "500", "502", "503", "504"} <= set(responses)
                 assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
-            elif method == "post":       # /tokenize, /detokenize: no pool involved
+            elif method == "post":       # /tokenize, /detokenize, /v1/messages/count_tokens: no pool involved
                 assert set(responses) == {"200", "400", "404", "413", "429", "500"}
                 assert set(responses["200"]["content"]) == {"application/json"}
     assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
@@ -111,10 +112,12 @@ def test_every_operation_declares_its_bodies_and_every_error_status():
     assert {p["name"] for p in items["parameters"]} == {"response_id", "limit", "order", "after"}
 
 
-def test_an_api_key_adds_the_bearer_scheme_and_401_everywhere_but_health():
+def test_an_api_key_adds_the_security_schemes_and_401_everywhere_but_health():
     doc = document(api_key="k")
-    assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
-    assert doc["security"] == [{"bearer": []}]
+    assert doc["components"]["securitySchemes"] == {   # either: a bearer token, or Anthropic clients' header
+        "bearer": {"type": "http", "scheme": "bearer"},
+        "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+    assert doc["security"] == [{"bearer": []}, {"apiKey": []}]
     assert doc["paths"]["/health"]["get"]["security"] == [] and "401" not in doc["paths"]["/health"]["get"]["responses"]
     assert all("401" in item[m]["responses"] for path, item in doc["paths"].items() if path != "/health" for m in item)
 

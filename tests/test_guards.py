@@ -21,6 +21,7 @@ def app_and_settings():
     async def health():
         return {"ok": True}
 
+    @app.post("/v1/messages")
     @app.post("/v1/echo")
     async def echo(request: Request):
         body = await request.body()
@@ -41,6 +42,17 @@ def test_api_key_required_except_health(app_and_settings):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert client.post("/v1/echo", content=b"x", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert client.post("/v1/echo", content=b"x", headers=AUTH).json() == {"n": 1}
+
+
+def test_anthropic_clients_key_header_and_their_error_format(app_and_settings):
+    client = TestClient(app_and_settings[0])
+    assert client.post("/v1/echo", content=b"x", headers={"x-api-key": "sekret"}).json() == {"n": 1}
+    assert client.post("/v1/echo", content=b"x", headers={"x-api-key": "wrong"}).status_code == 401
+    r = client.post("/v1/messages", content=b"x", headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json() == {"type": "error", "error": {
+        "type": "authentication_error", "message": r.json()["error"]["message"]}}
+    r = client.post("/v1/messages", content=b"x" * 101, headers={"x-api-key": "sekret"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
 
 
 def test_no_key_configured_means_open(app_and_settings):

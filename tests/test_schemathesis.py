@@ -5,15 +5,14 @@ Positive mode: requests that fit the document. Most are accepted (the document s
 the server enforces, `model` and the max_tokens limit included) and run through the prefill pool,
 the KV transfer and the decode pool, as JSON and as server-sent events; every response conforms to
 the document (status, content type, body, each SSE event). Negative mode: requests that break the
-document; every one is a 4xx with OpenAI's error object. Both end with every KV block free. Each
-prints its own summary: per operation, generated / accepted (2xx) / rejected (4xx) / 5xx / failures.
-(schemathesis' strategies are driven by hypothesis directly: its pytest plugin does not load under
-pytest 9.) The fuzzer streams few of its cases (2-12 in 100 across runs, and once none), so the
-positive test also sends one streaming request per POST operation as a schemathesis case of the
-document, checked by the same response checks: SSE conformance never depends on the draw; and
-likewise a stored response's GET, input_items and DELETE (random ids are only 404s). The second
-app keeps no responses (`responses.store: false`) and says so.
-"""
+document; every one is a 4xx with OpenAI's error object (Anthropic's on /v1/messages' routes). Both
+end with every KV block free. Each prints its own summary: per operation, generated / accepted (2xx)
+/ rejected (4xx) / 5xx / failures. (schemathesis' strategies are driven by hypothesis directly: its
+pytest plugin does not load under pytest 9.) The fuzzer streams few of its cases (2-12 in 100 across
+runs, and once none), so the positive test also sends one streaming request per POST operation as a
+schemathesis case of the document, checked by the same response checks: SSE conformance never
+depends on the draw; and likewise a stored response's GET, input_items and DELETE (random ids are
+only 404s). The second app keeps no responses (`responses.store: false`) and says so."""
 
 import collections
 import json
@@ -26,6 +25,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
                                                 response_schema_conformance, status_code_conformance)
 from router.contract import LORA_PATHS
+from router.messages_output import anthropic_path
 from service_util import http, metrics, pools_all_free, tiny_app
 
 pytestmark = pytest.mark.slow
@@ -88,8 +88,8 @@ def fuzz(base: str, mode: GenerationMode, extra_checks=()) -> tuple[dict, list[s
                 case.validate_response(response, checks=CHECKS + list(extra_checks))
             except (AssertionError, BaseExceptionGroup) as exc:
                 problems.append(str(exc)[:1500])
-            if mode == GenerationMode.NEGATIVE and not (400 <= status < 500 and _openai_error(response.text)):
-                problems.append(f"not an OpenAI-format 4xx: {status} {response.text[:300]}")
+            if mode == GenerationMode.NEGATIVE and not (400 <= status < 500 and _error(case.path, response.text)):
+                problems.append(f"not a 4xx in the route's error format: {status} {response.text[:300]}")
             if problems:
                 count["failures"] += 1
                 failures.extend(f"{case.method} {case.path} {case.body!r:.300}: {p}" for p in problems)
@@ -100,7 +100,9 @@ def fuzz(base: str, mode: GenerationMode, extra_checks=()) -> tuple[dict, list[s
 STREAMED = {"/v1/completions": {"model": "tiny", "prompt": "Once", "max_tokens": 4, "stream": True},
             "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
                                      "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
-            "/v1/responses": {"model": "tiny", "input": "Hi", "max_output_tokens": 4, "stream": True}}
+            "/v1/responses": {"model": "tiny", "input": "Hi", "max_output_tokens": 4, "stream": True},
+            "/v1/messages": {"model": "tiny", "max_tokens": 4, "stream": True,
+                             "messages": [{"role": "user", "content": "Hi"}]}}
 
 
 def _checked(case, base: str, label: str, wanted) -> list[str]:
@@ -144,11 +146,15 @@ def stored_cases(base: str) -> list[str]:
                                 base, f"{method} {path}", ok)]
 
 
-def _openai_error(text: str) -> bool:
+def _error(path: str, text: str) -> bool:
+    """Whether `text` is the error object of `path`'s API: OpenAI's, or Anthropic's."""
     try:
-        error = json.loads(text)["error"]
+        answer = json.loads(text)
+        error = answer["error"]
     except (ValueError, KeyError, TypeError):
         return False
+    if anthropic_path(path):
+        return answer["type"] == "error" and set(error) == {"type", "message"} and bool(error["message"])
     return set(error) == {"message", "type", "param", "code"} and bool(error["message"])
 
 
@@ -175,7 +181,7 @@ def test_positive_fuzzing_is_mostly_accepted_runs_through_the_pools_and_conforms
     with capsys.disabled():
         print("\n" + summary("schemathesis positive mode, " + ", ".join(c.__name__ for c in CHECKS), counts))
     assert not failures, "\n\n".join(failures[:3])
-    for label in ("POST /v1/completions", "POST /v1/chat/completions"):
+    for label in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/messages"):
         assert counts[label]["2xx"] >= 0.5 * counts[label]["generated"], counts[label]
         assert counts[label]["streamed"] < counts[label]["2xx"], counts[label]   # JSON; SSE below in any case
     failures = streamed_cases(app) + stored_cases(app)
@@ -184,19 +190,20 @@ def test_positive_fuzzing_is_mostly_accepted_runs_through_the_pools_and_conforms
     assert pools_all_free(app, {"prefill", "decode"})
 
 
-def test_negative_fuzzing_is_all_openai_format_4xx(app, capsys):
+def test_negative_fuzzing_is_all_4xx_in_each_apis_error_format(app, capsys):
     counts, failures = fuzz(app, GenerationMode.NEGATIVE, extra_checks=[negative_data_rejection])
     with capsys.disabled():
-        print("\n" + summary("schemathesis negative mode, every response a 4xx in OpenAI's format", counts))
+        print("\n" + summary("schemathesis negative mode, every response a 4xx in its API's error format", counts))
     assert not failures, "\n\n".join(failures[:3])
     assert all(count["generated"] == count["4xx"] > 0 for count in counts.values()), counts
     assert http(app, "/health")[0] == 200
     assert pools_all_free(app, {"prefill", "decode"})
 
 
-def _request_schemas(doc: dict) -> tuple[dict, dict]:
+def _request_schemas(doc: dict) -> tuple[dict, dict, dict]:
     schemas = doc["components"]["schemas"]
-    return schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
+    return tuple(schemas[name]["properties"] for name in ("CompletionRequest", "ChatCompletionRequest",
+                                                          "MessagesRequest"))
 
 
 @pytest.mark.parametrize("which", ["app", "other_app"])
@@ -207,11 +214,13 @@ def test_the_document_states_the_served_model_and_the_max_tokens_limit_of_each_c
     names, limit = {"app": (["tiny"], 8), "other_app": (["tiny-b", "tiny-alias"], 5)}[which]
     status, text = http(base, "/openapi.json")
     assert status == 200
-    completion, chat = _request_schemas(json.loads(text))
-    for properties, fields in ((completion, ("max_tokens",)), (chat, ("max_tokens", "max_completion_tokens"))):
+    completion, chat, message = _request_schemas(json.loads(text))
+    for properties, fields in ((completion, ("max_tokens",)), (chat, ("max_tokens", "max_completion_tokens")),
+                               (message, ())):
         assert properties["model"]["anyOf"] == [{"type": "string", "enum": names}, {"type": "null"}]
         for field in fields:
             assert [s["maximum"] for s in properties[field]["anyOf"] if s.get("type") == "integer"] == [limit]
+    assert message["max_tokens"]["maximum"] == limit            # required there: an integer, not anyOf
     assert [m["id"] for m in json.loads(http(base, "/v1/models")[1])["data"]] == names
     # and the server holds to it: any of its names, the answer naming the one asked for (omitted: the first)
     for name in names:

@@ -5,8 +5,9 @@ service resumes. (A KV push to a frozen receiver timing out is tested in test_kv
 that leaves right after its first token, again and again while other streams run on the same
 prefill->decode pair: the router tells both sides at once, nothing waits for the abandoned hand-off,
 the other streams go on, and both pools free everything. The API key guards every endpoint but
-/health."""
+/health, as a bearer token or (Anthropic's clients) an x-api-key header."""
 
+import json
 import os
 import signal
 import time
@@ -34,6 +35,11 @@ def test_api_key_guards_everything_but_health(app):
     assert http(app, "/v1/completions", BODY, headers={"Authorization": "Bearer nope"})[0] == 401
     assert http(app, "/v1/completions", BODY, headers=KEY)[0] == 200
     assert http(app, "/metrics", headers=KEY)[0] == 200
+    assert http(app, "/v1/completions", BODY, headers={"x-api-key": "test-key"})[0] == 200
+    message = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    assert http(app, "/v1/messages", message, headers={"x-api-key": "test-key"})[0] == 200
+    status, text = http(app, "/v1/messages", message, headers={"x-api-key": "nope"})
+    assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error", text   # Anthropic's
 
 
 def test_frozen_decode_replica_times_out_cleanly_and_frees_everything(app):
