@@ -1,7 +1,8 @@
 """Reasoning apart from content (router/reasoning.py, router/chat_output.py): where it starts, the
 parser fed in any pieces adding up to the whole output, with tool calls after it, and over HTTP
 through both pools with a template that leaves <think> open (a tiny model whose vocabulary has the
-tags as single tokens, nudged to close the block; a response_format schema holds after it)."""
+tags as single tokens, nudged to close the block; a response_format schema holds after it), and
+as the Responses API's reasoning item and Anthropic's thinking block."""
 
 import json
 import random
@@ -174,4 +175,31 @@ def test_the_responses_api_gives_the_reasoning_as_a_reasoning_item_streamed_or_n
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
     assert deltas == reasoning and events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == reasoning
+    assert pools_all_free(thinking_app, {"prefill", "decode"})
+
+
+@pytest.mark.slow
+def test_anthropics_client_gets_the_reasoning_as_a_thinking_block_streamed_or_not(thinking_app):
+    """/v1/messages on the same model (greedy, cut inside its reasoning, as above): one thinking
+    block, the chat endpoint's reasoning, accumulated the same from the stream's thinking_delta
+    events; the block goes back to the template as the turn's reasoning."""
+    import anthropic
+    client = anthropic.Anthropic(base_url=thinking_app, api_key="unused", max_retries=0)
+    ask = dict(model="tiny", max_tokens=12, messages=[{"role": "user", "content": "Think, then answer."}],
+               extra_body={"temperature": 0})
+    message = client.messages.create(**ask)
+    status, text = http(thinking_app, "/v1/chat/completions", {"model": "tiny", "max_tokens": 12, "temperature": 0,
+                                                               "messages": ask["messages"]})
+    reasoning = json.loads(text)["choices"][0]["message"]["reasoning"]
+    assert status == 200 and reasoning and "think>" not in reasoning
+    assert [(b.type, b.thinking) for b in message.content] == [("thinking", reasoning)]
+    assert message.stop_reason == "max_tokens"
+    with client.messages.stream(**ask) as stream:
+        deltas = "".join(e.delta.thinking for e in stream if e.type == "content_block_delta"
+                         and e.delta.type == "thinking_delta")
+        streamed = stream.get_final_message()
+    assert deltas == reasoning and [(b.type, b.thinking) for b in streamed.content] == [("thinking", reasoning)]
+    follow = client.messages.create(**{**ask, "max_tokens": 2, "messages": [
+        *ask["messages"], {"role": "assistant", "content": message.content}, {"role": "user", "content": "Go on."}]})
+    assert follow.stop_reason == "max_tokens"
     assert pools_all_free(thinking_app, {"prefill", "decode"})

@@ -33,6 +33,8 @@ CHECKS = [not_a_server_error, response_schema_conformance, status_code_conforman
 EXAMPLES = {GenerationMode.POSITIVE: 40, GenerationMode.NEGATIVE: 30}   # per POST operation
 PATH_ONLY_EXAMPLES = 12      # no body (a stored response's GET, DELETE, cancel): only its id to draw (random: 404s)
 OFF_EXAMPLES = 10            # runtime LoRA updating, off in these apps: every answer the same 4xx
+# /v1/messages/count_tokens takes /v1/messages' request (max_tokens optional): its validation is drawn there
+SHARED = {"/v1/messages/count_tokens": 10}
 # vLLM's flags that shape the answer (or the prefix cache's sharing) and nothing else, left out of the
 # bodies positive mode draws: with them the completions body (40 properties under 8 cross-field rules)
 # is past what schemathesis' canonicalizer (jsonschema_rs) resolves, and it declines to draw any (any
@@ -71,8 +73,8 @@ def fuzz(base: str, mode: GenerationMode, extra_checks=()) -> tuple[dict, list[s
         if mode == GenerationMode.NEGATIVE and (operation.method.upper() != "POST" or not len(operation.body)):
             continue      # no body to break (input_items' query bounds: tests/test_responses_service.py)
         count = counts[operation.label] = collections.Counter()
-        examples = (OFF_EXAMPLES if operation.path in LORA_PATHS else EXAMPLES[mode]) if len(operation.body) \
-            else PATH_ONLY_EXAMPLES
+        examples = (OFF_EXAMPLES if operation.path in LORA_PATHS else SHARED.get(operation.path, EXAMPLES[mode])) \
+            if len(operation.body) else PATH_ONLY_EXAMPLES
 
         @given(case=operation.as_strategy(generation_mode=mode))
         @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck),
