@@ -102,7 +102,8 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException):
-    """FastAPI's own errors (unparsable body, unknown route, wrong method) in OpenAI's format."""
+    """FastAPI's own errors (unparsable body, unknown route, wrong method) in OpenAI's format
+    (Anthropic's on its routes)."""
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     if anthropic_path(request.url.path):
         return anthropic_error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))

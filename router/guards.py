@@ -7,12 +7,11 @@ Order for each HTTP request:
   2. admit         more than `max_inflight` requests in flight -> 429 with Retry-After
   3. bound the body a declared or streamed body above `max_body_bytes` -> 413
 All refusals are OpenAI-format JSON errors (Anthropic's on its Messages API's routes); nothing
-reaches the pools. Before a refusal goes out,
-the rest of the request's body is read and dropped for up to LINGER_S: a client still sending would
-otherwise meet a closed connection (a broken pipe or a reset) instead of the error, as a 5 MiB body
-did under load (RFC 9112 9.6's lingering close; nginx drops a refused body too). Even a client that
-sent `Expect: 100-continue` sends its body: Serve's proxy answers "100 Continue" before the router
-sees the request.
+reaches the pools. Before a refusal goes out, the rest of the request's body is read and dropped
+for up to LINGER_S: a client still sending would otherwise meet a closed connection (a broken pipe
+or a reset) instead of the error, as a 5 MiB body did under load (RFC 9112 9.6's lingering close;
+nginx drops a refused body too). Even a client that sent `Expect: 100-continue` sends its body:
+Serve's proxy answers "100 Continue" before the router sees the request.
 """
 
 from __future__ import annotations
