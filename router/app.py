@@ -170,7 +170,7 @@ class Router:
                                             self.request_metrics, dims.hidden_size, self.max_model_len,
                                             self.model_name, self.config.request_timeout_s)
         self.messages_api = MessagesApi(self.chat_completions, self._prompt_tokens, self.checks.model_problem,
-                                        self.config.max_tokens_limit, self.model_name)
+                                        self.model_name)
 
     def _prompt_tokens(self, chat: ChatCompletionRequest) -> int:
         """The tokens of a chat completion's prompt (its template's errors raised): the Responses

@@ -2,11 +2,12 @@
 a message's tokens.
 
 A message's life cycle here:
-  1. check   max_tokens within the server's `max_tokens_limit`; the request becomes a chat
-             completion (router/messages_protocol.py), which may refuse it (a tool_choice naming
-             no tool, ...)
-  2. run     the chat endpoint's whole path (template, tools, reasoning, grammar, pools); its
-             refusal is this request's answer, in Anthropic's error format
+  1. check   the request becomes a chat completion (router/messages_protocol.py), which may
+             refuse it (a tool_choice naming no tool, ...)
+  2. run     the chat endpoint's whole path (template, tools, reasoning, grammar, the checks of
+             every request, pools); its refusal (max_tokens above the server's
+             `max_tokens_limit`, an unknown model, ...) is this request's answer, in Anthropic's
+             error format
   3. answer  the chat answer as a Message, or the chat stream as the Messages stream
              (router/messages_output.py); a client that leaves closes the chat stream, which
              aborts the request in the pools
@@ -16,7 +17,7 @@ count_tokens renders the same prompt (off the event loop) and counts it; nothing
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 from collections.abc import Awaitable, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -26,6 +27,7 @@ from pydantic import ValidationError
 from router.chat_protocol import ChatCompletionRequest
 from router.messages_output import MessageEvents, MessageShape, anthropic_error, from_openai_error, message_from_chat
 from router.messages_protocol import CountTokensRequest, MessagesRequest
+from router.reply import chunks
 
 
 class MessagesApi:
@@ -35,16 +37,12 @@ class MessagesApi:
 
     def __init__(self, chat: Callable[[ChatCompletionRequest], Awaitable],
                  prompt_tokens: Callable[[ChatCompletionRequest], int],
-                 model_problem: Callable[[str | None], JSONResponse | None],
-                 max_tokens_limit: int, model_name: str):
+                 model_problem: Callable[[str | None], JSONResponse | None], model_name: str):
         self.chat, self.prompt_tokens, self.model_problem = chat, prompt_tokens, model_problem
-        self.max_tokens_limit, self.model_name = max_tokens_limit, model_name
+        self.model_name = model_name
 
     async def create(self, body: MessagesRequest):
-        if body.max_tokens > self.max_tokens_limit:                  # 1. check
-            return anthropic_error(400, f"max_tokens {body.max_tokens} is above this server's limit of "
-                                   f"{self.max_tokens_limit}")
-        chat = _chat(body)
+        chat = _chat(body)                                           # 1. check
         if isinstance(chat, JSONResponse):
             return chat
         result = await self.chat(chat)                               # 2. run
@@ -77,16 +75,11 @@ def _chat(body: MessagesRequest) -> ChatCompletionRequest | JSONResponse:
 async def _events(shape: MessageShape, chat_events):
     """The chat stream's chunks (text/event-stream lines) as the Messages stream's events."""
     events = MessageEvents(shape)
-    try:
-        async for line in chat_events:
-            data = line.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                break
-            for event in events.chunk(json.loads(data)):
+    async with contextlib.aclosing(chunks(chat_events)) as parsed:
+        async for chunk in parsed:
+            for event in events.chunk(chunk):
                 yield event
             if events.failed:
                 return
-    finally:
-        await chat_events.aclose()
     for event in events.closing():
         yield event

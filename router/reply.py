@@ -18,7 +18,8 @@ A chat request's vLLM `echo` puts the last message's text, an assistant's, befor
 content (streamed: a chunk of its own after the role chunk). With vLLM's `return_token_ids`, each
 choice's output token ids come too (`token_ids`; streamed, each chunk the choice's since its last
 chunk: an event that shows nothing passes its ids on), and the prompt's (`prompt_token_ids`: a chat
-response's, on its stream's first chunk; a completion choice's, on its first chunk).
+response's, on its stream's first chunk; a completion choice's, on its first chunk). `chunks` reads
+such a stream back (the Responses and Messages APIs turn a chat stream into their own events).
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ from router.metrics import RequestMetrics
 from router.openai_responses import choice_body, completion_body, error_body, error_response, usage
 from router.orchestrator import RequestFailed
 from serving import messages
+
+
+async def chunks(events):
+    """The chunks of a stream `Reply.stream` made (its server-sent events: text), parsed, to
+    [DONE]; the stream is closed at the end, or when the reader leaves early."""
+    try:
+        async for event in events:
+            data = event.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
+    finally:
+        await events.aclose()
 
 
 @dataclass

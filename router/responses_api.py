@@ -49,6 +49,7 @@ from pydantic import ValidationError
 from router.background_stream import EventWriter
 from router.chat_protocol import ChatCompletionRequest
 from router.openai_responses import above_limit, error_response, refused
+from router.reply import chunks
 from router.response_store import Found, StoredResponses, StoreUnavailable, page, unique_ids
 from router.responses_output import ResponseEvents, ResponseShape, new_id, response_from_chat, sse_event
 from router.responses_protocol import ResponsesRequest
@@ -290,17 +291,11 @@ class ResponsesApi:
     async def _converted(events: ResponseEvents, chat_events):
         """The Responses events of each of the chat stream's chunks (text/event-stream lines), a
         list per chunk, to the stream's end or its error (response.failed, `events.failed` set)."""
-        try:
-            async for line in chat_events:
-                data = line.removeprefix("data: ").strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+        async with contextlib.aclosing(chunks(chat_events)) as parsed:
+            async for chunk in parsed:
                 yield events.chunk(chunk)
                 if "error" in chunk:
                     return
-        finally:
-            await chat_events.aclose()
 
     async def stream_again(self, response_id: str, starting_after: int | None):
         """GET /v1/responses/{id}?stream=true: a background stream's events after sequence number
