@@ -80,7 +80,8 @@ class Admission:
             return f"logit_bias: token id out of range (vocabulary size {self.vocab_size})"
         for name, ids in (("allowed_token_ids", params.allowed_token_ids),
                           ("bad_words", [t for word in params.bad_words for t in word]),
-                          ("prediction", params.prediction)):                # fed to the model as drafts
+                          ("prediction", params.prediction),                 # fed to the model as drafts
+                          ("labels", params.pooling.labels if params.pooling is not None else ())):
             if any(t >= self.vocab_size for t in ids):
                 return f"{name}: token id out of range (vocabulary size {self.vocab_size})"
         if params.allowed_token_ids:       # what the first token may not be

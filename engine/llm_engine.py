@@ -242,7 +242,7 @@ class LLMEngine:
             self.scheduler.finish(req.seq, "stop")
             del self._requests[req.seq.request_id]
             out = self._output(req, [], "stop", True)
-            out.embedding = req.pooled.vector(req.seq.num_prompt_tokens)
+            out.embedding = req.pooled.vector(req.seq.num_prompt_tokens, self.runner.lm_head)
             outputs.append(out)
         return outputs
 

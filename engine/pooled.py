@@ -4,6 +4,8 @@ prompt's last chunk ran)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.pooling import Pooling
@@ -21,7 +23,7 @@ class Pooled:
 
     def add(self, position: int, hidden: torch.Tensor) -> None:
         """The final hidden states [rows, hidden] of prompt positions `position`, `position` + 1, ..."""
-        rows = hidden.float()
+        rows = hidden if self.pooling.labels else hidden.float()    # the LM head's input, as it is
         if self.pooling.kind == "mean":
             total = rows.sum(0)
             self.total = total if self.total is None else self.total + total
@@ -29,9 +31,14 @@ class Pooled:
             self.total = rows[-1].clone()
         self.upto = position + rows.shape[0]
 
-    def vector(self, num_prompt_tokens: int) -> bytes:
-        """The embedding as little-endian float32 bytes (OpenAI's base64 encoding's bytes)."""
+    def vector(self, num_prompt_tokens: int, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> bytes:
+        """The embedding as little-endian float32 bytes (OpenAI's base64 encoding's bytes); with
+        labels, their log-probabilities (`lm_head`: final hidden states [n, hidden] -> logits)."""
         assert self.total is not None and (self.pooling.kind == "cls" or self.upto == num_prompt_tokens)
+        if self.pooling.labels:
+            logprobs = lm_head(self.total[None]).float().log_softmax(-1)[0]
+            v = logprobs[torch.tensor(self.pooling.labels, device=logprobs.device)]
+            return v.to("cpu").numpy().astype("<f4").tobytes()
         v = self.total / num_prompt_tokens if self.pooling.kind == "mean" else self.total
         if self.pooling.dimensions is not None:
             v = v[:self.pooling.dimensions]

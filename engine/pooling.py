@@ -10,6 +10,12 @@ generating (OpenAI's /v1/embeddings; torch-free: the engine's `Pooled` does the 
 Then the first `dimensions` values only (a Matryoshka model's shorter embedding), then scaled to
 length 1 where `normalize`. Hidden states are the model's after its final norm, what its LM head
 reads; the vector is float32.
+
+With `labels` (token ids; the scores of /score and /rerank, router/score_api.py) the answer is not
+the hidden state but what the LM head makes of it: the log-probabilities of those tokens as the
+next token after the whole prompt ("last" only, under the model's own distribution over its whole
+vocabulary), as vLLM scores with a causal LM (its generative scores; Qwen3-Reranker's
+`classifier_from_token: ["no", "yes"]`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = ("last", "mean", "cls")
+MAX_LABELS = 16
 
 
 @dataclass(frozen=True)
@@ -24,11 +31,17 @@ class Pooling:
     kind: str = "last"
     normalize: bool = True
     dimensions: int | None = None
+    labels: tuple[int, ...] = ()
 
     def problem(self) -> str | None:
-        """Why these settings cannot be served, or None."""
+        """Why these settings cannot be served, or None (the labels' range: the engine's admission)."""
         if self.kind not in KINDS:
             return f"pooling must be one of {', '.join(KINDS)}, got {self.kind!r}"
+        if not isinstance(self.labels, tuple) or len(self.labels) > MAX_LABELS \
+                or any(type(t) is not int or t < 0 for t in self.labels):
+            return f"labels must be at most {MAX_LABELS} token ids"
+        if self.labels and (self.kind != "last" or self.normalize or self.dimensions is not None):
+            return "labels are scored at the last token, not normalized or cut to dimensions"
         if not isinstance(self.normalize, bool):
             return "pooling's normalize must be a boolean"
         if self.dimensions is not None and (type(self.dimensions) is not int or self.dimensions < 1):

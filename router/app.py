@@ -73,6 +73,8 @@ from router.responses_api import ResponsesApi
 from router.responses_protocol import ResponsesRequest
 from router.runtime_lora import LoadLoraAdapterRequest, RuntimeLoras, UnloadLoraAdapterRequest
 from router.runtime_lora_api import RuntimeLoraApi
+from router.score_api import ScoreApi
+from router.score_protocol import RerankRequest, ScoreRequest
 from router.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from router.tools import template_tools
 from router.validation_errors import describe
@@ -169,6 +171,8 @@ class Router:
         self.embeddings_api = EmbeddingsApi(self.config.embeddings, model_dir, self.checks, self.orchestrator,
                                             self.request_metrics, dims.hidden_size, self.max_model_len,
                                             self.model_name, self.config.request_timeout_s)
+        self.score_api = ScoreApi(self.config.score, self.checks, self.embeddings_api, self.max_model_len,
+                                  self.model_name)
         self.messages_api = MessagesApi(self.chat_completions, self._prompt_tokens, self.checks.model_problem,
                                         self.model_name)
 
@@ -359,6 +363,22 @@ class Router:
         """OpenAI's embeddings: each input's prompt pooled in the prefill pool (router/embeddings_api.py)."""
         await self.loras.restore()
         return await self.embeddings_api.create(body)
+
+    @app.post("/score", include_in_schema=False)
+    @app.post("/v1/score")
+    async def score(self, body: ScoreRequest):
+        """vLLM's score: each text pair scored by the label tokens' probability after it, in the
+        prefill pool (router/score_api.py)."""
+        await self.loras.restore()
+        return await self.score_api.score(body)
+
+    @app.post("/rerank", include_in_schema=False)
+    @app.post("/v2/rerank", include_in_schema=False)
+    @app.post("/v1/rerank")
+    async def rerank(self, body: RerankRequest):
+        """Jina's and Cohere's rerank (vLLM's): the documents by their score against the query."""
+        await self.loras.restore()
+        return await self.score_api.rerank(body)
 
     # ---- the Responses API (router/responses_api.py) ------------------------------------------------
     @app.post("/v1/responses")

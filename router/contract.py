@@ -28,6 +28,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from router.embeddings_protocol import EmbeddingList
+from router.score_protocol import RerankList, ScoreList
 from router.guards import OPEN_PATHS
 from router.messages_output import MESSAGES_PATHS, AnthropicError, MessageEvent, MessageObject, TokenCount
 from router.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Detokenized,
@@ -52,6 +53,7 @@ ERRORS = {
 }
 GUARDED = (401, 413, 429, 500)   # any operation (router/guards.py, and a bug)
 GENERATION = (400, 404, 502, 503, 504)
+SCORE_PATHS = ("/v1/score", "/v1/rerank")   # prefill only, as /v1/embeddings
 TOKENIZING = (400, 404)     # /tokenize, /detokenize, /v1/messages/count_tokens: no pool is involved
 STORED = (404, 503)         # a stored response's routes (router/response_store.py)
 STORED_PATH = "/v1/responses/{response_id}"
@@ -130,8 +132,8 @@ def _limits(doc: dict, served: Served) -> None:
                 integer["minimum"] = integer["maximum"] = 0
             properties["priority"]["description"] += " This server schedules first come, first served: 0."
     if not served.runtime_loras:     # else an adapter loaded at run time is named too (an unknown name: 404)
-        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
-                     "/detokenize", *MESSAGES_PATHS):
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", *SCORE_PATHS,
+                     "/tokenize", "/detokenize", *MESSAGES_PATHS):
             for branch in _request_schema(doc, path)["properties"]["model"]["anyOf"]:
                 if branch.get("type") == "string":
                     branch["enum"] = list(served.model_names)
@@ -192,6 +194,10 @@ def _ok(path: str, method: str) -> dict:
                 "content": {**_json("ResponseObject"), **_events("ResponseEvent")}}
     if path == "/v1/embeddings":
         return {"description": "Each input's embedding.", "content": _json("EmbeddingList")}
+    if path == "/v1/score":
+        return {"description": "Each pair's score.", "content": _json("ScoreList")}
+    if path == "/v1/rerank":
+        return {"description": "The documents' scores, best first.", "content": _json("RerankList")}
     if path == "/v1/messages":
         return {"description": "The message, or with `stream` its events (router/messages_output.py).",
                 "content": {**_json("MessageObject"), **_events("MessageEvent")}}
@@ -223,7 +229,8 @@ def _responses(doc: dict, served: Served) -> None:
                                                                   ErrorResponse, Tokenized, Detokenized,
                                                                   ResponseObject, ResponseEvent, ResponseDeleted,
                                                                   ResponseItemList, EmbeddingList, MessageObject,
-                                                                  MessageEvent, TokenCount, AnthropicError)],
+                                                                  MessageEvent, TokenCount, AnthropicError,
+                                                                  ScoreList, RerankList)],
                                      ref_template=REF)
     clashes = set(defs["$defs"]) & set(schemas)        # a response model named as a request's would replace it
     assert not clashes, f"request and response models share names: {sorted(clashes)}"
@@ -235,7 +242,7 @@ def _responses(doc: dict, served: Served) -> None:
                 codes = set(GUARDED) | set(LORA_CODES)
             if path in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"):
                 codes = set(GUARDED) | set(TOKENIZING)
-            if path == "/v1/embeddings":           # no KV hand-off
+            if path in ("/v1/embeddings", *SCORE_PATHS):           # no KV hand-off
                 codes.discard(502)
             if path == MODEL_PATH:
                 codes.add(404)

@@ -32,7 +32,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from engine.pooling import Pooling
 from engine.sampling_params import SamplingParams
@@ -105,7 +105,18 @@ class EmbeddingsApi:
                                   param="dimensions")
         params = self.checks.with_lora(SamplingParams(max_tokens=1, pooling=Pooling(
             self.kind, self.normalize, body.dimensions)), body.model)
-        rid, gate = f"embd-{uuid.uuid4().hex}", asyncio.Semaphore(MAX_IN_FLIGHT)
+        vectors = await self.pool(f"embd-{uuid.uuid4().hex}", prompts, params)
+        if not isinstance(vectors, list):
+            return vectors
+        tokens = sum(map(len, prompts))
+        return Response(await asyncio.to_thread(_answer, vectors, body.encoding_format, body.model or self.model_name,
+                                                tokens), media_type="application/json")
+
+    async def pool(self, rid: str, prompts: list[list[int]], params: SamplingParams) -> list[bytes] | JSONResponse:
+        """Step 4 (/v1/score's and /v1/rerank's too, router/score_api.py): each prompt's answer in
+        order (float32 bytes: `params.pooling`'s vector), or the error that ends the request; its end
+        counted in the request metrics. A client that leaves cancels the calls (CancelledError)."""
+        gate = asyncio.Semaphore(MAX_IN_FLIGHT)
 
         async def one(g: int, group: range):
             async with gate:
@@ -128,10 +139,7 @@ class EmbeddingsApi:
             for task in tasks:              # the rest of a failed request's calls (each cancels its own)
                 task.cancel()
         self.metrics.finish("ok")
-        tokens = sum(map(len, prompts))
-        vectors = [v for answer in answers for v in answer.embeddings]
-        return Response(await asyncio.to_thread(_answer, vectors, body.encoding_format, body.model or self.model_name,
-                                                tokens), media_type="application/json")
+        return [v for answer in answers for v in answer.embeddings]
 
     async def _prompts(self, body: EmbeddingRequest):
         """Step 2 and the context check of step 3: each input's token ids, or the error refusing them."""
@@ -176,6 +184,11 @@ def _encoded(vector: bytes, encoding_format: str) -> list[float] | str:
     """An `Embedded` vector (little-endian float32 bytes) as the request asked for it."""
     if encoding_format == "base64":
         return base64.b64encode(vector).decode("ascii")
+    return floats(vector)
+
+
+def floats(vector: bytes) -> list[float]:
+    """An `Embedded` vector's numbers."""
     values = array.array("f", vector)
     if sys.byteorder == "big":
         values.byteswap()

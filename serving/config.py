@@ -178,6 +178,15 @@ class EmbeddingOptions(_Model):
         "end with Normalize, or the model has none (as vLLM's embedding pooler).")
 
 
+class ScoreOptions(_Model):
+    """What /v1/score and /v1/rerank read off the LM head (router/score_api.py)."""
+    label_tokens: list[str] = Field(
+        ["no", "yes"], min_length=1, max_length=16, description="Tokens whose probability as the next token after "
+        "a query and a document scores them, each one token of the model's vocabulary: the score is the last one's "
+        "share of their probability (one token: its probability). The default is Qwen3-Reranker's (vLLM's "
+        "classifier_from_token).")
+
+
 class CorsOptions(_Model):
     """Cross-origin calls from web pages (CORS; router/cors.py)."""
     allowed_origins: list[str] = Field(
@@ -272,6 +281,8 @@ class AppConfig(_Model):
                                         description="Stored responses of the Responses API.")
     embeddings: EmbeddingOptions = Field(default_factory=EmbeddingOptions,
                                          description="How /v1/embeddings pools a prompt into its vector.")
+    score: ScoreOptions = Field(default_factory=ScoreOptions,
+                                description="The tokens /v1/score and /v1/rerank score by.")
     goodput: GoodputOptions | None = Field(
         None, description="SLO targets of the goodput counter; default: the SLO policy's ttft_slo/tpot_slo when "
                           "`autoscaling` is set, else 1 s TTFT and 0.1 s TPOT.")

@@ -54,7 +54,7 @@ class WireSamplingParams:
     lora_id: int = 0
     cache_salt: str | None = None
     prediction: tuple[int, ...] = ()    # a predicted output's token ids (SamplingParams.prediction)
-    pooling: tuple | None = None        # an embedding request's Pooling: kind, normalize, dimensions
+    pooling: tuple | None = None        # an embedding request's Pooling: kind, normalize, dimensions, labels
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
@@ -95,8 +95,11 @@ class WireSamplingParams:
                 if len(think) != 3 or not all(type(t) is int for t in think[:2]) or type(think[2]) is not bool:
                     raise ValueError(f"structured output's think is not (int, int, bool): {think!r}")
             fields["structured"] = (str(kind), str(value), think)
-        if fields.get("pooling") is not None and len(fields["pooling"]) != 3:
-            raise ValueError(f"pooling is not (kind, normalize, dimensions): {fields['pooling']!r}")
+        if fields.get("pooling") is not None:
+            pooling = fields["pooling"]
+            if len(pooling) != 4 or not isinstance(pooling[3], (list, tuple)):
+                raise ValueError(f"pooling is not (kind, normalize, dimensions, labels): {pooling!r}")
+            fields["pooling"] = (*pooling[:3], tuple(pooling[3]))
         return cls(**fields)
 
 

@@ -85,7 +85,7 @@ def test_every_operation_declares_its_bodies_and_every_error_status():
             elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):     # no pool involved
                 assert set(responses) == {"200", "400", "404", "413", "429", "500"}
                 assert set(responses["200"]["content"]) == {"text/plain"}
-            elif path == "/v1/embeddings":                       # the prefill pool alone: no hand-off
+            elif path in ("/v1/embeddings", "/v1/score", "/v1/rerank"):    # the prefill pool alone: no hand-off
                 assert set(responses) == {"200", "400", "404", "413", "429", "500", "503", "504"}
                 assert set(responses["200"]["content"]) == {"application/json"}
             elif method == "post" and path.startswith("/v1/") and path != "/v1/messages/count_tokens":

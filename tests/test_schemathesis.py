@@ -33,8 +33,9 @@ CHECKS = [not_a_server_error, response_schema_conformance, status_code_conforman
 EXAMPLES = {GenerationMode.POSITIVE: 40, GenerationMode.NEGATIVE: 30}   # per POST operation
 PATH_ONLY_EXAMPLES = 12      # no body (a stored response's GET, DELETE, cancel): only its id to draw (random: 404s)
 OFF_EXAMPLES = 10            # runtime LoRA updating, off in these apps: every answer the same 4xx
-# /v1/messages/count_tokens takes /v1/messages' request (max_tokens optional): its validation is drawn there
-SHARED = {"/v1/messages/count_tokens": 10}
+# /v1/messages/count_tokens takes /v1/messages' request (max_tokens optional): its validation is drawn there;
+# /v1/score and /v1/rerank run /v1/embeddings' path (their bodies are small)
+SHARED = {"/v1/messages/count_tokens": 10, "/v1/score": 15, "/v1/rerank": 15}
 # vLLM's flags that shape the answer (or the prefix cache's sharing) and nothing else, left out of the
 # bodies positive mode draws: with them the completions body (40 properties under 8 cross-field rules)
 # is past what schemathesis' canonicalizer (jsonschema_rs) resolves, and it declines to draw any (any

@@ -1,0 +1,156 @@
+"""/v1/score and /v1/rerank: a pair's prompt (the first text's tokens, then the second's) runs in
+the prefill pool, where the LM head gives the label tokens' log-probabilities at its last token
+(engine/pooling.py's labels); the score is the last label's share of them (router/score_api.py).
+
+In the engine (a tiny random llama, fp32, chunks of 16 tokens): the labels' log-probabilities equal
+Hugging Face's `log_softmax` of the last logits, also for a prompt whose prefix is cached, and
+every block is freed; bad labels are refused. Served (the session's disaggregated and colocated
+apps, the default model): the scores are those of Hugging Face's model for the same prompts, the
+rerank's order is theirs best first, `top_n` and `return_documents` shape it, the aliases answer
+the same, refusals are OpenAI-format errors, and the pools end free.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import Rejected
+from engine.pooling import Pooling
+from engine.sampling_params import SamplingParams
+from router.score_api import label_ids, score_of
+from router.score_protocol import ScoreRequest
+from serving import messages
+from service_util import http, pools_all_free
+
+MODEL = "SmolLM2-135M-Instruct"
+QUERY = "Is the following text about animals? Answer yes or no.\n"
+DOCS = ["The llama is a domesticated South American camelid.\nAnswer:",
+        "Paged attention keeps keys and values in fixed-size blocks.\nAnswer:",
+        "Cats and dogs are the most common pets.\nAnswer:"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def hf_label_logprobs(model_dir, prompts: list[list[int]], labels: tuple[int, ...]) -> list[list[float]]:
+    """Hugging Face's log-probabilities of `labels` after each prompt (fp32)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([ids])).logits[0, -1].log_softmax(-1)[list(labels)].tolist() for ids in prompts]
+
+
+def post(base: str, path: str, body: dict) -> tuple[int, dict]:
+    status, text = http(base, path, body)
+    return status, json.loads(text)
+
+
+def test_scores_and_labels():
+    assert score_of([math.log(0.2), math.log(0.6)]) == pytest.approx(0.75)
+    assert score_of([math.log(0.3)]) == pytest.approx(0.3)
+    assert score_of([-1000.0, -1.0]) == pytest.approx(1.0) and score_of([-1.0, -1000.0]) == pytest.approx(0.0)
+    assert score_of([-2.0, -2.0, -2.0]) == pytest.approx(1 / 3)
+
+
+def test_label_tokens_are_tokens_of_the_vocabulary(tokenizer):
+    no, yes = label_ids(tokenizer, ["no", "yes"])
+    assert tokenizer.convert_ids_to_tokens([no, yes]) == ["no", "yes"]
+    assert label_ids(tokenizer, ["Ġyes"]) != (yes,) and isinstance(label_ids(tokenizer, ["Ġyes"]), tuple)
+    problem = label_ids(tokenizer, ["no", "yes please"])
+    assert isinstance(problem, str) and "'yes please' is not a token" in problem
+    assert label_ids(tokenizer, [tokenizer.unk_token]) == (tokenizer.unk_token_id,)
+
+
+def test_pairs_are_one_to_many_or_in_order():
+    assert ScoreRequest(text_1="q", text_2=["a", "b"]).pairs() == [("q", "a"), ("q", "b")]
+    assert ScoreRequest(text_1=["q"], text_2="a").pairs() == [("q", "a")]
+    assert ScoreRequest(text_1=["q", "r"], text_2=["a", "b"]).pairs() == [("q", "a"), ("r", "b")]
+    assert "text_1 has 2 texts and text_2 3" in ScoreRequest(text_1=["q", "r"], text_2=["a", "b", "c"]).pairs()
+
+
+def test_labels_are_refused_where_they_cannot_be_scored():
+    assert Pooling("last", False, None, (1, 2)).problem() is None
+    for bad in (Pooling("mean", False, None, (1,)), Pooling("last", True, None, (1,)),
+                Pooling("last", False, 8, (1,)), Pooling("last", False, None, (-1,)),
+                Pooling("last", False, None, tuple(range(17)))):
+        assert bad.problem(), bad
+    wire = messages.WireSamplingParams.of(SamplingParams(max_tokens=1, pooling=Pooling("last", False, None, (4, 9))))
+    back = messages.decode(messages.encode(messages.EmbedRequest("r", ((1, 2),), wire)))
+    assert back.params.to_params().pooling == Pooling("last", False, None, (4, 9))
+
+
+def test_the_engine_reads_hugging_faces_label_logprobs_at_the_last_token(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_memory="8MiB",
+                                    max_num_batched_tokens=16))
+    labels = (4607, 10407, 7)
+    head = list(range(100, 140))
+    prompts = {"short": [5, 6, 7], "long": head + [300, 301], "cached": head + [302]}   # "cached" shares 32 tokens
+    params = SamplingParams(max_tokens=1, pooling=Pooling("last", False, None, labels))
+    got = {}
+    for rid in prompts:                     # one after the other: the third finds the second's blocks
+        assert engine.add_request(rid, prompts[rid], params) is None
+        while engine.has_work():
+            for out in engine.step():
+                got[out.request_id] = (np.frombuffer(out.embedding, "<f4"), out.num_cached_tokens)
+    refs = hf_label_logprobs(tiny_llama_dir, list(prompts.values()), labels)
+    for (rid, (vector, _)), ref in zip(got.items(), refs):
+        np.testing.assert_allclose(vector, ref, atol=1e-4, err_msg=rid)
+    assert got["cached"][1] == 32
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    rejected = engine.add_request("x", [1, 2], SamplingParams(max_tokens=1, pooling=Pooling(
+        "last", False, None, (engine.runner.vocab_size,))))
+    assert isinstance(rejected, Rejected) and "labels: token id out of range" in rejected.reason
+
+
+def test_served_scores_are_hugging_faces_and_rerank_orders_by_them(disagg, colocated, tokenizer, default_model_dir):
+    labels = label_ids(tokenizer, ["no", "yes"])
+    query_ids = tokenizer.encode(QUERY)
+    prompts = [query_ids + tokenizer.encode(doc, add_special_tokens=False) for doc in DOCS]
+    refs = [score_of(lp) for lp in hf_label_logprobs(default_model_dir, prompts, labels)]
+    tokens = sum(map(len, prompts))
+    for base in (disagg, colocated):
+        status, body = post(base, "/v1/score", {"model": MODEL, "text_1": QUERY, "text_2": DOCS})
+        assert status == 200, body
+        assert body["object"] == "list" and body["model"] == MODEL and body["id"].startswith("score-")
+        assert [d["index"] for d in body["data"]] == [0, 1, 2] and {d["object"] for d in body["data"]} == {"score"}
+        np.testing.assert_allclose([d["score"] for d in body["data"]], refs, atol=1e-4)
+        assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+        # N to N: each pair in order
+        status, pairs = post(base, "/score", {"text_1": [QUERY] * 3, "text_2": DOCS})
+        assert status == 200, pairs
+        np.testing.assert_allclose([d["score"] for d in pairs["data"]], refs, atol=1e-4)
+        status, ranked = post(base, "/v1/rerank", {"model": MODEL, "query": QUERY, "documents": DOCS})
+        assert status == 200, ranked
+        order = sorted(range(3), key=lambda i: -refs[i])
+        assert [r["index"] for r in ranked["results"]] == order, (ranked, refs)
+        assert [r["document"]["text"] for r in ranked["results"]] == [DOCS[i] for i in order]
+        np.testing.assert_allclose([r["relevance_score"] for r in ranked["results"]], [refs[i] for i in order],
+                                   atol=1e-4)
+        for alias in ("/rerank", "/v2/rerank"):
+            status, top = post(base, alias, {"query": QUERY, "documents": DOCS, "top_n": 2,
+                                             "return_documents": False})
+            assert status == 200 and [r["index"] for r in top["results"]] == order[:2], top
+            assert all("document" not in r for r in top["results"]) and top["usage"]["prompt_tokens"] == tokens
+    assert pools_all_free(disagg, {"prefill", "decode"}) and pools_all_free(colocated, {"colocated"})
+
+
+@pytest.mark.parametrize("path, body, status, needle", [
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, 400, "text_1 has 2 texts and text_2 3"),
+    ("/v1/score", {"model": "nope", "text_1": "a", "text_2": "b"}, 404, "model 'nope' does not exist"),
+    ("/v1/score", {"text_1": "a", "text_2": []}, 400, "text_2"),
+    ("/v1/rerank", {"query": "a " * 9000, "documents": ["b"]}, 400, "maximum context length is 8192 tokens; pair 0"),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, 400, "top_n"),
+    ("/v1/rerank", {"query": "", "documents": ["b"]}, 400, "query"),
+])
+def test_refusals_are_openai_errors(disagg, path, body, status, needle):
+    got, answer = post(disagg, path, body)
+    assert got == status and needle in answer["error"]["message"], answer
+    assert answer["error"]["type"] in ("invalid_request_error", "NotFoundError", "not_found_error") or status == 404
