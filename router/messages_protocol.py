@@ -161,7 +161,8 @@ class OutputConfig(Strict):
 IGNORED = "Accepted; ignored."
 
 
-FORCED = {"properties": {"type": {"enum": ["any", "tool"]}}, "required": ["type"]}
+# an object: the `if` of a null tool_choice (none given) must not hold
+FORCED = {"type": "object", "properties": {"type": {"enum": ["any", "tool"]}}, "required": ["type"]}
 
 
 def _refusals(schema: dict) -> None:

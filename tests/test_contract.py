@@ -9,6 +9,7 @@ import pytest
 from router.app import app
 from router.chat_protocol import ChatCompletionRequest
 from router.contract import ERRORS, Served, openapi_document
+from router.messages_protocol import MessagesRequest
 from router.openai_protocol import CompletionRequest
 from router.responses_protocol import ResponsesRequest
 from serving.config import AppConfig
@@ -207,3 +208,31 @@ def test_the_responses_schema_accepts_what_the_validator_accepts(body):
     except ValueError:
         accepted = False
     assert _valid(doc["components"]["schemas"]["ResponsesRequest"], doc, body) == accepted
+
+
+ANTHROPIC_TOOL = {"name": "f", "input_schema": {"type": "object"}}
+FORMAT = {"format": {"type": "json_schema", "schema": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("extra", [
+    {"tool_choice": None},
+    {"tool_choice": None, "tools": []},
+    {"tool_choice": {"type": "auto"}},
+    {"tool_choice": {"type": "none"}, "output_config": FORMAT},
+    {"tool_choice": {"type": "any"}},
+    {"tool_choice": {"type": "any"}, "tools": []},
+    {"tool_choice": {"type": "any"}, "tools": [ANTHROPIC_TOOL]},
+    {"tool_choice": {"type": "tool", "name": "f"}, "tools": [ANTHROPIC_TOOL]},
+    {"tool_choice": {"type": "tool"}, "tools": [ANTHROPIC_TOOL]},
+    {"tool_choice": {"type": "any"}, "tools": [ANTHROPIC_TOOL], "output_config": FORMAT},
+    {"tool_choice": {"type": "any"}, "tools": [ANTHROPIC_TOOL], "output_config": {"effort": "low"}},
+])
+def test_the_messages_schema_accepts_what_the_validator_accepts(extra):
+    doc = document(served_model_name="m", max_tokens_limit=4096)
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}], **extra}
+    try:
+        MessagesRequest.model_validate(body).chat()
+        accepted = True
+    except ValueError:
+        accepted = False
+    assert _valid(doc["components"]["schemas"]["MessagesRequest"], doc, body) == accepted
