@@ -28,12 +28,12 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from router.embeddings_protocol import EmbeddingList
-from router.score_protocol import RerankList, ScoreList
 from router.guards import OPEN_PATHS
 from router.messages_output import MESSAGES_PATHS, AnthropicError, MessageEvent, MessageObject, TokenCount
 from router.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Detokenized,
                                      ErrorResponse, Health, ModelList, Tokenized)
 from router.responses_output import ResponseDeleted, ResponseEvent, ResponseItemList, ResponseObject
+from router.score_protocol import RerankList, ScoreList
 
 REF = "#/components/schemas/{model}"
 

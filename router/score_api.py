@@ -73,10 +73,7 @@ class ScoreApi:
 
     async def score(self, body: ScoreRequest):
         """Steps 1-5 of the module's docstring for /v1/score: the answer, or an OpenAI-format error."""
-        pairs = body.pairs()
-        if isinstance(pairs, str):
-            return error_response(400, pairs, param="text_2")
-        scored = await self._scores(body.model, pairs)
+        scored = await self._scores(body.model, body.pairs())
         if not isinstance(scored, tuple):
             return scored
         scores, tokens = scored
@@ -99,12 +96,15 @@ class ScoreApi:
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": body.model or self.model_name, "results": results,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    async def _scores(self, model: str | None, pairs: list[tuple[str, str]]):
-        """Steps 1-4: (each pair's score, the prompts' tokens), or the error."""
+    async def _scores(self, model: str | None, pairs: list[tuple[str, str]] | str):
+        """Steps 1-4: (each pair's score, the prompts' tokens), or the error (`pairs` a string: why
+        the texts do not pair)."""
         if (problem := self.checks.model_problem(model)) is not None:
             return problem
         if isinstance(self.labels, str):
             return error_response(400, f"{self.labels}; set the server's score.label_tokens")
+        if isinstance(pairs, str):
+            return error_response(400, pairs, param="text_2")
         firsts = list(dict.fromkeys(first for first, _ in pairs))
         encoded = await self.checks.token_ids(firsts, True, "text_1")
         if not isinstance(encoded, list):

@@ -10,6 +10,7 @@ rerank's order is theirs best first, `top_n` and `return_documents` shape it, th
 the same, refusals are OpenAI-format errors, and the pools end free.
 """
 
+import asyncio
 import json
 import math
 
@@ -67,6 +68,26 @@ def test_label_tokens_are_tokens_of_the_vocabulary(tokenizer):
     problem = label_ids(tokenizer, ["no", "yes please"])
     assert isinstance(problem, str) and "'yes please' is not a token" in problem
     assert label_ids(tokenizer, [tokenizer.unk_token]) == (tokenizer.unk_token_id,)
+
+
+def test_labels_that_are_no_tokens_are_a_400_and_the_model_is_checked_first(default_model_dir, tokenizer):
+    """ScoreApi's own steps 1-2 (nothing reaches a pool: no embeddings API is given)."""
+    from transformers import AutoConfig
+
+    from engine.model_dims import Dims
+    from router.request_checks import RequestChecks
+    from router.runtime_lora import RuntimeLoras
+    from router.score_api import ScoreApi
+    from serving.config import AppConfig
+    config = AppConfig(model=str(default_model_dir), served_model_name="m",
+                       score={"label_tokens": ["no", "yes please"]})
+    loras = RuntimeLoras(Dims.of_config(AutoConfig.from_pretrained(default_model_dir)), ())
+    api = ScoreApi(config.score, RequestChecks(config, tokenizer, 8192, None, loras), None, 8192, "m")
+    answer = asyncio.run(api.score(ScoreRequest(text_1="a", text_2="b")))
+    assert answer.status_code == 400 and json.loads(answer.body)["error"]["message"] == (
+        "score.label_tokens: 'yes please' is not a token of this model's vocabulary; set the server's "
+        "score.label_tokens")
+    assert asyncio.run(api.score(ScoreRequest(model="x", text_1=["a", "b"], text_2="c"))).status_code == 404
 
 
 def test_pairs_are_one_to_many_or_in_order():
