@@ -3,7 +3,9 @@ deployment while replicas are killed periodically. Prints requests ok/failed (an
 failure falls right after a kill), p99 latency, KV blocks leaked and replica memory growth.
 Half the requests go on their client's conversation (its last prompt, the reply's tokens and a
 few new ones, as a chat client resends them), which the decode replica that holds the rest
-prefills itself (`routing.local_prefill_tokens`); the others are new prompts.
+prefills itself (`routing.local_prefill_tokens`); the others are new prompts. A share of the
+requests (`--rerank-share`) are /v1/rerank calls of 2-16 documents instead, which the prefill pool
+alone runs.
 
   .venv/bin/python benchmarks/soak.py --minutes 5 --kill-every 60
 
@@ -66,6 +68,7 @@ def main() -> int:
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--model-cache", default=str(ROOT / ".cache" / "models"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rerank-share", type=float, default=0.15, help="requests that are /v1/rerank calls")
     args = ap.parse_args()
     print("command:", " ".join(sys.argv), flush=True)
     model_dir = resolve_model(args.model, args.model_cache, progress=False)
@@ -82,12 +85,30 @@ def main() -> int:
         rng = random.Random(args.seed)
         results: list[tuple[float, float, int]] = []     # (start, latency, status)
         kills: list[tuple[float, str]] = []
+        rerank_statuses: list[int] = []
         stop_at = time.monotonic() + args.minutes * 60
+
+        def rerank(r: random.Random) -> tuple[float, float, int]:
+            words = lambda n: " ".join(str(r.randrange(10**6)) for _ in range(n))   # noqa: E731
+            docs = [words(r.randrange(5, 120)) for _ in range(r.randrange(2, 17))]
+            t0 = time.monotonic()
+            try:
+                status, text = http(base, "/v1/rerank", {"model": "m", "query": words(r.randrange(5, 60)),
+                                                         "documents": docs}, timeout=150)
+                if status == 200 and len(json.loads(text)["results"]) != len(docs):
+                    status = 598   # an answer short of its documents
+            except Exception:  # noqa: BLE001 - a hang past the timeout counts as a failure
+                status = 0
+            rerank_statuses.append(status)
+            return t0, time.monotonic() - t0, status
 
         def client(i: int) -> None:
             r = random.Random(args.seed * 1000 + i)
             history: list[int] = []                   # the conversation: its last prompt and reply
             while time.monotonic() < stop_at:
+                if r.random() < args.rerank_share:
+                    results.append(rerank(r))
+                    continue
                 new = [r.randrange(100, 40000) for _ in range(r.randrange(10, 400))]
                 if history and len(history) < 1500 and r.random() < 0.5:
                     new = history + new[:r.randrange(5, 40)]
@@ -121,6 +142,7 @@ def main() -> int:
         time.sleep(15)                                    # let replacements settle and report
         rss_end = replica_rss_mib()
         ok = [lat for _, lat, s in results if s == 200]
+        reranks = rerank_statuses.count(200)
         failed = [(t0, s) for t0, _, s in results if s != 200]
         near_kill = [f for f in failed if any(k - 130 <= f[0] <= k + 30 for k, _ in kills)]
         lat = sorted(ok)
@@ -131,7 +153,7 @@ def main() -> int:
             sum(v for (n, _, _), v in m.items() if n == "pdserve_kv_blocks_free")
         print(f"\nduration {args.minutes:.1f} min, {args.clients} clients, {len(kills)} replica kills "
               f"({', '.join(k for _, k in kills)})")
-        print(f"requests ok {len(ok)}, failed {len(failed)} (in flight around a kill: {len(near_kill)}, "
+        print(f"requests ok {len(ok)} ({reranks} of them reranks), failed {len(failed)} (in flight around a kill: {len(near_kill)}, "
               f"elsewhere: {len(failed) - len(near_kill)}); statuses of failures: "
               f"{sorted({s for _, s in failed})}")
         print(f"latency p50 {lat[len(lat) // 2]:.2f} s, p99 {p99:.2f} s" if lat else "no successful request")
