@@ -153,8 +153,8 @@ def main() -> int:
             sum(v for (n, _, _), v in m.items() if n == "pdserve_kv_blocks_free")
         print(f"\nduration {args.minutes:.1f} min, {args.clients} clients, {len(kills)} replica kills "
               f"({', '.join(k for _, k in kills)})")
-        print(f"requests ok {len(ok)} ({reranks} of them reranks), failed {len(failed)} (in flight around a kill: {len(near_kill)}, "
-              f"elsewhere: {len(failed) - len(near_kill)}); statuses of failures: "
+        print(f"requests ok {len(ok)} ({reranks} of them reranks), failed {len(failed)} (in flight around a kill: "
+              f"{len(near_kill)}, elsewhere: {len(failed) - len(near_kill)}); statuses of failures: "
               f"{sorted({s for _, s in failed})}")
         print(f"latency p50 {lat[len(lat) // 2]:.2f} s, p99 {p99:.2f} s" if lat else "no successful request")
         print(f"KV blocks leaked: {int(leaked)} (all pools free: {free})")
