@@ -9,9 +9,9 @@ Life cycle of a request (router/app.py validated the body: router/score_protocol
   1. model     the served model or a LoRA adapter, else a 404; the server's labels each a token of
                the vocabulary, else a 400
   2. pair      /score: text_1 with each text_2, or the two lists in order; /rerank: the query with
-               each document. A pair's prompt is the first text's tokens (with the tokenizer's
-               special tokens) then the second's (without), as vLLM builds it; tokenized in a
-               worker thread
+               each document (cut to `max_tokens_per_doc`). A pair's prompt is the first text's
+               tokens (with the tokenizer's special tokens) then the second's (without), as vLLM
+               builds it; tokenized in a worker thread
   3. check     each prompt within the model's context, else an OpenAI-format 400
   4. run       the prompts as /v1/embeddings runs its inputs (EmbeddingsApi.pool: groups of prompts
                in the pool, under the request deadline, a client that leaves cancels them; a shared
@@ -84,7 +84,8 @@ class ScoreApi:
 
     async def rerank(self, body: RerankRequest):
         """Steps 1-5 of the module's docstring for /v1/rerank: the answer, or an OpenAI-format error."""
-        scored = await self._scores(body.model, [(body.query, doc) for doc in body.documents])
+        documents = body.texts()
+        scored = await self._scores(body.model, [(body.query, doc) for doc in documents], body.max_tokens_per_doc)
         if not isinstance(scored, tuple):
             return scored
         scores, tokens = scored
@@ -92,13 +93,13 @@ class ScoreApi:
         results = [{"index": i, "relevance_score": scores[i]} for i in order]
         if body.return_documents:
             for result in results:
-                result["document"] = {"text": body.documents[result["index"]]}
+                result["document"] = {"text": documents[result["index"]]}
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": body.model or self.model_name, "results": results,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    async def _scores(self, model: str | None, pairs: list[tuple[str, str]] | str):
+    async def _scores(self, model: str | None, pairs: list[tuple[str, str]] | str, second_tokens: int | None = None):
         """Steps 1-4: (each pair's score, the prompts' tokens), or the error (`pairs` a string: why
-        the texts do not pair)."""
+        the texts do not pair; `second_tokens`: each second text cut to its first this many tokens)."""
         if (problem := self.checks.model_problem(model)) is not None:
             return problem
         if isinstance(self.labels, str):
@@ -113,7 +114,7 @@ class ScoreApi:
         if not isinstance(seconds, list):
             return seconds
         heads = dict(zip(firsts, encoded))
-        prompts = [heads[first] + ids for (first, _), ids in zip(pairs, seconds)]
+        prompts = [heads[first] + ids[:second_tokens] for (first, _), ids in zip(pairs, seconds)]
         for i, ids in enumerate(prompts):
             if len(ids) > self.max_model_len:
                 return error_response(400, f"this model's maximum context length is {self.max_model_len} tokens; "

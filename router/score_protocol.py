@@ -34,14 +34,25 @@ class ScoreRequest(Strict):
         return list(zip(first, second))
 
 
+class TextDocument(Strict):
+    """A document as Cohere's and Jina's APIs also take it."""
+    text: NonEmptyText
+
+
 class RerankRequest(Strict):
     """The documents ordered by their score against the query, best first."""
     model: str | None = Field(None, description=MODEL_FIELD)
     query: NonEmptyText
-    documents: Texts = Field(description=f"The texts to order, at most {MAX_INPUTS}.")
+    documents: Annotated[list[NonEmptyText | TextDocument], Field(min_length=1, max_length=MAX_INPUTS)] = Field(
+        description=f"The texts to order (strings, or objects with a `text`), at most {MAX_INPUTS}.")
     top_n: Int(ge=0) = Field(0, description="Only the best this many; 0: all.")
     return_documents: bool = Field(True, description="Each result carries its document's text.")
+    max_tokens_per_doc: Int(ge=1) | None = Field(None, description="Cohere's: each document cut to its first "
+                                                 "this many tokens.")
     user: Text | None = None
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
 class ScoreUsage(BaseModel):

@@ -135,7 +135,9 @@ def test_served_scores_are_hugging_faces_and_rerank_orders_by_them(disagg, coloc
     labels = label_ids(tokenizer, ["no", "yes"])
     query_ids = tokenizer.encode(QUERY)
     prompts = [query_ids + tokenizer.encode(doc, add_special_tokens=False) for doc in DOCS]
-    refs = [score_of(lp) for lp in hf_label_logprobs(default_model_dir, prompts, labels)]
+    short = [query_ids + tokenizer.encode(doc, add_special_tokens=False)[:4] for doc in DOCS]   # max_tokens_per_doc
+    scores = [score_of(lp) for lp in hf_label_logprobs(default_model_dir, prompts + short, labels)]
+    refs, short_refs = scores[:3], scores[3:]
     tokens = sum(map(len, prompts))
     for base in (disagg, colocated):
         status, body = post(base, "/v1/score", {"model": MODEL, "text_1": QUERY, "text_2": DOCS})
@@ -154,6 +156,13 @@ def test_served_scores_are_hugging_faces_and_rerank_orders_by_them(disagg, coloc
         assert [r["index"] for r in ranked["results"]] == order, (ranked, refs)
         assert [r["document"]["text"] for r in ranked["results"]] == [DOCS[i] for i in order]
         np.testing.assert_allclose([r["relevance_score"] for r in ranked["results"]], [refs[i] for i in order],
+                                   atol=1e-4)
+        # Cohere's and Jina's document objects, and Cohere's max_tokens_per_doc (the first 4 tokens)
+        status, cut = post(base, "/v1/rerank", {"query": QUERY, "documents": [{"text": d} for d in DOCS],
+                                                "max_tokens_per_doc": 4})
+        assert status == 200 and cut["usage"]["prompt_tokens"] == sum(map(len, short)), cut
+        assert [r["document"]["text"] for r in cut["results"]] == [DOCS[r["index"]] for r in cut["results"]]
+        np.testing.assert_allclose(sorted(r["relevance_score"] for r in cut["results"]), sorted(short_refs),
                                    atol=1e-4)
         for alias in ("/rerank", "/v2/rerank"):
             status, top = post(base, alias, {"query": QUERY, "documents": DOCS, "top_n": 2,
