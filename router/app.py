@@ -171,7 +171,7 @@ class Router:
         self.embeddings_api = EmbeddingsApi(self.config.embeddings, model_dir, self.checks, self.orchestrator,
                                             self.request_metrics, dims.hidden_size, self.max_model_len,
                                             self.model_name, self.config.request_timeout_s)
-        self.score_api = ScoreApi(self.config.score, self.checks, self.embeddings_api, self.max_model_len,
+        self.score_api = ScoreApi(self.config.score, self.checks, self.embeddings_api, model_dir, self.max_model_len,
                                   self.model_name)
         self.messages_api = MessagesApi(self.chat_completions, self._prompt_tokens, self.checks.model_problem,
                                         self.model_name)

@@ -1,32 +1,40 @@
-"""vLLM's /v1/score and /v1/rerank (Jina's and Cohere's rerank API): how likely the model finds a
-label token ("yes" against "no" by default, `score.label_tokens`) as the next token after a query
-and a document. A causal LM run as a cross-encoder, as vLLM runs Qwen3-Reranker
-(`classifier_from_token: ["no", "yes"]`) and scores with any causal LM (its generative scores): the
-prefill pool runs each pair's prompt and reads the labels off the LM head at its last token
-(engine/pooling.py's labels); no decode replica, no KV hand-off.
+"""vLLM's /v1/score and /v1/rerank (Jina's and Cohere's rerank API), two ways (`score.method`):
+  * labels: how likely the model finds a label token ("yes" against "no" by default,
+    `score.label_tokens`) as the next token after a query and a document. A causal LM run as a
+    cross-encoder, as vLLM runs Qwen3-Reranker (`classifier_from_token: ["no", "yes"]`) and scores
+    with any causal LM (its generative scores): the prefill pool runs each pair's prompt and reads
+    the labels off the LM head at its last token (engine/pooling.py's labels);
+  * cosine: the cosine similarity of the two texts' embeddings (/v1/embeddings' pooling, each text
+    its own input), as vLLM scores with an embedding model; the default for a model with
+    sentence-transformers files.
+Either way the prefill pool alone runs the prompts: no decode replica, no KV hand-off.
 
 Life cycle of a request (router/app.py validated the body: router/score_protocol.py)
-  1. model     the served model or a LoRA adapter, else a 404; the server's labels each a token of
-               the vocabulary, else a 400
+  1. model     the served model or a LoRA adapter, else a 404; the method servable (labels: each a
+               token of the vocabulary; cosine: the model's pooling one pdserve runs), else a 400
   2. pair      /score: text_1 with each text_2, or the two lists in order; /rerank: the query with
-               each document (cut to `max_tokens_per_doc`). A pair's prompt is the first text's
-               tokens (with the tokenizer's special tokens) then the second's (without), as vLLM
-               builds it; tokenized in a worker thread
+               each document (cut to `max_tokens_per_doc`). labels: a pair's prompt is the first
+               text's tokens (with the tokenizer's special tokens) then the second's (without), as
+               vLLM builds it; cosine: each distinct text is a prompt of its own (with them).
+               Tokenized in a worker thread
   3. check     each prompt within the model's context, else an OpenAI-format 400
   4. run       the prompts as /v1/embeddings runs its inputs (EmbeddingsApi.pool: groups of prompts
                in the pool, under the request deadline, a client that leaves cancels them; a shared
                query is computed once and then found in the prefix cache); each answer is the
-               labels' log-probabilities
+               labels' log-probabilities, or a text's unit vector
   5. respond   each pair's score, the last label's share of the labels' probability (one label:
-               its probability); /rerank's best first, the first `top_n`, with their documents
+               its probability) or the vectors' dot product; /rerank's best first, the first
+               `top_n`, with their documents
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 import uuid
+from pathlib import Path
 
 from engine.pooling import Pooling
 from engine.sampling_params import SamplingParams
@@ -64,11 +72,14 @@ class ScoreApi:
     """`/v1/score` and `/v1/rerank` for the router (router/app.py)."""
 
     def __init__(self, options: ScoreOptions, checks: RequestChecks, embeddings: EmbeddingsApi,
-                 max_model_len: int, model_name: str):
+                 model_dir: Path, max_model_len: int, model_name: str):
         self.checks, self.embeddings = checks, embeddings
         self.max_model_len, self.model_name = max_model_len, model_name
+        self.method = options.method
+        if self.method == "auto":
+            self.method = "cosine" if (model_dir / "modules.json").is_file() else "labels"
         self.labels = label_ids(checks.tokenizer, options.label_tokens)
-        if isinstance(self.labels, str):
+        if self.method == "labels" and isinstance(self.labels, str):
             log.warning("/v1/score and /v1/rerank: %s", self.labels)
 
     async def score(self, body: ScoreRequest):
@@ -102,26 +113,47 @@ class ScoreApi:
         the texts do not pair; `second_tokens`: each second text cut to its first this many tokens)."""
         if (problem := self.checks.model_problem(model)) is not None:
             return problem
-        if isinstance(self.labels, str):
+        if self.method == "labels" and isinstance(self.labels, str):
             return error_response(400, f"{self.labels}; set the server's score.label_tokens")
+        if self.method == "cosine" and self.embeddings.problem is not None:
+            return error_response(400, self.embeddings.problem)
         if isinstance(pairs, str):
             return error_response(400, pairs, param="text_2")
         firsts = list(dict.fromkeys(first for first, _ in pairs))
-        encoded = await self.checks.token_ids(firsts, True, "text_1")
-        if not isinstance(encoded, list):
-            return encoded
-        seconds = await self.checks.token_ids([second for _, second in pairs], False, "text_2")
-        if not isinstance(seconds, list):
-            return seconds
-        heads = dict(zip(firsts, encoded))
-        prompts = [heads[first] + ids[:second_tokens] for (first, _), ids in zip(pairs, seconds)]
+        labels = self.method == "labels"
+        seconds = [second for _, second in pairs] if labels else list(dict.fromkeys(s for _, s in pairs))
+        heads = await self.checks.token_ids(firsts, True, "text_1")
+        if not isinstance(heads, list):
+            return heads
+        tails = await self.checks.token_ids(seconds, not labels, "text_2")
+        if not isinstance(tails, list):
+            return tails
+        tails = [ids[:second_tokens] for ids in tails]
+        if labels:
+            first_ids = dict(zip(firsts, heads))
+            prompts = [first_ids[first] + ids for (first, _), ids in zip(pairs, tails)]
+            pooling = Pooling("last", False, None, self.labels)
+        else:
+            prompts = heads + tails
+            pooling = Pooling(self.embeddings.kind, True, None)
         for i, ids in enumerate(prompts):
             if len(ids) > self.max_model_len:
+                what = f"pair {i}" if labels else f"text {i}"
                 return error_response(400, f"this model's maximum context length is {self.max_model_len} tokens; "
-                                      f"pair {i} has {len(ids)} tokens")
-        params = self.checks.with_lora(SamplingParams(max_tokens=1, pooling=Pooling("last", False, None, self.labels)),
-                                       model)
+                                      f"{what} has {len(ids)} tokens")
+        params = self.checks.with_lora(SamplingParams(max_tokens=1, pooling=pooling), model)
         answers = await self.embeddings.pool(f"score-{uuid.uuid4().hex}", prompts, params)
         if not isinstance(answers, list):
             return answers
-        return [score_of(floats(answer)) for answer in answers], sum(map(len, prompts))
+        tokens = sum(map(len, prompts))
+        if labels:
+            return [score_of(floats(answer)) for answer in answers], tokens
+        return await asyncio.to_thread(cosines, pairs, dict(zip(firsts, answers)),
+                                       dict(zip(seconds, answers[len(firsts):]))), tokens
+
+
+def cosines(pairs: list[tuple[str, str]], firsts: dict[str, bytes], seconds: dict[str, bytes]) -> list[float]:
+    """Each pair's dot product of its texts' unit vectors (in a worker thread: 2,048 pairs of
+    576 numbers are ~1.2 M products)."""
+    ones, twos = {t: floats(v) for t, v in firsts.items()}, {t: floats(v) for t, v in seconds.items()}
+    return [math.fsum(a * b for a, b in zip(ones[first], twos[second])) for first, second in pairs]

@@ -63,7 +63,8 @@ class ScoreUsage(BaseModel):
 class ScoreData(BaseModel):
     index: int = Field(ge=0, description="The pair's place in the request.")
     object: Literal["score"] = "score"
-    score: float = Field(ge=0, le=1)
+    score: float = Field(description="A label's share, in [0, 1], or a cosine similarity, in [-1, 1] "
+                                     "(the server's score.method).")
 
 
 class ScoreList(BaseModel):
@@ -81,7 +82,7 @@ class RerankDocument(BaseModel):
 
 class RerankResult(BaseModel):
     index: int = Field(ge=0, description="The document's place in the request.")
-    relevance_score: float = Field(ge=0, le=1)
+    relevance_score: float = Field(description="As ScoreData's score.")
     document: RerankDocument | None = Field(None, description="With return_documents.")
 
 

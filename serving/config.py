@@ -179,7 +179,12 @@ class EmbeddingOptions(_Model):
 
 
 class ScoreOptions(_Model):
-    """What /v1/score and /v1/rerank read off the LM head (router/score_api.py)."""
+    """How /v1/score and /v1/rerank score a pair (router/score_api.py)."""
+    method: Literal["auto", "labels", "cosine"] = Field(
+        "auto", description="labels: the label tokens' probability after the pair's joined texts (a causal LM as a "
+        "cross-encoder: Qwen3-Reranker); cosine: the cosine similarity of the two texts' embeddings "
+        "(/v1/embeddings' pooling: an embedding model, as vLLM scores with one); auto: cosine for a model with "
+        "sentence-transformers files (modules.json), else labels.")
     label_tokens: list[str] = Field(
         ["no", "yes"], min_length=1, max_length=16, description="Tokens whose probability as the next token after "
         "a query and a document scores them, each one token of the model's vocabulary: the score is the last one's "

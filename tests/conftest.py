@@ -134,7 +134,9 @@ def disagg(ray_serve, default_model_dir):
 
 @pytest.fixture(scope="session")
 def colocated(ray_serve, default_model_dir, disagg):
-    """The real model, colocated: 1 replica doing both phases, at <ray_serve>/co."""
+    """The real model, colocated: 1 replica doing both phases, at <ray_serve>/co. /v1/score and
+    /v1/rerank score by cosine similarity here (the disaggregated app by label tokens)."""
     from service_util import deployed_app
-    with deployed_app(ray_serve, "co", default_model_dir, SERVED, SERVICE_ENGINE, mode="colocated") as base:
+    with deployed_app(ray_serve, "co", default_model_dir, SERVED, SERVICE_ENGINE, mode="colocated",
+                      score={"method": "cosine"}) as base:
         yield base

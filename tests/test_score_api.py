@@ -4,10 +4,11 @@ the prefill pool, where the LM head gives the label tokens' log-probabilities at
 
 In the engine (a tiny random llama, fp32, chunks of 16 tokens): the labels' log-probabilities equal
 Hugging Face's `log_softmax` of the last logits, also for a prompt whose prefix is cached, and
-every block is freed; bad labels are refused. Served (the session's disaggregated and colocated
-apps, the default model): the scores are those of Hugging Face's model for the same prompts, the
-rerank's order is theirs best first, `top_n` and `return_documents` shape it, the aliases answer
-the same, refusals are OpenAI-format errors, and the pools end free.
+every block is freed; bad labels are refused. Served (the session's disaggregated app scoring by
+labels and its colocated app by cosine similarity, the default model): the scores are those of
+Hugging Face's model for the same prompts (its logits, or its last hidden states), the rerank's
+order is theirs best first, `top_n`, `return_documents`, document objects and `max_tokens_per_doc`
+shape it, the aliases answer the same, refusals are OpenAI-format errors, and the pools end free.
 """
 
 import asyncio
@@ -70,24 +71,37 @@ def test_label_tokens_are_tokens_of_the_vocabulary(tokenizer):
     assert label_ids(tokenizer, [tokenizer.unk_token]) == (tokenizer.unk_token_id,)
 
 
-def test_labels_that_are_no_tokens_are_a_400_and_the_model_is_checked_first(default_model_dir, tokenizer):
-    """ScoreApi's own steps 1-2 (nothing reaches a pool: no embeddings API is given)."""
+def test_a_method_that_cannot_serve_is_a_400_and_the_model_is_checked_first(default_model_dir, tokenizer, tmp_path):
+    """ScoreApi's own step 1 (nothing reaches a pool)."""
     from transformers import AutoConfig
 
     from engine.model_dims import Dims
+    from router.embeddings_api import EmbeddingsApi
     from router.request_checks import RequestChecks
     from router.runtime_lora import RuntimeLoras
     from router.score_api import ScoreApi
-    from serving.config import AppConfig
+    from router.score_protocol import RerankRequest
+    from serving.config import AppConfig, EmbeddingOptions, ScoreOptions
     config = AppConfig(model=str(default_model_dir), served_model_name="m",
                        score={"label_tokens": ["no", "yes please"]})
     loras = RuntimeLoras(Dims.of_config(AutoConfig.from_pretrained(default_model_dir)), ())
-    api = ScoreApi(config.score, RequestChecks(config, tokenizer, 8192, None, loras), None, 8192, "m")
+    api = ScoreApi(config.score, RequestChecks(config, tokenizer, 8192, None, loras), None, default_model_dir, 8192,
+                   "m")
+    assert api.method == "labels"         # auto, for a model without sentence-transformers files
     answer = asyncio.run(api.score(ScoreRequest(text_1="a", text_2="b")))
     assert answer.status_code == 400 and json.loads(answer.body)["error"]["message"] == (
         "score.label_tokens: 'yes please' is not a token of this model's vocabulary; set the server's "
         "score.label_tokens")
     assert asyncio.run(api.score(ScoreRequest(model="x", text_1=["a", "b"], text_2="c"))).status_code == 404
+    # a model with sentence-transformers files scores by cosine (auto), with the pooling they say, which
+    # here is one pdserve does not run: /v1/embeddings' 400
+    (tmp_path / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Transformer"},
+                                                       {"type": "sentence_transformers.models.Dense"}]))
+    embeddings = EmbeddingsApi(EmbeddingOptions(), tmp_path, api.checks, None, None, 576, 8192, "m", 600.0)
+    cosine = ScoreApi(ScoreOptions(), api.checks, embeddings, tmp_path, 8192, "m")
+    answer = asyncio.run(cosine.rerank(RerankRequest(query="a", documents=["b"])))
+    assert cosine.method == "cosine" and answer.status_code == 400
+    assert "modules include Dense" in json.loads(answer.body)["error"]["message"]
 
 
 def test_pairs_are_one_to_many_or_in_order():
@@ -131,45 +145,65 @@ def test_the_engine_reads_hugging_faces_label_logprobs_at_the_last_token(tiny_ll
     assert isinstance(rejected, Rejected) and "labels: token id out of range" in rejected.reason
 
 
-def test_served_scores_are_hugging_faces_and_rerank_orders_by_them(disagg, colocated, tokenizer, default_model_dir):
-    labels = label_ids(tokenizer, ["no", "yes"])
-    query_ids = tokenizer.encode(QUERY)
-    prompts = [query_ids + tokenizer.encode(doc, add_special_tokens=False) for doc in DOCS]
-    short = [query_ids + tokenizer.encode(doc, add_special_tokens=False)[:4] for doc in DOCS]   # max_tokens_per_doc
-    scores = [score_of(lp) for lp in hf_label_logprobs(default_model_dir, prompts + short, labels)]
-    refs, short_refs = scores[:3], scores[3:]
-    tokens = sum(map(len, prompts))
-    for base in (disagg, colocated):
-        status, body = post(base, "/v1/score", {"model": MODEL, "text_1": QUERY, "text_2": DOCS})
-        assert status == 200, body
-        assert body["object"] == "list" and body["model"] == MODEL and body["id"].startswith("score-")
-        assert [d["index"] for d in body["data"]] == [0, 1, 2] and {d["object"] for d in body["data"]} == {"score"}
-        np.testing.assert_allclose([d["score"] for d in body["data"]], refs, atol=1e-4)
-        assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
-        # N to N: each pair in order
-        status, pairs = post(base, "/score", {"text_1": [QUERY] * 3, "text_2": DOCS})
-        assert status == 200, pairs
-        np.testing.assert_allclose([d["score"] for d in pairs["data"]], refs, atol=1e-4)
-        status, ranked = post(base, "/v1/rerank", {"model": MODEL, "query": QUERY, "documents": DOCS})
-        assert status == 200, ranked
-        order = sorted(range(3), key=lambda i: -refs[i])
-        assert [r["index"] for r in ranked["results"]] == order, (ranked, refs)
-        assert [r["document"]["text"] for r in ranked["results"]] == [DOCS[i] for i in order]
-        np.testing.assert_allclose([r["relevance_score"] for r in ranked["results"]], [refs[i] for i in order],
-                                   atol=1e-4)
-        # Cohere's and Jina's document objects, and Cohere's max_tokens_per_doc (the first 4 tokens)
-        status, cut = post(base, "/v1/rerank", {"query": QUERY, "documents": [{"text": d} for d in DOCS],
-                                                "max_tokens_per_doc": 4})
-        assert status == 200 and cut["usage"]["prompt_tokens"] == sum(map(len, short)), cut
-        assert [r["document"]["text"] for r in cut["results"]] == [DOCS[r["index"]] for r in cut["results"]]
-        np.testing.assert_allclose(sorted(r["relevance_score"] for r in cut["results"]), sorted(short_refs),
-                                   atol=1e-4)
-        for alias in ("/rerank", "/v2/rerank"):
-            status, top = post(base, alias, {"query": QUERY, "documents": DOCS, "top_n": 2,
-                                             "return_documents": False})
-            assert status == 200 and [r["index"] for r in top["results"]] == order[:2], top
-            assert all("document" not in r for r in top["results"]) and top["usage"]["prompt_tokens"] == tokens
-    assert pools_all_free(disagg, {"prefill", "decode"}) and pools_all_free(colocated, {"colocated"})
+def expected(model_dir, tokenizer, method: str, cut: int | None = None) -> tuple[list[float], int, int]:
+    """Hugging Face's scores of QUERY against each of DOCS (each cut to its first `cut` tokens) by
+    `method`, the prompt tokens of a one-to-many request, and those of the same pairs N to N."""
+    query = tokenizer.encode(QUERY)
+    if method == "labels":
+        prompts = [query + tokenizer.encode(doc, add_special_tokens=False)[:cut] for doc in DOCS]
+        labels = label_ids(tokenizer, ["no", "yes"])
+        scores = [score_of(lp) for lp in hf_label_logprobs(model_dir, prompts, labels)]
+        return scores, sum(map(len, prompts)), sum(map(len, prompts))
+    docs = [tokenizer.encode(doc)[:cut] for doc in DOCS]       # each text its own input
+    vectors = [torch.nn.functional.normalize(h[-1], dim=0) for h in hf_hidden(model_dir, [query, *docs])]
+    tokens = len(query) + sum(map(len, docs))
+    return [float(vectors[0] @ v) for v in vectors[1:]], tokens, tokens
+
+
+def hf_hidden(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Hugging Face's final hidden states (after the last norm) of each prompt (fp32)."""
+    from transformers import AutoModel
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([ids])).last_hidden_state[0] for ids in prompts]
+
+
+@pytest.mark.parametrize("app, method", [("disagg", "labels"), ("colocated", "cosine")])
+def test_served_scores_are_hugging_faces_and_rerank_orders_by_them(app, method, request, tokenizer,
+                                                                    default_model_dir):
+    """The session's disaggregated app scores by the label tokens, its colocated one by cosine
+    similarity (tests/conftest.py)."""
+    base = request.getfixturevalue(app)
+    refs, tokens, pair_tokens = expected(default_model_dir, tokenizer, method)
+    status, body = post(base, "/v1/score", {"model": MODEL, "text_1": QUERY, "text_2": DOCS})
+    assert status == 200, body
+    assert body["object"] == "list" and body["model"] == MODEL and body["id"].startswith("score-")
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and {d["object"] for d in body["data"]} == {"score"}
+    np.testing.assert_allclose([d["score"] for d in body["data"]], refs, atol=1e-4)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    # N to N: each pair in order
+    status, pairs = post(base, "/score", {"text_1": [QUERY] * 3, "text_2": DOCS})
+    assert status == 200 and pairs["usage"]["prompt_tokens"] == pair_tokens, pairs
+    np.testing.assert_allclose([d["score"] for d in pairs["data"]], refs, atol=1e-4)
+    status, ranked = post(base, "/v1/rerank", {"model": MODEL, "query": QUERY, "documents": DOCS})
+    assert status == 200, ranked
+    order = sorted(range(3), key=lambda i: -refs[i])
+    assert [r["index"] for r in ranked["results"]] == order, (ranked, refs)
+    assert [r["document"]["text"] for r in ranked["results"]] == [DOCS[i] for i in order]
+    np.testing.assert_allclose([r["relevance_score"] for r in ranked["results"]], [refs[i] for i in order], atol=1e-4)
+    # Cohere's and Jina's document objects, and Cohere's max_tokens_per_doc (the first 4 tokens)
+    short_refs, short_tokens, _ = expected(default_model_dir, tokenizer, method, cut=4)
+    status, cut = post(base, "/v1/rerank", {"query": QUERY, "documents": [{"text": d} for d in DOCS],
+                                            "max_tokens_per_doc": 4})
+    assert status == 200 and cut["usage"]["prompt_tokens"] == short_tokens, cut
+    assert [r["document"]["text"] for r in cut["results"]] == [DOCS[r["index"]] for r in cut["results"]]
+    np.testing.assert_allclose(sorted(r["relevance_score"] for r in cut["results"]), sorted(short_refs), atol=1e-4)
+    for alias in ("/rerank", "/v2/rerank"):
+        status, top = post(base, alias, {"query": QUERY, "documents": DOCS, "top_n": 2, "return_documents": False})
+        assert status == 200 and [r["index"] for r in top["results"]] == order[:2], top
+        assert all("document" not in r for r in top["results"]) and top["usage"]["prompt_tokens"] == tokens
+    pools = {"prefill", "decode"} if app == "disagg" else {"colocated"}
+    assert pools_all_free(base, pools)
 
 
 @pytest.mark.parametrize("path, body, status, needle", [
