@@ -52,11 +52,13 @@ class RerankRequest(Strict):
     user: Text | None = None
 
     def texts(self) -> list[str]:
+        """The documents' texts, in order."""
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
 class ScoreUsage(BaseModel):
-    prompt_tokens: int = Field(ge=0, description="The pairs' prompts' tokens.")
+    prompt_tokens: int = Field(ge=0, description="The prompts' tokens (labels: each pair's; cosine: each distinct "
+                                                "text's).")
     total_tokens: int = Field(ge=0)
 
 

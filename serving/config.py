@@ -287,7 +287,7 @@ class AppConfig(_Model):
     embeddings: EmbeddingOptions = Field(default_factory=EmbeddingOptions,
                                          description="How /v1/embeddings pools a prompt into its vector.")
     score: ScoreOptions = Field(default_factory=ScoreOptions,
-                                description="The tokens /v1/score and /v1/rerank score by.")
+                                description="How /v1/score and /v1/rerank score a pair.")
     goodput: GoodputOptions | None = Field(
         None, description="SLO targets of the goodput counter; default: the SLO policy's ttft_slo/tpot_slo when "
                           "`autoscaling` is set, else 1 s TTFT and 0.1 s TPOT.")

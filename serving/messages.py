@@ -54,13 +54,15 @@ class WireSamplingParams:
     lora_id: int = 0
     cache_salt: str | None = None
     prediction: tuple[int, ...] = ()    # a predicted output's token ids (SamplingParams.prediction)
-    pooling: tuple | None = None        # an embedding request's Pooling: kind, normalize, dimensions, labels
+    # an embedding request's Pooling: kind, normalize, dimensions, and its labels where it has some
+    # (without: the three fields senders and receivers before the labels exchange)
+    pooling: tuple | None = None
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSamplingParams":
         s = p.structured
         structured = None if s is None else (s.kind, s.value, s.think)
-        pooling = None if p.pooling is None else dataclasses.astuple(p.pooling)
+        pooling = None if p.pooling is None else dataclasses.astuple(p.pooling)[:4 if p.pooling.labels else 3]
         return cls(p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens, tuple(p.stop),
                    tuple(p.stop_token_ids), p.ignore_eos, p.seed, p.presence_penalty,
                    p.frequency_penalty, p.repetition_penalty, p.logprobs, p.prompt_logprobs,
@@ -97,9 +99,9 @@ class WireSamplingParams:
             fields["structured"] = (str(kind), str(value), think)
         if fields.get("pooling") is not None:
             pooling = fields["pooling"]
-            if len(pooling) != 4 or not isinstance(pooling[3], (list, tuple)):
-                raise ValueError(f"pooling is not (kind, normalize, dimensions, labels): {pooling!r}")
-            fields["pooling"] = (*pooling[:3], tuple(pooling[3]))
+            if len(pooling) not in (3, 4) or (len(pooling) == 4 and not isinstance(pooling[3], (list, tuple))):
+                raise ValueError(f"pooling is not (kind, normalize, dimensions[, labels]): {pooling!r}")
+            fields["pooling"] = (*pooling[:3], *((tuple(pooling[3]),) if len(pooling) == 4 else ()))
         return cls(**fields)
 
 

@@ -120,6 +120,9 @@ def test_labels_are_refused_where_they_cannot_be_scored():
     wire = messages.WireSamplingParams.of(SamplingParams(max_tokens=1, pooling=Pooling("last", False, None, (4, 9))))
     back = messages.decode(messages.encode(messages.EmbedRequest("r", ((1, 2),), wire)))
     assert back.params.to_params().pooling == Pooling("last", False, None, (4, 9))
+    # an embedding's pooling without labels keeps the three fields replicas before the labels read
+    plain = messages.WireSamplingParams.of(SamplingParams(max_tokens=1, pooling=Pooling("mean", False, 8)))
+    assert plain.pooling == ("mean", False, 8) and plain.to_params().pooling == Pooling("mean", False, 8)
 
 
 def test_the_engine_reads_hugging_faces_label_logprobs_at_the_last_token(tiny_llama_dir):
