@@ -42,10 +42,19 @@ def tokenizer(default_model_dir):
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
-def hf_label_logprobs(model_dir, prompts: list[list[int]], labels: tuple[int, ...]) -> list[list[float]]:
-    """Hugging Face's log-probabilities of `labels` after each prompt (fp32)."""
+@pytest.fixture(scope="module")
+def hf_model(default_model_dir):
+    """Hugging Face's default model (fp32)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+def hf_label_logprobs(model, prompts: list[list[int]], labels: tuple[int, ...]) -> list[list[float]]:
+    """Hugging Face's log-probabilities of `labels` after each prompt (`model`: a causal LM, or its
+    directory, loaded in fp32)."""
+    if not isinstance(model, torch.nn.Module):
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     with torch.no_grad():
         return [model(torch.tensor([ids])).logits[0, -1].log_softmax(-1)[list(labels)].tolist() for ids in prompts]
 
@@ -148,36 +157,31 @@ def test_the_engine_reads_hugging_faces_label_logprobs_at_the_last_token(tiny_ll
     assert isinstance(rejected, Rejected) and "labels: token id out of range" in rejected.reason
 
 
-def expected(model_dir, tokenizer, method: str, cut: int | None = None) -> tuple[list[float], int, int]:
+def expected(model, tokenizer, method: str, cut: int | None = None) -> tuple[list[float], int, int]:
     """Hugging Face's scores of QUERY against each of DOCS (each cut to its first `cut` tokens) by
     `method`, the prompt tokens of a one-to-many request, and those of the same pairs N to N."""
     query = tokenizer.encode(QUERY)
     if method == "labels":
         prompts = [query + tokenizer.encode(doc, add_special_tokens=False)[:cut] for doc in DOCS]
         labels = label_ids(tokenizer, ["no", "yes"])
-        scores = [score_of(lp) for lp in hf_label_logprobs(model_dir, prompts, labels)]
+        scores = [score_of(lp) for lp in hf_label_logprobs(model, prompts, labels)]
         return scores, sum(map(len, prompts)), sum(map(len, prompts))
     docs = [tokenizer.encode(doc)[:cut] for doc in DOCS]       # each text its own input
-    vectors = [torch.nn.functional.normalize(h[-1], dim=0) for h in hf_hidden(model_dir, [query, *docs])]
+    with torch.no_grad():     # the final hidden states, after the last norm
+        hidden = [model.model(torch.tensor([ids])).last_hidden_state[0] for ids in [query, *docs]]
+    vectors = [torch.nn.functional.normalize(h[-1], dim=0) for h in hidden]
     tokens = len(query) + sum(map(len, docs))
     return [float(vectors[0] @ v) for v in vectors[1:]], tokens, tokens
 
 
-def hf_hidden(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Hugging Face's final hidden states (after the last norm) of each prompt (fp32)."""
-    from transformers import AutoModel
-    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [model(torch.tensor([ids])).last_hidden_state[0] for ids in prompts]
-
-
 @pytest.mark.parametrize("app, method", [("disagg", "labels"), ("colocated", "cosine")])
-def test_served_scores_are_hugging_faces_and_rerank_orders_by_them(app, method, request, tokenizer,
-                                                                    default_model_dir):
+def test_served_scores_are_hugging_faces_and_rerank_orders_by_them(app, method, disagg, colocated, tokenizer,
+                                                                    hf_model):
     """The session's disaggregated app scores by the label tokens, its colocated one by cosine
-    similarity (tests/conftest.py)."""
-    base = request.getfixturevalue(app)
-    refs, tokens, pair_tokens = expected(default_model_dir, tokenizer, method)
+    similarity (tests/conftest.py). Both apps are named as fixtures: a test that starts them runs
+    with the others that need them, last (conftest's grouping reads the fixture names)."""
+    base = {"disagg": disagg, "colocated": colocated}[app]
+    refs, tokens, pair_tokens = expected(hf_model, tokenizer, method)
     status, body = post(base, "/v1/score", {"model": MODEL, "text_1": QUERY, "text_2": DOCS})
     assert status == 200, body
     assert body["object"] == "list" and body["model"] == MODEL and body["id"].startswith("score-")
@@ -195,7 +199,7 @@ def test_served_scores_are_hugging_faces_and_rerank_orders_by_them(app, method, 
     assert [r["document"]["text"] for r in ranked["results"]] == [DOCS[i] for i in order]
     np.testing.assert_allclose([r["relevance_score"] for r in ranked["results"]], [refs[i] for i in order], atol=1e-4)
     # Cohere's and Jina's document objects, and Cohere's max_tokens_per_doc (the first 4 tokens)
-    short_refs, short_tokens, _ = expected(default_model_dir, tokenizer, method, cut=4)
+    short_refs, short_tokens, _ = expected(hf_model, tokenizer, method, cut=4)
     status, cut = post(base, "/v1/rerank", {"query": QUERY, "documents": [{"text": d} for d in DOCS],
                                             "max_tokens_per_doc": 4})
     assert status == 200 and cut["usage"]["prompt_tokens"] == short_tokens, cut
