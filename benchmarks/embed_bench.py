@@ -37,13 +37,18 @@ def texts(n: int, words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) + "." for _ in range(n)]
 
 
-def post(url: str, body: dict) -> tuple[dict, float]:
-    req = urllib.request.Request(url + "/v1/embeddings", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+def post(url: str, body: dict, path: str = "/v1/embeddings") -> tuple[dict, float]:
+    """The answer to `body` at `path` and how long it took."""
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     start = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as resp:
         out = json.loads(resp.read())
     return out, time.perf_counter() - start
+
+
+def quantile(ordered: list[float], q: float) -> float:
+    """The value at quantile `q` of ascending `ordered` (the nearest rank; two values: p90 the larger)."""
+    return ordered[round(q * (len(ordered) - 1))]
 
 
 def round_trip(url: str, inputs: list[str], batch: int, concurrency: int) -> dict:
@@ -95,7 +100,7 @@ def main() -> None:
         lat = sorted(s for x in runs[url] for s in x["latencies"])
         print(f"{url}: {args.inputs * args.rounds / wall:.1f} inputs/s, {tokens / wall:.0f} prompt tokens/s "
               f"({tokens // (args.inputs * args.rounds)} a input), request p50 {statistics.median(lat) * 1000:.0f} "
-              f"ms, p90 {lat[int(0.9 * (len(lat) - 1))] * 1000:.0f} ms")
+              f"ms, p90 {quantile(lat, 0.9) * 1000:.0f} ms")
     if similarity:
         print(f"cosine similarity of the two servers' vectors: min {min(similarity):.4f}, "
               f"mean {statistics.fmean(similarity):.4f}")

@@ -14,22 +14,12 @@ without a cache) and request latency p50 / p90.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from embed_bench import texts
-
-
-def rerank(url: str, body: dict) -> tuple[dict, float]:
-    req = urllib.request.Request(url + "/v1/rerank", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    start = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        out = json.loads(resp.read())
-    return out, time.perf_counter() - start
+from embed_bench import post, quantile, texts
 
 
 def main() -> None:
@@ -48,17 +38,17 @@ def main() -> None:
         query = texts(1, args.query_words, seed + 2 * i)[0] + " Is the document below about it? Answer yes or no.\n"
         docs = [d + "\nAnswer:" for d in texts(args.documents, args.words, seed + 2 * i + 1)]
         bodies.append({"query": query, "documents": docs, "return_documents": False})
-    rerank(args.url, {"query": "warm", "documents": ["up"]})
+    post(args.url, {"query": "warm", "documents": ["up"]}, "/v1/rerank")
     start = time.perf_counter()
     with ThreadPoolExecutor(args.concurrency) as pool:
-        results = list(pool.map(lambda body: rerank(args.url, body), bodies))
+        results = list(pool.map(lambda body: post(args.url, body, "/v1/rerank"), bodies))
     wall = time.perf_counter() - start
     assert all(len(out["results"]) == args.documents for out, _ in results)
     tokens = sum(out["usage"]["prompt_tokens"] for out, _ in results)
     latencies = sorted(s for _, s in results)
     print(f"seed {seed}: {args.requests} requests of {args.documents} documents, {args.concurrency} at once")
     print(f"documents/s {args.requests * args.documents / wall:.1f}, prompt tokens/s {tokens / wall:.0f}, "
-          f"latency p50 {statistics.median(latencies):.2f} s, p90 {latencies[int(0.9 * (len(latencies) - 1))]:.2f} s")
+          f"latency p50 {statistics.median(latencies):.2f} s, p90 {quantile(latencies, 0.9):.2f} s")
 
 
 if __name__ == "__main__":
